@@ -1,0 +1,138 @@
+"""Command line: ``laser generate | serve | profile | bench``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+# Transformers prints advisory warnings on import that are noise for a CLI user.
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def add_engine_args(p: argparse.ArgumentParser, policy_default: str = "laser") -> None:
+    """Flags shared by every command that builds an engine."""
+    p.add_argument("--model", default=None, help="HF checkpoint dir or GGUF file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="compute dtype")
+    p.add_argument("--policy", default=policy_default, help="scheduling policy: vllm, sarathi, laser")
+    p.add_argument("--queue-order", default="edf", choices=["edf", "fcfs"])
+    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache pool size, GiB (all layers)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--intermediate-cache-tokens", type=int, default=16384)
+    p.add_argument("--slo-config", default=None, help="SLO classes JSON (default: the shipped paper classes)")
+    p.add_argument("--slo-scale", type=float, default=1.0, help="multiply every SLO target")
+    p.add_argument("--default-slo-class", default="best_effort")
+    p.add_argument("--latency-profile", default=None, help="latency profile JSON (created on first use when missing)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+
+
+def build_engine(args, **overrides):
+    """An :class:`Engine` from parsed CLI flags."""
+    import torch
+
+    from .config import CacheConfig, SchedulerConfig
+    from .engine import Engine
+    from .slo import SLOClasses
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cache = CacheConfig(
+        block_size=args.block_size,
+        kv_cache_gib=args.kv_cache_gib,
+        intermediate_cache_tokens=args.intermediate_cache_tokens,
+    )
+    sched = SchedulerConfig(
+        policy=args.policy,
+        queue_order=args.queue_order,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        role=overrides.pop("role", getattr(args, "role", "mixed")),
+    )
+    slo = SLOClasses.load(args.slo_config, scale=args.slo_scale, default=args.default_slo_class)
+    return Engine(
+        model=args.model,
+        policy=args.policy,
+        dtype=args.dtype,
+        cache=cache,
+        scheduler=sched,
+        slo_classes=slo,
+        latency_profile=args.latency_profile,
+        **overrides,
+    )
+
+
+def cmd_generate(args) -> int:
+    from .request import SamplingParams
+
+    t0 = time.perf_counter()
+    engine = build_engine(args)
+    load_s = time.perf_counter() - t0
+    sp = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    prompt = [{"role": "user", "content": args.prompt}] if not args.raw and engine.tokenizer.chat_template else args.prompt
+    req = engine.add_request(prompt, sp)
+    t1 = time.perf_counter()
+    text = ""
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.req_id == req.req_id:
+                sys.stdout.write(out.delta_text)
+                sys.stdout.flush()
+                text = out.text
+    dt = time.perf_counter() - t1
+    sys.stdout.write("\n")
+    n = req.num_output_tokens
+    print(
+        f"[laser] {n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s), TTFT {req.token_times[0] - req.arrival_time:.3f} s, "
+        f"model load {load_s:.1f} s, policy {engine.scheduler.name}, dtype {str(engine.dtype).removeprefix('torch.')}",
+        file=sys.stderr,
+    )
+    return 0 if text is not None else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="laser", description="Laser: layer-level multi-SLO LLM serving")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="complete one prompt and print it")
+    add_engine_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.set_defaults(func=cmd_generate)
+
+    for name, module in (("serve", "server.cli"), ("profile", "profile_cli"), ("bench", "bench.cli")):
+        try:
+            mod = __import__(f"laser.{module}", fromlist=["register"])
+        except ImportError:
+            continue
+        mod.register(sub)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from .config import ConfigError
+    from .model.loader import ModelLoadError
+    from .request import InvalidRequestError
+
+    try:
+        return args.func(args)
+    except (ModelLoadError, ConfigError, InvalidRequestError, ValueError) as e:
+        print(f"laser: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

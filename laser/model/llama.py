@@ -1,0 +1,224 @@
+"""Llama-family decoder with an explicit per-layer API.
+
+Covers Llama 2/3, Qwen2 (QKV bias), Qwen3 (QK-norm), Mistral and SmolLM2: RMSNorm,
+RoPE (any ``transformers`` rope type, incl. Llama-3 scaling), grouped-query attention,
+SwiGLU MLP, tied or untied embeddings.
+
+The per-layer API is what makes layer-level scheduling possible::
+
+    hidden = model.embed(token_ids)                 # [T] int64 -> [T, H]
+    hidden = model.forward_layer(i, hidden, meta)   # [T, H] -> [T, H], reads/writes layer i's KV
+    logits = model.compute_logits(hidden)           # [R, H] -> [R, V] float32
+
+``hidden`` is the residual stream between layers: exactly the state a paused request
+keeps in the intermediate cache. Attention runs over ragged batches through
+:class:`AttnMetadata` (built once per batch composition by the model runner).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+
+
+@dataclass
+class AttnGroup:
+    """Padded attention for one group of sequences (decode tokens, or prefill chunks).
+
+    ``Q`` = padded query length (1 for decode), ``C`` = padded context length.
+    """
+
+    # [B, Q] rows of the flat token dimension feeding each padded query slot (pads repeat a real row).
+    q_index: torch.Tensor
+    # [B, C] flat KV slots of every context position (pads point at slot 0, masked out).
+    kv_index: torch.Tensor
+    # [B, 1, G*Q, C] bool, True = attend. G = query heads per KV head.
+    mask: torch.Tensor
+    # [R] positions in the flattened [B*Q] padded output that are real tokens...
+    out_valid: torch.Tensor | None
+    # ...and [R] the flat token rows they go to. ``None`` for both when no padding is needed.
+    out_rows: torch.Tensor | None
+    # Per-layer kv_index for layers whose block tables differ from the canonical ones.
+    layer_kv_index: dict[int, torch.Tensor]
+
+    def kv_index_for(self, layer: int) -> torch.Tensor:
+        return self.layer_kv_index.get(layer, self.kv_index)
+
+
+@dataclass
+class AttnMetadata:
+    """Attention inputs shared by every layer a batch composition runs (T = new tokens)."""
+
+    cos: torch.Tensor  # [T, head_dim]
+    sin: torch.Tensor  # [T, head_dim]
+    slot_mapping: torch.Tensor  # [T] flat KV slots the new tokens are written to
+    layer_slot_mapping: dict[int, torch.Tensor]  # overrides for layers with non-canonical tables
+    groups: list[AttnGroup]
+
+    def slots_for(self, layer: int) -> torch.Tensor:
+        return self.layer_slot_mapping.get(layer, self.slot_mapping)
+
+
+class _Layer:
+    __slots__ = ("ln1", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "ln2", "gate_up_w", "down_w")
+
+
+class LlamaModel:
+    """Weights and forward functions; no module hierarchy, no autograd.
+
+    Args:
+        config: model shape.
+        weights: HF-named state dict (``model.layers.{i}.self_attn.q_proj.weight``, ...).
+        dtype: compute dtype (float32 or bfloat16).
+        kv: the KV pool tensor ``[num_layers, 2, num_slots, kv_heads, head_dim]``; set later
+            with :meth:`bind_kv_cache` when None.
+    Raises:
+        KeyError: a required weight is missing (message names it).
+    """
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
+        self.config = config
+        self.dtype = dtype
+        c = config
+
+        def w(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise KeyError(f"weight {name!r} missing from checkpoint")
+            return weights[name].to(dtype).contiguous()
+
+        self.embed_w = w("model.embed_tokens.weight")
+        self.norm_w = w("model.norm.weight")
+        if c.tie_word_embeddings or "lm_head.weight" not in weights:
+            self.lm_head_w = self.embed_w
+        else:
+            self.lm_head_w = w("lm_head.weight")
+        self.layers: list[_Layer] = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            L = _Layer()
+            L.ln1 = w(p + "input_layernorm.weight")
+            L.ln2 = w(p + "post_attention_layernorm.weight")
+            L.qkv_w = torch.cat(
+                [w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"), w(p + "self_attn.v_proj.weight")]
+            )
+            L.qkv_b = (
+                torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if c.qkv_bias else None
+            )
+            L.q_norm = w(p + "self_attn.q_norm.weight") if c.qk_norm else None
+            L.k_norm = w(p + "self_attn.k_norm.weight") if c.qk_norm else None
+            L.o_w = w(p + "self_attn.o_proj.weight")
+            L.gate_up_w = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
+            L.down_w = w(p + "mlp.down_proj.weight")
+            self.layers.append(L)
+        self.kv: torch.Tensor | None = None
+        self._init_rope()
+
+    def _init_rope(self) -> None:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        hf = self.config.hf_config
+        params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type == "default":
+            theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+            d = self.config.head_dim
+            inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+            scaling = 1.0
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
+        pos = torch.arange(self.config.max_position, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq.float())
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.rope_cos = (emb.cos() * scaling).to(self.dtype)  # [max_position, head_dim]
+        self.rope_sin = (emb.sin() * scaling).to(self.dtype)
+
+    def bind_kv_cache(self, kv: torch.Tensor) -> None:
+        self.kv = kv
+
+    # -- per-layer API -----------------------------------------------------------------------
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """[T] int64 -> [T, H] hidden states."""
+        return F.embedding(token_ids, self.embed_w)
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        eps = self.config.rms_norm_eps
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), w, eps)
+        return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * w
+
+    def forward_layer(self, i: int, hidden: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        """Run decoder layer ``i`` on ``hidden`` [T, H]; writes the T new tokens' K/V of layer i.
+
+        Returns the new residual stream [T, H] (same dtype).
+        """
+        c = self.config
+        L = self.layers[i]
+        T = hidden.shape[0]
+        x = self._norm(hidden, L.ln1)
+        qkv = F.linear(x, L.qkv_w, L.qkv_b)
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.view(T, c.num_heads, c.head_dim)
+        k = k.view(T, c.num_kv_heads, c.head_dim)
+        v = v.view(T, c.num_kv_heads, c.head_dim)
+        if L.q_norm is not None:
+            q = self._norm(q, L.q_norm)
+            k = self._norm(k, L.k_norm)
+        q = _rope(q, meta.cos, meta.sin)
+        k = _rope(k, meta.cos, meta.sin)
+        kc, vc = self.kv[i, 0], self.kv[i, 1]
+        slots = meta.slots_for(i)
+        kc[slots] = k
+        vc[slots] = v
+        attn = self._attention(i, q, kc, vc, meta)
+        hidden = hidden + F.linear(attn.reshape(T, c.q_size), L.o_w)
+        x = self._norm(hidden, L.ln2)
+        gate, up = F.linear(x, L.gate_up_w).chunk(2, dim=-1)
+        return hidden + F.linear(F.silu(gate) * up, L.down_w)
+
+    def _attention(self, i, q, kc, vc, meta: AttnMetadata) -> torch.Tensor:
+        """Grouped-query attention over ragged sequences: q [T, Hq, d] -> [T, Hq, d]."""
+        c = self.config
+        kvh, d = c.num_kv_heads, c.head_dim
+        g = c.num_heads // kvh
+        if len(meta.groups) == 1 and meta.groups[0].out_rows is None:
+            out = None  # filled directly below
+        else:
+            out = torch.empty_like(q)
+        for grp in meta.groups:
+            B, Q = grp.q_index.shape
+            kv_idx = grp.kv_index_for(i)
+            # [B, Q, kvh, g, d] -> [B, kvh, g*Q, d]: query heads sharing a KV head are stacked
+            qg = q[grp.q_index].view(B, Q, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(B, kvh, g * Q, d)
+            kg = kc[kv_idx].transpose(1, 2)  # [B, kvh, C, d]
+            vg = vc[kv_idx].transpose(1, 2)
+            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=grp.mask)
+            o = o.view(B, kvh, g, Q, d).permute(0, 3, 1, 2, 4).reshape(B * Q, c.num_heads, d)
+            if out is None:
+                return o
+            if grp.out_rows is None:
+                out[grp.q_index.view(-1)] = o
+            else:
+                out[grp.out_rows] = o[grp.out_valid]
+        return out
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[R, H] last-position hidden states -> [R, V] float32 logits (final norm + LM head)."""
+        return F.linear(self._norm(hidden, self.norm_w), self.lm_head_w).float()
+
+    # -- cost estimates ------------------------------------------------------------------------
+    def weight_bytes(self) -> int:
+        n = sum(t.numel() for L in self.layers for t in (L.qkv_w, L.o_w, L.gate_up_w, L.down_w))
+        return (n + self.lm_head_w.numel()) * self.lm_head_w.element_size()
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, HF "rotate_half" convention. x [T, heads, d]; cos/sin [T, d]."""
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rot * sin

@@ -1,0 +1,256 @@
+"""Executes a :class:`~laser.plan.StepPlan` layer by layer on the model.
+
+For layer j the runner runs, in one batched call, every work with
+``layer_start <= j < layer_end``. The batch *composition* changes only at layers where
+a work starts or ends; only there does the runner touch Python-level per-request state:
+it parks leaving works' hidden states in the intermediate cache, embeds or restores
+joining works, concatenates the residual stream and builds :class:`AttnMetadata` once
+for every layer the composition runs. A boundary where nothing changed costs one set
+lookup (and the optional ``stop_at`` callback).
+
+Rows of the residual stream are ordered decode works first, then prefill works; each
+work's rows are contiguous.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .intermediate_cache import IntermediateCache
+from .kv_cache import KVCache
+from .model.llama import AttnGroup, AttnMetadata, LlamaModel
+from .plan import StepPlan, Work
+from .request import Request
+from .sampler import Sampler
+
+
+@dataclass
+class StepResult:
+    """What one executed plan produced."""
+
+    # The layer the step stopped before: plan.last_layer when it ran to completion,
+    # smaller when ``stop_at`` interrupted it at that boundary.
+    stopped_layer: int
+    # req_id -> sampled token for works that finished the last layer with ``sample``.
+    sampled: dict[str, int] = field(default_factory=dict)
+    # req_id -> [V] float32 logits (only with ``return_logits``).
+    logits: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Seconds spent in forward_layer calls vs. composition changes (for overhead stats).
+    layer_seconds: float = 0.0
+    boundary_seconds: float = 0.0
+    num_layer_calls: int = 0
+
+
+class ModelRunner:
+    """Owns the model, the KV cache tensor and the intermediate cache payloads."""
+
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, icache: IntermediateCache, sampler: Sampler | None = None):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.bm = kv_cache.block_manager
+        self.icache = icache
+        self.sampler = sampler or Sampler()
+        self.num_layers = model.config.num_layers
+        model.bind_kv_cache(kv_cache.kv)
+        self._group_size = model.config.num_heads // model.config.num_kv_heads
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        plan: StepPlan,
+        requests: dict[str, Request],
+        stop_at: Callable[[int], bool] | None = None,
+        return_logits: bool = False,
+    ) -> StepResult:
+        """Run ``plan``. ``stop_at(j)`` is asked at each boundary j; True pauses every active work there.
+
+        Preconditions: the scheduler allocated KV blocks for every work's tokens at every
+        layer it runs, and works with ``layer_start > 0`` have their hidden state in the
+        intermediate cache. Postconditions: works that stopped before the last layer have
+        their hidden state in the intermediate cache.
+        """
+        res = StepResult(stopped_layer=plan.last_layer if plan.works else 0)
+        if not plan.works:
+            return res
+        n = self.num_layers
+        starts: dict[int, list[Work]] = {}
+        ends: dict[int, list[Work]] = {}
+        for w in plan.works:
+            starts.setdefault(w.layer_start, []).append(w)
+            ends.setdefault(w.layer_end, []).append(w)
+        change_points = set(starts) | set(ends)
+        next_change = sorted(change_points)
+        active: list[Work] = []
+        hidden: torch.Tensor | None = None
+        meta: AttnMetadata | None = None
+        first, last = plan.first_layer, plan.last_layer
+        t_layers = 0.0
+        for j in range(first, last):
+            if j in change_points:
+                tb = time.perf_counter()
+                active, hidden = self._park(active, hidden, ends.get(j, ()), j)
+                if j > first and stop_at is not None and stop_at(j):
+                    self._park(active, hidden, active, j)
+                    res.stopped_layer = j
+                    active = []
+                    break
+                active, hidden = self._join(active, hidden, starts.get(j, ()), requests)
+                seg_end = next((c for c in next_change if c > j), last)
+                meta = self._build_metadata(active, range(j, seg_end))
+                res.boundary_seconds += time.perf_counter() - tb
+            elif stop_at is not None and stop_at(j):
+                self._park(active, hidden, active, j)
+                res.stopped_layer = j
+                active = []
+                break
+            tl = time.perf_counter()
+            hidden = self.model.forward_layer(j, hidden, meta)
+            t_layers += time.perf_counter() - tl
+            res.num_layer_calls += 1
+        if active:
+            self._finish(active, hidden, last, requests, res, return_logits)
+        res.layer_seconds = t_layers
+        return res
+
+    # -- composition changes -------------------------------------------------------------------
+    def _rows(self, active: list[Work]) -> list[tuple[int, int]]:
+        out, r = [], 0
+        for w in active:
+            out.append((r, r + w.num_tokens))
+            r += w.num_tokens
+        return out
+
+    def _park(self, active, hidden, leaving, layer: int):
+        """Move ``leaving`` works' rows to the intermediate cache (paused at ``layer``)."""
+        if not leaving:
+            return active, hidden
+        leave_ids = {id(w) for w in leaving}
+        keep, parts = [], []
+        for w, (a, b) in zip(active, self._rows(active)):
+            if id(w) in leave_ids:
+                if layer < self.num_layers:
+                    self.icache.put(w.req_id, hidden[a:b].clone(), w.num_tokens)
+            else:
+                keep.append(w)
+                parts.append(hidden[a:b])
+        if not keep:
+            return [], None
+        return keep, torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def _join(self, active, hidden, joining, requests):
+        if not joining:
+            return active, hidden
+        entries = [(w, None) for w in active]
+        if hidden is not None:
+            entries = [(w, hidden[a:b]) for w, (a, b) in zip(active, self._rows(active))]
+        embed_works = [w for w in joining if w.layer_start == 0]
+        if embed_works:
+            ids = []
+            for w in embed_works:
+                ids.extend(requests[w.req_id].all_token_ids[w.token_start : w.token_start + w.num_tokens])
+            emb = self.model.embed(torch.tensor(ids, dtype=torch.long))
+            r = 0
+            for w in embed_works:
+                entries.append((w, emb[r : r + w.num_tokens]))
+                r += w.num_tokens
+        for w in joining:
+            if w.layer_start > 0:
+                entries.append((w, self.icache.pop(w.req_id)))
+        # decode works first, then prefill works (stable)
+        entries.sort(key=lambda e: e[0].num_tokens > 1)
+        active = [w for w, _ in entries]
+        hidden = torch.cat([h for _, h in entries]) if len(entries) > 1 else entries[0][1]
+        return active, hidden
+
+    def _finish(self, active, hidden, layer, requests, res: StepResult, return_logits: bool) -> None:
+        """Works at their last layer: park (layer < N) or sample from the last position."""
+        if layer < self.num_layers:
+            self._park(active, hidden, active, layer)
+            return
+        want = [(w, b - 1) for w, (a, b) in zip(active, self._rows(active)) if w.sample or return_logits]
+        if not want:
+            return
+        logits = self.model.compute_logits(hidden[torch.tensor([r for _, r in want])])
+        reqs = [requests[w.req_id] for w, _ in want]
+        toks = self.sampler.sample(logits, reqs)
+        for k, (w, _) in enumerate(want):
+            if w.sample:
+                res.sampled[w.req_id] = toks[k]
+            if return_logits:
+                res.logits[w.req_id] = logits[k]
+
+    # -- attention metadata ----------------------------------------------------------------------
+    def _build_metadata(self, active: list[Work], layers: range) -> AttnMetadata:
+        """Metadata for ``active`` (rows in order) valid for every layer in ``layers``."""
+        bs = self.bm.block_size
+        pos = torch.cat([torch.arange(w.token_start, w.context_len) for w in active])
+        override_layers = sorted(
+            {l for w in active for l in self.bm.overridden_layers(w.req_id) if l in layers}
+        )
+        dec = [i for i, w in enumerate(active) if w.num_tokens == 1]
+        pf = [i for i, w in enumerate(active) if w.num_tokens > 1]
+        rows = self._rows(active)
+
+        def tables(layer):
+            if layer is None:
+                return [self.bm.canonical_table(w.req_id) for w in active]
+            return [self.bm.table(w.req_id, layer) for w in active]
+
+        def kv_indices(tbls, idxs):
+            ctx = torch.tensor([active[i].context_len for i in idxs])
+            C = int(ctx.max())
+            nb = -(-C // bs)
+            tbl = torch.tensor([(tbls[i] + [0] * nb)[:nb] for i in idxs], dtype=torch.long)
+            p = torch.arange(C)
+            kvi = tbl[:, p // bs] * bs + p % bs  # [B, C]
+            valid = p[None, :] < ctx[:, None]
+            return torch.where(valid, kvi, torch.zeros_like(kvi)), valid
+
+        def slot_map(tbls):
+            parts = []
+            for w, t in zip(active, tbls):
+                p = torch.arange(w.token_start, w.context_len)
+                parts.append(torch.tensor(t, dtype=torch.long)[p // bs] * bs + p % bs)
+            return torch.cat(parts)
+
+        groups: list[AttnGroup] = []
+        canon = tables(None)
+        g = self._group_size
+        if dec:
+            kvi, valid = kv_indices(canon, dec)
+            layer_kvi = {l: kv_indices(tables(l), dec)[0] for l in override_layers}
+            q_index = torch.tensor([rows[i][0] for i in dec]).view(-1, 1)
+            groups.append(AttnGroup(q_index, kvi, valid[:, None, None, :], None, None, layer_kvi))
+        if pf:
+            kvi, valid = kv_indices(canon, pf)
+            layer_kvi = {l: kv_indices(tables(l), pf)[0] for l in override_layers}
+            qlens = [active[i].num_tokens for i in pf]
+            Q = max(qlens)
+            qi = torch.arange(Q)
+            starts = torch.tensor([rows[i][0] for i in pf])
+            ql = torch.tensor(qlens)
+            q_index = starts[:, None] + torch.minimum(qi[None, :], ql[:, None] - 1)  # [B, Q]
+            qpos = torch.tensor([active[i].token_start for i in pf])[:, None] + qi[None, :]  # [B, Q]
+            C = kvi.shape[1]
+            causal = torch.arange(C)[None, None, :] <= qpos[:, :, None]  # [B, Q, C]
+            mask = causal & valid[:, None, :]
+            B = len(pf)
+            mask = mask[:, None].expand(B, g, Q, C).reshape(B, 1, g * Q, C)
+            if all(q == Q for q in qlens):
+                out_valid = out_rows = None
+            else:
+                real = qi[None, :] < ql[:, None]  # [B, Q]
+                out_valid = real.view(-1).nonzero().squeeze(1)
+                out_rows = q_index.view(-1)[out_valid]
+            groups.append(AttnGroup(q_index, kvi, mask, out_valid, out_rows, layer_kvi))
+        return AttnMetadata(
+            cos=self.model.rope_cos[pos],
+            sin=self.model.rope_sin[pos],
+            slot_mapping=slot_map(canon),
+            layer_slot_mapping={l: slot_map(tables(l)) for l in override_layers},
+            groups=groups,
+        )

@@ -1,0 +1,114 @@
+"""Plans: the plain-data boundary between a scheduler and an executor.
+
+A scheduler never touches tensors. It hands the executor (``ModelRunner``) or the
+simulator a :class:`StepPlan`: which requests run which layers on which tokens.
+Torch-free by design (DESIGN.md, "A plan is plain data").
+
+Layer-level scheduling (Laser, PPoPP'26 §3) needs one thing iteration-level plans
+lack: a piece of work may cover only a *range* of layers. A prefill chunk may stop
+at layer 12 (its hidden states go to the intermediate cache) and resume from layer
+12 in a later step; a decode request with L < N layers per iteration runs a slice
+of the network each iteration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """One request's share of a step: ``num_tokens`` tokens through layers ``[layer_start, layer_end)``."""
+
+    req_id: str
+    # Position of the first new token (== tokens whose KV already exists at layer_start).
+    token_start: int
+    # Number of new tokens (query length). 1 for a decode token.
+    num_tokens: int
+    # First layer to run. 0 means the tokens are embedded first; > 0 means the input
+    # hidden states come from the intermediate cache.
+    layer_start: int
+    # One past the last layer to run. == num_layers means the last position's hidden
+    # state goes through the final norm and LM head (a token is sampled if ``sample``).
+    layer_end: int
+    # Sample a token after the last layer (False for a non-final prefill chunk).
+    sample: bool = False
+
+    @property
+    def context_len(self) -> int:
+        """KV length this work attends to after writing its own tokens (tokens)."""
+        return self.token_start + self.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """A single token extending an existing context (decode-like attention)."""
+        return self.num_tokens == 1 and self.token_start > 0
+
+
+@dataclass(frozen=True, slots=True)
+class LayerStep:
+    """The batch one layer call processes: what the latency model predicts.
+
+    ``query_lens[k]`` new tokens of batch entry k attend to ``context_lens[k]`` tokens
+    (its cached context plus itself).
+    """
+
+    layer: int
+    query_lens: tuple[int, ...]
+    context_lens: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    @property
+    def sum_context(self) -> int:
+        return sum(self.context_lens)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """Everything one engine step executes, ordered by layer.
+
+    Layer ``j`` of the step runs every work with ``layer_start <= j < layer_end``
+    in one batched layer call. Works of one request never overlap within a plan.
+    """
+
+    num_layers: int
+    works: list[Work] = field(default_factory=list)
+    # Request ids the scheduler wants evicted from / restored to the intermediate
+    # cache before this step (bookkeeping only; the runner moves no tensors for it).
+    notes: dict = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.works)
+
+    @property
+    def first_layer(self) -> int:
+        return min(w.layer_start for w in self.works)
+
+    @property
+    def last_layer(self) -> int:
+        return max(w.layer_end for w in self.works)
+
+    def active(self, layer: int) -> list[Work]:
+        """Works that run ``layer``, in plan order."""
+        return [w for w in self.works if w.layer_start <= layer < w.layer_end]
+
+    def layer_step(self, layer: int) -> LayerStep:
+        act = self.active(layer)
+        return LayerStep(layer, tuple(w.num_tokens for w in act), tuple(w.context_len for w in act))
+
+    def layer_steps(self) -> list[LayerStep]:
+        """The non-empty layer calls of this plan, in execution order."""
+        if not self.works:
+            return []
+        steps = (self.layer_step(j) for j in range(self.first_layer, self.last_layer))
+        return [s for s in steps if s.query_lens]
+
+    def num_sampled(self) -> int:
+        return sum(1 for w in self.works if w.sample and w.layer_end == self.num_layers)
+
+    def num_final(self) -> int:
+        """Works whose last position goes through the LM head this step."""
+        return sum(1 for w in self.works if w.layer_end == self.num_layers)

@@ -1,0 +1,180 @@
+"""Request state: sampling parameters, SLO, phase, layer position and timestamps.
+
+One small class owns a request's progress (style: nano-vllm ``engine/sequence.py``).
+Torch-free: schedulers and the simulator use it directly.
+
+Progress is explicit. ``num_computed_tokens`` tokens have KV at *every* layer. At most
+one chunk is in flight: ``chunk_tokens`` tokens starting at position
+``num_computed_tokens`` have run layers ``[0, next_layer)``; their hidden state at
+``next_layer`` lives in the intermediate cache (never in a local variable).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+from dataclasses import dataclass, field
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"  # nothing computed yet
+    PREFILL = "prefill"  # part of the prompt computed
+    DECODE = "decode"  # prompt done, generating
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+class InvalidRequestError(ValueError):
+    """A request is malformed (empty prompt, too long, bad sampling parameters...)."""
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Latency objectives in seconds; ``None`` means unconstrained. ``name`` is the SLO class."""
+
+    ttft: float | None = None
+    tbt: float | None = None
+    name: str = "best_effort"
+
+    def __post_init__(self):
+        for k in ("ttft", "tbt"):
+            v = getattr(self, k)
+            if v is not None and not (v > 0 and math.isfinite(v)):
+                raise InvalidRequestError(f"SLO {k} must be a positive number of seconds, got {v!r}")
+
+    @property
+    def is_best_effort(self) -> bool:
+        return self.ttft is None and self.tbt is None
+
+    @property
+    def ttft_or_inf(self) -> float:
+        return math.inf if self.ttft is None else self.ttft
+
+    @property
+    def tbt_or_inf(self) -> float:
+        return math.inf if self.tbt is None else self.tbt
+
+
+BEST_EFFORT = SLO()
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling parameters (vLLM names and semantics).
+
+    ``temperature == 0`` is greedy. ``top_k <= 0`` disables top-k; ``top_p == 1`` disables
+    top-p. ``seed`` gives the request its own generator, so a seeded request samples the
+    same tokens whatever it is batched with.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not (0 < self.top_p <= 1):
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request and its progress through the model."""
+
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    slo: SLO = BEST_EFFORT
+    arrival_time: float = 0.0
+    req_id: str = ""
+    prompt: str | None = None
+
+    output_token_ids: list[int] = field(default_factory=list)
+    phase: Phase = Phase.WAITING
+    # Tokens whose KV exists at every layer.
+    num_computed_tokens: int = 0
+    # In-flight chunk: tokens [num_computed_tokens, +chunk_tokens) have run layers [0, next_layer).
+    chunk_tokens: int = 0
+    next_layer: int = 0
+    # Absolute time of every output token (first = first token).
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    # Output text length to keep when a stop string matched (set by the detokenizer).
+    stop_text_len: int | None = None
+
+    def __post_init__(self):
+        if not self.req_id:
+            self.req_id = f"req-{next(_ids)}"
+        if not self.prompt_token_ids:
+            raise InvalidRequestError("prompt is empty")
+
+    # -- derived counts -------------------------------------------------------------
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens not yet at every layer and not in flight."""
+        return self.num_tokens - self.num_computed_tokens - self.chunk_tokens
+
+    @property
+    def in_flight(self) -> bool:
+        return self.chunk_tokens > 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.phase in (Phase.FINISHED, Phase.ABORTED)
+
+    @property
+    def first_token_time(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+    @property
+    def ttft_deadline(self) -> float:
+        """Arrival + TTFT target (EDF key); inf for best effort."""
+        return self.arrival_time + self.slo.ttft_or_inf
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.req_id}, {self.phase.value}, prompt={self.num_prompt_tokens}, "
+            f"out={self.num_output_tokens}, computed={self.num_computed_tokens}, "
+            f"chunk={self.chunk_tokens}@L{self.next_layer})"
+        )

@@ -1,0 +1,255 @@
+"""The scheduler interface every policy implements, and the bookkeeping they share.
+
+A scheduler is torch-free. It owns the request queues and decides, each step, which
+requests run which layers on which tokens (:class:`~laser.plan.StepPlan`). It also
+owns allocation decisions: it allocates KV blocks in the block manager for the works
+it plans, and keeps the intermediate cache within capacity.
+
+Contract (one engine step)::
+
+    plan = sched.schedule(now)                 # allocate, decide
+    result = runner.execute(plan, sched.requests, stop_at=sched.stop_at)
+    updated = sched.update(plan, result.stopped_layer, result.sampled, now)
+
+``stop_at(j)`` is asked at layer boundaries; a policy that returns True pauses every
+in-flight work at layer j (its hidden states go to the intermediate cache) so the next
+``schedule`` can put more urgent work first (Laser §6.1). Iteration-level policies
+never stop.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+
+from ..block_manager import BlockManager
+from ..config import SchedulerConfig
+from ..intermediate_cache import IntermediateCache
+from ..plan import StepPlan, Work
+from ..request import Phase, Request
+
+
+class Scheduler(ABC):
+    """Base class: queues, admission bookkeeping, progress update, finish/abort, preemption."""
+
+    name = "base"
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        num_layers: int,
+        block_manager: BlockManager,
+        icache: IntermediateCache,
+        latency_model=None,
+    ):
+        self.config = config
+        self.num_layers = num_layers
+        self.bm = block_manager
+        self.icache = icache
+        self.latency_model = latency_model
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
+        self.waiting: list[Request] = []  # holds no KV; queue order by queue_key
+        self.running: list[Request] = []  # admitted: holds KV (prefilling or decoding)
+        self.num_preemptions = 0
+        self.step_index = 0
+
+    # -- queue ----------------------------------------------------------------------------
+    def queue_key(self, req: Request) -> tuple[float, float]:
+        """EDF: arrival + TTFT target (best effort ages: arrival + best_effort_deadline_s); FCFS: arrival."""
+        if self.config.queue_order == "fcfs":
+            return (req.arrival_time, 0.0)
+        ttft = req.slo.ttft if req.slo.ttft is not None else self.config.best_effort_deadline_s
+        return (req.arrival_time + ttft, req.arrival_time)
+
+    def add_request(self, req: Request) -> None:
+        if req.req_id in self.requests:
+            raise ValueError(f"duplicate request id {req.req_id}")
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+        self.waiting.sort(key=self.queue_key)
+        self.on_arrival(req)
+
+    def on_arrival(self, req: Request) -> None:
+        """Hook for policies that react to arrivals (Laser's slack check)."""
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # -- decisions ----------------------------------------------------------------------------
+    @abstractmethod
+    def schedule(self, now: float) -> StepPlan:
+        """Decide the next step. Allocates KV blocks for every planned work."""
+
+    def stop_at(self, layer: int) -> bool:
+        """Pause every in-flight work at this layer boundary? (Iteration-level: never.)"""
+        return False
+
+    # -- helpers for policies --------------------------------------------------------------------
+    def full_work(self, req: Request, num_tokens: int) -> Work:
+        """A work running ``num_tokens`` new tokens of ``req`` through every layer."""
+        start = req.num_computed_tokens
+        return Work(
+            req.req_id, start, num_tokens, 0, self.num_layers, sample=start + num_tokens == req.num_tokens
+        )
+
+    def prefill_remaining(self, req: Request) -> int:
+        """Tokens of ``req`` still to prefill (prompt, plus outputs after a recompute preemption)."""
+        if req.phase == Phase.DECODE:
+            return 0
+        return req.num_tokens - req.num_computed_tokens - req.chunk_tokens
+
+    def decoding(self) -> list[Request]:
+        """Running requests in the decode phase."""
+        return [r for r in self.running if r.phase == Phase.DECODE]
+
+    def prefilling(self) -> list[Request]:
+        """Running requests with prompt tokens left to prefill, in queue order."""
+        return sorted((r for r in self.running if r.phase != Phase.DECODE), key=self.queue_key)
+
+    def relieve_deadlock(self, works: list) -> None:
+        """If nothing could be planned while requests hold KV, preempt the latest one."""
+        if not works and self.running and not self.icache.ids():
+            self.preempt(max(self.running, key=self.queue_key))
+
+    def try_allocate(self, req: Request, num_tokens: int, layers: range | None = None) -> bool:
+        """Allocate KV for ``req`` up to ``num_tokens`` total tokens; False when the pool is short."""
+        if not self.bm.can_allocate(req.req_id, num_tokens, layers):
+            return False
+        self.bm.allocate(req.req_id, num_tokens, layers)
+        return True
+
+    def admit(self, req: Request) -> None:
+        """Move ``req`` from waiting to running (it starts holding KV)."""
+        self.waiting.remove(req)
+        self.running.append(req)
+        if req.phase == Phase.WAITING:
+            req.phase = Phase.PREFILL
+
+    def preempt(self, req: Request) -> None:
+        """Recompute preemption (vLLM): free ``req``'s KV and paused state, requeue it.
+
+        Its output so far is kept; it is recomputed (prompt + outputs) when readmitted.
+        """
+        self.bm.free(req.req_id)
+        self.icache.discard(req.req_id)
+        req.num_computed_tokens = 0
+        req.chunk_tokens = 0
+        req.next_layer = 0
+        req.phase = Phase.PREFILL if req.output_token_ids else Phase.WAITING
+        if req in self.running:
+            self.running.remove(req)
+        self.waiting.append(req)
+        self.waiting.sort(key=self.queue_key)
+        self.num_preemptions += 1
+
+    def preempt_for_decode(self, needed: list[Request]) -> list[Request]:
+        """Make room for one more decode block for each of ``needed`` (in priority order).
+
+        Preempts the running requests with the latest queue keys first. Returns the
+        requests of ``needed`` that got their block.
+        """
+        ok = []
+        for req in needed:
+            if req not in self.running:  # preempted as a victim of an earlier one
+                continue
+            while not self.try_allocate(req, req.num_tokens):
+                victims = [r for r in self.running if r is not req]
+                if not victims:
+                    self.preempt(req)
+                    break
+                self.preempt(max(victims, key=self.queue_key))
+            else:
+                ok.append(req)
+        return [r for r in ok if r in self.running]
+
+    # -- after a step ---------------------------------------------------------------------------
+    def update(self, plan: StepPlan, stopped_layer: int, sampled: dict[str, int], now: float) -> list[Request]:
+        """Record progress of every work; return requests that got a new token.
+
+        A work that reached the last layer completes its tokens; one that stopped
+        earlier (``stopped_layer``) or ends before the last layer stays in flight at the
+        layer it reached.
+        """
+        n = self.num_layers
+        out = []
+        for w in plan.works:
+            req = self.requests.get(w.req_id)
+            if req is None:  # aborted while the step ran
+                continue
+            reached = min(max(stopped_layer, w.layer_start), w.layer_end)
+            if reached == n:
+                req.num_computed_tokens = w.context_len
+                req.chunk_tokens = 0
+                req.next_layer = 0
+                if w.sample:
+                    req.output_token_ids.append(sampled[w.req_id])
+                    req.token_times.append(now)
+                    req.phase = Phase.DECODE
+                    out.append(req)
+            elif reached > w.layer_start:
+                req.chunk_tokens = w.num_tokens
+                req.next_layer = reached
+        self.step_index += 1
+        self.enforce_icache_capacity()
+        return out
+
+    def strictness(self, req: Request) -> float:
+        """Smaller = stricter. Decode-phase requests by TBT target, others by TTFT target."""
+        if req.phase == Phase.DECODE:
+            return req.slo.tbt_or_inf
+        return req.slo.ttft_or_inf
+
+    def enforce_icache_capacity(self) -> None:
+        """Evict the least strict paused requests until the intermediate cache fits (recompute later)."""
+        while self.icache.over_capacity:
+            victim = max((self.requests[r] for r in self.icache.ids()), key=self.strictness)
+            self.icache.evict(victim.req_id)
+            victim.chunk_tokens = 0
+            victim.next_layer = 0
+
+    def finish(self, req: Request, reason: str, now: float | None = None) -> None:
+        """Mark finished (``reason``: stop/length/abort/handoff) and free all its state."""
+        req.phase = Phase.ABORTED if reason == "abort" else Phase.FINISHED
+        req.finish_reason = reason
+        req.finish_time = now
+        self.requests.pop(req.req_id, None)
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self.bm.free(req.req_id)
+        self.icache.discard(req.req_id)
+        self.on_finish(req)
+
+    def on_finish(self, req: Request) -> None:
+        """Hook for policies with per-request plans (Laser decode)."""
+
+    def abort(self, req_id: str, now: float | None = None) -> Request | None:
+        req = self.requests.get(req_id)
+        if req is not None:
+            self.finish(req, "abort", now)
+        return req
+
+    def check_integrity(self, expect_empty: bool = False) -> None:
+        self.bm.check_integrity(expect_empty=expect_empty)
+        self.icache.check_integrity(expect_empty=expect_empty)
+        for r in self.running:
+            if r.req_id not in self.requests:
+                raise AssertionError(f"{r.req_id} running but not tracked")
+        if expect_empty and self.requests:
+            raise AssertionError(f"unfinished requests remain: {list(self.requests)[:10]}")
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+INF = math.inf

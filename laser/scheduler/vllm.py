@@ -1,0 +1,32 @@
+"""``vllm``: iteration-level continuous batching, prefill first (Orca / vLLM v0)."""
+
+from __future__ import annotations
+
+from ..plan import StepPlan
+from .base import Scheduler
+
+
+class VLLMScheduler(Scheduler):
+    name = "vllm"
+
+    def schedule(self, now: float) -> StepPlan:
+        # Rule: when waiting requests fit (KV blocks, max_num_seqs and the token budget
+        # max_num_batched_tokens), run a prefill-only batch of whole prompts in queue order
+        # (the first one even if it alone exceeds the budget); otherwise run one decode
+        # token for every running request through every layer.
+        works = []
+        budget = self.config.max_num_batched_tokens
+        for req in list(self.waiting):
+            n = req.num_tokens
+            if works and n > budget:
+                break
+            if len(self.running) >= self.config.max_num_seqs or not self.try_allocate(req, n):
+                break
+            self.admit(req)
+            works.append(self.full_work(req, n))
+            budget -= n
+        if not works:
+            for req in self.preempt_for_decode(sorted(self.decoding(), key=self.queue_key)):
+                works.append(self.full_work(req, 1))
+            self.relieve_deadlock(works)
+        return StepPlan(self.num_layers, works)

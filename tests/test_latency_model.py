@@ -1,0 +1,366 @@
+"""Latency model: fitting recovers known structure, profile files, analytic roofline."""
+
+import json
+import math
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from laser.latency_model import (
+    ATTENTION_FEATURES,
+    AnalyticLatencyModel,
+    AttentionSample,
+    EmbedSample,
+    FittedLatencyModel,
+    HeadSample,
+    LatencyProfileError,
+    LayerSample,
+    ModelShape,
+    SimpleLatencyModel,
+    StatelessSample,
+    attention_features,
+    default_profile_path,
+    fit,
+)
+from laser.latency_model import _fit_piecewise
+from laser.plan import LayerStep, StepPlan, Work
+
+
+# ---------------------------------------------------------------- synthetic ground truth
+def stair(n, width, base=2e-4, per_tok=2e-6, jump=4e-5):
+    """Tile-like truth: a line plus a jump every ``width`` tokens."""
+    return base + per_tok * n + jump * math.ceil(n / width)
+
+
+D_COEF = {"d_const": 3e-5, "d_seqs": 5e-6, "d_ctx": 4e-8}
+P_COEF = {"p_const": 5e-5, "p_tokens": 3e-6, "p_ctx": 1e-7}
+
+
+def attn_truth(q, c, pad=0.0, qc=0.0):
+    f = dict(zip(ATTENTION_FEATURES, attention_features(q, c)))
+    t = sum(v * f[k] for k, v in {**D_COEF, **P_COEF}.items())
+    return t + pad * f["d_pad"] + qc * f["p_qc"]
+
+
+def random_batches(rng, count):
+    out = []
+    for i in range(count):
+        kind = i % 3
+        q, c = [], []
+        if kind in (0, 2):  # decode entries
+            b = int(rng.integers(1, 48))
+            q += [1] * b
+            c += [int(x) for x in rng.integers(2, 2048, b)]
+        if kind in (1, 2):  # prefill chunks, some with cached context
+            for _ in range(int(rng.integers(1, 4))):
+                qi = int(rng.integers(2, 512))
+                q.append(qi)
+                c.append(qi + int(rng.integers(0, 1024)))
+        out.append((tuple(q), tuple(c)))
+    return out
+
+
+def noisy(rng, t, sd=0.01):
+    return float(t * (1 + sd * rng.standard_normal()))
+
+
+def make_samples(rng, width=32, pad=0.0, qc=0.0):
+    s = [StatelessSample(n, noisy(rng, stair(n, width))) for n in range(1, 385)]
+    s += [AttentionSample(q, c, noisy(rng, attn_truth(q, c, pad, qc))) for q, c in random_batches(rng, 240)]
+    s += [EmbedSample(n, noisy(rng, 1e-5 + 1e-8 * n)) for n in range(1, 400, 7)]
+    s += [HeadSample(r, noisy(rng, 5e-4 + 2e-5 * r)) for r in range(1, 65)]
+    return s
+
+
+@pytest.fixture(scope="module")
+def model():
+    rng = np.random.default_rng(1)
+    samples = make_samples(rng)
+    return fit(samples, num_layers=30, metadata={"model_id": "tiny", "dtype": "bf16", "hardware": "test-cpu", "threads": 2})
+
+
+# ---------------------------------------------------------------- fitting
+@pytest.mark.parametrize("width", [16, 32, 64])
+def test_stateless_fit_selects_segment_width_and_matches_truth(width):
+    rng = np.random.default_rng(width)
+    ns = list(range(1, 513))
+    samples = [StatelessSample(n, noisy(rng, stair(n, width))) for n in ns]
+    m = fit(samples, num_layers=4)
+    assert m.report["stateless"]["width"] == width, m.report["stateless"]["cv_error"]
+    err = max(abs(m.stateless_time(n) / stair(n, width) - 1) for n in ns)
+    assert err < 0.03
+    # Extrapolation past the profiled range stays close to the true trend.
+    assert m.stateless_time(1024) == pytest.approx(stair(1024, width), rel=0.05)
+
+
+def test_sparse_profile_interpolates_between_samples():
+    # The profiler samples densely at small n and geometrically beyond: segments with
+    # one sample and empty segments between them must interpolate, not step.
+    rng = np.random.default_rng(2)
+    ns = list(range(1, 257)) + [384, 512, 768, 1024, 1536, 2048, 3072, 4096]
+    m = fit([StatelessSample(n, noisy(rng, stair(n, 32))) for n in ns], num_layers=2)
+    assert m.report["stateless"]["width"] == 32
+    for n in (270, 300, 450, 700, 900, 1300, 1800, 2500, 3500, 6000):
+        assert m.stateless_time(n) == pytest.approx(stair(n, 32), rel=0.03), n
+
+
+def test_one_sample_per_segment_gives_a_line_not_steps():
+    # Jumps are penalised a little: unless data demands a step, values between
+    # samples are linear interpolation.
+    ns = np.arange(16, 1024, 32)  # one sample in the middle of each 32-token segment
+    f = _fit_piecewise(ns, 1e-4 + 1e-6 * ns, 32)
+    for n in range(1, 1100):
+        assert f(n) == pytest.approx(1e-4 + 1e-6 * n, rel=1e-3), n
+
+
+def test_stateless_linear_truth_selects_a_line():
+    rng = np.random.default_rng(7)
+    samples = [StatelessSample(n, noisy(rng, 1e-4 + 3e-6 * n)) for n in range(1, 300)]
+    m = fit(samples, num_layers=2)
+    assert m.report["stateless"]["width"] == "linear"
+    assert m.stateless_time(150) == pytest.approx(1e-4 + 3e-6 * 150, rel=0.01)
+
+
+def test_attention_fit_recovers_paper_coefficients(model):
+    att = model.attention
+    assert att.feature_set == "linear", model.report["attention"]["cv_error"]
+    for k, v in {**D_COEF, **P_COEF}.items():
+        assert att.coef[k] == pytest.approx(v, rel=0.1), k
+    for k in ("d_pad", "p_qc", "p_pad", "p_seqs"):
+        assert att.coef[k] == 0.0
+    assert model.report["attention"]["error"] < 0.015
+
+
+def test_attention_fit_selects_padding_terms_when_data_needs_them():
+    rng = np.random.default_rng(3)
+    samples = [AttentionSample(q, c, noisy(rng, attn_truth(q, c, pad=2e-8, qc=1e-10)))
+               for q, c in random_batches(rng, 300)]
+    m = fit(samples, num_layers=2)
+    cv = m.report["attention"]["cv_error"]
+    assert m.attention.feature_set == "padded", cv
+    assert cv["linear"] > 1.5 * cv["padded"]
+    assert m.attention.coef["d_pad"] == pytest.approx(2e-8, rel=0.15)
+    skewed = ((1,) * 32, (10,) * 31 + (4000,))  # one long context pads the whole batch
+    for q, c in random_batches(np.random.default_rng(4), 30) + [skewed]:
+        assert m.attention_time(q, c) == pytest.approx(attn_truth(q, c, pad=2e-8, qc=1e-10), rel=0.05)
+
+
+def test_layer_samples_fit_fixed_overhead():
+    rng = np.random.default_rng(5)
+    samples = make_samples(rng)
+    batches = random_batches(rng, 40)
+    samples += [LayerSample(q, c, noisy(rng, stair(sum(q), 32) + attn_truth(q, c) + 1e-4)) for q, c in batches]
+    m = fit(samples, num_layers=2)
+    assert m.layer_overhead_s == pytest.approx(1e-4, rel=0.25)
+    q, c = batches[0]
+    assert m.layer_time(q, c) == pytest.approx(stair(sum(q), 32) + attn_truth(q, c) + 1e-4, rel=0.05)
+
+
+def test_piecewise_fit_is_monotone_even_on_noisy_flat_data():
+    # Small-n timings are flat plus noise; an unconstrained fit would wiggle down.
+    rng = np.random.default_rng(11)
+    ns = np.array([n for n in range(1, 257) if n % 50])  # with gaps
+    f = _fit_piecewise(ns, np.array([noisy(rng, 1e-3 + 1e-7 * n, sd=0.05) for n in ns]), 8)
+    values = [f(n) for n in range(0, 600)]
+    assert all(b >= a for a, b in zip(values, values[1:]))
+    assert values[0] == 0.0 and min(values[1:]) > 0.0
+
+
+def test_fit_rejects_bad_samples():
+    with pytest.raises(ValueError):
+        fit([StatelessSample(4, -1.0)], num_layers=1)
+    with pytest.raises(ValueError):
+        fit([AttentionSample((5,), (3,), 1e-3)], num_layers=1)  # context shorter than query
+    with pytest.raises(TypeError):
+        fit([("stateless", 4, 1e-3)], num_layers=1)
+
+
+# ---------------------------------------------------------------- predictions
+def test_predictions_monotone_in_tokens_and_context(model):
+    prev = 0.0
+    for n in range(1, 1500):
+        t = model.predict_layer(LayerStep(0, (n,), (n,)))
+        assert t >= prev
+        prev = t
+    prev = 0.0
+    for c in range(1, 6000, 7):
+        t = model.predict_layer(LayerStep(0, (1,) * 8, (c,) * 8))
+        assert t >= prev
+        prev = t
+    # Adding an entry to a batch never makes it cheaper.
+    assert model.layer_time((1, 1, 64), (90, 90, 200)) >= model.layer_time((1, 64), (90, 200))
+    prev = 0.0
+    for r in range(0, 200):
+        t = model.head_time(r)
+        assert t >= prev
+        prev = t
+
+
+def test_predict_iteration_matches_sum_of_layer_calls(model):
+    plan = StepPlan(30, [
+        Work("a", 0, 100, 0, 12),  # prefill chunk stopping at layer 12
+        Work("b", 40, 60, 12, 30, sample=True),  # resumed chunk finishing
+        Work("c", 500, 1, 0, 30, sample=True),  # decode, all layers
+        Work("d", 800, 1, 10, 20),  # decode slice
+    ])
+    naive = sum(model.predict_layer(s) for s in plan.layer_steps())
+    expected = naive + model.embed_time(101) + model.head_time(2)
+    assert model.predict_iteration(plan) == pytest.approx(expected, rel=1e-12)
+    assert model.predict_iteration(StepPlan(30)) == 0.0
+
+
+def test_prefill_decode_helpers(model):
+    full = model.predict_prefill(200)
+    assert full == pytest.approx(30 * model.layer_time((200,), (200,)) + model.embed_time(200) + model.head_time(1))
+    assert model.predict_prefill(200, layers=5) == pytest.approx(5 * model.layer_time((200,), (200,)))
+    assert model.predict_prefill(200, layers=5, context_start=1000) > model.predict_prefill(200, layers=5)
+    ctx = [300, 700, 50]
+    assert model.predict_decode_iteration(ctx) == pytest.approx(
+        30 * model.layer_time((1, 1, 1), ctx) + model.embed_time(3) + model.head_time(3))
+
+
+def test_max_tokens_within_is_the_largest_fitting_chunk(model):
+    for budget in (1e-3, 5e-3, 2e-2):
+        k = model.max_tokens_within(budget, layers=3, context_start=100, query_lens=(1, 1), context_lens=(50, 80))
+        cost = lambda k: 3 * model.layer_time((1, 1, k), (50, 80, 100 + k))
+        assert k >= 1 and cost(k) <= budget < cost(k + 1)
+    assert model.max_tokens_within(1e-9) == 0
+    assert model.max_tokens_within(10.0, limit=77) == 77
+
+
+def test_predict_layer_is_fast(model):
+    decode = LayerStep(3, (1,) * 32, tuple(range(100, 132)))
+    mixed = LayerStep(3, (1,) * 16 + (256,), tuple(range(100, 116)) + (300,))
+    for step in (decode, mixed):
+        t0 = time.perf_counter()
+        for _ in range(10_000):
+            model.predict_layer(step)
+        per_call = (time.perf_counter() - t0) / 10_000
+        assert per_call < 50e-6, per_call
+
+
+def test_simple_model_exact_numbers():
+    m = SimpleLatencyModel(num_layers=4, per_layer=1e-3, per_token=1e-5, per_context=1e-6, head_const=2e-3)
+    assert m.predict_layer(LayerStep(0, (10, 1), (10, 100))) == pytest.approx(1e-3 + 11e-5 + 110e-6)
+    assert m.predict_decode_iteration([100]) == pytest.approx(4 * (1e-3 + 1e-5 + 1e-4) + 2e-3)
+
+
+# ---------------------------------------------------------------- profile file
+def test_profile_round_trip(model, tmp_path):
+    path = model.save(tmp_path / "sub" / "p.json")
+    doc = json.loads(path.read_text())
+    for k in ("model_id", "dtype", "hardware", "threads", "created", "laser_version", "num_layers"):
+        assert k in doc["metadata"], k
+    loaded = FittedLatencyModel.load(path, model_id="tiny", dtype="bf16", threads=2, num_layers=30)
+    assert loaded.metadata == model.metadata and loaded.num_layers == 30
+    assert len(loaded.samples) == len(model.samples)
+    steps = [LayerStep(0, q, c) for q, c in random_batches(np.random.default_rng(9), 30)]
+    steps += [LayerStep(0, (n,), (n,)) for n in (1, 31, 33, 500, 5000)]
+    for s in steps:
+        assert loaded.predict_layer(s) == model.predict_layer(s)
+    assert loaded.head_time(7) == model.head_time(7) and loaded.embed_time(77) == model.embed_time(77)
+    refit = FittedLatencyModel.load(path, refit=True)
+    for s in steps:
+        assert refit.predict_layer(s) == pytest.approx(model.predict_layer(s), rel=1e-6)
+
+
+def test_missing_profile_raises(tmp_path):
+    with pytest.raises(LatencyProfileError, match="no latency profile"):
+        FittedLatencyModel.load(tmp_path / "nope.json")
+
+
+@pytest.mark.parametrize("content", ["{not json", "", '{"format": "something-else"}', "[1, 2]"])
+def test_corrupt_profile_raises(tmp_path, content):
+    p = tmp_path / "bad.json"
+    p.write_text(content)
+    with pytest.raises(LatencyProfileError, match="corrupt latency profile"):
+        FittedLatencyModel.load(p)
+
+
+def test_truncated_or_mismatched_profile_raises(model, tmp_path):
+    p = model.save(tmp_path / "p.json")
+    doc = json.loads(p.read_text())
+    del doc["model"]["stateless"]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(LatencyProfileError, match="malformed"):
+        FittedLatencyModel.load(bad)
+    doc = json.loads(p.read_text())
+    doc["version"] = 999
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(LatencyProfileError, match="version"):
+        FittedLatencyModel.load(bad)
+    with pytest.raises(LatencyProfileError, match="model_id"):
+        FittedLatencyModel.load(p, model_id="other-model")
+
+
+def test_default_profile_path(monkeypatch, tmp_path):
+    monkeypatch.setenv("LASER_CACHE_DIR", str(tmp_path))
+    p = default_profile_path("HuggingFaceTB/SmolLM2-135M", "bf16", "Intel(R) Xeon(R) 8480+ (2 cpus)", 2)
+    assert p.parent == tmp_path / "profiles" and p.suffix == ".json"
+    assert "/" not in p.name and "SmolLM2-135M" in p.name and "t2" in p.name
+    assert p != default_profile_path("HuggingFaceTB/SmolLM2-135M", "bf16", "Intel(R) Xeon(R) 8480+ (2 cpus)", 4)
+    monkeypatch.delenv("LASER_CACHE_DIR")
+    assert ".cache" in str(default_profile_path("m", "fp32", "cpu", 1))
+
+
+# ---------------------------------------------------------------- analytic
+def test_analytic_70b_decode_on_h200_is_memory_bound():
+    m = AnalyticLatencyModel("llama-3-70b", "h200", tp=1)
+    bd = m.breakdown((1,) * 8, (1000,) * 8)
+    for mod in ("qkv", "o", "mlp_up_gate", "mlp_down", "attention"):
+        assert bd[mod][1] == "memory", mod
+    t = m.predict_decode_iteration([1000] * 8)
+    weights_s = m.shape.num_params() * 2 / 4.8e12  # ≈ 29 ms
+    assert 0.025 < weights_s < 0.033
+    assert weights_s < t < 2 * weights_s
+    # A long prefill is compute-bound.
+    bd = m.breakdown((8192,), (8192,))
+    assert bd["mlp_up_gate"][1] == "compute" and bd["attention"][1] == "compute"
+
+
+def test_analytic_tensor_parallel_reduces_time():
+    t1 = AnalyticLatencyModel("llama-3-70b", "h200", tp=1)
+    t2 = AnalyticLatencyModel("llama-3-70b", "h200", tp=2)
+    for ctx in ([1000] * 8, [4000] * 64):
+        a, b = t1.predict_decode_iteration(ctx), t2.predict_decode_iteration(ctx)
+        assert 0.45 * a < b < 0.8 * a
+    assert t2.predict_prefill(4096) < t1.predict_prefill(4096)
+    # Heads (and the KV they read) split across devices.
+    long_batch = ((1,) * 64, (8000,) * 64)
+    assert t2.breakdown(*long_batch)["attention"][0] == pytest.approx(t1.breakdown(*long_batch)["attention"][0] / 2)
+    # Communication shows up only with tp > 1.
+    assert t1.breakdown((16,), (16,))["allreduce"][0] == 0.0 < t2.breakdown((16,), (16,))["allreduce"][0]
+
+
+def test_analytic_hardware_ordering_and_monotone():
+    ctx = [2000] * 16
+    times = [AnalyticLatencyModel("qwen2.5-32b", hw).predict_decode_iteration(ctx) for hw in ("a100-80gb", "h100-sxm", "h200")]
+    assert times[0] > times[1] > times[2]
+    m = AnalyticLatencyModel("qwen2.5-14b", "h100-sxm")
+    prev = 0.0
+    for n in range(1, 4096, 13):
+        t = m.predict_layer(LayerStep(0, (n,), (n,)))
+        assert t >= prev
+        prev = t
+    cpu = AnalyticLatencyModel("smollm2-135m", "cpu-2core")
+    assert 1e-3 < cpu.predict_decode_iteration([100]) < 0.5
+
+
+def test_model_shape_from_hf_config():
+    cfg = {"hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+           "intermediate_size": 28672, "vocab_size": 128256, "tie_word_embeddings": False}
+    assert ModelShape.from_hf_config(cfg) == ModelShape.preset("llama-3-70b")
+    assert ModelShape.from_hf_config({"text_config": cfg}).head_dim == 128
+    assert 69e9 < ModelShape.preset("llama-3-70b").num_params() < 72e9
+    with pytest.raises(KeyError):
+        ModelShape.preset("gpt-5")
+
+
+def test_module_is_torch_free():
+    import subprocess
+
+    code = "import sys, laser.latency_model; sys.exit(1 if 'torch' in sys.modules else 0)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
