@@ -22,7 +22,7 @@ from .kv_cache import KVCache
 from .model.llama import LlamaModel
 from .model.loader import load_config, load_tokenizer, load_weights, resolve_dtype, resolve_model
 from .model_runner import ModelRunner
-from .request import SLO, InvalidRequestError, Request, SamplingParams
+from .request import SLO, InvalidRequestError, Phase, Request, SamplingParams
 from .sampler import Sampler
 from .scheduler import get_policy
 from .slo import SLOClasses
@@ -45,6 +45,8 @@ class RequestOutput:
     finish_reason: str | None
     slo: SLO
     request: Request = field(repr=False, default=None)
+    # Prefill role: the request continues on a decode instance (see Engine.handoffs).
+    handed_off: bool = False
 
     def record(self):
         return request_record(self.request)
@@ -65,6 +67,15 @@ def request_record(req: Request):
         output_len=req.num_output_tokens,
         finished=req.finish_reason in ("stop", "length", "handoff"),
     )
+
+
+@dataclass
+class Handoff:
+    """A prefilled request leaving a prefill instance: its state and KV, one (K, V) per layer."""
+
+    request: Request
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: ([T, kv_heads, head_dim], same)
+    text: str
 
 
 class Engine:
@@ -121,6 +132,14 @@ class Engine:
         )
         self.slo_classes = slo_classes or SLOClasses.load()
         self.clock = clock
+        self.scheduler.clock = clock
+        self.role = sched_cfg.role
+        # Called at every layer boundary (and before scheduling): lets a server or a trace
+        # driver add requests that arrive while a step runs, so the scheduler can react
+        # at the next layer boundary.
+        self.arrival_hook: Callable[[], None] | None = None
+        # Prefill role: requests handed off after their first token, for a decode instance.
+        self.handoffs: list[Handoff] = []
         pool_tokens = self.kv_cache.num_blocks * self.cache_config.block_size
         self.max_model_len = min(max_model_len or self.model_config.max_position, self.model_config.max_position, pool_tokens)
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -208,14 +227,21 @@ class Engine:
     # -- the loop ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduling step: schedule -> execute -> update. Returns outputs of requests that progressed."""
+        if self.arrival_hook is not None:
+            self.arrival_hook()
         plan = self.scheduler.schedule(self.clock())
         if not plan:
             return []
-        result = self.runner.execute(plan, self.scheduler.requests, stop_at=self.scheduler.stop_at)
+        result = self.runner.execute(plan, self.scheduler.requests, stop_at=self._stop_at)
         self.last_result = result
         now = self.clock()
         updated = self.scheduler.update(plan, result.stopped_layer, result.sampled, now)
         return [self._emit(req, now) for req in updated]
+
+    def _stop_at(self, layer: int) -> bool:
+        if self.arrival_hook is not None:
+            self.arrival_hook()
+        return self.scheduler.stop_at(layer)
 
     def _emit(self, req: Request, now: float) -> RequestOutput:
         sp = req.sampling_params
@@ -236,7 +262,12 @@ class Engine:
                 reason = "stop"
         if reason is None and (req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len):
             reason = "length"
-        if reason is not None:
+        handoff = reason is None and self.role == "prefill"
+        if handoff:
+            self.handoffs.append(self._export(req))
+            self.scheduler.finish(req, "handoff", now)
+            self._release(req.req_id)
+        elif reason is not None:
             self.scheduler.finish(req, reason, now)
             self._release(req.req_id)
         return RequestOutput(
@@ -249,9 +280,47 @@ class Engine:
             new_token_ids=[tok],
             finished=reason is not None,
             finish_reason=reason,
+            handed_off=handoff,
             slo=req.slo,
             request=req,
         )
+
+    # -- prefill -> decode hand-off ----------------------------------------------------------------------
+    def _export(self, req: Request) -> "Handoff":
+        n = req.num_computed_tokens
+        kv = [self.kv_cache.export_layer(req.req_id, layer, n) for layer in range(self.model_config.num_layers)]
+        return Handoff(req, kv, self._detok[req.req_id].text)
+
+    def accept_handoff(self, h: "Handoff") -> Request:
+        """Decode role: adopt a request prefilled elsewhere, importing its KV layer by layer.
+
+        Raises OutOfBlocksError (nothing kept) when the KV pool cannot hold it.
+        """
+        src = h.request
+        req = Request(
+            prompt_token_ids=list(src.prompt_token_ids),
+            sampling_params=src.sampling_params,
+            slo=src.slo,
+            arrival_time=src.arrival_time,
+            req_id=src.req_id,
+            prompt=src.prompt,
+        )
+        req.output_token_ids = list(src.output_token_ids)
+        req.token_times = list(src.token_times)
+        req.num_computed_tokens = src.num_computed_tokens
+        req.phase = Phase.DECODE
+        try:
+            for layer, (k, v) in enumerate(h.kv):
+                self.kv_cache.import_layer(req.req_id, layer, k, v)
+        except Exception:
+            self.kv_cache.block_manager.free(req.req_id)
+            raise
+        det = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
+        for t in req.output_token_ids:
+            det.add(t)
+        self._detok[req.req_id] = det
+        self.scheduler.add_running(req)
+        return req
 
     def check_integrity(self, expect_empty: bool = False) -> None:
         """Verify block manager, intermediate cache and scheduler state (tests, idle time)."""

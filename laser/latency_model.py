@@ -288,6 +288,10 @@ class PiecewiseLinear:
         self.tail_a = float(tail_a)
         self.tail_b = float(tail_b)
         self._nseg = len(self.a)
+        if not all(math.isfinite(v) for v in (*self.a, *self.b, self.tail_a, self.tail_b)):
+            raise ValueError("piecewise-linear coefficients must be finite")
+        if min(self.b, default=0.0) < 0 or self.tail_b < 0:
+            raise ValueError("piecewise-linear slopes must be non-negative")
 
     @classmethod
     def zero(cls) -> "PiecewiseLinear":
@@ -368,7 +372,7 @@ def _fit_piecewise(n: np.ndarray, y: np.ndarray, width: int) -> PiecewiseLinear:
         if i + 1 < m:  # gap up to the next data segment
             s2 = int(segs[i + 1])
             x0, y0, x1, y1 = (s + 1) * width, float(right[i]), s2 * width + 1, float(left[i + 1])
-            gs = (y1 - y0) / (x1 - x0)
+            gs = max((y1 - y0) / (x1 - x0), 0.0)  # >= 0 up to rounding
             for g in range(s + 1, s2):
                 a[g], b[g] = y0 - gs * x0, gs
     f = PiecewiseLinear(width, a, b, 0.0, 0.0)
@@ -406,7 +410,7 @@ def _select(errs: dict, order: Sequence) -> object:
 
 
 def _cv_errors(m: int, folds: int, fit_predict) -> np.ndarray:
-    """Per-sample held-out relative errors: ``fit_predict(train_idx, test_idx) -> predictions``."""
+    """Held-out prediction for every sample (k-fold): ``fit_predict(train_idx, test_idx) -> predictions``."""
     out = np.empty(m)
     for test in _folds(m, folds):
         train = np.setdiff1d(np.arange(m), test)
@@ -442,7 +446,7 @@ def _fit_count_function(
 
         errs[name] = np.abs(_cv_errors(len(n), folds, fit_predict) - y) / y
     chosen = _select(errs, list(cands))  # order: linear, then widest to narrowest
-    cv = {k: float(np.mean(v)) for k, v in errs.items()}
+    cv = {str(k): float(np.mean(v)) for k, v in errs.items()}
     return _fit_piecewise(n, y, cands[chosen]), {"width": chosen, "cv_error": cv}
 
 
@@ -501,6 +505,8 @@ class AttentionModel:
             raise ValueError(f"unknown attention features {sorted(unknown)}")
         self.feature_set = feature_set
         self.coef = {f: float(coef.get(f, 0.0)) for f in ATTENTION_FEATURES}
+        if not all(math.isfinite(v) and v >= 0 for v in self.coef.values()):
+            raise ValueError(f"attention coefficients must be finite and non-negative: {self.coef}")
         self._d = tuple(self.coef[f] for f in ATTENTION_FEATURES[:4])
         self._p = tuple(self.coef[f] for f in ATTENTION_FEATURES[4:])
 
@@ -553,7 +559,7 @@ def _fit_attention(samples: Sequence[AttentionSample], folds: int) -> tuple[Atte
 
             errs[name] = np.abs(_cv_errors(len(y), folds, fit_predict) - y) / y
         chosen = _select(errs, order)
-        cv = {k: float(np.mean(v)) for k, v in errs.items()}
+        cv = {str(k): float(np.mean(v)) for k, v in errs.items()}
     else:
         chosen = "linear"
     mdl = _fit_attention_set(x, y, ATTENTION_FEATURE_SETS[chosen])
@@ -578,7 +584,7 @@ class FittedLatencyModel(LatencyModel):
     # Setup the profile was taken on: model_id, dtype, hardware, threads, created, laser_version, ...
     metadata: dict = field(default_factory=dict)
     # Fit diagnostics: chosen widths / feature set, CV and in-sample relative errors.
-    report: dict = field(default_factory=dict)
+    report: dict = field(default_factory=dict, repr=False)
     # The raw samples (kept so the profile can be refitted).
     samples: list = field(default_factory=list, repr=False)
 
@@ -670,7 +676,7 @@ class FittedLatencyModel(LatencyModel):
             )
         except LatencyProfileError:
             raise
-        except (KeyError, TypeError, ValueError, IndexError) as e:
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
             raise LatencyProfileError(f"malformed profile: {type(e).__name__}: {e}") from e
 
     @classmethod
@@ -680,7 +686,7 @@ class FittedLatencyModel(LatencyModel):
         :class:`LatencyProfileError`. ``refit=True`` refits from the stored samples."""
         path = Path(path)
         try:
-            text = path.read_text()
+            text = path.read_bytes()
         except FileNotFoundError:
             raise LatencyProfileError(
                 f"no latency profile at {path}; run the profiler to create one") from None
@@ -688,7 +694,7 @@ class FittedLatencyModel(LatencyModel):
             raise LatencyProfileError(f"cannot read latency profile {path}: {e}") from e
         try:
             doc = json.loads(text)
-        except json.JSONDecodeError as e:
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
             raise LatencyProfileError(f"corrupt latency profile {path}: invalid JSON ({e}); delete it and re-profile") from e
         try:
             model = cls.from_dict(doc)

@@ -90,23 +90,23 @@ class ModelRunner:
         first, last = plan.first_layer, plan.last_layer
         t_layers = 0.0
         for j in range(first, last):
-            if j in change_points:
+            changed = j in change_points
+            if changed:
                 tb = time.perf_counter()
                 active, hidden = self._park(active, hidden, ends.get(j, ()), j)
-                if j > first and stop_at is not None and stop_at(j):
-                    self._park(active, hidden, active, j)
-                    res.stopped_layer = j
-                    active = []
-                    break
-                active, hidden = self._join(active, hidden, starts.get(j, ()), requests)
-                seg_end = next((c for c in next_change if c > j), last)
-                meta = self._build_metadata(active, range(j, seg_end))
-                res.boundary_seconds += time.perf_counter() - tb
-            elif stop_at is not None and stop_at(j):
+            if j > first and stop_at is not None and stop_at(j):
                 self._park(active, hidden, active, j)
                 res.stopped_layer = j
                 active = []
                 break
+            if changed:
+                active, hidden = self._join(active, hidden, starts.get(j, ()), requests)
+                if active:
+                    seg_end = next((c for c in next_change if c > j), last)
+                    meta = self._build_metadata(active, range(j, seg_end))
+                res.boundary_seconds += time.perf_counter() - tb
+            if not active:
+                continue  # no work runs this layer (a gap between works)
             tl = time.perf_counter()
             hidden = self.model.forward_layer(j, hidden, meta)
             t_layers += time.perf_counter() - tl

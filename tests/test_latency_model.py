@@ -288,6 +288,19 @@ def test_truncated_or_mismatched_profile_raises(model, tmp_path):
     with pytest.raises(LatencyProfileError, match="malformed"):
         FittedLatencyModel.load(bad)
     doc = json.loads(p.read_text())
+    doc["model"]["attention"]["coef"]["d_ctx"] = -1.0  # would break monotonicity
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(LatencyProfileError, match="malformed"):
+        FittedLatencyModel.load(bad)
+    doc = json.loads(p.read_text())
+    doc["samples"] = [1, 2]
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(LatencyProfileError, match="malformed"):
+        FittedLatencyModel.load(bad)
+    bad.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(LatencyProfileError, match="corrupt"):
+        FittedLatencyModel.load(bad)
+    doc = json.loads(p.read_text())
     doc["version"] = 999
     bad.write_text(json.dumps(doc))
     with pytest.raises(LatencyProfileError, match="version"):

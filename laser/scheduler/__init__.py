@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .base import Scheduler
 from .sarathi import SarathiScheduler
+from .laser import LaserScheduler
 from .vllm import VLLMScheduler
 
 POLICIES: dict[str, type[Scheduler]] = {}
@@ -14,7 +15,7 @@ def register(cls: type[Scheduler]) -> type[Scheduler]:
     return cls
 
 
-for _cls in (VLLMScheduler, SarathiScheduler):
+for _cls in (VLLMScheduler, SarathiScheduler, LaserScheduler):
     register(_cls)
 
 

@@ -69,6 +69,17 @@ class Scheduler(ABC):
         self.waiting.sort(key=self.queue_key)
         self.on_arrival(req)
 
+    def add_running(self, req: Request) -> None:
+        """Adopt a request that already holds KV (decode hand-off from a prefill instance)."""
+        if req.req_id in self.requests:
+            raise ValueError(f"duplicate request id {req.req_id}")
+        self.requests[req.req_id] = req
+        self.running.append(req)
+        self.on_adopt(req)
+
+    def on_adopt(self, req: Request) -> None:
+        """Hook: a decode-phase request joined (Laser replans)."""
+
     def on_arrival(self, req: Request) -> None:
         """Hook for policies that react to arrivals (Laser's slack check)."""
 

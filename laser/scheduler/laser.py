@@ -1,0 +1,353 @@
+"""``laser``: layer-level chunked prefill and layer-level decode batching (PPoPP'26 §6).
+
+Prefill (§6.1). Queue order is EDF (arrival + TTFT target). Each step the scheduler
+takes prefill requests in EDF order and merges them into one batch while every
+included deadline still holds under the latency model; a request whose whole prompt
+would break a deadline contributes a deadline-sized chunk instead ("split the newcomer
+and merge a chunk of it"). Chunks paused at a layer boundary resume *at that layer*,
+so a newcomer runs alone up to the paused layer and then merges with it. On arrival,
+``slack = deadline - now - predicted prefill``; if the running step's remaining time
+exceeds the slack, the step stops at the next layer boundary (``stop_at``), every
+in-flight chunk parks its hidden state in the intermediate cache, and the next
+``schedule`` re-plans with the newcomer in EDF position: merged if the merge meets its
+deadline, otherwise first.
+
+Decode (§6.2, Alg. 1). Decode request r has a plan (L_r, O_r): with K_r = ceil(N/L_r)
+layer groups, group g (layers ((g-1)L, gL]) runs in iteration i iff
+``(i - g - O_r) mod K_r == 0`` — one group per iteration, a token every K_r
+iterations. T_g is the tightest TBT target present. While the predicted iteration time
+exceeds T_g, the most relaxed full-depth request gets ``L = ceil(N*T_g/SLO_r)`` and the
+offset that balances layer load; while it is below T_g, the strictest reduced request
+is restored to L = N (reverted if that breaks T_g). Plans change only on arrival,
+departure, or when the measured iteration time nears T_g.
+
+Colocated (role ``mixed``, not in the paper): prefill layer-work shares iterations with
+decode layer-work and gets the time left under T_g, advancing as many layers per
+iteration as fit; a prefill's chunk may thus cross several iterations layer by layer.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from ..latency_model import LatencyModel, SimpleLatencyModel
+from ..plan import StepPlan, Work
+from ..request import Phase, Request
+from .base import Scheduler, ceil_div
+
+
+@dataclass(slots=True)
+class DecodePlan:
+    """Alg. 1 plan of one decode request: L layers per iteration, offset O."""
+
+    layers: int  # L
+    offset: int  # O
+
+    def groups(self, n: int) -> int:
+        return ceil_div(n, self.layers)
+
+
+class LaserScheduler(Scheduler):
+    name = "laser"
+
+    #: Fraction of T_g reserved for prefill layer-work when prefills are pending (mixed role).
+    prefill_share = 0.3
+    #: Replan when the measured iteration time exceeds this fraction of T_g.
+    replan_threshold = 0.95
+    #: Smallest prefill chunk worth a layer call (tokens).
+    min_chunk = 16
+
+    def __init__(self, config, num_layers, block_manager, icache, latency_model: LatencyModel | None = None):
+        super().__init__(config, num_layers, block_manager, icache, latency_model)
+        # Until a profile exists: a rough CPU-scale estimate (replaced by the fitted model).
+        self.lm: LatencyModel = latency_model or SimpleLatencyModel(
+            num_layers=num_layers, per_layer=2e-4, per_token=4e-5, per_context=2e-7
+        )
+        self.plans: dict[str, DecodePlan] = {}
+        self.iteration = 0
+        self.replan_needed = False
+        self.num_replans = 0
+        self.num_step_preemptions = 0
+        self.clock = time.monotonic
+        # State of the step being executed (for the arrival-time slack check).
+        self._in_step = False
+        self._step_cum: list[float] = []  # predicted seconds to finish layers < j of the plan
+        self._step_first = 0
+        self._cur_layer = 0
+        self._preempt = False
+        self._step_start = 0.0
+        self.last_iteration_s: float | None = None
+        self.t_g = math.inf
+
+    # -- events ---------------------------------------------------------------------------------
+    def on_arrival(self, req: Request) -> None:
+        # §6.1: preempt the running step at the next layer boundary when its remaining
+        # time exceeds the newcomer's slack.
+        if not self._in_step or req.slo.ttft is None or self.config.role == "decode":
+            return
+        now = self.clock()
+        slack = req.ttft_deadline - now - self.lm.predict_prefill(req.num_tokens)
+        j = min(max(self._cur_layer, self._step_first), len(self._step_cum) - 1)
+        remaining = self._step_cum[-1] - self._step_cum[j]
+        if remaining > slack and remaining > 0 and slack > -self.lm.predict_prefill(req.num_tokens):
+            # (a request already hopeless even if it ran next does not disrupt others)
+            self._preempt = True
+
+    def on_adopt(self, req: Request) -> None:
+        self.replan_needed = True
+
+    def on_finish(self, req: Request) -> None:
+        if self.plans.pop(req.req_id, None) is not None or req.phase == Phase.DECODE:
+            self.replan_needed = True
+
+    def stop_at(self, layer: int) -> bool:
+        self._cur_layer = layer
+        if self._preempt:
+            self._preempt = False
+            self.num_step_preemptions += 1
+            return True
+        return False
+
+    # -- the step ---------------------------------------------------------------------------------
+    def schedule(self, now: float) -> StepPlan:
+        # Rule: decode requests run the layer groups their (L, O) plans give for this
+        # iteration (Alg. 1, replanned only on events); prefill requests fill the time left
+        # under T_g (all of it on a prefill instance) in EDF order, merged while every
+        # included TTFT deadline holds, each advancing as many layers as fit.
+        n = self.num_layers
+        works: list[Work] = []
+        if self.config.role != "prefill":
+            works = self._decode_works(now)
+        decode_time = self.lm.predict_iteration(StepPlan(n, works)) if works else 0.0
+        if self.config.role != "decode":
+            budget = math.inf if not works else max(self.t_g - decode_time, self.prefill_share * self.t_g)
+            works += self._prefill_works(now, works, budget)
+        self.relieve_deadlock(works)
+        plan = StepPlan(n, works)
+        self._begin_step(plan)
+        return plan
+
+    def _begin_step(self, plan: StepPlan) -> None:
+        cum = [0.0]
+        if plan.works:
+            first, last = plan.first_layer, plan.last_layer
+            lt = self.lm.predict_layer
+            for j in range(0, last):
+                cum.append(cum[-1] + (lt(plan.layer_step(j)) if j >= first else 0.0))
+        self._step_cum = cum
+        self._step_first = plan.first_layer if plan.works else 0
+        self._cur_layer = self._step_first
+        self._in_step = bool(plan.works)
+        self._preempt = False
+        self._step_start = self.clock()
+
+    def update(self, plan, stopped_layer, sampled, now):
+        self._in_step = False
+        if plan.works and stopped_layer == plan.last_layer:
+            dec = [w for w in plan.works if w.num_tokens == 1 and w.req_id in self.plans]
+            if dec:
+                self.last_iteration_s = self.clock() - self._step_start
+                if self.t_g < math.inf and self.last_iteration_s > self.replan_threshold * self.t_g:
+                    self.replan_needed = True
+            self.iteration += 1
+        out = super().update(plan, stopped_layer, sampled, now)
+        for req in out:
+            if req.num_output_tokens == 1 and req.req_id not in self.plans:
+                self.replan_needed = True  # a new decode request
+        return out
+
+    # -- decode (§6.2) -------------------------------------------------------------------------
+    def _decode_works(self, now: float) -> list[Work]:
+        decoding = [r for r in self.running if r.phase == Phase.DECODE]
+        if not decoding:
+            self.t_g = math.inf
+            return []
+        if self.replan_needed or any(r.req_id not in self.plans for r in decoding):
+            self._replan(decoding)
+        n = self.num_layers
+        due = []
+        for r in decoding:
+            p = self.plans[r.req_id]
+            if p.layers >= n or r.next_layer % p.layers:
+                due.append(r)  # full depth, or finishing a group cut short by a preemption
+                continue
+            g = r.next_layer // p.layers + 1
+            if (self.iteration - g - p.offset) % p.groups(n) == 0:
+                due.append(r)
+        # KV for the new token (only those starting a token need a slot)
+        need = [r for r in due if r.next_layer == 0]
+        ok = set(id(r) for r in self.preempt_for_decode(sorted(need, key=self.queue_key)))
+        works = []
+        for r in due:
+            if r.next_layer == 0 and id(r) not in ok:
+                continue
+            if r not in self.running:
+                continue
+            p = self.plans.get(r.req_id)
+            if p is None:
+                continue
+            end = n if p.layers >= n else min(n, (r.next_layer // p.layers + 1) * p.layers)
+            works.append(Work(r.req_id, r.num_tokens - 1, 1, r.next_layer, end, sample=end == n))
+        return works
+
+    def _decode_iteration_times(self, reqs: list[Request], plans: dict[str, DecodePlan], horizon: int) -> list[float]:
+        """Predicted decode-only time of the next ``horizon`` iterations under ``plans``."""
+        n = self.num_layers
+        out = []
+        lt = self.lm.layer_time
+        for it in range(self.iteration, self.iteration + horizon):
+            starts: dict[int, list[int]] = {}
+            ends: dict[int, list[int]] = {}
+            for r in reqs:
+                p = plans[r.req_id]
+                if p.layers >= n:
+                    a, b = 0, n
+                else:
+                    k = p.groups(n)
+                    g = (it - p.offset - 1) % k + 1  # group that runs in this iteration
+                    a, b = (g - 1) * p.layers, min(n, g * p.layers)
+                starts.setdefault(a, []).append(r.num_tokens)
+                ends.setdefault(b, []).append(r.num_tokens)
+            ctx: list[int] = []
+            total = 0.0
+            bounds = sorted(set(starts) | set(ends))
+            for a, b in zip(bounds, bounds[1:]):
+                for c in ends.get(a, ()):
+                    ctx.remove(c)
+                ctx.extend(starts.get(a, ()))
+                if ctx:
+                    total += (b - a) * lt((1,) * len(ctx), ctx)
+            out.append(total + self.lm.embed_time(len(reqs)) + self.lm.head_time(len(reqs)))
+        return out
+
+    def _predict(self, reqs, plans) -> float:
+        horizon = max((p.groups(self.num_layers) for p in plans.values()), default=1)
+        return max(self._decode_iteration_times(reqs, plans, min(horizon, 8)))
+
+    def _replan(self, decoding: list[Request]) -> None:
+        """Alg. 1: relax the most relaxed / restore the strictest, against T_g."""
+        n = self.num_layers
+        self.replan_needed = False
+        self.num_replans += 1
+        plans = {r.req_id: self.plans.get(r.req_id, DecodePlan(n, 0)) for r in decoding}
+        self.t_g = t_g = min(r.slo.tbt_or_inf for r in decoding)
+        if t_g == math.inf:
+            self.plans = {rid: DecodePlan(n, 0) for rid in plans}
+            return
+        pending_prefill = bool(self.waiting) or any(r.phase != Phase.DECODE for r in self.running)
+        target = t_g * (1 - self.prefill_share) if (pending_prefill and self.config.role == "mixed") else t_g
+        pred = self._predict(decoding, plans)
+        # relax: most relaxed full-depth request first
+        relaxable = sorted(
+            (r for r in decoding if plans[r.req_id].layers >= n and r.slo.tbt_or_inf > t_g),
+            key=lambda r: -r.slo.tbt_or_inf,
+        )
+        for r in relaxable:
+            if pred <= target:
+                break
+            slo = r.slo.tbt_or_inf
+            L = 1 if slo == math.inf else max(1, math.ceil(n * t_g / slo))  # best effort: 1 layer
+            if L >= n:
+                continue
+            plans[r.req_id], pred = self._best_offset(decoding, plans, r, L)
+        # restore: strictest reduced request first, revert if it breaks the target
+        reduced = sorted((r for r in decoding if plans[r.req_id].layers < n), key=lambda r: r.slo.tbt_or_inf)
+        for r in reduced:
+            if pred >= target:
+                break
+            old = plans[r.req_id]
+            plans[r.req_id] = DecodePlan(n, 0)
+            new_pred = self._predict(decoding, plans)
+            if new_pred > target:
+                plans[r.req_id] = old
+                break
+            pred = new_pred
+        self.plans = plans
+
+    def _best_offset(self, reqs, plans, r: Request, L: int) -> tuple[DecodePlan, float]:
+        """The offset for r's new L that minimises the worst predicted iteration time."""
+        k = ceil_div(self.num_layers, L)
+        best = None
+        for o in range(k):
+            plans[r.req_id] = DecodePlan(L, o)
+            t = self._predict(reqs, plans)
+            if best is None or t < best[1] - 1e-12:
+                best = (DecodePlan(L, o), t)
+        plans[r.req_id] = best[0]
+        return best
+
+    # -- prefill (§6.1) ---------------------------------------------------------------------------
+    def _prefill_works(self, now: float, decode_works: list[Work], budget: float) -> list[Work]:
+        """EDF merge of prefill layer-work into the step, within ``budget`` seconds beyond the
+        decode part and without breaking any included TTFT deadline that was being met."""
+        n = self.num_layers
+        plan = StepPlan(n, list(decode_works))
+        limit = (self.lm.predict_iteration(plan) if decode_works else 0.0) + budget
+        cands = sorted([r for r in self.running if r.phase != Phase.DECODE] + list(self.waiting), key=self.queue_key)
+        works: list[Work] = []
+        met: list[float] = []  # deadlines of included requests this step still meets
+        tokens = 0
+        for r in cands:
+            if r.phase == Phase.WAITING and len(self.running) >= self.config.max_num_seqs:
+                break
+            if r.in_flight:
+                start, k, lo = r.num_computed_tokens, r.chunk_tokens, r.next_layer
+            else:
+                start, k, lo = r.num_computed_tokens, min(self.prefill_remaining(r), self.config.max_num_batched_tokens - tokens), 0
+                if k <= 0:
+                    break
+
+            def mk(k, end, r=r, start=start, lo=lo):
+                return Work(r.req_id, start, k, lo, end, sample=end == n and start + k == r.num_tokens)
+
+            w = self._fit(plan, mk, k, lo, r.in_flight, limit, met, now)
+            if w is None:
+                if works:
+                    continue
+                # progress guarantee for the most urgent prefill: at least one layer
+                w = mk(k if r.in_flight else min(k, self.min_chunk), lo + 1)
+            if not self.try_allocate(r, w.context_len, range(w.layer_start, w.layer_end)):
+                break
+            if r.phase == Phase.WAITING or r in self.waiting:
+                self.admit(r)
+            works.append(w)
+            plan.works.append(w)
+            tokens += w.num_tokens
+            if now + self.lm.predict_iteration(plan) <= r.ttft_deadline:
+                met.append(r.ttft_deadline)
+        return works
+
+    def _fits(self, plan: StepPlan, w: Work, limit: float, met: list[float], now: float) -> bool:
+        plan.works.append(w)
+        t = self.lm.predict_iteration(plan)
+        plan.works.pop()
+        return t <= limit and all(now + t <= d for d in met)
+
+    def _fit(self, plan, mk, k: int, lo: int, paused: bool, limit, met, now) -> Work | None:
+        """Largest work that fits: a paused chunk advances as many layers as fit; a new chunk
+        takes the most tokens whose full pass fits, else a minimum chunk for fewer layers."""
+        n = self.num_layers
+        if self._fits(plan, mk(k, n), limit, met, now):
+            return mk(k, n)
+        if not paused:
+            best = _largest(1, k - 1, lambda x: self._fits(plan, mk(x, n), limit, met, now))
+            if best is not None and best >= min(self.min_chunk, k):
+                return mk(best, n)
+            k = min(k, self.min_chunk)
+        end = _largest(lo + 1, n - 1, lambda e: self._fits(plan, mk(k, e), limit, met, now))
+        return None if end is None else mk(k, end)
+
+
+def _largest(lo: int, hi: int, ok) -> int | None:
+    """Largest x in [lo, hi] with ok(x), for ok monotone (True then False); None if none."""
+    if hi < lo or not ok(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
