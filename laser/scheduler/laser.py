@@ -77,22 +77,30 @@ class LaserScheduler(Scheduler):
         self._step_first = 0
         self._cur_layer = 0
         self._preempt = False
+        self._step_has_prefill = False
         self._step_start = 0.0
         self.last_iteration_s: float | None = None
         self.t_g = math.inf
 
     # -- events ---------------------------------------------------------------------------------
     def on_arrival(self, req: Request) -> None:
-        # §6.1: preempt the running step at the next layer boundary when its remaining
-        # time exceeds the newcomer's slack.
-        if not self._in_step or req.slo.ttft is None or self.config.role == "decode":
+        # §6.1: stop the running step at the next layer boundary when (a) its remaining
+        # time exceeds the newcomer's slack (preempt), or (b) it is running prefill work and
+        # the newcomer is the only one queued (merge: the newcomer catches up to the paused
+        # layer and joins it; the next schedule sizes its chunk so every deadline holds).
+        if not self._in_step or self.config.role == "decode":
             return
-        now = self.clock()
-        slack = req.ttft_deadline - now - self.lm.predict_prefill(req.num_tokens)
-        j = min(max(self._cur_layer, self._step_first), len(self._step_cum) - 1)
-        remaining = self._step_cum[-1] - self._step_cum[j]
-        if remaining > slack and remaining > 0 and slack > -self.lm.predict_prefill(req.num_tokens):
-            # (a request already hopeless even if it ran next does not disrupt others)
+        if req.slo.ttft is not None:
+            now = self.clock()
+            alone = self.lm.predict_prefill(req.num_tokens)
+            slack = req.ttft_deadline - now - alone
+            j = min(max(self._cur_layer, self._step_first), len(self._step_cum) - 1)
+            remaining = self._step_cum[-1] - self._step_cum[j]
+            # (a request already hopeless even if it ran next does not disrupt the others)
+            if remaining > slack and slack > -alone:
+                self._preempt = True
+                return
+        if self._step_has_prefill and len(self.waiting) == 1 and self._cur_layer < self.num_layers - 1:
             self._preempt = True
 
     def on_adopt(self, req: Request) -> None:
@@ -140,6 +148,7 @@ class LaserScheduler(Scheduler):
         self._step_first = plan.first_layer if plan.works else 0
         self._cur_layer = self._step_first
         self._in_step = bool(plan.works)
+        self._step_has_prefill = any(w.num_tokens > 1 or w.req_id not in self.plans for w in plan.works)
         self._preempt = False
         self._step_start = self.clock()
 
