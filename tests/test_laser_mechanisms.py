@@ -193,7 +193,7 @@ def test_alg1_restore_strictest_and_revert_when_it_breaks_tg():
     assert sched.plans[tight.req_id].layers == N
     assert sched.plans[mid.req_id].layers == N, "strictest reduced request was not restored"
     assert sched.plans[loose.req_id].layers < N, "restore that breaks T_g was not reverted"
-    assert sched._predict(decoding, sched.plans) <= 0.0125 + 1e-12
+    assert sched.predict_decode(decoding) <= 0.0125 + 1e-12
 
 
 def test_no_starvation_of_best_effort_under_sustained_tight_load():

@@ -69,6 +69,7 @@ class LaserScheduler(Scheduler):
         self.iteration = 0
         self.replan_needed = False
         self.num_replans = 0
+        self._last_drift_replan = -(10**9)
         self.num_step_preemptions = 0
         self.clock = time.monotonic
         # State of the step being executed (for the arrival-time slack check).
@@ -158,7 +159,12 @@ class LaserScheduler(Scheduler):
             dec = [w for w in plan.works if w.num_tokens == 1 and w.req_id in self.plans]
             if dec:
                 self.last_iteration_s = self.clock() - self._step_start
-                if self.t_g < math.inf and self.last_iteration_s > self.replan_threshold * self.t_g:
+                if (
+                    self.t_g < math.inf
+                    and self.last_iteration_s > self.replan_threshold * self.t_g
+                    and self.iteration - self._last_drift_replan >= _LayerLoad.HORIZON
+                ):
+                    self._last_drift_replan = self.iteration
                     self.replan_needed = True
             self.iteration += 1
         out = super().update(plan, stopped_layer, sampled, now)
@@ -201,40 +207,6 @@ class LaserScheduler(Scheduler):
             works.append(Work(r.req_id, r.num_tokens - 1, 1, r.next_layer, end, sample=end == n))
         return works
 
-    def _decode_iteration_times(self, reqs: list[Request], plans: dict[str, DecodePlan], horizon: int) -> list[float]:
-        """Predicted decode-only time of the next ``horizon`` iterations under ``plans``."""
-        n = self.num_layers
-        out = []
-        lt = self.lm.layer_time
-        for it in range(self.iteration, self.iteration + horizon):
-            starts: dict[int, list[int]] = {}
-            ends: dict[int, list[int]] = {}
-            for r in reqs:
-                p = plans[r.req_id]
-                if p.layers >= n:
-                    a, b = 0, n
-                else:
-                    k = p.groups(n)
-                    g = (it - p.offset - 1) % k + 1  # group that runs in this iteration
-                    a, b = (g - 1) * p.layers, min(n, g * p.layers)
-                starts.setdefault(a, []).append(r.num_tokens)
-                ends.setdefault(b, []).append(r.num_tokens)
-            ctx: list[int] = []
-            total = 0.0
-            bounds = sorted(set(starts) | set(ends))
-            for a, b in zip(bounds, bounds[1:]):
-                for c in ends.get(a, ()):
-                    ctx.remove(c)
-                ctx.extend(starts.get(a, ()))
-                if ctx:
-                    total += (b - a) * lt((1,) * len(ctx), ctx)
-            out.append(total + self.lm.embed_time(len(reqs)) + self.lm.head_time(len(reqs)))
-        return out
-
-    def _predict(self, reqs, plans) -> float:
-        horizon = max((p.groups(self.num_layers) for p in plans.values()), default=1)
-        return max(self._decode_iteration_times(reqs, plans, min(horizon, 8)))
-
     def _replan(self, decoding: list[Request]) -> None:
         """Alg. 1: relax the most relaxed / restore the strictest, against T_g."""
         n = self.num_layers
@@ -247,57 +219,56 @@ class LaserScheduler(Scheduler):
             return
         pending_prefill = bool(self.waiting) or any(r.phase != Phase.DECODE for r in self.running)
         target = t_g * (1 - self.prefill_share) if (pending_prefill and self.config.role == "mixed") else t_g
-        pred = self._predict(decoding, plans)
-        # relax: most relaxed full-depth request first
+        load = _LayerLoad(self, decoding, plans)
+        # relax: the most relaxed full-depth request first
         relaxable = sorted(
             (r for r in decoding if plans[r.req_id].layers >= n and r.slo.tbt_or_inf > t_g),
             key=lambda r: -r.slo.tbt_or_inf,
         )
         for r in relaxable:
-            if pred <= target:
+            if load.predict() <= target:
                 break
             slo = r.slo.tbt_or_inf
             L = 1 if slo == math.inf else max(1, math.ceil(n * t_g / slo))  # best effort: 1 layer
             if L >= n:
                 continue
-            plans[r.req_id], pred = self._best_offset(decoding, plans, r, L)
-        # restore: strictest reduced request first, revert if it breaks the target
+            load.remove(plans[r.req_id])
+            plans[r.req_id] = load.best_offset(L)
+            load.add(plans[r.req_id])
+        # restore: the strictest reduced request first; revert (and stop) if it breaks the target
         reduced = sorted((r for r in decoding if plans[r.req_id].layers < n), key=lambda r: r.slo.tbt_or_inf)
         for r in reduced:
-            if pred >= target:
+            if load.predict() >= target:
                 break
             old = plans[r.req_id]
-            plans[r.req_id] = DecodePlan(n, 0)
-            new_pred = self._predict(decoding, plans)
-            if new_pred > target:
-                plans[r.req_id] = old
+            load.remove(old)
+            load.add(DecodePlan(n, 0))
+            if load.predict() > target:
+                load.remove(DecodePlan(n, 0))
+                load.add(old)
                 break
-            pred = new_pred
+            plans[r.req_id] = DecodePlan(n, 0)
         self.plans = plans
 
-    def _best_offset(self, reqs, plans, r: Request, L: int) -> tuple[DecodePlan, float]:
-        """The offset for r's new L that minimises the worst predicted iteration time."""
-        k = ceil_div(self.num_layers, L)
-        best = None
-        for o in range(k):
-            plans[r.req_id] = DecodePlan(L, o)
-            t = self._predict(reqs, plans)
-            if best is None or t < best[1] - 1e-12:
-                best = (DecodePlan(L, o), t)
-        plans[r.req_id] = best[0]
-        return best
+    def predict_decode(self, decoding: list[Request], plans: dict[str, DecodePlan] | None = None) -> float:
+        """Worst predicted decode-only iteration time over the next iterations under ``plans``."""
+        return _LayerLoad(self, decoding, plans if plans is not None else self.plans).predict()
 
     # -- prefill (§6.1) ---------------------------------------------------------------------------
+    #: Stop looking for more prefill work after this many candidates did not fit.
+    max_misses = 2
+
     def _prefill_works(self, now: float, decode_works: list[Work], budget: float) -> list[Work]:
         """EDF merge of prefill layer-work into the step, within ``budget`` seconds beyond the
         decode part and without breaking any included TTFT deadline that was being met."""
         n = self.num_layers
-        plan = StepPlan(n, list(decode_works))
-        limit = (self.lm.predict_iteration(plan) if decode_works else 0.0) + budget
+        cost = _PlanCost(self.lm, n, decode_works)
+        limit = cost.total + budget
         cands = sorted([r for r in self.running if r.phase != Phase.DECODE] + list(self.waiting), key=self.queue_key)
         works: list[Work] = []
         met: list[float] = []  # deadlines of included requests this step still meets
         tokens = 0
+        misses = 0
         for r in cands:
             if r.phase == Phase.WAITING and len(self.running) >= self.config.max_num_seqs:
                 break
@@ -311,9 +282,12 @@ class LaserScheduler(Scheduler):
             def mk(k, end, r=r, start=start, lo=lo):
                 return Work(r.req_id, start, k, lo, end, sample=end == n and start + k == r.num_tokens)
 
-            w = self._fit(plan, mk, k, lo, r.in_flight, limit, met, now)
+            w = self._fit(cost, mk, k, lo, r.in_flight, limit, met, now)
             if w is None:
                 if works:
+                    misses += 1
+                    if misses >= self.max_misses:
+                        break
                     continue
                 # progress guarantee for the most urgent prefill: at least one layer
                 w = mk(k if r.in_flight else min(k, self.min_chunk), lo + 1)
@@ -322,31 +296,80 @@ class LaserScheduler(Scheduler):
             if r.phase == Phase.WAITING or r in self.waiting:
                 self.admit(r)
             works.append(w)
-            plan.works.append(w)
+            cost.add(w)
             tokens += w.num_tokens
-            if now + self.lm.predict_iteration(plan) <= r.ttft_deadline:
+            if now + cost.total <= r.ttft_deadline:
                 met.append(r.ttft_deadline)
         return works
 
-    def _fits(self, plan: StepPlan, w: Work, limit: float, met: list[float], now: float) -> bool:
-        plan.works.append(w)
-        t = self.lm.predict_iteration(plan)
-        plan.works.pop()
-        return t <= limit and all(now + t <= d for d in met)
-
-    def _fit(self, plan, mk, k: int, lo: int, paused: bool, limit, met, now) -> Work | None:
+    def _fit(self, cost: "_PlanCost", mk, k: int, lo: int, paused: bool, limit, met, now) -> Work | None:
         """Largest work that fits: a paused chunk advances as many layers as fit; a new chunk
         takes the most tokens whose full pass fits, else a minimum chunk for fewer layers."""
         n = self.num_layers
-        if self._fits(plan, mk(k, n), limit, met, now):
+        deadline = min(met, default=math.inf) - now
+        bound = min(limit, deadline)
+
+        def fits(w):
+            return cost.with_work(w) <= bound
+
+        if fits(mk(k, n)):
             return mk(k, n)
         if not paused:
-            best = _largest(1, k - 1, lambda x: self._fits(plan, mk(x, n), limit, met, now))
+            best = _largest(1, k - 1, lambda x: fits(mk(x, n)))
             if best is not None and best >= min(self.min_chunk, k):
                 return mk(best, n)
             k = min(k, self.min_chunk)
-        end = _largest(lo + 1, n - 1, lambda e: self._fits(plan, mk(k, e), limit, met, now))
+        end = _largest(lo + 1, n - 1, lambda e: fits(mk(k, e)))
         return None if end is None else mk(k, end)
+
+
+class _PlanCost:
+    """Predicted time of a plan under construction, with O(segments) marginal costs.
+
+    The plan's layers split into segments where the batch is constant; the cost of adding a
+    work is priced only over the segments it overlaps (equal to ``predict_iteration`` of the
+    extended plan, which a test checks).
+    """
+
+    def __init__(self, lm: LatencyModel, num_layers: int, works: list[Work]):
+        self.lm = lm
+        self.n = num_layers
+        self.works = list(works)
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        lm, ws = self.lm, self.works
+        bounds = sorted({0, self.n} | {w.layer_start for w in ws} | {w.layer_end for w in ws})
+        self.segs = []  # (a, b, q, c, per-layer time)
+        layers = 0.0
+        for a, b in zip(bounds, bounds[1:]):
+            act = [w for w in ws if w.layer_start <= a < w.layer_end]
+            q = tuple(w.num_tokens for w in act)
+            c = tuple(w.context_len for w in act)
+            t = lm.layer_time(q, c)
+            self.segs.append((a, b, q, c, t))
+            layers += (b - a) * t
+        self.embed_tokens = sum(w.num_tokens for w in ws if w.layer_start == 0)
+        self.final = sum(1 for w in ws if w.layer_end == self.n)
+        self.total = layers + lm.embed_time(self.embed_tokens) + lm.head_time(self.final)
+        self._layers = layers
+
+    def with_work(self, w: Work) -> float:
+        """Predicted time of the plan plus ``w`` (seconds)."""
+        lm = self.lm
+        t = self._layers
+        lo, hi = w.layer_start, w.layer_end
+        for a, b, q, c, per in self.segs:
+            o = min(b, hi) - max(a, lo)
+            if o > 0:
+                t += o * (lm.layer_time(q + (w.num_tokens,), c + (w.context_len,)) - per)
+        e = self.embed_tokens + (w.num_tokens if lo == 0 else 0)
+        f = self.final + (1 if hi == self.n else 0)
+        return t + lm.embed_time(e) + lm.head_time(f)
+
+    def add(self, w: Work) -> None:
+        self.works.append(w)
+        self._rebuild()
 
 
 def _largest(lo: int, hi: int, ok) -> int | None:
@@ -360,3 +383,84 @@ def _largest(lo: int, hi: int, ok) -> int | None:
         else:
             hi = mid - 1
     return lo
+
+
+class _LayerLoad:
+    """Decode requests per layer over the next ``HORIZON`` iterations, for Alg. 1.
+
+    Layer j of iteration (now + h) runs ``full + partial[h][j]`` decode requests: ``full``
+    counts full-depth requests, ``partial`` the reduced ones (L < N). A layer's time is
+    priced by the latency model for that many decode tokens at the batch's mean context
+    (memoised), so trying an offset costs O(HORIZON·L), not a re-simulation. Exact for K in
+    {1, 2, 3, 4, 6, 12}; an approximation of the worst iteration otherwise.
+    """
+
+    HORIZON = 12
+
+    def __init__(self, sched: LaserScheduler, reqs: list[Request], plans: dict[str, DecodePlan]):
+        self.n = sched.num_layers
+        self.it0 = sched.iteration
+        lm = sched.lm
+        ctx = round(sum(r.num_tokens for r in reqs) / max(1, len(reqs)))
+        memo: dict[int, float] = {0: 0.0}
+
+        def layer(c: int) -> float:
+            t = memo.get(c)
+            if t is None:
+                t = memo[c] = lm.layer_time((1,) * c, (ctx,) * c)
+            return t
+
+        self.layer = layer
+        self.const = lm.embed_time(len(reqs)) + lm.head_time(len(reqs))
+        self.full = 0
+        self.partial = [[0] * self.n for _ in range(self.HORIZON)]
+        self.times: list[float] | None = None  # per iteration; None = recompute
+        for r in reqs:
+            self.add(plans[r.req_id])
+
+    def _span(self, p: DecodePlan, h: int) -> tuple[int, int]:
+        k = p.groups(self.n)
+        g = (self.it0 + h - p.offset - 1) % k + 1  # the group that runs in this iteration
+        return (g - 1) * p.layers, min(self.n, g * p.layers)
+
+    def _times(self) -> list[float]:
+        if self.times is None:
+            f, lt = self.full, self.layer
+            self.times = [sum(lt(f + c) for c in row) for row in self.partial]
+        return self.times
+
+    def _delta(self, p: DecodePlan, h: int, d: int) -> float:
+        a, b = self._span(p, h)
+        row, lt, f = self.partial[h], self.layer, self.full
+        return sum(lt(f + row[j] + d) - lt(f + row[j]) for j in range(a, b))
+
+    def add(self, p: DecodePlan, d: int = 1) -> None:
+        if p.layers >= self.n:
+            self.full += d
+            self.times = None
+            return
+        times = self.times
+        for h in range(self.HORIZON):
+            if times is not None:
+                times[h] += self._delta(p, h, d)
+            a, b = self._span(p, h)
+            row = self.partial[h]
+            for j in range(a, b):
+                row[j] += d
+
+    def remove(self, p: DecodePlan) -> None:
+        self.add(p, -1)
+
+    def predict(self) -> float:
+        return max(self._times()) + self.const
+
+    def best_offset(self, L: int) -> DecodePlan:
+        """Offset for a new plan with L layers that minimises the worst iteration (load balance)."""
+        times = self._times()
+        best, best_t = None, math.inf
+        for o in range(ceil_div(self.n, L)):
+            p = DecodePlan(L, o)
+            t = max(times[h] + self._delta(p, h, 1) for h in range(self.HORIZON))
+            if t < best_t - 1e-12:
+                best, best_t = p, t
+        return best
