@@ -221,3 +221,27 @@ def test_icache_eviction_recomputes_and_never_drops(policy):
     sim.run()
     assert all(r.num_output_tokens == 6 for r in reqs)
     sim.scheduler.check_integrity(expect_empty=True)
+
+
+def test_marginal_plan_cost_equals_full_prediction():
+    """The scheduler's O(segments) marginal cost equals predict_iteration of the extended plan."""
+    import random
+
+    from laser.plan import StepPlan, Work
+    from laser.scheduler.laser import _PlanCost
+
+    lm = SimpleLatencyModel(num_layers=N, per_layer=3e-4, per_token=5e-5, per_context=1e-7,
+                            per_embed_token=1e-6, head_const=1e-3, per_head_row=1e-5)
+    rng = random.Random(3)
+    for _ in range(50):
+        works = []
+        for k in range(rng.randint(0, 6)):
+            a = rng.randrange(N)
+            b = rng.randint(a + 1, N)
+            q = rng.choice([1, rng.randint(2, 300)])
+            works.append(Work(f"r{k}", rng.randint(0, 500), q, a, b))
+        cost = _PlanCost(lm, N, works)
+        assert cost.total == pytest.approx(lm.predict_iteration(StepPlan(N, works)), rel=1e-12, abs=1e-15)
+        a = rng.randrange(N)
+        w = Work("new", 0, rng.randint(1, 400), a, rng.randint(a + 1, N))
+        assert cost.with_work(w) == pytest.approx(lm.predict_iteration(StepPlan(N, works + [w])), rel=1e-9)
