@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/laser generate --prompt "What is the capital of France? Answer in one sentence." --max-tokens 64
+	$(BIN)/laser serve
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

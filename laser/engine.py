@@ -70,6 +70,22 @@ def request_record(req: Request):
 
 
 @dataclass
+class EngineStats:
+    """Cumulative time split of ``Engine.step`` (seconds): scheduling+bookkeeping vs execution."""
+
+    steps: int = 0
+    schedule_s: float = 0.0  # schedule() + update() + outputs
+    execute_s: float = 0.0  # runner.execute (layer calls + composition changes)
+    layer_s: float = 0.0  # inside forward_layer only
+    layer_calls: int = 0
+
+    @property
+    def scheduler_share(self) -> float:
+        total = self.schedule_s + self.execute_s
+        return self.schedule_s / total if total else 0.0
+
+
+@dataclass
 class Handoff:
     """A prefilled request leaving a prefill instance: its state and KV, one (K, V) per layer."""
 
@@ -147,6 +163,7 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         self.last_result = None
+        self.stats = EngineStats()
 
     # -- requests ----------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int] | list[dict]) -> list[int]:
@@ -229,14 +246,24 @@ class Engine:
         """One scheduling step: schedule -> execute -> update. Returns outputs of requests that progressed."""
         if self.arrival_hook is not None:
             self.arrival_hook()
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule(self.clock())
         if not plan:
             return []
+        t1 = time.perf_counter()
         result = self.runner.execute(plan, self.scheduler.requests, stop_at=self._stop_at)
         self.last_result = result
         now = self.clock()
+        t2 = time.perf_counter()
         updated = self.scheduler.update(plan, result.stopped_layer, result.sampled, now)
-        return [self._emit(req, now) for req in updated]
+        outs = [self._emit(req, now) for req in updated]
+        st = self.stats
+        st.steps += 1
+        st.schedule_s += t1 - t0 + time.perf_counter() - t2
+        st.execute_s += t2 - t1
+        st.layer_s += result.layer_seconds
+        st.layer_calls += result.num_layer_calls
+        return outs
 
     def _stop_at(self, layer: int) -> bool:
         if self.arrival_hook is not None:

@@ -63,7 +63,7 @@ BEST_EFFORT = SLO()
 class SamplingParams:
     """Per-request sampling parameters (vLLM names and semantics).
 
-    ``temperature == 0`` is greedy. ``top_k <= 0`` disables top-k; ``top_p == 1`` disables
+    ``temperature < 1e-5`` is greedy. ``top_k <= 0`` disables top-k; ``top_p == 1`` disables
     top-p. ``seed`` gives the request its own generator, so a seeded request samples the
     same tokens whatever it is batched with.
     """
@@ -91,12 +91,15 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidRequestError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64):
+            raise InvalidRequestError(f"seed must be an integer in [-2^63, 2^64), got {self.seed!r}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperatures below 1e-5 are greedy (as vLLM): dividing logits by ~0 overflows."""
+        return self.temperature < 1e-5
 
 
 _ids = itertools.count()

@@ -1,0 +1,176 @@
+"""``laser serve``: the OpenAI-compatible server (FastAPI + uvicorn) over one engine instance."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+
+log = logging.getLogger("laser.server")
+
+
+def register(subparsers) -> None:
+    """Add the ``serve`` subcommand (called by ``laser.cli.main``)."""
+    from ..async_engine import ON_INFEASIBLE
+    from ..cli import add_engine_args
+
+    p = subparsers.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server with per-request SLOs",
+    )
+    add_engine_args(p)
+    p.add_argument("--role", default="mixed", choices=["mixed"],
+                   help="instance role (prefill/decode instances are driven by the global controller)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="names accepted in the 'model' field (default: the model's name)")
+    p.add_argument("--api-key", default=os.environ.get("LASER_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $LASER_API_KEY)")
+    p.add_argument("--on-infeasible", default="queue", choices=list(ON_INFEASIBLE),
+                   help="when the latency model predicts a TTFT miss even if the request ran next: serve it "
+                        "anyway (queue), answer 429 (reject), or serve it as best_effort (demote)")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="accepted requests without a first token, at most; more get 429")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length limit (tokens)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGINT/SIGTERM, seconds in-flight requests may finish before they are aborted")
+    p.add_argument("--no-warmup", action="store_true", help="skip the warm-up request before serving")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)
+
+
+def _warmup(engine) -> None:
+    """One short request through every layer, so the first client does not pay for lazy init."""
+    from ..request import SamplingParams
+
+    ids = engine.tokenizer.encode("Hello")[:8] or [0]
+    req = engine.add_request(ids, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+                             req_id="laser-warmup")
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_integrity(expect_empty=True)
+    return req
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from ..async_engine import AsyncEngine
+    from ..cli import build_engine
+    from .app import build_app
+
+    if args.max_waiting < 1:
+        print("laser: error: --max-waiting must be >= 1", file=sys.stderr)
+        return 2
+    engine = build_engine(args, max_model_len=args.max_model_len)
+    if not args.no_warmup:
+        _warmup(engine)
+    ae = AsyncEngine(engine, max_waiting=args.max_waiting, on_infeasible=args.on_infeasible)
+    app = build_app(ae, served_model_names=args.served_model_name, api_key=args.api_key)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        # Backstop: our own drain aborts at --shutdown-timeout; uvicorn cancels a bit later.
+        timeout_graceful_shutdown=args.shutdown_timeout + 5.0,
+    )
+    server = make_server(config, ae, args.shutdown_timeout)
+    names = ", ".join(args.served_model_name or [engine.model_name])
+    print(
+        f"[laser] serving {names} on http://{args.host}:{args.port}/v1 (policy {engine.scheduler.name}, "
+        f"context {engine.max_model_len}, on-infeasible {args.on_infeasible}, "
+        f"SLO classes {', '.join(engine.slo_classes.names())}, default {engine.slo_classes.default})",
+        file=sys.stderr,
+    )
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn, plus: on the first SIGINT/SIGTERM stop taking requests, let in-flight ones
+        finish for ``drain_s`` seconds, then abort the rest (their streams end cleanly)."""
+
+        def __init__(self, config, async_engine, drain_s: float):
+            super().__init__(config)
+            self.async_engine = async_engine
+            self.drain_s = drain_s
+            self._loop = None
+            self._drain_task = None
+
+        async def startup(self, sockets=None):
+            self._loop = asyncio.get_running_loop()
+            await super().startup(sockets=sockets)
+
+        def handle_exit(self, sig, frame):
+            first = not self.should_exit
+            super().handle_exit(sig, frame)
+            if first and self._loop is not None:
+                self._loop.call_soon_threadsafe(self._begin_drain)
+
+        def _begin_drain(self):
+            log.info("draining: %d request(s) in flight, up to %.0f s", self.async_engine.num_in_flight, self.drain_s)
+            self._drain_task = asyncio.ensure_future(self.async_engine.shutdown(self.drain_s))
+
+    return Server
+
+
+def make_server(config, async_engine, drain_s: float):
+    """A uvicorn server that drains ``async_engine`` on SIGINT/SIGTERM (see ``_server_class``)."""
+    return _server_class()(config, async_engine, drain_s)
+
+
+class LiveServer:
+    """An app served by uvicorn on a background thread (tests, benchmarks, notebooks).
+
+    ``url`` is ``http://host:port``; :meth:`call` runs a coroutine on the server's event loop;
+    :meth:`stop` shuts it down (the app's lifespan stops its engine).
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 timeout_graceful_shutdown: float | None = 10.0):
+        import threading
+        import time
+
+        import uvicorn
+
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                timeout_graceful_shutdown=timeout_graceful_shutdown)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="laser-uvicorn", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("server failed to start")
+            time.sleep(0.02)
+        sock = self.server.servers[0].sockets[0]
+        self.host, self.port = sock.getsockname()[:2]
+        self.url = f"http://{self.host}:{self.port}"
+        self.app = app
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self.app.state.async_engine._loop
+
+    def call(self, coro, timeout: float = 60.0):
+        """Run ``coro`` on the server's event loop; return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self, timeout: float = 60.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+    def __enter__(self) -> "LiveServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

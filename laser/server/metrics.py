@@ -1,0 +1,157 @@
+"""Prometheus metrics of the server (prometheus-client), one registry per app.
+
+Names follow vLLM's where they overlap (``vllm:`` -> ``laser:``): time to first token,
+inter-token latency and end-to-end latency histograms, running/waiting gauges, KV cache
+usage, token and request counters. Laser adds per-SLO-class attainment counters and the
+predicted-slack histogram. Every per-request series is labelled ``model_name`` and
+``slo_class``.
+
+Observations happen on the event loop when outputs are delivered (never on the engine
+thread); the gauges are read from the engine when ``/metrics`` is scraped.
+"""
+
+from __future__ import annotations
+
+import math
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# vLLM's buckets, with finer low ends for CPU-sized latencies.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+               2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+               240.0, 480.0, 960.0, 1920.0, 7680.0)
+SLACK_BUCKETS = (-10.0, -5.0, -2.0, -1.0, -0.5, -0.25, -0.1, -0.05, -0.01, 0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0,
+                 2.0, 5.0, 10.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+def slo_outcome(req) -> tuple[bool, bool]:
+    """(TTFT met, P99 TBT met) of a finished request, by :class:`laser.metrics.RequestRecord`'s rule."""
+    from ..metrics import SLO_EPS, RequestRecord
+
+    rec = RequestRecord(
+        req_id=req.req_id, slo_class=req.slo.name, ttft_slo=req.slo.ttft, tbt_slo=req.slo.tbt,
+        arrival_time=req.arrival_time, token_times=list(req.token_times), finished=True,
+    )
+    ttft_ok = rec.ttft_slo is None or (rec.ttft is not None and rec.ttft <= rec.ttft_slo + SLO_EPS)
+    p99 = rec.p99_tbt
+    tbt_ok = rec.tbt_slo is None or p99 is None or p99 <= rec.tbt_slo + SLO_EPS
+    return ttft_ok, tbt_ok
+
+
+class ServerMetrics:
+    """The server's collectors in their own :class:`CollectorRegistry` (several apps per process)."""
+
+    def __init__(self, model_name: str, async_engine=None, registry: CollectorRegistry | None = None):
+        self.model_name = model_name
+        self.async_engine = async_engine
+        self.registry = r = registry or CollectorRegistry()
+        cls = ["model_name", "slo_class"]
+        self.ttft = Histogram("laser:time_to_first_token_seconds", "Time to first token (from HTTP arrival).",
+                              cls, buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("laser:inter_token_latency_seconds", "Time between consecutive output tokens.",
+                             cls, buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("laser:e2e_request_latency_seconds", "Arrival to last token of finished requests.",
+                             cls, buckets=E2E_BUCKETS, registry=r)
+        self.slack = Histogram("laser:predicted_slack_seconds",
+                               "TTFT target minus the latency model's predicted TTFT at arrival.",
+                               cls, buckets=SLACK_BUCKETS, registry=r)
+        self.running = Gauge("laser:num_requests_running", "Requests holding KV (prefilling or decoding).",
+                             cls, registry=r)
+        self.waiting = Gauge("laser:num_requests_waiting", "Requests queued in the scheduler.", cls, registry=r)
+        self.kv_usage = Gauge("laser:kv_cache_usage_perc", "KV cache usage (1 = 100%).", ["model_name"], registry=r)
+        self.queued = Gauge("laser:num_requests_admitted_waiting",
+                            "Accepted requests without a first token (bounded by --max-waiting).",
+                            ["model_name"], registry=r)
+        self.prompt_tokens = Counter("laser:prompt_tokens", "Prefilled prompt tokens.", cls, registry=r)
+        self.generation_tokens = Counter("laser:generation_tokens", "Generated tokens.", cls, registry=r)
+        self.success = Counter("laser:request_success", "Finished requests by finish reason.",
+                               cls + ["finished_reason"], registry=r)
+        self.attained = Counter("laser:slo_attained", "Finished requests that met TTFT and P99 TBT targets.",
+                                cls, registry=r)
+        self.missed = Counter("laser:slo_missed", "Finished requests that missed their SLO.", cls, registry=r)
+        self.ttft_missed = Counter("laser:slo_ttft_missed", "Finished requests that missed the TTFT target.",
+                                   cls, registry=r)
+        self.tbt_missed = Counter("laser:slo_tbt_missed", "Finished requests whose P99 TBT missed the target.",
+                                  cls, registry=r)
+        self.aborted = Counter("laser:request_aborted", "Requests aborted (client gone, shutdown, engine error).",
+                               cls, registry=r)
+        self.demoted = Counter("laser:request_demoted", "Requests served as best_effort because their TTFT "
+                               "target was infeasible (--on-infeasible demote).", cls, registry=r)
+        self.rejected = Counter("laser:request_rejected", "Requests refused before reaching the engine.",
+                                ["model_name", "reason"], registry=r)
+        self.engine_errors = Gauge("laser:engine_step_errors", "Engine steps that raised (since start).",
+                                   ["model_name"], registry=r)
+        self._classes_seen: set[str] = set()
+
+    # -- observations (event loop) ------------------------------------------------------------------------
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(self.model_name, reason).inc()
+
+    def admitted(self, admission) -> None:
+        """A request passed admission control."""
+        if admission.demoted:
+            self.demoted.labels(self.model_name, admission.requested.name).inc()
+        slack = admission.slack
+        if slack is not None and math.isfinite(slack):
+            self.slack.labels(self.model_name, admission.requested.name).observe(slack)
+
+    def on_output(self, stream, out) -> None:
+        """Listener of :class:`~laser.async_engine.AsyncEngine`: one call per delivered output."""
+        req = out.request
+        cls = out.slo.name
+        self._classes_seen.add(cls)
+        m, n = self.model_name, len(out.token_ids)
+        if out.new_token_ids:
+            self.generation_tokens.labels(m, cls).inc(len(out.new_token_ids))
+            times = req.token_times if req is not None else ()
+            if n == 1 and times:
+                self.ttft.labels(m, cls).observe(times[0] - req.arrival_time)
+                self.prompt_tokens.labels(m, cls).inc(len(out.prompt_token_ids))
+            elif n >= 2 and len(times) >= n:
+                self.itl.labels(m, cls).observe(times[n - 1] - times[n - 2])
+        if not out.finished:
+            return
+        if out.finish_reason in ("stop", "length"):
+            self.success.labels(m, cls, out.finish_reason).inc()
+            if req is not None and req.token_times:
+                self.e2e.labels(m, cls).observe(req.token_times[-1] - req.arrival_time)
+                ttft_ok, tbt_ok = slo_outcome(req)
+                if ttft_ok and tbt_ok:
+                    self.attained.labels(m, cls).inc()
+                else:
+                    self.missed.labels(m, cls).inc()
+                    if not ttft_ok:
+                        self.ttft_missed.labels(m, cls).inc()
+                    if not tbt_ok:
+                        self.tbt_missed.labels(m, cls).inc()
+        else:
+            self.aborted.labels(m, cls).inc()
+
+    def aborted_request(self, slo_class: str) -> None:
+        """A request ended without a final output (client disconnected, engine error)."""
+        self.aborted.labels(self.model_name, slo_class).inc()
+
+    # -- scrape -------------------------------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Read the engine's gauges (racy reads, never blocks the engine thread)."""
+        ae = self.async_engine
+        if ae is None:
+            return
+        running, waiting = ae.class_counts()
+        classes = set(ae.slo_classes.names()) | self._classes_seen | set(running) | set(waiting)
+        for c in classes:
+            self.running.labels(self.model_name, c).set(running.get(c, 0))
+            self.waiting.labels(self.model_name, c).set(waiting.get(c, 0))
+        self.kv_usage.labels(self.model_name).set(ae.kv_cache_usage())
+        self.queued.labels(self.model_name).set(ae.num_queued)
+        self.engine_errors.labels(self.model_name).set(ae.num_step_errors)
+
+    def render(self) -> bytes:
+        self.refresh()
+        return generate_latest(self.registry)
