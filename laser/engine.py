@@ -285,7 +285,6 @@ class Engine:
             cut = find_stop(detok.text, sp.stop, len(delta))
             if cut is not None:
                 detok.text = detok.text[:cut]
-                delta = detok.text[prev_len:]
                 reason = "stop"
         if reason is None and (req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len):
             reason = "length"
@@ -297,11 +296,17 @@ class Engine:
         elif reason is not None:
             self.scheduler.finish(req, reason, now)
             self._release(req.req_id)
+        # Hold back text that could still turn out to be the start of a stop string, so the
+        # streamed deltas always add up to the final (cut) text.
+        hold = 0 if reason is not None or not sp.stop else max(len(x) for x in sp.stop) - 1
+        hold_prev = 0 if not sp.stop else max(len(x) for x in sp.stop) - 1
+        text = detok.text[: max(0, len(detok.text) - hold)]
+        delta = text[max(0, prev_len - hold_prev) :]
         return RequestOutput(
             req_id=req.req_id,
             prompt=req.prompt,
             prompt_token_ids=req.prompt_token_ids,
-            text=detok.text,
+            text=text,
             token_ids=list(req.output_token_ids),
             delta_text=delta,
             new_token_ids=[tok],
