@@ -130,9 +130,8 @@ class LaserScheduler(Scheduler):
         if self.config.role != "prefill":
             works = self._decode_works(now)
         decode_time = self.lm.predict_iteration(StepPlan(n, works)) if works else 0.0
-        if self.config.role != "decode":
-            budget = math.inf if not works else max(self.t_g - decode_time, self.prefill_share * self.t_g)
-            works += self._prefill_works(now, works, budget)
+        budget = math.inf if not works else max(self.t_g - decode_time, self.prefill_share * self.t_g)
+        works += self._prefill_works(now, works, budget)
         self.relieve_deadlock(works)
         plan = StepPlan(n, works)
         self._begin_step(plan)
@@ -265,6 +264,9 @@ class LaserScheduler(Scheduler):
         cost = _PlanCost(self.lm, n, decode_works)
         limit = cost.total + budget
         cands = sorted([r for r in self.running if r.phase != Phase.DECODE] + list(self.waiting), key=self.queue_key)
+        if self.config.role == "decode":
+            # a decode instance prefills only to recompute requests it preempted
+            cands = [r for r in cands if r.output_token_ids]
         works: list[Work] = []
         met: list[float] = []  # deadlines of included requests this step still meets
         tokens = 0
