@@ -26,7 +26,10 @@ def add_engine_args(p: argparse.ArgumentParser, policy_default: str = "laser") -
     p.add_argument("--slo-config", default=None, help="SLO classes JSON (default: the shipped paper classes)")
     p.add_argument("--slo-scale", type=float, default=1.0, help="multiply every SLO target")
     p.add_argument("--default-slo-class", default="best_effort")
-    p.add_argument("--latency-profile", default=None, help="latency profile JSON (created on first use when missing)")
+    p.add_argument(
+        "--latency-profile", default="auto",
+        help="latency profile JSON; 'auto' (default): the cached profile of this setup, profiled on first use",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
 
 

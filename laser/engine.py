@@ -103,7 +103,11 @@ class Engine:
         dtype: ``auto`` (fp32 unless the CPU has native bf16), ``float32`` or ``bfloat16``.
         cache: KV/intermediate cache sizing. scheduler: scheduler config (policy overrides its name).
         slo_classes: SLO class table (the shipped one by default).
-        latency_model: the model the schedulers plan with (None: policy's default).
+        latency_model: the model the schedulers plan with; overrides ``latency_profile``.
+        latency_profile: ``None`` — use the cached profile of this setup if there is one, else
+            an analytic (roofline) estimate; ``"auto"`` — the cached profile, profiling this
+            machine now (< 60 s) when missing or stale; a path — that profile file (created
+            there when missing).
         clock: time source in seconds (monotonic by default).
         seed: seed of the shared sampling generator.
     Raises:
@@ -142,9 +146,9 @@ class Engine:
             sched_cfg = SchedulerConfig(**{**sched_cfg.__dict__, "policy": policy})
         self.scheduler_config = sched_cfg
         self.latency_profile = latency_profile
-        self.latency_model = latency_model
+        self.latency_model = latency_model or self._load_latency_model(latency_profile)
         self.scheduler = get_policy(sched_cfg.policy)(
-            sched_cfg, self.model_config.num_layers, self.kv_cache.block_manager, self.icache, latency_model
+            sched_cfg, self.model_config.num_layers, self.kv_cache.block_manager, self.icache, self.latency_model
         )
         self.slo_classes = slo_classes or SLOClasses.load()
         self.clock = clock
@@ -164,6 +168,23 @@ class Engine:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         self.last_result = None
         self.stats = EngineStats()
+
+    def _load_latency_model(self, profile: str | None):
+        from .latency_model import AnalyticLatencyModel, LatencyProfileError, ModelShape
+        from .profiler import load_or_create
+
+        if profile is not None:
+            return load_or_create(self.runner, None if profile == "auto" else profile, create=True)
+        try:
+            return load_or_create(self.runner, None, create=False)
+        except LatencyProfileError:
+            log.info("no latency profile for this setup yet: using a roofline estimate (run `laser profile`)")
+        shape = ModelShape.from_hf_config(self.model_config.hf_config.to_dict())
+        return AnalyticLatencyModel(shape, "cpu-2core", dtype_bytes=torch.finfo(self.dtype).bits // 8)
+
+    def predict_prefill_seconds(self, num_tokens: int) -> float:
+        """Predicted time of a prefill of ``num_tokens`` tokens running alone (latency model)."""
+        return self.latency_model.predict_prefill(num_tokens)
 
     # -- requests ----------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int] | list[dict]) -> list[int]:
