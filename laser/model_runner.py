@@ -235,18 +235,22 @@ class ModelRunner:
             ql = torch.tensor(qlens)
             q_index = starts[:, None] + torch.minimum(qi[None, :], ql[:, None] - 1)  # [B, Q]
             qpos = torch.tensor([active[i].token_start for i in pf])[:, None] + qi[None, :]  # [B, Q]
-            C = kvi.shape[1]
-            causal = torch.arange(C)[None, None, :] <= qpos[:, :, None]  # [B, Q, C]
-            mask = causal & valid[:, None, :]
             B = len(pf)
-            mask = mask[:, None].expand(B, g, Q, C).reshape(B, 1, g * Q, C)
+            # one sequence without cached context: a causal kernel on its own K/V, no mask
+            self_causal = B == 1 and active[pf[0]].token_start == 0
+            mask = None
+            if not self_causal:
+                C = kvi.shape[1]
+                allowed = torch.arange(C)[None, None, :] <= qpos[:, :, None]  # [B, Q, C]
+                mask = allowed & valid[:, None, :]
+                mask = mask[:, None].expand(B, g, Q, C).reshape(B, 1, g * Q, C)
             if all(q == Q for q in qlens):
                 out_valid = out_rows = None
             else:
                 real = qi[None, :] < ql[:, None]  # [B, Q]
                 out_valid = real.view(-1).nonzero().squeeze(1)
                 out_rows = q_index.view(-1)[out_valid]
-            groups.append(AttnGroup(q_index, kvi, mask, out_valid, out_rows, layer_kvi))
+            groups.append(AttnGroup(q_index, kvi, mask, out_valid, out_rows, layer_kvi, causal=self_causal))
         return AttnMetadata(
             cos=self.model.rope_cos[pos],
             sin=self.model.rope_sin[pos],

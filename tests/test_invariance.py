@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from laser.config import SchedulerConfig
@@ -53,7 +53,7 @@ def engines(tiny_llama):
 
 REF_CACHE: dict = {}
 # How often each mechanism was exercised over all examples (checked by the last test).
-SEEN = {"step_preemptions": 0, "evictions": 0, "reduced_plans": 0, "merges": 0, "partial_layers": 0, "handoffs": 0}
+SEEN = {"examples": 0, "step_preemptions": 0, "evictions": 0, "reduced_plans": 0, "merges": 0, "partial_layers": 0, "handoffs": 0}
 
 
 def observe(engine: Engine) -> None:
@@ -105,7 +105,20 @@ request_st = st.tuples(
 )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+_SUMM = SLO(ttft=0.03, tbt=0.012, name="summarization")
+_CODE = SLO(ttft=0.002, tbt=0.003, name="code")
+_CHAT = SLO(ttft=0.004, tbt=0.006, name="chat")
+# Deterministic cases that hit every mechanism (random examples explore around them).
+_MIXED_LOAD = [
+    ([7] * 40, 8, _SUMM, 0), ([9] * 30, 6, _CODE, 3), ([11] * 5, 10, _SUMM, 0),
+    ([13] * 5, 10, _CHAT, 0), ([15] * 5, 10, SLO(), 0), ([17] * 24, 5, _CHAT, 9),
+]
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+@example(reqs=_MIXED_LOAD, policy="laser", disaggregated=False, budget=16, icache_tokens=1, per_layer=1e-3)
+@example(reqs=_MIXED_LOAD, policy="laser", disaggregated=True, budget=16, icache_tokens=3, per_layer=1e-3)
+@example(reqs=_MIXED_LOAD, policy="sarathi", disaggregated=False, budget=8, icache_tokens=8, per_layer=1e-4)
 @given(
     reqs=st.lists(request_st, min_size=1, max_size=6),
     policy=st.sampled_from(["vllm", "sarathi", "laser"]),
@@ -158,6 +171,7 @@ def test_greedy_output_is_schedule_invariant(engines, reqs, policy, disaggregate
         SEEN["step_preemptions"] += getattr(e.scheduler, "num_step_preemptions", 0)
         SEEN["evictions"] += e.icache.num_evictions
     SEEN["handoffs"] += len(getattr(target, "adopted", ()))
+    SEEN["examples"] += 1
 
 
 def test_mechanisms_were_exercised():

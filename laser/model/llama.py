@@ -36,14 +36,17 @@ class AttnGroup:
     q_index: torch.Tensor
     # [B, C] flat KV slots of every context position (pads point at slot 0, masked out).
     kv_index: torch.Tensor
-    # [B, 1, G*Q, C] bool, True = attend. G = query heads per KV head.
-    mask: torch.Tensor
+    # [B, 1, G*Q, C] bool, True = attend. G = query heads per KV head. None when ``causal``.
+    mask: torch.Tensor | None
     # [R] positions in the flattened [B*Q] padded output that are real tokens...
     out_valid: torch.Tensor | None
     # ...and [R] the flat token rows they go to. ``None`` for both when no padding is needed.
     out_rows: torch.Tensor | None
     # Per-layer kv_index for layers whose block tables differ from the canonical ones.
     layer_kv_index: dict[int, torch.Tensor]
+    # One sequence with no cached context: attend over its own new K/V with a causal kernel
+    # (no gather, no explicit mask). ``q_index`` is then [1, Q] of contiguous rows.
+    causal: bool = False
 
     def kv_index_for(self, layer: int) -> torch.Tensor:
         return self.layer_kv_index.get(layer, self.kv_index)
@@ -173,14 +176,17 @@ class LlamaModel:
         slots = meta.slots_for(i)
         kc[slots] = k
         vc[slots] = v
-        attn = self._attention(i, q, kc, vc, meta)
+        attn = self._attention(i, q, k, v, kc, vc, meta)
         hidden = hidden + F.linear(attn.reshape(T, c.q_size), L.o_w)
         x = self._norm(hidden, L.ln2)
         gate, up = F.linear(x, L.gate_up_w).chunk(2, dim=-1)
         return hidden + F.linear(F.silu(gate) * up, L.down_w)
 
-    def _attention(self, i, q, kc, vc, meta: AttnMetadata) -> torch.Tensor:
-        """Grouped-query attention over ragged sequences: q [T, Hq, d] -> [T, Hq, d]."""
+    def _attention(self, i, q, k, v, kc, vc, meta: AttnMetadata) -> torch.Tensor:
+        """Grouped-query attention over ragged sequences: q [T, Hq, d] -> [T, Hq, d].
+
+        ``k``/``v`` [T, kv_heads, d] are the new tokens' (already in the cache ``kc``/``vc``).
+        """
         c = self.config
         kvh, d = c.num_kv_heads, c.head_dim
         g = c.num_heads // kvh
@@ -190,6 +196,17 @@ class LlamaModel:
             out = torch.empty_like(q)
         for grp in meta.groups:
             B, Q = grp.q_index.shape
+            if grp.causal:
+                a = int(grp.q_index[0, 0])
+                qs = q[a : a + Q].transpose(0, 1).unsqueeze(0)  # [1, Hq, Q, d]
+                ks = k[a : a + Q].transpose(0, 1).unsqueeze(0)  # [1, kvh, Q, d]
+                vs = v[a : a + Q].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+                o = o[0].transpose(0, 1)  # [Q, Hq, d]
+                if out is None:
+                    return o
+                out[a : a + Q] = o
+                continue
             kv_idx = grp.kv_index_for(i)
             # [B, Q, kvh, g, d] -> [B, kvh, g*Q, d]: query heads sharing a KV head are stacked
             qg = q[grp.q_index].view(B, Q, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(B, kvh, g * Q, d)
