@@ -12,6 +12,7 @@ import torch
 
 from laser.config import CacheConfig, SchedulerConfig
 from laser.engine import Engine
+from laser.model_runner import ModelRunner
 from laser.plan import StepPlan, Work
 from laser.request import Request, SamplingParams
 
@@ -177,9 +178,12 @@ def test_mixed_length_prefill_batch_equals_alone(engine, direct):
         assert o == alone(engine, p)
 
 
-def test_decode_batch_with_different_context_lengths_equals_alone(engine, direct):
-    """Decode tokens of requests at different positions in one layer call."""
+@pytest.mark.parametrize("max_gather_bytes", [16 << 20, 1])
+def test_decode_batch_with_different_context_lengths_equals_alone(engine, direct, max_gather_bytes):
+    """Decode tokens of requests at different positions in one layer call (also when the decode
+    batch is split into several padded attention groups)."""
     d = direct
+    engine.runner.max_gather_bytes = max_gather_bytes
     lens = [5, 22, 13]
     for i, n in enumerate(lens):
         d.add(f"b{i}", PROMPTS[n])
@@ -200,6 +204,7 @@ def test_decode_batch_with_different_context_lengths_equals_alone(engine, direct
             d.complete(w.req_id, w, batched.sampled[w.req_id])
             d.complete(wa.req_id, wa, single.sampled[wa.req_id])
     d.close()
+    engine.runner.max_gather_bytes = ModelRunner.max_gather_bytes
 
 
 # -- (b) chunked prefill mixed with decode tokens ------------------------------------------------
