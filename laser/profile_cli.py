@@ -1,0 +1,148 @@
+"""``laser profile``: measure the latency model of this machine, and report its accuracy.
+
+    laser profile [--model M] [--dtype D] [--threads T] [--output PATH] [--reuse]
+                  [--evaluate] [--json PATH] [--policies vllm,sarathi,laser]
+
+Without ``--output`` the profile goes to the default per-(model, dtype, hardware,
+threads) file that ``load_or_create`` (engine start) reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def register(subparsers) -> None:
+    from .cli import add_engine_args
+
+    p = subparsers.add_parser("profile", help="profile the latency model on this machine (and report its accuracy)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(p, policy_default="vllm")
+    p.add_argument("--output", "-o", default=None,
+                   help="profile file to write (default: the per-model/dtype/hardware/threads cache file)")
+    p.add_argument("--reuse", action="store_true",
+                   help="load the profile file when it is valid for this setup instead of re-profiling")
+    p.add_argument("--budget", type=float, default=40.0,
+                   help="seconds of timing after which profiling stops repeating samples (default 40)")
+    p.add_argument("--evaluate", action="store_true",
+                   help="then measure held-out layer steps and scheduler iterations and report accuracy")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the accuracy report as JSON (with --evaluate)")
+    p.add_argument("--policies", default="vllm,sarathi,laser", help="policies whose plans --evaluate times")
+    p.add_argument("--eval-budget", type=float, default=100.0,
+                   help="seconds of timing after which --evaluate stops repeating measurements (default 100)")
+    p.add_argument("--quick", action="store_true",
+                   help="a small sample grid and a short evaluation (seconds; smoke tests, not for serving)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_profile)
+
+
+def _engine(args):
+    import torch
+
+    from .config import CacheConfig, SchedulerConfig
+    from .engine import Engine
+    from .latency_model import SimpleLatencyModel
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cache = CacheConfig(block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
+                        intermediate_cache_tokens=args.intermediate_cache_tokens)
+    # The profile measures the executor: the policy does not matter, and no profile is loaded
+    # (the placeholder latency model is never used for planning here).
+    return Engine(model=args.model, policy="vllm", dtype=args.dtype, cache=cache,
+                  scheduler=SchedulerConfig(policy="vllm"), latency_model=SimpleLatencyModel(num_layers=1))
+
+
+def summary_lines(lm) -> list[str]:
+    """A few fitted numbers and predictions, for people."""
+    rep = lm.report
+    out = [f"  stateless: width {rep['stateless'].get('width')}, fit error {100 * (rep['stateless'].get('error') or 0):.1f}%",
+           f"  attention: features {rep['attention'].get('feature_set')}, fit error "
+           f"{100 * (rep['attention'].get('error') or 0):.1f}%",
+           f"  head: width {rep['head'].get('width')}, fit error {100 * (rep['head'].get('error') or 0):.1f}%",
+           f"  layer-call overhead: {lm.layer_overhead_s * 1e6:.0f} us"]
+    if "layer" in rep:
+        out[-1] += f" (whole-layer fit error {100 * rep['layer']['error']:.1f}%)"
+    out.append("  predicted (one layer / whole iteration):")
+    for b in (1, 16, 64):
+        ctx = [512] * b
+        out.append(f"    decode batch {b:>3} @ ctx 512: {lm.layer_time((1,) * b, ctx) * 1e3:8.2f} ms / "
+                   f"{lm.predict_decode_iteration(ctx) * 1e3:8.1f} ms")
+    for q in (128, 512, 2048):
+        out.append(f"    prefill {q:>4} tokens:        {lm.layer_time((q,), (q,)) * 1e3:8.2f} ms / "
+                   f"{lm.predict_prefill(q) * 1e3:8.1f} ms")
+    return out
+
+
+def cmd_profile(args) -> int:
+    from . import profiler
+
+    progress = not args.no_progress and sys.stderr.isatty()
+    lp = getattr(args, "latency_profile", None)
+    explicit = args.output or (lp if lp not in (None, "auto") else None)  # where the user said
+    if args.quick and args.reuse and not explicit:
+        print("laser: error: --quick --reuse needs --output (a quick profile must not become the default one)",
+              file=sys.stderr)
+        return 2
+    if args.json and not args.evaluate:
+        print("laser: error: --json needs --evaluate", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    engine = _engine(args)
+    load_s = time.perf_counter() - t0
+    path = explicit or profiler.default_path(engine)
+    grid = profiler.ProfileGrid.tiny() if args.quick else None
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    ev = dict(num_layer_steps=6, plans_per_policy=2, max_tokens=256, max_batch=16, num_requests=8) \
+        if args.quick else {}
+    rep = None
+    t1 = time.perf_counter()
+    if args.reuse:
+        lm = profiler.load_or_create(engine, path, progress=progress, budget_s=args.budget, grid=grid)
+        prof_s = time.perf_counter() - t1
+    else:
+        print(f"[laser] profiling {profiler.model_name_of(engine)} ({profiler.dtype_name(engine.dtype)}, "
+              f"{profiler.profile_metadata(engine)['threads']} threads)"
+              + (" and measuring a held-out test set, interleaved" if args.evaluate else "") + " ...",
+              file=sys.stderr)
+        if args.evaluate:
+            lm, rep = profiler.profile_and_evaluate(engine, grid=grid, policies=policies, progress=progress,
+                                                    budget_s=args.budget + args.eval_budget, **ev)
+        else:
+            lm = profiler.profile(engine, None, progress=progress, budget_s=args.budget, grid=grid)
+        prof_s = time.perf_counter() - t1
+        if args.quick and not explicit:
+            path = "(not saved: --quick profiles go only where --output says)"
+        else:
+            try:
+                lm.save(path)
+            except OSError as e:
+                print(f"laser: error: cannot write the profile to {path}: {e}", file=sys.stderr)
+                return 2
+    m = lm.metadata.get("measurement", {})
+    what = "profile + test set" if rep is not None else "profile"
+    print(f"[laser] profile {path}: {len(lm.samples)} samples; {what} took {prof_s:.1f} s (model load {load_s:.1f} s)"
+          + (f", {100 * m['clean_fraction']:.0f}% of timed calls clean" if "clean_fraction" in m else ""))
+    for line in summary_lines(lm):
+        print(line)
+    if not args.evaluate:
+        return 0
+    if rep is None:  # a loaded profile: measure the test set now
+        t2 = time.perf_counter()
+        if args.quick:
+            ev.update(rounds=(1, 2), warmup_s=0.2)
+        rep = profiler.evaluate(engine, lm, policies=policies, progress=progress, budget_s=args.eval_budget, **ev)
+        rep["evaluate_seconds"] = round(time.perf_counter() - t2, 1)
+    rep["total_seconds"] = round(time.perf_counter() - t0, 1)
+    rep["profile_path"] = str(path)
+    rep["command"] = ("laser " + " ".join(sys.argv[1:])) if sys.argv[1:2] == ["profile"] else None
+    print(profiler.format_report(rep))
+    print(f"[laser] total {rep['total_seconds']:.1f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rep, f, indent=1)
+        print(f"[laser] accuracy report written to {args.json}")
+    return 0
