@@ -9,11 +9,16 @@ Paper §5. One layer call of a batch with query lengths ``q_k`` and context leng
   linear in ``n`` with fixed-width segments (GEMM tile effects; 32 tokens on GPU).
   Here the width is *selected* by cross-validation among candidates, and the fit is
   monotone (non-decreasing in ``n``), so schedulers may binary-search chunk sizes.
+  The smallest counts (``n = 1 .. K``, densely profiled) keep their measured values: a
+  single decode token is not half the cost of two (BLAS kernel switches).
 * ``attention(q, c)``: the paper's ``α·n + β·Σc + γ``, kept separately for the
   decode-like entries (``q_k == 1``) and the prefill-like entries (``q_k > 1``) of the
   batch; a mixed batch pays both parts. Extra terms for padded batched kernels are
   selected by cross-validation when the data warrants them (see ``ATTENTION_FEATURES``).
-* an iteration adds ``embed(tokens embedded)`` and ``head(rows through the LM head)``.
+  Decode entries are priced per group, as the runner splits them to bound the padded
+  K/V gather (``max_gather_positions``; see :func:`decode_groups`).
+* an iteration adds ``embed(tokens embedded)`` and ``head(rows through the LM head)``;
+  the head also keeps measured values for the smallest row counts (not monotone there).
 
 Three implementations of one interface (:class:`LatencyModel`):
 
@@ -57,6 +62,14 @@ _SELECT_ABS_TOL = 1e-4
 # segment width), relative to the typical sample time. Small: it only breaks ties,
 # e.g. segments holding one sample each are interpolated linearly, not zig-zagged.
 _TIE_PENALTY = 0.02
+# Small counts keep their measured value (median of the samples at that count) instead of
+# the fitted line: n = 1 .. K where every count up to K was sampled, K <= this. A fit
+# smooths these away (a single decode token or LM-head row is far from half of two).
+SMALL_COUNT_EXACT = 8
+# Largest padded K (or V) gather of one decode group, bytes: mirrors
+# ``laser.model_runner.ModelRunner.max_gather_bytes`` (the runner splits decode batches
+# so their gather stays under it; see :func:`decode_groups`).
+DEFAULT_MAX_GATHER_BYTES = 16 << 20
 
 
 class LatencyProfileError(Exception):
@@ -157,8 +170,10 @@ class LatencyModel:
     Subclasses provide the primitives ``stateless_time``, ``attention_time``,
     ``embed_time``, ``head_time`` and the attributes ``num_layers`` (layers of the
     model) and ``layer_overhead_s`` (fixed cost of one layer call). Everything else is
-    derived here. All predictions are non-decreasing in token counts and context
-    lengths, and never negative. Inputs are not validated on the hot path: query and
+    derived here. Predictions are never negative, and non-decreasing in token counts and
+    context lengths, with two measured exceptions in :class:`FittedLatencyModel`: the LM
+    head at the smallest row counts, and decode attention where a longer context makes
+    the runner split a decode batch into less padded groups. Inputs are not validated on the hot path: query and
     context lengths must satisfy ``1 <= q <= c``.
     """
 
@@ -271,15 +286,23 @@ class LatencyModel:
 
 
 class PiecewiseLinear:
-    """Non-decreasing, non-negative piecewise-linear function of an integer ``n >= 1``.
+    """Non-negative piecewise-linear function of an integer ``n >= 1``, with an optional
+    lookup of exact values for the smallest counts.
 
-    Segment ``s`` covers ``n`` in ``(s·width, (s+1)·width]`` and is ``a[s] + b[s]·n``;
-    past the table, ``tail_a + tail_b·n``; ``f(n) = 0`` for ``n <= 0``.
+    ``exact[i]`` (if given) is ``f(i + 1)``: measured values for ``n = 1 .. len(exact)``
+    override the line (small counts do not follow the fitted slope: one LM-head row or
+    one decode token is not half the cost of two). Segment ``s`` covers ``n`` in
+    ``(s·width, (s+1)·width]`` and is ``a[s] + b[s]·n``; past the table,
+    ``tail_a + tail_b·n``, but never below ``floor`` (for ``n`` past the lookup);
+    ``f(n) = 0`` for ``n <= 0``. The linear part is non-decreasing; the lookup is what
+    was measured (:func:`_fit_count_function` makes it non-decreasing, with
+    ``floor = exact[-1]``, where monotonicity is required).
     """
 
-    __slots__ = ("width", "a", "b", "tail_a", "tail_b", "_nseg")
+    __slots__ = ("width", "a", "b", "tail_a", "tail_b", "exact", "floor", "_nseg", "_nexact")
 
-    def __init__(self, width: int, a: Sequence[float], b: Sequence[float], tail_a: float, tail_b: float):
+    def __init__(self, width: int, a: Sequence[float], b: Sequence[float], tail_a: float, tail_b: float,
+                 exact: Sequence[float] = (), floor: float = 0.0):
         if width < 1 or len(a) != len(b):
             raise ValueError("bad piecewise-linear table")
         self.width = int(width)
@@ -292,6 +315,14 @@ class PiecewiseLinear:
             raise ValueError("piecewise-linear coefficients must be finite")
         if min(self.b, default=0.0) < 0 or self.tail_b < 0:
             raise ValueError("piecewise-linear slopes must be non-negative")
+        self.set_exact(exact, floor)
+
+    def set_exact(self, exact: Sequence[float], floor: float = 0.0) -> None:
+        """Measured values for ``n = 1 .. len(exact)``; ``floor``: least value past them."""
+        vals = [float(x) for x in exact]
+        if not all(math.isfinite(v) and v >= 0 for v in (*vals, float(floor))):
+            raise ValueError("exact small-count values and floor must be finite and non-negative")
+        self.exact, self.floor, self._nexact = vals, float(floor), len(vals)
 
     @classmethod
     def zero(cls) -> "PiecewiseLinear":
@@ -300,17 +331,32 @@ class PiecewiseLinear:
     def __call__(self, n: int) -> float:
         if n <= 0:
             return 0.0
+        if n <= self._nexact:
+            return self.exact[n - 1]
+        s = (n - 1) // self.width
+        v = self.a[s] + self.b[s] * n if s < self._nseg else self.tail_a + self.tail_b * n
+        return v if v > self.floor else self.floor
+
+    def line(self, n: int) -> float:
+        """The piecewise-linear part alone (ignores the small-count lookup)."""
+        if n <= 0:
+            return 0.0
         s = (n - 1) // self.width
         if s < self._nseg:
             return self.a[s] + self.b[s] * n
         return self.tail_a + self.tail_b * n
 
     def to_dict(self) -> dict:
-        return {"width": self.width, "a": self.a, "b": self.b, "tail": [self.tail_a, self.tail_b]}
+        d = {"width": self.width, "a": self.a, "b": self.b, "tail": [self.tail_a, self.tail_b]}
+        if self.exact:
+            d["exact"] = self.exact
+        if self.floor:
+            d["floor"] = self.floor
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "PiecewiseLinear":
-        return cls(d["width"], d["a"], d["b"], d["tail"][0], d["tail"][1])
+        return cls(d["width"], d["a"], d["b"], d["tail"][0], d["tail"][1], d.get("exact", ()), d.get("floor", 0.0))
 
 
 def _fit_piecewise(n: np.ndarray, y: np.ndarray, width: int) -> PiecewiseLinear:
@@ -418,15 +464,54 @@ def _cv_errors(m: int, folds: int, fit_predict) -> np.ndarray:
     return out
 
 
+def _small_count_lookup(n: np.ndarray, y: np.ndarray, limit: int) -> list[float]:
+    """Medians of the samples at ``n = 1 .. K``, the longest run of consecutive sampled
+    counts starting at 1 (``K <= limit``); empty if ``n = 1`` was not sampled."""
+    have = set(int(v) for v in n)
+    k = 0
+    while k < limit and (k + 1) in have:
+        k += 1
+    return [float(np.median(y[n == i])) for i in range(1, k + 1)]
+
+
 def _fit_count_function(
-    n: Sequence[int], y: Sequence[float], widths: Sequence[int], folds: int
+    n: Sequence[int], y: Sequence[float], widths: Sequence[int], folds: int,
+    exact: int = 0, monotone: bool = True,
 ) -> tuple[PiecewiseLinear, dict]:
     """Fit a piecewise-linear function of a count, choosing the segment width by k-fold CV.
 
     The candidates are ``widths`` plus one segment spanning all data (a plain line,
     reported as width ``"linear"``). Returns the function refitted on all data and a
-    report ``{"width": chosen, "cv_error": {candidate: mean relative error}}``.
+    report ``{"width": chosen, "cv_error": {candidate: mean relative error}, "exact": K}``.
+
+    ``exact > 0``: counts ``1 .. K`` (the consecutively sampled ones, ``K <= exact``)
+    predict their measured median, and the line is fitted to the larger counts only
+    (where it is used). With ``monotone`` the lookup is made non-decreasing (running
+    max) and the line is floored at its last value, so the whole function stays
+    non-decreasing (schedulers binary-search on it).
     """
+    n = np.asarray(n, dtype=np.int64)
+    y = np.asarray(y, dtype=np.float64)
+    look = _small_count_lookup(n, y, exact) if exact > 0 and len(n) else []
+    rest = n > len(look)
+    if look and np.count_nonzero(rest) >= 2:
+        f, rep = _fit_count_line(n[rest], y[rest], widths, folds)
+    else:
+        f, rep = _fit_count_line(n, y, widths, folds)
+    if look:
+        if monotone:
+            run = 0.0
+            for i, v in enumerate(look):
+                run = max(run, v)
+                look[i] = run
+        f.set_exact(look, floor=look[-1] if monotone else 0.0)
+        rep["exact"] = len(look)
+    return f, rep
+
+
+def _fit_count_line(
+    n: Sequence[int], y: Sequence[float], widths: Sequence[int], folds: int
+) -> tuple[PiecewiseLinear, dict]:
     n = np.asarray(n, dtype=np.int64)
     y = np.asarray(y, dtype=np.float64)
     if len(n) == 0:
@@ -453,11 +538,12 @@ def _fit_count_function(
 # --------------------------------------------------------------------------------------
 # Attention features
 #
-# Decode-like entries (q == 1), B_d of them with contexts c:
-#   d_const  1 if any             (kernel launch / metadata)
+# Decode-like entries (q == 1), B_d of them with contexts c. The runner splits them into
+# groups (see ``decode_groups``) and runs one padded kernel per group:
+#   d_const  number of groups     (kernel launch / metadata per group)
 #   d_seqs   B_d (== tokens)      (paper's α·n)
 #   d_ctx    Σc                   (paper's β·Σc: KV bytes read)
-#   d_pad    B_d · max c          (batched padded SDPA computes every row to max c)
+#   d_pad    Σ_g |g| · max_g c    (batched padded SDPA computes every row to its group's max c)
 # Prefill-like entries (q > 1), B_p of them:
 #   p_const  1 if any
 #   p_tokens Σq                   (paper's α·n)
@@ -474,16 +560,61 @@ ATTENTION_FEATURE_SETS = {
     "padded": ATTENTION_FEATURES,
 }
 
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8}
 
-def attention_features(query_lens: Sequence[int], context_lens: Sequence[int]) -> tuple[float, ...]:
-    """Feature vector (in ``ATTENTION_FEATURES`` order) of one attention batch."""
-    bd = scd = mcd = 0
+
+def max_gather_positions(kv_heads: int, head_dim: int, dtype_bytes: int,
+                         max_gather_bytes: int = DEFAULT_MAX_GATHER_BYTES) -> int:
+    """Padded positions (rows x max context) one decode group may gather: the runner's
+    ``max_gather_bytes // (kv_heads · head_dim · dtype_bytes)``."""
+    return int(max_gather_bytes) // max(1, int(kv_heads) * int(head_dim) * int(dtype_bytes))
+
+
+def gather_positions_from_metadata(metadata: dict | None) -> int:
+    """``max_gather_positions`` for a profile: ``metadata["max_gather_positions"]`` if set,
+    else from the shape signature (``...-kv3-d64-...``) and ``dtype``; 0 (no split) if unknown."""
+    meta = metadata or {}
+    if meta.get("max_gather_positions") is not None:
+        return max(0, int(meta["max_gather_positions"]))
+    shape = str(meta.get("shape") or meta.get("model_id") or "")
+    m = re.search(r"-kv(\d+)-d(\d+)(?:-|$)", shape)
+    nbytes = _DTYPE_BYTES.get(str(meta.get("dtype", "")).removeprefix("torch."))
+    if not m or not nbytes:
+        return 0
+    return max_gather_positions(int(m.group(1)), int(m.group(2)), nbytes)
+
+
+def decode_groups(context_lens: Sequence[int], max_positions: int, in_order: bool = False) -> list[tuple[int, int]]:
+    """``(size, max context)`` of each decode group, as ``ModelRunner._split_decode`` forms
+    them: consecutive requests while ``(size + 1) · c <= max_positions`` for the next
+    context ``c``; one group when ``max_positions <= 0``. The executor sorts decode rows
+    by context first, and so does this unless ``in_order`` (price the rows in the order
+    given, e.g. a profiled batch whose rows were not sorted)."""
+    if not context_lens:
+        return []
+    if max_positions <= 0 or len(context_lens) * max(context_lens) <= max_positions:
+        return [(len(context_lens), max(context_lens))]
+    out = []
+    k = cmax = 0
+    for c in (context_lens if in_order else sorted(context_lens)):
+        if k and (k + 1) * c > max_positions:
+            out.append((k, cmax))
+            k = cmax = 0
+        k += 1
+        cmax = c if c > cmax else cmax
+    out.append((k, cmax))
+    return out
+
+
+def attention_features(query_lens: Sequence[int], context_lens: Sequence[int],
+                       max_positions: int = 0, in_order: bool = False) -> tuple[float, ...]:
+    """Feature vector (in ``ATTENTION_FEATURES`` order) of one attention batch; decode
+    entries are grouped as the runner does with ``max_positions`` (see :func:`decode_groups`)."""
+    dc = []
     bp = nqp = scp = sqc = mq = mc = 0
     for q, c in zip(query_lens, context_lens):
         if q == 1:
-            bd += 1
-            scd += c
-            mcd = c if c > mcd else mcd
+            dc.append(c)
         else:
             bp += 1
             nqp += q
@@ -491,15 +622,23 @@ def attention_features(query_lens: Sequence[int], context_lens: Sequence[int]) -
             sqc += q * c
             mq = q if q > mq else mq
             mc = c if c > mc else mc
-    return (float(bd > 0), bd, scd, bd * mcd, float(bp > 0), nqp, scp, sqc, bp * mq * mc, bp)
+    groups = decode_groups(dc, max_positions, in_order)
+    pad = sum(k * m for k, m in groups)
+    return (float(len(groups)), len(dc), sum(dc), pad, float(bp > 0), nqp, scp, sqc, bp * mq * mc, bp)
 
 
 class AttentionModel:
-    """``Σ coef[f] · feature[f]`` over ``ATTENTION_FEATURES`` (absent features are 0)."""
+    """``Σ coef[f] · feature[f]`` over ``ATTENTION_FEATURES`` (absent features are 0).
 
-    __slots__ = ("feature_set", "coef", "_d", "_p")
+    ``max_gather_positions``: decode entries are priced per group as the runner splits
+    them (see :func:`decode_groups`); 0 = one group. Because the runner's split can
+    reduce padding, decode attention is non-decreasing in context lengths only within
+    a fixed grouping (as the measured kernel is).
+    """
 
-    def __init__(self, feature_set: str, coef: dict[str, float]):
+    __slots__ = ("feature_set", "coef", "max_gather_positions", "_d", "_p")
+
+    def __init__(self, feature_set: str, coef: dict[str, float], max_gather_positions: int = 0):
         unknown = set(coef) - set(ATTENTION_FEATURES)
         if unknown:
             raise ValueError(f"unknown attention features {sorted(unknown)}")
@@ -507,6 +646,7 @@ class AttentionModel:
         self.coef = {f: float(coef.get(f, 0.0)) for f in ATTENTION_FEATURES}
         if not all(math.isfinite(v) and v >= 0 for v in self.coef.values()):
             raise ValueError(f"attention coefficients must be finite and non-negative: {self.coef}")
+        self.max_gather_positions = max(0, int(max_gather_positions))
         self._d = tuple(self.coef[f] for f in ATTENTION_FEATURES[:4])
         self._p = tuple(self.coef[f] for f in ATTENTION_FEATURES[4:])
 
@@ -515,22 +655,27 @@ class AttentionModel:
         if not b:
             return 0.0
         d0, d1, d2, d3 = self._d
-        if sum(query_lens) == b:  # all decode: C-speed builtins only
-            t = d0 + d1 * b + d2 * sum(context_lens)
-            return t + d3 * b * max(context_lens) if d3 else t
-        f = attention_features(query_lens, context_lens)
+        if sum(query_lens) == b:  # all decode: C-speed builtins when it is one group
+            mx = max(context_lens)
+            g = self.max_gather_positions
+            if g <= 0 or b * mx <= g:
+                return d0 + d1 * b + d2 * sum(context_lens) + d3 * b * mx
+            groups = decode_groups(context_lens, g)
+            return (d0 * len(groups) + d1 * b + d2 * sum(context_lens)
+                    + d3 * sum(k * m for k, m in groups))
+        f = attention_features(query_lens, context_lens, self.max_gather_positions)
         p0, p1, p2, p3, p4, p5 = self._p
         t = p0 * f[4] + p1 * f[5] + p2 * f[6] + p3 * f[7] + p4 * f[8] + p5 * f[9]
         if f[1]:
-            t += d0 + d1 * f[1] + d2 * f[2] + d3 * f[3]
+            t += d0 * f[0] + d1 * f[1] + d2 * f[2] + d3 * f[3]
         return t
 
     def to_dict(self) -> dict:
-        return {"feature_set": self.feature_set, "coef": self.coef}
+        return {"feature_set": self.feature_set, "coef": self.coef, "max_gather_positions": self.max_gather_positions}
 
     @classmethod
     def from_dict(cls, d: dict) -> "AttentionModel":
-        return cls(d["feature_set"], d["coef"])
+        return cls(d["feature_set"], d["coef"], int(d.get("max_gather_positions", 0) or 0))
 
 
 def _fit_attention_set(x: np.ndarray, y: np.ndarray, names: Sequence[str]) -> AttentionModel:
@@ -543,10 +688,23 @@ def _fit_attention_set(x: np.ndarray, y: np.ndarray, names: Sequence[str]) -> At
     return AttentionModel("", {f: float(c / s) for f, c, s in zip(names, coef, scale)})
 
 
-def _fit_attention(samples: Sequence[AttentionSample], folds: int) -> tuple[AttentionModel, dict]:
+def _fit_attention(samples: Sequence[AttentionSample], folds: int,
+                   max_positions: int = 0) -> tuple[AttentionModel, dict]:
     if not samples:
-        return AttentionModel("none", {}), {"feature_set": None, "cv_error": {}}
-    x = np.array([attention_features(s.query_lens, s.context_lens) for s in samples], dtype=np.float64)
+        return AttentionModel("none", {}, max_positions), {"feature_set": None, "cv_error": {}}
+    # A profiled batch whose decode rows were not sorted by context can form a group whose
+    # padded gather is over the limit (the runner's split assumes sorted rows). The
+    # executor never runs such a group, and past the limit the cost is superlinear (page
+    # faults on fresh mmap pages), so such samples are left out when enough remain.
+    excluded = 0
+    if max_positions > 0:
+        ok = [s for s in samples if _groups_within_limit(s, max_positions)]
+        if len(ok) >= max(2 * max(folds, 2), len(samples) // 2):
+            excluded = len(samples) - len(ok)
+            samples = ok
+    # Features of the batch as it was measured (rows in the sample's order).
+    x = np.array([attention_features(s.query_lens, s.context_lens, max_positions, in_order=True) for s in samples],
+                 dtype=np.float64)
     y = np.array([s.seconds for s in samples], dtype=np.float64)
     order = list(ATTENTION_FEATURE_SETS)
     cv = {}
@@ -564,7 +722,14 @@ def _fit_attention(samples: Sequence[AttentionSample], folds: int) -> tuple[Atte
         chosen = "linear"
     mdl = _fit_attention_set(x, y, ATTENTION_FEATURE_SETS[chosen])
     mdl.feature_set = chosen
-    return mdl, {"feature_set": chosen, "cv_error": cv}
+    mdl.max_gather_positions = max(0, int(max_positions))
+    return mdl, {"feature_set": chosen, "cv_error": cv, "max_gather_positions": mdl.max_gather_positions,
+                 "excluded_over_gather_limit": excluded}
+
+
+def _groups_within_limit(s: AttentionSample, max_positions: int) -> bool:
+    dc = [c for q, c in zip(s.query_lens, s.context_lens) if q == 1]
+    return all(k == 1 or k * m <= max_positions for k, m in decode_groups(dc, max_positions, in_order=True))
 
 
 # --------------------------------------------------------------------------------------
@@ -709,12 +874,16 @@ class FittedLatencyModel(LatencyModel):
 
 
 def fit(samples: Iterable[Sample], *, num_layers: int, metadata: dict | None = None,
-        widths: Sequence[int] = DEFAULT_WIDTHS, folds: int = 5) -> FittedLatencyModel:
+        widths: Sequence[int] = DEFAULT_WIDTHS, folds: int = 5, small_counts: int = SMALL_COUNT_EXACT,
+        max_gather_positions: int | None = None) -> FittedLatencyModel:
     """Fit a :class:`FittedLatencyModel` from profile samples.
 
-    Stateless and LM-head times: monotone piecewise-linear, segment width chosen by
-    ``folds``-fold CV among ``widths`` and a plain line. Attention: NNLS on the feature
-    set chosen by CV. Embedding: a line. Layer overhead: median residual of
+    Stateless and LM-head times: piecewise-linear, segment width chosen by
+    ``folds``-fold CV among ``widths`` and a plain line; counts ``1 .. K`` sampled
+    consecutively (``K <= small_counts``) keep their measured medians (stateless: made
+    non-decreasing; the head need not be). Attention: NNLS on the feature set chosen by
+    CV, decode entries grouped as the runner splits them (``max_gather_positions``;
+    ``None``: from ``metadata``, see :func:`gather_positions_from_metadata`). Embedding: a line. Layer overhead: median residual of
     :class:`LayerSample` s (0 without them). All fits minimise relative error and keep
     coefficients non-negative. Missing sample kinds predict 0 (see ``report["missing"]``).
     ``metadata`` is stored as given, plus ``created`` and ``laser_version`` if absent.
@@ -734,10 +903,14 @@ def fit(samples: Iterable[Sample], *, num_layers: int, metadata: dict | None = N
         raise ValueError("num_layers must be >= 1")
 
     st = kinds[StatelessSample]
-    stateless, st_rep = _fit_count_function([s.n_tokens for s in st], [s.seconds for s in st], widths, folds)
-    attention, at_rep = _fit_attention(kinds[AttentionSample], folds)
+    stateless, st_rep = _fit_count_function([s.n_tokens for s in st], [s.seconds for s in st], widths, folds,
+                                            exact=small_counts)
+    if max_gather_positions is None:
+        max_gather_positions = gather_positions_from_metadata(metadata)
+    attention, at_rep = _fit_attention(kinds[AttentionSample], folds, max_gather_positions)
     hd = kinds[HeadSample]
-    head, hd_rep = _fit_count_function([s.n_rows for s in hd], [s.seconds for s in hd], widths, folds)
+    head, hd_rep = _fit_count_function([s.n_rows for s in hd], [s.seconds for s in hd], widths, folds,
+                                       exact=small_counts, monotone=False)
     em = kinds[EmbedSample]
     embed, _ = _fit_count_function([s.n_tokens for s in em], [s.seconds for s in em], (), folds)
 

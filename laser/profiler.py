@@ -426,7 +426,7 @@ class Probe:
                 self.bm.allocate(rid, c, range(0, 1))
                 ids.append(rid)
                 works.append(Work(rid, c - q, q, 0, self.num_layers))
-            works.sort(key=lambda w: w.num_tokens > 1)
+            works.sort(key=lambda w: (w.num_tokens > 1, w.context_len if w.num_tokens == 1 else 0))  # as ModelRunner._join
             return self.runner._build_metadata(works, range(0, self.num_layers))
         finally:
             for rid in ids:

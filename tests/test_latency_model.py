@@ -377,3 +377,108 @@ def test_module_is_torch_free():
 
     code = "import sys, laser.latency_model; sys.exit(1 if 'torch' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+# ---------------------------------------------------------------- small counts, decode groups
+def test_small_count_override_keeps_measured_medians():
+    # Measured on the CPU: LM head 10, 20, 29, 20 ms for 1..4 rows; one decode token's
+    # stateless part ~25% cheaper than two. A fit smooths these; the lookup keeps them.
+    rng = np.random.default_rng(21)
+    small_st = {1: 0.75e-3, 2: 1.0e-3, 3: 1.02e-3, 4: 1.05e-3}
+    st = [StatelessSample(n, 1.0e-3 + 2e-6 * n) for n in (6, 8, 12, 16, 32, 64, 128, 256, 512)]
+    for n, v in small_st.items():  # three repeats each: the median is kept
+        st += [StatelessSample(n, v), StatelessSample(n, v * 1.04), StatelessSample(n, v * 0.97)]
+    st += [StatelessSample(5, 1.08e-3)]
+    small_head = {1: 10e-3, 2: 20e-3, 3: 29e-3, 4: 20e-3}
+    hd = [HeadSample(r, v) for r, v in small_head.items()]
+    hd += [HeadSample(r, noisy(rng, 18e-3 + 1e-4 * r)) for r in (6, 8, 12, 16, 24, 32, 48, 64)]
+    m = fit(st + hd, num_layers=2)
+    for n, v in small_st.items():
+        assert m.stateless_time(n) == pytest.approx(v, rel=1e-12), n
+    assert m.stateless_time(5) == pytest.approx(1.08e-3, rel=1e-12)
+    assert m.report["stateless"]["exact"] == 6  # 1..6 sampled consecutively (7 is not)
+    for r, v in small_head.items():  # the head keeps non-monotone measurements
+        assert m.head_time(r) == pytest.approx(v, rel=1e-12), r
+    assert m.report["head"]["exact"] == 4
+    values = [m.stateless_time(n) for n in range(0, 2000)]
+    assert all(b >= a for a, b in zip(values, values[1:]))
+    # A single decode token costs its measured share, not the smoothed line's.
+    assert m.layer_time((1,), (100,)) - m.attention_time((1,), (100,)) == pytest.approx(0.75e-3, rel=1e-9)
+    # Round trip keeps the lookup.
+    m2 = FittedLatencyModel.from_dict(json.loads(json.dumps(m.to_dict())))
+    assert [m2.stateless_time(n) for n in range(8)] == [m.stateless_time(n) for n in range(8)]
+    assert [m2.head_time(n) for n in range(8)] == [m.head_time(n) for n in range(8)]
+
+
+def test_small_count_override_stays_non_decreasing_for_stateless():
+    # Noisy small counts (2 measured below 1, 3 above the line) must not break the
+    # non-decreasing guarantee that chunk-size binary searches rely on: the lookup takes
+    # a running max and the line past it is floored at the lookup's last value.
+    st = [StatelessSample(1, 1.2e-3), StatelessSample(2, 1.0e-3), StatelessSample(3, 1.1e-3)]
+    st += [StatelessSample(n, 1.0e-3 + 2e-6 * n) for n in (8, 16, 32, 64, 128, 256)]
+    m = fit(st, num_layers=2)
+    values = [m.stateless_time(n) for n in range(0, 600)]
+    assert all(b >= a for a, b in zip(values, values[1:]))
+    assert m.stateless_time(1) == pytest.approx(1.2e-3)
+    assert m.stateless_time(2) == pytest.approx(1.2e-3)  # running max
+    assert m.stateless_time(3) == pytest.approx(1.2e-3)
+    assert m.stateless.line(4) < 1.2e-3 == pytest.approx(m.stateless_time(4))  # the line is lifted to it
+    assert m.stateless_time(256) == pytest.approx(1.0e-3 + 2e-6 * 256, rel=0.02)
+    budget = m.layer_time((256,), (256,))
+    k = m.max_tokens_within(budget)
+    assert k >= 256 and m.layer_time((k,), (k,)) <= budget < m.layer_time((k + 1,), (k + 1,))
+    # Without the override the old behaviour (a smooth line) is back.
+    m0 = fit(st, num_layers=2, small_counts=0)
+    assert m0.stateless.exact == [] and m0.stateless_time(1) == m0.stateless.line(1)
+
+
+def test_gather_positions_from_profile_metadata():
+    from laser.latency_model import gather_positions_from_metadata, max_gather_positions
+
+    meta = {"shape": "llama-h576-i1536-L30-q9-kv3-d64-v49152", "dtype": "float32"}
+    assert gather_positions_from_metadata(meta) == (16 << 20) // 768 == max_gather_positions(3, 64, 4)
+    assert gather_positions_from_metadata({**meta, "dtype": "bfloat16"}) == (16 << 20) // 384
+    assert gather_positions_from_metadata({**meta, "max_gather_positions": 100}) == 100
+    assert gather_positions_from_metadata({"model_id": "tiny", "dtype": "bf16"}) == 0
+    assert gather_positions_from_metadata(None) == 0
+
+
+def test_decode_attention_is_priced_per_runner_group():
+    from laser.latency_model import AttentionModel, decode_groups
+
+    g = 1000
+    assert decode_groups([10] * 5, g) == [(5, 10)]
+    # Sorted ascending, consecutive while (size + 1) * c <= g.
+    assert decode_groups([300, 100, 100, 200, 250], g) == [(4, 250), (1, 300)]
+    assert decode_groups([300, 100, 100, 200, 260], g) == [(3, 200), (2, 300)]
+    assert decode_groups([300, 100, 100], g, in_order=True) == [(3, 300)]  # as the runner would, unsorted
+    assert decode_groups([300, 100, 100], 0) == [(3, 300)]
+    coef = {"d_const": 1.0, "d_seqs": 0.1, "d_ctx": 0.01, "d_pad": 0.001, "p_const": 2.0, "p_tokens": 0.2}
+    mdl = AttentionModel("padded", coef, max_gather_positions=g)
+    c = (300, 100, 100, 200, 250)
+    want = 2 * 1.0 + 5 * 0.1 + 950 * 0.01 + (4 * 250 + 300) * 0.001
+    assert mdl((1,) * 5, c) == pytest.approx(want, rel=1e-12)
+    assert mdl((1,) * 5 + (40,), c + (60,)) == pytest.approx(want + 2.0 + 40 * 0.2, rel=1e-12)
+    assert AttentionModel.from_dict(json.loads(json.dumps(mdl.to_dict())))((1,) * 5, c) == mdl((1,) * 5, c)
+    # One group (fits): the plain padded formula.
+    assert mdl((1, 1), (100, 400)) == pytest.approx(1.0 + 0.2 + 5.0 + 0.8, rel=1e-12)
+
+
+def test_decode_groups_mirror_the_runner():
+    pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from laser.latency_model import DEFAULT_MAX_GATHER_BYTES, decode_groups, max_gather_positions
+    from laser.model_runner import ModelRunner
+
+    assert ModelRunner.max_gather_bytes == DEFAULT_MAX_GATHER_BYTES
+    fake = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(num_kv_heads=3, head_dim=64)),
+                           kv_cache=SimpleNamespace(kv=SimpleNamespace(element_size=lambda: 4)),
+                           max_gather_bytes=ModelRunner.max_gather_bytes)
+    g = max_gather_positions(3, 64, 4)
+    rng = np.random.default_rng(9)
+    for _ in range(200):
+        ctx = sorted(int(x) for x in rng.integers(2, 4096, int(rng.integers(1, 96))))
+        active = [SimpleNamespace(context_len=x) for x in ctx]
+        parts = ModelRunner._split_decode(fake, active, list(range(len(ctx))))
+        assert [(len(p), ctx[p[-1]]) for p in parts] == decode_groups(ctx, g)
