@@ -1,0 +1,545 @@
+"""``laser bench``: multi-SLO serving benchmark (goodput per policy, paper §9).
+
+Targets: in-process engines, one per ``--policies`` entry (one loaded model; a fresh
+scheduler per run; ``--disaggregated`` for prefill+decode pairs), or any
+OpenAI-compatible server (``--base-url``), or the simulator (``--sim``: the same
+schedulers on a latency model, virtual time). Every probed rate runs every target on
+the same arrivals before the next rate, so ratios hold on a noisy machine.
+
+Modes: ``--request-rate R`` (or ``--trace`` without it) is one run per target; otherwise
+the goodput search (grid over ``--rate-range``, then bounded bisection).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import logging
+import shlex
+import sys
+import time
+
+log = logging.getLogger("laser.bench")
+
+DEFAULT_POLICIES = "vllm,sarathi,laser"
+DEFAULT_SLO_SCALES = "0.8,0.9,1.0,1.1,1.2,1.3"
+DEFAULT_MIXES = "1:1:1,2:1:1,4:2:1,1:2:1,1:1:2"
+
+
+def _rate(s: str) -> float:
+    v = float(s)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"rate must be > 0, got {s}")
+    return v
+
+
+def parse_mix(s: str) -> tuple[float, ...]:
+    """``"4:2:1"`` -> (4.0, 2.0, 1.0) (chat:code:summarization)."""
+    try:
+        parts = tuple(float(x) for x in s.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad mix {s!r}: want ratios like 1:1:1") from None
+    if len(parts) != 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+        raise argparse.ArgumentTypeError(f"bad mix {s!r}: want three non-negative ratios (chat:code:summarization)")
+    return parts
+
+
+def _floats(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x.strip()]
+
+
+def register(subparsers) -> None:
+    """Add the ``bench`` subcommand (called by ``laser.cli.main``)."""
+    from laser.bench.calibrate import DEFAULT_TBT_MULTIPLE, DEFAULT_TTFT_MULTIPLE
+    from laser.cli import add_engine_args
+
+    p = subparsers.add_parser(
+        "bench", help="multi-SLO serving benchmark: SLO attainment and goodput per policy",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(p, policy_default=DEFAULT_POLICIES)
+    p.add_argument("--policies", dest="policy",
+                   help="comma list of policies (same as --policy), e.g. vllm,sarathi,laser; 'name:N' sets its "
+                        "token budget (max_num_batched_tokens) to N, 'name:auto' to Sarathi-Serve's TBT-sized budget")
+    p.add_argument("--disaggregated", action="store_true", help="prefill+decode instance pair per policy")
+    p.add_argument("--max-model-len", type=int, default=None, help="cap prompt+output length (tokens)")
+
+    w = p.add_argument_group("workload")
+    w.add_argument("--mix", type=parse_mix, default=(1.0, 1.0, 1.0), help="chat:code:summarization ratios (default 1:1:1)")
+    w.add_argument("--num-prompts", type=int, default=None, help="requests per run (default 100; a trace: all rows)")
+    w.add_argument("--length-scale", type=float, default=1.0, help="multiply prompt and output lengths")
+    w.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
+    w.add_argument("--trace", default=None, help="replay a trace CSV (Laser, vidur splitwise or Azure format)")
+    w.add_argument("--trace-class", default=None, help="SLO class of every trace row (class-less formats)")
+    w.add_argument("--tokenizer", default=None, help="tokenizer dir for prompt lengths (default: --model's)")
+
+    a = p.add_argument_group("arrivals and goodput search")
+    a.add_argument("--request-rate", type=_rate, default=None,
+                   help="one run per target at this rate (req/s, 'inf' = all at once); default: goodput search")
+    a.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of gaps; 1 = Poisson")
+    a.add_argument("--goodput", action="store_true", help="goodput search even with --trace (rescaled to each rate)")
+    a.add_argument("--rate-range", default="auto",
+                   help="LO,HI req/s of the search grid (auto: 0.1-1.0x the simulated saturation throughput)")
+    a.add_argument("--grid-points", type=int, default=None, help="grid rates (default 4; sim 8)")
+    a.add_argument("--bisect-steps", type=int, default=None, help="bisection rounds after the grid (default 2; sim 6)")
+    a.add_argument("--extend", type=int, default=1, help="extra doublings/halvings when the range misses the knee")
+    a.add_argument("--full-grid", action="store_true", help="run every grid rate even after two failures in a row")
+    a.add_argument("--attainment-target", type=float, default=0.9, help="goodput threshold (paper: 0.9)")
+    a.add_argument("--probe-timeout", type=float, default=None,
+                   help="seconds a run may go on after its last arrival; unfinished = missed (default 60; sim none)")
+    a.add_argument("--no-early-stop", action="store_true",
+                   help="run every probe to the end (default: stop a real-time probe once it certainly fails; "
+                        "goodput is the same, its attainment is then a lower bound)")
+    a.add_argument("--report-rate", type=_rate, default=None,
+                   help="rate for the TTFT/attainment columns (default: highest common rate <= best baseline goodput)")
+
+    s = p.add_argument_group("SLO targets")
+    s.add_argument("--slo-base", choices=["paper", "measured"], default="paper",
+                   help="paper targets, or scaled to this target's isolated latency (see laser/bench/calibrate.py)")
+    s.add_argument("--tbt-multiple", type=float, default=DEFAULT_TBT_MULTIPLE,
+                   help="measured base: tightest TBT = this x isolated decode step")
+    s.add_argument("--ttft-multiple", type=float, default=DEFAULT_TTFT_MULTIPLE,
+                   help="measured base: every TTFT >= this x its class's isolated prefill")
+    s.add_argument("--isolated-repeats", type=int, default=3)
+    s.add_argument("--isolated-output-tokens", type=int, default=16)
+
+    t = p.add_argument_group("client and simulator")
+    t.add_argument("--base-url", default=None, help="benchmark an OpenAI-compatible server instead of in-process engines")
+    t.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
+    t.add_argument("--served-model-name", default=None, help="'model' field (default: the server's first model)")
+    t.add_argument("--api-key", default=None)
+    t.add_argument("--max-concurrency", type=int, default=None)
+    t.add_argument("--label", default=None, help="name of the server in outputs (default 'server')")
+    t.add_argument("--sim", action="store_true", help="SIMULATED: the schedulers on a latency model in virtual time")
+    t.add_argument("--sim-latency", choices=["auto", "profile", "analytic"], default="auto",
+                   help="simulator clock: fitted profile (auto: when laser.profiler exists) or roofline estimate")
+    t.add_argument("--sim-hardware", default="cpu-2core", help="hardware table entry for --sim-latency analytic")
+
+    o = p.add_argument_group("output")
+    o.add_argument("--json", default=None, help="write results JSON here")
+    o.add_argument("--plots", default=None, help="write PNG plots into this directory")
+    o.add_argument("--sweep-slo-scale", nargs="?", const=DEFAULT_SLO_SCALES, default=None,
+                   help=f"goodput per SLO scale (default list {DEFAULT_SLO_SCALES})")
+    o.add_argument("--sweep-mix", nargs="?", const=DEFAULT_MIXES, default=None,
+                   help=f"goodput per mix (default list {DEFAULT_MIXES})")
+    o.add_argument("--no-progress", action="store_true")
+    o.add_argument("--no-warmup", action="store_true")
+    p.set_defaults(func=cmd_bench)
+
+
+# ------------------------------------------------------------------------------------ setup
+
+
+def parse_policies(s: str) -> list[tuple[str, str, int | str | None]]:
+    """``"vllm,sarathi:64,sarathi:auto,laser"`` -> [(label, policy, token budget or "auto" or None)].
+
+    ``policy:N`` runs the policy with ``max_num_batched_tokens = N``; ``policy:auto`` with
+    the budget Sarathi-Serve would pick for the tightest TBT target
+    (:func:`laser.bench.runner.tbt_token_budget`).
+    """
+    from laser.scheduler import get_policy
+
+    out = []
+    for item in (x.strip() for x in s.split(",")):
+        if not item:
+            continue
+        name, _, budget = item.partition(":")
+        get_policy(name)  # ValueError on an unknown name
+        b: int | str | None = None
+        if budget:
+            if budget == "auto":
+                b = "auto"
+            else:
+                try:
+                    b = int(budget)
+                except ValueError:
+                    raise ValueError(f"bad token budget in {item!r}: want an integer or 'auto'") from None
+                if b < 1:
+                    raise ValueError(f"token budget must be >= 1 in {item!r}")
+        out.append((item, name, b))
+    if len({lb for lb, _, _ in out}) != len(out):
+        raise ValueError(f"duplicate policy in {s!r}")
+    if not out:
+        raise ValueError("no policy given")
+    return out
+
+
+def apply_budgets(targets, specs, slos, lm, num_layers=None) -> dict[str, int]:
+    """Set each target's token budget from its spec; "auto" from the tightest TBT in ``slos``."""
+    from laser.bench.runner import EngineTarget, SimTarget, tbt_token_budget
+
+    tbts = [s.tbt for s in slos.classes.values() if s.tbt is not None]
+    chosen = {}
+    for label, _, b in specs:
+        if b is None or label not in targets:
+            continue
+        if b == "auto":
+            if not tbts:
+                raise ValueError(f"{label}: no TBT target to size the token budget from")
+            if lm is None:
+                raise ValueError(f"{label}: a latency model is needed to size the token budget")
+            b = tbt_token_budget(lm, min(tbts), num_layers)
+        t = targets[label]
+        if isinstance(t, EngineTarget):
+            t.overrides["max_num_batched_tokens"] = b
+        elif isinstance(t, SimTarget):
+            t.config = dataclasses.replace(t.config, max_num_batched_tokens=b)
+        chosen[label] = b
+    return chosen
+
+
+def _engine_args(args, policy: str):
+    a = copy.copy(args)
+    a.policy = policy
+    return a
+
+
+def _tokenizer(args, engine=None):
+    from laser.bench.workloads import HFTokenizer
+
+    if engine is not None and args.tokenizer is None:
+        return HFTokenizer(engine.tokenizer)
+    from laser.model.loader import load_tokenizer, resolve_model
+
+    return HFTokenizer(load_tokenizer(resolve_model(args.tokenizer or args.model)))
+
+
+def _planning_model(engine):
+    """The latency model the engine's policies plan with (the engine loads it from
+    ``--latency-profile``: the cached/fitted profile, or a roofline estimate)."""
+    return getattr(engine, "latency_model", None)
+
+
+def _sim_setup(args):
+    """(latency model, num_layers, num_blocks, max_model_len, tokenizer) for --sim."""
+    from laser.config import CacheConfig
+    from laser.latency_model import AnalyticLatencyModel, FittedLatencyModel, ModelShape
+    from laser.model.loader import load_config, resolve_dtype, resolve_model
+
+    path = resolve_model(args.model)
+    mc = load_config(path)
+    lm = None
+    if args.sim_latency in ("auto", "profile"):
+        prof = getattr(args, "latency_profile", None)
+        if prof not in (None, "auto"):
+            lm = FittedLatencyModel.load(prof)
+        else:
+            # the engine loads (or profiles, once) the fitted model of this setup
+            from laser.cli import build_engine
+
+            a = _engine_args(args, "vllm")
+            a.latency_profile = "auto"
+            lm = _planning_model(build_engine(a))
+            if not isinstance(lm, FittedLatencyModel):
+                if args.sim_latency == "profile":
+                    raise ValueError("--sim-latency profile: no fitted latency profile could be made")
+                lm = None
+    if lm is None:
+        shape = ModelShape.from_hf_config(mc.hf_config.to_dict())
+        lm = AnalyticLatencyModel(shape, args.sim_hardware)
+    dtype = resolve_dtype(args.dtype)
+    dbytes = 2 if str(dtype).endswith("bfloat16") else 4
+    cache = CacheConfig(block_size=args.block_size, kv_cache_gib=args.kv_cache_gib)
+    blocks = cache.blocks_per_layer(mc, dbytes)
+    max_len = min(mc.max_position, blocks * args.block_size, args.max_model_len or mc.max_position)
+    return lm, mc.num_layers, blocks, max_len
+
+
+def _sched_config(args, policy: str):
+    from laser.config import SchedulerConfig
+
+    return SchedulerConfig(policy=policy, queue_order=args.queue_order, max_num_seqs=args.max_num_seqs,
+                           max_num_batched_tokens=args.max_num_batched_tokens)
+
+
+def build_targets(args, specs):
+    """(targets by label, tokenizer, max_model_len, latency model or None, mode)."""
+    from laser.bench.runner import ClientTarget, EngineTarget, SimTarget
+
+    if args.base_url:
+        tgt = ClientTarget(args.base_url, args.served_model_name, args.endpoint, args.api_key, args.max_concurrency,
+                           label=args.label)
+        return {tgt.label: tgt}, _tokenizer(args), args.max_model_len, None, "client"
+    if args.sim:
+        lm, n_layers, blocks, max_len = _sim_setup(args)
+        targets = {}
+        for label, pol, _ in specs:
+            targets[label] = SimTarget(pol, lm, n_layers, _sched_config(args, pol), num_blocks=blocks,
+                                       block_size=args.block_size, icache_tokens=args.intermediate_cache_tokens,
+                                       disaggregated=args.disaggregated, label=label)
+        return targets, _tokenizer(args), max_len, lm, "sim"
+    from laser.cli import build_engine
+    from laser.disagg import DisaggregatedPair
+
+    first = specs[0][1]
+    pair = None
+    if args.disaggregated:
+        pair = DisaggregatedPair(build_engine(_engine_args(args, first), role="prefill"),
+                                 build_engine(_engine_args(args, first), role="decode"))
+        engine = pair.prefill
+    else:
+        engine = build_engine(_engine_args(args, first), max_model_len=args.max_model_len)
+    lm = _planning_model(engine)
+    targets = {}
+    for label, pol, _ in specs:
+        if pair is not None:
+            targets[label] = EngineTarget(pol, pair=pair, latency_model=lm, label=label)
+        else:
+            targets[label] = EngineTarget(pol, engine=engine, latency_model=lm, label=label)
+    max_len = engine.max_model_len if args.max_model_len is None else min(engine.max_model_len, args.max_model_len)
+    return targets, _tokenizer(args, engine), max_len, lm, "engine"
+
+
+def build_workload(args, tokenizer, max_model_len, mix=None):
+    """(requests, trace times or None, description dict)."""
+    from laser.bench.arrivals import read_trace, requests_from_trace
+    from laser.bench.workloads import WorkloadSampler, sample_mix
+
+    if args.trace:
+        entries = read_trace(args.trace, slo_class=args.trace_class)
+        if args.num_prompts:
+            entries = entries[: args.num_prompts]
+        sampler = WorkloadSampler(tokenizer, args.seed, args.length_scale, max_model_len)
+        reqs = requests_from_trace(entries, sampler, args.seed)
+        times = [e.arrival_time for e in entries]
+        desc = {"trace": args.trace, "num_prompts": len(reqs), "length_scale": args.length_scale}
+    else:
+        mix = mix or args.mix
+        n = args.num_prompts or 100
+        reqs = sample_mix(mix, n, args.seed, args.length_scale, tokenizer, max_model_len)
+        times = None
+        desc = {"mix": ":".join(f"{m:g}" for m in mix), "num_prompts": n, "length_scale": args.length_scale}
+    desc["seed"] = args.seed
+    by: dict[str, list] = {}
+    for r in reqs:
+        by.setdefault(r.slo_class, []).append(r)
+    desc["classes"] = {c: {"count": len(v), "mean_prompt_len": sum(r.prompt_len for r in v) / len(v),
+                           "mean_output_len": sum(r.output_len for r in v) / len(v)} for c, v in sorted(by.items())}
+    return reqs, times, desc
+
+
+def calibrate_slos(args, targets, requests, tokenizer):
+    from laser.bench.calibrate import calibrate, class_mean_prompt_lens, measure_isolated, paper_targets
+    from laser.bench.workloads import WorkloadRequest, WorkloadSampler
+    from laser.slo import SLOClasses
+
+    import numpy as np
+
+    paper = paper_targets(args.slo_config)
+    iso = None
+    if args.slo_base == "measured":
+        target = next(iter(targets.values()))
+        sampler = WorkloadSampler(tokenizer, args.seed)
+        rng = np.random.default_rng(args.seed)
+        neutral = SLOClasses({})
+
+        def make_prompt(cls, n):
+            text, m = sampler.filler(n, rng)
+            return WorkloadRequest("best_effort", text, m, max(2, args.isolated_output_tokens), 0.0, f"isolated:{cls}")
+
+        def run_one(wr):
+            return target.run([wr], neutral, timeout_s=600).records[0]
+
+        lens = {c: n for c, n in class_mean_prompt_lens(requests).items() if c in paper}
+        src = {"engine": "measured on the engine", "sim": "simulated (latency model)",
+               "client": f"measured on the server at {getattr(target, 'base_url', '')}"}[target.kind]
+        iso = measure_isolated(run_one, make_prompt, lens, args.isolated_repeats, src)
+    return calibrate(args.slo_base, args.slo_scale, paper, iso, args.tbt_multiple, args.ttft_multiple)
+
+
+def _default_lm(args):
+    """Roofline estimate of the served model on this kind of machine (when no profile exists)."""
+    from laser.latency_model import AnalyticLatencyModel, ModelShape
+    from laser.model.loader import load_config, resolve_model
+
+    try:
+        shape = ModelShape.from_hf_config(load_config(resolve_model(args.model)).hf_config.to_dict())
+    except Exception:  # noqa: BLE001 - e.g. a remote server's model we do not have
+        shape = ModelShape.preset("smollm2-135m")
+    return AnalyticLatencyModel(shape, args.sim_hardware)
+
+
+def _rate_range(args, targets, requests, slos, lm, mode, n_layers_blocks=None):
+    if args.rate_range != "auto":
+        lo, hi = _floats(args.rate_range)
+        return lo, hi, "given"
+    from laser.bench.runner import SimTarget, saturation_rate
+
+    sim = next((t for t in targets.values() if isinstance(t, SimTarget)), None)
+    if sim is None:
+        pol = "sarathi"
+        sim = SimTarget(pol, lm or _default_lm(args), config=_sched_config(args, pol))
+    cap = saturation_rate(sim, requests, slos)
+    return 0.1 * cap, cap, f"auto: 0.1-1.0x simulated saturation throughput {cap:.3g} req/s ({sim.policy})"
+
+
+# -------------------------------------------------------------------------------------- run
+
+
+def cmd_bench(args) -> int:
+    from laser.bench import report
+    from laser.bench.runner import Benchmark, probe_at, reference_rate
+
+    t_start = time.perf_counter()
+    specs = parse_policies(args.policy or DEFAULT_POLICIES)
+    if args.base_url and args.sim:
+        raise ValueError("--base-url and --sim are exclusive")
+    progress = not args.no_progress
+    targets, tokenizer, max_len, lm, mode = build_targets(args, specs)
+    simulated = mode == "sim"
+    tag = f" {report.SIM_TAG}" if simulated else ""
+    if simulated:
+        print(f"SIMULATED run: policies on SimInstance, clock = {type(lm).__name__} (virtual time, not measured).")
+    requests, trace_times, wl_desc = build_workload(args, tokenizer, max_len)
+    print(f"workload: {wl_desc}")
+
+    if not args.no_warmup and mode != "sim":
+        for t in targets.values():
+            t.warmup()
+    cal = calibrate_slos(args, targets, requests, tokenizer)
+    print(cal.format() + tag)
+    slos = cal.slo_classes()
+    budgets = apply_budgets(targets, specs, slos, lm or _default_lm(args))
+    for lb, b in budgets.items():
+        print(f"{lb}: token budget (max_num_batched_tokens) {b}")
+
+    if args.probe_timeout is not None:
+        probe_timeout = args.probe_timeout
+    else:
+        probe_timeout = None if simulated else 60.0
+    search = args.goodput or (args.request_rate is None and args.trace is None)
+    grid = args.grid_points or (8 if simulated else 4)
+    steps = args.bisect_steps if args.bisect_steps is not None else (6 if simulated else 2)
+
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        est = len(targets) * ((grid + 2 * args.extend + steps) if search else 1)
+        bar = tqdm(total=est, desc="probes" + tag, unit="run", dynamic_ncols=True)
+
+    def on_probe(p):
+        line = report.format_probe_line(p, args.attainment_target) + tag
+        if bar is not None:
+            bar.update(1)
+            bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def make_bench(reqs, slo_table):
+        return Benchmark(targets, reqs, slo_table, burstiness=args.burstiness, seed=args.seed,
+                         attainment_target=args.attainment_target, trace_times=trace_times,
+                         probe_timeout_s=probe_timeout, progress=progress and not simulated, on_probe=on_probe,
+                         early_stop=not args.no_early_stop and not simulated)
+
+    bench = make_bench(requests, slos)
+    results_gp = None
+    range_note = None
+    if search:
+        lo, hi, range_note = _rate_range(args, targets, requests, slos, lm, mode)
+        print(f"goodput search over {lo:.3g}-{hi:.3g} req/s ({range_note}); grid {grid}, bisection {steps}, "
+              f"attainment target {args.attainment_target:g}")
+        results_gp = bench.goodput(lo, hi, grid, steps, extend=args.extend, full_grid=args.full_grid)
+        ref = args.report_rate or reference_rate(results_gp)
+        # The comparison needs Laser and the best baseline run in full on the same arrivals
+        # at ``ref``; any other target only needs some probe there (a stopped one is marked).
+        base = [lb for lb in targets if lb != "laser"]
+        best = max(base, key=lambda lb: results_gp[lb].goodput_rps) if base else None
+        for lb in targets:
+            have = probe_at(results_gp, lb, ref)
+            if have is None or (have.early_stopped and lb in ("laser", best)):
+                print(f"[{lb}] full run at the reference rate {ref:.3g} req/s for the comparison{tag}")
+                results_gp[lb].probes.append(bench.probe(lb, ref, early_stop=False))
+    else:
+        ref = args.request_rate
+        bench.run_at(ref)
+
+    # -- sweeps -------------------------------------------------------------------------------
+    sweeps = {}
+    if args.sweep_slo_scale and search:
+        sweeps["slo_scale"] = {}
+        for sc in _floats(args.sweep_slo_scale):
+            print(f"-- SLO scale {sc:g}{tag}")
+            sc_slos = cal.rescaled(sc).slo_classes()
+            apply_budgets(targets, specs, sc_slos, lm or _default_lm(args))
+            b = make_bench(requests, sc_slos)
+            res = b.goodput(lo, hi, grid, steps, extend=args.extend, full_grid=args.full_grid)
+            sweeps["slo_scale"][f"{sc:g}"] = {lb: g.goodput_rps for lb, g in res.items()}
+    apply_budgets(targets, specs, slos, lm or _default_lm(args))
+    if args.sweep_mix and search:
+        sweeps["mix"] = {}
+        for m in args.sweep_mix.split(","):
+            mix = parse_mix(m.strip())
+            print(f"-- mix {m.strip()}{tag}")
+            reqs, _, _ = build_workload(args, tokenizer, max_len, mix=mix)
+            b = make_bench(reqs, slos)
+            res = b.goodput(lo, hi, grid, steps, extend=args.extend, full_grid=args.full_grid)
+            sweeps["mix"][m.strip()] = {lb: g.goodput_rps for lb, g in res.items()}
+    if bar is not None:
+        bar.total = bar.n
+        bar.close()
+
+    # -- report -------------------------------------------------------------------------------
+    targets_s = cal.targets
+    policies_json = {}
+    ref_probes = {}
+    for lb, tgt in targets.items():
+        if results_gp is not None:
+            p = probe_at(results_gp, lb, ref)
+            g = results_gp[lb]
+            probes = None
+        else:
+            p = probe_at(bench.probes, lb, ref)
+            g = None
+            probes = [q for q in bench.probes if q.label == lb]
+        ref_probes[lb] = p
+        policies_json[lb] = report.policy_json(lb, targets_s, p, g, args.attainment_target, tgt.describe(), probes)
+        extra = {"Policy / target": f"{lb} ({mode}{', disaggregated' if args.disaggregated else ''})"}
+        print(report.format_summary(p.records, p.summary, rate=p.rate, simulated=simulated,
+                                    goodput=g.goodput_rps if g is not None else None, extra=extra))
+    results = {
+        "benchmark": "laser bench",
+        "simulated": simulated,
+        "mode": mode,
+        "note": ("SIMULATED: schedulers on SimInstance with a latency model in virtual time; not a measurement"
+                 if simulated else "measured in real time"),
+        "command": "laser bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None,
+        "policies_order": list(targets),
+        "disaggregated": args.disaggregated,
+        "workload": wl_desc,
+        "arrivals": {"process": "trace" if args.trace else ("poisson" if args.burstiness == 1 else "gamma"),
+                     "burstiness": args.burstiness, "seed": args.seed},
+        "attainment_target": args.attainment_target,
+        "search": None if not search else {"rate_range_rps": [lo, hi], "range_note": range_note, "grid_points": grid,
+                                           "bisect_steps": steps, "extend": args.extend,
+                                           "probe_timeout_s": probe_timeout},
+        "slo": cal.to_dict(),
+        "slo_targets": {c: {"ttft_s": t.get("ttft"), "tbt_s": t.get("tbt")} for c, t in targets_s.items()},
+        "reference_rate_rps": ref,
+        "latency_model": type(lm).__name__ if lm is not None else None,
+        "policies": policies_json,
+        "comparison": report.comparison_json(policies_json),
+        "sweeps": sweeps,
+        "wall_s": None,
+    }
+    results["wall_s"] = round(time.perf_counter() - t_start, 1)
+    results = report.sanitize(results)
+    print(report.format_comparison(results))
+    print(f"total wall time {results['wall_s']:.0f} s")
+    if args.json:
+        report.write_json(results, args.json)
+        print(f"results written to {args.json}")
+    if args.plots:
+        from laser.bench.plots import write_plots
+
+        wl_txt = f"{wl_desc['mix']} mix" if "mix" in wl_desc else "trace"
+        slo_txt = f"{cal.base} SLOs x{cal.scale:g}" + (" (--slo-config)" if args.slo_config else "")
+        probes_by = {lb: (results_gp[lb].probes if results_gp else [q for q in bench.probes if q.label == lb])
+                     for lb in targets}
+        paths = write_plots(args.plots, probes_by_label=probes_by if search else None,
+                            goodputs={lb: g.goodput_rps for lb, g in results_gp.items()} if results_gp else None,
+                            target=args.attainment_target, ref_probes={k: v for k, v in ref_probes.items() if v},
+                            slo_targets=targets_s, slo_scale_sweep=sweeps.get("slo_scale"),
+                            mix_sweep=sweeps.get("mix"), simulated=simulated, workload=wl_txt, slos=slo_txt)
+        print("plots: " + ", ".join(str(p) for p in paths))
+    return 0

@@ -1,0 +1,873 @@
+"""Benchmark drivers and the goodput search.
+
+Three kinds of target serve a timed list of :class:`~laser.bench.workloads.WorkloadRequest`
+and return one :class:`~laser.metrics.RequestRecord` per request:
+
+* :class:`EngineTarget` — an in-process :class:`~laser.engine.Engine` (or a prefill+decode
+  :class:`~laser.disagg.DisaggregatedPair`) driven by :func:`laser.online.run_online`:
+  arrivals are released at layer boundaries, in real time. Several targets share one
+  loaded engine: each run installs a fresh scheduler of its policy (nothing else of the
+  engine changes) and checks ``check_integrity(expect_empty=True)`` before and after.
+* :class:`ClientTarget` — any OpenAI-compatible server at a base URL, measured from the
+  client (httpx, streaming SSE): a token time is the arrival time of an SSE chunk with
+  text. The request's SLO goes as the ``slo_class`` body field and the ``x-slo-class``
+  header; its targets (ms) as ``x-slo-ttft-ms`` / ``x-slo-tbt-ms`` headers, so a Laser
+  server schedules for the very targets the client measures against.
+* :class:`SimTarget` — the same schedulers on :class:`~laser.sim.SimInstance` with a
+  latency model as the clock (virtual time). Simulated results are labelled as such.
+
+:class:`Benchmark` runs every target on the same arrivals, interleaved (for each probed
+rate, every target before the next rate), so a noisy machine shifts all of them alike,
+and finds each target's goodput: a grid over the rate range, then a bounded bisection
+of each target's bracket (paper §9: the highest rate at which >= 90 % of requests meet
+their SLO; same conventions as :func:`laser.metrics.find_goodput`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from laser.bench.arrivals import arrival_times
+from laser.bench.workloads import WorkloadRequest
+from laser.metrics import RequestRecord, RunSummary, summarize
+from laser.request import SLO, Phase, Request, SamplingParams
+from laser.slo import SLOClasses
+
+
+def to_record(req: Request) -> RequestRecord:
+    """Metrics view of a scheduler-side request (torch-free twin of ``engine.request_record``)."""
+    return RequestRecord(
+        req_id=req.req_id,
+        slo_class=req.slo.name,
+        ttft_slo=req.slo.ttft,
+        tbt_slo=req.slo.tbt,
+        arrival_time=req.arrival_time,
+        token_times=list(req.token_times),
+        prompt_len=req.num_prompt_tokens,
+        output_len=req.sampling_params.max_tokens,
+        finished=req.finish_reason in ("stop", "length"),
+    )
+
+
+def missing_record(i: int, wr: WorkloadRequest, slo: SLO, t0: float) -> RequestRecord:
+    """Record of a request never sent or served (e.g. the probe timed out first): a miss."""
+    return RequestRecord(f"missing-{i}", slo.name, slo.ttft, slo.tbt, t0 + wr.arrival_time, [],
+                         wr.prompt_len, wr.output_len, False)
+
+
+@dataclass
+class RunOutput:
+    records: list[RequestRecord]
+    # seconds the throughputs are divided by: last token - first arrival (None: no token)
+    duration: float | None
+    wall_s: float
+    # stopped once the attainment was certain to fall below ``stop_below`` (the rest aborted)
+    early_stopped: bool = False
+
+
+def is_certain_miss(rec: RequestRecord, now: float) -> bool:
+    """Whether ``rec`` has already missed its SLO for sure at time ``now``: it finished and
+    missed, or its TTFT target passed (or was exceeded) with its first token late/absent.
+    (A P99 TBT miss of a running request is not certain until it finishes.)"""
+    if rec.finished:
+        return not rec.slo_met
+    if rec.ttft_slo is None:
+        return False
+    first = rec.token_times[0] if rec.token_times else now
+    return first - rec.arrival_time > rec.ttft_slo
+
+
+class MissCounter:
+    """Tracks certain misses of a run to stop it once it cannot reach ``stop_below``.
+
+    With ``n`` requests, attainment < ``stop_below`` is certain once more than
+    ``(1 - stop_below) * n`` requests certainly missed.
+    """
+
+    def __init__(self, n: int, stop_below: float | None):
+        self.allowed = None if stop_below is None else (1.0 - stop_below) * n + 1e-9
+        self.missed: set[str] = set()
+
+    def decided(self, records: Sequence[RequestRecord], now: float) -> bool:
+        if self.allowed is None:
+            return False
+        for r in records:
+            if r.req_id not in self.missed and is_certain_miss(r, now):
+                self.missed.add(r.req_id)
+        return len(self.missed) > self.allowed
+
+
+class _Decided(Exception):
+    """The run's attainment is certain to miss the target: stop it."""
+
+
+class Target:
+    """Something that serves a timed request list. ``label`` names it in every output."""
+
+    label: str = "target"
+    simulated: bool = False
+    kind: str = "target"  # engine | sim | client
+
+    def run(self, requests: Sequence[WorkloadRequest], slos: SLOClasses, timeout_s: float | None = None,
+            progress: bool = False, stop_below: float | None = None) -> RunOutput:
+        """Serve ``requests`` (``arrival_time`` = seconds from the start). ``timeout_s``:
+        stop that long after the start; unfinished requests then count as misses.
+        ``stop_below``: stop (aborting the rest, counted as misses) as soon as the
+        attainment is certain to be below it; None = run to the end."""
+        raise NotImplementedError
+
+    def warmup(self) -> None:
+        """Run something small so the first measured probe does not pay one-off costs."""
+
+    def describe(self) -> dict:
+        return {"label": self.label, "kind": self.kind, "simulated": self.simulated}
+
+
+def _slo_for(slos: SLOClasses, cls: str) -> SLO:
+    return slos.get(cls)
+
+
+def _summary_duration(records: list[RequestRecord]) -> float | None:
+    return summarize(records).duration
+
+
+# --------------------------------------------------------------------------------------- engine
+
+
+def install_scheduler(engine, policy: str, latency_model=None, **config_overrides) -> None:
+    """Give ``engine`` a fresh scheduler of ``policy`` (its config with ``config_overrides``)
+    over its own KV pool and intermediate cache. The engine must be idle; nothing else changes."""
+    from laser.scheduler import get_policy
+
+    engine.check_integrity(expect_empty=True)
+    cfg = dataclasses.replace(engine.scheduler_config, policy=policy, **config_overrides)
+    sched = get_policy(policy)(cfg, engine.model_config.num_layers, engine.kv_cache.block_manager,
+                               engine.icache, latency_model)
+    sched.clock = engine.clock
+    engine.scheduler = sched
+    engine.scheduler_config = cfg
+    engine.latency_model = latency_model
+
+
+class EngineTarget(Target):
+    """One policy on an in-process engine (``engine``) or prefill/decode pair (``pair``).
+
+    ``latency_model`` is what the policy plans with (Laser needs it; baselines ignore it).
+    """
+
+    kind = "engine"
+
+    def __init__(self, policy: str, engine=None, pair=None, latency_model=None, label: str | None = None,
+                 config_overrides: dict | None = None):
+        if (engine is None) == (pair is None):
+            raise ValueError("give exactly one of engine, pair")
+        self.policy = policy
+        self.overrides = dict(config_overrides or {})
+        self.engine, self.pair = engine, pair
+        self.lm = latency_model
+        self.label = label or policy
+        self.runs = 0
+        self._ids: dict[str, list[int]] = {}
+
+    @property
+    def engines(self) -> list:
+        return [self.engine] if self.engine is not None else [self.pair.prefill, self.pair.decode]
+
+    @property
+    def tokenizer(self):
+        return self.engines[0].tokenizer
+
+    def _encode(self, prompt: str) -> list[int]:
+        ids = self._ids.get(prompt)
+        if ids is None:
+            ids = self._ids[prompt] = self.engines[0].encode_prompt(prompt)
+        return ids
+
+    def describe(self) -> dict:
+        e = self.engines[0]
+        return {**super().describe(), "policy": self.policy, "disaggregated": self.pair is not None,
+                "model": e.model_name, "dtype": str(e.dtype).removeprefix("torch."),
+                "latency_model": type(self.lm).__name__ if self.lm is not None else "policy default",
+                "scheduler": {**dataclasses.asdict(e.scheduler_config), "policy": self.policy, **self.overrides}}
+
+    def run(self, requests, slos, timeout_s=None, progress=False, stop_below=None) -> RunOutput:
+        from laser.online import TimedRequest, run_online
+
+        for e in self.engines:
+            install_scheduler(e, self.policy, self.lm, **self.overrides)
+        self.runs += 1
+        inner = self.engine if self.engine is not None else self.pair
+        if self.pair is not None:
+            self.pair.adopted.clear()
+        misses = MissCounter(len(requests), stop_below)
+        resolve = getattr(inner, "resolve", lambda r: r)
+        clock = self.engines[0].clock
+
+        def check():
+            if misses.allowed is not None and misses.decided([to_record(resolve(r)) for r in target.added], clock()):
+                raise _Decided
+
+        target = _Tap(inner, check)
+        stream = []
+        for i, wr in enumerate(requests):
+            sp = SamplingParams(max_tokens=wr.output_len, temperature=0.0, ignore_eos=True)
+            stream.append(TimedRequest(wr.arrival_time, self._encode(wr.prompt), sp, _slo_for(slos, wr.slo_class),
+                                       req_id=f"{self.label}-{self.runs}-{i}"))
+        bar = _request_bar(len(stream), f"{self.label}", progress)
+
+        def on_output(o):
+            if o.finished and bar is not None:
+                bar.update(1)
+
+        t_start = time.perf_counter()
+        t0 = clock()
+        stopped = False
+        try:
+            run_online(target, stream, on_output=on_output, timeout_s=timeout_s)
+        except _Decided:
+            stopped = True
+            for r in target.added:
+                if not resolve(r).is_finished:
+                    inner.abort(r.req_id)
+        finally:
+            if bar is not None:
+                bar.close()
+        wall = time.perf_counter() - t_start
+        by_id = {r.req_id: resolve(r) for r in target.added}
+        records = []
+        for i, (it, wr) in enumerate(zip(stream, requests)):
+            r = by_id.get(it.req_id)
+            records.append(to_record(r) if r is not None else missing_record(i, wr, _slo_for(slos, wr.slo_class), t0))
+        for e in self.engines:
+            e.check_integrity(expect_empty=True)
+        return RunOutput(records, _summary_duration(records), wall, stopped)
+
+    def warmup(self) -> None:
+        warm = [WorkloadRequest("best_effort", "Warm up the engine with a short prompt, please.", 12, 4, 0.0),
+                WorkloadRequest("best_effort", "A second short prompt runs alongside the first one.", 12, 4, 0.0)]
+        self.run(warm, SLOClasses({}), timeout_s=120)
+
+
+class _Tap:
+    """What :func:`run_online` drives: the engine (or pair), plus a list of every request
+    added and a check after every step (which may raise :class:`_Decided`)."""
+
+    def __init__(self, inner, check: Callable[[], None]):
+        object.__setattr__(self, "_inner", inner)
+        object.__setattr__(self, "_check", check)
+        object.__setattr__(self, "added", [])
+
+    def add_request(self, *args, **kwargs):
+        req = self._inner.add_request(*args, **kwargs)
+        self.added.append(req)
+        return req
+
+    def step(self):
+        out = self._inner.step()
+        self._check()
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def __setattr__(self, name, value):  # arrival_hook goes to the engine itself
+        setattr(self._inner, name, value)
+
+
+def _request_bar(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=f"  {desc} requests", leave=False, unit="req", dynamic_ncols=True)
+
+
+# ------------------------------------------------------------------------------------------ sim
+
+
+def _make_sim_classes():
+    from laser.sim import SimInstance
+
+    class PrefillSim(SimInstance):
+        """Prefill role: a request that got its first token and has more to generate is
+        handed off (as :meth:`laser.engine.Engine._emit` does), freeing its KV here."""
+
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.handoffs: list[tuple[float, Request]] = []
+
+        def step(self) -> None:
+            super().step()
+            for r in [r for r in self.scheduler.running if r.phase == Phase.DECODE]:
+                self.scheduler.finish(r, "handoff", self.clock.t)
+                self.handoffs.append((self.clock.t, r))
+
+    class DecodeSim(SimInstance):
+        """Decode role: adopts hand-offs (KV for the computed tokens at every layer) once
+        their time has come and its pool can hold them (as ``Engine.accept_handoff``)."""
+
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.pending: list[tuple[float, Request]] = []
+            self.adopted: dict[str, Request] = {}
+
+        def _release(self) -> None:
+            super()._release()
+            while self.pending and self.pending[0][0] <= self.clock.t:
+                src = self.pending[0][1]
+                if not self.bm.can_allocate(src.req_id, src.num_computed_tokens):
+                    break
+                self.pending.pop(0)
+                req = Request(prompt_token_ids=src.prompt_token_ids, sampling_params=src.sampling_params,
+                              slo=src.slo, arrival_time=src.arrival_time, req_id=src.req_id)
+                req.output_token_ids = list(src.output_token_ids)
+                req.token_times = list(src.token_times)
+                req.num_computed_tokens = src.num_computed_tokens
+                req.phase = Phase.DECODE
+                self.bm.allocate(req.req_id, req.num_computed_tokens)
+                self.scheduler.add_running(req)
+                self.adopted[req.req_id] = req
+
+        def next_event(self) -> float:
+            if self.scheduler.has_unfinished():
+                return self.clock.t
+            return self.pending[0][0] if self.pending else math.inf
+
+    return PrefillSim, DecodeSim
+
+
+def run_sim_pair(p, d, until: float = math.inf, max_steps: int = 2_000_000) -> None:
+    """Advance a prefill sim ``p`` and a decode sim ``d`` together in virtual time: always
+    step the one that is behind, so every hand-off is known before ``d`` passes its time."""
+    for _ in range(max_steps):
+        d.pending.extend(p.handoffs)
+        p.handoffs.clear()
+        if p.scheduler.has_unfinished():
+            tp = p.clock.t
+        else:
+            tp = p._arrivals[0].arrival_time if p._arrivals else math.inf
+        td = d.next_event()
+        if math.isinf(tp) and math.isinf(td):
+            return
+        if min(tp, td) > until:
+            return
+        if tp <= td:
+            p.clock.t = max(p.clock.t, tp)
+            p._release()
+            if p.scheduler.has_unfinished():
+                p.step()
+        else:
+            d.clock.t = max(d.clock.t, td)
+            d._release()
+            if d.scheduler.has_unfinished():
+                d.step()
+            elif d.pending and d.pending[0][0] <= d.clock.t:
+                # the pool cannot hold the next hand-off and nothing runs to free it
+                raise RuntimeError("decode instance KV pool too small for a hand-off")
+    raise RuntimeError("simulation did not finish within max_steps")
+
+
+class SimTarget(Target):
+    """One policy on simulated instances (virtual time; ``latency_model`` is the clock and
+    what the policy plans with)."""
+
+    kind = "sim"
+    simulated = True
+
+    def __init__(self, policy: str, latency_model, num_layers: int | None = None, config=None,
+                 num_blocks: int = 4096, block_size: int = 16, icache_tokens: int = 16384,
+                 disaggregated: bool = False, decode_icache_tokens: int = 2048, label: str | None = None):
+        from laser.config import SchedulerConfig
+
+        self.policy = policy
+        self.lm = latency_model
+        self.num_layers = num_layers or latency_model.num_layers
+        self.config = config or SchedulerConfig(policy=policy)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.icache_tokens, self.decode_icache_tokens = icache_tokens, decode_icache_tokens
+        self.disaggregated = disaggregated
+        self.label = label or policy
+        self.last_sims: list = []
+
+    def describe(self) -> dict:
+        return {**super().describe(), "policy": self.policy, "disaggregated": self.disaggregated,
+                "latency_model": type(self.lm).__name__, "num_layers": self.num_layers,
+                "num_blocks": self.num_blocks, "block_size": self.block_size,
+                "scheduler": dataclasses.asdict(self.config)}
+
+    def _sim(self, cls, role: str, icache: int):
+        cfg = dataclasses.replace(self.config, policy=self.policy, role=role)
+        return cls(self.policy, self.num_layers, self.lm, cfg, num_blocks=self.num_blocks,
+                   block_size=self.block_size, icache_tokens=icache)
+
+    def run(self, requests, slos, timeout_s=None, progress=False, stop_below=None) -> RunOutput:
+        """(Virtual time is cheap: ``stop_below`` is ignored and every run goes to the end.)"""
+        from laser.sim import SimInstance
+
+        t_start = time.perf_counter()
+        reqs = []
+        for i, wr in enumerate(requests):
+            reqs.append(Request(prompt_token_ids=[1] * wr.prompt_len,
+                                sampling_params=SamplingParams(max_tokens=wr.output_len, temperature=0.0,
+                                                               ignore_eos=True),
+                                slo=_slo_for(slos, wr.slo_class), arrival_time=wr.arrival_time,
+                                req_id=f"{self.label}-{i}"))
+        until = math.inf if timeout_s is None else timeout_s
+        if not self.disaggregated:
+            sim = self._sim(SimInstance, "mixed", self.icache_tokens)
+            for r in reqs:
+                sim._arrivals.append(r)
+            sim._arrivals.sort(key=lambda r: r.arrival_time)
+            sim.run(until=until, max_steps=5_000_000)
+            self.last_sims = [sim]
+            final = reqs
+        else:
+            PrefillSim, DecodeSim = _make_sim_classes()
+            p = self._sim(PrefillSim, "prefill", self.icache_tokens)
+            d = self._sim(DecodeSim, "decode", self.decode_icache_tokens)
+            p._arrivals = sorted(reqs, key=lambda r: r.arrival_time)
+            run_sim_pair(p, d, until)
+            self.last_sims = [p, d]
+            final = [d.adopted.get(r.req_id, r) for r in reqs]
+        records = [to_record(r) for r in final]
+        if all(r.finished for r in records):
+            for s in self.last_sims:
+                s.scheduler.check_integrity(expect_empty=True)
+        return RunOutput(records, _summary_duration(records), time.perf_counter() - t_start)
+
+
+# --------------------------------------------------------------------------------------- client
+
+
+class ClientTarget(Target):
+    """An OpenAI-compatible server at ``base_url``, timed client-side (streaming SSE).
+
+    ``endpoint``: ``/v1/completions`` (prompt text) or ``/v1/chat/completions`` (the prompt
+    as one user message). ``model``: the served model name (default: the first of
+    ``/v1/models``). ``max_concurrency``: at most this many requests in flight.
+    """
+
+    kind = "client"
+
+    def __init__(self, base_url: str, model: str | None = None, endpoint: str = "/v1/completions",
+                 api_key: str | None = None, max_concurrency: int | None = None, label: str | None = None,
+                 extra_body: dict | None = None):
+        self.base_url = base_url.rstrip("/")
+        self.endpoint = endpoint
+        self.model = model
+        self.api_key = api_key
+        self.max_concurrency = max_concurrency
+        self.label = label or "server"
+        self.extra_body = dict(extra_body or {})
+        self.errors: list[str] = []
+
+    def describe(self) -> dict:
+        return {**super().describe(), "base_url": self.base_url, "endpoint": self.endpoint, "model": self.model}
+
+    def _headers(self, slo: SLO) -> dict:
+        h = {"x-slo-class": slo.name}
+        if slo.ttft is not None:
+            h["x-slo-ttft-ms"] = f"{slo.ttft * 1e3:.6g}"
+        if slo.tbt is not None:
+            h["x-slo-tbt-ms"] = f"{slo.tbt * 1e3:.6g}"
+        if self.api_key:
+            h["Authorization"] = f"Bearer {self.api_key}"
+        return h
+
+    def _body(self, wr: WorkloadRequest, slo: SLO) -> dict:
+        body = {"model": self.model, "max_tokens": wr.output_len, "temperature": 0.0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}, "slo_class": slo.name}
+        if self.endpoint.rstrip("/").endswith("chat/completions"):
+            body["messages"] = [{"role": "user", "content": wr.prompt}]
+        else:
+            body["prompt"] = wr.prompt
+        body.update(self.extra_body)
+        return body
+
+    def resolve_model(self) -> str:
+        import httpx
+
+        if self.model is None:
+            h = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            r = httpx.get(self.base_url + "/v1/models", headers=h, timeout=30)
+            r.raise_for_status()
+            self.model = r.json()["data"][0]["id"]
+        return self.model
+
+    async def _one(self, client, i: int, wr: WorkloadRequest, slo: SLO, t0: float, rec: RequestRecord, sem, bar):
+        await asyncio.sleep(max(0.0, t0 + wr.arrival_time - time.monotonic()))
+        async with sem:
+            rec.arrival_time = time.monotonic()
+            try:
+                async with client.stream("POST", self.base_url + self.endpoint, json=self._body(wr, slo),
+                                         headers=self._headers(slo)) as resp:
+                    if resp.status_code != 200:
+                        text = (await resp.aread()).decode(errors="replace")[:300]
+                        self.errors.append(f"HTTP {resp.status_code}: {text}")
+                        return
+                    finish = None
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            break
+                        now = time.monotonic()
+                        obj = json.loads(data)
+                        if "error" in obj:
+                            self.errors.append(str(obj["error"])[:300])
+                            return
+                        for c in obj.get("choices") or []:
+                            text = c.get("text")
+                            if text is None:
+                                text = (c.get("delta") or {}).get("content")
+                            if text:
+                                rec.token_times.append(now)
+                            if c.get("finish_reason"):
+                                finish = c["finish_reason"]
+                    rec.finished = finish is not None and bool(rec.token_times)
+            except Exception as e:  # noqa: BLE001 - any transport failure is a failed request
+                self.errors.append(f"{type(e).__name__}: {e}")
+            finally:
+                if bar is not None:
+                    bar.update(1)
+
+    async def _run(self, requests, slos, timeout_s, progress, stop_below=None) -> tuple[list[RequestRecord], bool]:
+        import httpx
+
+        t0 = time.monotonic() + 0.05
+        records = []
+        for i, wr in enumerate(requests):
+            slo = _slo_for(slos, wr.slo_class)
+            records.append(RequestRecord(f"{self.label}-{i}", slo.name, slo.ttft, slo.tbt, t0 + wr.arrival_time, [],
+                                         wr.prompt_len, wr.output_len, False))
+        sem = asyncio.Semaphore(self.max_concurrency or len(requests) or 1)
+        bar = _request_bar(len(requests), self.label, progress)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        try:
+            async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+                tasks = [asyncio.create_task(self._one(client, i, wr, _slo_for(slos, wr.slo_class), t0, records[i],
+                                                       sem, bar))
+                         for i, wr in enumerate(requests)]
+                misses = MissCounter(len(requests), stop_below)
+                end = math.inf if timeout_s is None else time.monotonic() + timeout_s
+                pending = set(tasks)
+                stopped = False
+                while pending:
+                    wait = min(0.1, max(0.0, end - time.monotonic()))
+                    _, pending = await asyncio.wait(pending, timeout=wait)
+                    if not pending or time.monotonic() >= end:
+                        break
+                    started = [r for r, w in zip(records, requests) if time.monotonic() >= t0 + w.arrival_time]
+                    if misses.decided(started, time.monotonic()):
+                        stopped = True
+                        break
+                for t in pending:
+                    t.cancel()
+                if pending:
+                    await asyncio.gather(*pending, return_exceptions=True)
+        finally:
+            if bar is not None:
+                bar.close()
+        return records, stopped
+
+    def run(self, requests, slos, timeout_s=None, progress=False, stop_below=None) -> RunOutput:
+        self.resolve_model()
+        t_start = time.perf_counter()
+        records, stopped = asyncio.run(self._run(list(requests), slos, timeout_s, progress, stop_below))
+        return RunOutput(records, _summary_duration(records), time.perf_counter() - t_start, stopped)
+
+    def warmup(self) -> None:
+        wr = WorkloadRequest("best_effort", "Warm up the server with a short prompt, please.", 12, 4, 0.0)
+        self.run([wr], SLOClasses({}), timeout_s=120)
+
+
+# ------------------------------------------------------------------------------------ benchmark
+
+
+@dataclass
+class Probe:
+    """One run of one target at one rate."""
+
+    label: str
+    rate: float | None  # req/s; None = the trace's own times
+    records: list[RequestRecord] = field(repr=False)
+    summary: RunSummary = field(repr=False)
+    wall_s: float = 0.0
+    # stopped early once it could no longer pass: its attainment is then a lower bound
+    early_stopped: bool = False
+
+    @property
+    def attainment(self) -> float:
+        return self.summary.overall.attainment or 0.0
+
+    def class_attainment(self) -> dict[str, float]:
+        return {c: s.attainment or 0.0 for c, s in self.summary.per_class.items()}
+
+    @property
+    def unfinished(self) -> int:
+        return sum(not r.finished for r in self.records)
+
+
+@dataclass
+class GoodputResult:
+    """Goodput of one target: the highest probed rate that passes with every lower probe passing."""
+
+    label: str
+    goodput_rps: float
+    # every probed rate passed: the true goodput may be higher (``goodput_rps`` is a lower bound)
+    lower_bound: bool = False
+    # even the lowest probed rate failed (``goodput_rps`` is 0.0)
+    below_range: bool = False
+    bracket: tuple[float, float] | None = None  # (highest passing, lowest failing)
+    probes: list[Probe] = field(default_factory=list, repr=False)
+
+    def class_goodput(self, target: float) -> dict[str, float]:
+        """Per class: the highest probed rate at which the class's attainment passes, with
+        the class passing at every lower probed rate (0.0 if the lowest fails)."""
+        out: dict[str, float] = {}
+        classes = sorted({c for p in self.probes for c in p.summary.per_class})
+        for c in classes:
+            g = 0.0
+            for p in sorted(self.probes, key=lambda p: p.rate or 0.0):
+                a = p.class_attainment().get(c)
+                if a is None:
+                    continue
+                if a + 1e-12 < target:
+                    break
+                g = p.rate or 0.0
+            out[c] = g
+        return out
+
+
+def tbt_token_budget(lm, tbt: float, num_layers: int | None = None, decode_batch: int = 8,
+                     decode_context: int = 256, multiple: int = 16, limit: int = 8192) -> int:
+    """Sarathi-Serve's rule for its token budget: the largest budget (a multiple of
+    ``multiple``, at least ``multiple``) whose iteration - a prefill chunk plus
+    ``decode_batch`` decode tokens at ``decode_context`` - the latency model ``lm``
+    predicts within ``tbt`` seconds (the tightest TBT target)."""
+    from laser.plan import StepPlan, Work
+
+    n = num_layers or lm.num_layers
+
+    def it(k: int) -> float:
+        works = [Work(f"d{i}", decode_context - 1, 1, 0, n, True) for i in range(decode_batch)]
+        chunk = k - decode_batch
+        if chunk > 0:
+            works.append(Work("p", 0, chunk, 0, n, False))
+        return lm.predict_iteration(StepPlan(n, works))
+
+    best = multiple
+    k = multiple
+    while k <= limit and it(k) <= tbt:
+        best = k
+        k += multiple
+    return best
+
+
+def geometric_grid(lo: float, hi: float, n: int) -> list[float]:
+    """``n`` rates from ``lo`` to ``hi`` (inclusive), equally spaced in log scale, rounded to 4 digits."""
+    if not (0 < lo <= hi) or n < 1:
+        raise ValueError(f"need 0 < lo <= hi and n >= 1, got {lo}, {hi}, {n}")
+    if n == 1 or lo == hi:
+        return [float(f"{hi:.4g}")]
+    return sorted({float(f"{x:.4g}") for x in np.geomspace(lo, hi, n)})
+
+
+class Benchmark:
+    """Runs targets on the same requests and arrivals; keeps every probe.
+
+    Args:
+        targets: label -> target. Every rate is run on all of them back to back.
+        requests: the workload (prompts, classes, lengths); arrival times are set per rate.
+        slos: the SLO classes requests are judged (and, for engines, scheduled) against.
+        burstiness: Gamma shape of the inter-arrival gaps (1 = Poisson).
+        seed: arrival seed. The same seed at every rate: arrivals at rate r are one base
+            pattern divided by r (common random numbers across rates and targets).
+        trace_times: replay these arrival times (seconds; a trace) instead of Gamma arrivals;
+            a rate then rescales them to that mean rate.
+        probe_timeout_s: seconds after the last arrival a probe may run on (drain);
+            unfinished requests are misses. None: until done.
+        early_stop: stop a probe as soon as it certainly fails (more than (1 - target) · n
+            certain misses); pass/fail and goodput are unchanged, but the attainment of
+            such a probe is then a lower bound (the aborted requests count as misses).
+        on_probe: called with every finished probe (progress output).
+    """
+
+    def __init__(self, targets: dict[str, Target], requests: Sequence[WorkloadRequest], slos: SLOClasses,
+                 burstiness: float = 1.0, seed: int = 0, attainment_target: float = 0.9,
+                 trace_times: Sequence[float] | None = None, probe_timeout_s: float | None = None,
+                 progress: bool = False, on_probe: Callable[[Probe], None] | None = None,
+                 early_stop: bool = False):
+        if not targets:
+            raise ValueError("no targets")
+        self.targets = dict(targets)
+        self.requests = list(requests)
+        self.slos = slos
+        self.burstiness, self.seed = burstiness, seed
+        self.attainment_target = attainment_target
+        self.trace_times = None if trace_times is None else np.asarray(trace_times, dtype=np.float64)
+        self.probe_timeout_s = probe_timeout_s
+        self.progress = progress
+        self.on_probe = on_probe
+        self.early_stop = early_stop
+        self.probes: list[Probe] = []
+        self._base: np.ndarray | None = None
+
+    # -- arrivals ------------------------------------------------------------------------------
+    def times_at(self, rate: float | None) -> np.ndarray:
+        """Arrival times (s) of the requests at ``rate`` req/s (None: trace times)."""
+        n = len(self.requests)
+        if self.trace_times is not None:
+            t = self.trace_times - (self.trace_times[0] if n else 0.0)
+            if rate is None or n < 2 or t[-1] <= 0:
+                return t
+            return t * ((n - 1) / t[-1] / rate)
+        if rate is None:
+            raise ValueError("a rate is needed without a trace")
+        if math.isinf(rate):
+            return np.zeros(n)
+        if self._base is None:
+            self._base = arrival_times(n, 1.0, self.burstiness, self.seed)
+        return self._base / rate
+
+    def workload_at(self, rate: float | None) -> list[WorkloadRequest]:
+        return [dataclasses.replace(r, arrival_time=float(t)) for r, t in zip(self.requests, self.times_at(rate))]
+
+    # -- probes --------------------------------------------------------------------------------
+    def probe(self, label: str, rate: float | None, early_stop: bool | None = None) -> Probe:
+        """Run ``label`` at ``rate``; ``early_stop`` overrides the benchmark's setting."""
+        wl = self.workload_at(rate)
+        timeout = None
+        if self.probe_timeout_s is not None:
+            timeout = max((w.arrival_time for w in wl), default=0.0) + self.probe_timeout_s
+        stop = self.attainment_target if (self.early_stop if early_stop is None else early_stop) else None
+        out = self.targets[label].run(wl, self.slos, timeout_s=timeout, progress=self.progress, stop_below=stop)
+        p = Probe(label, rate, out.records, summarize(out.records, out.duration), out.wall_s, out.early_stopped)
+        self.probes.append(p)
+        if self.on_probe is not None:
+            self.on_probe(p)
+        return p
+
+    def run_at(self, rate: float | None, labels: Sequence[str] | None = None, rotate: int = 0) -> dict[str, Probe]:
+        """Every target (or ``labels``) at ``rate``, back to back; ``rotate`` shifts who goes first."""
+        labels = list(labels if labels is not None else self.targets)
+        if labels:
+            k = rotate % len(labels)
+            labels = labels[k:] + labels[:k]
+        return {lb: self.probe(lb, rate) for lb in labels}
+
+    def passes(self, p: Probe) -> bool:
+        return p.attainment + 1e-12 >= self.attainment_target
+
+    # -- goodput -------------------------------------------------------------------------------
+    def goodput(self, lo: float, hi: float, grid_points: int = 4, bisect_steps: int = 2, rel_tol: float = 0.02,
+                extend: int = 1, full_grid: bool = False) -> dict[str, GoodputResult]:
+        """Goodput of every target over ``[lo, hi]`` req/s.
+
+        1. Grid: ``grid_points`` geometric rates, ascending; at each, every target still
+           searching runs (interleaved). A target stops climbing after failing two grid
+           rates in a row (unless ``full_grid``).
+        2. Extend (at most ``extend`` times each way): a target that passed everything
+           is probed at twice the highest rate; one that failed the lowest, at half of it.
+        3. Bisect: each target's bracket (highest passing rate with all lower passing,
+           lowest failing rate) is halved ``bisect_steps`` times, targets interleaved per
+           round, until ``hi - lo <= rel_tol * hi``.
+        """
+        labels = list(self.targets)
+        mine: dict[str, list[Probe]] = {lb: [] for lb in labels}
+        fails_in_row = {lb: 0 for lb in labels}
+        for k, r in enumerate(geometric_grid(lo, hi, grid_points)):
+            active = [lb for lb in labels if full_grid or fails_in_row[lb] < 2]
+            for lb, p in self.run_at(r, active, rotate=k).items():
+                mine[lb].append(p)
+                fails_in_row[lb] = 0 if self.passes(p) else fails_in_row[lb] + 1
+
+        def bracket(lb: str) -> tuple[float | None, float | None]:
+            best, fail = None, None
+            for p in sorted(mine[lb], key=lambda p: p.rate):
+                if self.passes(p):
+                    best = p.rate
+                else:
+                    fail = p.rate
+                    break
+            return best, fail
+
+        for e in range(extend):
+            up = [lb for lb in labels if bracket(lb)[1] is None]
+            down = [lb for lb in labels if bracket(lb)[0] is None]
+            for lb in up:
+                mine[lb].append(self.probe(lb, max(p.rate for p in mine[lb]) * 2))
+            for lb in down:
+                mine[lb].append(self.probe(lb, min(p.rate for p in mine[lb]) / 2))
+        for step in range(bisect_steps):
+            todo = []
+            for lb in labels:
+                a, b = bracket(lb)
+                if a is not None and b is not None and b - a > rel_tol * b:
+                    todo.append((lb, float(f"{0.5 * (a + b):.4g}")))
+            if not todo:
+                break
+            k = step % len(todo)
+            for lb, r in todo[k:] + todo[:k]:
+                mine[lb].append(self.probe(lb, r))
+        out = {}
+        for lb in labels:
+            a, b = bracket(lb)
+            out[lb] = GoodputResult(lb, a or 0.0, lower_bound=b is None, below_range=a is None,
+                                    bracket=(a, b) if a is not None and b is not None else None,
+                                    probes=sorted(mine[lb], key=lambda p: p.rate))
+        return out
+
+
+def common_rates(results: dict[str, GoodputResult]) -> list[float]:
+    """Rates every target was probed at (ascending)."""
+    sets = [{p.rate for p in g.probes} for g in results.values()]
+    return sorted(set.intersection(*sets)) if sets else []
+
+
+def reference_rate(results: dict[str, GoodputResult], ours: str = "laser") -> float | None:
+    """The rate at which the comparison table reports TTFT/attainment (every target on the
+    same arrivals there): the best baseline's goodput (baselines: every target but
+    ``ours``; all targets when ``ours`` is absent) - a rate that baseline passed in full;
+    when no baseline passed any rate, the lowest rate every target ran.
+
+    Targets without a full probe at that rate must be run there (see ``laser bench``)."""
+    base = [g for lb, g in results.items() if lb != ours] or list(results.values())
+    cap = max((g.goodput_rps for g in base), default=0.0)
+    if cap > 0:
+        return cap
+    rates = common_rates(results)
+    if rates:
+        return rates[0]
+    probed = sorted({p.rate for g in results.values() for p in g.probes if p.rate is not None})
+    return probed[0] if probed else None
+
+
+def probe_at(results_or_probes, label: str, rate: float | None) -> Probe | None:
+    """The last probe of ``label`` at ``rate`` (from a results dict or a probe list)."""
+    if isinstance(results_or_probes, dict):
+        probes = results_or_probes[label].probes
+    else:
+        probes = [p for p in results_or_probes if p.label == label]
+    found = [p for p in probes if p.rate == rate and p.label == label]
+    return found[-1] if found else None
+
+
+def saturation_rate(target: Target, requests: Sequence[WorkloadRequest], slos: SLOClasses) -> float:
+    """Finished requests per second when the whole workload arrives at once (an upper
+    bound of any goodput); meant for a :class:`SimTarget` (cheap)."""
+    wl = [dataclasses.replace(r, arrival_time=0.0) for r in requests]
+    out = target.run(wl, slos)
+    done = sum(r.finished for r in out.records)
+    if not out.duration or not done:
+        raise RuntimeError("saturation run finished nothing")
+    return done / out.duration

