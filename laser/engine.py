@@ -54,19 +54,9 @@ class RequestOutput:
 
 def request_record(req: Request):
     """Metrics view of a request: a :class:`laser.metrics.RequestRecord`."""
-    from .metrics import RequestRecord
+    from .metrics import record_from_request
 
-    return RequestRecord(
-        req_id=req.req_id,
-        slo_class=req.slo.name,
-        ttft_slo=req.slo.ttft,
-        tbt_slo=req.slo.tbt,
-        arrival_time=req.arrival_time,
-        token_times=list(req.token_times),
-        prompt_len=req.num_prompt_tokens,
-        output_len=req.num_output_tokens,
-        finished=req.finish_reason in ("stop", "length", "handoff"),
-    )
+    return record_from_request(req)
 
 
 @dataclass

@@ -266,3 +266,21 @@ def find_goodput(
         else:
             hi = mid
     return lo
+
+
+def record_from_request(req) -> RequestRecord:
+    """Metrics view of a :class:`laser.request.Request` (duck-typed, so this module stays
+    torch- and engine-free). ``output_len`` is the requested length (max_tokens); the
+    produced count is ``len(token_times)``. Only requests that ended with ``stop`` or
+    ``length`` count as finished (a hand-off continues on a decode instance)."""
+    return RequestRecord(
+        req_id=req.req_id,
+        slo_class=req.slo.name,
+        ttft_slo=req.slo.ttft,
+        tbt_slo=req.slo.tbt,
+        arrival_time=req.arrival_time,
+        token_times=list(req.token_times),
+        prompt_len=req.num_prompt_tokens,
+        output_len=req.sampling_params.max_tokens,
+        finished=req.finish_reason in ("stop", "length"),
+    )

@@ -37,24 +37,9 @@ import numpy as np
 
 from laser.bench.arrivals import arrival_times
 from laser.bench.workloads import WorkloadRequest
-from laser.metrics import RequestRecord, RunSummary, summarize
+from laser.metrics import RequestRecord, RunSummary, record_from_request, summarize
 from laser.request import SLO, Phase, Request, SamplingParams
 from laser.slo import SLOClasses
-
-
-def to_record(req: Request) -> RequestRecord:
-    """Metrics view of a scheduler-side request (torch-free twin of ``engine.request_record``)."""
-    return RequestRecord(
-        req_id=req.req_id,
-        slo_class=req.slo.name,
-        ttft_slo=req.slo.ttft,
-        tbt_slo=req.slo.tbt,
-        arrival_time=req.arrival_time,
-        token_times=list(req.token_times),
-        prompt_len=req.num_prompt_tokens,
-        output_len=req.sampling_params.max_tokens,
-        finished=req.finish_reason in ("stop", "length"),
-    )
 
 
 def missing_record(i: int, wr: WorkloadRequest, slo: SLO, t0: float) -> RequestRecord:
@@ -212,7 +197,7 @@ class EngineTarget(Target):
         clock = self.engines[0].clock
 
         def check():
-            if misses.allowed is not None and misses.decided([to_record(resolve(r)) for r in target.added], clock()):
+            if misses.allowed is not None and misses.decided([record_from_request(resolve(r)) for r in target.added], clock()):
                 raise _Decided
 
         target = _Tap(inner, check)
@@ -245,7 +230,7 @@ class EngineTarget(Target):
         records = []
         for i, (it, wr) in enumerate(zip(stream, requests)):
             r = by_id.get(it.req_id)
-            records.append(to_record(r) if r is not None else missing_record(i, wr, _slo_for(slos, wr.slo_class), t0))
+            records.append(record_from_request(r) if r is not None else missing_record(i, wr, _slo_for(slos, wr.slo_class), t0))
         for e in self.engines:
             e.check_integrity(expect_empty=True)
         return RunOutput(records, _summary_duration(records), wall, stopped)
@@ -437,7 +422,7 @@ class SimTarget(Target):
             run_sim_pair(p, d, until)
             self.last_sims = [p, d]
             final = [d.adopted.get(r.req_id, r) for r in reqs]
-        records = [to_record(r) for r in final]
+        records = [record_from_request(r) for r in final]
         if all(r.finished for r in records):
             for s in self.last_sims:
                 s.scheduler.check_integrity(expect_empty=True)
