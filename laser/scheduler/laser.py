@@ -56,6 +56,8 @@ class LaserScheduler(Scheduler):
     prefill_share = 0.3
     #: Replan when the measured iteration time exceeds this fraction of T_g.
     replan_threshold = 0.95
+    #: Plan iterations to this fraction of T_g: real iterations run a few % over predictions.
+    tg_margin = 0.9
     #: Smallest prefill chunk worth a layer call (tokens).
     min_chunk = 16
 
@@ -130,7 +132,8 @@ class LaserScheduler(Scheduler):
         if self.config.role != "prefill":
             works = self._decode_works(now)
         decode_time = self.lm.predict_iteration(StepPlan(n, works)) if works else 0.0
-        budget = math.inf if not works else max(self.t_g - decode_time, self.prefill_share * self.t_g)
+        t_g = self.t_g * self.tg_margin
+        budget = math.inf if not works else max(t_g - decode_time, self.prefill_share * t_g)
         works += self._prefill_works(now, works, budget)
         self.relieve_deadlock(works)
         plan = StepPlan(n, works)
@@ -217,7 +220,7 @@ class LaserScheduler(Scheduler):
             self.plans = {rid: DecodePlan(n, 0) for rid in plans}
             return
         pending_prefill = bool(self.waiting) or any(r.phase != Phase.DECODE for r in self.running)
-        target = t_g * (1 - self.prefill_share) if (pending_prefill and self.config.role == "mixed") else t_g
+        target = t_g * self.tg_margin * ((1 - self.prefill_share) if (pending_prefill and self.config.role == "mixed") else 1)
         load = _LayerLoad(self, decoding, plans)
         # relax: the most relaxed full-depth request first
         relaxable = sorted(
