@@ -76,12 +76,7 @@ class ModelRunner:
         res = StepResult(stopped_layer=plan.last_layer if plan.works else 0)
         if not plan.works:
             return res
-        n = self.num_layers
-        starts: dict[int, list[Work]] = {}
-        ends: dict[int, list[Work]] = {}
-        for w in plan.works:
-            starts.setdefault(w.layer_start, []).append(w)
-            ends.setdefault(w.layer_end, []).append(w)
+        starts, ends = plan.boundaries()
         change_points = set(starts) | set(ends)
         next_change = sorted(change_points)
         active: list[Work] = []

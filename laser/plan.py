@@ -91,6 +91,15 @@ class StepPlan:
     def last_layer(self) -> int:
         return max(w.layer_end for w in self.works)
 
+    def boundaries(self) -> tuple[dict[int, list[Work]], dict[int, list[Work]]]:
+        """(layer -> works starting there, layer -> works ending there), in plan order."""
+        starts: dict[int, list[Work]] = {}
+        ends: dict[int, list[Work]] = {}
+        for w in self.works:
+            starts.setdefault(w.layer_start, []).append(w)
+            ends.setdefault(w.layer_end, []).append(w)
+        return starts, ends
+
     def active(self, layer: int) -> list[Work]:
         """Works that run ``layer``, in plan order."""
         return [w for w in self.works if w.layer_start <= layer < w.layer_end]

@@ -19,7 +19,6 @@ never stop.
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 
 from ..block_manager import BlockManager
@@ -262,5 +261,3 @@ class Scheduler(ABC):
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
-
-INF = math.inf

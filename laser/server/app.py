@@ -297,6 +297,17 @@ class _Server:
             raise APIError(400, "stop: stop strings must be non-empty", "invalid_value", "stop")
         return stop
 
+    def validate(self, body, h_class: str | None, h_ttft: str | None, h_tbt: str | None):
+        """Checks shared by both generation endpoints: (arrival time, model name, SLO, stop strings).
+
+        Raises APIError (400) for an unknown model, an unsupported parameter, a bad SLO or stop list.
+        """
+        arrival = self.ae.engine.clock()
+        model = self.check_model(body.model)
+        self.check_unsupported(body)
+        slo = self.resolve_slo(body, h_class, h_ttft, h_tbt)
+        return arrival, model, slo, self.stop_strings(body)
+
     def sampling_params(self, body, max_tokens: int, stop: tuple[str, ...]) -> SamplingParams:
         temperature = 1.0 if body.temperature is None else body.temperature
         if temperature < MIN_TEMPERATURE:
@@ -564,11 +575,7 @@ def build_app(
         x_slo_ttft_ms: str | None = Header(None),
         x_slo_tbt_ms: str | None = Header(None),
     ):
-        arrival = ae.engine.clock()
-        model = srv.check_model(body.model)
-        srv.check_unsupported(body)
-        slo = srv.resolve_slo(body, x_slo_class, x_slo_ttft_ms, x_slo_tbt_ms)
-        stop = srv.stop_strings(body)
+        arrival, model, slo, stop = srv.validate(body, x_slo_class, x_slo_ttft_ms, x_slo_tbt_ms)
         p = body.prompt
         if isinstance(p, str):
             prompts: list = [p]
@@ -629,11 +636,7 @@ def build_app(
         x_slo_ttft_ms: str | None = Header(None),
         x_slo_tbt_ms: str | None = Header(None),
     ):
-        arrival = ae.engine.clock()
-        model = srv.check_model(body.model)
-        srv.check_unsupported(body)
-        slo = srv.resolve_slo(body, x_slo_class, x_slo_ttft_ms, x_slo_tbt_ms)
-        stop = srv.stop_strings(body)
+        arrival, model, slo, stop = srv.validate(body, x_slo_class, x_slo_ttft_ms, x_slo_tbt_ms)
         messages = []
         for i, m in enumerate(body.messages):
             content = m.content

@@ -109,11 +109,7 @@ class SimInstance:
 
     def _execute(self, plan: StepPlan) -> tuple[int, dict[str, int]]:
         n = self.num_layers
-        starts: dict[int, list[Work]] = {}
-        ends: dict[int, list[Work]] = {}
-        for w in plan.works:
-            starts.setdefault(w.layer_start, []).append(w)
-            ends.setdefault(w.layer_end, []).append(w)
+        starts, ends = plan.boundaries()
         active: list[Work] = []
         first, last = plan.first_layer, plan.last_layer
         self.clock.t += self.lm.embed_time(sum(w.num_tokens for w in plan.works if w.layer_start == 0))
