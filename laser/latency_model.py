@@ -13,10 +13,12 @@ Paper §5. One layer call of a batch with query lengths ``q_k`` and context leng
   single decode token is not half the cost of two (BLAS kernel switches).
 * ``attention(q, c)``: the paper's ``α·n + β·Σc + γ``, kept separately for the
   decode-like entries (``q_k == 1``) and the prefill-like entries (``q_k > 1``) of the
-  batch; a mixed batch pays both parts. Extra terms for padded batched kernels are
-  selected by cross-validation when the data warrants them (see ``ATTENTION_FEATURES``).
-  Decode entries are priced per group, as the runner splits them to bound the padded
-  K/V gather (``max_gather_positions``; see :func:`decode_groups`).
+  batch; a mixed batch pays both parts. Terms for what the runner's kernels really
+  compute (padded decode groups, the causal score matrix of an uncached prefill, the
+  padded masked score matrix of other prefills) are selected by cross-validation when
+  the data warrants them (see ``ATTENTION_FEATURES``). Decode entries are priced per
+  group, as the runner splits them to bound the padded K/V gather
+  (``max_gather_positions``; see :func:`decode_groups`).
 * an iteration adds ``embed(tokens embedded)`` and ``head(rows through the LM head)``;
   the head also keeps measured values for the smallest row counts (not monotone there).
 
@@ -52,7 +54,7 @@ from scipy.optimize import nnls
 from laser.plan import LayerStep, StepPlan
 
 PROFILE_FORMAT = "laser-latency-profile"
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 # Candidate segment widths (tokens) for the piecewise-linear stateless / head fits.
 DEFAULT_WIDTHS = (8, 16, 32, 64, 128)
 # Model selection uses the one-standard-error rule: the simplest candidate whose CV
@@ -538,27 +540,39 @@ def _fit_count_line(
 # --------------------------------------------------------------------------------------
 # Attention features
 #
-# Decode-like entries (q == 1), B_d of them with contexts c. The runner splits them into
-# groups (see ``decode_groups``) and runs one padded kernel per group:
-#   d_const  number of groups     (kernel launch / metadata per group)
-#   d_seqs   B_d (== tokens)      (paper's α·n)
-#   d_ctx    Σc                   (paper's β·Σc: KV bytes read)
-#   d_pad    Σ_g |g| · max_g c    (batched padded SDPA computes every row to its group's max c)
-# Prefill-like entries (q > 1), B_p of them:
-#   p_const  1 if any
-#   p_tokens Σq                   (paper's α·n)
-#   p_ctx    Σc                   (paper's β·Σc)
-#   p_qc     Σ q·c                (score-matrix work of an ideal, unpadded kernel)
-#   p_pad    B_p · max q · max c  (padded batched SDPA work)
-#   p_seqs   B_p                  (per-sequence cost)
+# The runner runs attention as *kernel groups* (``ModelRunner._build_metadata``), and the
+# features price each group the way it runs:
+#
+# Decode entries (q == 1), B_d of them with contexts c, split into padded groups (see
+# ``decode_groups``); each group gathers and attends over |g| · max_g c positions:
+#   d_groups  number of groups     (kernel launch, mask, output scatter per group)
+#   d_seqs    B_d (== tokens)      (paper's α·n)
+#   d_ctx     Σc                   (paper's β·Σc: KV bytes read)
+#   d_pad     Σ_g |g| · max_g c    (what the padded gather + kernel really touch)
+# Prefill entries (q > 1). A single prefill with no cached context (q == c) runs the
+# causal kernel on its own K/V:
+#   c_const   1 if so
+#   c_tokens  q
+#   c_square  q²                   (causal score matrix, the lower triangle)
+# Otherwise all prefill entries run one masked, padded group (B_p entries):
+#   m_const   1 if so
+#   m_tokens  Σq                   (paper's α·n)
+#   m_ctx     Σc                   (paper's β·Σc)
+#   m_pad     B_p · max q · max c  (padded score matrix: masked positions cost too)
+# A batch with both decode and prefill entries also scatters the groups' outputs into one
+# tensor; that costs tens of microseconds (measured: 55 us for 300 rows), so it has no
+# term of its own -- a free constant for it absorbed fit noise instead (0.5 ms per layer).
 # Candidate feature sets, simplest first; the fit picks one by CV (``_select``).
 
-ATTENTION_FEATURES = ("d_const", "d_seqs", "d_ctx", "d_pad", "p_const", "p_tokens", "p_ctx", "p_qc", "p_pad", "p_seqs")
+ATTENTION_FEATURES = ("d_groups", "d_seqs", "d_ctx", "d_pad", "c_const", "c_tokens", "c_square",
+                      "m_const", "m_tokens", "m_ctx", "m_pad")
 ATTENTION_FEATURE_SETS = {
-    "linear": ("d_const", "d_seqs", "d_ctx", "p_const", "p_tokens", "p_ctx"),
-    "work": ("d_const", "d_seqs", "d_ctx", "p_const", "p_tokens", "p_ctx", "p_qc"),
-    "padded": ATTENTION_FEATURES,
+    # the paper's α·n + β·Σc + γ, for decode and prefill entries separately
+    "linear": ("d_groups", "d_seqs", "d_ctx", "c_const", "c_tokens", "m_const", "m_tokens", "m_ctx"),
+    # what the kernels compute: padded decode groups, causal / padded prefill score matrices
+    "kernel": ATTENTION_FEATURES,
 }
+_N_DECODE_FEATURES = 4
 
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8}
 
@@ -584,47 +598,47 @@ def gather_positions_from_metadata(metadata: dict | None) -> int:
     return max_gather_positions(int(m.group(1)), int(m.group(2)), nbytes)
 
 
-def decode_groups(context_lens: Sequence[int], max_positions: int, in_order: bool = False) -> list[tuple[int, int]]:
+def decode_groups(context_lens: Sequence[int], max_positions: int) -> list[tuple[int, int]]:
     """``(size, max context)`` of each decode group, as ``ModelRunner._split_decode`` forms
-    them: consecutive requests while ``(size + 1) · c <= max_positions`` for the next
-    context ``c``; one group when ``max_positions <= 0``. The executor sorts decode rows
-    by context first, and so does this unless ``in_order`` (price the rows in the order
-    given, e.g. a profiled batch whose rows were not sorted)."""
+    them: rows sorted by context, consecutive rows while ``(size + 1) · c <= max_positions``
+    for the next context ``c``; one group when ``max_positions <= 0``."""
     if not context_lens:
         return []
     if max_positions <= 0 or len(context_lens) * max(context_lens) <= max_positions:
         return [(len(context_lens), max(context_lens))]
     out = []
     k = cmax = 0
-    for c in (context_lens if in_order else sorted(context_lens)):
+    for c in sorted(context_lens):
         if k and (k + 1) * c > max_positions:
             out.append((k, cmax))
             k = cmax = 0
         k += 1
-        cmax = c if c > cmax else cmax
+        cmax = c
     out.append((k, cmax))
     return out
 
 
 def attention_features(query_lens: Sequence[int], context_lens: Sequence[int],
-                       max_positions: int = 0, in_order: bool = False) -> tuple[float, ...]:
+                       max_positions: int = 0) -> tuple[float, ...]:
     """Feature vector (in ``ATTENTION_FEATURES`` order) of one attention batch; decode
     entries are grouped as the runner does with ``max_positions`` (see :func:`decode_groups`)."""
     dc = []
-    bp = nqp = scp = sqc = mq = mc = 0
+    pq, pc = [], []
     for q, c in zip(query_lens, context_lens):
         if q == 1:
             dc.append(c)
         else:
-            bp += 1
-            nqp += q
-            scp += c
-            sqc += q * c
-            mq = q if q > mq else mq
-            mc = c if c > mc else mc
-    groups = decode_groups(dc, max_positions, in_order)
-    pad = sum(k * m for k, m in groups)
-    return (float(len(groups)), len(dc), sum(dc), pad, float(bp > 0), nqp, scp, sqc, bp * mq * mc, bp)
+            pq.append(q)
+            pc.append(c)
+    groups = decode_groups(dc, max_positions)
+    f = [float(len(groups)), float(len(dc)), float(sum(dc)), float(sum(k * m for k, m in groups))]
+    if len(pq) == 1 and pq[0] == pc[0]:  # the causal fast path
+        f += [1.0, float(pq[0]), float(pq[0]) ** 2, 0.0, 0.0, 0.0, 0.0]
+    elif pq:
+        f += [0.0, 0.0, 0.0, 1.0, float(sum(pq)), float(sum(pc)), float(len(pq) * max(pq) * max(pc))]
+    else:
+        f += [0.0] * 7
+    return tuple(f)
 
 
 class AttentionModel:
@@ -636,7 +650,7 @@ class AttentionModel:
     a fixed grouping (as the measured kernel is).
     """
 
-    __slots__ = ("feature_set", "coef", "max_gather_positions", "_d", "_p")
+    __slots__ = ("feature_set", "coef", "max_gather_positions", "_d", "_w")
 
     def __init__(self, feature_set: str, coef: dict[str, float], max_gather_positions: int = 0):
         unknown = set(coef) - set(ATTENTION_FEATURES)
@@ -647,15 +661,15 @@ class AttentionModel:
         if not all(math.isfinite(v) and v >= 0 for v in self.coef.values()):
             raise ValueError(f"attention coefficients must be finite and non-negative: {self.coef}")
         self.max_gather_positions = max(0, int(max_gather_positions))
-        self._d = tuple(self.coef[f] for f in ATTENTION_FEATURES[:4])
-        self._p = tuple(self.coef[f] for f in ATTENTION_FEATURES[4:])
+        self._w = tuple(self.coef[f] for f in ATTENTION_FEATURES)
+        self._d = self._w[:_N_DECODE_FEATURES]
 
     def __call__(self, query_lens: Sequence[int], context_lens: Sequence[int]) -> float:
         b = len(query_lens)
         if not b:
             return 0.0
-        d0, d1, d2, d3 = self._d
         if sum(query_lens) == b:  # all decode: C-speed builtins when it is one group
+            d0, d1, d2, d3 = self._d
             mx = max(context_lens)
             g = self.max_gather_positions
             if g <= 0 or b * mx <= g:
@@ -664,11 +678,7 @@ class AttentionModel:
             return (d0 * len(groups) + d1 * b + d2 * sum(context_lens)
                     + d3 * sum(k * m for k, m in groups))
         f = attention_features(query_lens, context_lens, self.max_gather_positions)
-        p0, p1, p2, p3, p4, p5 = self._p
-        t = p0 * f[4] + p1 * f[5] + p2 * f[6] + p3 * f[7] + p4 * f[8] + p5 * f[9]
-        if f[1]:
-            t += d0 * f[0] + d1 * f[1] + d2 * f[2] + d3 * f[3]
-        return t
+        return sum(w * x for w, x in zip(self._w, f))
 
     def to_dict(self) -> dict:
         return {"feature_set": self.feature_set, "coef": self.coef, "max_gather_positions": self.max_gather_positions}
@@ -678,58 +688,53 @@ class AttentionModel:
         return cls(d["feature_set"], d["coef"], int(d.get("max_gather_positions", 0) or 0))
 
 
-def _fit_attention_set(x: np.ndarray, y: np.ndarray, names: Sequence[str]) -> AttentionModel:
+def _fit_attention_set(x: np.ndarray, y: np.ndarray, names: Sequence[str], scale_y: np.ndarray) -> AttentionModel:
+    """NNLS of ``y`` on the ``names`` columns of ``x``, minimising ``Σ ((pred - y) / scale_y)²``."""
     cols = [ATTENTION_FEATURES.index(f) for f in names]
-    w = 1.0 / np.maximum(y, 1e-12)
+    w = 1.0 / np.maximum(scale_y, 1e-12)
     # Scale columns to unit max so NNLS is well conditioned; undo afterwards.
     xs = x[:, cols]
     scale = np.maximum(np.abs(xs).max(axis=0), 1e-30)
-    coef, _ = nnls(xs / scale * w[:, None], np.ones(len(y)), maxiter=50 * len(cols) + 500)
+    coef, _ = nnls(xs / scale * w[:, None], y * w, maxiter=50 * len(cols) + 500)
     return AttentionModel("", {f: float(c / s) for f, c, s in zip(names, coef, scale)})
 
 
-def _fit_attention(samples: Sequence[AttentionSample], folds: int,
-                   max_positions: int = 0) -> tuple[AttentionModel, dict]:
+def _fit_attention(samples: Sequence[AttentionSample], folds: int, max_positions: int = 0,
+                   stateless=None) -> tuple[AttentionModel, dict]:
+    """Attention coefficients by NNLS on the feature set chosen by ``folds``-fold CV.
+
+    With ``stateless`` (tokens -> seconds), an error is weighed relative to the whole layer
+    call the attention sits in (``attention + stateless(n)``), not to the attention alone:
+    a 10% miss on a 0.2 ms decode attention next to 2 ms of projections matters less
+    than a 5% miss on 15 ms of attention, and layer steps are what schedulers price.
+    """
     if not samples:
         return AttentionModel("none", {}, max_positions), {"feature_set": None, "cv_error": {}}
-    # A profiled batch whose decode rows were not sorted by context can form a group whose
-    # padded gather is over the limit (the runner's split assumes sorted rows). The
-    # executor never runs such a group, and past the limit the cost is superlinear (page
-    # faults on fresh mmap pages), so such samples are left out when enough remain.
-    excluded = 0
-    if max_positions > 0:
-        ok = [s for s in samples if _groups_within_limit(s, max_positions)]
-        if len(ok) >= max(2 * max(folds, 2), len(samples) // 2):
-            excluded = len(samples) - len(ok)
-            samples = ok
-    # Features of the batch as it was measured (rows in the sample's order).
-    x = np.array([attention_features(s.query_lens, s.context_lens, max_positions, in_order=True) for s in samples],
+    x = np.array([attention_features(s.query_lens, s.context_lens, max_positions) for s in samples],
                  dtype=np.float64)
     y = np.array([s.seconds for s in samples], dtype=np.float64)
+    scale_y = y.copy()
+    if stateless is not None:
+        scale_y += np.array([stateless(sum(s.query_lens)) for s in samples], dtype=np.float64)
     order = list(ATTENTION_FEATURE_SETS)
     cv = {}
     if len(y) >= 2 * max(folds, 2):
         errs = {}
         for name in order:
             def fit_predict(train, test, names=ATTENTION_FEATURE_SETS[name]):
-                mdl = _fit_attention_set(x[train], y[train], names)
+                mdl = _fit_attention_set(x[train], y[train], names, scale_y[train])
                 return x[test] @ np.array([mdl.coef[f] for f in ATTENTION_FEATURES])
 
-            errs[name] = np.abs(_cv_errors(len(y), folds, fit_predict) - y) / y
+            errs[name] = np.abs(_cv_errors(len(y), folds, fit_predict) - y) / scale_y
         chosen = _select(errs, order)
         cv = {str(k): float(np.mean(v)) for k, v in errs.items()}
     else:
         chosen = "linear"
-    mdl = _fit_attention_set(x, y, ATTENTION_FEATURE_SETS[chosen])
+    mdl = _fit_attention_set(x, y, ATTENTION_FEATURE_SETS[chosen], scale_y)
     mdl.feature_set = chosen
     mdl.max_gather_positions = max(0, int(max_positions))
     return mdl, {"feature_set": chosen, "cv_error": cv, "max_gather_positions": mdl.max_gather_positions,
-                 "excluded_over_gather_limit": excluded}
-
-
-def _groups_within_limit(s: AttentionSample, max_positions: int) -> bool:
-    dc = [c for q, c in zip(s.query_lens, s.context_lens) if q == 1]
-    return all(k == 1 or k * m <= max_positions for k, m in decode_groups(dc, max_positions, in_order=True))
+                 "weighed_by": "layer" if stateless is not None else "attention"}
 
 
 # --------------------------------------------------------------------------------------
@@ -746,6 +751,8 @@ class FittedLatencyModel(LatencyModel):
     embed: PiecewiseLinear
     head: PiecewiseLinear
     layer_overhead_s: float = 0.0
+    # Attention inside a whole layer call costs this much more than alone (cache interference).
+    layer_attention_scale: float = 1.0
     # Setup the profile was taken on: model_id, dtype, hardware, threads, created, laser_version, ...
     metadata: dict = field(default_factory=dict)
     # Fit diagnostics: chosen widths / feature set, CV and in-sample relative errors.
@@ -769,13 +776,14 @@ class FittedLatencyModel(LatencyModel):
     def layer_time(self, query_lens, context_lens) -> float:
         if not query_lens:
             return 0.0
-        return self.stateless(sum(query_lens)) + self.attention(query_lens, context_lens) + self.layer_overhead_s
+        return (self.stateless(sum(query_lens)) + self.layer_attention_scale * self.attention(query_lens, context_lens)
+                + self.layer_overhead_s)
 
     def predict_layer(self, step: LayerStep) -> float:
         q = step.query_lens
         if not q:
             return 0.0
-        return self.stateless(sum(q)) + self.attention(q, step.context_lens) + self.layer_overhead_s
+        return self.stateless(sum(q)) + self.layer_attention_scale * self.attention(q, step.context_lens) + self.layer_overhead_s
 
     # -- fitting ----------------------------------------------------------------------
     @classmethod
@@ -803,6 +811,7 @@ class FittedLatencyModel(LatencyModel):
                 "embed": self.embed.to_dict(),
                 "head": self.head.to_dict(),
                 "layer_overhead_s": self.layer_overhead_s,
+                "layer_attention_scale": self.layer_attention_scale,
             },
             "report": self.report,
             "samples": by_kind,
@@ -835,6 +844,7 @@ class FittedLatencyModel(LatencyModel):
                 embed=PiecewiseLinear.from_dict(m["embed"]),
                 head=PiecewiseLinear.from_dict(m["head"]),
                 layer_overhead_s=float(m.get("layer_overhead_s", 0.0)),
+                layer_attention_scale=float(m.get("layer_attention_scale", 1.0)),
                 metadata={k: v for k, v in meta.items() if k != "num_layers"},
                 report=dict(d.get("report", {})),
                 samples=samples,
@@ -883,8 +893,10 @@ def fit(samples: Iterable[Sample], *, num_layers: int, metadata: dict | None = N
     consecutively (``K <= small_counts``) keep their measured medians (stateless: made
     non-decreasing; the head need not be). Attention: NNLS on the feature set chosen by
     CV, decode entries grouped as the runner splits them (``max_gather_positions``;
-    ``None``: from ``metadata``, see :func:`gather_positions_from_metadata`). Embedding: a line. Layer overhead: median residual of
-    :class:`LayerSample` s (0 without them). All fits minimise relative error and keep
+    ``None``: from ``metadata``, see :func:`gather_positions_from_metadata`), errors
+    relative to the whole layer call (attention + stateless, see :func:`_fit_attention`).
+    Embedding: a line. Whole-layer composition (per-call overhead and a scale on attention):
+    from :class:`LayerSample` s, see :func:`_fit_layer_composition` (0 and 1 without them). All fits minimise relative error and keep
     coefficients non-negative. Missing sample kinds predict 0 (see ``report["missing"]``).
     ``metadata`` is stored as given, plus ``created`` and ``laser_version`` if absent.
     """
@@ -907,7 +919,8 @@ def fit(samples: Iterable[Sample], *, num_layers: int, metadata: dict | None = N
                                             exact=small_counts)
     if max_gather_positions is None:
         max_gather_positions = gather_positions_from_metadata(metadata)
-    attention, at_rep = _fit_attention(kinds[AttentionSample], folds, max_gather_positions)
+    attention, at_rep = _fit_attention(kinds[AttentionSample], folds, max_gather_positions,
+                                       stateless if st else None)
     hd = kinds[HeadSample]
     head, hd_rep = _fit_count_function([s.n_rows for s in hd], [s.seconds for s in hd], widths, folds,
                                        exact=small_counts, monotone=False)
@@ -915,10 +928,7 @@ def fit(samples: Iterable[Sample], *, num_layers: int, metadata: dict | None = N
     embed, _ = _fit_count_function([s.n_tokens for s in em], [s.seconds for s in em], (), folds)
 
     layer = kinds[LayerSample]
-    overhead = 0.0
-    if layer:
-        resid = [s.seconds - stateless(sum(s.query_lens)) - attention(s.query_lens, s.context_lens) for s in layer]
-        overhead = max(0.0, float(np.median(resid)))
+    overhead, scale = _fit_layer_composition(layer, stateless, attention)
 
     def in_sample(f, xs, ys):
         return _rel_err(np.array([f(x) for x in xs]), np.array(ys)) if xs else None
@@ -932,13 +942,42 @@ def fit(samples: Iterable[Sample], *, num_layers: int, metadata: dict | None = N
         "missing": [_TYPE_KIND[t] for t in (StatelessSample, AttentionSample, EmbedSample, HeadSample) if not kinds[t]],
     }
     if layer:
-        model_layer = [stateless(sum(s.query_lens)) + attention(s.query_lens, s.context_lens) + overhead for s in layer]
-        report["layer"] = {"overhead_s": overhead, "error": _rel_err(np.array(model_layer), np.array([s.seconds for s in layer]))}
+        model_layer = [stateless(sum(s.query_lens)) + scale * attention(s.query_lens, s.context_lens) + overhead
+                       for s in layer]
+        report["layer"] = {"overhead_s": overhead, "attention_scale": scale,
+                           "error": _rel_err(np.array(model_layer), np.array([s.seconds for s in layer]))}
     meta = dict(metadata or {})
     meta.setdefault("created", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     meta.setdefault("laser_version", _laser_version())
     return FittedLatencyModel(num_layers=num_layers, stateless=stateless, attention=attention, embed=embed,
-                              head=head, layer_overhead_s=overhead, metadata=meta, report=report, samples=samples)
+                              head=head, layer_overhead_s=overhead, layer_attention_scale=scale, metadata=meta,
+                              report=report, samples=samples)
+
+
+def _fit_layer_composition(layer: Sequence["LayerSample"], stateless, attention) -> tuple[float, float]:
+    """``(overhead_s, attention_scale)`` such that a whole layer call costs
+    ``stateless(n) + attention_scale · attention(q, c) + overhead_s``.
+
+    NNLS on the whole-layer samples' residual over stateless, relative to the layer time,
+    when there are enough of them (>= 6) and they span attention shares; otherwise the
+    median residual over stateless + attention as the overhead and a scale of 1. The
+    scale is clipped to [1, 1.5]: composing the parts never makes attention cheaper, and
+    more than 50% extra would mean the profile is broken, not that layers interfere.
+    """
+    if not layer:
+        return 0.0, 1.0
+    y = np.array([s.seconds for s in layer])
+    st = np.array([stateless(sum(s.query_lens)) for s in layer])
+    at = np.array([attention(s.query_lens, s.context_lens) for s in layer])
+    median = max(0.0, float(np.median(y - st - at)))
+    if len(layer) < 6 or np.ptp(at / y) < 0.2:
+        return median, 1.0
+    w = 1.0 / y
+    (o, a), _ = nnls(np.stack([np.ones_like(at), at], axis=1) * w[:, None], (y - st) * w)
+    if not 1.0 <= a <= 1.5:
+        a = min(1.5, max(1.0, a))
+        o = max(0.0, float(np.median(y - st - a * at)))
+    return float(o), float(a)
 
 
 _SAMPLE_TYPES = (StatelessSample, AttentionSample, EmbedSample, HeadSample, LayerSample)

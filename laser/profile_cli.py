@@ -63,7 +63,8 @@ def summary_lines(lm) -> list[str]:
            f"  attention: features {rep['attention'].get('feature_set')}, fit error "
            f"{100 * (rep['attention'].get('error') or 0):.1f}%",
            f"  head: width {rep['head'].get('width')}, fit error {100 * (rep['head'].get('error') or 0):.1f}%",
-           f"  layer-call overhead: {lm.layer_overhead_s * 1e6:.0f} us"]
+           f"  layer-call overhead: {lm.layer_overhead_s * 1e6:.0f} us, attention x"
+           f"{getattr(lm, 'layer_attention_scale', 1.0):.3f} inside a layer"]
     if "layer" in rep:
         out[-1] += f" (whole-layer fit error {100 * rep['layer']['error']:.1f}%)"
     out.append("  predicted (one layer / whole iteration):")

@@ -10,7 +10,8 @@ engine's own weights, KV pool and block manager:
   :class:`AttnMetadata` built by :meth:`ModelRunner._build_metadata` for fake works whose
   blocks are allocated in the block manager (and freed again);
 * **layer**: whole ``forward_layer`` calls, whose residual over stateless + attention is
-  the fitted per-layer-call overhead (it absorbs anything the replica misses);
+  fitted as a per-layer-call overhead plus a scale on attention (it absorbs anything the
+  replica misses, and the cache interference between the two parts);
 * **embed** / **head**: what ``ModelRunner._join`` and ``_finish`` run (token-id tensor +
   embedding lookup; row gather + final norm + LM head + sampling).
 
@@ -75,7 +76,7 @@ from .sampler import Sampler
 log = logging.getLogger(__name__)
 
 # Bump when what is measured, or how, changes: older profile files are then re-made.
-PROFILER_VERSION = 1
+PROFILER_VERSION = 2
 _REQ_PREFIX = "__profile"
 GREEDY = SamplingParams(temperature=0.0)
 # Candidate segment widths for the stateless / LM-head fits. On CPUs a single row runs a
@@ -123,6 +124,9 @@ class Case:
     run: Callable[[], object]
     times: list[float] = field(default_factory=list)
     clean: list[float] = field(default_factory=list)
+    # Calls per repeat (back to back; a repeat's time is their mean). 0 = not yet chosen:
+    # :meth:`Bench.run` sizes it from one untimed call (see ``Bench.burst_s``).
+    burst: int = 0
 
     def estimate(self) -> float:
         """Mean of the two fastest repeats (the fastest alone with one repeat).
@@ -154,6 +158,11 @@ class Bench:
     grew by less than 2% of its duration: no other task was waiting for a core, so none
     took one from us. Without that counter every repeat counts as clean.
 
+    A repeat of a short case is a *burst* of back-to-back calls (as many as fill
+    ``burst_s``, at most ``max_burst``), timed together: the layers of an iteration run
+    back to back too (calls rotate over the layers), and the mean of a burst is far less
+    noisy than one sub-millisecond call.
+
     Args:
         min_rounds / max_rounds: repeats per case at least / at most.
         tol: a case is settled once its two fastest repeats agree within this fraction (and
@@ -163,9 +172,11 @@ class Bench:
     """
 
     def __init__(self, min_rounds: int = 3, max_rounds: int = 6, tol: float = 0.03,
-                 budget_s: float = math.inf, seed: int = 0, progress=None):
+                 budget_s: float = math.inf, seed: int = 0, progress=None, burst_s: float = 0.008,
+                 max_burst: int = 32):
         if min_rounds < 1 or max_rounds < min_rounds:
             raise ValueError("need 1 <= min_rounds <= max_rounds")
+        self.burst_s, self.max_burst = burst_s, max(1, int(max_burst))
         self.min_rounds, self.max_rounds, self.tol = min_rounds, max_rounds, tol
         self.budget_s = budget_s
         self.rng = random.Random(seed)
@@ -179,26 +190,36 @@ class Bench:
 
     def time_once(self, case: Case) -> float:
         pc, psi = time.perf_counter, self.psi
+        run, k = case.run, max(1, case.burst)
         p0 = psi() if psi else 0
         t0 = pc()
-        case.run()
-        dt = pc() - t0
+        for _ in range(k):
+            run()
+        total = pc() - t0
         stall = (psi() - p0) * 1e-6 if psi else 0.0
+        dt = total / k
         case.times.append(dt)
         self.repeats += 1
-        if stall <= 0.02 * dt + 2e-5:
+        if stall <= 0.02 * total + 2e-5:
             case.clean.append(dt)
             self.clean_repeats += 1
         return dt
 
     def run(self, cases: list[Case], warmup: bool = False) -> list[Case]:
-        """Time ``cases`` (``warmup``: one untimed call each first)."""
+        """Time ``cases`` (``warmup``: one untimed call each first). Cases without a burst
+        size get one from an untimed call (which also warms them up)."""
         t0 = time.perf_counter()
         try:
             if warmup:
                 for c in self._shuffled(cases):
                     c.run()
                     self._tick()
+            for c in cases:
+                if c.burst <= 0:
+                    tc = time.perf_counter()
+                    c.run()
+                    dt = time.perf_counter() - tc
+                    c.burst = max(1, min(self.max_burst, int(self.burst_s / max(dt, 1e-7))))
             for r in range(self.max_rounds):
                 todo = cases if r < self.min_rounds else [c for c in cases if not c.settled(self.tol)]
                 if not todo:
@@ -339,21 +360,26 @@ class ProfileGrid:
             c = [min(qi + int(rng.integers(0, qi)), ctx_cap) for qi in q]
             attn.append(clip_batch(list(dq) + [min(a, b) for a, b in zip(q, c)], list(dc) + c))
         attn = list(dict.fromkeys(attn))
-        # Whole layers fit the fixed per-call overhead: the median of what stateless +
-        # attention leave unexplained. That residual is overhead plus the fit's own error,
-        # so it is sampled on small and medium batches, where the fit's absolute error is
-        # smallest (the batches a decode iteration runs).
+        # Whole layers fit what composing the modules adds: a fixed per-call overhead and
+        # a scale on attention (a layer whose attention streams the KV cache through the
+        # CPU caches pays for it again in its projections). Small and medium batches (the
+        # decode iterations) and attention-heavy ones (long contexts, mixed steps).
         layer = []
         for b in (1, 2, 4, 8, 16, 32):
             if b <= max_batch:
                 layer.append(decode(b, min(128, ctx_cap)))
                 layer.append(decode(b, min(384, ctx_cap)))
+        for b, mc in ((8, 1024), (16, 2048), (48, 2048), (64, 1024)):
+            if b <= max_batch:
+                layer.append(decode(b, min(mc, ctx_cap)))
         for q in (16, 64, 256):
             q = min(q, max_tokens)
             layer.append(clip_batch([q], [min(q, ctx_cap)]))
-        for b, q in ((4, 32), (8, 128), (16, 64)):
+        q = min(1024, max_tokens)
+        layer.append(clip_batch([q], [min(q + q // 2, ctx_cap)]))
+        for b, q, mc in ((4, 32, 256), (8, 128, 256), (16, 64, 256), (32, 256, 1024), (48, 64, 512)):
             if b <= max_batch:
-                dq, dc = decode(b, min(256, ctx_cap))
+                dq, dc = decode(b, min(mc, ctx_cap))
                 layer.append(clip_batch(list(dq) + [min(q, max_tokens)], list(dc) + [min(q + 64, ctx_cap)]))
         layer = list(dict.fromkeys(layer))
         head = [r for r in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128) if r <= max(max_batch, 1) * 2]

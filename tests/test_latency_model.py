@@ -34,14 +34,14 @@ def stair(n, width, base=2e-4, per_tok=2e-6, jump=4e-5):
     return base + per_tok * n + jump * math.ceil(n / width)
 
 
-D_COEF = {"d_const": 3e-5, "d_seqs": 5e-6, "d_ctx": 4e-8}
-P_COEF = {"p_const": 5e-5, "p_tokens": 3e-6, "p_ctx": 1e-7}
+D_COEF = {"d_groups": 3e-5, "d_seqs": 5e-6, "d_ctx": 4e-8}
+P_COEF = {"c_const": 1e-4, "c_tokens": 2e-6, "m_const": 2e-4, "m_tokens": 3e-6, "m_ctx": 1e-7}
 
 
 def attn_truth(q, c, pad=0.0, qc=0.0):
     f = dict(zip(ATTENTION_FEATURES, attention_features(q, c)))
     t = sum(v * f[k] for k, v in {**D_COEF, **P_COEF}.items())
-    return t + pad * f["d_pad"] + qc * f["p_qc"]
+    return t + pad * f["d_pad"] + qc * (f["m_pad"] + f["c_square"])
 
 
 def random_batches(rng, count):
@@ -53,7 +53,11 @@ def random_batches(rng, count):
             b = int(rng.integers(1, 48))
             q += [1] * b
             c += [int(x) for x in rng.integers(2, 2048, b)]
-        if kind in (1, 2):  # prefill chunks, some with cached context
+        if kind == 1 and i % 2:  # one prompt, no cached context: the causal kernel
+            qi = int(rng.integers(2, 1024))
+            q.append(qi)
+            c.append(qi)
+        elif kind in (1, 2):  # prefill chunks, some with cached context
             for _ in range(int(rng.integers(1, 4))):
                 qi = int(rng.integers(2, 512))
                 q.append(qi)
@@ -128,7 +132,7 @@ def test_attention_fit_recovers_paper_coefficients(model):
     assert att.feature_set == "linear", model.report["attention"]["cv_error"]
     for k, v in {**D_COEF, **P_COEF}.items():
         assert att.coef[k] == pytest.approx(v, rel=0.1), k
-    for k in ("d_pad", "p_qc", "p_pad", "p_seqs"):
+    for k in ("d_pad", "c_square", "m_pad"):
         assert att.coef[k] == 0.0
     assert model.report["attention"]["error"] < 0.015
 
@@ -139,8 +143,8 @@ def test_attention_fit_selects_padding_terms_when_data_needs_them():
                for q, c in random_batches(rng, 300)]
     m = fit(samples, num_layers=2)
     cv = m.report["attention"]["cv_error"]
-    assert m.attention.feature_set == "padded", cv
-    assert cv["linear"] > 1.5 * cv["padded"]
+    assert m.attention.feature_set == "kernel", cv
+    assert cv["linear"] > 1.5 * cv["kernel"]
     assert m.attention.coef["d_pad"] == pytest.approx(2e-8, rel=0.15)
     skewed = ((1,) * 32, (10,) * 31 + (4000,))  # one long context pads the whole batch
     for q, c in random_batches(np.random.default_rng(4), 30) + [skewed]:
@@ -156,6 +160,43 @@ def test_layer_samples_fit_fixed_overhead():
     assert m.layer_overhead_s == pytest.approx(1e-4, rel=0.25)
     q, c = batches[0]
     assert m.layer_time(q, c) == pytest.approx(stair(sum(q), 32) + attn_truth(q, c) + 1e-4, rel=0.05)
+
+
+def test_layer_samples_fit_attention_scale_and_overhead():
+    # A whole layer pays its attention 12% more than alone, plus 0.1 ms per call.
+    rng = np.random.default_rng(6)
+    samples = make_samples(rng)
+    batches = random_batches(rng, 40)
+
+    def truth(q, c):
+        return stair(sum(q), 32) + 1.12 * attn_truth(q, c) + 1e-4
+
+    samples += [LayerSample(q, c, noisy(rng, truth(q, c), sd=0.005)) for q, c in batches]
+    m = fit(samples, num_layers=2)
+    assert m.layer_attention_scale == pytest.approx(1.12, abs=0.03)
+    assert m.layer_overhead_s == pytest.approx(1e-4, rel=0.5)
+    for q, c in random_batches(np.random.default_rng(8), 20):
+        assert m.layer_time(q, c) == pytest.approx(truth(q, c), rel=0.03)
+        assert m.predict_layer(LayerStep(0, q, c)) == m.layer_time(q, c)
+    m2 = FittedLatencyModel.from_dict(json.loads(json.dumps(m.to_dict())))
+    assert m2.layer_attention_scale == m.layer_attention_scale
+    # Too few whole-layer samples for two parameters: the median residual, scale 1.
+    few = fit(make_samples(rng) + [LayerSample(q, c, truth(q, c)) for q, c in batches[:4]], num_layers=2)
+    assert few.layer_attention_scale == 1.0 and few.layer_overhead_s > 0
+
+
+def test_attention_features_follow_the_runner_kernels():
+    f = lambda q, c, g=0: dict(zip(ATTENTION_FEATURES, attention_features(q, c, g)))  # noqa: E731
+    causal = f((300,), (300,))  # one prompt, nothing cached: the causal kernel
+    assert (causal["c_const"], causal["c_tokens"], causal["c_square"]) == (1, 300, 90000)
+    assert causal["m_const"] == 0 and causal["d_groups"] == 0
+    cached = f((100,), (400,))  # a later chunk: the masked kernel over its context
+    assert cached["c_const"] == 0 and (cached["m_const"], cached["m_pad"]) == (1, 100 * 400)
+    two = f((50, 200), (50, 260))  # two prompts: one padded masked group
+    assert two["c_const"] == 0 and (two["m_tokens"], two["m_ctx"], two["m_pad"]) == (250, 310, 2 * 200 * 260)
+    mixed = f((1, 1, 1, 64), (300, 100, 200, 64), 600)  # decode rows sorted, then split
+    assert (mixed["d_groups"], mixed["d_seqs"], mixed["d_ctx"]) == (2, 3, 600)
+    assert mixed["d_pad"] == 2 * 200 + 300 and mixed["c_const"] == 1
 
 
 def test_piecewise_fit_is_monotone_even_on_noisy_flat_data():
@@ -451,10 +492,9 @@ def test_decode_attention_is_priced_per_runner_group():
     # Sorted ascending, consecutive while (size + 1) * c <= g.
     assert decode_groups([300, 100, 100, 200, 250], g) == [(4, 250), (1, 300)]
     assert decode_groups([300, 100, 100, 200, 260], g) == [(3, 200), (2, 300)]
-    assert decode_groups([300, 100, 100], g, in_order=True) == [(3, 300)]  # as the runner would, unsorted
     assert decode_groups([300, 100, 100], 0) == [(3, 300)]
-    coef = {"d_const": 1.0, "d_seqs": 0.1, "d_ctx": 0.01, "d_pad": 0.001, "p_const": 2.0, "p_tokens": 0.2}
-    mdl = AttentionModel("padded", coef, max_gather_positions=g)
+    coef = {"d_groups": 1.0, "d_seqs": 0.1, "d_ctx": 0.01, "d_pad": 0.001, "m_const": 2.0, "m_tokens": 0.2}
+    mdl = AttentionModel("kernel", coef, max_gather_positions=g)
     c = (300, 100, 100, 200, 250)
     want = 2 * 1.0 + 5 * 0.1 + 950 * 0.01 + (4 * 250 + 300) * 0.001
     assert mdl((1,) * 5, c) == pytest.approx(want, rel=1e-12)

@@ -171,11 +171,33 @@ def test_bench_estimates_from_the_fastest_repeats():
     e = profiler.Case("z", lambda: None, times=[1.0, 1.01, 4.0], clean=[4.0])
     assert not e.settled(0.03)
     calls = []
-    b = profiler.Bench(min_rounds=2, max_rounds=4, tol=0.5, seed=0)
+    b = profiler.Bench(min_rounds=2, max_rounds=4, tol=0.5, seed=0, max_burst=1)
     cases = [profiler.Case(k, lambda k=k: calls.append(k)) for k in range(5)]
     b.run(cases)
     assert all(2 <= len(cs.times) <= 4 for cs in cases)
-    assert sorted(calls[:5]) == list(range(5))  # every round covers every case once
+    assert sorted(calls[:5]) == list(range(5))  # one untimed call each sizes the bursts
+    assert sorted(calls[5:10]) == list(range(5))  # every round covers every case once
+
+
+def test_bench_times_short_calls_in_bursts():
+    import time
+
+    n = {"fast": 0, "slow": 0}
+
+    def fast():
+        n["fast"] += 1
+
+    def slow():
+        n["slow"] += 1
+        time.sleep(0.01)
+
+    b = profiler.Bench(min_rounds=2, max_rounds=2, tol=0.5, burst_s=0.005, max_burst=16)
+    cases = [profiler.Case("fast", fast), profiler.Case("slow", slow)]
+    b.run(cases)
+    assert [c.burst for c in cases] == [16, 1]
+    assert n == {"fast": 1 + 2 * 16, "slow": 1 + 2}  # sizing call + 2 repeats of a burst
+    assert len(cases[0].times) == 2 and cases[0].estimate() < 1e-3  # per call, not per burst
+    assert cases[1].estimate() >= 0.01
 
 
 def test_evaluate_reports_accuracy_per_layer_step_and_iteration(engine, fitted):
