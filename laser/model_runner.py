@@ -32,8 +32,9 @@ from .sampler import Sampler
 class StepResult:
     """What one executed plan produced."""
 
-    # The layer the step stopped before: plan.last_layer when it ran to completion,
-    # smaller when ``stop_at`` interrupted it at that boundary.
+    # The layer the step's prefill work stopped before: plan.last_layer when it ran to
+    # completion, smaller when ``stop_at`` interrupted it at that boundary (decode works
+    # still ran to their end; see ``Work.reached``).
     stopped_layer: int
     # req_id -> sampled token for works that finished the last layer with ``sample``.
     sampled: dict[str, int] = field(default_factory=dict)
@@ -66,7 +67,10 @@ class ModelRunner:
         stop_at: Callable[[int], bool] | None = None,
         return_logits: bool = False,
     ) -> StepResult:
-        """Run ``plan``. ``stop_at(j)`` is asked at each boundary j; True pauses every active work there.
+        """Run ``plan``. ``stop_at(j)`` is asked at each boundary j (once it said True, no more);
+        True pauses every prefill work there, while decode works run on to their
+        ``layer_end`` (:meth:`Work.reached`); works that had not started do not start,
+        except decode works.
 
         Preconditions: the scheduler allocated KV blocks for every work's tokens at every
         layer it runs, and works with ``layer_start > 0`` have their hidden state in the
@@ -83,19 +87,24 @@ class ModelRunner:
         hidden: torch.Tensor | None = None
         meta: AttnMetadata | None = None
         first, last = plan.first_layer, plan.last_layer
+        stopped = False
         t_layers = 0.0
         for j in range(first, last):
             changed = j in change_points
+            tb = time.perf_counter()
             if changed:
-                tb = time.perf_counter()
                 active, hidden = self._park(active, hidden, ends.get(j, ()), j)
-            if j > first and stop_at is not None and stop_at(j):
-                self._park(active, hidden, active, j)
+            if not stopped and j > first and stop_at is not None and stop_at(j):
+                stopped, changed = True, True
                 res.stopped_layer = j
-                active = []
-                break
+                active, hidden = self._park(active, hidden, [w for w in active if not w.is_decode], j)
+                if not active and not any(w.is_decode and w.layer_start >= j for w in plan.works):
+                    break
             if changed:
-                active, hidden = self._join(active, hidden, starts.get(j, ()), requests)
+                joining = starts.get(j, ())
+                if stopped:
+                    joining = [w for w in joining if w.is_decode]
+                active, hidden = self._join(active, hidden, joining, requests)
                 if active:
                     seg_end = next((c for c in next_change if c > j), last)
                     meta = self._build_metadata(active, range(j, seg_end))

@@ -44,6 +44,20 @@ class Work:
         """A single token extending an existing context (decode-like attention)."""
         return self.num_tokens == 1 and self.token_start > 0
 
+    def reached(self, stopped_layer: int) -> int:
+        """The layer this work got to in a step that a stop paused at ``stopped_layer``
+        (the plan's last layer when nothing stopped it). One rule for the executor, the
+        simulator and the schedulers' bookkeeping.
+
+        A stop pauses prefill work only: a decode token (:attr:`is_decode`) runs on to its
+        ``layer_end`` -- it costs little, and parking it would add the whole next step to
+        its request's token gap (a TBT miss). Prefill work stays at the boundary it
+        reached (``layer_start`` if it had not started).
+        """
+        if self.is_decode:
+            return self.layer_end
+        return min(max(stopped_layer, self.layer_start), self.layer_end)
+
 
 @dataclass(frozen=True, slots=True)
 class LayerStep:

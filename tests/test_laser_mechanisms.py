@@ -63,6 +63,25 @@ def test_fig1a_late_tight_request_preempts_at_layer_boundary():
     assert ttft(sarathi_reqs[1]) > 0.1, ttft(sarathi_reqs[1])
 
 
+def test_arrival_stop_pauses_prefill_work_but_not_decode_tokens():
+    """An urgent newcomer stops the running step: the prefill chunk in it pauses at the next
+    layer boundary, while the decode tokens in the same step run on to their end. Parked
+    with the chunk, they would wait for the next step too: a token gap past the TBT target."""
+    lm = SimpleLatencyModel(num_layers=N, per_layer=1e-4, per_token=1e-5)
+    dec = req(20, 0.0, ttft=1.0, tbt=0.05, max_tokens=60, name="chat")
+    long_ = req(1500, 0.05, ttft=10.0, name="summ")
+    tights = [req(40, 0.1 + 0.037 * k, ttft=0.05, name="code") for k in range(6)]
+    sim = run("laser", [dec, long_, *tights], lm)
+    assert sim.scheduler.num_step_preemptions >= 3
+    assert all(ttft(t) <= 0.05 for t in tights), [ttft(t) for t in tights]
+    gaps = [b - a for a, b in zip(dec.token_times, dec.token_times[1:])]
+    assert max(gaps) <= 0.05, max(gaps)
+    # the decode request never resumed a token mid-network: every token ran whole
+    assert all(w.layer_start == 0 for p in sim.stats.plans for w in p.works if w.req_id == dec.req_id)
+    # while the long prefill was paused mid-network and resumed from that layer
+    assert any(w.req_id == long_.req_id and 0 < w.layer_start < N for p in sim.stats.plans for w in p.works)
+
+
 def test_fig1b_newcomer_merges_into_running_chunk():
     """A newcomer catches up to the running chunk's layer and joins it in one layer call
     instead of waiting for the whole chunk to finish."""

@@ -313,19 +313,21 @@ def test_stop_at_then_resume(engine, direct, stop):
         asked.append(j)
         return j == stop
 
-    works = [d.full("spf"), d.full("sdec")]
-    res = d.run(works, stop_at=stop_at)
-    assert asked == list(range(1, stop + 1))
+    pf, dec = d.full("spf"), d.full("sdec")
+    res = d.run([pf, dec], stop_at=stop_at)
+    assert asked == list(range(1, stop + 1))  # asked until it said stop, then no more
     assert res.stopped_layer == stop
-    assert not res.sampled and not res.logits
-    assert set(engine.icache.ids()) == {"spf", "sdec"}
-    assert res.num_layer_calls == stop
-    resumed = d.run([Work(w.req_id, w.token_start, w.num_tokens, stop, N, w.sample) for w in works])
+    # The stop paused the prefill chunk; the decode token ran on alone and was sampled.
+    assert set(res.sampled) == {"sdec"} and set(engine.icache.ids()) == {"spf"}
+    assert res.num_layer_calls == N
+    assert pf.reached(res.stopped_layer) == stop and dec.reached(res.stopped_layer) == N
+    resumed = d.run([Work(pf.req_id, pf.token_start, pf.num_tokens, stop, N, pf.sample)])
     assert len(engine.icache) == 0
     ref = d.run([d.full("rpf"), d.full("rdec")])
-    for name in ("pf", "dec"):
-        assert_close(resumed.logits["s" + name], ref.logits["r" + name])
-        assert resumed.sampled["s" + name] == ref.sampled["r" + name]
+    assert_close(resumed.logits["spf"], ref.logits["rpf"])
+    assert resumed.sampled["spf"] == ref.sampled["rpf"]
+    assert_close(res.logits["sdec"], ref.logits["rdec"])
+    assert res.sampled["sdec"] == ref.sampled["rdec"]
     d.close()
 
 

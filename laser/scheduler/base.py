@@ -12,8 +12,9 @@ Contract (one engine step)::
     updated = sched.update(plan, result.stopped_layer, result.sampled, now)
 
 ``stop_at(j)`` is asked at layer boundaries; a policy that returns True pauses every
-in-flight work at layer j (its hidden states go to the intermediate cache) so the next
-``schedule`` can put more urgent work first (Laser §6.1). Iteration-level policies
+in-flight prefill work at layer j (its hidden states go to the intermediate cache) so the
+next ``schedule`` can put more urgent work first (Laser §6.1); decode tokens run on to the
+end of their layer range (:meth:`~laser.plan.Work.reached`). Iteration-level policies
 never stop.
 """
 
@@ -99,7 +100,7 @@ class Scheduler(ABC):
         """Decide the next step. Allocates KV blocks for every planned work."""
 
     def stop_at(self, layer: int) -> bool:
-        """Pause every in-flight work at this layer boundary? (Iteration-level: never.)"""
+        """Pause the step's prefill work at this layer boundary? (Iteration-level: never.)"""
         return False
 
     # -- helpers for policies --------------------------------------------------------------------
@@ -185,8 +186,8 @@ class Scheduler(ABC):
         """Record progress of every work; return requests that got a new token.
 
         A work that reached the last layer completes its tokens; one that stopped
-        earlier (``stopped_layer``) or ends before the last layer stays in flight at the
-        layer it reached.
+        earlier (``stopped_layer``, see :meth:`~laser.plan.Work.reached`) or ends before the
+        last layer stays in flight at the layer it reached.
         """
         n = self.num_layers
         out = []
@@ -194,7 +195,7 @@ class Scheduler(ABC):
             req = self.requests.get(w.req_id)
             if req is None:  # aborted while the step ran
                 continue
-            reached = min(max(stopped_layer, w.layer_start), w.layer_end)
+            reached = w.reached(stopped_layer)
             if reached == n:
                 req.num_computed_tokens = w.context_len
                 req.chunk_tokens = 0

@@ -8,7 +8,9 @@ and merge a chunk of it"). Chunks paused at a layer boundary resume *at that lay
 so a newcomer runs alone up to the paused layer and then merges with it. On arrival,
 ``slack = deadline - now - predicted prefill``; if the running step's remaining time
 exceeds the slack, the step stops at the next layer boundary (``stop_at``), every
-in-flight chunk parks its hidden state in the intermediate cache, and the next
+in-flight chunk parks its hidden state in the intermediate cache (decode tokens run on
+to the end of their layer groups: parking them would put the next step into their
+token gap), and the next
 ``schedule`` re-plans with the newcomer in EDF position: merged if the merge meets its
 deadline, otherwise first.
 
@@ -157,9 +159,12 @@ class LaserScheduler(Scheduler):
 
     def update(self, plan, stopped_layer, sampled, now):
         self._in_step = False
-        if plan.works and stopped_layer == plan.last_layer:
-            dec = [w for w in plan.works if w.num_tokens == 1 and w.req_id in self.plans]
-            if dec:
+        if plan.works:
+            # A stop pauses prefill work only: the decode works ran their layer groups, so
+            # the decode iteration happened either way (Work.reached).
+            dec = [w for w in plan.works if w.is_decode and w.req_id in self.plans]
+            complete = stopped_layer == plan.last_layer
+            if dec and complete:
                 self.last_iteration_s = self.clock() - self._step_start
                 if (
                     self.t_g < math.inf
@@ -168,7 +173,8 @@ class LaserScheduler(Scheduler):
                 ):
                     self._last_drift_replan = self.iteration
                     self.replan_needed = True
-            self.iteration += 1
+            if complete or dec:
+                self.iteration += 1
         out = super().update(plan, stopped_layer, sampled, now)
         for req in out:
             if req.num_output_tokens == 1 and req.req_id not in self.plans:

@@ -108,21 +108,30 @@ class SimInstance:
                 self.finished.append(req)
 
     def _execute(self, plan: StepPlan) -> tuple[int, dict[str, int]]:
+        """Advance the clock through ``plan`` as ``ModelRunner.execute`` runs it (the same
+        stop rule: a stop pauses prefill work, decode works run on; ``Work.reached``)."""
         n = self.num_layers
         starts, ends = plan.boundaries()
         active: list[Work] = []
         first, last = plan.first_layer, plan.last_layer
+        stopped_at = None
         self.clock.t += self.lm.embed_time(sum(w.num_tokens for w in plan.works if w.layer_start == 0))
         for j in range(first, last):
             for w in ends.get(j, ()):
-                active.remove(w)
-                self.icache.put(w.req_id, None, w.num_tokens)
-            self._release()
-            if j > first and self.scheduler.stop_at(j):
-                for w in active:
+                if w in active:  # (not if a stop paused it, or kept it from starting)
+                    active.remove(w)
                     self.icache.put(w.req_id, None, w.num_tokens)
-                return j, {}
+            self._release()
+            if stopped_at is None and j > first and self.scheduler.stop_at(j):
+                stopped_at = j
+                for w in [w for w in active if not w.is_decode]:
+                    active.remove(w)
+                    self.icache.put(w.req_id, None, w.num_tokens)
+                if not active and not any(w.is_decode and w.layer_start >= j for w in plan.works):
+                    return j, {}
             for w in starts.get(j, ()):
+                if stopped_at is not None and not w.is_decode:
+                    continue
                 if w.layer_start > 0:
                     self.icache.pop(w.req_id)
                 active.append(w)
@@ -135,4 +144,4 @@ class SimInstance:
             if w.layer_end < n:
                 self.icache.put(w.req_id, None, w.num_tokens)
         self.clock.t += self.lm.head_time(len(final))
-        return last, {w.req_id: 0 for w in final if w.sample}
+        return (last if stopped_at is None else stopped_at), {w.req_id: 0 for w in final if w.sample}
