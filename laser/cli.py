@@ -12,6 +12,28 @@ import time
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
+def positive_int(s: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def positive_float(s: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {s!r}") from None
+    if not (v > 0 and v != float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {s}")
+    return v
+
+
 def add_engine_args(p: argparse.ArgumentParser, policy_default: str = "laser") -> None:
     """Flags shared by every command that builds an engine."""
     p.add_argument("--model", default=None, help="HF checkpoint dir or GGUF file (default: embedded SmolLM2-135M-Instruct)")
@@ -28,9 +50,12 @@ def add_engine_args(p: argparse.ArgumentParser, policy_default: str = "laser") -
     p.add_argument("--default-slo-class", default="best_effort")
     p.add_argument(
         "--latency-profile", default="auto",
-        help="latency profile JSON; 'auto' (default): the cached profile of this setup, profiled on first use",
+        help="latency profile JSON (used as is; an error if it is unreadable or made for another setup; "
+             "created there when missing); 'auto' (default): the cached profile of this setup, profiled "
+             "on first use and re-made when stale",
     )
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch intra-op threads (default: torch's choice, the number of cores)")
 
 
 def build_engine(args, **overrides):
@@ -127,12 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from .config import ConfigError
+    from .latency_model import LatencyProfileError
     from .model.loader import ModelLoadError
     from .request import InvalidRequestError
 
     try:
         return args.func(args)
-    except (ModelLoadError, ConfigError, InvalidRequestError, ValueError) as e:
+    except (ModelLoadError, ConfigError, InvalidRequestError, LatencyProfileError, ValueError) as e:
         print(f"laser: error: {e}", file=sys.stderr)
         return 2
 

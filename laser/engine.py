@@ -9,6 +9,7 @@ and everyone else keeps being served.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -96,12 +97,14 @@ class Engine:
         latency_model: the model the schedulers plan with; overrides ``latency_profile``.
         latency_profile: ``None`` — use the cached profile of this setup if there is one, else
             an analytic (roofline) estimate; ``"auto"`` — the cached profile, profiling this
-            machine now (< 60 s) when missing or stale; a path — that profile file (created
-            there when missing).
+            machine now (< 60 s) when missing or stale; a path — that profile file, used as is
+            (created there only when missing: a file that is corrupt or made for another setup
+            raises ``LatencyProfileError`` and is left alone).
         clock: time source in seconds (monotonic by default).
         seed: seed of the shared sampling generator.
     Raises:
         ModelLoadError: the model path is unusable. ConfigError: bad config values.
+        LatencyProfileError: ``latency_profile`` names an unusable profile file.
     """
 
     def __init__(
@@ -163,8 +166,11 @@ class Engine:
         from .latency_model import AnalyticLatencyModel, LatencyProfileError, ModelShape
         from .profiler import load_or_create
 
+        if profile == "auto":
+            return load_or_create(self.runner, None, create=True)
         if profile is not None:
-            return load_or_create(self.runner, None if profile == "auto" else profile, create=True)
+            # the user's own file: use it, or say why not -- never profile over it
+            return load_or_create(self.runner, profile, create=not os.path.exists(profile))
         try:
             return load_or_create(self.runner, None, create=False)
         except LatencyProfileError:

@@ -3,7 +3,10 @@
 Paper §5. One layer call of a batch with query lengths ``q_k`` and context lengths
 ``c_k`` (``n = Σq_k`` tokens) costs
 
-    stateless(n) + attention(q, c) + layer_overhead
+    stateless(n) + attention_scale · attention(q, c) + layer_overhead
+
+(``attention_scale`` >= 1 and ``layer_overhead`` are fitted on whole-layer samples: a layer
+whose attention streams a large KV cache runs its projections a little slower.)
 
 * ``stateless(n)``: QKV, O projection, MLP, norms, RoPE, residual adds. Piecewise
   linear in ``n`` with fixed-width segments (GEMM tile effects; 32 tokens on GPU).
@@ -31,7 +34,7 @@ Three implementations of one interface (:class:`LatencyModel`):
   before a profile exists.
 * :class:`SimpleLatencyModel`: a few explicit constants, for tests with a fake clock.
 
-Torch-free on purpose (DESIGN.md): schedulers and the simulator import this module.
+Torch-free on purpose (a design rule: schedulers and the simulator import this module).
 Prediction is pure Python arithmetic on precomputed coefficients (microseconds);
 numpy/scipy are used only for fitting.
 """
@@ -701,7 +704,8 @@ def _fit_attention_set(x: np.ndarray, y: np.ndarray, names: Sequence[str], scale
 
 def _fit_attention(samples: Sequence[AttentionSample], folds: int, max_positions: int = 0,
                    stateless=None) -> tuple[AttentionModel, dict]:
-    """Attention coefficients by NNLS on the feature set chosen by ``folds``-fold CV.
+    """Attention coefficients by NNLS on the feature set chosen by ``folds``-fold CV
+    (with fewer than ``2 · folds`` samples: the ``linear`` set, without CV).
 
     With ``stateless`` (tokens -> seconds), an error is weighed relative to the whole layer
     call the attention sits in (``attention + stateless(n)``), not to the attention alone:
@@ -820,10 +824,16 @@ class FittedLatencyModel(LatencyModel):
     def save(self, path: str | os.PathLike) -> Path:
         """Write the profile as JSON (atomically: temp file + rename). Returns the path."""
         path = Path(path)
+        if path.is_dir():
+            raise IsADirectoryError(f"{path} is a directory")
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1))
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(json.dumps(self.to_dict(), indent=1))
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         return path
 
     @classmethod
@@ -837,7 +847,7 @@ class FittedLatencyModel(LatencyModel):
             meta = dict(d["metadata"])
             m = d["model"]
             samples = [_decode_sample(kind, enc) for kind, encs in d.get("samples", {}).items() for enc in encs]
-            return cls(
+            model = cls(
                 num_layers=int(meta["num_layers"]),
                 stateless=PiecewiseLinear.from_dict(m["stateless"]),
                 attention=AttentionModel.from_dict(m["attention"]),
@@ -849,10 +859,30 @@ class FittedLatencyModel(LatencyModel):
                 report=dict(d.get("report", {})),
                 samples=samples,
             )
+            model._check()
+            return model
         except LatencyProfileError:
             raise
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
             raise LatencyProfileError(f"malformed profile: {type(e).__name__}: {e}") from e
+
+    def _check(self) -> None:
+        """Raise ``ValueError`` unless this model's numbers can price plans: at least one
+        layer, a finite non-negative overhead, a finite positive attention scale, and
+        finite non-negative predictions across sizes (catches hand-edited files)."""
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
+        if not (math.isfinite(self.layer_overhead_s) and self.layer_overhead_s >= 0):
+            raise ValueError(f"layer_overhead_s must be finite and >= 0, got {self.layer_overhead_s}")
+        if not (math.isfinite(self.layer_attention_scale) and self.layer_attention_scale > 0):
+            raise ValueError(f"layer_attention_scale must be finite and > 0, got {self.layer_attention_scale}")
+        probes = [self.layer_time((n,), (n,)) for n in (1, 7, 64, 512, 4096)]
+        probes += [self.layer_time((1,) * b, (512,) * b) for b in (1, 16, 64)]
+        probes += [self.layer_time((100, 1), (300, 900))]
+        probes += [f(n) for f in (self.embed_time, self.head_time) for n in (1, 16, 256)]
+        bad = [t for t in probes if not (math.isfinite(t) and t >= 0)]
+        if bad:
+            raise ValueError(f"the model predicts negative or non-finite times (e.g. {bad[0]!r})")
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, refit: bool = False, **expect) -> "FittedLatencyModel":
@@ -869,8 +899,9 @@ class FittedLatencyModel(LatencyModel):
             raise LatencyProfileError(f"cannot read latency profile {path}: {e}") from e
         try:
             doc = json.loads(text)
-        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-            raise LatencyProfileError(f"corrupt latency profile {path}: invalid JSON ({e}); delete it and re-profile") from e
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, absurd nesting
+            raise LatencyProfileError(f"corrupt latency profile {path}: invalid JSON ({type(e).__name__}: "
+                                      f"{str(e)[:200]}); delete it or run `laser profile`") from e
         try:
             model = cls.from_dict(doc)
         except LatencyProfileError as e:
@@ -999,9 +1030,13 @@ def _decode_sample(kind: str, enc: list) -> Sample:
         raise LatencyProfileError(f"unknown sample kind {kind!r}")
     if t in (AttentionSample, LayerSample):
         q, c, sec = enc
-        return t(tuple(int(v) for v in q), tuple(int(v) for v in c), float(sec))
-    n, sec = enc
-    return t(int(n), float(sec))
+        s = t(tuple(int(v) for v in q), tuple(int(v) for v in c), float(sec))
+        _check_batch(s.query_lens, s.context_lens)
+    else:
+        n, sec = enc
+        s = t(int(n), float(sec))
+    _check_seconds(s.seconds)
+    return s
 
 
 def load_profile(path: str | os.PathLike, **expect) -> FittedLatencyModel:

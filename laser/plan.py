@@ -2,7 +2,7 @@
 
 A scheduler never touches tensors. It hands the executor (``ModelRunner``) or the
 simulator a :class:`StepPlan`: which requests run which layers on which tokens.
-Torch-free by design (DESIGN.md, "A plan is plain data").
+Torch-free by design: a plan is plain data, so it can cross a process boundary.
 
 Layer-level scheduling (Laser, PPoPP'26 §3) needs one thing iteration-level plans
 lack: a piece of work may cover only a *range* of layers. A prefill chunk may stop

@@ -4,19 +4,24 @@
                   [--evaluate] [--json PATH] [--policies vllm,sarathi,laser]
 
 Without ``--output`` the profile goes to the default per-(model, dtype, hardware,
-threads) file that ``load_or_create`` (engine start) reads.
+threads) file that ``load_or_create`` (engine start) reads. ``--latency-profile PATH``
+names the profile file too: ``--reuse`` loads it (an error if it is corrupt or made for
+another setup: it is never profiled over), otherwise it is profiled anew and written
+there. The scheduling flags (``--policy``, ``--queue-order``, token budgets, SLOs) do not
+change what is measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
 
 def register(subparsers) -> None:
-    from .cli import add_engine_args
+    from .cli import add_engine_args, positive_float
 
     p = subparsers.add_parser("profile", help="profile the latency model on this machine (and report its accuracy)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -25,16 +30,18 @@ def register(subparsers) -> None:
                    help="profile file to write (default: the per-model/dtype/hardware/threads cache file)")
     p.add_argument("--reuse", action="store_true",
                    help="load the profile file when it is valid for this setup instead of re-profiling")
-    p.add_argument("--budget", type=float, default=40.0,
-                   help="seconds of timing after which profiling stops repeating samples (default 40)")
+    p.add_argument("--budget", type=positive_float, default=40.0,
+                   help="seconds of timing after which profiling stops repeating samples (default 40; every "
+                        "sample still gets two timings, so a busy machine takes longer)")
     p.add_argument("--evaluate", action="store_true",
                    help="then measure held-out layer steps and scheduler iterations and report accuracy")
     p.add_argument("--json", default=None, metavar="PATH", help="write the accuracy report as JSON (with --evaluate)")
     p.add_argument("--policies", default="vllm,sarathi,laser", help="policies whose plans --evaluate times")
-    p.add_argument("--eval-budget", type=float, default=100.0,
+    p.add_argument("--eval-budget", type=positive_float, default=100.0,
                    help="seconds of timing after which --evaluate stops repeating measurements (default 100)")
     p.add_argument("--quick", action="store_true",
-                   help="a small sample grid and a short evaluation (seconds; smoke tests, not for serving)")
+                   help="a small sample grid and a short evaluation (seconds; smoke tests, not for serving); "
+                        "caps the budgets at 10 s and 20 s")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_profile)
 
@@ -56,12 +63,32 @@ def _engine(args):
                   scheduler=SchedulerConfig(policy="vllm"), latency_model=SimpleLatencyModel(num_layers=1))
 
 
+def _unwritable(path) -> str | None:
+    """Why ``path`` cannot be written (checked before minutes of profiling), or None."""
+    import tempfile
+
+    if not path:
+        return None
+    if os.path.isdir(path):
+        return "is a directory"
+    parent = os.path.dirname(os.path.abspath(path))
+    probe = parent
+    while probe and not os.path.isdir(probe):  # save() creates missing folders
+        probe = os.path.dirname(probe)
+    try:
+        with tempfile.NamedTemporaryFile(dir=probe or "."):
+            pass
+    except OSError as e:
+        return f"cannot write into {probe}: {e.strerror or e}"
+    return None
+
+
 def summary_lines(lm) -> list[str]:
     """A few fitted numbers and predictions, for people."""
     rep = lm.report
     out = [f"  stateless: width {rep['stateless'].get('width')}, fit error {100 * (rep['stateless'].get('error') or 0):.1f}%",
            f"  attention: features {rep['attention'].get('feature_set')}, fit error "
-           f"{100 * (rep['attention'].get('error') or 0):.1f}%",
+           f"{100 * (rep['attention'].get('error') or 0):.1f}% of attention alone (fitted relative to the layer)",
            f"  head: width {rep['head'].get('width')}, fit error {100 * (rep['head'].get('error') or 0):.1f}%",
            f"  layer-call overhead: {lm.layer_overhead_s * 1e6:.0f} us, attention x"
            f"{getattr(lm, 'layer_attention_scale', 1.0):.3f} inside a layer"]
@@ -91,6 +118,13 @@ def cmd_profile(args) -> int:
     if args.json and not args.evaluate:
         print("laser: error: --json needs --evaluate", file=sys.stderr)
         return 2
+    for flag, target in (("--json", args.json), ("--output", explicit)):
+        problem = _unwritable(target)
+        if problem:
+            print(f"laser: error: {flag} {target}: {problem}", file=sys.stderr)
+            return 2
+    if args.quick:
+        args.budget, args.eval_budget = min(args.budget, 10.0), min(args.eval_budget, 20.0)
     t0 = time.perf_counter()
     engine = _engine(args)
     load_s = time.perf_counter() - t0
@@ -102,7 +136,9 @@ def cmd_profile(args) -> int:
     rep = None
     t1 = time.perf_counter()
     if args.reuse:
-        lm = profiler.load_or_create(engine, path, progress=progress, budget_s=args.budget, grid=grid)
+        # the user's own file is used as is or rejected, never profiled over
+        create = not explicit or not os.path.exists(path)
+        lm = profiler.load_or_create(engine, path, create=create, progress=progress, budget_s=args.budget, grid=grid)
         prof_s = time.perf_counter() - t1
     else:
         print(f"[laser] profiling {profiler.model_name_of(engine)} ({profiler.dtype_name(engine.dtype)}, "
@@ -125,7 +161,10 @@ def cmd_profile(args) -> int:
                 return 2
     m = lm.metadata.get("measurement", {})
     what = "profile + test set" if rep is not None else "profile"
-    print(f"[laser] profile {path}: {len(lm.samples)} samples; {what} took {prof_s:.1f} s (model load {load_s:.1f} s)"
+    dropped = m.get("dropped_outliers") or 0
+    print(f"[laser] profile {path}: {len(lm.samples)} samples"
+          + (f" ({dropped} disturbed ones dropped)" if dropped else "")
+          + f"; {what} took {prof_s:.1f} s (model load {load_s:.1f} s)"
           + (f", {100 * m['clean_fraction']:.0f}% of timed calls clean" if "clean_fraction" in m else ""))
     for line in summary_lines(lm):
         print(line)
@@ -143,7 +182,11 @@ def cmd_profile(args) -> int:
     print(profiler.format_report(rep))
     print(f"[laser] total {rep['total_seconds']:.1f} s")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rep, f, indent=1)
+        try:
+            with open(args.json, "w") as f:
+                json.dump(rep, f, indent=1)
+        except OSError as e:
+            print(f"laser: error: cannot write the report to {args.json}: {e}", file=sys.stderr)
+            return 2
         print(f"[laser] accuracy report written to {args.json}")
     return 0

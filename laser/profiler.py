@@ -25,7 +25,8 @@ every case runs once, in a freshly shuffled order (repeats of one case are sprea
 the whole run, not back to back), until the two fastest repeats of every case agree
 within ``tol`` and one of them ran *clean* -- no task waited for a CPU meanwhile, per the
 kernel's pressure counter ``/proc/pressure/cpu`` (at least ``min_rounds``, at most
-``max_rounds``, within a time budget). A case's time is the mean of its two fastest
+``max_rounds``; past the time budget no new round starts, but every case gets at least
+two repeats, so a busy machine makes profiling slower rather than wrong). A case's time is the mean of its two fastest
 repeats: interference only adds time, so this estimates the *undisturbed* time. The
 accuracy report measures its ground truth the same way, in the same interleaved rounds
 as the profile (:func:`profile_and_evaluate`), and also records medians and the spread
@@ -164,10 +165,11 @@ class Bench:
     noisy than one sub-millisecond call.
 
     Args:
-        min_rounds / max_rounds: repeats per case at least / at most.
+        min_rounds / max_rounds: repeats per case at least / at most (past ``budget_s``
+            rounds stop early, but never below two repeats per case).
         tol: a case is settled once its two fastest repeats agree within this fraction (and
             one of them was clean).
-        budget_s: no new repeat starts past this many seconds once every case has one.
+        budget_s: no new repeat starts past this many seconds once every case has two.
         seed: shuffling seed. progress: a tqdm bar (None: none).
     """
 
@@ -226,7 +228,8 @@ class Bench:
                     break
                 self.rounds += 1
                 for c in self._shuffled(todo):
-                    if r > 0 and time.perf_counter() - t0 > self.budget_s:
+                    # the budget never cuts a case below two repeats (the estimator needs two)
+                    if r >= min(2, self.max_rounds) and time.perf_counter() - t0 > self.budget_s:
                         self.out_of_time = True
                         return cases
                     self.time_once(c)
@@ -653,9 +656,10 @@ def _samples(cases: list[Case], tol: float, bench: Bench, stats: dict | None, wa
         stats.update(info)
     if warn and (clean < 0.8 or len(unsettled) > len(cases) // 3):
         log.warning("the CPU was busy with other work while profiling (%.0f%% of timed calls ran with no other "
-                    "task waiting for a CPU; %d of %d samples without two repeats within %.0f%%): the profile may "
+                    "task waiting for a CPU; %d of %d samples without two repeats within %.0f%%%s): the profile may "
                     "be off; re-run `laser profile` on a quiet machine", 100 * clean, len(unsettled), len(cases),
-                    100 * tol)
+                    100 * tol, f"; the {bench.budget_s:g} s time budget ran out after {bench.rounds} rounds"
+                    if bench.out_of_time else "")
     out = []
     for cs in cases:
         kind, *args = cs.key

@@ -137,6 +137,56 @@ def test_engine_start_loads_the_profile(tiny_llama, fitted, tmp_path, monkeypatc
     assert e.scheduler.latency_model is e.latency_model
 
 
+@pytest.mark.parametrize("damage", ["garbage", "wrong_setup", "negative_overhead", "zero_scale", "deep"])
+def test_engine_rejects_a_bad_profile_it_was_given_and_leaves_it_alone(tiny_llama, fitted, tmp_path, monkeypatch,
+                                                                       damage):
+    # An explicit --latency-profile is the user's file: an error that says why, never a
+    # re-profile over it (the cached default profile is re-made instead; test above).
+    from laser.engine import Engine
+
+    path = fitted.save(tmp_path / "p.json")
+    doc = json.loads(path.read_text())
+    if damage == "garbage":
+        text = "{not json"
+    elif damage == "deep":
+        text = "[" * 100_000
+    else:
+        if damage == "wrong_setup":
+            doc["metadata"]["dtype"] = "bfloat16"
+        elif damage == "negative_overhead":
+            doc["model"]["layer_overhead_s"] = -1.0
+        else:
+            doc["model"]["layer_attention_scale"] = 0
+        text = json.dumps(doc)
+    path.write_text(text)
+    monkeypatch.setattr(profiler, "profile", lambda *a, **k: pytest.fail("profiled over the user's file"))
+    with pytest.raises(LatencyProfileError, match="another setup" if damage == "wrong_setup" else "corrupt"):
+        Engine(model=str(tiny_llama), policy="laser", dtype="float32", cache=CacheConfig(num_blocks=256),
+               latency_profile=str(path))
+    assert path.read_text() == text
+
+
+def test_cli_rejects_bad_profile_flags_before_profiling(tmp_path, capsys):
+    from laser.cli import main
+
+    for argv, msg in ((["--threads", "0"], "positive integer"), (["--budget", "-5"], "positive"),
+                      (["--evaluate", "--json", str(tmp_path)], "is a directory"),
+                      (["--output", str(tmp_path)], "is a directory")):
+        try:
+            rc = main(["profile", "--quick", *argv])
+        except SystemExit as e:  # argparse
+            rc = e.code
+        assert rc == 2, argv
+        assert msg in capsys.readouterr().err, argv
+
+
+def test_time_budget_never_leaves_a_case_with_one_timing():
+    b = profiler.Bench(min_rounds=3, max_rounds=6, tol=0.0, budget_s=0.0, max_burst=1)
+    cases = [profiler.Case(k, lambda: None) for k in range(4)]
+    b.run(cases)
+    assert b.out_of_time and all(len(c.times) == 2 for c in cases)
+
+
 def test_batches_are_fitted_to_the_kv_pool():
     q, c = profiler.fit_to_pool((1,) * 10 + (300,), (900,) * 10 + (400,), pool_tokens=2048, block_size=16)
     assert sum(-(-x // 16) for x in c) <= 128 and all(1 <= a <= b for a, b in zip(q, c))
