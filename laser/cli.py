@@ -39,15 +39,19 @@ def add_engine_args(p: argparse.ArgumentParser, policy_default: str = "laser") -
     p.add_argument("--model", default=None, help="HF checkpoint dir or GGUF file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="compute dtype")
     p.add_argument("--policy", default=policy_default, help="scheduling policy: vllm, sarathi, laser")
-    p.add_argument("--queue-order", default="edf", choices=["edf", "fcfs"])
+    p.add_argument("--queue-order", default="edf", choices=["edf", "fcfs"],
+                   help="waiting-queue order: earliest TTFT deadline first (default) or arrival order")
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache pool size, GiB (all layers)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--intermediate-cache-tokens", type=int, default=16384)
+    p.add_argument("--block-size", type=positive_int, default=16, help="KV cache block size, tokens (default 16)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=512,
+                   help="token budget per step (vLLM's max_num_batched_tokens; Sarathi's chunk budget)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=256, help="most requests running at once")
+    p.add_argument("--intermediate-cache-tokens", type=positive_int, default=16384,
+                   help="capacity of the cache of paused hidden states, tokens (over it: recompute)")
     p.add_argument("--slo-config", default=None, help="SLO classes JSON (default: the shipped paper classes)")
     p.add_argument("--slo-scale", type=float, default=1.0, help="multiply every SLO target")
-    p.add_argument("--default-slo-class", default="best_effort")
+    p.add_argument("--default-slo-class", default="best_effort",
+                   help="SLO class of requests that name none (default best_effort)")
     p.add_argument(
         "--latency-profile", default="auto",
         help="latency profile JSON (used as is; an error if it is unreadable or made for another setup; "

@@ -20,12 +20,21 @@ import sys
 import time
 
 
+_SCHEDULING_FLAGS = {"policy", "queue_order", "max_num_batched_tokens", "max_num_seqs", "slo_config", "slo_scale",
+                     "default_slo_class"}
+
+
 def register(subparsers) -> None:
     from .cli import add_engine_args, positive_float
 
     p = subparsers.add_parser("profile", help="profile the latency model on this machine (and report its accuracy)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(p, policy_default="vllm")
+    # What is measured does not depend on the scheduler: keep those flags (scripts may pass
+    # a whole engine command line) but out of --help.
+    for a in p._actions:
+        if a.dest in _SCHEDULING_FLAGS:
+            a.help = argparse.SUPPRESS
     p.add_argument("--output", "-o", default=None,
                    help="profile file to write (default: the per-model/dtype/hardware/threads cache file)")
     p.add_argument("--reuse", action="store_true",

@@ -360,29 +360,39 @@ def test_disconnect_mid_stream_frees_every_block(live):
     body = {"model": "tiny", "prompt": "A long story:", "max_tokens": 200, "temperature": 0, "ignore_eos": True,
             "stream": True}
     t0 = time.monotonic()
-    with httpx.Client(timeout=30) as h:
-        with h.stream("POST", live.url + "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            events = []
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    events.append(line)
-                    if len(events) == 3:
-                        break
-            state = live.call(ae.run_in_engine(lambda e: (e.kv_cache.block_manager.usage(), list(e.scheduler.requests.values()))))
-            assert state[0] > 0, (events, state, ae.num_step_errors)
-    engine_idle_and_clean(live)
-    # aborted, not run to completion (200 tokens would take far longer than 3)
+    # The tiny model can outrun the client (the server streams ahead of what is read): a try
+    # in which the request had already finished when we looked proves nothing; try again.
+    for _ in range(5):
+        with httpx.Client(timeout=30) as h:
+            with h.stream("POST", live.url + "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                events = []
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        events.append(line)
+                        if len(events) == 3:
+                            break
+                usage = live.call(ae.run_in_engine(lambda e: e.kv_cache.block_manager.usage()))
+        engine_idle_and_clean(live)
+        if usage > 0:
+            break
+    assert usage > 0, "the request always finished before the client disconnected"
+    # aborted, not run to completion
     r = httpx.get(live.url + "/metrics").text
     assert 'laser:request_aborted_total{model_name="tiny",slo_class="best_effort"}' in r
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 60
 
 
 def test_disconnect_blocking_request_frees_every_block(live):
     body = {"model": "tiny", "prompt": "A long story:", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
     ae = live.app.state.async_engine
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(live.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+    for _ in range(5):  # (a try in which 200 tokens beat the read timeout proves nothing)
+        try:
+            httpx.post(live.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.1))
+        except httpx.ReadTimeout:
+            break
+    else:
+        pytest.fail("the request always finished within the read timeout")
     deadline = time.monotonic() + 10
     while ae.num_in_flight and time.monotonic() < deadline:
         time.sleep(0.02)
