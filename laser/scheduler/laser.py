@@ -137,6 +137,15 @@ class LaserScheduler(Scheduler):
         t_g = self.t_g * self.tg_margin
         budget = math.inf if not works else max(t_g - decode_time, self.prefill_share * t_g)
         works += self._prefill_works(now, works, budget)
+        if not works and self.plans and self.config.role != "prefill":
+            # No decode group is due in this iteration and no prefill fits: the iteration
+            # would be empty (it takes no time), so skip to the next one with a due group
+            # rather than wait on it forever.
+            for _ in range(max(p.groups(n) for p in self.plans.values())):
+                self.iteration += 1
+                works = self._decode_works(now)
+                if works:
+                    break
         self.relieve_deadlock(works)
         plan = StepPlan(n, works)
         self._begin_step(plan)
@@ -263,8 +272,10 @@ class LaserScheduler(Scheduler):
         return _LayerLoad(self, decoding, plans if plans is not None else self.plans).predict()
 
     # -- prefill (§6.1) ---------------------------------------------------------------------------
-    #: Stop looking for more prefill work after this many candidates did not fit.
+    #: Stop looking for more prefill work after this many candidates did not fit in time...
     max_misses = 2
+    #: ... or in the KV pool.
+    max_alloc_misses = 8
 
     def _prefill_works(self, now: float, decode_works: list[Work], budget: float) -> list[Work]:
         """EDF merge of prefill layer-work into the step, within ``budget`` seconds beyond the
@@ -279,7 +290,7 @@ class LaserScheduler(Scheduler):
         works: list[Work] = []
         met: list[float] = []  # deadlines of included requests this step still meets
         tokens = 0
-        misses = 0
+        misses = alloc_misses = 0
         for r in cands:
             if r.phase == Phase.WAITING and len(self.running) >= self.config.max_num_seqs:
                 break
@@ -303,7 +314,12 @@ class LaserScheduler(Scheduler):
                 # progress guarantee for the most urgent prefill: at least one layer
                 w = mk(k if r.in_flight else min(k, self.min_chunk), lo + 1)
             if not self.try_allocate(r, w.context_len, range(w.layer_start, w.layer_end)):
-                break
+                # Short of KV for this one: the next candidates may fit (or already hold their
+                # blocks: a chunk paused behind a more urgent newcomer must not starve for it).
+                alloc_misses += 1
+                if alloc_misses >= self.max_alloc_misses:
+                    break
+                continue
             if r.phase == Phase.WAITING or r in self.waiting:
                 self.admit(r)
             works.append(w)
