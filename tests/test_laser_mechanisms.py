@@ -82,6 +82,28 @@ def test_arrival_stop_pauses_prefill_work_but_not_decode_tokens():
     assert any(w.req_id == long_.req_id and 0 < w.layer_start < N for p in sim.stats.plans for w in p.works)
 
 
+def test_late_urgent_request_is_not_merged_with_more_work():
+    """A tight request that arrives while a decode-heavy step runs can be late before it
+    starts (the stop lets the step's decode tokens finish their layers). Late, it is served
+    as early as possible: nothing merged after it may delay its step (it used to be merged
+    with a 512-token chunk of a long prompt: TTFT 0.41 s for a 0.05 s target)."""
+    lm = SimpleLatencyModel(num_layers=N, per_layer=2e-4, per_token=2e-5, per_context=2e-7)
+    decs = [Request([5] * 3000, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True),
+                    slo=SLO(ttft=5.0, tbt=0.5), arrival_time=0.0) for _ in range(48)]
+    long_ = req(4000, 3.0, ttft=20.0, max_tokens=2)
+    tights = [req(30, 3.05 + 0.2 * k, ttft=0.05, tbt=0.5, max_tokens=2) for k in range(5)]
+    sim = SimInstance("laser", N, lm, num_blocks=20000, icache_tokens=16384)
+    for r in decs + [long_] + tights:
+        sim.submit(r)
+    sim.run()
+    sim.scheduler.check_integrity(expect_empty=True)
+    assert sim.scheduler.num_step_preemptions >= 1
+    assert max(ttft(t) for t in tights) < 0.1, [ttft(t) for t in tights]
+    # the decode tokens around the arrivals kept their TBT
+    gaps = [b - a for r in decs for a, b in zip(r.token_times, r.token_times[1:]) if 3.0 <= a <= 4.5]
+    assert gaps and max(gaps) <= 0.5
+
+
 def test_fig1b_newcomer_merges_into_running_chunk():
     """A newcomer catches up to the running chunk's layer and joins it in one layer call
     instead of waiting for the whole chunk to finish."""

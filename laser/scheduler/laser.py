@@ -327,6 +327,11 @@ class LaserScheduler(Scheduler):
             tokens += w.num_tokens
             if now + cost.total <= r.ttft_deadline:
                 met.append(r.ttft_deadline)
+            elif r.slo.ttft is not None and w.layer_end == n and w.sample:
+                # Already late (e.g. it arrived during a step that could not stop sooner):
+                # its first token comes with this step, so nothing merged after it may delay
+                # the step further -- a late request is served as early as possible.
+                met.append(now + cost.total)
         return works
 
     def _fit(self, cost: "_PlanCost", mk, k: int, lo: int, paused: bool, limit, met, now) -> Work | None:
