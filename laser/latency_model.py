@@ -783,11 +783,6 @@ class FittedLatencyModel(LatencyModel):
         return (self.stateless(sum(query_lens)) + self.layer_attention_scale * self.attention(query_lens, context_lens)
                 + self.layer_overhead_s)
 
-    def predict_layer(self, step: LayerStep) -> float:
-        q = step.query_lens
-        if not q:
-            return 0.0
-        return self.stateless(sum(q)) + self.layer_attention_scale * self.attention(q, step.context_lens) + self.layer_overhead_s
 
     # -- fitting ----------------------------------------------------------------------
     @classmethod

@@ -97,13 +97,13 @@ class ModelRunner:
             if not stopped and j > first and stop_at is not None and stop_at(j):
                 stopped, changed = True, True
                 res.stopped_layer = j
-                active, hidden = self._park(active, hidden, [w for w in active if not w.is_decode], j)
-                if not active and not any(w.is_decode and w.layer_start >= j for w in plan.works):
+                active, hidden = self._park(active, hidden, [w for w in active if w.reached(j) == j], j)
+                if not active and not plan.starts_after_stop(j):
                     break
             if changed:
                 joining = starts.get(j, ())
                 if stopped:
-                    joining = [w for w in joining if w.is_decode]
+                    joining = [w for w in joining if w.reached(res.stopped_layer) > j]
                 active, hidden = self._join(active, hidden, joining, requests)
                 if active:
                     seg_end = next((c for c in next_change if c > j), last)

@@ -114,6 +114,11 @@ class StepPlan:
             ends.setdefault(w.layer_end, []).append(w)
         return starts, ends
 
+    def starts_after_stop(self, stop: int) -> bool:
+        """Whether, after a stop at layer ``stop``, a work that had not started yet still
+        runs (a decode work; :meth:`Work.reached`)."""
+        return any(w.layer_start >= stop and w.reached(stop) > w.layer_start for w in self.works)
+
     def active(self, layer: int) -> list[Work]:
         """Works that run ``layer``, in plan order."""
         return [w for w in self.works if w.layer_start <= layer < w.layer_end]

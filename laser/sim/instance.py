@@ -124,13 +124,13 @@ class SimInstance:
             self._release()
             if stopped_at is None and j > first and self.scheduler.stop_at(j):
                 stopped_at = j
-                for w in [w for w in active if not w.is_decode]:
+                for w in [w for w in active if w.reached(j) == j]:
                     active.remove(w)
                     self.icache.put(w.req_id, None, w.num_tokens)
-                if not active and not any(w.is_decode and w.layer_start >= j for w in plan.works):
+                if not active and not plan.starts_after_stop(j):
                     return j, {}
             for w in starts.get(j, ()):
-                if stopped_at is not None and not w.is_decode:
+                if stopped_at is not None and w.reached(stopped_at) <= j:
                     continue
                 if w.layer_start > 0:
                     self.icache.pop(w.req_id)
