@@ -57,8 +57,6 @@ class BlockManager:
         self._use = [0] * num_blocks
         self._fully_free: set[int] = set(range(num_blocks))
         self._reqs: dict[str, _ReqBlocks] = {}
-        # Bumped whenever any table changes; lets the runner cache metadata.
-        self.version = 0
 
     # -- queries ----------------------------------------------------------------------
     def blocks_needed(self, num_tokens: int) -> int:
@@ -123,13 +121,9 @@ class BlockManager:
         rb = self._reqs.get(req_id)
         if rb is None:
             rb = self._reqs[req_id] = _ReqBlocks(count=[0] * self.num_layers)
-        changed = False
         for layer in layers:
             while rb.count[layer] < need:
                 self._grow(rb, layer)
-                changed = True
-        if changed:
-            self.version += 1
 
     def _grow(self, rb: _ReqBlocks, layer: int) -> None:
         idx = rb.count[layer]
@@ -173,7 +167,6 @@ class BlockManager:
             self._give(layer, bid)
         rb.count[layer] = 0
         rb.overrides.pop(layer, None)
-        self.version += 1
         if not any(rb.count):
             del self._reqs[req_id]
 
@@ -187,7 +180,6 @@ class BlockManager:
                 for bid in self.table(req_id, layer):
                     self._give(layer, bid)
         del self._reqs[req_id]
-        self.version += 1
 
     # -- integrity ----------------------------------------------------------------------
     def check_integrity(self, expect_empty: bool = False) -> None:

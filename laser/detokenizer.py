@@ -50,3 +50,50 @@ def find_stop(text: str, stops: tuple[str, ...], new_len: int) -> int | None:
         if i != -1 and (best is None or i < best):
             best = i
     return best
+
+
+class OutputText:
+    """A request's output text as the client sees it: incremental detokenization, stop strings,
+    and the hold-back that keeps streamed deltas consistent (the one owner of that rule).
+
+    Text that could still turn out to be the start of a stop string (its length - 1
+    characters) is held back until the request finishes, so the streamed deltas always add up
+    to the final, cut text.
+    """
+
+    __slots__ = ("detok", "stop", "hold", "sent")
+
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = (),
+                 output_ids: list[int] = ()):
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        for t in output_ids:  # a request continuing here (hand-off): its text so far was sent
+            self.detok.add(t)
+        self.sent = max(0, len(self.detok.text) - self.hold)
+
+    @property
+    def text(self) -> str:
+        return self.detok.text
+
+    def add(self, token_id: int) -> bool:
+        """Append a token. True when a stop string matched (the text is cut before it)."""
+        delta = self.detok.add(token_id)
+        if self.stop and delta:
+            cut = find_stop(self.detok.text, self.stop, len(delta))
+            if cut is not None:
+                self.detok.text = self.detok.text[:cut]
+                return True
+        return False
+
+    def visible(self, finished: bool) -> str:
+        """The text a client may see now (all of it once finished)."""
+        t = self.detok.text
+        return t if finished else t[: max(0, len(t) - self.hold)]
+
+    def delta(self, finished: bool) -> str:
+        """Visible text not streamed yet; marks it streamed."""
+        t = self.visible(finished)
+        d = t[self.sent :]
+        self.sent = max(self.sent, len(t))
+        return d

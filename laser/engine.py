@@ -1,13 +1,16 @@
-"""The engine: ``step()`` = schedule -> execute -> update (style: nano-vllm ``llm_engine.py``).
+"""The engine: the front end of one in-process instance over its :class:`InstanceCore`.
 
-One engine is one *instance* (role mixed, prefill or decode). It owns the model runner,
-the scheduler, the tokenizer and the per-request detokenizers; it validates requests
-before they reach the scheduler, so a malformed request is rejected with a clear error
-and everyone else keeps being served.
+The core (:mod:`laser.instance.core`) is the instance a controller talks to: token ids in,
+token events out; scheduler + model runner + finish rule + hand-off. The engine adds what a
+client needs: the model and tokenizer, prompt encoding and validation (a malformed request
+is rejected with a clear error and everyone else keeps being served), detokenization, stop
+strings and their hold-back (:class:`laser.detokenizer.OutputText`), and
+:class:`RequestOutput` s. ``step()`` = ``core.step()`` -> text.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -17,15 +20,15 @@ from typing import Callable
 import torch
 
 from .config import CacheConfig, SchedulerConfig
-from .detokenizer import IncrementalDetokenizer, find_stop
+from .detokenizer import OutputText
 from .intermediate_cache import IntermediateCache
 from .kv_cache import KVCache
 from .model.llama import LlamaModel
 from .model.loader import load_config, load_tokenizer, load_weights, resolve_dtype, resolve_model
 from .model_runner import ModelRunner
-from .request import SLO, InvalidRequestError, Phase, Request, SamplingParams
+from .instance.core import Handoff, InstanceCore, make_scheduler
+from .request import SLO, InvalidRequestError, Request, SamplingParams
 from .sampler import Sampler
-from .scheduler import get_policy
 from .slo import SLOClasses
 
 log = logging.getLogger(__name__)
@@ -58,31 +61,6 @@ def request_record(req: Request):
     from .metrics import record_from_request
 
     return record_from_request(req)
-
-
-@dataclass
-class EngineStats:
-    """Cumulative time split of ``Engine.step`` (seconds): scheduling+bookkeeping vs execution."""
-
-    steps: int = 0
-    schedule_s: float = 0.0  # schedule() + update() + outputs
-    execute_s: float = 0.0  # runner.execute (layer calls + composition changes)
-    layer_s: float = 0.0  # inside forward_layer only
-    layer_calls: int = 0
-
-    @property
-    def scheduler_share(self) -> float:
-        total = self.schedule_s + self.execute_s
-        return self.schedule_s / total if total else 0.0
-
-
-@dataclass
-class Handoff:
-    """A prefilled request leaving a prefill instance: its state and KV, one (K, V) per layer."""
-
-    request: Request
-    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: ([T, kv_heads, head_dim], same)
-    text: str
 
 
 class Engine:
@@ -140,27 +118,74 @@ class Engine:
         self.scheduler_config = sched_cfg
         self.latency_profile = latency_profile
         self.latency_model = latency_model or self._load_latency_model(latency_profile)
-        self.scheduler = get_policy(sched_cfg.policy)(
-            sched_cfg, self.model_config.num_layers, self.kv_cache.block_manager, self.icache, self.latency_model
-        )
         self.slo_classes = slo_classes or SLOClasses.load()
         self.clock = clock
-        self.scheduler.clock = clock
-        self.role = sched_cfg.role
-        # Called at every layer boundary (and before scheduling): lets a server or a trace
-        # driver add requests that arrive while a step runs, so the scheduler can react
-        # at the next layer boundary.
-        self.arrival_hook: Callable[[], None] | None = None
-        # Prefill role: requests handed off after their first token, for a decode instance.
-        self.handoffs: list[Handoff] = []
         pool_tokens = self.kv_cache.num_blocks * self.cache_config.block_size
         self.max_model_len = min(max_model_len or self.model_config.max_position, self.model_config.max_position, pool_tokens)
-        self._detok: dict[str, IncrementalDetokenizer] = {}
-        self.eos_ids = set(self.model_config.eos_token_ids)
+        eos_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
-            self.eos_ids.add(self.tokenizer.eos_token_id)
-        self.last_result = None
-        self.stats = EngineStats()
+            eos_ids.add(self.tokenizer.eos_token_id)
+        scheduler = make_scheduler(sched_cfg, self.model_config.num_layers, self.kv_cache.block_manager,
+                                   self.icache, self.latency_model, clock)
+        self.core = InstanceCore(scheduler, self.runner, clock, eos_ids=eos_ids, max_model_len=self.max_model_len)
+        self._text: dict[str, OutputText] = {}
+        self.core.on_token = lambda req: self._text[req.req_id].add(req.output_token_ids[-1])
+
+    # -- the core's state, read through (the core owns it) ------------------------------------------------
+    @property
+    def scheduler(self):
+        return self.core.scheduler
+
+    @property
+    def role(self) -> str:
+        return self.core.role
+
+    @property
+    def eos_ids(self) -> set[int]:
+        return self.core.eos_ids
+
+    @property
+    def stats(self):
+        """Cumulative time split of ``step`` (:class:`laser.instance.core.StepStats`)."""
+        return self.core.step_stats
+
+    @property
+    def handoffs(self) -> list[Handoff]:
+        """Prefill role: requests handed off after their first token, for a decode instance."""
+        return self.core.handoffs
+
+    @property
+    def arrival_hook(self) -> Callable[[], None] | None:
+        """Called at every layer boundary (and before scheduling): lets a server or a trace driver
+        add requests that arrive while a step runs, so the scheduler can react at the next boundary."""
+        return self.core.arrival_hook
+
+    @arrival_hook.setter
+    def arrival_hook(self, fn: Callable[[], None] | None) -> None:
+        self.core.arrival_hook = fn
+
+    def set_policy(self, policy: str, latency_model=None, **config_overrides) -> None:
+        """Serve with a fresh scheduler of ``policy`` (this engine's scheduler config with
+        ``config_overrides``); see :meth:`reconfigure`."""
+        self.reconfigure(dataclasses.replace(self.scheduler_config, policy=policy, **config_overrides), latency_model)
+
+    def reconfigure(self, scheduler: SchedulerConfig, latency_model=None, intermediate_cache_tokens: int | None = None,
+                    clock: Callable[[], float] | None = None) -> None:
+        """Serve with a fresh scheduler of config ``scheduler`` over the same model and KV pool
+        (benchmarks and tests compare policies on one loaded model). ``latency_model``: what it
+        plans with (default: the engine's); ``intermediate_cache_tokens``: a fresh intermediate
+        cache of that capacity; ``clock``: a new time source. Raises AssertionError unless idle."""
+        self.check_integrity(expect_empty=True)
+        self.core.handoffs.clear()
+        if latency_model is not None:
+            self.latency_model = latency_model
+        if intermediate_cache_tokens is not None:
+            self.icache = self.runner.icache = IntermediateCache(intermediate_cache_tokens)
+        if clock is not None:
+            self.clock = self.core.clock = clock
+        self.core.scheduler = make_scheduler(scheduler, self.model_config.num_layers, self.kv_cache.block_manager,
+                                             self.icache, self.latency_model, self.clock)
+        self.scheduler_config = scheduler
 
     def _load_latency_model(self, profile: str | None):
         from .latency_model import AnalyticLatencyModel, LatencyProfileError, ModelShape
@@ -241,136 +266,56 @@ class Engine:
             req_id=req_id or "",
             prompt=prompt if isinstance(prompt, str) else None,
         )
-        self._detok[req.req_id] = IncrementalDetokenizer(self.tokenizer, ids)
-        self.scheduler.add_request(req)
+        self.core.add_request(req)
+        self._text[req.req_id] = OutputText(self.tokenizer, ids, sp.stop)
         return req
 
     def abort(self, req_id: str) -> bool:
         """Abort a request, freeing its KV and paused state. False when unknown/finished."""
-        req = self.scheduler.abort(req_id, self.clock())
-        self._release(req_id)
-        return req is not None
-
-    def _release(self, req_id: str) -> None:
-        self._detok.pop(req_id, None)
-        self.runner.sampler.release(req_id)
+        self._text.pop(req_id, None)
+        return self.core.abort(req_id) is not None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.core.has_unfinished()
 
     # -- the loop ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One scheduling step: schedule -> execute -> update. Returns outputs of requests that progressed."""
-        if self.arrival_hook is not None:
-            self.arrival_hook()
-        t0 = time.perf_counter()
-        plan = self.scheduler.schedule(self.clock())
-        if not plan:
-            return []
-        t1 = time.perf_counter()
-        result = self.runner.execute(plan, self.scheduler.requests, stop_at=self._stop_at)
-        self.last_result = result
-        now = self.clock()
-        t2 = time.perf_counter()
-        updated = self.scheduler.update(plan, result.stopped_layer, result.sampled, now)
-        outs = [self._emit(req, now) for req in updated]
-        st = self.stats
-        st.steps += 1
-        st.schedule_s += t1 - t0 + time.perf_counter() - t2
-        st.execute_s += t2 - t1
-        st.layer_s += result.layer_seconds
-        st.layer_calls += result.num_layer_calls
+        """One scheduling step of the core; returns outputs of the requests that progressed."""
+        outs = []
+        for ev in self.core.step():
+            req = ev.request
+            text = self._text[req.req_id]
+            reason = ev.finish_reason
+            finished = reason is not None
+            if finished or ev.handed_off:
+                del self._text[req.req_id]
+            outs.append(RequestOutput(
+                req_id=req.req_id,
+                prompt=req.prompt,
+                prompt_token_ids=req.prompt_token_ids,
+                text=text.visible(finished),
+                token_ids=list(req.output_token_ids),
+                delta_text=text.delta(finished),
+                new_token_ids=[ev.token],
+                finished=finished,
+                finish_reason=reason,
+                handed_off=ev.handed_off,
+                slo=req.slo,
+                request=req,
+            ))
         return outs
 
-    def _stop_at(self, layer: int) -> bool:
-        if self.arrival_hook is not None:
-            self.arrival_hook()
-        return self.scheduler.stop_at(layer)
-
-    def _emit(self, req: Request, now: float) -> RequestOutput:
-        sp = req.sampling_params
-        tok = req.output_token_ids[-1]
-        detok = self._detok[req.req_id]
-        prev_len = len(detok.text)
-        delta = detok.add(tok)
-        reason = None
-        if not sp.ignore_eos and tok in self.eos_ids:
-            reason = "stop"
-        elif tok in sp.stop_token_ids:
-            reason = "stop"
-        elif sp.stop and delta:
-            cut = find_stop(detok.text, sp.stop, len(delta))
-            if cut is not None:
-                detok.text = detok.text[:cut]
-                reason = "stop"
-        if reason is None and (req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len):
-            reason = "length"
-        handoff = reason is None and self.role == "prefill"
-        if handoff:
-            self.handoffs.append(self._export(req))
-            self.scheduler.finish(req, "handoff", now)
-            self._release(req.req_id)
-        elif reason is not None:
-            self.scheduler.finish(req, reason, now)
-            self._release(req.req_id)
-        # Hold back text that could still turn out to be the start of a stop string, so the
-        # streamed deltas always add up to the final (cut) text.
-        hold = 0 if reason is not None or not sp.stop else max(len(x) for x in sp.stop) - 1
-        hold_prev = 0 if not sp.stop else max(len(x) for x in sp.stop) - 1
-        text = detok.text[: max(0, len(detok.text) - hold)]
-        delta = text[max(0, prev_len - hold_prev) :]
-        return RequestOutput(
-            req_id=req.req_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            text=text,
-            token_ids=list(req.output_token_ids),
-            delta_text=delta,
-            new_token_ids=[tok],
-            finished=reason is not None,
-            finish_reason=reason,
-            handed_off=handoff,
-            slo=req.slo,
-            request=req,
-        )
-
     # -- prefill -> decode hand-off ----------------------------------------------------------------------
-    def _export(self, req: Request) -> "Handoff":
-        n = req.num_computed_tokens
-        kv = [self.kv_cache.export_layer(req.req_id, layer, n) for layer in range(self.model_config.num_layers)]
-        return Handoff(req, kv, self._detok[req.req_id].text)
-
-    def accept_handoff(self, h: "Handoff") -> Request:
+    def accept_handoff(self, h: Handoff) -> Request:
         """Decode role: adopt a request prefilled elsewhere, importing its KV layer by layer.
 
         Raises OutOfBlocksError (nothing kept) when the KV pool cannot hold it.
         """
-        src = h.request
-        req = Request(
-            prompt_token_ids=list(src.prompt_token_ids),
-            sampling_params=src.sampling_params,
-            slo=src.slo,
-            arrival_time=src.arrival_time,
-            req_id=src.req_id,
-            prompt=src.prompt,
-        )
-        req.output_token_ids = list(src.output_token_ids)
-        req.token_times = list(src.token_times)
-        req.num_computed_tokens = src.num_computed_tokens
-        req.phase = Phase.DECODE
-        try:
-            for layer, (k, v) in enumerate(h.kv):
-                self.kv_cache.import_layer(req.req_id, layer, k, v)
-        except Exception:
-            self.kv_cache.block_manager.free(req.req_id)
-            raise
-        det = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
-        for t in req.output_token_ids:
-            det.add(t)
-        self._detok[req.req_id] = det
-        self.scheduler.add_running(req)
+        req = self.core.adopt(h)
+        self._text[req.req_id] = OutputText(self.tokenizer, req.prompt_token_ids, req.sampling_params.stop,
+                                            req.output_token_ids)
         return req
 
     def check_integrity(self, expect_empty: bool = False) -> None:
         """Verify block manager, intermediate cache and scheduler state (tests, idle time)."""
-        self.scheduler.check_integrity(expect_empty=expect_empty)
+        self.core.check_integrity(expect_empty=expect_empty)

@@ -216,20 +216,9 @@ class LatencyModel:
     def predict_iteration(self, plan: StepPlan) -> float:
         """Seconds for a whole plan: its layer calls + embedding of works starting at
         layer 0 + LM head for ``plan.num_final()`` rows."""
-        works = plan.works
-        if not works:
-            return 0.0
-        # The batch only changes at work boundaries: price each constant stretch once.
-        bounds = sorted({w.layer_start for w in works} | {w.layer_end for w in works})
-        total = 0.0
-        for a, b in zip(bounds, bounds[1:]):
-            act = [w for w in works if w.layer_start <= a < w.layer_end]
-            if act:
-                q = tuple(w.num_tokens for w in act)
-                c = tuple(w.token_start + w.num_tokens for w in act)
-                total += (b - a) * self.layer_time(q, c)
-        n_embed = sum(w.num_tokens for w in works if w.layer_start == 0)
-        return total + self.embed_time(n_embed) + self.head_time(plan.num_final())
+        from .core.pricing import PlanCost
+
+        return PlanCost(self, plan.num_layers, plan.works).total if plan.works else 0.0
 
     def predict_prefill(self, prompt_len: int, layers: int | None = None, context_start: int = 0) -> float:
         """A prefill chunk of ``prompt_len`` tokens after ``context_start`` cached tokens, alone.

@@ -1,12 +1,12 @@
-"""Executes a :class:`~laser.plan.StepPlan` layer by layer on the model.
+"""Executes a :class:`~laser.plan.StepPlan` layer by layer on the model: the torch executor of
+the plan walker (:mod:`laser.core.walk`, which owns every layer-boundary rule).
 
 For layer j the runner runs, in one batched call, every work with
 ``layer_start <= j < layer_end``. The batch *composition* changes only at layers where
 a work starts or ends; only there does the runner touch Python-level per-request state:
 it parks leaving works' hidden states in the intermediate cache, embeds or restores
 joining works, concatenates the residual stream and builds :class:`AttnMetadata` once
-for every layer the composition runs. A boundary where nothing changed costs one set
-lookup (and the optional ``stop_at`` callback).
+for every layer the composition runs.
 
 Rows of the residual stream are ordered decode works first, then prefill works; each
 work's rows are contiguous.
@@ -15,7 +15,6 @@ work's rows are contiguous.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -23,27 +22,10 @@ import torch
 from .intermediate_cache import IntermediateCache
 from .kv_cache import KVCache
 from .model.llama import AttnGroup, AttnMetadata, LlamaModel
-from .plan import StepPlan, Work
+from .core.walk import walk
+from .plan import StepPlan, StepResult, Work
 from .request import Request
 from .sampler import Sampler
-
-
-@dataclass
-class StepResult:
-    """What one executed plan produced."""
-
-    # The layer the step's prefill work stopped before: plan.last_layer when it ran to
-    # completion, smaller when ``stop_at`` interrupted it at that boundary (decode works
-    # still ran to their end; see ``Work.reached``).
-    stopped_layer: int
-    # req_id -> sampled token for works that finished the last layer with ``sample``.
-    sampled: dict[str, int] = field(default_factory=dict)
-    # req_id -> [V] float32 logits (only with ``return_logits``).
-    logits: dict[str, torch.Tensor] = field(default_factory=dict)
-    # Seconds spent in forward_layer calls vs. composition changes (for overhead stats).
-    layer_seconds: float = 0.0
-    boundary_seconds: float = 0.0
-    num_layer_calls: int = 0
 
 
 class ModelRunner:
@@ -67,73 +49,48 @@ class ModelRunner:
         stop_at: Callable[[int], bool] | None = None,
         return_logits: bool = False,
     ) -> StepResult:
-        """Run ``plan``. ``stop_at(j)`` is asked at each boundary j (once it said True, no more);
-        True pauses every prefill work there, while decode works run on to their
-        ``layer_end`` (:meth:`Work.reached`); works that had not started do not start,
-        except decode works.
+        """Run ``plan`` by the layer-boundary rules of :func:`laser.core.walk.walk` (``stop_at(j)``
+        pauses prefill work at boundary j; decode works run on to their ``layer_end``).
 
         Preconditions: the scheduler allocated KV blocks for every work's tokens at every
         layer it runs, and works with ``layer_start > 0`` have their hidden state in the
         intermediate cache. Postconditions: works that stopped before the last layer have
         their hidden state in the intermediate cache.
         """
-        res = StepResult(stopped_layer=plan.last_layer if plan.works else 0)
-        if not plan.works:
-            return res
-        starts, ends = plan.boundaries()
-        change_points = set(starts) | set(ends)
-        next_change = sorted(change_points)
-        active: list[Work] = []
-        hidden: torch.Tensor | None = None
-        meta: AttnMetadata | None = None
-        first, last = plan.first_layer, plan.last_layer
-        stopped = False
-        t_layers = 0.0
-        for j in range(first, last):
-            changed = j in change_points
-            tb = time.perf_counter()
-            if changed:
-                active, hidden = self._park(active, hidden, ends.get(j, ()), j)
-            if not stopped and j > first and stop_at is not None and stop_at(j):
-                stopped, changed = True, True
-                res.stopped_layer = j
-                active, hidden = self._park(active, hidden, [w for w in active if w.reached(j) == j], j)
-                if not active and not plan.starts_after_stop(j):
-                    break
-            if changed:
-                joining = starts.get(j, ())
-                if stopped:
-                    joining = [w for w in joining if w.reached(res.stopped_layer) > j]
-                active, hidden = self._join(active, hidden, joining, requests)
-                if active:
-                    seg_end = next((c for c in next_change if c > j), last)
-                    meta = self._build_metadata(active, range(j, seg_end))
-                res.boundary_seconds += time.perf_counter() - tb
-            if not active:
-                continue  # no work runs this layer (a gap between works)
-            tl = time.perf_counter()
-            hidden = self.model.forward_layer(j, hidden, meta)
-            t_layers += time.perf_counter() - tl
-            res.num_layer_calls += 1
-        if active:
-            self._finish(active, hidden, last, requests, res, return_logits)
-        res.layer_seconds = t_layers
+        self._requests = requests
+        self._return_logits = return_logits
+        self._hidden = None
+        self._meta = None
+        self._res = res = StepResult(stopped_layer=0)
+        res.stopped_layer = walk(plan, self, stop_at)
+        self._hidden = self._meta = self._requests = None
         return res
 
-    # -- composition changes -------------------------------------------------------------------
-    def _rows(self, active: list[Work]) -> list[tuple[int, int]]:
-        out, r = [], 0
-        for w in active:
-            out.append((r, r + w.num_tokens))
-            r += w.num_tokens
-        return out
+    # -- the instance core's executor hooks (laser.instance.core.Executor) ---------------------------
+    def export_kv(self, req: Request) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (K, V) of ``req``'s computed tokens, each ``[T, kv_heads, head_dim]``."""
+        n = req.num_computed_tokens
+        return [self.kv_cache.export_layer(req.req_id, layer, n) for layer in range(self.num_layers)]
 
-    def _park(self, active, hidden, leaving, layer: int):
+    def import_kv(self, req: Request, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Allocate ``req``'s blocks layer by layer and write its K/V.
+        Raises OutOfBlocksError (nothing kept) when the pool cannot hold it."""
+        try:
+            for layer, (k, v) in enumerate(kv):
+                self.kv_cache.import_layer(req.req_id, layer, k, v)
+        except Exception:
+            self.bm.free(req.req_id)
+            raise
+
+    def release(self, req_id: str) -> None:
+        self.sampler.release(req_id)
+
+    # -- the walker's executor hooks (laser.core.walk.LayerExecutor) --------------------------------
+    def park(self, active, leaving, layer):
         """Move ``leaving`` works' rows to the intermediate cache (paused at ``layer``)."""
-        if not leaving:
-            return active, hidden
         leave_ids = {id(w) for w in leaving}
         keep, parts = [], []
+        hidden = self._hidden
         for w, (a, b) in zip(active, self._rows(active)):
             if id(w) in leave_ids:
                 if layer < self.num_layers:
@@ -141,21 +98,17 @@ class ModelRunner:
             else:
                 keep.append(w)
                 parts.append(hidden[a:b])
-        if not keep:
-            return [], None
-        return keep, torch.cat(parts) if len(parts) > 1 else parts[0]
+        self._hidden = None if not keep else (torch.cat(parts) if len(parts) > 1 else parts[0])
+        return keep
 
-    def _join(self, active, hidden, joining, requests):
-        if not joining:
-            return active, hidden
-        entries = [(w, None) for w in active]
-        if hidden is not None:
-            entries = [(w, hidden[a:b]) for w, (a, b) in zip(active, self._rows(active))]
+    def join(self, active, joining):
+        hidden = self._hidden
+        entries = [(w, hidden[a:b]) for w, (a, b) in zip(active, self._rows(active))]
         embed_works = [w for w in joining if w.layer_start == 0]
         if embed_works:
             ids = []
             for w in embed_works:
-                ids.extend(requests[w.req_id].all_token_ids[w.token_start : w.token_start + w.num_tokens])
+                ids.extend(self._requests[w.req_id].all_token_ids[w.token_start : w.token_start + w.num_tokens])
             emb = self.model.embed(torch.tensor(ids, dtype=torch.long))
             r = 0
             for w in embed_works:
@@ -166,14 +119,33 @@ class ModelRunner:
                 entries.append((w, self.icache.pop(w.req_id)))
         # decode works first (by context length, so padded decode groups waste little), then prefill
         entries.sort(key=lambda e: (e[0].num_tokens > 1, e[0].context_len if e[0].num_tokens == 1 else 0))
-        active = [w for w, _ in entries]
-        hidden = torch.cat([h for _, h in entries]) if len(entries) > 1 else entries[0][1]
-        return active, hidden
+        self._hidden = torch.cat([h for _, h in entries]) if len(entries) > 1 else entries[0][1]
+        return [w for w, _ in entries]
+
+    def compose(self, active, layers):
+        self._meta = self._build_metadata(active, layers)
+
+    def run_layer(self, layer, active):
+        tl = time.perf_counter()
+        self._hidden = self.model.forward_layer(layer, self._hidden, self._meta)
+        self._res.layer_seconds += time.perf_counter() - tl
+        self._res.num_layer_calls += 1
+
+    def finish(self, active, layer):
+        self._finish(active, self._hidden, layer, self._requests, self._res, self._return_logits)
+
+    # -- composition helpers -------------------------------------------------------------------
+    def _rows(self, active: list[Work]) -> list[tuple[int, int]]:
+        out, r = [], 0
+        for w in active:
+            out.append((r, r + w.num_tokens))
+            r += w.num_tokens
+        return out
 
     def _finish(self, active, hidden, layer, requests, res: StepResult, return_logits: bool) -> None:
         """Works at their last layer: park (layer < N) or sample from the last position."""
         if layer < self.num_layers:
-            self._park(active, hidden, active, layer)
+            self.park(active, active, layer)
             return
         want = [(w, b - 1) for w, (a, b) in zip(active, self._rows(active)) if w.sample or return_logits]
         if not want:

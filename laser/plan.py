@@ -90,9 +90,6 @@ class StepPlan:
 
     num_layers: int
     works: list[Work] = field(default_factory=list)
-    # Request ids the scheduler wants evicted from / restored to the intermediate
-    # cache before this step (bookkeeping only; the runner moves no tensors for it).
-    notes: dict = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.works)
@@ -140,3 +137,20 @@ class StepPlan:
     def num_final(self) -> int:
         """Works whose last position goes through the LM head this step."""
         return sum(1 for w in self.works if w.layer_end == self.num_layers)
+
+
+@dataclass
+class StepResult:
+    """What one executed plan produced."""
+
+    # The layer the step's prefill work stopped before: plan.last_layer when it ran to
+    # completion, smaller when ``stop_at`` interrupted it at that boundary (decode works
+    # still ran to their end; see ``Work.reached``).
+    stopped_layer: int
+    # req_id -> sampled token for works that finished the last layer with ``sample``.
+    sampled: dict[str, int] = field(default_factory=dict)
+    # req_id -> [V] float32 logits tensor (torch executor, only with ``return_logits``).
+    logits: dict = field(default_factory=dict)
+    # Seconds spent in forward_layer calls (for overhead stats).
+    layer_seconds: float = 0.0
+    num_layer_calls: int = 0

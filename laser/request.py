@@ -127,8 +127,6 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
-    # Output text length to keep when a stop string matched (set by the detokenizer).
-    stop_text_len: int | None = None
 
     def __post_init__(self):
         if not self.req_id:

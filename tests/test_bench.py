@@ -266,8 +266,17 @@ def test_engine_target_disaggregated(tiny_llama):
     dec = Engine(str(tiny_llama), policy="sarathi", dtype="float32", scheduler=SC(policy="sarathi", role="decode"))
     pair = DisaggregatedPair(pre, dec)
     t = EngineTarget("laser", pair=pair)
-    out = t.run(_small_workload(), paper_slos(100.0), timeout_s=120)
+    work = _small_workload()
+    out = t.run(work, paper_slos(100.0), timeout_s=120)
     assert all(r.finished and len(r.token_times) == r.output_len for r in out.records)
+    # the hand-off happened: every request with more than one token continued on the decode
+    # instance (its copy there holds every token), and both instances ended empty
+    multi = [wr for wr in work if wr.output_len > 1]
+    assert multi and len(pair.adopted) == len(multi)
+    assert all(r.num_output_tokens == r.sampling_params.max_tokens for r in pair.adopted.values())
+    assert dec.stats.steps > 0 and pre.stats.steps > 0
+    pre.check_integrity(expect_empty=True)
+    dec.check_integrity(expect_empty=True)
 
 
 def _have_server() -> bool:

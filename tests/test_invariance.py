@@ -13,10 +13,8 @@ from hypothesis import strategies as st
 from laser.config import SchedulerConfig
 from laser.disagg import DisaggregatedPair
 from laser.engine import Engine
-from laser.intermediate_cache import IntermediateCache
 from laser.latency_model import SimpleLatencyModel
 from laser.request import SLO, SamplingParams
-from laser.scheduler import get_policy
 
 
 class FakeClock:
@@ -35,14 +33,8 @@ def reconfigure(engine: Engine, policy: str, role: str, budget: int, icache_toke
     """Fresh scheduler + intermediate cache on an existing engine (reuses model and KV pool)."""
     for rid in list(engine.scheduler.requests):  # left over by a failed example
         engine.abort(rid)
-    engine.handoffs.clear()
-    engine.check_integrity(expect_empty=True)
     cfg = SchedulerConfig(policy=policy, role=role, max_num_batched_tokens=budget)
-    icache = IntermediateCache(icache_tokens)
-    engine.icache = engine.runner.icache = icache
-    engine.scheduler = get_policy(policy)(cfg, engine.model_config.num_layers, engine.kv_cache.block_manager, icache, lm)
-    engine.scheduler.clock = engine.clock = clock
-    engine.role = role
+    engine.reconfigure(cfg, lm, intermediate_cache_tokens=icache_tokens, clock=clock)
 
 
 @pytest.fixture(scope="module")

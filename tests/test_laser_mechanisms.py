@@ -263,6 +263,24 @@ def test_icache_eviction_recomputes_and_never_drops(policy):
     sim.run()
     assert all(r.num_output_tokens == 6 for r in reqs)
     sim.scheduler.check_integrity(expect_empty=True)
+    if policy != "laser":  # iteration-level: every work runs all layers, nothing is ever paused
+        assert sim.icache.num_evictions == 0
+        assert all(w.layer_start == 0 and w.layer_end == N for p in sim.stats.plans for w in p.works)
+        return
+    # The 8-token cache cannot hold any paused 64-token chunk: chunks were evicted, and every
+    # evicted chunk was recomputed -- its tokens ran from layer 0 again after running deeper.
+    assert sim.icache.num_evictions > 0
+    recomputed = set()
+    for r in reqs:
+        reached: dict[int, int] = {}  # token_start -> deepest layer_end planned so far
+        for p in sim.stats.plans:
+            for w in p.works:
+                if w.req_id != r.req_id:
+                    continue
+                if w.layer_start == 0 and reached.get(w.token_start, 0) > 0:
+                    recomputed.add(r.req_id)
+                reached[w.token_start] = max(reached.get(w.token_start, 0), w.layer_end)
+    assert len(recomputed) >= 1
 
 
 def test_marginal_plan_cost_equals_full_prediction():
@@ -270,7 +288,7 @@ def test_marginal_plan_cost_equals_full_prediction():
     import random
 
     from laser.plan import StepPlan, Work
-    from laser.scheduler.laser import _PlanCost
+    from laser.core.pricing import PlanCost
 
     lm = SimpleLatencyModel(num_layers=N, per_layer=3e-4, per_token=5e-5, per_context=1e-7,
                             per_embed_token=1e-6, head_const=1e-3, per_head_row=1e-5)
@@ -282,7 +300,7 @@ def test_marginal_plan_cost_equals_full_prediction():
             b = rng.randint(a + 1, N)
             q = rng.choice([1, rng.randint(2, 300)])
             works.append(Work(f"r{k}", rng.randint(0, 500), q, a, b))
-        cost = _PlanCost(lm, N, works)
+        cost = PlanCost(lm, N, works)
         assert cost.total == pytest.approx(lm.predict_iteration(StepPlan(N, works)), rel=1e-12, abs=1e-15)
         a = rng.randrange(N)
         w = Work("new", 0, rng.randint(1, 400), a, rng.randint(a + 1, N))

@@ -38,7 +38,7 @@ import numpy as np
 from laser.bench.arrivals import arrival_times
 from laser.bench.workloads import WorkloadRequest
 from laser.metrics import RequestRecord, RunSummary, record_from_request, summarize
-from laser.request import SLO, Phase, Request, SamplingParams
+from laser.request import SLO, Request, SamplingParams
 from laser.slo import SLOClasses
 
 
@@ -127,21 +127,6 @@ def _summary_duration(records: list[RequestRecord]) -> float | None:
 # --------------------------------------------------------------------------------------- engine
 
 
-def install_scheduler(engine, policy: str, latency_model=None, **config_overrides) -> None:
-    """Give ``engine`` a fresh scheduler of ``policy`` (its config with ``config_overrides``)
-    over its own KV pool and intermediate cache. The engine must be idle; nothing else changes."""
-    from laser.scheduler import get_policy
-
-    engine.check_integrity(expect_empty=True)
-    cfg = dataclasses.replace(engine.scheduler_config, policy=policy, **config_overrides)
-    sched = get_policy(policy)(cfg, engine.model_config.num_layers, engine.kv_cache.block_manager,
-                               engine.icache, latency_model)
-    sched.clock = engine.clock
-    engine.scheduler = sched
-    engine.scheduler_config = cfg
-    engine.latency_model = latency_model
-
-
 class EngineTarget(Target):
     """One policy on an in-process engine (``engine``) or prefill/decode pair (``pair``).
 
@@ -187,7 +172,7 @@ class EngineTarget(Target):
         from laser.online import TimedRequest, run_online
 
         for e in self.engines:
-            install_scheduler(e, self.policy, self.lm, **self.overrides)
+            e.set_policy(self.policy, self.lm, **self.overrides)
         self.runs += 1
         inner = self.engine if self.engine is not None else self.pair
         if self.pair is not None:
@@ -278,68 +263,14 @@ def _request_bar(total: int, desc: str, enabled: bool):
 # ------------------------------------------------------------------------------------------ sim
 
 
-def _make_sim_classes():
-    from laser.sim import SimInstance
-
-    class PrefillSim(SimInstance):
-        """Prefill role: a request that got its first token and has more to generate is
-        handed off (as :meth:`laser.engine.Engine._emit` does), freeing its KV here."""
-
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            self.handoffs: list[tuple[float, Request]] = []
-
-        def step(self) -> None:
-            super().step()
-            for r in [r for r in self.scheduler.running if r.phase == Phase.DECODE]:
-                self.scheduler.finish(r, "handoff", self.clock.t)
-                self.handoffs.append((self.clock.t, r))
-
-    class DecodeSim(SimInstance):
-        """Decode role: adopts hand-offs (KV for the computed tokens at every layer) once
-        their time has come and its pool can hold them (as ``Engine.accept_handoff``)."""
-
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            self.pending: list[tuple[float, Request]] = []
-            self.adopted: dict[str, Request] = {}
-
-        def _release(self) -> None:
-            super()._release()
-            while self.pending and self.pending[0][0] <= self.clock.t:
-                src = self.pending[0][1]
-                if not self.bm.can_allocate(src.req_id, src.num_computed_tokens):
-                    break
-                self.pending.pop(0)
-                req = Request(prompt_token_ids=src.prompt_token_ids, sampling_params=src.sampling_params,
-                              slo=src.slo, arrival_time=src.arrival_time, req_id=src.req_id)
-                req.output_token_ids = list(src.output_token_ids)
-                req.token_times = list(src.token_times)
-                req.num_computed_tokens = src.num_computed_tokens
-                req.phase = Phase.DECODE
-                self.bm.allocate(req.req_id, req.num_computed_tokens)
-                self.scheduler.add_running(req)
-                self.adopted[req.req_id] = req
-
-        def next_event(self) -> float:
-            if self.scheduler.has_unfinished():
-                return self.clock.t
-            return self.pending[0][0] if self.pending else math.inf
-
-    return PrefillSim, DecodeSim
-
-
 def run_sim_pair(p, d, until: float = math.inf, max_steps: int = 2_000_000) -> None:
     """Advance a prefill sim ``p`` and a decode sim ``d`` together in virtual time: always
     step the one that is behind, so every hand-off is known before ``d`` passes its time."""
     for _ in range(max_steps):
-        d.pending.extend(p.handoffs)
+        for h in p.handoffs:
+            d.receive(h, h.time)
         p.handoffs.clear()
-        if p.scheduler.has_unfinished():
-            tp = p.clock.t
-        else:
-            tp = p._arrivals[0].arrival_time if p._arrivals else math.inf
-        td = d.next_event()
+        tp, td = p.next_event(), d.next_event()
         if math.isinf(tp) and math.isinf(td):
             return
         if min(tp, td) > until:
@@ -354,7 +285,7 @@ def run_sim_pair(p, d, until: float = math.inf, max_steps: int = 2_000_000) -> N
             d._release()
             if d.scheduler.has_unfinished():
                 d.step()
-            elif d.pending and d.pending[0][0] <= d.clock.t:
+            elif d.pending and d.pending[0].time <= d.clock.t:
                 # the pool cannot hold the next hand-off and nothing runs to free it
                 raise RuntimeError("decode instance KV pool too small for a hand-off")
     raise RuntimeError("simulation did not finish within max_steps")
@@ -388,15 +319,15 @@ class SimTarget(Target):
                 "num_blocks": self.num_blocks, "block_size": self.block_size,
                 "scheduler": dataclasses.asdict(self.config)}
 
-    def _sim(self, cls, role: str, icache: int):
+    def _sim(self, role: str, icache: int):
+        from laser.sim import SimInstance
+
         cfg = dataclasses.replace(self.config, policy=self.policy, role=role)
-        return cls(self.policy, self.num_layers, self.lm, cfg, num_blocks=self.num_blocks,
+        return SimInstance(self.policy, self.num_layers, self.lm, cfg, num_blocks=self.num_blocks,
                    block_size=self.block_size, icache_tokens=icache)
 
     def run(self, requests, slos, timeout_s=None, progress=False, stop_below=None) -> RunOutput:
         """(Virtual time is cheap: ``stop_below`` is ignored and every run goes to the end.)"""
-        from laser.sim import SimInstance
-
         t_start = time.perf_counter()
         reqs = []
         for i, wr in enumerate(requests):
@@ -407,7 +338,7 @@ class SimTarget(Target):
                                 req_id=f"{self.label}-{i}"))
         until = math.inf if timeout_s is None else timeout_s
         if not self.disaggregated:
-            sim = self._sim(SimInstance, "mixed", self.icache_tokens)
+            sim = self._sim("mixed", self.icache_tokens)
             for r in reqs:
                 sim._arrivals.append(r)
             sim._arrivals.sort(key=lambda r: r.arrival_time)
@@ -415,9 +346,8 @@ class SimTarget(Target):
             self.last_sims = [sim]
             final = reqs
         else:
-            PrefillSim, DecodeSim = _make_sim_classes()
-            p = self._sim(PrefillSim, "prefill", self.icache_tokens)
-            d = self._sim(DecodeSim, "decode", self.decode_icache_tokens)
+            p = self._sim("prefill", self.icache_tokens)
+            d = self._sim("decode", self.decode_icache_tokens)
             p._arrivals = sorted(reqs, key=lambda r: r.arrival_time)
             run_sim_pair(p, d, until)
             self.last_sims = [p, d]

@@ -20,7 +20,9 @@ never stop.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
+from typing import Callable
 
 from ..block_manager import BlockManager
 from ..config import SchedulerConfig
@@ -41,8 +43,10 @@ class Scheduler(ABC):
         block_manager: BlockManager,
         icache: IntermediateCache,
         latency_model=None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.config = config
+        self.clock = clock  # the instance's time source (seconds); virtual in the simulator
         self.num_layers = num_layers
         self.bm = block_manager
         self.icache = icache

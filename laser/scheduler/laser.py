@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 
 from ..latency_model import LatencyModel, SimpleLatencyModel
+from ..core.pricing import PlanCost
 from ..plan import StepPlan, Work
 from ..request import Phase, Request
 from .base import Scheduler, ceil_div
@@ -63,8 +64,9 @@ class LaserScheduler(Scheduler):
     #: Smallest prefill chunk worth a layer call (tokens).
     min_chunk = 16
 
-    def __init__(self, config, num_layers, block_manager, icache, latency_model: LatencyModel | None = None):
-        super().__init__(config, num_layers, block_manager, icache, latency_model)
+    def __init__(self, config, num_layers, block_manager, icache, latency_model: LatencyModel | None = None,
+                 clock=time.monotonic):
+        super().__init__(config, num_layers, block_manager, icache, latency_model, clock)
         # Until a profile exists: a rough CPU-scale estimate (replaced by the fitted model).
         self.lm: LatencyModel = latency_model or SimpleLatencyModel(
             num_layers=num_layers, per_layer=2e-4, per_token=4e-5, per_context=2e-7
@@ -75,7 +77,6 @@ class LaserScheduler(Scheduler):
         self.num_replans = 0
         self._last_drift_replan = -(10**9)
         self.num_step_preemptions = 0
-        self.clock = time.monotonic
         # State of the step being executed (for the arrival-time slack check).
         self._in_step = False
         self._step_cum: list[float] = []  # predicted seconds to finish layers < j of the plan
@@ -281,7 +282,7 @@ class LaserScheduler(Scheduler):
         """EDF merge of prefill layer-work into the step, within ``budget`` seconds beyond the
         decode part and without breaking any included TTFT deadline that was being met."""
         n = self.num_layers
-        cost = _PlanCost(self.lm, n, decode_works)
+        cost = PlanCost(self.lm, n, decode_works)
         limit = cost.total + budget
         cands = sorted([r for r in self.running if r.phase != Phase.DECODE] + list(self.waiting), key=self.queue_key)
         if self.config.role == "decode":
@@ -334,7 +335,7 @@ class LaserScheduler(Scheduler):
                 met.append(now + cost.total)
         return works
 
-    def _fit(self, cost: "_PlanCost", mk, k: int, lo: int, paused: bool, limit, met, now) -> Work | None:
+    def _fit(self, cost: "PlanCost", mk, k: int, lo: int, paused: bool, limit, met, now) -> Work | None:
         """Largest work that fits: a paused chunk advances as many layers as fit; a new chunk
         takes the most tokens whose full pass fits, else a minimum chunk for fewer layers."""
         n = self.num_layers
@@ -353,55 +354,6 @@ class LaserScheduler(Scheduler):
             k = min(k, self.min_chunk)
         end = _largest(lo + 1, n - 1, lambda e: fits(mk(k, e)))
         return None if end is None else mk(k, end)
-
-
-class _PlanCost:
-    """Predicted time of a plan under construction, with O(segments) marginal costs.
-
-    The plan's layers split into segments where the batch is constant; the cost of adding a
-    work is priced only over the segments it overlaps (equal to ``predict_iteration`` of the
-    extended plan, which a test checks).
-    """
-
-    def __init__(self, lm: LatencyModel, num_layers: int, works: list[Work]):
-        self.lm = lm
-        self.n = num_layers
-        self.works = list(works)
-        self._rebuild()
-
-    def _rebuild(self) -> None:
-        lm, ws = self.lm, self.works
-        bounds = sorted({0, self.n} | {w.layer_start for w in ws} | {w.layer_end for w in ws})
-        self.segs = []  # (a, b, q, c, per-layer time)
-        layers = 0.0
-        for a, b in zip(bounds, bounds[1:]):
-            act = [w for w in ws if w.layer_start <= a < w.layer_end]
-            q = tuple(w.num_tokens for w in act)
-            c = tuple(w.context_len for w in act)
-            t = lm.layer_time(q, c)
-            self.segs.append((a, b, q, c, t))
-            layers += (b - a) * t
-        self.embed_tokens = sum(w.num_tokens for w in ws if w.layer_start == 0)
-        self.final = sum(1 for w in ws if w.layer_end == self.n)
-        self.total = layers + lm.embed_time(self.embed_tokens) + lm.head_time(self.final)
-        self._layers = layers
-
-    def with_work(self, w: Work) -> float:
-        """Predicted time of the plan plus ``w`` (seconds)."""
-        lm = self.lm
-        t = self._layers
-        lo, hi = w.layer_start, w.layer_end
-        for a, b, q, c, per in self.segs:
-            o = min(b, hi) - max(a, lo)
-            if o > 0:
-                t += o * (lm.layer_time(q + (w.num_tokens,), c + (w.context_len,)) - per)
-        e = self.embed_tokens + (w.num_tokens if lo == 0 else 0)
-        f = self.final + (1 if hi == self.n else 0)
-        return t + lm.embed_time(e) + lm.head_time(f)
-
-    def add(self, w: Work) -> None:
-        self.works.append(w)
-        self._rebuild()
 
 
 def _largest(lo: int, hi: int, ok) -> int | None:

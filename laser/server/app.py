@@ -190,26 +190,12 @@ def _sse(obj: Any) -> str:
 class _Sub:
     """One choice of an HTTP request: a prompt (x n) on its way through the engine."""
 
-    __slots__ = ("index", "ids", "prompt_text", "sp", "stream", "final", "sent", "holdback")
+    __slots__ = ("index", "ids", "prompt_text", "sp", "stream", "final")
 
     def __init__(self, index: int, ids: list[int], prompt_text: str | None, sp: SamplingParams):
         self.index, self.ids, self.prompt_text, self.sp = index, ids, prompt_text, sp
         self.stream: RequestStream | None = None
         self.final = None
-        self.sent = 0  # characters of the output text already streamed
-        # A stop string may complete in a later token and cut text we would have sent:
-        # hold back its length - 1 characters until the request finishes.
-        self.holdback = max((len(s) for s in sp.stop), default=1) - 1
-
-    def delta(self, out) -> str:
-        """New text to stream for this output (cumulative text minus what was sent)."""
-        text = out.text
-        end = len(text) if out.finished else len(text) - self.holdback
-        if end <= self.sent:
-            return ""
-        d = text[self.sent:end]
-        self.sent = end
-        return d
 
 
 class _Server:
@@ -728,7 +714,7 @@ async def _stream_completion(srv, q, subs, rid, created, model, echo, include_us
         async for batch in _batches(q, subs):
             buf = []
             for s, out in batch:
-                d = s.delta(out)
+                d = out.delta_text  # stop-string hold-back applied by the engine (OutputText)
                 if d or out.finished:
                     buf.append(chunk(s.index, d, out.finish_reason if out.finished else None))
             if buf:
@@ -752,7 +738,7 @@ async def _stream_chat(srv, q, subs, rid, created, model, include_usage, n) -> A
         async for batch in _batches(q, subs):
             buf = []
             for s, out in batch:
-                d = s.delta(out)
+                d = out.delta_text  # stop-string hold-back applied by the engine (OutputText)
                 if d:
                     buf.append(chunk(s.index, {"content": d}, None))
                 if out.finished:

@@ -1,28 +1,36 @@
-"""A simulated instance: the real scheduler, the latency model instead of the model runner.
+"""A simulated instance: the real instance core and scheduler, the latency model instead of the model.
 
-Torch-free. It mirrors :meth:`laser.model_runner.ModelRunner.execute` exactly — layer by
-layer, parking leaving works in the intermediate cache, asking ``stop_at`` at each
-boundary — but advances a virtual clock by the latency model's prediction of each
-layer call instead of running it. Arrivals are released at the boundary where the
-virtual clock passes their time, as a server would deliver them mid-iteration.
+Torch-free. :class:`SimInstance` is an :class:`~laser.instance.core.InstanceCore` (the same
+step, finish rule and prefill -> decode hand-off as the engine) whose executor,
+:class:`SimExecutor`, runs plans with the engine's walker (:mod:`laser.core.walk`: layer by
+layer, parking leaving works in the intermediate cache, asking ``stop_at`` at each boundary)
+but advances a virtual clock by the latency model's prediction of each layer call instead of
+running it. Arrivals are released at the boundary where the virtual clock passes their time,
+as a server would deliver them mid-iteration; a decode-role instance adopts hand-offs the
+same way once their time has come and its KV pool can hold them.
 
-This is the seed of the cluster simulator (same schedulers, the latency model as the
-clock); unit tests use it to check scheduling decisions against deadlines.
+Unit tests use it to check scheduling decisions against deadlines; the benchmark's simulated
+targets and the cluster simulator run many of them.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 
-from ..block_manager import BlockManager
+from ..block_manager import BlockManager, OutOfBlocksError
 from ..config import SchedulerConfig
+from ..core.walk import walk
+from ..instance.core import Handoff, InstanceCore, make_scheduler
 from ..intermediate_cache import IntermediateCache
-from ..plan import LayerStep, StepPlan, Work
+from ..plan import LayerStep, StepPlan, StepResult
 from ..request import Request
-from ..scheduler import get_policy
 
 
 class VirtualClock:
+    """A settable time source (seconds)."""
+
     def __init__(self, t: float = 0.0):
         self.t = t
 
@@ -38,12 +46,85 @@ class SimStats:
     plans: list[StepPlan] = field(default_factory=list)
 
 
-class SimInstance:
-    """One instance driven by a latency model.
+class SimExecutor:
+    """The simulated executor: each layer call advances the virtual clock by the latency model's
+    prediction; paused works park in the intermediate cache as token counts (no payload);
+    hand-offs carry no tensors (their KV is allocated on import)."""
+
+    def __init__(self, lm, num_layers: int, bm: BlockManager, icache: IntermediateCache, clock: VirtualClock,
+                 stats: SimStats, record_plans: bool = False):
+        self.lm = lm
+        self.n = num_layers
+        self.bm = bm
+        self.icache = icache
+        self.clock = clock
+        self.stats = stats
+        self.record_plans = record_plans
+        self._res: StepResult | None = None
+
+    # -- laser.instance.core.Executor ------------------------------------------------------------------
+    def execute(self, plan: StepPlan, requests, stop_at=None) -> StepResult:
+        if self.record_plans:
+            self.stats.plans.append(StepPlan(plan.num_layers, list(plan.works)))
+        t0 = self.clock.t
+        self._res = res = StepResult(stopped_layer=0)
+        self.clock.t += self.lm.embed_time(sum(w.num_tokens for w in plan.works if w.layer_start == 0))
+        res.stopped_layer = walk(plan, self, stop_at)
+        res.layer_seconds = self.clock.t - t0
+        self.stats.steps += 1
+        self.stats.busy_s += self.clock.t - t0
+        return res
+
+    def export_kv(self, req: Request) -> None:
+        return None
+
+    def import_kv(self, req: Request, kv) -> None:
+        """Allocate KV for the computed tokens at every layer. Raises OutOfBlocksError (nothing kept)."""
+        if not self.bm.can_allocate(req.req_id, req.num_computed_tokens):
+            raise OutOfBlocksError(f"no room for {req.req_id}'s {req.num_computed_tokens} tokens of KV")
+        self.bm.allocate(req.req_id, req.num_computed_tokens)
+
+    def release(self, req_id: str) -> None:
+        pass
+
+    # -- laser.core.walk.LayerExecutor -------------------------------------------------------------------
+    def park(self, active, leaving, layer):
+        ids = {id(w) for w in leaving}
+        if layer < self.n:
+            for w in leaving:
+                self.icache.put(w.req_id, None, w.num_tokens)
+        return [w for w in active if id(w) not in ids]
+
+    def join(self, active, joining):
+        for w in joining:
+            if w.layer_start > 0:
+                self.icache.pop(w.req_id)
+        return active + list(joining)
+
+    def compose(self, active, layers) -> None:
+        pass
+
+    def run_layer(self, layer, active) -> None:
+        step = LayerStep(layer, tuple(w.num_tokens for w in active), tuple(w.context_len for w in active))
+        self.clock.t += self.lm.predict_layer(step)
+        self.stats.layer_calls += 1
+        self._res.num_layer_calls += 1
+
+    def finish(self, active, layer) -> None:
+        if layer < self.n:
+            self.park(active, active, layer)
+            return
+        self.clock.t += self.lm.head_time(len(active))
+        self._res.sampled = {w.req_id: 0 for w in active if w.sample}
+
+
+class SimInstance(InstanceCore):
+    """One instance driven by a latency model in virtual time.
 
     Args:
         policy: policy name. num_layers: N. latency_model: predicts each layer call.
-        config: scheduler config (policy name is taken from ``policy``).
+        config: scheduler config (its policy name is replaced by ``policy``; its role decides
+            whether the instance hands requests off (``prefill``) or adopts them (``decode``)).
         num_blocks / block_size: KV pool per layer. icache_tokens: intermediate cache capacity.
         record_plans: keep every executed plan in ``stats.plans`` (tests).
     """
@@ -51,18 +132,19 @@ class SimInstance:
     def __init__(self, policy: str, num_layers: int, latency_model, config: SchedulerConfig | None = None,
                  num_blocks: int = 4096, block_size: int = 16, icache_tokens: int = 16384,
                  record_plans: bool = False):
-        cfg = config or SchedulerConfig()
-        cfg = SchedulerConfig(**{**cfg.__dict__, "policy": policy})
-        self.clock = VirtualClock()
+        cfg = dataclasses.replace(config or SchedulerConfig(), policy=policy)
+        clock = VirtualClock()
         self.lm = latency_model
         self.num_layers = num_layers
         self.bm = BlockManager(num_layers, num_blocks, block_size)
         self.icache = IntermediateCache(icache_tokens)
-        self.scheduler = get_policy(policy)(cfg, num_layers, self.bm, self.icache, latency_model)
-        self.scheduler.clock = self.clock
         self.stats = SimStats()
-        self.record_plans = record_plans
+        executor = SimExecutor(latency_model, num_layers, self.bm, self.icache, clock, self.stats, record_plans)
+        super().__init__(make_scheduler(cfg, num_layers, self.bm, self.icache, latency_model, clock), executor, clock)
+        self.arrival_hook = self._release
         self._arrivals: list[Request] = []  # sorted by arrival_time
+        self.pending: list[Handoff] = []  # decode role: hand-offs by the time they reach this instance
+        self.adopted: dict[str, Request] = {}  # req_id -> this instance's copy of a handed-off request
         self.finished: list[Request] = []
 
     def submit(self, req: Request) -> None:
@@ -70,78 +152,51 @@ class SimInstance:
         self._arrivals.append(req)
         self._arrivals.sort(key=lambda r: r.arrival_time)
 
+    def receive(self, h: Handoff, at: float) -> None:
+        """Decode role: a hand-off that reaches this instance at virtual time ``at``."""
+        self.pending.append(dataclasses.replace(h, time=at))
+        self.pending.sort(key=lambda x: x.time)
+
     def _release(self) -> None:
-        while self._arrivals and self._arrivals[0].arrival_time <= self.clock.t:
-            self.scheduler.add_request(self._arrivals.pop(0))
+        t = self.clock.t
+        while self._arrivals and self._arrivals[0].arrival_time <= t:
+            self.add_request(self._arrivals.pop(0))
+        while self.pending and self.pending[0].time <= t:
+            try:
+                req = self.adopt(self.pending[0])
+            except OutOfBlocksError:
+                break  # waits until the pool frees
+            self.adopted[req.req_id] = req
+            self.pending.pop(0)
+
+    def next_event(self) -> float:
+        """Virtual time of this instance's next action (now while it has work)."""
+        if self.has_unfinished():
+            return self.clock.t
+        return min(self._arrivals[0].arrival_time if self._arrivals else math.inf,
+                   self.pending[0].time if self.pending else math.inf)
 
     def run(self, until: float = float("inf"), max_steps: int = 1_000_000) -> list[Request]:
         """Run until every submitted request finished (or ``until``). Returns finished requests."""
         for _ in range(max_steps):
             self._release()
-            if not self.scheduler.has_unfinished():
-                if not self._arrivals or self._arrivals[0].arrival_time > until:
+            if not self.has_unfinished():
+                t = self.next_event()
+                if t == math.inf or t > until:
                     break
-                self.clock.t = self._arrivals[0].arrival_time
+                self.clock.t = max(self.clock.t, t)
                 continue
             if self.clock.t > until:
                 break
             self.step()
         return self.finished
 
-    def step(self) -> None:
-        sched = self.scheduler
-        plan = sched.schedule(self.clock.t)
-        if not plan:
-            # nothing runnable (e.g. waiting on memory): let time pass to the next arrival
-            if self._arrivals:
-                self.clock.t = max(self.clock.t, self._arrivals[0].arrival_time)
-            return
-        if self.record_plans:
-            self.stats.plans.append(StepPlan(plan.num_layers, list(plan.works)))
-        t_start = self.clock.t
-        stopped, sampled = self._execute(plan)
-        self.stats.steps += 1
-        self.stats.busy_s += self.clock.t - t_start
-        for req in sched.update(plan, stopped, sampled, self.clock.t):
-            if req.num_output_tokens >= req.sampling_params.max_tokens:
-                sched.finish(req, "length", self.clock.t)
-                self.finished.append(req)
-
-    def _execute(self, plan: StepPlan) -> tuple[int, dict[str, int]]:
-        """Advance the clock through ``plan`` as ``ModelRunner.execute`` runs it (the same
-        stop rule: a stop pauses prefill work, decode works run on; ``Work.reached``)."""
-        n = self.num_layers
-        starts, ends = plan.boundaries()
-        active: list[Work] = []
-        first, last = plan.first_layer, plan.last_layer
-        stopped_at = None
-        self.clock.t += self.lm.embed_time(sum(w.num_tokens for w in plan.works if w.layer_start == 0))
-        for j in range(first, last):
-            for w in ends.get(j, ()):
-                if w in active:  # (not if a stop paused it, or kept it from starting)
-                    active.remove(w)
-                    self.icache.put(w.req_id, None, w.num_tokens)
-            self._release()
-            if stopped_at is None and j > first and self.scheduler.stop_at(j):
-                stopped_at = j
-                for w in [w for w in active if w.reached(j) == j]:
-                    active.remove(w)
-                    self.icache.put(w.req_id, None, w.num_tokens)
-                if not active and not plan.starts_after_stop(j):
-                    return j, {}
-            for w in starts.get(j, ()):
-                if stopped_at is not None and w.reached(stopped_at) <= j:
-                    continue
-                if w.layer_start > 0:
-                    self.icache.pop(w.req_id)
-                active.append(w)
-            if active:
-                step = LayerStep(j, tuple(w.num_tokens for w in active), tuple(w.context_len for w in active))
-                self.clock.t += self.lm.predict_layer(step)
-                self.stats.layer_calls += 1
-        final = [w for w in active if w.layer_end == n]
-        for w in active:
-            if w.layer_end < n:
-                self.icache.put(w.req_id, None, w.num_tokens)
-        self.clock.t += self.lm.head_time(len(final))
-        return (last if stopped_at is None else stopped_at), {w.req_id: 0 for w in final if w.sample}
+    def step(self):
+        """One step (see :meth:`InstanceCore.step`); when nothing is runnable (e.g. waiting on
+        memory), time passes to the next arrival."""
+        before = self.stats.steps
+        events = super().step()
+        if self.stats.steps == before and self._arrivals:
+            self.clock.t = max(self.clock.t, self._arrivals[0].arrival_time)
+        self.finished.extend(ev.request for ev in events if ev.finish_reason is not None)
+        return events

@@ -1,0 +1,1 @@
+"""Torch-free core shared by the engine, the simulator and (next) Ray actors."""

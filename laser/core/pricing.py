@@ -1,0 +1,57 @@
+"""Pricing a plan with a latency model, segment by segment. Torch-free."""
+
+from __future__ import annotations
+
+from ..plan import Work
+
+
+class PlanCost:
+    """Predicted time (seconds) of a plan, with O(segments) marginal costs: the one owner of
+    pricing a plan (``LatencyModel.predict_iteration`` is ``PlanCost(...).total``).
+
+    The plan's layers split into segments where the batch is constant; each segment costs
+    (its layers) x ``lm.layer_time`` of its batch, plus the embedding of works starting at
+    layer 0 and the LM head for works ending at the last layer. The Laser scheduler builds a
+    plan work by work: :meth:`with_work` prices adding a work only over the segments it
+    overlaps.
+    """
+
+    def __init__(self, lm, num_layers: int, works: list[Work]):
+        self.lm = lm
+        self.n = num_layers
+        self.works = list(works)
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        lm, ws = self.lm, self.works
+        bounds = sorted({0, self.n} | {w.layer_start for w in ws} | {w.layer_end for w in ws})
+        self.segs = []  # (a, b, q, c, per-layer time)
+        layers = 0.0
+        for a, b in zip(bounds, bounds[1:]):
+            act = [w for w in ws if w.layer_start <= a < w.layer_end]
+            q = tuple(w.num_tokens for w in act)
+            c = tuple(w.context_len for w in act)
+            t = lm.layer_time(q, c)
+            self.segs.append((a, b, q, c, t))
+            layers += (b - a) * t
+        self.embed_tokens = sum(w.num_tokens for w in ws if w.layer_start == 0)
+        self.final = sum(1 for w in ws if w.layer_end == self.n)
+        self.total = layers + lm.embed_time(self.embed_tokens) + lm.head_time(self.final)
+        self._layers = layers
+
+    def with_work(self, w: Work) -> float:
+        """Predicted time of the plan plus ``w`` (seconds)."""
+        lm = self.lm
+        t = self._layers
+        lo, hi = w.layer_start, w.layer_end
+        for a, b, q, c, per in self.segs:
+            o = min(b, hi) - max(a, lo)
+            if o > 0:
+                t += o * (lm.layer_time(q + (w.num_tokens,), c + (w.context_len,)) - per)
+        e = self.embed_tokens + (w.num_tokens if lo == 0 else 0)
+        f = self.final + (1 if hi == self.n else 0)
+        return t + lm.embed_time(e) + lm.head_time(f)
+
+    def add(self, w: Work) -> None:
+        self.works.append(w)
+        self._rebuild()

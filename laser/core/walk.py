@@ -1,0 +1,93 @@
+"""The one layer-by-layer plan walker: every layer-boundary rule of a step lives here.
+
+A :class:`~laser.plan.StepPlan` runs layer ``j`` for every work with
+``layer_start <= j < layer_end``. The torch executor (:class:`laser.model_runner.ModelRunner`)
+and the simulated one (:class:`laser.sim.instance.SimExecutor`) differ only in what a layer
+call *is* (tensor maths vs. a latency-model prediction); which works run where, when a stop
+pauses what, which works park in the intermediate cache and which resume from it is decided
+here, once, so the simulator cannot drift from the engine.
+
+Rules, at each boundary ``j`` (in this order):
+
+1. Works whose ``layer_end == j`` leave the batch (parked at ``j`` when ``j < N``).
+2. ``stop_at(j)`` is asked (not at the first layer, and never again once it said True). A
+   stop pauses every prefill work at ``j``; decode works run on to their ``layer_end``
+   (:meth:`~laser.plan.Work.reached`). With nothing left to run, the step ends.
+3. Works whose ``layer_start == j`` join (embedded at 0, restored from the intermediate cache
+   otherwise) -- after a stop, only those that :meth:`~laser.plan.Work.reached` still lets run.
+4. The layer runs for the active works (a gap between works runs nothing).
+
+At the end, works still active either finish the last layer (sampled) or park at it.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol, Sequence
+
+from ..plan import StepPlan, Work
+
+
+class LayerExecutor(Protocol):
+    """What the walker needs from an executor. It keeps the active works' states (hidden rows or
+    nothing) and may reorder the active list; the walker keeps the list it returns."""
+
+    def park(self, active: list[Work], leaving: Sequence[Work], layer: int) -> list[Work]:
+        """Move ``leaving`` (a subset of ``active``) out of the batch; their hidden states go to
+        the intermediate cache at ``layer`` (``layer < N``). Returns the works still active."""
+
+    def join(self, active: list[Work], joining: Sequence[Work]) -> list[Work]:
+        """Add ``joining`` works (embed at layer 0, restore from the intermediate cache otherwise).
+        Returns the new active list (any order)."""
+
+    def compose(self, active: list[Work], layers: range) -> None:
+        """The batch changed to ``active`` and stays so over ``layers`` unless a stop intervenes
+        (the torch executor builds attention metadata here, once for all those layers)."""
+
+    def run_layer(self, layer: int, active: list[Work]) -> None:
+        """Run one layer call for ``active``."""
+
+    def finish(self, active: list[Work], layer: int) -> None:
+        """Works active at the plan's last layer: sample (``layer == N``) or park at ``layer``."""
+
+
+def walk(plan: StepPlan, ex: LayerExecutor, stop_at: Callable[[int], bool] | None = None) -> int:
+    """Run ``plan`` on ``ex`` layer by layer. Returns the stopped layer: ``plan.last_layer`` when
+    nothing stopped the step, else the boundary ``j`` where ``stop_at(j)`` said True.
+
+    Cost at a boundary where nothing changes: one set lookup (plus ``stop_at``).
+    """
+    if not plan.works:
+        return 0
+    starts, ends = plan.boundaries()
+    change_points = sorted(set(starts) | set(ends))
+    changes = set(change_points)
+    active: list[Work] = []
+    first, last = plan.first_layer, plan.last_layer
+    stopped: int | None = None
+    for j in range(first, last):
+        changed = j in changes
+        if changed:
+            leaving = [w for w in ends.get(j, ()) if w in active]  # (a stop may have parked it)
+            if leaving:
+                active = ex.park(active, leaving, j)
+        if stopped is None and j > first and stop_at is not None and stop_at(j):
+            stopped, changed = j, True
+            paused = [w for w in active if w.reached(j) == j]
+            if paused:
+                active = ex.park(active, paused, j)
+            if not active and not plan.starts_after_stop(j):
+                return j
+        if changed:
+            joining = starts.get(j, ())
+            if stopped is not None:
+                joining = [w for w in joining if w.reached(stopped) > j]
+            if joining:
+                active = ex.join(active, joining)
+            if active:
+                ex.compose(active, range(j, next((c for c in change_points if c > j), last)))
+        if active:
+            ex.run_layer(j, active)
+    if active:
+        ex.finish(active, last)
+    return last if stopped is None else stopped

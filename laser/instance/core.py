@@ -1,0 +1,224 @@
+"""The instance core: what a controller talks to. Token ids in, token outputs out.
+
+One :class:`InstanceCore` is one serving instance (role ``mixed``, ``prefill`` or ``decode``)
+without any front-end work: no tokenizer, detokenizer, stop strings or SSE. It owns
+
+* the scheduler (torch-free; its clock injected at construction),
+* an executor that runs a plan by the walker's rules (:mod:`laser.core.walk`): the torch
+  model runner (:class:`laser.model_runner.ModelRunner`) or the latency-model one
+  (:class:`laser.sim.instance.SimExecutor`),
+* the finished-request rule (:meth:`finish_reason`: EOS, stop token ids, ``max_tokens``, context),
+* the prefill -> decode hand-off (:meth:`export` on a prefill instance, :meth:`adopt` on a
+  decode one).
+
+``step()`` = schedule -> execute -> update (nano-vllm ``llm_engine.py``); the front end
+(:class:`laser.engine.Engine`) turns its :class:`TokenEvent` s into text. The same core is the
+body of a simulated instance and, next, of a Ray actor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from ..config import SchedulerConfig
+from ..plan import StepPlan, StepResult
+from ..request import Phase, Request
+from ..scheduler import Scheduler, get_policy
+
+
+class Executor(Protocol):
+    """Runs plans for an instance (torch model runner or latency-model simulator)."""
+
+    def execute(self, plan: StepPlan, requests: dict[str, Request],
+                stop_at: Callable[[int], bool] | None = None) -> StepResult:
+        """Run ``plan`` (see :func:`laser.core.walk.walk`)."""
+
+    def export_kv(self, req: Request) -> list | None:
+        """Per layer (K, V) of ``req``'s computed tokens (``None`` where no tensors exist)."""
+
+    def import_kv(self, req: Request, kv: list | None) -> None:
+        """Write a handed-off request's KV into blocks allocated for it here.
+        Raises OutOfBlocksError (nothing kept) when the pool cannot hold it."""
+
+    def release(self, req_id: str) -> None:
+        """Forget per-request executor state (e.g. a seeded sampling generator)."""
+
+
+@dataclass
+class Handoff:
+    """A prefilled request leaving a prefill instance: its state and its KV, one (K, V) per layer
+    (``[T, kv_heads, head_dim]`` each, T = computed tokens; ``None`` in the simulator)."""
+
+    request: Request
+    kv: list | None
+    # seconds on the sender's clock when the hand-off was exported
+    time: float = 0.0
+
+
+@dataclass
+class TokenEvent:
+    """One request's progress in a step: it got ``token`` (and maybe finished or left)."""
+
+    request: Request
+    token: int
+    finish_reason: str | None  # stop | length | None (running)
+    handed_off: bool = False  # prefill role: left for a decode instance after this token
+
+
+@dataclass
+class StepStats:
+    """Cumulative time split of ``step`` (seconds): scheduling+bookkeeping vs execution."""
+
+    steps: int = 0
+    schedule_s: float = 0.0  # schedule() + update() + outputs
+    execute_s: float = 0.0  # executor.execute (layer calls + composition changes)
+    layer_s: float = 0.0  # inside layer calls only
+    layer_calls: int = 0
+
+    @property
+    def scheduler_share(self) -> float:
+        total = self.schedule_s + self.execute_s
+        return self.schedule_s / total if total else 0.0
+
+
+def make_scheduler(config: SchedulerConfig, num_layers: int, block_manager, icache, latency_model,
+                   clock: Callable[[], float]) -> Scheduler:
+    """A scheduler of ``config.policy`` over an instance's KV pool and intermediate cache."""
+    return get_policy(config.policy)(config, num_layers, block_manager, icache, latency_model, clock)
+
+
+class InstanceCore:
+    """Scheduler + executor + finish rule + hand-off of one instance.
+
+    Args:
+        scheduler: the instance's scheduler (built with the same ``clock``).
+        executor: runs plans. clock: time source (seconds; virtual in the simulator).
+        eos_ids: token ids that end a request (unless ``ignore_eos``).
+        max_model_len: a request ends (``length``) when its tokens reach this.
+        perf_counter: wall-clock timer of the step statistics.
+    """
+
+    def __init__(self, scheduler: Scheduler, executor: Executor, clock: Callable[[], float], *,
+                 eos_ids: set[int] | frozenset[int] = frozenset(), max_model_len: int = 1 << 62,
+                 perf_counter: Callable[[], float] | None = None):
+        import time
+
+        self.scheduler = scheduler
+        self.executor = executor
+        self.clock = clock
+        self.eos_ids = set(eos_ids)
+        self.max_model_len = max_model_len
+        self.step_stats = StepStats()
+        self._perf = perf_counter or time.perf_counter
+        # Called at every layer boundary (and before scheduling): lets a server or a trace
+        # driver add requests that arrive while a step runs.
+        self.arrival_hook: Callable[[], None] | None = None
+        self.handoffs: list[Handoff] = []  # prefill role: requests that left after their first token
+        # The front end's view of each new token (detokenize; True = a stop string matched).
+        self.on_token: Callable[[Request], bool] | None = None
+
+    @property
+    def role(self) -> str:
+        return self.scheduler.config.role
+
+    # -- requests ----------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        """Queue a validated request. Raises ValueError on a duplicate id (nothing changes)."""
+        self.scheduler.add_request(req)
+
+    def abort(self, req_id: str) -> Request | None:
+        """Abort a request, freeing its KV and paused state. None when unknown/finished."""
+        req = self.scheduler.abort(req_id, self.clock())
+        self.executor.release(req_id)
+        return req
+
+    def finish(self, req: Request, reason: str) -> None:
+        """End ``req`` now (the front end matched a stop string: ``reason="stop"``)."""
+        self.scheduler.finish(req, reason, self.clock())
+        self.executor.release(req.req_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def finish_reason(self, req: Request) -> str | None:
+        """The finished-request rule (one owner), for ``req``'s newest token: ``stop`` on EOS
+        (unless ``ignore_eos``), a stop token id or a stop string (the front end's
+        :attr:`on_token` sees the token first and says whether its text matched one);
+        ``length`` at ``max_tokens`` or the context limit; else None."""
+        sp = req.sampling_params
+        tok = req.output_token_ids[-1]
+        matched = self.on_token(req) if self.on_token is not None else False
+        if matched or (not sp.ignore_eos and tok in self.eos_ids) or tok in sp.stop_token_ids:
+            return "stop"
+        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        """One scheduling step: schedule -> execute -> update. Returns the requests that got a
+        token (finished ones are already freed; prefill-role ones already handed off)."""
+        if self.arrival_hook is not None:
+            self.arrival_hook()
+        t0 = self._perf()
+        plan = self.scheduler.schedule(self.clock())
+        if not plan:
+            return []
+        t1 = self._perf()
+        result = self.executor.execute(plan, self.scheduler.requests, stop_at=self._stop_at)
+        now = self.clock()
+        t2 = self._perf()
+        events = []
+        for req in self.scheduler.update(plan, result.stopped_layer, result.sampled, now):
+            reason = self.finish_reason(req)
+            ev = TokenEvent(req, req.output_token_ids[-1], reason)
+            if reason is not None:
+                self.finish(req, reason)
+            elif self.role == "prefill":
+                self.handoffs.append(self.export(req, now))
+                ev.handed_off = True
+            events.append(ev)
+        st = self.step_stats
+        st.steps += 1
+        st.schedule_s += t1 - t0 + self._perf() - t2
+        st.execute_s += t2 - t1
+        st.layer_s += result.layer_seconds
+        st.layer_calls += result.num_layer_calls
+        return events
+
+    def _stop_at(self, layer: int) -> bool:
+        if self.arrival_hook is not None:
+            self.arrival_hook()
+        return self.scheduler.stop_at(layer)
+
+    # -- prefill -> decode hand-off ------------------------------------------------------------------
+    def export(self, req: Request, now: float) -> Handoff:
+        """Prefill role: package ``req`` (after its first token) with its KV and free it here."""
+        h = Handoff(req, self.executor.export_kv(req), now)
+        self.finish(req, "handoff")
+        return h
+
+    def adopt(self, h: Handoff) -> Request:
+        """Decode role: continue a request prefilled elsewhere (its KV imported layer by layer).
+        Raises OutOfBlocksError (nothing kept) when the KV pool cannot hold it."""
+        src = h.request
+        req = Request(
+            prompt_token_ids=list(src.prompt_token_ids),
+            sampling_params=src.sampling_params,
+            slo=src.slo,
+            arrival_time=src.arrival_time,
+            req_id=src.req_id,
+            prompt=src.prompt,
+        )
+        req.output_token_ids = list(src.output_token_ids)
+        req.token_times = list(src.token_times)
+        req.num_computed_tokens = src.num_computed_tokens
+        req.phase = Phase.DECODE
+        self.executor.import_kv(req, h.kv)
+        self.scheduler.add_running(req)
+        return req
+
+    def check_integrity(self, expect_empty: bool = False) -> None:
+        """Verify block manager, intermediate cache and scheduler state (tests, idle time)."""
+        self.scheduler.check_integrity(expect_empty=expect_empty)
