@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from .config import CacheConfig, SchedulerConfig
+from .config import CacheConfig, SchedulerConfig, resolve_max_model_len
 from .detokenizer import IncrementalDetokenizer, find_stop
 from .intermediate_cache import IntermediateCache
 from .kv_cache import KVCache
@@ -153,8 +153,9 @@ class Engine:
         self.arrival_hook: Callable[[], None] | None = None
         # Prefill role: requests handed off after their first token, for a decode instance.
         self.handoffs: list[Handoff] = []
-        pool_tokens = self.kv_cache.num_blocks * self.cache_config.block_size
-        self.max_model_len = min(max_model_len or self.model_config.max_position, self.model_config.max_position, pool_tokens)
+        self.max_model_len = resolve_max_model_len(
+            max_model_len, self.model_config.max_position, self.kv_cache.num_blocks * self.cache_config.block_size
+        )
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.eos_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

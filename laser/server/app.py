@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -47,6 +48,8 @@ from .protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    choice_seed,
+    unsupported_chat_fields,
 )
 
 log = logging.getLogger(__name__)
@@ -280,8 +283,9 @@ class _Server:
                 bad("logprobs", "logprobs")
             if body.top_logprobs:
                 bad("top_logprobs", "top_logprobs")
-            if body.tools:
-                bad("tools", "tool calling")
+            tool = unsupported_chat_fields(body)
+            if tool is not None:
+                bad(*tool)
             if body.response_format is not None and body.response_format.type != "text":
                 bad("response_format", f"response_format type {body.response_format.type!r}")
 
@@ -595,8 +599,8 @@ def build_app(
             mt = srv.max_tokens_for(body.max_tokens, len(ids), 16)
             sp = srv.sampling_params(body, mt, stop)
             text = pr if isinstance(pr, str) else None
-            for _ in range(body.n):
-                subs.append(_Sub(len(subs), ids, text, sp))
+            for j in range(body.n):
+                subs.append(_Sub(len(subs), ids, text, dataclasses.replace(sp, seed=choice_seed(sp.seed, j))))
         if body.echo:
             for s in subs:
                 if s.prompt_text is None:
@@ -656,7 +660,7 @@ def build_app(
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         mt = srv.max_tokens_for(requested, len(ids), None)
         sp = srv.sampling_params(body, mt, stop)
-        subs = [_Sub(i, ids, None, sp) for i in range(body.n)]
+        subs = [_Sub(i, ids, None, dataclasses.replace(sp, seed=choice_seed(sp.seed, i))) for i in range(body.n)]
         q, headers = srv.start(subs, slo, arrival)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         headers["x-request-id"] = rid
