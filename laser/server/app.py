@@ -362,17 +362,17 @@ class _Server:
     def start(self, subs: list[_Sub], slo: SLO, arrival: float) -> tuple[asyncio.Queue, dict[str, str]]:
         """Admission control, then queue every choice for the engine (one event-loop turn)."""
         try:
-            adms = self.ae.admit([len(s.ids) for s in subs], slo)
+            adms = self.ae.admit([len(s.ids) for s in subs], slo, arrival)
         except QueueFullError as e:
-            self.metrics.reject("queue_full")
+            self.metrics.reject("queue_full", slo.name)
             raise APIError(429, str(e), "queue_full", headers={"retry-after": "1"}) from None
         except SLOInfeasibleError as e:
-            self.metrics.reject("slo_infeasible")
+            self.metrics.reject("slo_infeasible", slo.name)
             pred = f"{e.predicted_ttft * 1e3:.1f}"
             raise APIError(429, str(e), "slo_infeasible", "slo_class",
                            headers={"retry-after": "1", "x-laser-predicted-ttft-ms": pred}) from None
         except EngineStoppedError as e:
-            self.metrics.reject("unavailable")
+            self.metrics.reject("unavailable", slo.name)
             raise APIError(503, str(e), "unavailable") from None
         q: asyncio.Queue = asyncio.Queue()
         for s, a in zip(subs, adms):
