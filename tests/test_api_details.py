@@ -1,8 +1,10 @@
 """API details (issue 11, item 7): per-choice seeds, exact top-p at the argmax, refused tool
-fields (in test_server.py's BAD list) and a context length the KV pool cannot hold."""
+fields (in test_server.py's BAD list) and a context length the KV pool cannot hold; and
+(item 6) per-chunk token ids with exact client-side token timing."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import httpx
@@ -10,6 +12,7 @@ import pytest
 import torch
 
 from laser.async_engine import AsyncEngine
+from laser.bench.client_timing import ChunkTokenTimer
 from laser.config import CacheConfig, ConfigError, resolve_max_model_len
 from laser.engine import Engine
 from laser.request import SLO, Request, SamplingParams
@@ -90,3 +93,63 @@ def test_engine_refuses_max_model_len_beyond_pool(tiny_llama):
     with pytest.raises(ConfigError, match="room for 1024 tokens"):
         Engine(str(tiny_llama), policy="sarathi", dtype="float32", cache=CacheConfig(num_blocks=64),
                max_model_len=2048)
+
+
+# -- per-chunk token ids and client-side token timing (issue 11, item 6) --------------------------------------
+
+
+def _stream(live, path, body):
+    objs = []
+    with httpx.stream("POST", live.url + path, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                objs.append(json.loads(line[5:]))
+    return objs
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_return_token_ids_streams_every_token_once(live, path):
+    body = {"max_tokens": 40, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+            "stream_options": {"include_usage": True}}
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": "😀 你好 ü"}]
+    else:
+        body["prompt"] = "😀 你好 ü"
+    whole = httpx.post(live.url + path, json=body, timeout=60).json()
+    choice = whole["choices"][0]
+    assert len(choice["token_ids"]) == 40 and choice["prompt_token_ids"]
+    objs = _stream(live, path, body)
+    chunks = [c for o in objs for c in o.get("choices", [])]
+    streamed = [t for c in chunks for t in c.get("token_ids", [])]
+    assert streamed == choice["token_ids"]
+    assert [c for c in chunks if "prompt_token_ids" in c][0]["prompt_token_ids"] == choice["prompt_token_ids"]
+    assert objs[-1]["usage"]["completion_tokens"] == 40
+    # the client timer counts exactly, with token ids and (ids stripped) from the usage chunk
+    timer = ChunkTokenTimer()
+    for i, o in enumerate(objs):
+        timer.feed(o, float(i))
+    assert len(timer.token_times()) == 40 and timer.exact
+    timer = ChunkTokenTimer()
+    for i, o in enumerate(objs):
+        timer.feed({**o, "choices": [{k: v for k, v in c.items() if k != "token_ids"} for c in o.get("choices", [])]},
+                   float(i))
+    assert len(timer.token_times()) == 40 and not timer.exact
+
+
+def test_chunk_timer_tbt_convention():
+    """A chunk of k tokens: its gap counts once, its other tokens count 0 (vLLM's client)."""
+    t = ChunkTokenTimer()
+    t.feed({"choices": [{"text": "a", "token_ids": [1]}]}, 1.0)
+    t.feed({"choices": [{"text": "", "token_ids": [2]}]}, 1.5)  # an incomplete character: no text
+    t.feed({"choices": [{"text": "😀", "token_ids": [3, 4, 5]}]}, 2.0)
+    t.feed({"choices": [{"text": "", "token_ids": [], "finish_reason": "length"}]}, 2.1)
+    t.feed({"choices": [], "usage": {"completion_tokens": 5}}, 2.2)
+    assert t.token_times() == [1.0, 1.5, 2.0, 2.0, 2.0] and t.finish_reason == "length"
+    # without ids: one per text chunk, the rest of the usage total at the last chunk
+    t = ChunkTokenTimer()
+    t.feed({"choices": [{"delta": {"content": "a"}}]}, 1.0)
+    t.feed({"choices": [{"delta": {"content": "😀"}}]}, 2.0)
+    t.feed({"choices": [{"delta": {}, "finish_reason": "stop"}]}, 2.1)
+    t.feed({"choices": [], "usage": {"completion_tokens": 4}}, 2.2)
+    assert t.token_times() == [1.0, 2.0, 2.0, 2.0]

@@ -193,16 +193,23 @@ def _sse(obj: Any) -> str:
 class _Sub:
     """One choice of an HTTP request: a prompt (x n) on its way through the engine."""
 
-    __slots__ = ("index", "ids", "prompt_text", "sp", "stream", "final", "sent", "holdback")
+    __slots__ = ("index", "ids", "prompt_text", "sp", "stream", "final", "sent", "holdback", "sent_ids")
 
     def __init__(self, index: int, ids: list[int], prompt_text: str | None, sp: SamplingParams):
         self.index, self.ids, self.prompt_text, self.sp = index, ids, prompt_text, sp
         self.stream: RequestStream | None = None
         self.final = None
         self.sent = 0  # characters of the output text already streamed
+        self.sent_ids = 0  # output token ids already streamed (return_token_ids)
         # A stop string may complete in a later token and cut text we would have sent:
         # hold back its length - 1 characters until the request finishes.
         self.holdback = max((len(s) for s in sp.stop), default=1) - 1
+
+    def new_ids(self, out) -> list[int]:
+        """Output token ids not streamed yet (the ``token_ids`` of the next chunk)."""
+        ids = out.token_ids[self.sent_ids:]
+        self.sent_ids = len(out.token_ids)
+        return list(ids)
 
     def delta(self, out) -> str:
         """New text to stream for this output (cumulative text minus what was sent)."""
@@ -616,14 +623,14 @@ def build_app(
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _EventStream(_stream_completion(srv, q, subs, rid, created, model, body.echo, include_usage, body.n),
-                                lambda: srv.abort(subs), headers)
+            return _EventStream(_stream_completion(srv, q, subs, rid, created, model, body.echo, include_usage, body.n,
+                                                   body.return_token_ids), lambda: srv.abort(subs), headers)
         if not await srv.run_blocking(request, subs, q):
             return Response(status_code=499)
         srv.check_finished(subs)
         choices = [
             {"index": s.index, "text": (s.prompt_text if body.echo else "") + s.final.text, "logprobs": None,
-             "finish_reason": s.final.finish_reason}
+             "finish_reason": s.final.finish_reason, **token_ids_fields(s, body.return_token_ids)}
             for s in subs
         ]
         return JSONResponse(
@@ -672,14 +679,14 @@ def build_app(
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _EventStream(_stream_chat(srv, q, subs, rid, created, model, include_usage, body.n),
-                                lambda: srv.abort(subs), headers)
+            return _EventStream(_stream_chat(srv, q, subs, rid, created, model, include_usage, body.n,
+                                             body.return_token_ids), lambda: srv.abort(subs), headers)
         if not await srv.run_blocking(request, subs, q):
             return Response(status_code=499)
         srv.check_finished(subs)
         choices = [
             {"index": s.index, "message": {"role": "assistant", "content": s.final.text}, "logprobs": None,
-             "finish_reason": s.final.finish_reason}
+             "finish_reason": s.final.finish_reason, **token_ids_fields(s, body.return_token_ids)}
             for s in subs
         ]
         return JSONResponse(
@@ -689,6 +696,27 @@ def build_app(
         )
 
     return app
+
+
+def token_ids_fields(s: _Sub, want: bool) -> dict:
+    """``return_token_ids`` (vLLM extension) of a whole choice: prompt and output token ids."""
+    if not want:
+        return {}
+    return {"prompt_token_ids": list(s.ids), "token_ids": list(s.final.token_ids)}
+
+
+def stream_token_ids(s: _Sub, out, want: bool) -> dict | None:
+    """``return_token_ids`` of one streamed chunk: the output token ids new since the last chunk
+    (the prompt's ids with the choice's first chunk); None when not asked or nothing is new.
+    A chunk is sent for every output with new tokens, even with no text yet (an incomplete
+    UTF-8 character, a special token), so a client times every token exactly."""
+    if not want:
+        return None
+    first = s.sent_ids == 0
+    ids = s.new_ids(out)
+    if not ids:
+        return None
+    return {"token_ids": ids, **({"prompt_token_ids": list(s.ids)} if first else {})}
 
 
 async def _batches(q: asyncio.Queue, subs: list[_Sub]) -> AsyncIterator[list[tuple[_Sub, Any]]]:
@@ -721,10 +749,12 @@ def _error_event(exc: BaseException) -> str:
     return _sse(error_body(500, f"internal server error: {type(exc).__name__}", "internal_error"))
 
 
-async def _stream_completion(srv, q, subs, rid, created, model, echo, include_usage, n) -> AsyncIterator[str]:
-    def chunk(index: int, text: str, reason: str | None) -> str:
+async def _stream_completion(srv, q, subs, rid, created, model, echo, include_usage, n,
+                             want_ids=False) -> AsyncIterator[str]:
+    def chunk(index: int, text: str, reason: str | None, ids: dict | None = None) -> str:
         return _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                     "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": reason}]})
+                     "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": reason,
+                                  **(ids or {})}]})
 
     if echo:
         yield "".join(chunk(s.index, s.prompt_text, None) for s in subs)
@@ -733,8 +763,9 @@ async def _stream_completion(srv, q, subs, rid, created, model, echo, include_us
             buf = []
             for s, out in batch:
                 d = s.delta(out)
-                if d or out.finished:
-                    buf.append(chunk(s.index, d, out.finish_reason if out.finished else None))
+                ids = stream_token_ids(s, out, want_ids)
+                if d or out.finished or ids:
+                    buf.append(chunk(s.index, d, out.finish_reason if out.finished else None, ids))
             if buf:
                 yield "".join(buf)
     except Exception as e:  # noqa: BLE001
@@ -746,10 +777,11 @@ async def _stream_completion(srv, q, subs, rid, created, model, echo, include_us
     yield "data: [DONE]\n\n"
 
 
-async def _stream_chat(srv, q, subs, rid, created, model, include_usage, n) -> AsyncIterator[str]:
-    def chunk(index: int, delta: dict, reason: str | None) -> str:
+async def _stream_chat(srv, q, subs, rid, created, model, include_usage, n, want_ids=False) -> AsyncIterator[str]:
+    def chunk(index: int, delta: dict, reason: str | None, ids: dict | None = None) -> str:
         return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                     "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}]})
+                     "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": reason,
+                                  **(ids or {})}]})
 
     yield "".join(chunk(s.index, {"role": "assistant", "content": ""}, None) for s in subs)
     try:
@@ -757,8 +789,9 @@ async def _stream_chat(srv, q, subs, rid, created, model, include_usage, n) -> A
             buf = []
             for s, out in batch:
                 d = s.delta(out)
-                if d:
-                    buf.append(chunk(s.index, {"content": d}, None))
+                ids = stream_token_ids(s, out, want_ids)
+                if d or ids:
+                    buf.append(chunk(s.index, {"content": d}, None, ids))
                 if out.finished:
                     buf.append(chunk(s.index, {}, out.finish_reason))
             if buf:
