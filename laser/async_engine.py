@@ -28,6 +28,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
+from .admission import QueueAwareAdmission, QueueEntry, snapshot_of
 from .request import SLO, InvalidRequestError, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -48,14 +49,16 @@ class EngineStepError(Exception):
 
 
 class SLOInfeasibleError(Exception):
-    """The latency model predicts the TTFT target is missed even if the request ran next (HTTP 429)."""
+    """The predicted TTFT — behind the work queued ahead of the request — misses its target (HTTP 429)."""
 
-    def __init__(self, predicted_ttft: float, slo: SLO):
+    def __init__(self, predicted_ttft: float, slo: SLO, num_ahead: int = 0):
         self.predicted_ttft = predicted_ttft
         self.slo = slo
+        self.num_ahead = num_ahead
+        where = "even if the request ran next" if num_ahead == 0 else f"behind {num_ahead} requests queued ahead of it"
         super().__init__(
             f"slo_class {slo.name!r} cannot be met: predicted time to first token "
-            f"{predicted_ttft * 1e3:.1f} ms > target {slo.ttft * 1e3:.1f} ms even if the request ran next"
+            f"{predicted_ttft * 1e3:.1f} ms > target {slo.ttft * 1e3:.1f} ms {where}"
         )
 
 
@@ -65,8 +68,9 @@ class Admission:
 
     slo: SLO  # the SLO the request is served under
     requested: SLO  # the SLO the client asked for
-    predicted_ttft: float | None  # seconds if it ran next (None: no latency model)
+    predicted_ttft: float | None  # seconds, behind the queue ahead (None: no latency model)
     demoted: bool  # served as best_effort because ``requested`` was infeasible
+    entry: QueueEntry | None = None  # its place in the queue, for the next admissions
 
     @property
     def slack(self) -> float | None:
@@ -186,6 +190,10 @@ class AsyncEngine:
         self.dead: BaseException | None = None  # set when the engine can no longer serve
         self.num_steps = 0
         self.num_step_errors = 0
+        self._num_adds_run = 0  # engine thread: add commands taken (in submission order)
+        # Snapshot published by the engine thread + requests admitted since (event loop).
+        self.queue_admission = QueueAwareAdmission(getattr(engine, "latency_model", None))
+        self._num_submitted = 0
         # -- event-loop side only --
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}
@@ -284,8 +292,13 @@ class AsyncEngine:
     def predict_ttft(self, num_prompt_tokens: int) -> float | None:
         return predicted_prefill_seconds(self.engine, num_prompt_tokens)
 
-    def admit(self, prompt_lens: list[int], slo: SLO) -> list[Admission]:
+    def admit(self, prompt_lens: list[int], slo: SLO, arrival: float | None = None) -> list[Admission]:
         """Admission control for requests about to be added (one per prompt length).
+
+        The predicted TTFT (:func:`laser.admission.predict_ttft`) counts, from ``arrival``
+        (engine clock; default now), the rest of the running step and the prefill of every
+        request ahead in the queue order — from the snapshot the engine thread published
+        after its last step plus the requests admitted since — so it needs no engine step.
 
         Raises EngineStoppedError (draining/dead), QueueFullError (bounded queue full) or
         SLOInfeasibleError (``on_infeasible == "reject"``). Call :meth:`submit` for each in the
@@ -299,16 +312,27 @@ class AsyncEngine:
             raise QueueFullError(
                 f"too many waiting requests ({self.num_queued} waiting, limit {self.max_waiting}); retry later"
             )
+        qa = self.queue_admission
+        now = self.engine.clock()
+        arrival = now if arrival is None else arrival
+        view = qa.view(now)
         out = []
         for n in prompt_lens:
-            pred = self.predict_ttft(n) if slo.ttft is not None else None
+            entry = qa.entry(n, arrival, slo.ttft, slo.tbt, slo.name, now)
+            pred = None
+            if slo.ttft is not None and qa.latency_model is not None:
+                pred = qa.predict(entry, now, arrival, view)
             if pred is not None and pred > slo.ttft:
                 if self.on_infeasible == "reject":
-                    raise SLOInfeasibleError(pred, slo)
+                    raise SLOInfeasibleError(pred, slo, sum(e.key <= entry.key for e in view.queue))
                 if self.on_infeasible == "demote":
-                    out.append(Admission(self.slo_classes.get("best_effort"), slo, pred, True))
+                    be = self.slo_classes.get("best_effort")
+                    entry = qa.entry(n, arrival, be.ttft, be.tbt, be.name, now)
+                    view = qa.with_entry(view, entry)
+                    out.append(Admission(be, slo, pred, True, entry))
                     continue
-            out.append(Admission(slo, slo, pred, False))
+            view = qa.with_entry(view, entry)  # the next prompt of this call queues behind it
+            out.append(Admission(slo, slo, pred, False, entry))
         return out
 
     def submit(
@@ -336,6 +360,9 @@ class AsyncEngine:
         stream = RequestStream(req_id, prompt_token_ids, admission, queue or asyncio.Queue())
         self._streams[req_id] = stream
         self.num_queued += 1
+        self._num_submitted += 1  # the engine thread counts adds in this same order
+        if admission.entry is not None:
+            self.queue_admission.admitted(self._num_submitted, admission.entry)
         fut = self._submit(
             lambda e: e.add_request(
                 prompt_token_ids, sampling_params, admission.slo, req_id=req_id, arrival_time=arrival
@@ -465,6 +492,8 @@ class AsyncEngine:
     def _run_queue(self, q: collections.deque) -> None:
         while q:
             fn, fut = q.popleft()
+            if q is self._adds:
+                self._num_adds_run += 1
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
@@ -494,6 +523,8 @@ class AsyncEngine:
             if self._stop_requested:
                 break
             if not eng.has_unfinished():
+                if not idle_checked:
+                    self._publish(0.0)
                 if self.check_integrity_when_idle and not idle_checked:
                     idle_checked = True
                     try:
@@ -512,12 +543,24 @@ class AsyncEngine:
                 self._fail_all(EngineStepError(f"engine step failed: {type(e).__name__}: {e}"))
                 continue
             self.num_steps += 1
+            self._publish(time.perf_counter() - t0)
             if outs:
                 self._post(self._on_outputs, outs)
             elif time.perf_counter() - t0 < 1e-4:
                 # Nothing was planned (e.g. waiting on memory): do not spin.
                 self._wake.wait(0.001)
         self._abort_everything()
+
+    def _publish(self, step_s: float) -> None:
+        """Engine thread: publish the scheduler snapshot (admission, metrics) after a step."""
+        try:
+            snap = snapshot_of(self.engine.scheduler, self.engine.clock(), self._num_adds_run, step_s)
+        except Exception:  # noqa: BLE001 - observability must never stop serving
+            if not getattr(self, "_snapshot_failed", False):
+                self._snapshot_failed = True
+                log.exception("cannot snapshot the scheduler; admission sees no queue")
+            return
+        self.queue_admission.publish(snap)
 
     def _fail_all(self, error: BaseException) -> None:
         eng = self.engine
@@ -557,14 +600,15 @@ class AsyncEngine:
 
     # -- statistics (read from the event loop; approximate, never blocks the engine) -----------------------
     def class_counts(self) -> tuple[dict[str, int], dict[str, int]]:
-        """(running, waiting) request counts per SLO class, read racily from the scheduler."""
-        sched = self.engine.scheduler
-        running: dict[str, int] = {}
-        waiting: dict[str, int] = {}
-        for src, dst in ((getattr(sched, "running", ()), running), (getattr(sched, "waiting", ()), waiting)):
-            for r in list(src):
-                dst[r.slo.name] = dst.get(r.slo.name, 0) + 1
-        return running, waiting
+        """(running, waiting) request counts per SLO class, as of the last published snapshot."""
+        c = self.counters()
+        return dict(c.get("running", {})), dict(c.get("waiting", {}))
+
+    def counters(self) -> dict:
+        """The scheduler's observability counters as of the last step (see
+        :func:`laser.admission.snapshot_of`); empty before the first step."""
+        snap = self.queue_admission.snapshot
+        return snap.counters if snap is not None else {}
 
     def kv_cache_usage(self) -> float:
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,3 +154,36 @@ class SchedulerConfig:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.best_effort_deadline_s <= 0:
             raise ConfigError("best_effort_deadline_s must be positive")
+
+
+def resolve_max_model_len(requested: int | None, max_position: int, pool_tokens: int) -> int:
+    """The context length an engine serves (prompt + output tokens of one request).
+
+    Follows vLLM: an explicit ``requested`` length that the model's positions or the KV
+    pool (``pool_tokens`` per layer) cannot hold is refused at start rather than silently
+    shortened. Without a request, the model's ``max_position`` is capped to the pool, with
+    a warning that names both numbers.
+
+    Raises:
+        ConfigError: ``requested`` < 1, > ``max_position``, or > ``pool_tokens`` (the message
+            says how many tokens the pool holds and which options change it).
+    """
+    if requested is not None:
+        if requested < 1:
+            raise ConfigError(f"max_model_len must be >= 1, got {requested}")
+        if requested > max_position:
+            raise ConfigError(f"max_model_len {requested} is larger than the model's maximum context "
+                              f"({max_position} positions)")
+        if requested > pool_tokens:
+            raise ConfigError(
+                f"max_model_len {requested} is larger than the KV cache can hold: the pool has room for "
+                f"{pool_tokens} tokens, so one request of the maximum length would never fit; raise "
+                f"--kv-cache-gib / --num-blocks or lower --max-model-len to at most {pool_tokens}"
+            )
+        return requested
+    if max_position > pool_tokens:
+        logging.getLogger("laser.engine").warning(
+            "the KV cache holds %d tokens, fewer than the model's context of %d: serving a context of %d tokens "
+            "(raise --kv-cache-gib / --num-blocks for more)", pool_tokens, max_position, pool_tokens)
+        return pool_tokens
+    return max_position

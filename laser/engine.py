@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from .config import CacheConfig, SchedulerConfig
+from .config import CacheConfig, SchedulerConfig, resolve_max_model_len
 from .detokenizer import OutputText
 from .intermediate_cache import IntermediateCache
 from .kv_cache import KVCache
@@ -120,8 +120,9 @@ class Engine:
         self.latency_model = latency_model or self._load_latency_model(latency_profile)
         self.slo_classes = slo_classes or SLOClasses.load()
         self.clock = clock
-        pool_tokens = self.kv_cache.num_blocks * self.cache_config.block_size
-        self.max_model_len = min(max_model_len or self.model_config.max_position, self.model_config.max_position, pool_tokens)
+        self.max_model_len = resolve_max_model_len(
+            max_model_len, self.model_config.max_position, self.kv_cache.num_blocks * self.cache_config.block_size
+        )
         eos_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos_ids.add(self.tokenizer.eos_token_id)

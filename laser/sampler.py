@@ -32,9 +32,12 @@ class Sampler:
                 kth = torch.topk(row, sp.top_k).values[-1]
                 row = row.masked_fill(row < kth, float("-inf"))
             if sp.top_p < 1.0:
-                sorted_logits, idx = torch.sort(row, descending=True)
+                # stable: equal logits keep index order, so the first kept token is exactly
+                # row.argmax() (the first maximum), the greedy token when temperature is 1
+                sorted_logits, idx = torch.sort(row, descending=True, stable=True)
                 probs = sorted_logits.softmax(-1)
-                # keep the smallest prefix whose mass reaches top_p (always at least one token)
+                # keep the smallest prefix whose mass reaches top_p (always the top-1 token:
+                # its exclusive cumulative mass is 0 < top_p)
                 drop = probs.cumsum(-1) - probs >= sp.top_p
                 sorted_logits[drop] = float("-inf")
                 row = torch.full_like(row, float("-inf")).scatter(0, idx, sorted_logits)

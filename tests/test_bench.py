@@ -316,12 +316,16 @@ def test_base_url_client_against_our_server(tiny_llama):
         assert p.summary.overall.finished == 6
         for r, w in zip(p.records, _small_workload()):
             assert r.ttft is not None and r.ttft > 0
-            assert 1 <= len(r.token_times) <= w.output_len  # one SSE chunk per token (or fewer)
+            assert len(r.token_times) == w.output_len  # exact: per-chunk token ids (ignore_eos)
             assert r.slo_class == w.slo_class
         # chat endpoint with the same client
         chat = ClientTarget(f"http://127.0.0.1:{port}", endpoint="/v1/chat/completions", label="chat")
         out = chat.run(_small_workload()[:2], paper_slos(100.0), timeout_s=60)
         assert all(r.finished for r in out.records) and not chat.errors
+        # a server without per-chunk token ids is timed from the usage totals: still exact counts
+        plain = ClientTarget(f"http://127.0.0.1:{port}", label="plain", return_token_ids=False)
+        out = plain.run(_small_workload()[:3], paper_slos(100.0), timeout_s=60)
+        assert [len(r.token_times) for r in out.records] == [w.output_len for w in _small_workload()[:3]]
     finally:
         server.should_exit = True
         th.join(30)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -76,8 +77,9 @@ def test_on_infeasible(slow_model_server, mode):
             assert r.status_code == 429
             err = r.json()["error"]
             assert err["code"] == "slo_infeasible" and err["type"] == "rate_limit_error"
-            assert "predicted time to first token" in err["message"] and "400.0 ms" in err["message"]
-            assert float(r.headers["x-laser-predicted-ttft-ms"]) == pytest.approx(400.0, abs=0.1)
+            # the prediction counts from the HTTP arrival: the prefill (400 ms) plus tokenization so far
+            assert re.search(r"predicted time to first token 4[0-4]\d\.\d ms", err["message"]), err
+            assert 400.0 <= float(r.headers["x-laser-predicted-ttft-ms"]) < 450.0
         elif mode == "demote":
             assert r.status_code == 200
             assert r.headers["x-slo-demoted"] == "true"
@@ -86,7 +88,7 @@ def test_on_infeasible(slow_model_server, mode):
         else:
             assert r.status_code == 200 and r.headers["x-slo-class"] == "chat"
             assert "x-slo-demoted" not in r.headers
-            assert r.json()["slo"]["predicted_ttft_ms"] == pytest.approx(400.0, abs=0.1)
+            assert 400.0 <= r.json()["slo"]["predicted_ttft_ms"] < 450.0
         # feasible targets and best effort are never refused
         for cls in ("summarization", "best_effort"):
             r = _post(srv.url + "/v1/completions", {**body, "slo_class": cls})
@@ -326,3 +328,49 @@ def test_sigterm_drains_short_and_aborts_long(tiny_llama):
 
     assert finish(results["short"]) == ["length"]  # drained: finished normally
     assert finish(results["long"]) == ["abort"]  # past --shutdown-timeout: aborted cleanly
+
+
+# -- queue-aware admission (issue 11 item 4) ----------------------------------------------------------------
+
+
+def test_burst_is_admitted_by_queue_position(tiny_llama):
+    """40 simultaneous chat requests (100-token prompts, a 50 ms prefill each by the fake latency
+    model, 250 ms target): the first few are admitted (predicted feasible behind the ones
+    before them), the rest get 429 with their predicted TTFT; /metrics counts each decision."""
+    lm = SimpleLatencyModel(num_layers=4, per_layer=0.0025, per_token=1e-4)
+    engine = _engine(tiny_llama, latency_model=lm)
+    step = engine.step
+
+    def slow_step():  # the engine lags behind the burst, as a loaded CPU would
+        time.sleep(0.05)
+        return step()
+
+    engine.step = slow_step
+    ae = AsyncEngine(engine, on_infeasible="reject")
+    with LiveServer(build_app(ae, served_model_names=["tiny"])) as srv:
+
+        async def burst():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=120) as h:
+                async def one(i):
+                    body = {"prompt": [5 + i] * 100, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                            "slo_class": "chat"}
+                    r = await h.post("/v1/completions", json=body)
+                    return r.status_code, r.json(), r.headers
+
+                return await asyncio.gather(*(one(i) for i in range(40)))
+
+        res = asyncio.run(burst())
+        ok = [b for c, b, _ in res if c == 200]
+        rejected = [(b, h) for c, b, h in res if c == 429]
+        assert len(ok) + len(rejected) == 40
+        assert 1 <= len(ok) <= 8 and len(rejected) >= 32, [c for c, _, _ in res]
+        for b in ok:
+            assert b["slo"]["predicted_ttft_ms"] <= 250.0
+        for b, h in rejected:
+            assert b["error"]["code"] == "slo_infeasible" and "queued ahead" in b["error"]["message"]
+            assert float(h["x-laser-predicted-ttft-ms"]) > 250.0
+        text = httpx.get(srv.url + "/metrics").text
+        assert (f'laser:admission_decisions_total{{model_name="tiny",outcome="rejected_infeasible",slo_class="chat"}} '
+                f'{float(len(rejected))}') in text
+        assert (f'laser:admission_decisions_total{{model_name="tiny",outcome="admitted",slo_class="chat"}} '
+                f'{float(len(ok))}') in text

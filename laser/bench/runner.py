@@ -9,8 +9,8 @@ and return one :class:`~laser.metrics.RequestRecord` per request:
   loaded engine: each run installs a fresh scheduler of its policy (nothing else of the
   engine changes) and checks ``check_integrity(expect_empty=True)`` before and after.
 * :class:`ClientTarget` — any OpenAI-compatible server at a base URL, measured from the
-  client (httpx, streaming SSE): a token time is the arrival time of an SSE chunk with
-  text. The request's SLO goes as the ``slo_class`` body field and the ``x-slo-class``
+  client (httpx, streaming SSE): token times counted exactly from per-chunk token ids
+  (``return_token_ids``) or the usage totals (:mod:`laser.bench.client_timing`). The request's SLO goes as the ``slo_class`` body field and the ``x-slo-class``
   header; its targets (ms) as ``x-slo-ttft-ms`` / ``x-slo-tbt-ms`` headers, so a Laser
   server schedules for the very targets the client measures against.
 * :class:`SimTarget` — the same schedulers on :class:`~laser.sim.SimInstance` with a
@@ -36,6 +36,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from laser.bench.arrivals import arrival_times
+from laser.bench.client_timing import ChunkTokenTimer
 from laser.bench.workloads import WorkloadRequest
 from laser.metrics import RequestRecord, RunSummary, record_from_request, summarize
 from laser.request import SLO, Request, SamplingParams
@@ -368,14 +369,18 @@ class ClientTarget(Target):
     ``endpoint``: ``/v1/completions`` (prompt text) or ``/v1/chat/completions`` (the prompt
     as one user message). ``model``: the served model name (default: the first of
     ``/v1/models``). ``max_concurrency``: at most this many requests in flight.
+    ``return_token_ids``: ask for per-chunk token ids (vLLM's extension; Laser serves it) to
+    time every token exactly; servers that ignore it are timed from the usage totals
+    (:class:`~laser.bench.client_timing.ChunkTokenTimer`).
     """
 
     kind = "client"
 
     def __init__(self, base_url: str, model: str | None = None, endpoint: str = "/v1/completions",
                  api_key: str | None = None, max_concurrency: int | None = None, label: str | None = None,
-                 extra_body: dict | None = None):
+                 extra_body: dict | None = None, return_token_ids: bool = True):
         self.base_url = base_url.rstrip("/")
+        self.return_token_ids = return_token_ids
         self.endpoint = endpoint
         self.model = model
         self.api_key = api_key
@@ -400,6 +405,8 @@ class ClientTarget(Target):
     def _body(self, wr: WorkloadRequest, slo: SLO) -> dict:
         body = {"model": self.model, "max_tokens": wr.output_len, "temperature": 0.0, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}, "slo_class": slo.name}
+        if self.return_token_ids:
+            body["return_token_ids"] = True
         if self.endpoint.rstrip("/").endswith("chat/completions"):
             body["messages"] = [{"role": "user", "content": wr.prompt}]
         else:
@@ -428,7 +435,7 @@ class ClientTarget(Target):
                         text = (await resp.aread()).decode(errors="replace")[:300]
                         self.errors.append(f"HTTP {resp.status_code}: {text}")
                         return
-                    finish = None
+                    timer = ChunkTokenTimer()
                     async for line in resp.aiter_lines():
                         if not line.startswith("data:"):
                             continue
@@ -440,15 +447,10 @@ class ClientTarget(Target):
                         if "error" in obj:
                             self.errors.append(str(obj["error"])[:300])
                             return
-                        for c in obj.get("choices") or []:
-                            text = c.get("text")
-                            if text is None:
-                                text = (c.get("delta") or {}).get("content")
-                            if text:
-                                rec.token_times.append(now)
-                            if c.get("finish_reason"):
-                                finish = c["finish_reason"]
-                    rec.finished = finish is not None and bool(rec.token_times)
+                        timer.feed(obj, now)
+                        rec.token_times[:] = timer.token_times()  # live, for the early-stop check
+                    rec.token_times[:] = timer.token_times()
+                    rec.finished = timer.finish_reason is not None and bool(rec.token_times)
             except Exception as e:  # noqa: BLE001 - any transport failure is a failed request
                 self.errors.append(f"{type(e).__name__}: {e}")
             finally:

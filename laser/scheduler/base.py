@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections import Counter
 from typing import Callable
 
 from ..block_manager import BlockManager
@@ -54,7 +55,11 @@ class Scheduler(ABC):
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: list[Request] = []  # holds no KV; queue order by queue_key
         self.running: list[Request] = []  # admitted: holds KV (prefilling or decoding)
-        self.num_preemptions = 0
+        self.num_preemptions = 0  # total, every cause
+        # Observability (exported on /metrics): keyed by (cause or kind, SLO class name).
+        self.preemptions: Counter[tuple[str, str]] = Counter()
+        self.recomputes: Counter[tuple[str, str]] = Counter()
+        self.recomputed_tokens: Counter[tuple[str, str]] = Counter()
         self.step_index = 0
 
     # -- queue ----------------------------------------------------------------------------
@@ -148,11 +153,27 @@ class Scheduler(ABC):
         if req.phase == Phase.WAITING:
             req.phase = Phase.PREFILL
 
-    def preempt(self, req: Request) -> None:
+    def count_preemption(self, cause: str, req: Request | None) -> None:
+        """Count one preemption of ``req`` (the victim) by ``cause`` — e.g. ``kv`` (the pool is
+        short), ``slo`` (a stricter deadline needs the room), ``running_cap`` (max_num_seqs).
+        Every preemption, whatever its mechanism (recompute, KV kept), is counted here once."""
+        self.preemptions[(cause, req.slo.name if req is not None else "")] += 1
+        self.num_preemptions += 1
+
+    def count_recompute(self, kind: str, req: Request, tokens: int) -> None:
+        """Count work thrown away for recomputation: ``kind`` ``preemption`` (KV freed) or
+        ``icache_eviction`` (a paused chunk's hidden state dropped); ``tokens`` to redo."""
+        if tokens > 0:
+            self.recomputes[(kind, req.slo.name)] += 1
+            self.recomputed_tokens[(kind, req.slo.name)] += tokens
+
+    def preempt(self, req: Request, cause: str = "kv") -> None:
         """Recompute preemption (vLLM): free ``req``'s KV and paused state, requeue it.
 
         Its output so far is kept; it is recomputed (prompt + outputs) when readmitted.
+        ``cause`` labels the preemption counter (:meth:`count_preemption`).
         """
+        self.count_recompute("preemption", req, req.num_computed_tokens + req.chunk_tokens)
         self.bm.free(req.req_id)
         self.icache.discard(req.req_id)
         req.num_computed_tokens = 0
@@ -163,7 +184,7 @@ class Scheduler(ABC):
             self.running.remove(req)
         self.waiting.append(req)
         self.waiting.sort(key=self.queue_key)
-        self.num_preemptions += 1
+        self.count_preemption(cause, req)
 
     def preempt_for_decode(self, needed: list[Request]) -> list[Request]:
         """Make room for one more decode block for each of ``needed`` (in priority order).
@@ -227,6 +248,7 @@ class Scheduler(ABC):
         while self.icache.over_capacity:
             victim = max((self.requests[r] for r in self.icache.ids()), key=self.strictness)
             self.icache.evict(victim.req_id)
+            self.count_recompute("icache_eviction", victim, victim.chunk_tokens)
             victim.chunk_tokens = 0
             victim.next_layer = 0
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -47,6 +48,8 @@ from .protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    choice_seed,
+    unsupported_chat_fields,
 )
 
 log = logging.getLogger(__name__)
@@ -190,12 +193,19 @@ def _sse(obj: Any) -> str:
 class _Sub:
     """One choice of an HTTP request: a prompt (x n) on its way through the engine."""
 
-    __slots__ = ("index", "ids", "prompt_text", "sp", "stream", "final")
+    __slots__ = ("index", "ids", "prompt_text", "sp", "stream", "final", "sent_ids")
 
     def __init__(self, index: int, ids: list[int], prompt_text: str | None, sp: SamplingParams):
         self.index, self.ids, self.prompt_text, self.sp = index, ids, prompt_text, sp
         self.stream: RequestStream | None = None
         self.final = None
+        self.sent_ids = 0  # output token ids already streamed (return_token_ids)
+
+    def new_ids(self, out) -> list[int]:
+        """Output token ids not streamed yet (the ``token_ids`` of the next chunk)."""
+        ids = out.token_ids[self.sent_ids:]
+        self.sent_ids = len(out.token_ids)
+        return list(ids)
 
 
 class _Server:
@@ -266,8 +276,9 @@ class _Server:
                 bad("logprobs", "logprobs")
             if body.top_logprobs:
                 bad("top_logprobs", "top_logprobs")
-            if body.tools:
-                bad("tools", "tool calling")
+            tool = unsupported_chat_fields(body)
+            if tool is not None:
+                bad(*tool)
             if body.response_format is not None and body.response_format.type != "text":
                 bad("response_format", f"response_format type {body.response_format.type!r}")
 
@@ -344,17 +355,17 @@ class _Server:
     def start(self, subs: list[_Sub], slo: SLO, arrival: float) -> tuple[asyncio.Queue, dict[str, str]]:
         """Admission control, then queue every choice for the engine (one event-loop turn)."""
         try:
-            adms = self.ae.admit([len(s.ids) for s in subs], slo)
+            adms = self.ae.admit([len(s.ids) for s in subs], slo, arrival)
         except QueueFullError as e:
-            self.metrics.reject("queue_full")
+            self.metrics.reject("queue_full", slo.name)
             raise APIError(429, str(e), "queue_full", headers={"retry-after": "1"}) from None
         except SLOInfeasibleError as e:
-            self.metrics.reject("slo_infeasible")
+            self.metrics.reject("slo_infeasible", slo.name)
             pred = f"{e.predicted_ttft * 1e3:.1f}"
             raise APIError(429, str(e), "slo_infeasible", "slo_class",
                            headers={"retry-after": "1", "x-laser-predicted-ttft-ms": pred}) from None
         except EngineStoppedError as e:
-            self.metrics.reject("unavailable")
+            self.metrics.reject("unavailable", slo.name)
             raise APIError(503, str(e), "unavailable") from None
         q: asyncio.Queue = asyncio.Queue()
         for s, a in zip(subs, adms):
@@ -581,8 +592,8 @@ def build_app(
             mt = srv.max_tokens_for(body.max_tokens, len(ids), 16)
             sp = srv.sampling_params(body, mt, stop)
             text = pr if isinstance(pr, str) else None
-            for _ in range(body.n):
-                subs.append(_Sub(len(subs), ids, text, sp))
+            for j in range(body.n):
+                subs.append(_Sub(len(subs), ids, text, dataclasses.replace(sp, seed=choice_seed(sp.seed, j))))
         if body.echo:
             for s in subs:
                 if s.prompt_text is None:
@@ -598,14 +609,14 @@ def build_app(
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _EventStream(_stream_completion(srv, q, subs, rid, created, model, body.echo, include_usage, body.n),
-                                lambda: srv.abort(subs), headers)
+            return _EventStream(_stream_completion(srv, q, subs, rid, created, model, body.echo, include_usage, body.n,
+                                                   body.return_token_ids), lambda: srv.abort(subs), headers)
         if not await srv.run_blocking(request, subs, q):
             return Response(status_code=499)
         srv.check_finished(subs)
         choices = [
             {"index": s.index, "text": (s.prompt_text if body.echo else "") + s.final.text, "logprobs": None,
-             "finish_reason": s.final.finish_reason}
+             "finish_reason": s.final.finish_reason, **token_ids_fields(s, body.return_token_ids)}
             for s in subs
         ]
         return JSONResponse(
@@ -642,7 +653,7 @@ def build_app(
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         mt = srv.max_tokens_for(requested, len(ids), None)
         sp = srv.sampling_params(body, mt, stop)
-        subs = [_Sub(i, ids, None, sp) for i in range(body.n)]
+        subs = [_Sub(i, ids, None, dataclasses.replace(sp, seed=choice_seed(sp.seed, i))) for i in range(body.n)]
         q, headers = srv.start(subs, slo, arrival)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         headers["x-request-id"] = rid
@@ -654,14 +665,14 @@ def build_app(
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _EventStream(_stream_chat(srv, q, subs, rid, created, model, include_usage, body.n),
-                                lambda: srv.abort(subs), headers)
+            return _EventStream(_stream_chat(srv, q, subs, rid, created, model, include_usage, body.n,
+                                             body.return_token_ids), lambda: srv.abort(subs), headers)
         if not await srv.run_blocking(request, subs, q):
             return Response(status_code=499)
         srv.check_finished(subs)
         choices = [
             {"index": s.index, "message": {"role": "assistant", "content": s.final.text}, "logprobs": None,
-             "finish_reason": s.final.finish_reason}
+             "finish_reason": s.final.finish_reason, **token_ids_fields(s, body.return_token_ids)}
             for s in subs
         ]
         return JSONResponse(
@@ -671,6 +682,27 @@ def build_app(
         )
 
     return app
+
+
+def token_ids_fields(s: _Sub, want: bool) -> dict:
+    """``return_token_ids`` (vLLM extension) of a whole choice: prompt and output token ids."""
+    if not want:
+        return {}
+    return {"prompt_token_ids": list(s.ids), "token_ids": list(s.final.token_ids)}
+
+
+def stream_token_ids(s: _Sub, out, want: bool) -> dict | None:
+    """``return_token_ids`` of one streamed chunk: the output token ids new since the last chunk
+    (the prompt's ids with the choice's first chunk); None when not asked or nothing is new.
+    A chunk is sent for every output with new tokens, even with no text yet (an incomplete
+    UTF-8 character, a special token), so a client times every token exactly."""
+    if not want:
+        return None
+    first = s.sent_ids == 0
+    ids = s.new_ids(out)
+    if not ids:
+        return None
+    return {"token_ids": ids, **({"prompt_token_ids": list(s.ids)} if first else {})}
 
 
 async def _batches(q: asyncio.Queue, subs: list[_Sub]) -> AsyncIterator[list[tuple[_Sub, Any]]]:
@@ -703,10 +735,12 @@ def _error_event(exc: BaseException) -> str:
     return _sse(error_body(500, f"internal server error: {type(exc).__name__}", "internal_error"))
 
 
-async def _stream_completion(srv, q, subs, rid, created, model, echo, include_usage, n) -> AsyncIterator[str]:
-    def chunk(index: int, text: str, reason: str | None) -> str:
+async def _stream_completion(srv, q, subs, rid, created, model, echo, include_usage, n,
+                             want_ids=False) -> AsyncIterator[str]:
+    def chunk(index: int, text: str, reason: str | None, ids: dict | None = None) -> str:
         return _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                     "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": reason}]})
+                     "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": reason,
+                                  **(ids or {})}]})
 
     if echo:
         yield "".join(chunk(s.index, s.prompt_text, None) for s in subs)
@@ -715,8 +749,9 @@ async def _stream_completion(srv, q, subs, rid, created, model, echo, include_us
             buf = []
             for s, out in batch:
                 d = out.delta_text  # stop-string hold-back applied by the engine (OutputText)
-                if d or out.finished:
-                    buf.append(chunk(s.index, d, out.finish_reason if out.finished else None))
+                ids = stream_token_ids(s, out, want_ids)
+                if d or out.finished or ids:
+                    buf.append(chunk(s.index, d, out.finish_reason if out.finished else None, ids))
             if buf:
                 yield "".join(buf)
     except Exception as e:  # noqa: BLE001
@@ -728,10 +763,11 @@ async def _stream_completion(srv, q, subs, rid, created, model, echo, include_us
     yield "data: [DONE]\n\n"
 
 
-async def _stream_chat(srv, q, subs, rid, created, model, include_usage, n) -> AsyncIterator[str]:
-    def chunk(index: int, delta: dict, reason: str | None) -> str:
+async def _stream_chat(srv, q, subs, rid, created, model, include_usage, n, want_ids=False) -> AsyncIterator[str]:
+    def chunk(index: int, delta: dict, reason: str | None, ids: dict | None = None) -> str:
         return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                     "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}]})
+                     "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": reason,
+                                  **(ids or {})}]})
 
     yield "".join(chunk(s.index, {"role": "assistant", "content": ""}, None) for s in subs)
     try:
@@ -739,8 +775,9 @@ async def _stream_chat(srv, q, subs, rid, created, model, include_usage, n) -> A
             buf = []
             for s, out in batch:
                 d = out.delta_text  # stop-string hold-back applied by the engine (OutputText)
-                if d:
-                    buf.append(chunk(s.index, {"content": d}, None))
+                ids = stream_token_ids(s, out, want_ids)
+                if d or ids:
+                    buf.append(chunk(s.index, {"content": d}, None, ids))
                 if out.finished:
                     buf.append(chunk(s.index, {}, out.finish_reason))
             if buf:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 # vLLM's buckets, with finer low ends for CPU-sized latencies.
@@ -87,14 +88,23 @@ class ServerMetrics:
                                 ["model_name", "reason"], registry=r)
         self.engine_errors = Gauge("laser:engine_step_errors", "Engine steps that raised (since start).",
                                    ["model_name"], registry=r)
+        self.admissions = Counter("laser:admission_decisions", "Admission control decisions by outcome, per "
+                                  "requested class (admitted, demoted, rejected_infeasible, rejected_queue_full, "
+                                  "rejected_unavailable).", cls + ["outcome"], registry=r)
+        r.register(_SchedulerCollector(self))
         self._classes_seen: set[str] = set()
 
     # -- observations (event loop) ------------------------------------------------------------------------
-    def reject(self, reason: str) -> None:
+    def reject(self, reason: str, slo_class: str | None = None) -> None:
+        """A request refused before the engine; with ``slo_class``, an admission decision too."""
         self.rejected.labels(self.model_name, reason).inc()
+        if slo_class is not None:
+            self.admissions.labels(self.model_name, slo_class, f"rejected_{reason.removeprefix('slo_')}").inc()
 
     def admitted(self, admission) -> None:
         """A request passed admission control."""
+        outcome = "demoted" if admission.demoted else "admitted"
+        self.admissions.labels(self.model_name, admission.requested.name, outcome).inc()
         if admission.demoted:
             self.demoted.labels(self.model_name, admission.requested.name).inc()
         slack = admission.slack
@@ -155,3 +165,50 @@ class ServerMetrics:
     def render(self) -> bytes:
         self.refresh()
         return generate_latest(self.registry)
+
+
+class _SchedulerCollector:
+    """Scheduler counters from the snapshot the engine thread publishes after each step
+    (:meth:`laser.async_engine.AsyncEngine.counters`): never reads live engine state."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        ae = self.metrics.async_engine
+        c = ae.counters() if ae is not None else {}
+        m = self.metrics.model_name
+        pre = CounterMetricFamily("laser:preemptions", "Preempted requests by cause (kv, slo, running_cap, ...), "
+                                  "per class of the victim.", labels=["model_name", "cause", "slo_class"])
+        for (cause, cls), n in sorted(c.get("preemptions", {}).items()):
+            pre.add_metric([m, cause, cls], n)
+        yield pre
+        rec = CounterMetricFamily("laser:recomputes", "Work thrown away to be recomputed, by kind (preemption: "
+                                  "KV freed; icache_eviction: a paused chunk's hidden state dropped), per class.",
+                                  labels=["model_name", "kind", "slo_class"])
+        tok = CounterMetricFamily("laser:recomputed_tokens", "Tokens to recompute, by kind, per class.",
+                                  labels=["model_name", "kind", "slo_class"])
+        for (kind, cls), n in sorted(c.get("recomputes", {}).items()):
+            rec.add_metric([m, kind, cls], n)
+            tok.add_metric([m, kind, cls], c.get("recomputed_tokens", {}).get((kind, cls), 0))
+        yield rec
+        yield tok
+        ev = CounterMetricFamily("laser:intermediate_cache_evictions", "Paused chunks evicted from the "
+                                 "intermediate cache (recomputed from layer 0 later).", labels=["model_name"])
+        ev.add_metric([m], c.get("icache_evictions", 0))
+        yield ev
+        stops = CounterMetricFamily("laser:layer_stops", "Steps stopped at a layer boundary for a more urgent "
+                                    "arrival (Laser §6.1).", labels=["model_name"])
+        stops.add_metric([m], c.get("layer_stops", 0))
+        yield stops
+        used = GaugeMetricFamily("laser:intermediate_cache_tokens", "Tokens of paused hidden states held.",
+                                 labels=["model_name"])
+        used.add_metric([m], c.get("icache_tokens", 0))
+        yield used
+        cap = GaugeMetricFamily("laser:intermediate_cache_capacity_tokens", "Intermediate cache capacity.",
+                                labels=["model_name"])
+        cap.add_metric([m], c.get("icache_capacity", 0))
+        yield cap

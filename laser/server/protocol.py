@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 # torch.Generator.manual_seed accepts [-2**63, 2**64 - 1].
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -35,8 +35,9 @@ class _Common(_Request):
     top_k: int | None = Field(None, ge=-1, description="-1 or 0 disables top-k (vLLM extension)")
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = Field(None, description=f"up to {MAX_STOP} stop strings")
-    stop_token_ids: list[int] | None = Field(None, max_length=256)
+    stop_token_ids: list[StrictInt] | None = Field(None, max_length=256)
     ignore_eos: bool = False
+    return_token_ids: bool = Field(False, description="vLLM extension: token ids with each choice (and chunk)")
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -51,7 +52,8 @@ class _Common(_Request):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+    # StrictInt: JSON true/false and 1.0 are not token ids (lax ints would take them)
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]] = Field(
         ..., description="text, token ids, or a list of either (one choice set per prompt)"
     )
     max_tokens: int | None = Field(16, ge=1)
@@ -83,7 +85,9 @@ class ChatCompletionRequest(_Common):
     logprobs: bool | None = Field(None, description="not supported")
     top_logprobs: int | None = Field(None, description="not supported")
     tools: list[Any] | None = Field(None, description="not supported")
-    tool_choice: Any = Field(None, description="not supported")
+    tool_choice: Any = Field(None, description="not supported (only none/auto without tools)")
+    functions: list[Any] | None = Field(None, description="legacy; not supported")
+    function_call: Any = Field(None, description="legacy; not supported (only none/auto)")
     response_format: ResponseFormat | None = Field(None, description="only type=text is supported")
 
 
@@ -169,3 +173,33 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+# -- helpers of both endpoints ------------------------------------------------------------------------
+
+
+def unsupported_chat_fields(body: ChatCompletionRequest) -> tuple[str, str] | None:
+    """(field, what) of the first tool-calling field a chat request sets that this server cannot
+    honour, or None. Tools (and legacy functions) are not implemented, so a non-empty list
+    or a choice that demands a call (``"required"``, a named function, even with
+    ``tools: []``) is refused rather than silently ignored; ``"none"``/``"auto"`` with no
+    tools is the neutral value."""
+    if body.tools:
+        return "tools", "tool calling"
+    if body.tool_choice not in (None, "none", "auto"):
+        return "tool_choice", f"tool_choice {body.tool_choice!r} (tool calling)"
+    if body.functions:
+        return "functions", "function calling (legacy functions)"
+    if body.function_call not in (None, "none", "auto"):
+        return "function_call", f"function_call {body.function_call!r} (legacy function calling)"
+    return None
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """Seed of choice ``index`` (0-based) of a request with ``seed`` and ``n > 1``: ``seed + index``
+    (as vLLM's parallel sampling), wrapped into the accepted range, so each choice is its own
+    reproducible stream and choice 0 equals the ``n=1`` answer. None stays None (unseeded)."""
+    if seed is None or index == 0:
+        return seed
+    s = seed + index
+    return s - 2**64 if s > SEED_MAX else s
