@@ -126,6 +126,10 @@ class Request:
     # Absolute time of every output token (first = first token).
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
+    # Times this request was preempted (its KV freed and recomputed later).
+    num_preemptions: int = 0
+    # Token gaps over the TBT target so far (the P99-TBT allowance a scheduler may spend).
+    num_tbt_misses: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort"
 
     def __post_init__(self):

@@ -174,34 +174,70 @@ class Scheduler(ABC):
         ``cause`` labels the preemption counter (:meth:`count_preemption`).
         """
         self.count_recompute("preemption", req, req.num_computed_tokens + req.chunk_tokens)
+        was_decoding = req.phase == Phase.DECODE
         self.bm.free(req.req_id)
         self.icache.discard(req.req_id)
         req.num_computed_tokens = 0
         req.chunk_tokens = 0
         req.next_layer = 0
         req.phase = Phase.PREFILL if req.output_token_ids else Phase.WAITING
+        req.num_preemptions += 1
         if req in self.running:
             self.running.remove(req)
         self.waiting.append(req)
         self.waiting.sort(key=self.queue_key)
         self.count_preemption(cause, req)
+        self.on_preempt(req, was_decoding)
+
+    def on_preempt(self, req: Request, was_decoding: bool) -> None:
+        """Hook: ``req`` was preempted (Laser drops its decode plan)."""
+
+    def slo_rank(self, req: Request) -> tuple[float, float]:
+        """Class strictness for priority preemption, smaller = stricter: (TTFT target, TBT
+        target); best effort is (inf, inf)."""
+        return (req.slo.ttft_or_inf, req.slo.tbt_or_inf)
+
+    def _victim_key(self, r: Request):
+        # least strict class first; among equals the one preempted least often (no victim is
+        # hit again and again), then the latest deadline
+        return (self.slo_rank(r), -r.num_preemptions, self.queue_key(r))
+
+    def make_room(self, req: Request, fits: Callable[[], bool], cause: str, protected: set[str] = frozenset()) -> bool:
+        """Priority preemption (vLLM's ``priority`` scheduling policy): until ``fits()`` holds,
+        preempt the least strict running request of a strictly less strict class than ``req``
+        (:meth:`slo_rank`; never one in ``protected``, the requests already in this step's
+        plan). ``fits`` may allocate (it is :meth:`try_allocate` for KV). Returns ``fits()``.
+
+        Only strictly looser classes are victims, so two requests can never preempt each other
+        back and forth."""
+        while not fits():
+            rank = self.slo_rank(req)
+            victims = [r for r in self.running if r is not req and r.req_id not in protected
+                       and self.slo_rank(r) > rank]
+            if not victims:
+                return False
+            self.preempt(max(victims, key=self._victim_key), cause)
+        return True
 
     def preempt_for_decode(self, needed: list[Request]) -> list[Request]:
         """Make room for one more decode block for each of ``needed`` (in priority order).
 
-        Preempts the running requests with the latest queue keys first. Returns the
-        requests of ``needed`` that got their block.
+        Preempts the least strict running requests first (class, then fewest preemptions so
+        far, then latest deadline), never one of a stricter class than the request that needs
+        the block: that one is preempted itself instead. Returns the requests of ``needed``
+        that got their block.
         """
         ok = []
         for req in needed:
             if req not in self.running:  # preempted as a victim of an earlier one
                 continue
+            rank = self.slo_rank(req)
             while not self.try_allocate(req, req.num_tokens):
-                victims = [r for r in self.running if r is not req]
+                victims = [r for r in self.running if r is not req and self.slo_rank(r) >= rank]
                 if not victims:
                     self.preempt(req)
                     break
-                self.preempt(max(victims, key=self.queue_key))
+                self.preempt(max(victims, key=self._victim_key))
             else:
                 ok.append(req)
         return [r for r in ok if r in self.running]
@@ -227,6 +263,8 @@ class Scheduler(ABC):
                 req.next_layer = 0
                 if w.sample:
                     req.output_token_ids.append(sampled[w.req_id])
+                    if req.token_times and req.slo.tbt is not None and now - req.token_times[-1] > req.slo.tbt:
+                        req.num_tbt_misses += 1
                     req.token_times.append(now)
                     req.phase = Phase.DECODE
                     out.append(req)

@@ -17,18 +17,25 @@ class SarathiScheduler(Scheduler):
         # then (2) prefill chunks filling the rest of the token budget
         # (max_num_batched_tokens): ongoing prefills first, then waiting requests, each
         # in queue order; a chunk is min(remaining prompt, remaining budget).
+        # A waiting request blocked by max_num_seqs or the KV pool preempts running requests
+        # of a less strict SLO class (make_room).
         works = []
         decodes = self.preempt_for_decode(sorted(self.decoding(), key=self.queue_key))
         works.extend(self.full_work(r, 1) for r in decodes)
+        planned = {w.req_id for w in works}
         budget = self.config.max_num_batched_tokens - len(works)
+        cap = self.config.max_num_seqs
         for req in self.prefilling() + list(self.waiting):
             if budget <= 0:
                 break
+            if req not in self.running and req not in self.waiting:  # preempted for an earlier one
+                continue
             n = min(self.prefill_remaining(req), budget)
-            if req in self.waiting and len(self.running) >= self.config.max_num_seqs:
+            if req in self.waiting and not self.make_room(req, lambda: len(self.running) < cap, "running_cap", planned):
                 break
-            if not self.try_allocate(req, req.num_computed_tokens + n):
+            if not self.make_room(req, lambda: self.try_allocate(req, req.num_computed_tokens + n), "slo", planned):
                 break
+            planned.add(req.req_id)
             if req in self.waiting:
                 self.admit(req)
             works.append(self.full_work(req, n))

@@ -14,14 +14,21 @@ class VLLMScheduler(Scheduler):
         # max_num_batched_tokens), run a prefill-only batch of whole prompts in queue order
         # (the first one even if it alone exceeds the budget); otherwise run one decode
         # token for every running request through every layer.
+        # A waiting request blocked by max_num_seqs or the KV pool preempts running requests
+        # of a less strict SLO class (make_room).
         works = []
         budget = self.config.max_num_batched_tokens
+        cap = self.config.max_num_seqs
+        planned: set[str] = set()
         for req in list(self.waiting):
             n = req.num_tokens
             if works and n > budget:
                 break
-            if len(self.running) >= self.config.max_num_seqs or not self.try_allocate(req, n):
+            if not self.make_room(req, lambda: len(self.running) < cap, "running_cap", planned):
                 break
+            if not self.make_room(req, lambda: self.try_allocate(req, n), "slo", planned):
+                break
+            planned.add(req.req_id)
             self.admit(req)
             works.append(self.full_work(req, n))
             budget -= n
