@@ -129,6 +129,10 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     # Output text length to keep when a stop string matched (set by the detokenizer).
     stop_text_len: int | None = None
+    # Served best effort: queued after every request with a deadline (the controller's
+    # fallback when no prefill instance can meet its TTFT, PPoPP'26 §7.1). Its SLO is
+    # still what it is judged against.
+    demoted: bool = False
 
     def __post_init__(self):
         if not self.req_id:

@@ -89,13 +89,26 @@ class SimInstance:
         return self.finished
 
     def step(self) -> None:
-        sched = self.scheduler
-        plan = sched.schedule(self.clock.t)
+        """One engine step: :meth:`begin_step` then :meth:`finish_step`."""
+        plan = self.begin_step()
+        if plan:
+            self.finish_step(plan)
+
+    def begin_step(self) -> StepPlan:
+        """Schedule the next step at the current virtual time (allocates, admits). An
+        empty plan lets time pass to the next queued arrival."""
+        plan = self.scheduler.schedule(self.clock.t)
         if not plan:
             # nothing runnable (e.g. waiting on memory): let time pass to the next arrival
             if self._arrivals:
                 self.clock.t = max(self.clock.t, self._arrivals[0].arrival_time)
-            return
+        return plan
+
+    def finish_step(self, plan: StepPlan) -> None:
+        """Execute ``plan`` (from :meth:`begin_step`, clock unchanged since) layer by layer
+        in virtual time, releasing arrivals at layer boundaries, then update the scheduler
+        and finish requests that reached ``max_tokens``."""
+        sched = self.scheduler
         if self.record_plans:
             self.stats.plans.append(StepPlan(plan.num_layers, list(plan.works)))
         t_start = self.clock.t
