@@ -19,31 +19,36 @@ from ..instance.messages import RequestInfo
 from .base import Controller, Route, least_loaded_decode, mixed_load_key, prefill_load_key, register
 
 
-@register
-class DistServeController(Controller):
-    name = "distserve"
-    disaggregated = True
-    instance_policy = "vllm"
+class _LeastLoaded(Controller):
+    """Routes each request to the instance of ``self.prefill`` with the smallest ``load_key``."""
+
+    @staticmethod
+    def load_key(rep):
+        raise NotImplementedError
 
     def route(self, info: RequestInfo, now: float) -> Route:
         self.decisions += 1
-        p = min(self.prefill, key=lambda i: (prefill_load_key(i.report()), i.instance_id))
+        p = min(self.prefill, key=lambda i: (self.load_key(i.report()), i.instance_id))
         return Route(p.instance_id, None)
+
+
+@register
+class DistServeController(_LeastLoaded):
+    name = "distserve"
+    disaggregated = True
+    instance_policy = "vllm"
+    load_key = staticmethod(prefill_load_key)
 
     def at_handoff(self, info: RequestInfo, chosen: int | None, now: float) -> int:
         return least_loaded_decode(self.decode).instance_id
 
 
 @register
-class ColocatedController(Controller):
+class ColocatedController(_LeastLoaded):
     name = "colocated"
     disaggregated = False
     instance_policy = "sarathi"
-
-    def route(self, info: RequestInfo, now: float) -> Route:
-        self.decisions += 1
-        m = min(self.prefill, key=lambda i: (mixed_load_key(i.report()), i.instance_id))
-        return Route(m.instance_id, None)
+    load_key = staticmethod(mixed_load_key)
 
 
 @register

@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..scheduler.laser import _largest
+
 
 @dataclass
 class Group:
@@ -106,16 +108,7 @@ class GroupManager:
         def ok(b: int) -> bool:
             return self.lm.predict_decode_iteration([c] * b) <= self.margin * tbt
 
-        if not ok(1):
-            return 1
-        lo, hi = 1, min(limit, 4096)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if ok(mid):
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return _largest(1, min(limit, 4096), ok) or 1
 
     def throughput(self, g: Group) -> float:
         """μ_g, requests/s one instance finishes at its largest SLO-compliant batch."""
