@@ -131,6 +131,10 @@ class Request:
     # Token gaps over the TBT target so far (the P99-TBT allowance a scheduler may spend).
     num_tbt_misses: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    # Served best effort: queued after every request with a deadline (the controller's
+    # fallback when no prefill instance can meet its TTFT, PPoPP'26 §7.1). Its SLO is
+    # still what it is judged against.
+    demoted: bool = False
 
     def __post_init__(self):
         if not self.req_id:

@@ -113,7 +113,19 @@ def register(subparsers) -> None:
     t.add_argument("--sim", action="store_true", help="SIMULATED: the schedulers on a latency model in virtual time")
     t.add_argument("--sim-latency", choices=["auto", "profile", "analytic"], default="auto",
                    help="simulator clock: fitted profile (auto: when laser.profiler exists) or roofline estimate")
-    t.add_argument("--sim-hardware", default="cpu-2core", help="hardware table entry for --sim-latency analytic")
+    t.add_argument("--sim-hardware", default="cpu-2core",
+                   help="hardware table entry for --sim-latency analytic and --cluster (there default a100)")
+    c = p.add_argument_group("simulated cluster (global controller, SIMULATED)")
+    c.add_argument("--cluster", default=None,
+                   help="simulate a cluster: 8P8D (prefill+decode instances) or 16M (mixed); needs --sim")
+    c.add_argument("--controller", default=None,
+                   help="comma list of controllers (laser, distserve, colocated, colocated-laser, round_robin); "
+                        "default laser,distserve,colocated")
+    c.add_argument("--sim-model", default="qwen2.5-14b", help="paper-scale model shape (qwen2.5-14b/32b, llama-3-70b)")
+    c.add_argument("--sim-tp", type=int, default=None, help="GPUs per instance (default as in the paper: 1/2/4)")
+    c.add_argument("--msg-delay-ms", type=float, default=1.0, help="controller<->instance message delay (ms)")
+    c.add_argument("--sweep-cluster", nargs="?", const="2,4,8,12,16", default=None,
+                   help="goodput per cluster size in GPUs (default list 2,4,8,12,16), P:D split in half")
 
     o = p.add_argument_group("output")
     o.add_argument("--json", default=None, help="write results JSON here")
@@ -260,6 +272,14 @@ def build_targets(args, specs):
         tgt = ClientTarget(args.base_url, args.served_model_name, args.endpoint, args.api_key, args.max_concurrency,
                            label=args.label)
         return {tgt.label: tgt}, _tokenizer(args), args.max_model_len, None, "client"
+    if getattr(args, "cluster", None):
+        from laser.bench.cluster import build_cluster_targets
+
+        if not args.sim:
+            raise ValueError("--cluster needs --sim (the cluster is simulated)")
+        targets, cfg = build_cluster_targets(args)
+        max_len = args.max_model_len or 32768
+        return targets, _tokenizer(args), max_len, cfg.latency_model, "sim"
     if args.sim:
         lm, n_layers, blocks, max_len = _sim_setup(args)
         targets = {}
@@ -309,6 +329,12 @@ def build_workload(args, tokenizer, max_model_len, mix=None):
         reqs = sample_mix(mix, n, args.seed, args.length_scale, tokenizer, max_model_len)
         times = None
         desc = {"mix": ":".join(f"{m:g}" for m in mix), "num_prompts": n, "length_scale": args.length_scale}
+    if getattr(args, "cluster", None):
+        from laser.bench.cluster import rescale_to_table1
+
+        reqs, factors = rescale_to_table1(reqs, max_model_len)
+        desc["lengths"] = "rescaled per class to the paper's Table 1 means"
+        desc["rescale_factors"] = factors
     desc["seed"] = args.seed
     by: dict[str, list] = {}
     for r in reqs:
@@ -365,12 +391,12 @@ def _rate_range(args, targets, requests, slos, lm, mode, n_layers_blocks=None):
         return lo, hi, "given"
     from laser.bench.runner import SimTarget, saturation_rate
 
-    sim = next((t for t in targets.values() if isinstance(t, SimTarget)), None)
+    sim = next((t for t in targets.values() if t.kind == "sim"), None)
     if sim is None:
         pol = "sarathi"
         sim = SimTarget(pol, lm or _default_lm(args), config=_sched_config(args, pol))
     cap = saturation_rate(sim, requests, slos)
-    return 0.1 * cap, cap, f"auto: 0.1-1.0x simulated saturation throughput {cap:.3g} req/s ({sim.policy})"
+    return 0.1 * cap, cap, f"auto: 0.1-1.0x simulated saturation throughput {cap:.3g} req/s ({sim.label})"
 
 
 # -------------------------------------------------------------------------------------- run
@@ -388,7 +414,10 @@ def cmd_bench(args) -> int:
     targets, tokenizer, max_len, lm, mode = build_targets(args, specs)
     simulated = mode == "sim"
     tag = f" {report.SIM_TAG}" if simulated else ""
-    if simulated:
+    if simulated and getattr(args, "cluster", None):
+        print(f"SIMULATED cluster {args.cluster}: controllers {', '.join(targets)} over simulated instances of "
+              f"{args.sim_model} ({type(lm).__name__}: an estimate; virtual time, not measured).")
+    elif simulated:
         print(f"SIMULATED run: policies on SimInstance, clock = {type(lm).__name__} (virtual time, not measured).")
     requests, trace_times, wl_desc = build_workload(args, tokenizer, max_len)
     print(f"workload: {wl_desc}")
@@ -475,6 +504,8 @@ def cmd_bench(args) -> int:
             b = make_bench(reqs, slos)
             res = b.goodput(lo, hi, grid, steps, extend=args.extend, full_grid=args.full_grid)
             sweeps["mix"][m.strip()] = {lb: g.goodput_rps for lb, g in res.items()}
+    if args.sweep_cluster and search and getattr(args, "cluster", None):
+        sweeps["cluster_gpus"] = sweep_cluster(args, targets, requests, slos, lo, hi, grid, steps, make_bench, tag)
     if bar is not None:
         bar.total = bar.n
         bar.close()
@@ -543,3 +574,26 @@ def cmd_bench(args) -> int:
                             mix_sweep=sweeps.get("mix"), simulated=simulated, workload=wl_txt, slos=slo_txt)
         print("plots: " + ", ".join(str(p) for p in paths))
     return 0
+
+
+def sweep_cluster(args, targets, requests, slos, lo, hi, grid, steps, make_bench, tag) -> dict:
+    """Goodput per cluster size (GPUs): ``GPUs / tp`` instances, split in half P:D
+    (prefill the smaller half) for disaggregated controllers, all mixed otherwise."""
+    from laser.bench.cluster import ClusterTarget
+    from laser.sim.cluster import ClusterSpec
+
+    out = {}
+    for g in (int(x) for x in _floats(args.sweep_cluster)):
+        n = g // next(iter(targets.values())).config.tp
+        if n < 2:
+            print(f"-- {g} GPUs: fewer than 2 instances, skipped{tag}")
+            continue
+        spec = ClusterSpec(num_mixed=n)
+        print(f"-- cluster {g} GPUs ({n} instances){tag}")
+        sized = {lb: ClusterTarget(t.controller, spec, t.config, lb) for lb, t in targets.items()}
+        b = make_bench(requests, slos)
+        b.targets = sized
+        res = b.goodput(lo * n / ClusterSpec.parse(args.cluster).total, hi * n / ClusterSpec.parse(args.cluster).total,
+                        grid, steps, extend=args.extend, full_grid=args.full_grid)
+        out[str(g)] = {lb: r.goodput_rps for lb, r in res.items()}
+    return out

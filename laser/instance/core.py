@@ -157,14 +157,23 @@ class InstanceCore:
 
     # -- the loop ------------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
-        """One scheduling step: schedule -> execute -> update. Returns the requests that got a
-        token (finished ones are already freed; prefill-role ones already handed off)."""
+        """One scheduling step: :meth:`schedule` then :meth:`execute`. Returns the requests that
+        got a token (finished ones are already freed; prefill-role ones already handed off)."""
+        plan = self.schedule()
+        return self.execute(plan) if plan else []
+
+    def schedule(self) -> StepPlan:
+        """First half of a step: deliver arrivals, let the scheduler plan (allocates, admits)."""
         if self.arrival_hook is not None:
             self.arrival_hook()
         t0 = self._perf()
         plan = self.scheduler.schedule(self.clock())
-        if not plan:
-            return []
+        self.step_stats.schedule_s += self._perf() - t0
+        return plan
+
+    def execute(self, plan: StepPlan) -> list[TokenEvent]:
+        """Second half: execute ``plan`` (from :meth:`schedule`), update the scheduler, apply
+        the finish rule and the hand-off."""
         t1 = self._perf()
         result = self.executor.execute(plan, self.scheduler.requests, stop_at=self._stop_at)
         now = self.clock()
@@ -181,7 +190,7 @@ class InstanceCore:
             events.append(ev)
         st = self.step_stats
         st.steps += 1
-        st.schedule_s += t1 - t0 + self._perf() - t2
+        st.schedule_s += self._perf() - t2
         st.execute_s += t2 - t1
         st.layer_s += result.layer_seconds
         st.layer_calls += result.num_layer_calls

@@ -64,10 +64,11 @@ class Scheduler(ABC):
 
     # -- queue ----------------------------------------------------------------------------
     def queue_key(self, req: Request) -> tuple[float, float]:
-        """EDF: arrival + TTFT target (best effort ages: arrival + best_effort_deadline_s); FCFS: arrival."""
+        """EDF: arrival + TTFT target (best effort and demoted requests age: arrival +
+        best_effort_deadline_s); FCFS: arrival."""
         if self.config.queue_order == "fcfs":
             return (req.arrival_time, 0.0)
-        ttft = req.slo.ttft if req.slo.ttft is not None else self.config.best_effort_deadline_s
+        ttft = req.slo.ttft if req.slo.ttft is not None and not req.demoted else self.config.best_effort_deadline_s
         return (req.arrival_time + ttft, req.arrival_time)
 
     def add_request(self, req: Request) -> None:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from ..latency_model import LatencyModel, SimpleLatencyModel
 from ..core.pricing import PlanCost
 from ..plan import StepPlan, Work
-from ..request import Phase, Request
+from ..request import SLO, Phase, Request
 from .base import Scheduler, ceil_div
 
 
@@ -96,7 +96,7 @@ class LaserScheduler(Scheduler):
         # layer and joins it; the next schedule sizes its chunk so every deadline holds).
         if not self._in_step or self.config.role == "decode":
             return
-        if req.slo.ttft is not None:
+        if req.slo.ttft is not None and not req.demoted:
             now = self.clock()
             alone = self.lm.predict_prefill(req.num_tokens)
             slack = req.ttft_deadline - now - alone
@@ -227,50 +227,22 @@ class LaserScheduler(Scheduler):
 
     def _replan(self, decoding: list[Request]) -> None:
         """Alg. 1: relax the most relaxed / restore the strictest, against T_g."""
-        n = self.num_layers
         self.replan_needed = False
         self.num_replans += 1
-        plans = {r.req_id: self.plans.get(r.req_id, DecodePlan(n, 0)) for r in decoding}
-        self.t_g = t_g = min(r.slo.tbt_or_inf for r in decoding)
-        if t_g == math.inf:
-            self.plans = {rid: DecodePlan(n, 0) for rid in plans}
-            return
+        self.plans, self.t_g, _ = exec_plan(self.lm, self.num_layers, self.iteration, decoding, self.plans,
+                                            self.plan_target_factor())
+
+    def plan_target_factor(self) -> float:
+        """Fraction of T_g that Alg. 1 plans decode iterations to: ``tg_margin``, less the
+        prefill share on a mixed instance with prefill work pending."""
         pending_prefill = bool(self.waiting) or any(r.phase != Phase.DECODE for r in self.running)
-        target = t_g * self.tg_margin * ((1 - self.prefill_share) if (pending_prefill and self.config.role == "mixed") else 1)
-        load = _LayerLoad(self, decoding, plans)
-        # relax: the most relaxed full-depth request first
-        relaxable = sorted(
-            (r for r in decoding if plans[r.req_id].layers >= n and r.slo.tbt_or_inf > t_g),
-            key=lambda r: -r.slo.tbt_or_inf,
-        )
-        for r in relaxable:
-            if load.predict() <= target:
-                break
-            slo = r.slo.tbt_or_inf
-            L = 1 if slo == math.inf else max(1, math.ceil(n * t_g / slo))  # best effort: 1 layer
-            if L >= n:
-                continue
-            load.remove(plans[r.req_id])
-            plans[r.req_id] = load.best_offset(L)
-            load.add(plans[r.req_id])
-        # restore: the strictest reduced request first; revert (and stop) if it breaks the target
-        reduced = sorted((r for r in decoding if plans[r.req_id].layers < n), key=lambda r: r.slo.tbt_or_inf)
-        for r in reduced:
-            if load.predict() >= target:
-                break
-            old = plans[r.req_id]
-            load.remove(old)
-            load.add(DecodePlan(n, 0))
-            if load.predict() > target:
-                load.remove(DecodePlan(n, 0))
-                load.add(old)
-                break
-            plans[r.req_id] = DecodePlan(n, 0)
-        self.plans = plans
+        share = (1 - self.prefill_share) if (pending_prefill and self.config.role == "mixed") else 1.0
+        return self.tg_margin * share
 
     def predict_decode(self, decoding: list[Request], plans: dict[str, DecodePlan] | None = None) -> float:
         """Worst predicted decode-only iteration time over the next iterations under ``plans``."""
-        return _LayerLoad(self, decoding, plans if plans is not None else self.plans).predict()
+        plans = plans if plans is not None else self.plans
+        return _LayerLoad(self.lm, self.num_layers, self.iteration, decoding, plans).predict()
 
     # -- prefill (§6.1) ---------------------------------------------------------------------------
     #: Stop looking for more prefill work after this many candidates did not fit in time...
@@ -381,10 +353,9 @@ class _LayerLoad:
 
     HORIZON = 12
 
-    def __init__(self, sched: LaserScheduler, reqs: list[Request], plans: dict[str, DecodePlan]):
-        self.n = sched.num_layers
-        self.it0 = sched.iteration
-        lm = sched.lm
+    def __init__(self, lm: LatencyModel, num_layers: int, iteration: int, reqs: list, plans: dict[str, DecodePlan]):
+        self.n = num_layers
+        self.it0 = iteration
         ctx = round(sum(r.num_tokens for r in reqs) / max(1, len(reqs)))
         memo: dict[int, float] = {0: 0.0}
 
@@ -448,3 +419,108 @@ class _LayerLoad:
             if t < best_t - 1e-12:
                 best, best_t = p, t
         return best
+
+
+# -- Alg. 1 and Alg. 2 lines 1-9 as pure functions (the scheduler and the controller's
+# LatencyIncrement share them; neither copies the other) -----------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeCandidate:
+    """A request about to join a decode instance, as Alg. 1 sees it: ``num_tokens`` is its
+    context (prompt + the first token), ``slo`` its targets (only ``slo.tbt`` is used)."""
+
+    req_id: str
+    num_tokens: int
+    slo: SLO
+
+
+def exec_plan(lm: LatencyModel, num_layers: int, iteration: int, decoding: list, plans: dict[str, DecodePlan],
+              target_factor: float = 1.0) -> tuple[dict[str, DecodePlan], float, "_LayerLoad | None"]:
+    """Algorithm 1 (PPoPP'26 §6.2.2), ``ExecPlan(N, R, L, O, R*)``: plans for ``decoding``.
+
+    ``decoding``: requests (or :class:`DecodeCandidate`) with ``req_id``, ``num_tokens``,
+    ``slo``; a request without a plan in ``plans`` is new (``L = N, O = 0``). T_g is the
+    tightest TBT target; Alg. 1 plans iterations to ``T_g * target_factor`` seconds:
+    while too slow, the most relaxed full-depth request drops to ``ceil(N*T_g/SLO_r)``
+    layers per iteration at the least-loaded offset; while there is headroom, the
+    strictest reduced request is restored to ``L = N`` (reverted and stop if that breaks
+    the target). Returns ``(plans, T_g, load)``; ``load`` (None when no request has a TBT
+    target) prices the returned plans (:meth:`_LayerLoad.predict`, seconds). Pure: the
+    input ``plans`` dict is not changed.
+    """
+    n = num_layers
+    plans = {r.req_id: plans.get(r.req_id, DecodePlan(n, 0)) for r in decoding}
+    t_g = min((r.slo.tbt_or_inf for r in decoding), default=math.inf)
+    if t_g == math.inf:
+        return {rid: DecodePlan(n, 0) for rid in plans}, t_g, None
+    target = t_g * target_factor
+    load = _LayerLoad(lm, n, iteration, decoding, plans)
+    # relax: the most relaxed full-depth request first
+    relaxable = sorted(
+        (r for r in decoding if plans[r.req_id].layers >= n and r.slo.tbt_or_inf > t_g),
+        key=lambda r: -r.slo.tbt_or_inf,
+    )
+    for r in relaxable:
+        if load.predict() <= target:
+            break
+        slo = r.slo.tbt_or_inf
+        L = 1 if slo == math.inf else max(1, math.ceil(n * t_g / slo))  # best effort: 1 layer
+        if L >= n:
+            continue
+        load.remove(plans[r.req_id])
+        plans[r.req_id] = load.best_offset(L)
+        load.add(plans[r.req_id])
+    # restore: the strictest reduced request first; revert (and stop) if it breaks the target
+    reduced = sorted((r for r in decoding if plans[r.req_id].layers < n), key=lambda r: r.slo.tbt_or_inf)
+    for r in reduced:
+        if load.predict() >= target:
+            break
+        old = plans[r.req_id]
+        load.remove(old)
+        load.add(DecodePlan(n, 0))
+        if load.predict() > target:
+            load.remove(DecodePlan(n, 0))
+            load.add(old)
+            break
+        plans[r.req_id] = DecodePlan(n, 0)
+    return plans, t_g, load
+
+
+@dataclass(frozen=True, slots=True)
+class Increment:
+    """Answer of :func:`latency_increment`: ``value`` (seconds of aggregate TBT, inf when
+    the strictest TBT would break), ``iter_before``/``iter_after`` (predicted worst
+    iteration, seconds), ``t_g_after`` (tightest TBT with the candidate, seconds)."""
+
+    value: float
+    iter_before: float
+    iter_after: float
+    t_g_after: float
+
+
+def latency_increment(lm: LatencyModel, num_layers: int, iteration: int, decoding: list,
+                      plans: dict[str, DecodePlan], candidate, target_factor: float = 1.0) -> Increment:
+    """``LatencyIncrement(r*, d)``, Algorithm 2 lines 1-9 (PPoPP'26 §7.2.1), on copies.
+
+    ``Iter`` = predicted worst iteration of the current plans; Alg. 1 (:func:`exec_plan`)
+    with ``candidate`` added gives ``(L*, O*, Iter*, T_g*)``. If ``Iter* > T_g*`` (times
+    ``target_factor``, the fraction the scheduler plans to) the answer is inf; else
+    ``sum_{r in R*} Iter*·ceil(N/L*_r) - sum_{r in R} Iter·ceil(N/L_r)`` seconds (each
+    request's TBT is its iteration time times its iterations per token). Memory is the
+    instance's check, not this function's.
+    """
+    n = num_layers
+    cur = {r.req_id: plans.get(r.req_id, DecodePlan(n, 0)) for r in decoding}
+    if decoding:
+        it = _LayerLoad(lm, n, iteration, decoding, cur).predict()
+        before = sum(it * p.groups(n) for p in cur.values())
+    else:
+        it = before = 0.0
+    reqs = list(decoding) + [candidate]
+    new, t_g, load = exec_plan(lm, n, iteration, reqs, cur, target_factor)
+    it_star = (load if load is not None else _LayerLoad(lm, n, iteration, reqs, new)).predict()
+    if it_star > t_g * target_factor:
+        return Increment(math.inf, it, it_star, t_g)
+    after = sum(it_star * p.groups(n) for p in new.values())
+    return Increment(after - before, it, it_star, t_g)

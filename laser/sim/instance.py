@@ -192,11 +192,21 @@ class SimInstance(InstanceCore):
         return self.finished
 
     def step(self):
-        """One step (see :meth:`InstanceCore.step`); when nothing is runnable (e.g. waiting on
-        memory), time passes to the next arrival."""
-        before = self.stats.steps
-        events = super().step()
-        if self.stats.steps == before and self._arrivals:
+        """One step (see :meth:`InstanceCore.step`): :meth:`begin_step` then :meth:`finish_step`."""
+        plan = self.begin_step()
+        return self.finish_step(plan) if plan else []
+
+    def begin_step(self) -> StepPlan:
+        """Schedule the next step at the current virtual time (allocates, admits). An empty plan
+        lets time pass to the next queued arrival (nothing is runnable, e.g. waiting on memory)."""
+        plan = self.schedule()
+        if not plan and self._arrivals:
             self.clock.t = max(self.clock.t, self._arrivals[0].arrival_time)
+        return plan
+
+    def finish_step(self, plan: StepPlan):
+        """Execute ``plan`` (from :meth:`begin_step`, clock unchanged since) layer by layer in
+        virtual time, releasing arrivals at layer boundaries; update, finish, hand off."""
+        events = self.execute(plan)
         self.finished.extend(ev.request for ev in events if ev.finish_reason is not None)
         return events

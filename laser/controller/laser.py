@@ -1,0 +1,150 @@
+"""``laser``: the paper's global controller (PPoPP'26 §7).
+
+Prefill selection (§7.1): for each prefill instance, simulate its EDF queue with the
+request inserted (:func:`edf_finish_times`) from its last report; an instance is
+feasible when every deadline that held without the newcomer still holds; take the
+feasible instance with the largest minimum slack, else the one with the fewest queued
+prefill tokens, where the request is served best effort (queued after every request with
+a deadline, so the admitted ones keep theirs).
+
+Decode assignment (§7.2.1, Alg. 2), at arrival so the KV can stream during prefill
+(CONTROLLER.md D1): every decode instance answers ``LatencyIncrement``; groups are
+visited nearest TBT first and the first group with a finite increment gets the request on
+its smallest-increment instance (ties: fewer requests); if every answer is inf, the
+least-loaded instance (fewest KV blocks in use) takes it best effort. The chosen instance
+keeps a reservation (D2). At the hand-off the choice is re-checked and re-run if it
+became inf. Groups (§7.2.2): :class:`~laser.controller.groups.GroupManager`.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..instance.messages import InstanceReport, RequestInfo
+from .base import Controller, Route, prefill_load_key, register
+from .groups import GroupManager
+
+
+def edf_finish_times(rep: InstanceReport, lm, num_layers: int, now: float,
+                     extra: RequestInfo | None = None) -> list[tuple[str, float, float]]:
+    """Estimated prefill finish of every queued request on the instance of ``rep``, in EDF
+    order (best-effort entries last), with ``extra`` inserted: ``[(req_id, deadline, finish)]``.
+
+    Model of the instance's layer-level chunked prefill (§6.1): the queue drains in EDF
+    order after the executing step (``busy_until``); request q finishes when a merged
+    batch of the first q entries would (``N`` layer calls of the batch, embedding, LM
+    head) -- the instance merges work while deadlines hold, so a later entry never delays
+    an earlier one. Seconds; inf deadlines for best effort.
+    """
+    entries = [(e.best_effort, e.deadline, e.req_id, e.remaining_tokens, e.prompt_len) for e in rep.queue]
+    if extra is not None:
+        entries.append((extra.ttft is None, extra.ttft_deadline, extra.req_id, extra.prompt_len, extra.prompt_len))
+    entries.sort(key=lambda e: (e[0], e[1]))
+    t0 = max(now, rep.busy_until)
+    out = []
+    tokens = 0
+    attn = 0.0
+    for k, (_, deadline, rid, rem, plen) in enumerate(entries, 1):
+        if rem <= 0:
+            out.append((rid, deadline, t0))
+            continue
+        tokens += rem
+        attn += lm.attention_time((rem,), (plen,))
+        per_layer = lm.stateless_time(tokens) + attn + lm.layer_overhead_s
+        out.append((rid, deadline, t0 + num_layers * per_layer + lm.embed_time(tokens) + lm.head_time(k)))
+    return out
+
+
+def prefill_slack(rep: InstanceReport, lm, num_layers: int, info: RequestInfo, now: float) -> float:
+    """min over queued requests of (deadline − estimated finish) with ``info`` inserted,
+    over the requests whose deadline held without it (and ``info`` itself); −inf-like
+    negative when one of them would miss. +inf when none has a deadline."""
+    before = {rid: f <= d for rid, d, f in edf_finish_times(rep, lm, num_layers, now)}
+    slack = math.inf
+    for rid, d, f in edf_finish_times(rep, lm, num_layers, now, info):
+        if math.isinf(d) or not before.get(rid, True):
+            continue
+        slack = min(slack, d - f)
+    return slack
+
+
+@register
+class LaserController(Controller):
+    """The Laser controller. Options: ``window_s`` (λ EWMA, 30 s), ``interval_s`` (group
+    re-size period, 10 s), ``tbt_targets`` (groups to create up front, seconds)."""
+
+    name = "laser"
+    disaggregated = True
+    instance_policy = "laser"
+
+    def __init__(self, window_s: float = 30.0, interval_s: float = 10.0, tbt_targets: tuple = ()):
+        super().__init__()
+        self.window_s, self.interval_s, self.tbt_targets = window_s, interval_s, tuple(tbt_targets)
+        self.groups: GroupManager | None = None
+        self.num_demoted = 0
+        self.num_fallback_decode = 0
+        self.num_reassigned = 0
+
+    def attach(self, instances) -> None:
+        super().attach(instances)
+        d = self.decode[0]
+        rep = d.report()
+        self.groups = GroupManager([i.instance_id for i in self.decode], d.latency_model, rep.total_blocks,
+                                   rep.block_size, list(self.tbt_targets), self.window_s, self.interval_s)
+
+    # -- prefill (§7.1) -------------------------------------------------------------------------
+    def select_prefill(self, info: RequestInfo, now: float) -> tuple[int, bool]:
+        """(instance id, demoted): the feasible instance with the largest slack, else the one
+        with the fewest pending prefill tokens (demoted to best effort)."""
+        best, best_slack = None, -math.inf
+        fallback, fb_key = None, None
+        for p in self.prefill:
+            rep = p.report()
+            s = prefill_slack(rep, p.latency_model, p.num_layers, info, now)
+            if s >= 0 and s > best_slack:
+                best, best_slack = p.instance_id, s
+            key = prefill_load_key(rep)
+            if fb_key is None or key < fb_key:
+                fallback, fb_key = p.instance_id, key
+        if best is not None:
+            return best, False
+        self.num_demoted += info.ttft is not None
+        return fallback, info.ttft is not None
+
+    # -- decode (§7.2, Alg. 2) ------------------------------------------------------------------
+    def assign_decode(self, info: RequestInfo, exclude: tuple[int, ...] = ()) -> int:
+        """Algorithm 2 ``DecodeAssignment``: nearest group with a finite increment, its
+        smallest increment; all inf -> least-loaded (KV blocks in use, then requests)."""
+        incs = {d.instance_id: d.latency_increment(info) for d in self.decode if d.instance_id not in exclude}
+        if not incs:
+            raise RuntimeError("no decode instance to assign to")
+        for g in self.groups.ordered(info.tbt_or_inf):
+            cands = [incs[i] for i in g.members if i in incs and incs[i].feasible]
+            if cands:
+                return min(cands, key=lambda x: (x.value, x.num_requests, x.instance_id)).instance_id
+        self.num_fallback_decode += 1
+        return min(incs.values(), key=lambda x: (x.used_blocks, x.num_requests, x.instance_id)).instance_id
+
+    def route(self, info: RequestInfo, now: float) -> Route:
+        self.decisions += 1
+        self.groups.observe(info.tbt_or_inf, info.prompt_len + 0.5 * info.expected_output, now)
+        p, demoted = self.select_prefill(info, now)
+        d = self.assign_decode(info)
+        self.instances[d].reserve(info)
+        return Route(p, d, demoted)
+
+    def at_handoff(self, info: RequestInfo, chosen: int | None, now: float) -> int:
+        """Re-check the decode instance chosen at arrival (D1); re-run Alg. 2 if it now answers inf."""
+        if chosen is not None and self.instances[chosen].latency_increment(info).feasible:
+            return chosen
+        if chosen is not None:
+            self.instances[chosen].release(info.req_id)
+        d = self.assign_decode(info)
+        if d != chosen:
+            self.num_reassigned += 1
+        return d
+
+    def on_finish(self, slo_name: str, output_tokens: int, now: float, tbt: float = math.inf) -> None:
+        super().on_finish(slo_name, output_tokens, now)
+        self.groups.set_output(tbt, self.mean_output[slo_name])
+

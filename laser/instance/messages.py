@@ -1,0 +1,114 @@
+"""Messages between the global controller and its instances (PPoPP'26 §7, Fig. 4).
+
+Plain, picklable dataclasses of numbers and strings: they cross a process boundary (a
+Ray actor next) unchanged. Torch-free. Times are absolute seconds on the cluster's
+clock (virtual in the simulator); token counts are tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """What the controller knows of a request when it routes it.
+
+    ``expected_output`` is the controller's estimate of its output length (tokens; the
+    paper's Laser has no prior knowledge of it, CONTROLLER.md D3: the class mean), used
+    only for the decode memory check. ``ttft``/``tbt`` are None for no target.
+    """
+
+    req_id: str
+    arrival_time: float
+    prompt_len: int
+    ttft: float | None
+    tbt: float | None
+    slo_name: str = "best_effort"
+    expected_output: int = 128
+
+    @property
+    def ttft_deadline(self) -> float:
+        """Arrival + TTFT target (the EDF key; inf without a target)."""
+        return math.inf if self.ttft is None else self.arrival_time + self.ttft
+
+    @property
+    def tbt_or_inf(self) -> float:
+        return math.inf if self.tbt is None else self.tbt
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillQueueEntry:
+    """One queued or partly prefilled request on an instance (§7.1 report)."""
+
+    req_id: str
+    deadline: float  # arrival + TTFT target; inf for best effort
+    remaining_tokens: int  # prompt tokens still to prefill (an in-flight chunk counts)
+    prompt_len: int
+    best_effort: bool = False  # demoted or without a TTFT target: ordered after the rest
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceReport:
+    """An instance's state for the controller (§7.1 "scheduling decisions and request
+    statistics"; CONTROLLER.md A0 lists the fields).
+
+    ``busy_until``: predicted end of the executing step (== ``time`` when idle).
+    ``queue``: requests with prefill work left, in the instance's EDF order.
+    ``t_g``: tightest TBT target of its decode requests (inf: none); ``iteration_s``:
+    last measured decode iteration (None: none yet).
+    """
+
+    instance_id: int
+    role: str  # prefill | decode | mixed
+    time: float
+    busy_until: float
+    queue: tuple[PrefillQueueEntry, ...]
+    num_decoding: int
+    num_reserved: int
+    sum_context: int
+    free_blocks: int
+    total_blocks: int
+    block_size: int
+    t_g: float
+    iteration_s: float | None
+    icache_used: int
+    icache_capacity: int
+
+    @property
+    def pending_prefill_tokens(self) -> int:
+        """Queued plus unfinished prompt tokens (the prefill fallback's "fewest tokens")."""
+        return sum(e.remaining_tokens for e in self.queue)
+
+    @property
+    def used_blocks(self) -> int:
+        return self.total_blocks - self.free_blocks
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.queue) + self.num_decoding + self.num_reserved
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyIncrement:
+    """A decode instance's answer to ``LatencyIncrement(r*)`` (Alg. 2 lines 1-9).
+
+    ``value``: increase of the aggregate TBT of its requests, seconds; inf when the
+    strictest TBT (``reason == "slo"``) or the KV pool (``reason == "memory"``) would
+    break. ``iter_before``/``iter_after``: predicted worst iteration without/with r*.
+    """
+
+    instance_id: int
+    req_id: str
+    value: float
+    iter_before: float = 0.0
+    iter_after: float = 0.0
+    reason: str = "ok"  # ok | slo | memory
+    num_requests: int = 0
+    used_blocks: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def feasible(self) -> bool:
+        return self.value != math.inf

@@ -1,0 +1,244 @@
+"""A simulated instance of a cluster: :class:`~laser.sim.SimInstance` behind the
+controller's :class:`~laser.instance.Instance` interface.
+
+Torch-free. The real scheduler of the instance's policy runs on a latency model (the
+virtual clock). The cluster simulator drives it in two halves per step: :meth:`begin`
+schedules at the step's start (so reports and increments between start and end see the
+state a real instance would have mid-step) and :meth:`complete` executes the plan layer by
+layer when the global clock reaches its predicted end, releasing the requests delivered
+meanwhile at the layer boundary after their delivery time (Laser's §6.1 stop can then
+end the step early; the instance then runs on from its own, earlier, clock).
+
+Deliveries carry their delivery time: a prefill-side request joins the EDF queue; a
+decode-side request arrives with its KV (``num_computed_tokens`` tokens at every layer)
+and joins decoding once the KV pool holds it (as ``Engine.accept_handoff``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from dataclasses import dataclass
+
+from ..config import SchedulerConfig
+from ..block_manager import OutOfBlocksError
+from ..instance.core import Handoff
+from ..instance.interface import ROLES, Instance
+from ..instance.messages import InstanceReport, LatencyIncrement, PrefillQueueEntry, RequestInfo
+from ..request import SLO, Request
+from ..scheduler.laser import DecodeCandidate, latency_increment
+from .instance import SimInstance
+
+#: Free KV blocks kept in reserve by the decode memory check (CONTROLLER.md D3, as DistServe's 5 %).
+MEMORY_RESERVE = 0.05
+
+
+@dataclass
+class Output:
+    """What a step produced: a request that finished here (``kind`` "finished") or left
+    for decode (``kind`` "handoff", with its prefill start time for the KV-transfer model)."""
+
+    kind: str
+    req: Request
+    time: float
+    prefill_start: float = 0.0
+    handoff: Handoff | None = None  # kind "handoff": what the decode instance adopts
+
+
+class _Node(SimInstance):
+    """SimInstance releasing deliveries at their delivery time (not the request's arrival): a
+    request joins the EDF queue; a :class:`~laser.instance.core.Handoff` is adopted (the core's
+    :meth:`~laser.instance.core.InstanceCore.adopt`) once the KV pool holds it."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.deliveries: list[tuple[float, int, Request | Handoff]] = []  # heap by delivery time
+        self.adopt_wait: list[Handoff] = []  # decode hand-offs waiting for KV blocks
+        self._seq = itertools.count()
+
+    def deliver(self, item: Request | Handoff, at: float) -> None:
+        heapq.heappush(self.deliveries, (at, next(self._seq), item))
+
+    def _release(self) -> None:
+        t = self.clock.t
+        while self.deliveries and self.deliveries[0][0] <= t:
+            item = heapq.heappop(self.deliveries)[2]
+            if isinstance(item, Handoff):
+                self.adopt_wait.append(item)
+            else:
+                self.add_request(item)
+        while self.adopt_wait:
+            try:
+                self.adopt(self.adopt_wait[0])
+            except OutOfBlocksError:
+                break
+            self.adopt_wait.pop(0)
+
+    def adopting(self) -> list[Request]:
+        """Hand-offs on their way here or waiting for KV blocks (their prefill-side requests)."""
+        return [d[2].request for d in self.deliveries if isinstance(d[2], Handoff)] + [
+            h.request for h in self.adopt_wait]
+
+    def queued(self) -> list[Request]:
+        """Requests delivered later to this instance's prefill queue."""
+        return [d[2] for d in self.deliveries if not isinstance(d[2], Handoff)]
+
+
+class SimClusterInstance(Instance):
+    """One simulated instance (``role`` prefill | decode | mixed) running ``policy``.
+
+    Args:
+        instance_id: unique id. policy: scheduler name. latency_model: the clock and the
+        planning model. num_blocks / block_size: KV pool per layer. icache_tokens:
+        intermediate cache (paper: 16,384 prefill, 2,048 decode). node: host index (KV
+        transfer is intra-node when P and D share it). config: scheduler knobs.
+    """
+
+    def __init__(self, instance_id: int, role: str, policy: str, latency_model, num_blocks: int,
+                 block_size: int = 16, icache_tokens: int = 16384, node: int = 0,
+                 config: SchedulerConfig | None = None):
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        cfg = SchedulerConfig(**{**(config or SchedulerConfig()).__dict__, "policy": policy, "role": role})
+        self.instance_id, self.role, self.policy, self.node = instance_id, role, policy, node
+        self.latency_model = latency_model
+        self.num_layers = latency_model.num_layers
+        self.sim = _Node(policy, self.num_layers, latency_model, cfg, num_blocks=num_blocks,
+                         block_size=block_size, icache_tokens=icache_tokens)
+        self.plan = None  # the step in flight
+        self.plan_end = 0.0
+        self.reserved: dict[str, RequestInfo] = {}
+        self.prefill_start: dict[str, float] = {}
+        self._done = 0  # index into sim.finished already reported
+        self.steps_begun = 0
+
+    # -- Instance interface --------------------------------------------------------------
+    @property
+    def scheduler(self):
+        return self.sim.scheduler
+
+    @property
+    def clock(self) -> float:
+        return self.sim.clock.t
+
+    def add_request(self, req: Request | Handoff, at: float) -> None:
+        """Deliver a request (prefill side) or a hand-off with its KV (decode side) at ``at``."""
+        rid = req.request.req_id if isinstance(req, Handoff) else req.req_id
+        self.reserved.pop(rid, None)
+        self.sim.deliver(req, at)
+
+    def abort(self, req_id: str, at: float) -> bool:
+        self.reserved.pop(req_id, None)
+        before = len(self.sim.deliveries) + len(self.sim.adopt_wait)
+        self.sim.deliveries = [d for d in self.sim.deliveries
+                               if (d[2].request if isinstance(d[2], Handoff) else d[2]).req_id != req_id]
+        heapq.heapify(self.sim.deliveries)
+        self.sim.adopt_wait = [h for h in self.sim.adopt_wait if h.request.req_id != req_id]
+        dropped = before != len(self.sim.deliveries) + len(self.sim.adopt_wait)
+        return self.scheduler.abort(req_id, at) is not None or dropped
+
+    def reserve(self, info: RequestInfo) -> None:
+        self.reserved[info.req_id] = info
+
+    def release(self, req_id: str) -> None:
+        self.reserved.pop(req_id, None)
+
+    def report(self) -> InstanceReport:
+        s = self.scheduler
+        queue = []
+        pending = self.sim.queued()
+        for r in sorted(s.prefilling() + list(s.waiting) + pending, key=s.queue_key):
+            queue.append(PrefillQueueEntry(r.req_id, r.ttft_deadline, r.num_tokens - r.num_computed_tokens,
+                                           r.num_prompt_tokens, r.demoted or r.slo.ttft is None))
+        decoding = s.decoding()
+        adopting = self.sim.adopting()
+        bm = self.sim.bm
+        free = bm.min_free() - sum(bm.blocks_needed(r.num_computed_tokens) for r in adopting)
+        return InstanceReport(
+            instance_id=self.instance_id, role=self.role, time=self.clock,
+            busy_until=self.plan_end if self.plan is not None else self.clock, queue=tuple(queue),
+            num_decoding=len(decoding) + len(adopting), num_reserved=len(self.reserved),
+            sum_context=sum(r.num_tokens for r in decoding) + sum(r.num_tokens for r in adopting),
+            free_blocks=free, total_blocks=bm.num_blocks, block_size=bm.block_size,
+            t_g=getattr(s, "t_g", math.inf), iteration_s=getattr(s, "last_iteration_s", None),
+            icache_used=self.sim.icache.used_tokens, icache_capacity=self.sim.icache.capacity_tokens)
+
+    def latency_increment(self, info: RequestInfo) -> LatencyIncrement:
+        """Alg. 2 lines 1-9 (:func:`laser.scheduler.laser.latency_increment`) over the decoding
+        requests, the hand-offs on their way and the reservations; inf ("memory") when the
+        free KV blocks, less those already promised, cannot hold ``info``'s prompt plus its
+        expected output and a reserve of 5 % of the pool (CONTROLLER.md D3)."""
+        s = self.scheduler
+        bm = self.sim.bm
+        adopting = self.sim.adopting()
+        decoding = s.decoding() + adopting
+        promised = sum(bm.blocks_needed(r.num_computed_tokens) for r in adopting)
+        promised += sum(bm.blocks_needed(i.prompt_len + i.expected_output) for i in self.reserved.values()
+                        if i.req_id != info.req_id)
+        cands = [DecodeCandidate(i.req_id, i.prompt_len + 1, SLO(i.ttft, i.tbt))
+                 for i in self.reserved.values() if i.req_id != info.req_id]
+        need = bm.blocks_needed(info.prompt_len + info.expected_output)
+        used = bm.num_blocks - bm.min_free() + promised
+        n_req = len(decoding) + len(cands)
+        if bm.min_free() - promised - need < MEMORY_RESERVE * bm.num_blocks:
+            return LatencyIncrement(self.instance_id, info.req_id, math.inf, reason="memory",
+                                    num_requests=n_req, used_blocks=used)
+        plans = getattr(s, "plans", {})
+        factor = s.tg_margin if hasattr(s, "tg_margin") else 1.0
+        me = DecodeCandidate(info.req_id, info.prompt_len + 1, SLO(info.ttft, info.tbt))
+        inc = latency_increment(self.latency_model, self.num_layers, getattr(s, "iteration", 0),
+                                decoding + cands, plans, me, factor)
+        return LatencyIncrement(self.instance_id, info.req_id, inc.value, inc.iter_before, inc.iter_after,
+                                "ok" if inc.value != math.inf else "slo", n_req, used)
+
+    # -- driven by the cluster simulator ------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self.sim.adopt_wait)
+
+    def next_delivery(self) -> float:
+        return self.sim.deliveries[0][0] if self.sim.deliveries else math.inf
+
+    def begin(self, now: float) -> float | None:
+        """Start the next step at ``max(own clock, now)``; its predicted end (s), or None when
+        idle (nothing runnable until a delivery)."""
+        if self.plan is not None:
+            raise RuntimeError(f"instance {self.instance_id}: a step is already in flight")
+        sim = self.sim
+        sim.clock.t = max(sim.clock.t, now)
+        sim._release()
+        if not self.has_work():
+            return None
+        plan = sim.begin_step()
+        if not plan:
+            return None
+        t = sim.clock.t
+        for w in plan.works:
+            if w.layer_start == 0 and w.token_start == 0 and w.req_id not in self.prefill_start:
+                self.prefill_start[w.req_id] = t
+        self.plan = plan
+        self.plan_start = t
+        self.plan_end = t + self.latency_model.predict_iteration(plan)
+        self.steps_begun += 1
+        return self.plan_end
+
+    def complete(self) -> list[Output]:
+        """Execute the step in flight (deliveries up to now are known); what it produced."""
+        plan, self.plan = self.plan, None
+        sim = self.sim
+        sim.clock.t = self.plan_start
+        sim.finish_step(plan)
+        t = sim.clock.t
+        out = [Output("finished", r, r.finish_time) for r in sim.finished[self._done:]]
+        self._done = len(sim.finished)
+        for h in sim.handoffs:  # prefill role: the core handed these off after their first token
+            out.append(Output("handoff", h.request, h.time, self.prefill_start.get(h.request.req_id, t), h))
+        sim.handoffs.clear()
+        for o in out:
+            self.prefill_start.pop(o.req.req_id, None)
+        return out
+
+    def check_integrity(self, expect_empty: bool = False) -> None:
+        self.scheduler.check_integrity(expect_empty=expect_empty)
+        if expect_empty and (self.sim.deliveries or self.sim.adopt_wait or self.reserved):
+            raise AssertionError(f"instance {self.instance_id}: deliveries or reservations remain")
