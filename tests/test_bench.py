@@ -156,7 +156,11 @@ def test_search_time_cap_is_the_only_lower_bound():
     res = search_goodput(Q, ["fast", "slow"], 0.5, 2.0)
     assert not any(g.lower_bound or g.capped for g in res.values()) and res["fast"].goodput_rps > 32
     # a workload that passes even as one burst has no knee: "unbounded", not a ">="
-    g = search_goodput(lambda lb, r: Q("slow", 0.1), ["x"], 0.5, 2.0)["x"]
+    class Always:
+        def __init__(self, lb, rate):
+            self.rate, self.attainment = rate, 1.0
+
+    g = search_goodput(Always, ["x"], 0.5, 2.0)["x"]
     assert g.unbounded and not g.lower_bound and g.capped is None and g.display().startswith("unbounded")
 
 
