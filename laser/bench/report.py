@@ -130,7 +130,9 @@ def comparison_rows(policies: dict[str, dict], ours: str = "laser") -> list[dict
     for lb in labels:
         d = policies[lb]
         g = d.get("goodput_rps")
-        ratio = (g / best_g) if (g is not None and best_g) else None
+        # no ratio against or of a goodput without a knee (the workload passed as one burst)
+        no_knee = d.get("goodput_unbounded", False) or bool(best and policies[best].get("goodput_unbounded"))
+        ratio = (g / best_g) if (g is not None and best_g and not (no_knee and lb != best)) else None
         rows.append({"policy": lb, "goodput_rps": g, "ratio": ratio, "mean_ttft_s": d.get("mean_ttft_s"),
                      "attainment": d.get("attainment"), "p99_tbt_s": d.get("p99_tbt_s"),
                      "lower_bound": d.get("goodput_lower_bound", False), "best_baseline": lb == best,
@@ -291,7 +293,8 @@ def comparison_json(policies: dict[str, dict], ours: str = "laser") -> dict:
     return {
         "ours": ours,
         "best_baseline": best,
-        "goodput_ratio": ratio(g_ours, g_best),
+        "goodput_ratio": (None if policies[ours].get("goodput_unbounded") or policies[best].get("goodput_unbounded")
+                          else ratio(g_ours, g_best)),
         "mean_ttft_ratio": {lb: ratio(ttft, policies[lb].get("mean_ttft_s")) for lb in base},
     }
 
