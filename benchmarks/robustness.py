@@ -231,14 +231,15 @@ def main(argv=None) -> int:
             t1 = time.perf_counter()
             r = run_point(kind, pt, tokenizer, n, budgets, args.time_cap)
             rows.append(r)
+            out["kinds"][name] = {"latency_model": kind["why"], "points": rows, "partial": True}
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(out, indent=1))  # after every point: a long run can be read
             ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
             print(f"[{name} {i + 1}/{len(points)}] mix {pt[0]} seed {pt[1]} len x{pt[2]:g} SLO x{pt[3]:g}: laser "
                   f"{r['laser_goodput']} / sarathi:best {r['sarathi_best_goodput']} (budget {r['best_budget']}) = "
                   f"{ratio} ({time.perf_counter() - t1:.0f} s)", flush=True)
         out["kinds"][name] = {"latency_model": kind["why"], "points": rows, "summary": summarize_kind(rows)}
         texts.append(format_table(name, kind["why"], rows))
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=1))
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))
