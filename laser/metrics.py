@@ -13,14 +13,14 @@ Definitions (Laser, PPoPP'26 §9, following DistServe's goodput definition):
 * A request **meets its SLO** iff it finished, TTFT ≤ TTFT target, and the **P99** of
   its TBTs ≤ TBT target. A ``None`` target means no constraint on that metric.
 * **Attainment** = fraction of requests that meet their SLO.
-* **Goodput** = the highest request rate (req/s) at which attainment ≥ 90 %.
+* **Goodput** = the highest request rate (req/s) at which attainment ≥ 90 % (searched by
+  :func:`laser.bench.goodput.search_goodput`).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable
+from typing import Iterable
 
 import numpy as np
 
@@ -212,60 +212,6 @@ def summarize(records: Iterable[RequestRecord], duration: float | None = None) -
         overall=ClassSummary.of(records, duration),
         per_class={c: ClassSummary.of(rs, duration) for c, rs in sorted(by_class.items())},
     )
-
-
-def find_goodput(
-    run_at_rate: Callable[[float], float],
-    lo: float,
-    hi: float,
-    attainment_target: float = 0.9,
-    tol: float | None = None,
-    history: list[tuple[float, float]] | None = None,
-) -> float:
-    """Goodput: the highest request rate (req/s) whose SLO attainment ≥ ``attainment_target``.
-
-    Paper §9 (DistServe's definition): goodput is the maximum rate at which at least 90 %
-    of requests meet their SLO. ``run_at_rate(rate)`` runs a workload at ``rate`` req/s
-    and returns its attainment in [0, 1].
-
-    Assumes attainment is non-increasing in rate (more load never helps), so the passing
-    rates form an interval [0, goodput]; bisection then needs O(log((hi − lo)/tol)) runs.
-    With a noisy ``run_at_rate`` the answer is one point near the knee, not a bound.
-
-    Returns:
-      * ``hi`` if ``hi`` already passes (the true goodput may be higher: widen the range);
-      * ``0.0`` if even ``lo`` fails (goodput is below the probed range; 0.0 rather than
-        ``lo`` so a caller cannot mistake it for a measured rate);
-      * otherwise the largest probed passing rate, within ``tol`` req/s of the knee
-        (``tol`` defaults to 1 % of ``hi``).
-
-    Every probe is appended to ``history`` as (rate, attainment) when given.
-    """
-    if not (0 < lo <= hi) or not math.isfinite(hi):
-        raise ValueError(f"need 0 < lo <= hi < inf, got lo={lo}, hi={hi}")
-    if tol is None:
-        tol = 0.01 * hi
-    if tol <= 0:
-        raise ValueError(f"tol must be > 0, got {tol}")
-
-    def passes(rate: float) -> bool:
-        a = float(run_at_rate(rate))
-        if history is not None:
-            history.append((rate, a))
-        return a >= attainment_target
-
-    if passes(hi):
-        return hi
-    if not passes(lo):
-        return 0.0
-    # Invariant: lo passes, hi fails.
-    while hi - lo > tol:
-        mid = 0.5 * (lo + hi)
-        if passes(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 def record_from_request(req) -> RequestRecord:

@@ -14,12 +14,14 @@ import pytest
 
 from laser.bench.calibrate import (IsolatedLatency, calibrate, class_mean_prompt_lens, measure_isolated,
                                    paper_targets)
+from laser.bench.best import expand_best, resolve_best
+from laser.bench.goodput import geometric_grid, search_goodput
 from laser.bench.runner import (Benchmark, ClientTarget, EngineTarget, RunOutput, SimTarget, Target,
-                                geometric_grid, reference_rate, tbt_token_budget)
+                                reference_rate, tbt_token_budget)
 from laser.bench.workloads import WorkloadRequest
 from laser.config import SchedulerConfig
 from laser.latency_model import SimpleLatencyModel
-from laser.metrics import RequestRecord, find_goodput
+from laser.metrics import RequestRecord
 from laser.slo import SLOClasses
 
 needs_datasets = pytest.mark.skipif(
@@ -49,7 +51,8 @@ class KneeTarget(Target):
 
     def run(self, requests, slos, timeout_s=None, progress=False, stop_below=None):
         times = [r.arrival_time for r in requests]
-        rate = (len(times) - 1) / (times[-1] - times[0])
+        span = times[-1] - times[0]
+        rate = (len(times) - 1) / span if span > 0 else math.inf  # all at once: a burst
         self.log.append((self.label, round(rate, 6), tuple(times)))
         ok = rate <= self.knee
         recs = []
@@ -72,9 +75,6 @@ def test_goodput_search_finds_knees_interleaved():
     assert res["a"].goodput_rps == pytest.approx(0.7, rel=0.03) and res["a"].goodput_rps <= 0.7 + 1e-9
     assert res["b"].goodput_rps == pytest.approx(2.3, rel=0.03) and res["b"].goodput_rps <= 2.3 + 1e-9
     assert not res["a"].lower_bound and not res["a"].below_range
-    # agrees with the sequential reference implementation
-    ref = find_goodput(lambda r: 1.0 if r <= 0.7 else 0.5, 0.25, 4.0, tol=0.01)
-    assert res["a"].goodput_rps == pytest.approx(ref, rel=0.03)
     # interleaved: during the grid, both targets run each rate back to back on identical arrivals
     grid = geometric_grid(0.25, 4.0, 5)
     first = [entry for entry in log[:4]]
@@ -90,12 +90,135 @@ def test_goodput_edges_and_reference_rate():
     targets = {"low": KneeTarget("low", 0.01, log), "high": KneeTarget("high", 100.0, log),
                "laser": KneeTarget("laser", 1.0, log)}
     bench = Benchmark(targets, [wreq("code", 5, 1) for _ in range(20)], paper_slos(), burstiness=1e9)
-    res = bench.goodput(0.5, 2.0, grid_points=3, bisect_steps=3, extend=1)
-    assert res["low"].goodput_rps == 0.0 and res["low"].below_range
-    assert res["high"].lower_bound and res["high"].goodput_rps == pytest.approx(4.0)  # extended once
-    assert reference_rate(res) == pytest.approx(4.0)  # the best baseline's goodput ("high")
+    res = bench.goodput(0.5, 2.0, grid_points=3, bisect_steps=3, max_doublings=3)
+    # "low" halves 3 times (to 0.0625 req/s) and still fails: below the range, never a ">="
+    assert res["low"].goodput_rps == 0.0 and res["low"].below_range and not res["low"].lower_bound
+    assert min(p.rate for p in res["low"].probes) == pytest.approx(0.0625)
+    # "high" doubles until it fails (4, 8, 16 pass; the 3-doubling limit stops it): a capped lower bound
+    assert res["high"].lower_bound and res["high"].goodput_rps == pytest.approx(16.0)
+    assert res["high"].capped == "3 doublings" and res["high"].display().startswith(">=16.000 (cap: 3 doublings")
+    assert reference_rate(res) == pytest.approx(16.0)  # the best baseline's goodput ("high")
     del res["high"]
     assert reference_rate(res) == pytest.approx(0.5)  # no baseline passes: lowest common rate
+
+
+def test_search_extends_until_every_policy_fails():
+    """Knees far above the grid (and one below it): the search doubles (halves) until each
+    target has failed (passed) a probe, then bisects; no result is a lower bound."""
+    knees = {"a": 0.03, "b": 1.7, "c": 900.0}
+    calls = []
+
+    class P:
+        def __init__(self, lb, rate):
+            self.label, self.rate = lb, rate
+            # attainment falls linearly past the knee: 0.9 is crossed at knee + 0.1 * knee
+            self.attainment = 1.0 if rate <= knees[lb] else max(0.0, 1.0 - (rate - knees[lb]) / knees[lb])
+
+    def probe(lb, rate):
+        calls.append((lb, rate))
+        return P(lb, rate)
+
+    res = search_goodput(probe, list(knees), 0.1, 0.4, grid_points=3, bisect_steps=20, rel_tol=0.01)
+    for lb, k in knees.items():
+        g = res[lb]
+        assert not g.lower_bound and g.capped is None and g.bracket is not None, g
+        a, b = g.bracket
+        assert b - a <= 0.01 * b + 1e-12
+        assert 0.99 * 1.1 * k <= g.goodput_rps <= 1.1 * k + 1e-9  # the 0.9 crossing
+        assert "≥" not in g.display() and ">=" not in g.display()
+
+
+def test_search_time_cap_is_the_only_lower_bound():
+    """With a (fake) clock that runs out, a target that never failed is reported ">=" with
+    the cap; targets that did fail keep a plain goodput; nothing else is ever ">="."""
+    now = [0.0]
+
+    class P:
+        def __init__(self, lb, rate):
+            self.rate = rate
+            self.attainment = 1.0 if (lb == "fast" and rate < math.inf) or rate <= 1.0 else 0.0
+
+    def probe(lb, rate):
+        now[0] += 1.0  # every probe takes one "second"
+        return P(lb, rate)
+
+    res = search_goodput(probe, ["fast", "slow"], 0.5, 2.0, grid_points=2, bisect_steps=5, time_cap_s=6.0,
+                         clock=lambda: now[0])
+    assert res["fast"].lower_bound and res["fast"].capped == "time cap 6 s"
+    assert ">=" in res["fast"].display() and "time cap" in res["fast"].display()
+    assert not res["slow"].lower_bound and res["slow"].bracket is not None and res["slow"].goodput_rps <= 1.0
+    assert now[0] <= 6.0 + 1e-9
+    # without the cap both get a knee-side failure and no ">="
+    class Q:
+        def __init__(self, lb, rate):
+            self.rate, self.attainment = rate, float(rate <= (50.0 if lb == "fast" else 1.0))
+
+    res = search_goodput(Q, ["fast", "slow"], 0.5, 2.0)
+    assert not any(g.lower_bound or g.capped for g in res.values()) and res["fast"].goodput_rps > 32
+    # a workload that passes even as one burst has no knee: "unbounded", not a ">="
+    class Always:
+        def __init__(self, lb, rate):
+            self.rate, self.attainment = rate, 1.0
+
+    g = search_goodput(Always, ["x"], 0.5, 2.0)["x"]
+    assert g.unbounded and not g.lower_bound and g.capped is None and g.display().startswith("unbounded")
+
+
+def test_search_continuous_decline_uses_target():
+    # attainment 1 up to 3.7, then falls linearly; crosses 0.9 at 3.8, 0.5 at 4.2
+    class P:
+        def __init__(self, rate):
+            self.rate, self.attainment = rate, (1.0 if rate <= 3.7 else max(0.0, 1.0 - (rate - 3.7)))
+
+    for target, knee in ((0.9, 3.8), (0.5, 4.2)):
+        res = search_goodput(lambda lb, r: P(r), ["x"], 1.0, 10.0, attainment_target=target, grid_points=3,
+                             bisect_steps=30, rel_tol=1e-4)
+        assert res["x"].goodput_rps == pytest.approx(knee, abs=2e-3)
+    with pytest.raises(ValueError):
+        search_goodput(lambda lb, r: P(r), ["x"], 0.0, 8.0)
+    with pytest.raises(ValueError):
+        search_goodput(lambda lb, r: P(r), ["x"], 5.0, 2.0)
+
+
+@pytest.mark.parametrize("policy", ["vllm", "sarathi", "laser"])
+def test_sim_search_finds_the_knee_of_every_policy(policy):
+    """Each policy on the simulator (a tiny synthetic latency model), starting from a range
+    far below its knee: the search doubles to a failing rate and brackets the knee; the
+    rate just above the goodput fails and the goodput passes."""
+    lm = SimpleLatencyModel(num_layers=4, per_layer=2e-4, per_token=2e-5, per_context=2e-7)
+    slos = SLOClasses({"chat": {"ttft": 0.25, "tbt": 0.05}, "code": {"ttft": 0.125, "tbt": 0.03}})
+    reqs = [wreq(c, p, o) for c, p, o in [("chat", 200, 12), ("code", 60, 20)] * 20]
+    tgt = SimTarget(policy, lm, 4, SchedulerConfig(policy=policy))
+    bench = Benchmark({policy: tgt}, reqs, slos, seed=2)
+    g = bench.goodput(0.5, 1.0, grid_points=2, bisect_steps=8, rel_tol=0.02)[policy]
+    assert not g.lower_bound and not g.unbounded and g.capped is None and g.bracket is not None, g
+    a, b = g.bracket
+    assert a == g.goodput_rps > 1.0 and b - a <= 0.02 * b  # found above the initial range
+    by_rate = {p.rate: p for p in g.probes}
+    assert by_rate[a].attainment >= 0.9 > by_rate[b].attainment
+
+
+def test_best_picks_the_best_budget():
+    """``sarathi:best``: one candidate per budget through the same search; the best one's
+    result (and probes) come back under the ``:best`` label, with its budget."""
+    log: list = []
+    knees = {16: 0.4, 64: 1.3, 256: 2.1, 1024: 0.9}
+    specs, groups = expand_best([("vllm", "vllm", None), ("sarathi:best", "sarathi", "best")], list(knees))
+    assert [lb for lb, _, _ in specs] == ["vllm"] + [f"sarathi:best@{k}" for k in knees]
+    assert all(b == k for (_, pol, b), k in zip(specs[1:], knees)) and specs[1][1] == "sarathi"
+    targets = {"vllm": KneeTarget("vllm", 1.0, log)}
+    targets.update({lb: KneeTarget(lb, knees[b], log) for lb, _, b in specs[1:]})
+    bench = Benchmark(targets, [wreq("chat", 10, 1) for _ in range(30)], paper_slos(), burstiness=1e9)
+    res, sweeps = resolve_best(bench.goodput(0.2, 1.0, grid_points=3, bisect_steps=8, rel_tol=0.01), groups,
+                               ["vllm", "sarathi:best"])
+    assert list(res) == ["vllm", "sarathi:best"]
+    assert sweeps["sarathi:best"].best_budget == 256
+    assert res["sarathi:best"].goodput_rps == pytest.approx(2.1, rel=0.02)
+    assert all(p.label == "sarathi:best" for p in res["sarathi:best"].probes)
+    assert {k: round(g.goodput_rps, 1) for k, g in sweeps["sarathi:best"].results.items()} == \
+        {16: 0.4, 64: 1.3, 256: 2.1, 1024: 0.9}
+    assert not any(g.lower_bound for g in sweeps["sarathi:best"].results.values())
+    assert reference_rate(res, ours="vllm") == pytest.approx(res["sarathi:best"].goodput_rps)
 
 
 def test_sim_goodput_known_knee():
@@ -183,7 +306,7 @@ def test_cli_sim_json_and_plots(tmp_path, capsys):
     rc = main(["bench", "--sim", "--sim-latency", "analytic", "--policies", "vllm,sarathi:auto,laser",
                "--num-prompts", "12", "--length-scale", "0.05", "--slo-base", "measured",
                "--isolated-repeats", "1", "--isolated-output-tokens", "4", "--grid-points", "3",
-               "--bisect-steps", "1", "--extend", "0", "--sweep-slo-scale", "0.8,1.3", "--sweep-mix", "1:1:1,2:1:1",
+               "--bisect-steps", "1", "--best-budgets", "32,128", "--sweep-slo-scale", "0.8,1.3", "--sweep-mix", "1:1:1,2:1:1",
                "--json", str(out), "--plots", str(plots), "--no-progress"])
     assert rc == 0
     text = capsys.readouterr().out
@@ -192,7 +315,16 @@ def test_cli_sim_json_and_plots(tmp_path, capsys):
     assert res["simulated"] is True and res["mode"] == "sim"
     assert set(res["slo_targets"]) >= {"chat", "code", "summarization"}
     assert res["slo"]["base"] == "measured" and res["slo"]["isolated"]["decode_step_s"] > 0
-    assert list(res["policies"]) == ["vllm", "sarathi:auto", "laser"]
+    # sarathi:best is added to every comparison with laser, its budget swept
+    assert list(res["policies"]) == ["vllm", "sarathi:auto", "sarathi:best", "laser"]
+    sweep = res["policies"]["sarathi:best"]["budget_sweep"]
+    assert set(sweep["goodput_rps_by_budget"]) == {"32", "128"} and sweep["best_budget"] in (32, 128)
+    assert res["policies"]["sarathi:best"]["target"]["scheduler"]["max_num_batched_tokens"] == sweep["best_budget"]
+    assert res["policies"]["sarathi:best"]["goodput_rps"] == max(sweep["goodput_rps_by_budget"].values())
+    assert "best baseline: " in text and "sarathi:best (budget" in text
+    # no policy is ">=" unless the search cap was hit
+    for d in res["policies"].values():
+        assert d["goodput_lower_bound"] == (d["goodput_capped"] is not None and d["goodput_lower_bound"])
     for lb, d in res["policies"].items():
         for k in ("goodput_rps", "attainment", "mean_ttft_s", "p99_tbt_s", "per_class", "probes"):
             assert k in d, (lb, k)
@@ -202,7 +334,8 @@ def test_cli_sim_json_and_plots(tmp_path, capsys):
                 assert k in pc, (lb, c, k)
             assert pc["ttft_slo_s"] == pytest.approx(res["slo_targets"][c]["ttft_s"])
     assert res["policies"]["sarathi:auto"]["target"]["scheduler"]["max_num_batched_tokens"] >= 16
-    assert res["comparison"]["best_baseline"] in ("vllm", "sarathi:auto")
+    assert res["comparison"]["best_baseline"] in ("vllm", "sarathi:auto", "sarathi:best")
+    assert res["sweeps"]["slo_scale_best_budget"]["0.8"]["sarathi:best"] in (32, 128)
     assert set(res["sweeps"]["slo_scale"]) == {"0.8", "1.3"} and set(res["sweeps"]["mix"]) == {"1:1:1", "2:1:1"}
     for name in ("attainment_vs_rate", "goodput_vs_slo_scale", "goodput_vs_mix", "ttft_cdf", "tbt_cdf"):
         f = plots / f"{name}.png"
@@ -215,11 +348,32 @@ def test_parse_policies():
     assert parse_policies("vllm, sarathi:64,sarathi:auto,laser") == [
         ("vllm", "vllm", None), ("sarathi:64", "sarathi", 64), ("sarathi:auto", "sarathi", "auto"),
         ("laser", "laser", None)]
+    assert parse_policies("sarathi:best") == [("sarathi:best", "sarathi", "best")]
+    with pytest.raises(ValueError):
+        parse_policies("sarathi:bst")
     with pytest.raises(ValueError):
         parse_policies("nope")
     with pytest.raises(ValueError):
         parse_policies("vllm,vllm")
     assert parse_mix("4:2:1") == (4.0, 2.0, 1.0)
+
+
+def test_best_baseline_always_in_a_comparison_with_laser():
+    from laser.bench.best import parse_budgets
+    from laser.bench.cli import parse_policies, with_best_baseline
+
+    specs = parse_policies("vllm,sarathi,laser")
+    assert [lb for lb, _, _ in with_best_baseline(specs, True)] == ["vllm", "sarathi", "sarathi:best", "laser"]
+    assert with_best_baseline(specs, True, auto=False) == specs
+    assert with_best_baseline(specs, False) == specs  # a single-rate run has no goodput to pick by
+    own = parse_policies("vllm:best,laser")
+    assert with_best_baseline(own, True) == own
+    with pytest.raises(ValueError):
+        with_best_baseline(own, False)
+    assert parse_budgets("64,16,64") == (16, 64)
+    for bad in ("", "0,16", "a"):
+        with pytest.raises(ValueError):
+            parse_budgets(bad)
 
 
 # ------------------------------------------------------------------- engine and client

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from laser.metrics import RequestRecord, find_goodput, summarize
+from laser.metrics import RequestRecord, summarize
 
 
 def rec(token_times, arrival=0.0, ttft_slo=0.25, tbt_slo=0.25, finished=True, cls="chat", rid="r"):
@@ -80,34 +80,3 @@ def test_summarize_default_duration_and_empty():
     e = summarize([])
     assert e.overall.count == 0 and e.overall.attainment is None and e.per_class == {}
     json.dumps(e.to_dict())
-
-
-def test_goodput_finds_step_knee():
-    calls = []
-
-    def engine(rate):  # capacity 3.7 req/s
-        calls.append(rate)
-        return 1.0 if rate <= 3.7 else 0.5
-
-    g = find_goodput(engine, 0.5, 20.0, tol=0.01)
-    assert 3.69 <= g <= 3.7
-    # 2 end probes + ceil(log2(19.5 / 0.01)) bisections
-    assert len(calls) <= 2 + math.ceil(math.log2(19.5 / 0.01))
-
-
-def test_goodput_continuous_decline_uses_target():
-    history = []
-    # attainment 1 up to 3.7, then falls linearly; crosses 0.9 at 3.8, 0.5 at 4.2
-    engine = lambda r: 1.0 if r <= 3.7 else max(0.0, 1.0 - (r - 3.7))
-    assert find_goodput(engine, 1.0, 10.0, tol=1e-3, history=history) == pytest.approx(3.8, abs=2e-3)
-    assert find_goodput(engine, 1.0, 10.0, attainment_target=0.5, tol=1e-3) == pytest.approx(4.2, abs=2e-3)
-    assert history[0] == (10.0, 0.0) and len(history) > 5
-
-
-def test_goodput_edges():
-    assert find_goodput(lambda r: 0.95, 1.0, 8.0) == 8.0  # hi passes
-    assert find_goodput(lambda r: 0.5, 1.0, 8.0) == 0.0  # even lo fails
-    with pytest.raises(ValueError):
-        find_goodput(lambda r: 1.0, 0.0, 8.0)
-    with pytest.raises(ValueError):
-        find_goodput(lambda r: 1.0, 5.0, 2.0)

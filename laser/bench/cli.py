@@ -7,7 +7,9 @@ schedulers on a latency model, virtual time). Every probed rate runs every targe
 the same arrivals before the next rate, so ratios hold on a noisy machine.
 
 Modes: ``--request-rate R`` (or ``--trace`` without it) is one run per target; otherwise
-the goodput search (grid over ``--rate-range``, then bounded bisection).
+the goodput search (grid over ``--rate-range``, doubling until every policy has failed a
+probe, then bisection; see laser/bench/goodput.py). ``sarathi:best`` sweeps the token
+budget and keeps the best; it is added to every comparison with laser (``--no-auto-best``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import time
 
 log = logging.getLogger("laser.bench")
 
-DEFAULT_POLICIES = "vllm,sarathi,laser"
+DEFAULT_POLICIES = "vllm,sarathi,laser"  # sarathi:best is added (see --no-auto-best)
 DEFAULT_SLO_SCALES = "0.8,0.9,1.0,1.1,1.2,1.3"
 DEFAULT_MIXES = "1:1:1,2:1:1,4:2:1,1:2:1,1:1:2"
 
@@ -51,6 +53,8 @@ def _floats(s: str) -> list[float]:
 
 def register(subparsers) -> None:
     """Add the ``bench`` subcommand (called by ``laser.cli.main``)."""
+    from laser.bench.best import DEFAULT_BEST_BASELINE, DEFAULT_BEST_BUDGETS
+    from laser.bench.goodput import DEFAULT_MAX_DOUBLINGS
     from laser.bench.calibrate import DEFAULT_TBT_MULTIPLE, DEFAULT_TTFT_MULTIPLE
     from laser.cli import add_engine_args
 
@@ -60,7 +64,12 @@ def register(subparsers) -> None:
     add_engine_args(p, policy_default=DEFAULT_POLICIES)
     p.add_argument("--policies", dest="policy",
                    help="comma list of policies (same as --policy), e.g. vllm,sarathi,laser; 'name:N' sets its "
-                        "token budget (max_num_batched_tokens) to N, 'name:auto' to Sarathi-Serve's TBT-sized budget")
+                        "token budget (max_num_batched_tokens) to N, 'name:auto' to Sarathi-Serve's TBT-sized budget, "
+                        "'name:best' to the best of --best-budgets on this workload")
+    p.add_argument("--best-budgets", default=",".join(map(str, DEFAULT_BEST_BUDGETS)),
+                   help="token budgets a 'name:best' policy tries (default %(default)s)")
+    p.add_argument("--no-auto-best", action="store_true",
+                   help=f"do not add {DEFAULT_BEST_BASELINE} to a comparison with laser that has no ':best' policy")
     p.add_argument("--disaggregated", action="store_true", help="prefill+decode instance pair per policy")
     p.add_argument("--max-model-len", type=int, default=None, help="cap prompt+output length (tokens)")
 
@@ -82,7 +91,11 @@ def register(subparsers) -> None:
                    help="LO,HI req/s of the search grid (auto: 0.1-1.0x the simulated saturation throughput)")
     a.add_argument("--grid-points", type=int, default=None, help="grid rates (default 4; sim 8)")
     a.add_argument("--bisect-steps", type=int, default=None, help="bisection rounds after the grid (default 2; sim 6)")
-    a.add_argument("--extend", type=int, default=1, help="extra doublings/halvings when the range misses the knee")
+    a.add_argument("--max-doublings", type=int, default=DEFAULT_MAX_DOUBLINGS,
+                   help="doublings (halvings) of the rate past the grid until a policy fails (passes) a probe")
+    a.add_argument("--search-time-cap", type=float, default=None,
+                   help="wall seconds after which the goodput search starts no probe; a policy that has not "
+                        "failed a probe by then is reported as '>=' with the cap (default: 3600; sim 900)")
     a.add_argument("--full-grid", action="store_true", help="run every grid rate even after two failures in a row")
     a.add_argument("--attainment-target", type=float, default=0.9, help="goodput threshold (paper: 0.9)")
     a.add_argument("--probe-timeout", type=float, default=None,
@@ -143,11 +156,13 @@ def register(subparsers) -> None:
 
 
 def parse_policies(s: str) -> list[tuple[str, str, int | str | None]]:
-    """``"vllm,sarathi:64,sarathi:auto,laser"`` -> [(label, policy, token budget or "auto" or None)].
+    """``"vllm,sarathi:64,sarathi:auto,sarathi:best,laser"`` -> [(label, policy, budget)].
 
     ``policy:N`` runs the policy with ``max_num_batched_tokens = N``; ``policy:auto`` with
     the budget Sarathi-Serve would pick for the tightest TBT target
-    (:func:`laser.bench.runner.tbt_token_budget`).
+    (:func:`laser.bench.runner.tbt_token_budget`); ``policy:best`` with the best of a
+    budget sweep on the workload (:mod:`laser.bench.best`). Raises ValueError on an
+    unknown policy, a bad budget or a duplicate.
     """
     from laser.scheduler import get_policy
 
@@ -159,13 +174,13 @@ def parse_policies(s: str) -> list[tuple[str, str, int | str | None]]:
         get_policy(name)  # ValueError on an unknown name
         b: int | str | None = None
         if budget:
-            if budget == "auto":
-                b = "auto"
+            if budget in ("auto", "best"):
+                b = budget
             else:
                 try:
                     b = int(budget)
                 except ValueError:
-                    raise ValueError(f"bad token budget in {item!r}: want an integer or 'auto'") from None
+                    raise ValueError(f"bad token budget in {item!r}: want an integer, 'auto' or 'best'") from None
                 if b < 1:
                     raise ValueError(f"token budget must be >= 1 in {item!r}")
         out.append((item, name, b))
@@ -399,6 +414,24 @@ def _rate_range(args, targets, requests, slos, lm, mode, n_layers_blocks=None):
     return 0.1 * cap, cap, f"auto: 0.1-1.0x simulated saturation throughput {cap:.3g} req/s ({sim.label})"
 
 
+def with_best_baseline(specs, searching: bool, auto: bool = True):
+    """``specs`` plus :data:`~laser.bench.best.DEFAULT_BEST_BASELINE` (before laser) when
+    they compare laser with no ``:best`` policy, ``auto`` is on and a goodput search runs.
+    Raises ValueError for a ``:best`` policy without a goodput search."""
+    from laser.bench.best import DEFAULT_BEST_BASELINE
+
+    has_best = any(b == "best" for _, _, b in specs)
+    if has_best and not searching:
+        raise ValueError("a ':best' policy needs the goodput search (not --request-rate / a plain trace replay)")
+    labels = [lb for lb, _, _ in specs]
+    if not auto or has_best or not searching or "laser" not in labels or DEFAULT_BEST_BASELINE in labels:
+        return list(specs)
+    name = DEFAULT_BEST_BASELINE.partition(":")[0]
+    out = list(specs)
+    out.insert(labels.index("laser"), (DEFAULT_BEST_BASELINE, name, "best"))
+    return out
+
+
 # -------------------------------------------------------------------------------------- run
 
 
@@ -406,12 +439,19 @@ def cmd_bench(args) -> int:
     from laser.bench import report
     from laser.bench.runner import Benchmark, probe_at, reference_rate
 
+    from laser.bench.best import expand_best, parse_budgets, resolve_best
+
     t_start = time.perf_counter()
-    specs = parse_policies(args.policy or DEFAULT_POLICIES)
     if args.base_url and args.sim:
         raise ValueError("--base-url and --sim are exclusive")
+    search = args.goodput or (args.request_rate is None and args.trace is None)
+    shown = parse_policies(args.policy or DEFAULT_POLICIES)
+    if not args.base_url:
+        shown = with_best_baseline(shown, search, auto=not args.no_auto_best)
+    specs, groups = expand_best(shown, parse_budgets(args.best_budgets))
     progress = not args.no_progress
     targets, tokenizer, max_len, lm, mode = build_targets(args, specs)
+    labels = list(targets) if mode == "client" else [lb for lb, _, _ in shown]
     simulated = mode == "sim"
     tag = f" {report.SIM_TAG}" if simulated else ""
     if simulated and getattr(args, "cluster", None):
@@ -436,7 +476,6 @@ def cmd_bench(args) -> int:
         probe_timeout = args.probe_timeout
     else:
         probe_timeout = None if simulated else 60.0
-    search = args.goodput or (args.request_rate is None and args.trace is None)
     grid = args.grid_points or (8 if simulated else 4)
     steps = args.bisect_steps if args.bisect_steps is not None else (6 if simulated else 2)
 
@@ -444,7 +483,7 @@ def cmd_bench(args) -> int:
     if progress:
         from tqdm.auto import tqdm
 
-        est = len(targets) * ((grid + 2 * args.extend + steps) if search else 1)
+        est = len(targets) * ((grid + 2 + steps) if search else 1)
         bar = tqdm(total=est, desc="probes" + tag, unit="run", dynamic_ncols=True)
 
     def on_probe(p):
@@ -461,20 +500,36 @@ def cmd_bench(args) -> int:
                          probe_timeout_s=probe_timeout, progress=progress and not simulated, on_probe=on_probe,
                          early_stop=not args.no_early_stop and not simulated)
 
+    time_cap = args.search_time_cap if args.search_time_cap is not None else (900.0 if simulated else 3600.0)
+
+    def run_search(b):
+        """Goodput of every shown label (``:best`` folded in); ``b.targets`` gains each
+        ``:best`` label as an alias of its best candidate."""
+        res = b.goodput(lo, hi, grid, steps, full_grid=args.full_grid, max_doublings=args.max_doublings,
+                        time_cap_s=time_cap)
+        res, sw = resolve_best(res, groups, labels)
+        for lb, bs in sw.items():
+            b.targets[lb] = b.targets[bs.best_candidate]
+        return res, sw
+
     bench = make_bench(requests, slos)
     results_gp = None
     range_note = None
+    budget_sweeps = {}
     if search:
         lo, hi, range_note = _rate_range(args, targets, requests, slos, lm, mode)
-        print(f"goodput search over {lo:.3g}-{hi:.3g} req/s ({range_note}); grid {grid}, bisection {steps}, "
-              f"attainment target {args.attainment_target:g}")
-        results_gp = bench.goodput(lo, hi, grid, steps, extend=args.extend, full_grid=args.full_grid)
+        print(f"goodput search from {lo:.3g}-{hi:.3g} req/s ({range_note}); grid {grid}, then doubling until "
+              f"every policy fails a probe (at most {args.max_doublings}), bisection {steps}; time cap "
+              f"{time_cap:g} s; attainment target {args.attainment_target:g}")
+        results_gp, budget_sweeps = run_search(bench)
+        for bs in budget_sweeps.values():
+            print(bs.format() + tag)
         ref = args.report_rate or reference_rate(results_gp)
         # The comparison needs Laser and the best baseline run in full on the same arrivals
         # at ``ref``; any other target only needs some probe there (a stopped one is marked).
-        base = [lb for lb in targets if lb != "laser"]
+        base = [lb for lb in labels if lb != "laser"]
         best = max(base, key=lambda lb: results_gp[lb].goodput_rps) if base else None
-        for lb in targets:
+        for lb in labels:
             have = probe_at(results_gp, lb, ref)
             if have is None or (have.early_stopped and lb in ("laser", best)):
                 print(f"[{lb}] full run at the reference rate {ref:.3g} req/s for the comparison{tag}")
@@ -491,9 +546,9 @@ def cmd_bench(args) -> int:
             print(f"-- SLO scale {sc:g}{tag}")
             sc_slos = cal.rescaled(sc).slo_classes()
             apply_budgets(targets, specs, sc_slos, lm or _default_lm(args))
-            b = make_bench(requests, sc_slos)
-            res = b.goodput(lo, hi, grid, steps, extend=args.extend, full_grid=args.full_grid)
+            res, sw = run_search(make_bench(requests, sc_slos))
             sweeps["slo_scale"][f"{sc:g}"] = {lb: g.goodput_rps for lb, g in res.items()}
+            sweeps.setdefault("slo_scale_best_budget", {})[f"{sc:g}"] = {lb: bs.best_budget for lb, bs in sw.items()}
     apply_budgets(targets, specs, slos, lm or _default_lm(args))
     if args.sweep_mix and search:
         sweeps["mix"] = {}
@@ -501,11 +556,12 @@ def cmd_bench(args) -> int:
             mix = parse_mix(m.strip())
             print(f"-- mix {m.strip()}{tag}")
             reqs, _, _ = build_workload(args, tokenizer, max_len, mix=mix)
-            b = make_bench(reqs, slos)
-            res = b.goodput(lo, hi, grid, steps, extend=args.extend, full_grid=args.full_grid)
+            res, sw = run_search(make_bench(reqs, slos))
             sweeps["mix"][m.strip()] = {lb: g.goodput_rps for lb, g in res.items()}
+            sweeps.setdefault("mix_best_budget", {})[m.strip()] = {lb: bs.best_budget for lb, bs in sw.items()}
     if args.sweep_cluster and search and getattr(args, "cluster", None):
-        sweeps["cluster_gpus"] = sweep_cluster(args, targets, requests, slos, lo, hi, grid, steps, make_bench, tag)
+        sweeps["cluster_gpus"] = sweep_cluster(args, targets, requests, slos, lo, hi, grid, steps, make_bench, tag,
+                                               time_cap)
     if bar is not None:
         bar.total = bar.n
         bar.close()
@@ -514,7 +570,8 @@ def cmd_bench(args) -> int:
     targets_s = cal.targets
     policies_json = {}
     ref_probes = {}
-    for lb, tgt in targets.items():
+    for lb in labels:
+        tgt = bench.targets[lb]
         if results_gp is not None:
             p = probe_at(results_gp, lb, ref)
             g = results_gp[lb]
@@ -525,6 +582,8 @@ def cmd_bench(args) -> int:
             probes = [q for q in bench.probes if q.label == lb]
         ref_probes[lb] = p
         policies_json[lb] = report.policy_json(lb, targets_s, p, g, args.attainment_target, tgt.describe(), probes)
+        if lb in budget_sweeps:
+            policies_json[lb]["budget_sweep"] = budget_sweeps[lb].to_json()
         extra = {"Policy / target": f"{lb} ({mode}{', disaggregated' if args.disaggregated else ''})"}
         print(report.format_summary(p.records, p.summary, rate=p.rate, simulated=simulated,
                                     goodput=g.goodput_rps if g is not None else None, extra=extra))
@@ -535,15 +594,15 @@ def cmd_bench(args) -> int:
         "note": ("SIMULATED: schedulers on SimInstance with a latency model in virtual time; not a measurement"
                  if simulated else "measured in real time"),
         "command": "laser bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None,
-        "policies_order": list(targets),
+        "policies_order": labels,
         "disaggregated": args.disaggregated,
         "workload": wl_desc,
         "arrivals": {"process": "trace" if args.trace else ("poisson" if args.burstiness == 1 else "gamma"),
                      "burstiness": args.burstiness, "seed": args.seed},
         "attainment_target": args.attainment_target,
         "search": None if not search else {"rate_range_rps": [lo, hi], "range_note": range_note, "grid_points": grid,
-                                           "bisect_steps": steps, "extend": args.extend,
-                                           "probe_timeout_s": probe_timeout},
+                                           "bisect_steps": steps, "max_doublings": args.max_doublings,
+                                           "time_cap_s": time_cap, "probe_timeout_s": probe_timeout},
         "slo": cal.to_dict(),
         "slo_targets": {c: {"ttft_s": t.get("ttft"), "tbt_s": t.get("tbt")} for c, t in targets_s.items()},
         "reference_rate_rps": ref,
@@ -566,7 +625,7 @@ def cmd_bench(args) -> int:
         wl_txt = f"{wl_desc['mix']} mix" if "mix" in wl_desc else "trace"
         slo_txt = f"{cal.base} SLOs x{cal.scale:g}" + (" (--slo-config)" if args.slo_config else "")
         probes_by = {lb: (results_gp[lb].probes if results_gp else [q for q in bench.probes if q.label == lb])
-                     for lb in targets}
+                     for lb in labels}
         paths = write_plots(args.plots, probes_by_label=probes_by if search else None,
                             goodputs={lb: g.goodput_rps for lb, g in results_gp.items()} if results_gp else None,
                             target=args.attainment_target, ref_probes={k: v for k, v in ref_probes.items() if v},
@@ -576,7 +635,7 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def sweep_cluster(args, targets, requests, slos, lo, hi, grid, steps, make_bench, tag) -> dict:
+def sweep_cluster(args, targets, requests, slos, lo, hi, grid, steps, make_bench, tag, time_cap) -> dict:
     """Goodput per cluster size (GPUs): ``GPUs / tp`` instances, split in half P:D
     (prefill the smaller half) for disaggregated controllers, all mixed otherwise."""
     from laser.bench.cluster import ClusterTarget
@@ -594,6 +653,6 @@ def sweep_cluster(args, targets, requests, slos, lo, hi, grid, steps, make_bench
         b = make_bench(requests, slos)
         b.targets = sized
         res = b.goodput(lo * n / ClusterSpec.parse(args.cluster).total, hi * n / ClusterSpec.parse(args.cluster).total,
-                        grid, steps, extend=args.extend, full_grid=args.full_grid)
+                        grid, steps, full_grid=args.full_grid, max_doublings=args.max_doublings, time_cap_s=time_cap)
         out[str(g)] = {lb: r.goodput_rps for lb, r in res.items()}
     return out

@@ -130,16 +130,24 @@ def comparison_rows(policies: dict[str, dict], ours: str = "laser") -> list[dict
     for lb in labels:
         d = policies[lb]
         g = d.get("goodput_rps")
-        ratio = (g / best_g) if (g is not None and best_g) else None
+        # no ratio against or of a goodput without a knee (the workload passed as one burst)
+        no_knee = d.get("goodput_unbounded", False) or bool(best and policies[best].get("goodput_unbounded"))
+        ratio = (g / best_g) if (g is not None and best_g and not (no_knee and lb != best)) else None
         rows.append({"policy": lb, "goodput_rps": g, "ratio": ratio, "mean_ttft_s": d.get("mean_ttft_s"),
                      "attainment": d.get("attainment"), "p99_tbt_s": d.get("p99_tbt_s"),
                      "lower_bound": d.get("goodput_lower_bound", False), "best_baseline": lb == best,
+                     "capped": d.get("goodput_capped"), "unbounded": d.get("goodput_unbounded", False), "below_range": d.get("goodput_below_range", False),
+                     "best_budget": (d.get("budget_sweep") or {}).get("best_budget"),
                      "partial": d.get("reference_probe_early_stopped", False)})
     return rows
 
 
 def format_comparison(results: dict, ours: str = "laser") -> str:
-    """The table: policy | goodput | x best baseline | mean TTFT | attainment | P99 ITL (at the reference rate)."""
+    """The table: policy | goodput | x best baseline | mean TTFT | attainment | P99 ITL (at the reference rate).
+
+    A goodput shows as ">=x" only when the search's cap stopped it before that policy
+    failed a probe (the cap is listed under the table); a ``:best`` policy shows its budget.
+    """
     pol = results["policies"]
     sim = results.get("simulated", False)
     ref = results.get("reference_rate_rps")
@@ -147,26 +155,51 @@ def format_comparison(results: dict, ours: str = "laser") -> str:
     if ref is not None:
         head += f" - TTFT/attainment/ITL at {ref:.3g} req/s, same arrivals for every policy"
     lines = [head]
-    lines.append(f"{'policy':<12} {'goodput (req/s)':>16} {'vs best baseline':>17} {'mean TTFT (ms)':>15} "
+    rows = comparison_rows(pol, ours)
+    best = next((r for r in rows if r["best_baseline"]), None)
+    if best is not None:
+        lines.append(f"best baseline: {_policy_name(best)} - the ratio column is against it")
+    w = max([12] + [len(_policy_name(r)) for r in rows])
+    lines.append(f"{'policy':<{w}} {'goodput (req/s)':>16} {'vs best baseline':>17} {'mean TTFT (ms)':>15} "
                  f"{'attainment':>11} {'P99 ITL (ms)':>13}")
-    for row in comparison_rows(pol, ours):
+    capped = []
+    for row in rows:
         g = row["goodput_rps"]
-        gs = "-" if g is None else (f">={g:.3f}" if row["lower_bound"] else f"{g:.3f}")
+        if g is None:
+            gs = "-"
+        elif row["lower_bound"]:
+            gs = f">={g:.3f}"
+            capped.append(f"{row['policy']}: {row['capped']}")
+        elif row["unbounded"]:
+            gs = "unbounded"
+        elif row["below_range"]:
+            gs = "0 (<lowest)"
+        else:
+            gs = f"{g:.3f}"
         ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"
         if row["best_baseline"]:
             ratio += " (best)"
         att = "-" if row["attainment"] is None else f"{row['attainment']:.3f}"
         if row["partial"]:
             att += "*"
-        lines.append(f"{row['policy']:<12} {gs:>16} {ratio:>17} {_ms(row['mean_ttft_s'], 1):>15} {att:>11} "
+        lines.append(f"{_policy_name(row):<{w}} {gs:>16} {ratio:>17} {_ms(row['mean_ttft_s'], 1):>15} {att:>11} "
                      f"{_ms(row['p99_tbt_s'], 1):>13}")
-    if any(r["partial"] for r in comparison_rows(pol, ours)):
+    if any(r["unbounded"] for r in rows):
+        lines.append("unbounded: the whole workload arriving at once still met the attainment target (no knee)")
+    if capped:
+        lines.append(">= : the search cap was hit before the policy failed a probe (" + "; ".join(capped) + ")")
+    if any(r["partial"] for r in rows):
         lines.append("* stopped early at the reference rate (certain to fail): its columns cover the part that ran")
     comp = results.get("comparison") or {}
     for other, r in (comp.get("mean_ttft_ratio") or {}).items():
         if r is not None:
             lines.append(f"mean TTFT {ours} / {other}: {r:.2f}x")
     return "\n".join(lines)
+
+
+def _policy_name(row: dict) -> str:
+    b = row.get("best_budget")
+    return row["policy"] if b is None else f"{row['policy']} (budget {b})"
 
 
 # ------------------------------------------------------------------------------------ JSON
@@ -218,6 +251,10 @@ def policy_json(label: str, targets: dict, ref_probe=None, goodput=None, attainm
         "goodput_rps": goodput.goodput_rps if goodput is not None else None,
         "goodput_lower_bound": goodput.lower_bound if goodput is not None else False,
         "goodput_below_range": goodput.below_range if goodput is not None else False,
+        # why the search stopped before this policy failed a probe (then goodput is a lower bound)
+        "goodput_capped": goodput.capped if goodput is not None else None,
+        # even the whole workload arriving at once passed: every rate passes (no knee)
+        "goodput_unbounded": goodput.unbounded if goodput is not None else False,
         "goodput_bracket_rps": list(goodput.bracket) if goodput is not None and goodput.bracket else None,
         "reference_rate_rps": ref_probe.rate if ref_probe is not None else None,
         # the reference probe stopped once it certainly failed: its latencies cover only what ran
@@ -256,7 +293,8 @@ def comparison_json(policies: dict[str, dict], ours: str = "laser") -> dict:
     return {
         "ours": ours,
         "best_baseline": best,
-        "goodput_ratio": ratio(g_ours, g_best),
+        "goodput_ratio": (None if policies[ours].get("goodput_unbounded") or policies[best].get("goodput_unbounded")
+                          else ratio(g_ours, g_best)),
         "mean_ttft_ratio": {lb: ratio(ttft, policies[lb].get("mean_ttft_s")) for lb in base},
     }
 

@@ -18,9 +18,8 @@ and return one :class:`~laser.metrics.RequestRecord` per request:
 
 :class:`Benchmark` runs every target on the same arrivals, interleaved (for each probed
 rate, every target before the next rate), so a noisy machine shifts all of them alike,
-and finds each target's goodput: a grid over the rate range, then a bounded bisection
-of each target's bracket (paper §9: the highest rate at which >= 90 % of requests meet
-their SLO; same conventions as :func:`laser.metrics.find_goodput`).
+and finds each target's goodput with :func:`laser.bench.goodput.search_goodput` (paper §9:
+the highest rate at which >= 90 % of requests meet their SLO).
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ import numpy as np
 
 from laser.bench.arrivals import arrival_times
 from laser.bench.client_timing import ChunkTokenTimer
+from laser.bench.goodput import DEFAULT_MAX_DOUBLINGS, GoodputResult, search_goodput
 from laser.bench.workloads import WorkloadRequest
 from laser.metrics import RequestRecord, RunSummary, record_from_request, summarize
 from laser.request import SLO, Request, SamplingParams
@@ -534,37 +534,6 @@ class Probe:
         return sum(not r.finished for r in self.records)
 
 
-@dataclass
-class GoodputResult:
-    """Goodput of one target: the highest probed rate that passes with every lower probe passing."""
-
-    label: str
-    goodput_rps: float
-    # every probed rate passed: the true goodput may be higher (``goodput_rps`` is a lower bound)
-    lower_bound: bool = False
-    # even the lowest probed rate failed (``goodput_rps`` is 0.0)
-    below_range: bool = False
-    bracket: tuple[float, float] | None = None  # (highest passing, lowest failing)
-    probes: list[Probe] = field(default_factory=list, repr=False)
-
-    def class_goodput(self, target: float) -> dict[str, float]:
-        """Per class: the highest probed rate at which the class's attainment passes, with
-        the class passing at every lower probed rate (0.0 if the lowest fails)."""
-        out: dict[str, float] = {}
-        classes = sorted({c for p in self.probes for c in p.summary.per_class})
-        for c in classes:
-            g = 0.0
-            for p in sorted(self.probes, key=lambda p: p.rate or 0.0):
-                a = p.class_attainment().get(c)
-                if a is None:
-                    continue
-                if a + 1e-12 < target:
-                    break
-                g = p.rate or 0.0
-            out[c] = g
-        return out
-
-
 def tbt_token_budget(lm, tbt: float, num_layers: int | None = None, decode_batch: int = 8,
                      decode_context: int = 256, multiple: int = 16, limit: int = 8192) -> int:
     """Sarathi-Serve's rule for its token budget: the largest budget (a multiple of
@@ -588,15 +557,6 @@ def tbt_token_budget(lm, tbt: float, num_layers: int | None = None, decode_batch
         best = k
         k += multiple
     return best
-
-
-def geometric_grid(lo: float, hi: float, n: int) -> list[float]:
-    """``n`` rates from ``lo`` to ``hi`` (inclusive), equally spaced in log scale, rounded to 4 digits."""
-    if not (0 < lo <= hi) or n < 1:
-        raise ValueError(f"need 0 < lo <= hi and n >= 1, got {lo}, {hi}, {n}")
-    if n == 1 or lo == hi:
-        return [float(f"{hi:.4g}")]
-    return sorted({float(f"{x:.4g}") for x in np.geomspace(lo, hi, n)})
 
 
 class Benchmark:
@@ -682,67 +642,16 @@ class Benchmark:
             labels = labels[k:] + labels[:k]
         return {lb: self.probe(lb, rate) for lb in labels}
 
-    def passes(self, p: Probe) -> bool:
-        return p.attainment + 1e-12 >= self.attainment_target
-
     # -- goodput -------------------------------------------------------------------------------
     def goodput(self, lo: float, hi: float, grid_points: int = 4, bisect_steps: int = 2, rel_tol: float = 0.02,
-                extend: int = 1, full_grid: bool = False) -> dict[str, GoodputResult]:
-        """Goodput of every target over ``[lo, hi]`` req/s.
-
-        1. Grid: ``grid_points`` geometric rates, ascending; at each, every target still
-           searching runs (interleaved). A target stops climbing after failing two grid
-           rates in a row (unless ``full_grid``).
-        2. Extend (at most ``extend`` times each way): a target that passed everything
-           is probed at twice the highest rate; one that failed the lowest, at half of it.
-        3. Bisect: each target's bracket (highest passing rate with all lower passing,
-           lowest failing rate) is halved ``bisect_steps`` times, targets interleaved per
-           round, until ``hi - lo <= rel_tol * hi``.
-        """
-        labels = list(self.targets)
-        mine: dict[str, list[Probe]] = {lb: [] for lb in labels}
-        fails_in_row = {lb: 0 for lb in labels}
-        for k, r in enumerate(geometric_grid(lo, hi, grid_points)):
-            active = [lb for lb in labels if full_grid or fails_in_row[lb] < 2]
-            for lb, p in self.run_at(r, active, rotate=k).items():
-                mine[lb].append(p)
-                fails_in_row[lb] = 0 if self.passes(p) else fails_in_row[lb] + 1
-
-        def bracket(lb: str) -> tuple[float | None, float | None]:
-            best, fail = None, None
-            for p in sorted(mine[lb], key=lambda p: p.rate):
-                if self.passes(p):
-                    best = p.rate
-                else:
-                    fail = p.rate
-                    break
-            return best, fail
-
-        for e in range(extend):
-            up = [lb for lb in labels if bracket(lb)[1] is None]
-            down = [lb for lb in labels if bracket(lb)[0] is None]
-            for lb in up:
-                mine[lb].append(self.probe(lb, max(p.rate for p in mine[lb]) * 2))
-            for lb in down:
-                mine[lb].append(self.probe(lb, min(p.rate for p in mine[lb]) / 2))
-        for step in range(bisect_steps):
-            todo = []
-            for lb in labels:
-                a, b = bracket(lb)
-                if a is not None and b is not None and b - a > rel_tol * b:
-                    todo.append((lb, float(f"{0.5 * (a + b):.4g}")))
-            if not todo:
-                break
-            k = step % len(todo)
-            for lb, r in todo[k:] + todo[:k]:
-                mine[lb].append(self.probe(lb, r))
-        out = {}
-        for lb in labels:
-            a, b = bracket(lb)
-            out[lb] = GoodputResult(lb, a or 0.0, lower_bound=b is None, below_range=a is None,
-                                    bracket=(a, b) if a is not None and b is not None else None,
-                                    probes=sorted(mine[lb], key=lambda p: p.rate))
-        return out
+                full_grid: bool = False, max_doublings: int = DEFAULT_MAX_DOUBLINGS,
+                time_cap_s: float | None = None) -> dict[str, GoodputResult]:
+        """Goodput of every target, starting from the rate grid ``[lo, hi]`` req/s: grid,
+        then doubling (halving) until every target has failed (passed) a probe, then
+        bisection; see :func:`laser.bench.goodput.search_goodput` (the one search)."""
+        return search_goodput(self.probe, list(self.targets), lo, hi, attainment_target=self.attainment_target,
+                              grid_points=grid_points, bisect_steps=bisect_steps, rel_tol=rel_tol,
+                              full_grid=full_grid, max_doublings=max_doublings, time_cap_s=time_cap_s)
 
 
 def common_rates(results: dict[str, GoodputResult]) -> list[float]:

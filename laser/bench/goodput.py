@@ -1,0 +1,246 @@
+"""The goodput search: the one place that decides which rates to probe and what the goodput is.
+
+Goodput (paper §9, DistServe's definition) is the highest request rate (req/s) at which at
+least ``attainment_target`` (0.9) of the requests meet their SLO. Attainment is assumed
+non-increasing in rate, so the passing rates form an interval and a knee exists between
+the highest passing and the lowest failing probe.
+
+:func:`search_goodput` finds that knee for several targets at once, interleaved (each
+round runs every target that still needs a probe, rotating who goes first), so a noisy
+machine shifts them alike:
+
+1. **Grid.** ``grid_points`` geometric rates over ``[lo, hi]``, ascending; a target stops
+   climbing after two failing grid rates in a row (unless ``full_grid``).
+2. **Extend until every target has failed and passed a probe.** A target that passed
+   every rate is first probed with the whole workload arriving at once (rate ``inf``, a
+   burst): a finite workload that passes even then has no knee (``unbounded``: every rate
+   passes). Otherwise it is probed at twice its highest rate, again and again, until it
+   fails; one that failed its lowest rate is probed at half of it until it passes. This
+   goes on until a cap is hit: the wall-time cap ``time_cap_s``, or ``max_doublings``
+   each way.
+3. **Bisect** each target's bracket (highest passing rate with every lower probe passing,
+   lowest failing rate) for at most ``bisect_steps`` rounds, until
+   ``hi - lo <= rel_tol * hi``.
+
+A goodput is reported as a lower bound ("≥ x") only when a cap stopped the search before
+that target failed a probe, and the result then says which cap (:attr:`GoodputResult.capped`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+
+# Doublings (and halvings) per target before the search gives up: 2**30 times the range.
+DEFAULT_MAX_DOUBLINGS = 30
+
+
+class ProbeLike(Protocol):
+    """What the search needs of a probe: its rate (req/s) and its SLO attainment in [0, 1]."""
+
+    rate: float
+
+    @property
+    def attainment(self) -> float: ...
+
+
+@dataclass
+class GoodputResult:
+    """Goodput of one target: the highest probed rate that passes with every lower probe passing.
+
+    ``goodput_rps`` is in req/s. Exactly one of these holds:
+
+    * ``bracket`` is set: the knee lies in ``(bracket[0], bracket[1]]`` (a measured goodput);
+    * ``lower_bound``: every probe passed and a cap (``capped`` says which) stopped the
+      search before a failing rate was found — the true goodput is ≥ ``goodput_rps``;
+    * ``below_range``: every probe failed down to the lowest probed rate (``goodput_rps``
+      is 0.0; the true goodput is below ``min(probed rates)``);
+    * ``unbounded``: the workload passed even as one burst (rate ``inf``): every rate
+      passes, and ``goodput_rps`` is the highest finite rate probed.
+    """
+
+    label: str
+    goodput_rps: float
+    lower_bound: bool = False
+    below_range: bool = False
+    bracket: tuple[float, float] | None = None  # (highest passing, lowest failing)
+    probes: list = field(default_factory=list, repr=False)
+    # why the search stopped early for this target (time cap, doubling limit); None if it did not
+    capped: str | None = None
+    unbounded: bool = False
+
+    def display(self, nd: int = 3) -> str:
+        """``"1.234"``, ``">=1.234 (cap: ...)"``, ``"<0.100"`` or ``"unbounded (...)"``."""
+        if self.unbounded:
+            return "unbounded (a burst of the whole workload passes)"
+        if self.lower_bound:
+            return f">={self.goodput_rps:.{nd}f} (cap: {self.capped})"
+        if self.below_range:
+            low = min((p.rate for p in self.probes if p.rate is not None), default=0.0)
+            return f"<{low:.{nd}f}"
+        return f"{self.goodput_rps:.{nd}f}"
+
+    def class_goodput(self, target: float) -> dict[str, float]:
+        """Per class: the highest probed rate at which the class's attainment passes, with
+        the class passing at every lower probed rate (0.0 if the lowest fails)."""
+        out: dict[str, float] = {}
+        classes = sorted({c for p in self.probes for c in p.summary.per_class})
+        for c in classes:
+            g = 0.0
+            for p in sorted(self.probes, key=lambda p: p.rate or 0.0):
+                a = p.class_attainment().get(c)
+                if a is None:
+                    continue
+                if a + 1e-12 < target:
+                    break
+                g = p.rate or 0.0
+            out[c] = g
+        return out
+
+
+def geometric_grid(lo: float, hi: float, n: int) -> list[float]:
+    """``n`` rates from ``lo`` to ``hi`` (inclusive), equally spaced in log scale, rounded to 4 digits."""
+    if not (0 < lo <= hi) or n < 1:
+        raise ValueError(f"need 0 < lo <= hi and n >= 1, got {lo}, {hi}, {n}")
+    if n == 1 or lo == hi:
+        return [float(f"{hi:.4g}")]
+    return sorted({float(f"{x:.4g}") for x in np.geomspace(lo, hi, n)})
+
+
+def _round(rate: float) -> float:
+    return float(f"{rate:.4g}")
+
+
+def search_goodput(
+    probe: Callable[[str, float], ProbeLike],
+    labels: Sequence[str],
+    lo: float,
+    hi: float,
+    *,
+    attainment_target: float = 0.9,
+    grid_points: int = 4,
+    bisect_steps: int = 2,
+    rel_tol: float = 0.02,
+    full_grid: bool = False,
+    max_doublings: int = DEFAULT_MAX_DOUBLINGS,
+    time_cap_s: float | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> dict[str, GoodputResult]:
+    """Goodput of every target in ``labels`` (see the module docstring for the search).
+
+    Args:
+        probe: ``probe(label, rate)`` runs target ``label`` at ``rate`` req/s and returns
+            its probe (``.rate``, ``.attainment``).
+        lo, hi: the initial grid range (req/s), ``0 < lo <= hi``.
+        max_doublings: at most this many doublings (halvings) per target beyond the grid.
+        time_cap_s: wall seconds (by ``clock``) after which no new probe starts; None = no cap.
+
+    Raises:
+        ValueError: on a bad range, tolerance or empty ``labels``.
+    """
+    if not (0 < lo <= hi) or not np.isfinite(hi):
+        raise ValueError(f"need 0 < lo <= hi < inf, got lo={lo}, hi={hi}")
+    if not rel_tol > 0:
+        raise ValueError(f"rel_tol must be > 0, got {rel_tol}")
+    labels = list(labels)
+    if not labels:
+        raise ValueError("no targets")
+    start = clock()
+    mine: dict[str, list[ProbeLike]] = {lb: [] for lb in labels}
+    cap_hit: str | None = None
+
+    def passes(p: ProbeLike) -> bool:
+        return p.attainment + 1e-12 >= attainment_target
+
+    def run_round(todo: list[tuple[str, float]], rotate: int) -> None:
+        nonlocal cap_hit
+        if todo:
+            k = rotate % len(todo)
+            todo = todo[k:] + todo[:k]
+        for lb, r in todo:
+            if time_cap_s is not None and clock() - start >= time_cap_s:
+                cap_hit = f"time cap {time_cap_s:g} s"
+                return
+            mine[lb].append(probe(lb, r))
+
+    def bracket(lb: str) -> tuple[float | None, float | None]:
+        """(highest passing finite rate with every lower probe passing, lowest failing finite rate)."""
+        best, fail = None, None
+        for p in sorted((p for p in mine[lb] if p.rate < math.inf), key=lambda p: p.rate):
+            if passes(p):
+                best = p.rate
+            else:
+                fail = p.rate
+                break
+        return best, fail
+
+    # 1. grid
+    fails_in_row = {lb: 0 for lb in labels}
+    for k, r in enumerate(geometric_grid(lo, hi, grid_points)):
+        if cap_hit:
+            break
+        active = [lb for lb in labels if full_grid or fails_in_row[lb] < 2]
+        n0 = {lb: len(mine[lb]) for lb in active}
+        run_round([(lb, r) for lb in active], k)
+        for lb in active:
+            if len(mine[lb]) > n0[lb]:
+                fails_in_row[lb] = 0 if passes(mine[lb][-1]) else fails_in_row[lb] + 1
+    # 2. extend until every target has failed a probe (and passed one)
+    limit_hit: dict[str, str] = {}
+    moves = {lb: 0 for lb in labels}
+    burst: dict[str, bool] = {}  # label -> whether the whole workload at once passed
+    for e in range(max_doublings + 2):
+        if cap_hit:
+            break
+        todo = []
+        for lb in labels:
+            a, b = bracket(lb)
+            finite = [p.rate for p in mine[lb] if p.rate < math.inf]
+            if b is None and a is not None:
+                if lb not in burst:
+                    todo.append((lb, math.inf))
+                elif burst[lb]:
+                    continue  # no knee: every rate passes
+                elif moves[lb] >= max_doublings:
+                    limit_hit[lb] = f"{max_doublings} doublings"
+                else:
+                    moves[lb] += 1
+                    todo.append((lb, _round(2 * max(finite))))
+            elif a is None and finite and moves[lb] < max_doublings:
+                moves[lb] += 1
+                todo.append((lb, _round(0.5 * min(finite))))
+        if not todo:
+            break
+        run_round(todo, e)
+        for lb, r in todo:
+            if r == math.inf and mine[lb] and mine[lb][-1].rate == math.inf:
+                burst[lb] = passes(mine[lb][-1])
+    # 3. bisect
+    for step in range(bisect_steps):
+        if cap_hit:
+            break
+        todo = []
+        for lb in labels:
+            a, b = bracket(lb)
+            if a is not None and b is not None and b - a > rel_tol * b:
+                mid = _round(0.5 * (a + b))
+                if a < mid < b:
+                    todo.append((lb, mid))
+        if not todo:
+            break
+        run_round(todo, step)
+    out = {}
+    for lb in labels:
+        a, b = bracket(lb)
+        unbounded = b is None and burst.get(lb, False)
+        lower = a is not None and b is None and not unbounded
+        out[lb] = GoodputResult(lb, a or 0.0, lower_bound=lower, below_range=a is None and bool(mine[lb]),
+                                bracket=(a, b) if a is not None and b is not None else None,
+                                probes=sorted(mine[lb], key=lambda p: p.rate),
+                                capped=(limit_hit.get(lb) or cap_hit) if lower or not mine[lb] else None,
+                                unbounded=unbounded)
+    return out
