@@ -16,7 +16,8 @@ without waiting for an engine step and each arrival sees the ones admitted befor
 Sources: the work-ahead estimate follows the EDF feasibility test of deadline scheduling;
 the decode share mirrors how each policy mixes decode with prefill (vLLM v0: prefill first,
 Sarathi-Serve: decode tokens in every chunked iteration, Laser §6.2: decode groups planned
-against T_g = the strictest TBT target, leaving at least ``prefill_share`` of it to prefill).
+against T_g = the strictest TBT target, leaving up to ``prefill_share`` of it to prefill when a
+queued deadline needs it).
 Prefill runs in chunks of the token budget (whole prompts for vLLM), as the policies do.
 """
 
@@ -57,7 +58,7 @@ class SchedulerSnapshot:
         waiting/prefilling request, in queue order. decode_contexts / decode_tbts: context
         length (tokens) and TBT target (seconds, None = best effort) of each decoding request.
         policy: scheduler name. queue_order: ``edf`` or ``fcfs``. best_effort_deadline_s:
-        EDF deadline of best effort. prefill_share: Laser's minimum prefill share of T_g (None
+        EDF deadline of best effort. prefill_share: the share of T_g Laser's Alg. 1 leaves to prefill under deadline pressure (None
         for iteration-level policies). tg_margin: Laser's planning margin on T_g.
         chunk_tokens: token budget of one iteration (``max_num_batched_tokens``).
         num_adds: add commands the engine thread had run (see :class:`QueueAwareAdmission`).
@@ -133,7 +134,7 @@ def snapshot_of(sched, now: float, num_adds: int = 0, last_step_s: float = 0.0) 
         time=now, busy=bool(sched.requests), last_step_s=last_step_s, queue=tuple(queue),
         decode_contexts=tuple(dec_ctx), decode_tbts=tuple(dec_tbt), policy=sched.name,
         queue_order=cfg.queue_order, best_effort_deadline_s=cfg.best_effort_deadline_s,
-        prefill_share=getattr(sched, "prefill_share", None) if sched.name == "laser" else None,
+        prefill_share=getattr(sched, "max_prefill_share", None) if sched.name == "laser" else None,
         tg_margin=getattr(sched, "tg_margin", 1.0), chunk_tokens=cfg.max_num_batched_tokens,
         num_adds=num_adds, counters=counters,
     )

@@ -68,6 +68,8 @@ class RequestRecord:
     output_len: int = 0
     # True once the request completed (not aborted, not still running at the end of a run).
     finished: bool = False
+    # The scheduler found its TBT target unreachable even alone and served it as fast as it could.
+    tbt_infeasible: bool = False
 
     @property
     def num_output_tokens(self) -> int:
@@ -229,4 +231,5 @@ def record_from_request(req) -> RequestRecord:
         prompt_len=req.num_prompt_tokens,
         output_len=req.sampling_params.max_tokens,
         finished=req.finish_reason in ("stop", "length"),
+        tbt_infeasible=getattr(req, "tbt_infeasible", False),
     )

@@ -128,8 +128,14 @@ class Request:
     finish_time: float | None = None
     # Times this request was preempted (its KV freed and recomputed later).
     num_preemptions: int = 0
+    # Waiting, and running requests of looser SLO classes were preempted to make room for
+    # it: it is admitted before any other waiting request (Scheduler.preempt_for_stricter).
+    boosted: bool = False
     # Token gaps over the TBT target so far (the P99-TBT allowance a scheduler may spend).
     num_tbt_misses: int = 0
+    # The TBT target cannot be met even by this request alone (latency model): it is served
+    # as fast as possible instead of the schedule being cut toward an impossible target.
+    tbt_infeasible: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     # Served best effort: queued after every request with a deadline (the controller's
     # fallback when no prefill instance can meet its TTFT, PPoPP'26 §7.1). Its SLO is

@@ -20,6 +20,7 @@ never stop.
 
 from __future__ import annotations
 
+import math
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -66,6 +67,8 @@ class Scheduler(ABC):
     def queue_key(self, req: Request) -> tuple[float, float]:
         """EDF: arrival + TTFT target (best effort and demoted requests age: arrival +
         best_effort_deadline_s); FCFS: arrival."""
+        if req.boosted:  # room was made for it: admitted first
+            return (-math.inf, req.arrival_time)
         if self.config.queue_order == "fcfs":
             return (req.arrival_time, 0.0)
         ttft = req.slo.ttft if req.slo.ttft is not None and not req.demoted else self.config.best_effort_deadline_s
@@ -151,6 +154,7 @@ class Scheduler(ABC):
         """Move ``req`` from waiting to running (it starts holding KV)."""
         self.waiting.remove(req)
         self.running.append(req)
+        req.boosted = False
         if req.phase == Phase.WAITING:
             req.phase = Phase.PREFILL
 
@@ -203,18 +207,58 @@ class Scheduler(ABC):
         # hit again and again), then the latest deadline
         return (self.slo_rank(r), -r.num_preemptions, self.queue_key(r))
 
-    def make_room(self, req: Request, fits: Callable[[], bool], cause: str, protected: set[str] = frozenset()) -> bool:
+    def preempt_for_stricter(self) -> None:
+        """Priority preemption before a step is planned (vLLM's ``priority`` policy). A waiting
+        request blocked by ``max_num_seqs`` or short of KV for its first chunk preempts running
+        requests of strictly looser SLO classes (:meth:`make_room`) and is admitted first
+        (``boosted``). Policies call this at the top of ``schedule``; it costs one pass over
+        the waiting queue only while something waits and the cap or the pool is short."""
+        if not self.waiting or not self.running:
+            return
+        cap = self.config.max_num_seqs - sum(r.boosted for r in self.waiting)
+        reserved = 0  # blocks per layer promised to boosted requests
+        changed = False
+        for req in list(self.waiting):
+            if req.boosted or req not in self.waiting:
+                continue
+            need = self.bm.blocks_needed(req.num_tokens)  # its whole prompt (a partial fit can deadlock)
+
+            def fits(need=need):
+                return len(self.running) < cap and self.bm.min_free() - reserved >= need
+
+            if fits():
+                continue
+            cause = "running_cap" if len(self.running) >= cap else "slo"
+            if not self.make_room(req, fits, cause, need_blocks=need + reserved):
+                continue
+            req.boosted = True
+            cap -= 1
+            reserved += need
+            changed = True
+        if changed:
+            self.waiting.sort(key=self.queue_key)
+
+    def make_room(self, req: Request, fits: Callable[[], bool], cause: str, protected: set[str] = frozenset(),
+                  need_blocks: int | None = None) -> bool:
         """Priority preemption (vLLM's ``priority`` scheduling policy): until ``fits()`` holds,
         preempt the least strict running request of a strictly less strict class than ``req``
         (:meth:`slo_rank`; never one in ``protected``, the requests already in this step's
         plan). ``fits`` may allocate (it is :meth:`try_allocate` for KV). Returns ``fits()``.
 
+        ``need_blocks``: KV blocks per layer ``req`` needs; when even every eligible victim's
+        blocks would not free that many, nobody is preempted (no preemption for nothing).
         Only strictly looser classes are victims, so two requests can never preempt each other
         back and forth."""
+        if fits():
+            return True
+        rank = self.slo_rank(req)
+        victims = [r for r in self.running if r is not req and r.req_id not in protected and self.slo_rank(r) > rank]
+        if need_blocks is not None:
+            held = sum(self.bm.num_held(r.req_id, 0) for r in victims)
+            if self.bm.min_free() + held < need_blocks:
+                return False
         while not fits():
-            rank = self.slo_rank(req)
-            victims = [r for r in self.running if r is not req and r.req_id not in protected
-                       and self.slo_rank(r) > rank]
+            victims = [r for r in victims if r in self.running]
             if not victims:
                 return False
             self.preempt(max(victims, key=self._victim_key), cause)

@@ -55,8 +55,10 @@ class DecodePlan:
 class LaserScheduler(Scheduler):
     name = "laser"
 
-    #: Fraction of T_g reserved for prefill layer-work when prefills are pending (mixed role).
-    prefill_share = 0.3
+    #: Most of an iteration that Alg. 1 leaves to prefill on a mixed instance (fraction).
+    max_prefill_share = 0.5
+    #: Pending prefills looked at when sizing the prefill time per iteration.
+    max_need_candidates = 64
     #: Replan when the measured iteration time exceeds this fraction of T_g.
     replan_threshold = 0.95
     #: Plan iterations to this fraction of T_g: real iterations run a few % over predictions.
@@ -94,6 +96,8 @@ class LaserScheduler(Scheduler):
         # time exceeds the newcomer's slack (preempt), or (b) it is running prefill work and
         # the newcomer is the only one queued (merge: the newcomer catches up to the paused
         # layer and joins it; the next schedule sizes its chunk so every deadline holds).
+        if self.config.role == "mixed" and self.plans:
+            self.replan_needed = True  # the prefill share Alg. 1 leaves follows the new deadline
         if not self._in_step or self.config.role == "decode":
             return
         if req.slo.ttft is not None and not req.demoted:
@@ -111,6 +115,10 @@ class LaserScheduler(Scheduler):
 
     def on_adopt(self, req: Request) -> None:
         self.replan_needed = True
+
+    def on_preempt(self, req: Request, was_decoding: bool) -> None:
+        if self.plans.pop(req.req_id, None) is not None or was_decoding:
+            self.replan_needed = True
 
     def on_finish(self, req: Request) -> None:
         if self.plans.pop(req.req_id, None) is not None or req.phase == Phase.DECODE:
@@ -130,13 +138,21 @@ class LaserScheduler(Scheduler):
         # iteration (Alg. 1, replanned only on events); prefill requests fill the time left
         # under T_g (all of it on a prefill instance) in EDF order, merged while every
         # included TTFT deadline holds, each advancing as many layers as fit.
+        self.preempt_for_stricter()
         n = self.num_layers
         works: list[Work] = []
         if self.config.role != "prefill":
             works = self._decode_works(now)
-        decode_time = self.lm.predict_iteration(StepPlan(n, works)) if works else 0.0
-        t_g = self.t_g * self.tg_margin
-        budget = math.inf if not works else max(t_g - decode_time, self.prefill_share * t_g)
+        budget = math.inf
+        if works:
+            # Prefill gets the time left under T_g; more only when a waiting prefill's
+            # deadline needs it *and* every decode request can still absorb one gap over
+            # its target within its P99 allowance (the plan breaks T_g knowingly).
+            decode_time = self.lm.predict_iteration(StepPlan(n, works))
+            budget = max(0.0, self.t_g * self.tg_margin - decode_time)
+            need = self._prefill_need(now, decode_time)
+            if need > budget and self._p99_allowance_left():
+                budget = need
         works += self._prefill_works(now, works, budget)
         if not works and self.plans and self.config.role != "prefill":
             # No decode group is due in this iteration and no prefill fits: the iteration
@@ -231,13 +247,64 @@ class LaserScheduler(Scheduler):
         self.num_replans += 1
         self.plans, self.t_g, _ = exec_plan(self.lm, self.num_layers, self.iteration, decoding, self.plans,
                                             self.plan_target_factor())
+        for r in decoding:
+            if not r.tbt_infeasible and tbt_infeasible(self.lm, r):
+                r.tbt_infeasible = True  # served as well as possible; metrics say so
 
     def plan_target_factor(self) -> float:
         """Fraction of T_g that Alg. 1 plans decode iterations to: ``tg_margin``, less the
-        prefill share on a mixed instance with prefill work pending."""
-        pending_prefill = bool(self.waiting) or any(r.phase != Phase.DECODE for r in self.running)
-        share = (1 - self.prefill_share) if (pending_prefill and self.config.role == "mixed") else 1.0
-        return self.tg_margin * share
+        share of each iteration that the pending prefills need to meet their deadlines on a
+        mixed instance (:meth:`_prefill_share_needed`, at most ``max_prefill_share``)."""
+        if self.config.role != "mixed":
+            return self.tg_margin
+        return self.tg_margin * (1.0 - min(self.max_prefill_share, self._prefill_share_needed(self.clock())))
+
+    def _prefill_share_needed(self, now: float) -> float:
+        """Fraction f of the time from now that prefill must get for every pending prefill to
+        meet its queue deadline (EDF order: ``f = max_k W_k / (D_k - now)``, W_k the predicted
+        prefill time of the first k requests alone, D_k the k-th deadline: arrival + TTFT
+        target, or the best-effort aging deadline). Requests already past their deadline are
+        served first but do not raise f (nothing can save them). 0 with nothing pending."""
+        cands = [r for r in self.running if r.phase != Phase.DECODE] + list(self.waiting)
+        if self.config.role == "decode":
+            cands = [r for r in cands if r.output_token_ids]
+        if not cands:
+            return 0.0
+        cands.sort(key=self.queue_key)
+        work = f = 0.0
+        for r in cands[: self.max_need_candidates]:
+            left = r.num_tokens - r.num_computed_tokens
+            t = self.lm.predict_prefill(left, context_start=r.num_computed_tokens)
+            if r.in_flight:  # the chunk has run layers [0, next_layer) already
+                t -= self.lm.predict_prefill(r.chunk_tokens, layers=r.next_layer, context_start=r.num_computed_tokens)
+            work += max(t, 0.0)
+            ttft = r.slo.ttft if r.slo.ttft is not None else self.config.best_effort_deadline_s
+            slack = r.arrival_time + ttft - now
+            if slack > 0:
+                f = max(f, work / slack)
+        return f
+
+    def _prefill_need(self, now: float, decode_time: float) -> float:
+        """Seconds of prefill per iteration the pending prefills need (an iteration of
+        ``decode_time`` seconds of decode work plus p of prefill gives prefill the share
+        p / (decode_time + p) >= f, :meth:`_prefill_share_needed`)."""
+        f = self._prefill_share_needed(now)
+        if f <= 0.0:
+            return 0.0
+        if f >= 1.0:
+            return math.inf
+        return decode_time * f / (1.0 - f)
+
+    def _p99_allowance_left(self) -> bool:
+        """Whether every decoding request may take one more token gap over its TBT target and
+        still meet its P99 TBT (a request expecting g gaps tolerates floor((g - 1) / 100)
+        misses; g from ``max_tokens``, an upper bound)."""
+        for r in self.running:
+            if r.phase != Phase.DECODE or r.slo.tbt is None:
+                continue
+            if r.num_tbt_misses + 1 > (r.sampling_params.max_tokens - 2) // 100:
+                return False
+        return True
 
     def predict_decode(self, decoding: list[Request], plans: dict[str, DecodePlan] | None = None) -> float:
         """Worst predicted decode-only iteration time over the next iterations under ``plans``."""
@@ -441,7 +508,8 @@ def exec_plan(lm: LatencyModel, num_layers: int, iteration: int, decoding: list,
 
     ``decoding``: requests (or :class:`DecodeCandidate`) with ``req_id``, ``num_tokens``,
     ``slo``; a request without a plan in ``plans`` is new (``L = N, O = 0``). T_g is the
-    tightest TBT target; Alg. 1 plans iterations to ``T_g * target_factor`` seconds:
+    tightest TBT target that can be met at all (:func:`tbt_infeasible`); Alg. 1 plans
+    iterations to ``T_g * target_factor`` seconds:
     while too slow, the most relaxed full-depth request drops to ``ceil(N*T_g/SLO_r)``
     layers per iteration at the least-loaded offset; while there is headroom, the
     strictest reduced request is restored to ``L = N`` (reverted and stop if that breaks
@@ -451,7 +519,10 @@ def exec_plan(lm: LatencyModel, num_layers: int, iteration: int, decoding: list,
     """
     n = num_layers
     plans = {r.req_id: plans.get(r.req_id, DecodePlan(n, 0)) for r in decoding}
-    t_g = min((r.slo.tbt_or_inf for r in decoding), default=math.inf)
+    # A TBT target that even an iteration of this request alone misses cannot be met by
+    # cutting iterations for it: it runs at full depth, as fast as possible, and T_g comes
+    # from the targets that can be met (Laser would otherwise halve throughput for nobody).
+    t_g = min((r.slo.tbt_or_inf for r in decoding if not tbt_infeasible(lm, r)), default=math.inf)
     if t_g == math.inf:
         return {rid: DecodePlan(n, 0) for rid in plans}, t_g, None
     target = t_g * target_factor
@@ -487,6 +558,13 @@ def exec_plan(lm: LatencyModel, num_layers: int, iteration: int, decoding: list,
     return plans, t_g, load
 
 
+def tbt_infeasible(lm: LatencyModel, r) -> bool:
+    """Whether ``r``'s TBT target is missed even by a decode iteration of ``r`` alone
+    (every layer, its context; seconds from the latency model)."""
+    tbt = r.slo.tbt
+    return tbt is not None and lm.predict_decode_iteration((r.num_tokens,)) > tbt
+
+
 @dataclass(frozen=True, slots=True)
 class Increment:
     """Answer of :func:`latency_increment`: ``value`` (seconds of aggregate TBT, inf when
@@ -505,7 +583,8 @@ def latency_increment(lm: LatencyModel, num_layers: int, iteration: int, decodin
 
     ``Iter`` = predicted worst iteration of the current plans; Alg. 1 (:func:`exec_plan`)
     with ``candidate`` added gives ``(L*, O*, Iter*, T_g*)``. If ``Iter* > T_g*`` (times
-    ``target_factor``, the fraction the scheduler plans to) the answer is inf; else
+    ``target_factor``, the fraction the scheduler plans to), or the candidate's own TBT target
+    is out of reach even alone here (:func:`tbt_infeasible`), the answer is inf; else
     ``sum_{r in R*} Iter*·ceil(N/L*_r) - sum_{r in R} Iter·ceil(N/L_r)`` seconds (each
     request's TBT is its iteration time times its iterations per token). Memory is the
     instance's check, not this function's.
@@ -520,7 +599,7 @@ def latency_increment(lm: LatencyModel, num_layers: int, iteration: int, decodin
     reqs = list(decoding) + [candidate]
     new, t_g, load = exec_plan(lm, n, iteration, reqs, cur, target_factor)
     it_star = (load if load is not None else _LayerLoad(lm, n, iteration, reqs, new)).predict()
-    if it_star > t_g * target_factor:
+    if it_star > t_g * target_factor or tbt_infeasible(lm, candidate):
         return Increment(math.inf, it, it_star, t_g)
     after = sum(it_star * p.groups(n) for p in new.values())
     return Increment(after - before, it, it_star, t_g)

@@ -19,6 +19,7 @@ class SarathiScheduler(Scheduler):
         # in queue order; a chunk is min(remaining prompt, remaining budget).
         # A waiting request blocked by max_num_seqs or the KV pool preempts running requests
         # of a less strict SLO class (make_room).
+        self.preempt_for_stricter()
         works = []
         decodes = self.preempt_for_decode(sorted(self.decoding(), key=self.queue_key))
         works.extend(self.full_work(r, 1) for r in decodes)
@@ -33,7 +34,9 @@ class SarathiScheduler(Scheduler):
             n = min(self.prefill_remaining(req), budget)
             if req in self.waiting and not self.make_room(req, lambda: len(self.running) < cap, "running_cap", planned):
                 break
-            if not self.make_room(req, lambda: self.try_allocate(req, req.num_computed_tokens + n), "slo", planned):
+            tokens = req.num_computed_tokens + n
+            if not self.make_room(req, lambda: self.try_allocate(req, tokens), "slo", planned,
+                                  self.bm.blocks_needed(tokens)):
                 break
             planned.add(req.req_id)
             if req in self.waiting:

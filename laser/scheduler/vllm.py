@@ -16,6 +16,7 @@ class VLLMScheduler(Scheduler):
         # token for every running request through every layer.
         # A waiting request blocked by max_num_seqs or the KV pool preempts running requests
         # of a less strict SLO class (make_room).
+        self.preempt_for_stricter()
         works = []
         budget = self.config.max_num_batched_tokens
         cap = self.config.max_num_seqs
@@ -26,7 +27,7 @@ class VLLMScheduler(Scheduler):
                 break
             if not self.make_room(req, lambda: len(self.running) < cap, "running_cap", planned):
                 break
-            if not self.make_room(req, lambda: self.try_allocate(req, n), "slo", planned):
+            if not self.make_room(req, lambda: self.try_allocate(req, n), "slo", planned, self.bm.blocks_needed(n)):
                 break
             planned.add(req.req_id)
             self.admit(req)
