@@ -66,7 +66,10 @@ class Admission:
     slo: SLO  # the SLO the request is served under
     requested: SLO  # the SLO the client asked for
     predicted_ttft: float | None  # seconds if it ran next (None: no latency model)
-    demoted: bool  # served as best_effort because ``requested`` was infeasible
+    demoted: bool  # served under another class than ``requested`` (see ``demoted_to``)
+    # the tier it was demoted to: "warm" (a demotable hot request under predicted pressure) or
+    # "best_effort" (``requested`` infeasible, ``on_infeasible == "demote"``); None if not demoted
+    demoted_to: str | None = None
 
     @property
     def slack(self) -> float | None:
@@ -150,7 +153,9 @@ class AsyncEngine:
             get :class:`QueueFullError` (the bounded queue).
         on_infeasible: when the predicted TTFT misses the target even if the request ran
             next: ``queue`` (serve anyway), ``reject`` (:class:`SLOInfeasibleError`) or
-            ``demote`` (serve as ``best_effort``).
+            ``demote`` (serve as ``best_effort``). Independently, a demotable hot request is
+            served as its warm class when the TTFT predicted behind the waiting hot and warm
+            prompts misses its target (issue 14).
         idle_wait_s: longest idle sleep of the engine thread (it wakes at once on a command).
         check_integrity_when_idle: run ``engine.check_integrity(expect_empty=True)`` whenever
             the engine goes idle (errors are logged).
@@ -300,16 +305,31 @@ class AsyncEngine:
                 f"too many waiting requests ({self.num_queued} waiting, limit {self.max_waiting}); retry later"
             )
         out = []
+        warm = self.slo_classes.demotion_target(slo)
+        ahead = self.queued_interactive_tokens() if warm is not None else 0
         for n in prompt_lens:
             pred = self.predict_ttft(n) if slo.ttft is not None else None
+            if warm is not None:
+                # pressure: the latency model says the target is missed behind the hot and warm
+                # prompts already waiting for their first token (as if they all ran first)
+                loaded = self.predict_ttft(ahead + n)
+                ahead += n
+                if loaded is not None and loaded > slo.ttft:
+                    out.append(Admission(warm, slo, loaded, True, "warm"))
+                    continue
             if pred is not None and pred > slo.ttft:
                 if self.on_infeasible == "reject":
                     raise SLOInfeasibleError(pred, slo)
                 if self.on_infeasible == "demote":
-                    out.append(Admission(self.slo_classes.get("best_effort"), slo, pred, True))
+                    out.append(Admission(self.slo_classes.get("best_effort"), slo, pred, True, "best_effort"))
                     continue
             out.append(Admission(slo, slo, pred, False))
         return out
+
+    def queued_interactive_tokens(self) -> int:
+        """Prompt tokens of accepted hot and warm requests without a first token (event loop)."""
+        return sum(len(s.prompt_token_ids) for s in self._streams.values()
+                   if not s.first_token_seen and s.admission.slo.tier in ("hot", "warm"))
 
     def submit(
         self,

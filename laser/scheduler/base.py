@@ -55,9 +55,18 @@ class Scheduler(ABC):
 
     # -- queue ----------------------------------------------------------------------------
     def queue_key(self, req: Request) -> tuple[float, float]:
-        """EDF: arrival + TTFT target (best effort ages: arrival + best_effort_deadline_s); FCFS: arrival."""
+        """EDF: arrival + TTFT target (best effort ages: arrival + best_effort_deadline_s); FCFS: arrival.
+
+        A cold request of a batch job carries its own EDF key in ``slo.deadline``: the latest time
+        its job can start it and still finish in its window (job deadline minus the job's remaining
+        work at the rate the whole machine gives; :func:`laser.batch.estimate.start_by`). Far from
+        the deadline that key sorts behind hot, warm and best-effort work; it overtakes them as the
+        job's slack runs out.
+        """
         if self.config.queue_order == "fcfs":
             return (req.arrival_time, 0.0)
+        if req.slo.deadline is not None:
+            return (req.slo.deadline, req.arrival_time)
         ttft = req.slo.ttft if req.slo.ttft is not None else self.config.best_effort_deadline_s
         return (req.arrival_time + ttft, req.arrival_time)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
+import os
 from typing import Callable
 
 from fastapi import FastAPI, Request
@@ -81,6 +82,9 @@ def build_app(
     metrics: ServerMetrics | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     drain_timeout_s: float = 0.0,
+    data_dir: str | os.PathLike | None = None,
+    batch_concurrency: int = 8,
+    batch_accept_infeasible: bool = False,
 ) -> FastAPI:
     """The OpenAI-compatible app over ``async_engine`` (started/stopped by the app's lifespan).
 
@@ -89,6 +93,10 @@ def build_app(
         api_key: require ``Authorization: Bearer <api_key>`` on ``/v1/*`` routes.
         metrics: collectors (default: new ones in a private registry).
         drain_timeout_s: at app shutdown, let in-flight requests finish this long before aborting.
+        data_dir: where the Batch API keeps its SQLite store and files (``/v1/files``,
+            ``/v1/batches``); None: no Batch API (those routes answer 404).
+        batch_concurrency: batch lines in flight at most (:class:`laser.batch.manager.BatchManager`).
+        batch_accept_infeasible: accept, with a warning, batch jobs predicted to miss their window.
     """
     ae = async_engine
     names = list(served_model_names or [ae.model_name])
@@ -98,12 +106,18 @@ def build_app(
         ae.listeners.append(metrics.on_output)
     srv = Generation(ae, metrics, names)
 
+    mgr = None
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         ae.start()
         try:
+            if mgr is not None:
+                await mgr.start()
             yield
         finally:
+            if mgr is not None:
+                await mgr.stop()
             await ae.shutdown(drain_timeout_s)
 
     app = FastAPI(
@@ -156,4 +170,13 @@ def build_app(
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     app.include_router(openai_routes.router(srv))
+    if data_dir is not None:
+        from ..batch.manager import BatchManager
+        from ..store import BatchStore
+        from . import batches as batch_routes
+
+        mgr = BatchManager(BatchStore(data_dir), ae, srv, app, metrics.registry, names[0],
+                           concurrency=batch_concurrency, accept_infeasible=batch_accept_infeasible, api_key=api_key)
+        app.state.batches = mgr
+        app.include_router(batch_routes.router(mgr))
     return app

@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 # Temperatures below this are greedy (as vLLM): dividing logits by ~0 overflows.
 MIN_TEMPERATURE = 1e-5
+# Internal header: a Batch API line carries a one-use token naming its cold SLO (laser.batch).
+BATCH_SLO_HEADER = "x-laser-batch-slo"
 
 
 class EventStream(StreamingResponse):
@@ -96,6 +98,16 @@ class Generation:
         self.ae = ae
         self.metrics = metrics
         self.names = served_model_names
+        # one-use tokens (BATCH_SLO_HEADER) -> the cold SLO of a Batch API line (laser.batch)
+        self.batch_slos: dict[str, SLO] = {}
+
+    def demotion_note(self, subs: list[Sub]) -> dict | None:
+        """The ``slo`` field of a final SSE chunk when the request was demoted (else None)."""
+        a = subs[0].stream.admission
+        if not a.demoted:
+            return None
+        return {"slo_class": a.slo.name, "requested_slo_class": a.requested.name, "demoted": True,
+                "demoted_to": a.demoted_to}
 
     # -- parsing --------------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> str:
@@ -106,7 +118,15 @@ class Generation:
                            "model_not_found", "model")
         return model
 
-    def resolve_slo(self, body, h_class: str | None, h_ttft: str | None, h_tbt: str | None) -> SLO:
+    def resolve_slo(self, body, h_class: str | None, h_ttft: str | None, h_tbt: str | None,
+                    headers=None) -> SLO:
+        headers = headers or {}
+        token = headers.get(BATCH_SLO_HEADER)
+        if token is not None:  # a line of a Batch API job, sent by laser.batch (cold SLO with its EDF key)
+            slo = self.batch_slos.pop(token, None)
+            if slo is None:
+                raise APIError(400, f"header {BATCH_SLO_HEADER}: unknown token", "invalid_slo", BATCH_SLO_HEADER)
+            return slo
         name = body.slo_class
         if name is not None and not name.strip():
             raise APIError(400, "slo_class must be a non-empty SLO class name", "invalid_slo", "slo_class")
@@ -129,8 +149,15 @@ class Generation:
 
         ttft = ms(body.ttft_slo_ms, h_ttft, "x-slo-ttft-ms")
         tbt = ms(body.tbt_slo_ms, h_tbt, "x-slo-tbt-ms")
+        demotable = body.slo_demotable
+        h_dem = headers.get("x-slo-demotable")
+        if demotable is None and h_dem is not None and h_dem.strip():
+            if h_dem.strip().lower() not in ("true", "false", "1", "0"):
+                raise APIError(400, f"header x-slo-demotable must be true or false, got {h_dem!r}", "invalid_slo",
+                               "x-slo-demotable")
+            demotable = h_dem.strip().lower() in ("true", "1")
         try:
-            return self.ae.slo_classes.resolve(name, ttft, tbt)
+            return self.ae.slo_classes.resolve(name, ttft, tbt, demotable)
         except InvalidRequestError as e:
             raise APIError(400, str(e), "invalid_slo", "slo_class") from None
 
@@ -174,7 +201,7 @@ class Generation:
             raise APIError(400, "stop: stop strings must be non-empty", "invalid_value", "stop")
         return stop
 
-    def validate(self, body, h_class: str | None, h_ttft: str | None, h_tbt: str | None):
+    def validate(self, body, h_class: str | None, h_ttft: str | None, h_tbt: str | None, headers=None):
         """Checks shared by both generation endpoints: (arrival time, model name, SLO, stop strings).
 
         Raises APIError (400) for an unknown model, an unsupported parameter, a bad SLO or stop list.
@@ -182,7 +209,7 @@ class Generation:
         arrival = self.ae.engine.clock()
         model = self.check_model(body.model)
         self.check_unsupported(body)
-        slo = self.resolve_slo(body, h_class, h_ttft, h_tbt)
+        slo = self.resolve_slo(body, h_class, h_ttft, h_tbt, headers)
         return arrival, model, slo, self.stop_strings(body)
 
     def sampling_params(self, body, max_tokens: int, stop: tuple[str, ...]) -> SamplingParams:
@@ -254,7 +281,8 @@ class Generation:
         a0 = adms[0]
         headers = {"x-slo-class": a0.slo.name}
         if a0.demoted:
-            headers["x-slo-demoted"] = "true"
+            # "warm": a demotable hot request under pressure; "true": infeasible, served as best_effort
+            headers["x-slo-demoted"] = "warm" if a0.demoted_to == "warm" else "true"
             headers["x-slo-requested-class"] = a0.requested.name
         preds = [a.predicted_ttft for a in adms if a.predicted_ttft is not None]
         if preds:
@@ -316,6 +344,8 @@ class Generation:
             "ttft_slo_ms": None if slo.ttft is None else slo.ttft * 1e3,
             "tbt_slo_ms": None if slo.tbt is None else slo.tbt * 1e3,
             "demoted": s0.demoted,
+            "demoted_to": s0.demoted_to,
+            "requested_slo_class": s0.requested.name,
             "predicted_ttft_ms": None if s0.predicted_ttft is None else s0.predicted_ttft * 1e3,
             "ttft_ms": None,
             "slo_met": None,
@@ -370,9 +400,14 @@ def _error_event(exc: BaseException) -> str:
 
 
 async def stream_completion(srv, q, subs, rid, created, model, echo, include_usage, n) -> AsyncIterator[str]:
-    def chunk(index: int, text: str, reason: str | None) -> str:
-        return _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                     "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": reason}]})
+    note = srv.demotion_note(subs)
+
+    def chunk(index: int, text: str, reason: str | None, slo: dict | None = None) -> str:
+        obj = {"id": rid, "object": "text_completion", "created": created, "model": model,
+               "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": reason}]}
+        if slo is not None:
+            obj["slo"] = slo
+        return _sse(obj)
 
     if echo:
         yield "".join(chunk(s.index, s.prompt_text, None) for s in subs)
@@ -382,7 +417,8 @@ async def stream_completion(srv, q, subs, rid, created, model, echo, include_usa
             for s, out in batch:
                 d = s.delta(out)
                 if d or out.finished:
-                    buf.append(chunk(s.index, d, out.finish_reason if out.finished else None))
+                    buf.append(chunk(s.index, d, out.finish_reason if out.finished else None,
+                                     note if out.finished else None))
             if buf:
                 yield "".join(buf)
     except Exception as e:  # noqa: BLE001
@@ -395,9 +431,14 @@ async def stream_completion(srv, q, subs, rid, created, model, echo, include_usa
 
 
 async def stream_chat(srv, q, subs, rid, created, model, include_usage, n) -> AsyncIterator[str]:
-    def chunk(index: int, delta: dict, reason: str | None) -> str:
-        return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                     "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}]})
+    note = srv.demotion_note(subs)
+
+    def chunk(index: int, delta: dict, reason: str | None, slo: dict | None = None) -> str:
+        obj = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+               "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+        if slo is not None:
+            obj["slo"] = slo
+        return _sse(obj)
 
     yield "".join(chunk(s.index, {"role": "assistant", "content": ""}, None) for s in subs)
     try:
@@ -408,7 +449,7 @@ async def stream_chat(srv, q, subs, rid, created, model, include_usage, n) -> As
                 if d:
                     buf.append(chunk(s.index, {"content": d}, None))
                 if out.finished:
-                    buf.append(chunk(s.index, {}, out.finish_reason))
+                    buf.append(chunk(s.index, {}, out.finish_reason, note))
             if buf:
                 yield "".join(buf)
     except Exception as e:  # noqa: BLE001

@@ -52,7 +52,7 @@ def router(srv: Generation) -> APIRouter:
         x_slo_ttft_ms: str | None = Header(None),
         x_slo_tbt_ms: str | None = Header(None),
     ):
-        arrival, model, slo, stop = srv.validate(body, x_slo_class, x_slo_ttft_ms, x_slo_tbt_ms)
+        arrival, model, slo, stop = srv.validate(body, x_slo_class, x_slo_ttft_ms, x_slo_tbt_ms, request.headers)
         p = body.prompt
         if isinstance(p, str):
             prompts: list = [p]
@@ -113,7 +113,7 @@ def router(srv: Generation) -> APIRouter:
         x_slo_ttft_ms: str | None = Header(None),
         x_slo_tbt_ms: str | None = Header(None),
     ):
-        arrival, model, slo, stop = srv.validate(body, x_slo_class, x_slo_ttft_ms, x_slo_tbt_ms)
+        arrival, model, slo, stop = srv.validate(body, x_slo_class, x_slo_ttft_ms, x_slo_tbt_ms, request.headers)
         messages = []
         for i, m in enumerate(body.messages):
             content = m.content
