@@ -171,12 +171,16 @@ def build_app(
 
     app.include_router(openai_routes.router(srv))
     if data_dir is not None:
-        from ..batch.manager import BatchManager
+        from ..batch.manager import BatchError, BatchManager
         from ..store import BatchStore
         from . import batches as batch_routes
 
         mgr = BatchManager(BatchStore(data_dir), ae, srv, app, metrics.registry, names[0],
                            concurrency=batch_concurrency, accept_infeasible=batch_accept_infeasible, api_key=api_key)
         app.state.batches = mgr
+
+        @app.exception_handler(BatchError)
+        async def _batch_error(request: Request, exc: BatchError):
+            return await _api_error(request, batch_routes.as_api_error(exc))
         app.include_router(batch_routes.router(mgr))
     return app

@@ -25,7 +25,8 @@ class CreateBatchRequest(BaseModel):
     accept_infeasible: bool | None = None
 
 
-def _api(e: BatchError) -> APIError:
+def as_api_error(e: BatchError) -> APIError:
+    """The HTTP error of a refused Batch API request (the app's exception handler uses it)."""
     return APIError(e.status, e.message, e.code, e.param, e.headers)
 
 
@@ -70,31 +71,19 @@ def router(mgr: BatchManager) -> APIRouter:
 
     @router.post("/v1/batches")
     async def create_batch(body: CreateBatchRequest):
-        try:
-            return await mgr.create(body.input_file_id, body.endpoint, body.completion_window, body.metadata,
-                                    body.accept_infeasible)
-        except BatchError as e:
-            raise _api(e) from None
+        return await mgr.create(body.input_file_id, body.endpoint, body.completion_window, body.metadata,
+                                body.accept_infeasible)
 
     @router.get("/v1/batches")
     async def list_batches(after: str | None = None, limit: int = 20):
-        try:
-            return mgr.list(after, limit)
-        except BatchError as e:
-            raise _api(e) from None
+        return mgr.list(after, limit)
 
     @router.get("/v1/batches/{batch_id}")
     async def get_batch(batch_id: str):
-        try:
-            return mgr.batch_object(batch_id)
-        except BatchError as e:
-            raise _api(e) from None
+        return mgr.batch_object(batch_id)
 
     @router.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(batch_id: str):
-        try:
-            return mgr.cancel(batch_id)
-        except BatchError as e:
-            raise _api(e) from None
+        return mgr.cancel(batch_id)
 
     return router
