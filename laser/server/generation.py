@@ -10,6 +10,8 @@ import contextlib
 import json
 import logging
 import math
+import time
+import uuid
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
@@ -289,6 +291,18 @@ class Generation:
             headers["x-laser-predicted-ttft-ms"] = f"{max(preds) * 1e3:.1f}"
         return q, headers
 
+    async def launch(self, subs: list[Sub], slo: SLO, arrival: float, id_prefix: str):
+        """:meth:`start`, then wait until the engine has every choice: (queue, headers, id, created)."""
+        q, headers = self.start(subs, slo, arrival)
+        rid = f"{id_prefix}-{uuid.uuid4().hex}"
+        headers["x-request-id"] = rid
+        try:
+            await self.wait_added(subs)
+        except BaseException:
+            self.abort(subs)
+            raise
+        return q, headers, rid, int(time.time())
+
     def abort(self, subs: list[Sub]) -> None:
         for s in subs:
             if s.stream is not None and not s.stream.done:
@@ -399,64 +413,62 @@ def _error_event(exc: BaseException) -> str:
     return _sse(error_body(500, f"internal server error: {type(exc).__name__}", "internal_error"))
 
 
-async def stream_completion(srv, q, subs, rid, created, model, echo, include_usage, n) -> AsyncIterator[str]:
+async def _event_stream(srv, q, subs, base: dict, n: int, include_usage: bool, prologue: str,
+                        events: Callable[[Sub, Any], list[str]]) -> AsyncIterator[str]:
+    """The SSE body shared by both endpoints: ``prologue``, then the chunks ``events(choice, output)``
+    makes of each output (one write per batch of ready outputs), an error event if a choice failed,
+    the usage chunk when asked, ``[DONE]``. ``base`` holds the id/object/created/model fields."""
+    if prologue:
+        yield prologue
+    try:
+        async for batch in _batches(q, subs):
+            buf = [c for s, out in batch for c in events(s, out)]
+            if buf:
+                yield "".join(buf)
+    except Exception as e:  # noqa: BLE001
+        yield _error_event(e) + "data: [DONE]\n\n"
+        return
+    if include_usage:
+        yield _sse({**base, "choices": [], "usage": srv.usage(subs, n)})
+    yield "data: [DONE]\n\n"
+
+
+def stream_completion(srv, q, subs, rid, created, model, echo, include_usage, n) -> AsyncIterator[str]:
+    base = {"id": rid, "object": "text_completion", "created": created, "model": model}
     note = srv.demotion_note(subs)
 
     def chunk(index: int, text: str, reason: str | None, slo: dict | None = None) -> str:
-        obj = {"id": rid, "object": "text_completion", "created": created, "model": model,
-               "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": reason}]}
+        obj = {**base, "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": reason}]}
         if slo is not None:
             obj["slo"] = slo
         return _sse(obj)
 
-    if echo:
-        yield "".join(chunk(s.index, s.prompt_text, None) for s in subs)
-    try:
-        async for batch in _batches(q, subs):
-            buf = []
-            for s, out in batch:
-                d = s.delta(out)
-                if d or out.finished:
-                    buf.append(chunk(s.index, d, out.finish_reason if out.finished else None,
-                                     note if out.finished else None))
-            if buf:
-                yield "".join(buf)
-    except Exception as e:  # noqa: BLE001
-        yield _error_event(e) + "data: [DONE]\n\n"
-        return
-    if include_usage:
-        yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
-                    "usage": srv.usage(subs, n)})
-    yield "data: [DONE]\n\n"
+    def events(s: Sub, out) -> list[str]:
+        d = s.delta(out)
+        if d or out.finished:
+            return [chunk(s.index, d, out.finish_reason if out.finished else None, note if out.finished else None)]
+        return []
+
+    prologue = "".join(chunk(s.index, s.prompt_text, None) for s in subs) if echo else ""
+    return _event_stream(srv, q, subs, base, n, include_usage, prologue, events)
 
 
-async def stream_chat(srv, q, subs, rid, created, model, include_usage, n) -> AsyncIterator[str]:
+def stream_chat(srv, q, subs, rid, created, model, include_usage, n) -> AsyncIterator[str]:
+    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     note = srv.demotion_note(subs)
 
     def chunk(index: int, delta: dict, reason: str | None, slo: dict | None = None) -> str:
-        obj = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-               "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+        obj = {**base, "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}]}
         if slo is not None:
             obj["slo"] = slo
         return _sse(obj)
 
-    yield "".join(chunk(s.index, {"role": "assistant", "content": ""}, None) for s in subs)
-    try:
-        async for batch in _batches(q, subs):
-            buf = []
-            for s, out in batch:
-                d = s.delta(out)
-                if d:
-                    buf.append(chunk(s.index, {"content": d}, None))
-                if out.finished:
-                    buf.append(chunk(s.index, {}, out.finish_reason, note))
-            if buf:
-                yield "".join(buf)
-    except Exception as e:  # noqa: BLE001
-        yield _error_event(e) + "data: [DONE]\n\n"
-        return
-    if include_usage:
-        yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
-                    "usage": srv.usage(subs, n)})
-    yield "data: [DONE]\n\n"
+    def events(s: Sub, out) -> list[str]:
+        d = s.delta(out)
+        buf = [chunk(s.index, {"content": d}, None)] if d else []
+        if out.finished:
+            buf.append(chunk(s.index, {}, out.finish_reason, note))
+        return buf
 
+    prologue = "".join(chunk(s.index, {"role": "assistant", "content": ""}, None) for s in subs)
+    return _event_stream(srv, q, subs, base, n, include_usage, prologue, events)

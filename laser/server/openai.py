@@ -3,9 +3,6 @@
 
 from __future__ import annotations
 
-import time
-import uuid
-
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -78,15 +75,7 @@ def router(srv: Generation) -> APIRouter:
             for s in subs:
                 if s.prompt_text is None:
                     s.prompt_text = await ae.decode(s.ids)
-        q, headers = srv.start(subs, slo, arrival)
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        headers["x-request-id"] = rid
-        try:
-            await srv.wait_added(subs)
-        except BaseException:
-            srv.abort(subs)
-            raise
-        created = int(time.time())
+        q, headers, rid, created = await srv.launch(subs, slo, arrival, "cmpl")
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return EventStream(stream_completion(srv, q, subs, rid, created, model, body.echo, include_usage, body.n),
@@ -134,15 +123,7 @@ def router(srv: Generation) -> APIRouter:
         mt = srv.max_tokens_for(requested, len(ids), None)
         sp = srv.sampling_params(body, mt, stop)
         subs = [Sub(i, ids, None, sp) for i in range(body.n)]
-        q, headers = srv.start(subs, slo, arrival)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        headers["x-request-id"] = rid
-        try:
-            await srv.wait_added(subs)
-        except BaseException:
-            srv.abort(subs)
-            raise
-        created = int(time.time())
+        q, headers, rid, created = await srv.launch(subs, slo, arrival, "chatcmpl")
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return EventStream(stream_chat(srv, q, subs, rid, created, model, include_usage, body.n),
