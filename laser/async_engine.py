@@ -69,8 +69,11 @@ class Admission:
     slo: SLO  # the SLO the request is served under
     requested: SLO  # the SLO the client asked for
     predicted_ttft: float | None  # seconds, behind the queue ahead (None: no latency model)
-    demoted: bool  # served as best_effort because ``requested`` was infeasible
+    demoted: bool  # served under another class than ``requested`` (see ``demoted_to``)
     entry: QueueEntry | None = None  # its place in the queue, for the next admissions
+    # the tier it was demoted to: "warm" (a demotable hot request under predicted pressure) or
+    # "best_effort" (``requested`` infeasible, ``on_infeasible == "demote"``); None if not demoted
+    demoted_to: str | None = None
 
     @property
     def slack(self) -> float | None:
@@ -154,7 +157,9 @@ class AsyncEngine:
             get :class:`QueueFullError` (the bounded queue).
         on_infeasible: when the predicted TTFT misses the target even if the request ran
             next: ``queue`` (serve anyway), ``reject`` (:class:`SLOInfeasibleError`) or
-            ``demote`` (serve as ``best_effort``).
+            ``demote`` (serve as ``best_effort``). Independently, a demotable hot request is
+            served as its warm class when the TTFT predicted behind the waiting hot and warm
+            prompts misses its target (issue 14).
         idle_wait_s: longest idle sleep of the engine thread (it wakes at once on a command).
         check_integrity_when_idle: run ``engine.check_integrity(expect_empty=True)`` whenever
             the engine goes idle (errors are logged).
@@ -317,11 +322,18 @@ class AsyncEngine:
         arrival = now if arrival is None else arrival
         view = qa.view(now)
         out = []
+        warm = self.slo_classes.demotion_target(slo)
         for n in prompt_lens:
             entry = qa.entry(n, arrival, slo.ttft, slo.tbt, slo.name, now)
             pred = None
             if slo.ttft is not None and qa.latency_model is not None:
                 pred = qa.predict(entry, now, arrival, view)
+            if warm is not None and pred is not None and pred > slo.ttft:
+                # pressure: the target is missed behind the queue ahead -> served as warm
+                entry = qa.entry(n, arrival, warm.ttft, warm.tbt, warm.name, now)
+                view = qa.with_entry(view, entry)
+                out.append(Admission(warm, slo, pred, True, entry, "warm"))
+                continue
             if pred is not None and pred > slo.ttft:
                 if self.on_infeasible == "reject":
                     raise SLOInfeasibleError(pred, slo, sum(e.key <= entry.key for e in view.queue))
@@ -329,11 +341,16 @@ class AsyncEngine:
                     be = self.slo_classes.get("best_effort")
                     entry = qa.entry(n, arrival, be.ttft, be.tbt, be.name, now)
                     view = qa.with_entry(view, entry)
-                    out.append(Admission(be, slo, pred, True, entry))
+                    out.append(Admission(be, slo, pred, True, entry, "best_effort"))
                     continue
             view = qa.with_entry(view, entry)  # the next prompt of this call queues behind it
             out.append(Admission(slo, slo, pred, False, entry))
         return out
+
+    def queued_interactive_tokens(self) -> int:
+        """Prompt tokens of accepted hot and warm requests without a first token (event loop)."""
+        return sum(len(s.prompt_token_ids) for s in self._streams.values()
+                   if not s.first_token_seen and s.admission.slo.tier in ("hot", "warm"))
 
     def submit(
         self,

@@ -31,11 +31,21 @@ class InvalidRequestError(ValueError):
 
 @dataclass(frozen=True)
 class SLO:
-    """Latency objectives in seconds; ``None`` means unconstrained. ``name`` is the SLO class."""
+    """Latency objectives in seconds; ``None`` means unconstrained. ``name`` is the SLO class.
+
+    ``tier`` (``hot``, ``warm``, ``cold``, ``best_effort``; None: not given) is the class's tier
+    (:mod:`laser.slo`). ``demotable``: a hot request that may be served as warm under pressure.
+    ``deadline`` (engine clock, seconds; cold requests of a batch job only) is the queue key the
+    schedulers order the request by instead of arrival + TTFT target: the job's latest start time
+    (:func:`laser.batch.estimate.start_by`).
+    """
 
     ttft: float | None = None
     tbt: float | None = None
     name: str = "best_effort"
+    tier: str | None = None
+    demotable: bool = False
+    deadline: float | None = None
 
     def __post_init__(self):
         for k in ("ttft", "tbt"):

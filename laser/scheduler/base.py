@@ -66,11 +66,20 @@ class Scheduler(ABC):
     # -- queue ----------------------------------------------------------------------------
     def queue_key(self, req: Request) -> tuple[float, float]:
         """EDF: arrival + TTFT target (best effort and demoted requests age: arrival +
-        best_effort_deadline_s); FCFS: arrival."""
+        best_effort_deadline_s); FCFS: arrival. A request room was made for (``boosted``) first.
+
+        A cold request of a batch job carries its own EDF key in ``slo.deadline``: the latest time
+        its job can start it and still finish in its window (job deadline minus the job's remaining
+        work at the rate the whole machine gives; :func:`laser.batch.estimate.start_by`). Far from
+        the deadline that key sorts behind hot, warm and best-effort work; it overtakes them as the
+        job's slack runs out.
+        """
         if req.boosted:  # room was made for it: admitted first
             return (-math.inf, req.arrival_time)
         if self.config.queue_order == "fcfs":
             return (req.arrival_time, 0.0)
+        if req.slo.deadline is not None:
+            return (req.slo.deadline, req.arrival_time)
         ttft = req.slo.ttft if req.slo.ttft is not None and not req.demoted else self.config.best_effort_deadline_s
         return (req.arrival_time + ttft, req.arrival_time)
 

@@ -36,6 +36,14 @@ def register(subparsers) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context length limit (tokens)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGINT/SIGTERM, seconds in-flight requests may finish before they are aborted")
+    p.add_argument("--data-dir", default=None,
+                   help="Batch API store: SQLite jobs and results plus files (default: "
+                        "$LASER_CACHE_DIR/batches, else ~/.cache/laser/batches)")
+    p.add_argument("--batch-concurrency", type=int, default=8,
+                   help="Batch API lines in flight at most (cold tier)")
+    p.add_argument("--batch-accept-infeasible", action="store_true",
+                   help="accept, with a warning, batch jobs the latency model says cannot meet their window "
+                        "(default: reject them with the predicted completion time)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up request before serving")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
@@ -68,7 +76,13 @@ def cmd_serve(args) -> int:
     if not args.no_warmup:
         _warmup(engine)
     ae = AsyncEngine(engine, max_waiting=args.max_waiting, on_infeasible=args.on_infeasible)
-    app = build_app(ae, served_model_names=args.served_model_name, api_key=args.api_key)
+    data_dir = args.data_dir
+    if data_dir is None:
+        from ..model.loader import cache_dir
+
+        data_dir = cache_dir() / "batches"
+    app = build_app(ae, served_model_names=args.served_model_name, api_key=args.api_key, data_dir=data_dir,
+                    batch_concurrency=args.batch_concurrency, batch_accept_infeasible=args.batch_accept_infeasible)
     config = uvicorn.Config(
         app,
         host=args.host,

@@ -82,8 +82,9 @@ class ServerMetrics:
                                   cls, registry=r)
         self.aborted = Counter("laser:request_aborted", "Requests aborted (client gone, shutdown, engine error).",
                                cls, registry=r)
-        self.demoted = Counter("laser:request_demoted", "Requests served as best_effort because their TTFT "
-                               "target was infeasible (--on-infeasible demote).", cls, registry=r)
+        self.demoted = Counter("laser:request_demoted", "Demotions by requested class: demotable hot requests "
+                               "served as warm under predicted pressure, and infeasible TTFT targets served "
+                               "as best_effort (--on-infeasible demote).", cls, registry=r)
         self.rejected = Counter("laser:request_rejected", "Requests refused before reaching the engine.",
                                 ["model_name", "reason"], registry=r)
         self.engine_errors = Gauge("laser:engine_step_errors", "Engine steps that raised (since start).",

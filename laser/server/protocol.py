@@ -49,6 +49,8 @@ class _Common(_Request):
     slo_class: str | None = Field(None, description="SLO class name from the server's SLO config")
     ttft_slo_ms: float | None = Field(None, gt=0, description="time-to-first-token target, ms")
     tbt_slo_ms: float | None = Field(None, gt=0, description="time-between-tokens (P99) target, ms")
+    slo_demotable: bool | None = Field(None, description="a hot request that may be served as warm under "
+                                       "pressure (also header x-slo-demotable; default: the class's setting)")
 
 
 class CompletionRequest(_Common):
@@ -107,6 +109,8 @@ class SLOInfo(BaseModel):
     ttft_slo_ms: float | None = None
     tbt_slo_ms: float | None = None
     demoted: bool = False
+    demoted_to: str | None = None
+    requested_slo_class: str | None = None
     predicted_ttft_ms: float | None = None
     ttft_ms: float | None = None
     slo_met: bool | None = None

@@ -1,0 +1,75 @@
+"""OpenAI-style error bodies (``{"error": {"message", "type", "param", "code"}}``) and the
+readable message made of a pydantic validation error. Shared by every route module."""
+
+from __future__ import annotations
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+_ERRORS = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error answered as an OpenAI-style body."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param, self.headers = status, message, code, param, headers
+
+
+def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _ERRORS.get(status, "error"), "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, code: str | None = None, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
+
+
+# What a union-typed field accepts, for messages (pydantic reports one error per member).
+_EXPECTED = {
+    "prompt": "a string, a list of token ids, or a list of strings or of token-id lists",
+    "stop": "a string or a list of strings",
+}
+_NOT_AN_OBJECT = ("model_attributes_type", "dict_type", "model_type")
+
+
+def format_validation(exc: RequestValidationError) -> tuple[str, str | None]:
+    """A readable message (and the offending field) from pydantic errors."""
+    parts, param, seen = [], None, set()
+    for e in exc.errors():
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        kind = e.get("type", "")
+        if kind == "json_invalid":
+            err = (e.get("ctx") or {}).get("error", e.get("msg", "invalid JSON"))
+            return f"malformed JSON body: {err}", None
+        if not loc and kind in _NOT_AN_OBJECT:
+            return "the request body must be a JSON object (Content-Type: application/json)", None
+        if not loc and kind == "missing":
+            return "the request body is empty; expected a JSON object", None
+        field = loc[0] if loc else "body"
+        if field in seen:  # a union reports once per member: keep the first
+            continue
+        seen.add(field)
+        param = param or (field if loc else None)
+        if field in _EXPECTED and kind != "missing":
+            parts.append(f"{field}: must be {_EXPECTED[field]}")
+        else:
+            # drop union-member tags such as 'str' or 'list[int]' from the location
+            where = ".".join(x for x in loc if not (x in ("str", "int", "float", "bool") or "[" in x)) or "body"
+            msg = "field required" if kind == "missing" else e.get("msg", "invalid value")
+            parts.append(f"{where}: {msg}")
+        if len(parts) == 3:
+            break
+    return "; ".join(parts) or "invalid request", param
+

@@ -1,0 +1,495 @@
+"""Generation requests shared by ``/v1/completions``, ``/v1/chat/completions`` and the Batch API:
+parsing and validation, admission, queueing every choice for the engine, waiting for or
+streaming (SSE) the outputs. Route handlers live in :mod:`laser.server.openai`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from ..async_engine import (
+    AsyncEngine,
+    EngineStepError,
+    EngineStoppedError,
+    QueueFullError,
+    RequestStream,
+    SLOInfeasibleError,
+    StreamError,
+)
+from ..request import SLO, InvalidRequestError, SamplingParams
+from .errors import APIError, error_body
+from .metrics import ServerMetrics, slo_outcome
+from .protocol import MAX_STOP, CompletionRequest, unsupported_chat_fields
+
+log = logging.getLogger(__name__)
+
+# Temperatures below this are greedy (as vLLM): dividing logits by ~0 overflows.
+MIN_TEMPERATURE = 1e-5
+# Internal header: a Batch API line carries a one-use token naming its cold SLO (laser.batch).
+BATCH_SLO_HEADER = "x-laser-batch-slo"
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events; ``on_close`` runs however the response ends (finished, client gone)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], headers: dict[str, str]):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"cache-control": "no-cache", "x-accel-buffering": "no", **headers})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+            with contextlib.suppress(BaseException):
+                await self.body_iterator.aclose()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Returns when the client goes away (the body has been read already)."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+class Sub:
+    """One choice of an HTTP request: a prompt (x n) on its way through the engine."""
+
+    __slots__ = ("index", "ids", "prompt_text", "sp", "stream", "final", "sent_ids")
+
+    def __init__(self, index: int, ids: list[int], prompt_text: str | None, sp: SamplingParams):
+        self.index, self.ids, self.prompt_text, self.sp = index, ids, prompt_text, sp
+        self.stream: RequestStream | None = None
+        self.final = None
+        self.sent_ids = 0  # output token ids already streamed (return_token_ids)
+
+    def new_ids(self, out) -> list[int]:
+        """Output token ids not streamed yet (the ``token_ids`` of the next chunk)."""
+        ids = out.token_ids[self.sent_ids:]
+        self.sent_ids = len(out.token_ids)
+        return list(ids)
+
+
+def token_ids_fields(s: Sub, want: bool) -> dict:
+    """``return_token_ids`` (vLLM extension) of a whole choice: prompt and output token ids."""
+    if not want:
+        return {}
+    return {"prompt_token_ids": list(s.ids), "token_ids": list(s.final.token_ids)}
+
+
+def stream_token_ids(s: Sub, out, want: bool) -> dict | None:
+    """``return_token_ids`` of one streamed chunk: the output token ids new since the last chunk
+    (the prompt's ids with the choice's first chunk); None when not asked or nothing is new.
+    A chunk is sent for every output with new tokens, even with no text yet (an incomplete
+    UTF-8 character, a special token), so a client times every token exactly."""
+    if not want:
+        return None
+    first = s.sent_ids == 0
+    ids = s.new_ids(out)
+    if not ids:
+        return None
+    return {"token_ids": ids, **({"prompt_token_ids": list(s.ids)} if first else {})}
+
+
+class Generation:
+    """Request handling shared by both endpoints (state of one app)."""
+
+    def __init__(self, ae: AsyncEngine, metrics: ServerMetrics, served_model_names: list[str]):
+        self.ae = ae
+        self.metrics = metrics
+        self.names = served_model_names
+        # one-use tokens (BATCH_SLO_HEADER) -> the cold SLO of a Batch API line (laser.batch)
+        self.batch_slos: dict[str, SLO] = {}
+
+    def demotion_note(self, subs: list[Sub]) -> dict | None:
+        """The ``slo`` field of a final SSE chunk when the request was demoted (else None)."""
+        a = subs[0].stream.admission
+        if not a.demoted:
+            return None
+        return {"slo_class": a.slo.name, "requested_slo_class": a.requested.name, "demoted": True,
+                "demoted_to": a.demoted_to}
+
+    # -- parsing --------------------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> str:
+        if model is None or model == "":
+            return self.names[0]
+        if model not in self.names:
+            raise APIError(400, f"model {model!r} does not exist; this server serves {', '.join(self.names)}",
+                           "model_not_found", "model")
+        return model
+
+    def resolve_slo(self, body, h_class: str | None, h_ttft: str | None, h_tbt: str | None,
+                    headers=None) -> SLO:
+        headers = headers or {}
+        token = headers.get(BATCH_SLO_HEADER)
+        if token is not None:  # a line of a Batch API job, sent by laser.batch (cold SLO with its EDF key)
+            slo = self.batch_slos.pop(token, None)
+            if slo is None:
+                raise APIError(400, f"header {BATCH_SLO_HEADER}: unknown token", "invalid_slo", BATCH_SLO_HEADER)
+            return slo
+        name = body.slo_class
+        if name is not None and not name.strip():
+            raise APIError(400, "slo_class must be a non-empty SLO class name", "invalid_slo", "slo_class")
+        if name is None and h_class is not None and h_class.strip():
+            name = h_class.strip()
+
+        def ms(v_body: float | None, v_header: str | None, header: str) -> float | None:
+            if v_body is not None:
+                return v_body / 1e3
+            if v_header is None or not v_header.strip():
+                return None
+            try:
+                v = float(v_header)
+            except ValueError:
+                v = math.nan
+            if not (v > 0 and math.isfinite(v)):
+                raise APIError(400, f"header {header} must be a positive number of milliseconds, got {v_header!r}",
+                               "invalid_slo", header)
+            return v / 1e3
+
+        ttft = ms(body.ttft_slo_ms, h_ttft, "x-slo-ttft-ms")
+        tbt = ms(body.tbt_slo_ms, h_tbt, "x-slo-tbt-ms")
+        demotable = body.slo_demotable
+        h_dem = headers.get("x-slo-demotable")
+        if demotable is None and h_dem is not None and h_dem.strip():
+            if h_dem.strip().lower() not in ("true", "false", "1", "0"):
+                raise APIError(400, f"header x-slo-demotable must be true or false, got {h_dem!r}", "invalid_slo",
+                               "x-slo-demotable")
+            demotable = h_dem.strip().lower() in ("true", "1")
+        try:
+            return self.ae.slo_classes.resolve(name, ttft, tbt, demotable)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), "invalid_slo", "slo_class") from None
+
+    @staticmethod
+    def check_unsupported(body) -> None:
+        def bad(field: str, what: str):
+            raise APIError(400, f"{field}: {what} is not supported by this server", "unsupported_parameter", field)
+
+        for f in ("presence_penalty", "frequency_penalty"):
+            v = getattr(body, f)
+            if v not in (None, 0):
+                bad(f, "a non-zero value")
+        if body.logit_bias:
+            bad("logit_bias", "a non-empty logit_bias")
+        if isinstance(body, CompletionRequest):
+            if body.logprobs is not None:
+                bad("logprobs", "logprobs")
+            if body.suffix:
+                bad("suffix", "suffix")
+            if body.best_of not in (None, 1):
+                bad("best_of", "best_of > 1")
+        else:
+            if body.logprobs:
+                bad("logprobs", "logprobs")
+            if body.top_logprobs:
+                bad("top_logprobs", "top_logprobs")
+            tool = unsupported_chat_fields(body)
+            if tool is not None:
+                bad(*tool)
+            if body.response_format is not None and body.response_format.type != "text":
+                bad("response_format", f"response_format type {body.response_format.type!r}")
+
+    @staticmethod
+    def stop_strings(body) -> tuple[str, ...]:
+        stop = body.stop
+        if stop is None:
+            return ()
+        stop = (stop,) if isinstance(stop, str) else tuple(stop)
+        if len(stop) > MAX_STOP:
+            raise APIError(400, f"stop: at most {MAX_STOP} stop strings, got {len(stop)}", "invalid_value", "stop")
+        if any(not s for s in stop):
+            raise APIError(400, "stop: stop strings must be non-empty", "invalid_value", "stop")
+        return stop
+
+    def validate(self, body, h_class: str | None, h_ttft: str | None, h_tbt: str | None, headers=None):
+        """Checks shared by both generation endpoints: (arrival time, model name, SLO, stop strings).
+
+        Raises APIError (400) for an unknown model, an unsupported parameter, a bad SLO or stop list.
+        """
+        arrival = self.ae.engine.clock()
+        model = self.check_model(body.model)
+        self.check_unsupported(body)
+        slo = self.resolve_slo(body, h_class, h_ttft, h_tbt, headers)
+        return arrival, model, slo, self.stop_strings(body)
+
+    def sampling_params(self, body, max_tokens: int, stop: tuple[str, ...]) -> SamplingParams:
+        temperature = 1.0 if body.temperature is None else body.temperature
+        if temperature < MIN_TEMPERATURE:
+            temperature = 0.0
+        top_k = body.top_k or 0
+        if top_k < 0:
+            top_k = 0
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                top_k=top_k,
+                seed=body.seed,
+                stop=stop,
+                stop_token_ids=tuple(body.stop_token_ids or ()),
+                ignore_eos=body.ignore_eos,
+            )
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), "invalid_value") from None
+
+    async def encode(self, prompt, param: str) -> list[int]:
+        try:
+            ids = await self.ae.encode(prompt)
+        except InvalidRequestError as e:
+            msg = str(e)
+            msg = "the " + msg if msg.startswith("prompt ") else msg
+            raise APIError(400, f"{param}: {msg}", "invalid_value", param) from None
+        if not ids:
+            raise APIError(400, f"{param}: the prompt encodes to zero tokens", "invalid_value", param)
+        limit = self.ae.max_model_len
+        if len(ids) >= limit:
+            raise APIError(400, f"{param}: the prompt has {len(ids)} tokens; this model's context is {limit} tokens "
+                                "(prompt plus at least one generated token)", "context_length_exceeded", param)
+        return ids
+
+    def max_tokens_for(self, requested: int | None, prompt_len: int, default: int | None) -> int:
+        limit = self.ae.max_model_len
+        if requested is None:
+            requested = default if default is not None else limit - prompt_len
+        if prompt_len + requested > limit:
+            raise APIError(400, f"this model's context is {limit} tokens; the request needs {prompt_len + requested} "
+                                f"({prompt_len} in the prompt, {requested} max_tokens); lower max_tokens",
+                           "context_length_exceeded", "max_tokens")
+        return requested
+
+    # -- running --------------------------------------------------------------------------------------
+    def start(self, subs: list[Sub], slo: SLO, arrival: float) -> tuple[asyncio.Queue, dict[str, str]]:
+        """Admission control, then queue every choice for the engine (one event-loop turn)."""
+        try:
+            adms = self.ae.admit([len(s.ids) for s in subs], slo, arrival)
+        except QueueFullError as e:
+            self.metrics.reject("queue_full", slo.name)
+            raise APIError(429, str(e), "queue_full", headers={"retry-after": "1"}) from None
+        except SLOInfeasibleError as e:
+            self.metrics.reject("slo_infeasible", slo.name)
+            pred = f"{e.predicted_ttft * 1e3:.1f}"
+            raise APIError(429, str(e), "slo_infeasible", "slo_class",
+                           headers={"retry-after": "1", "x-laser-predicted-ttft-ms": pred}) from None
+        except EngineStoppedError as e:
+            self.metrics.reject("unavailable", slo.name)
+            raise APIError(503, str(e), "unavailable") from None
+        q: asyncio.Queue = asyncio.Queue()
+        for s, a in zip(subs, adms):
+            self.metrics.admitted(a)
+            s.stream = self.ae.submit(s.ids, s.sp, a, queue=q, arrival_time=arrival)
+        a0 = adms[0]
+        headers = {"x-slo-class": a0.slo.name}
+        if a0.demoted:
+            # "warm": a demotable hot request under pressure; "true": infeasible, served as best_effort
+            headers["x-slo-demoted"] = "warm" if a0.demoted_to == "warm" else "true"
+            headers["x-slo-requested-class"] = a0.requested.name
+        preds = [a.predicted_ttft for a in adms if a.predicted_ttft is not None]
+        if preds:
+            headers["x-laser-predicted-ttft-ms"] = f"{max(preds) * 1e3:.1f}"
+        return q, headers
+
+    async def launch(self, subs: list[Sub], slo: SLO, arrival: float, id_prefix: str):
+        """:meth:`start`, then wait until the engine has every choice: (queue, headers, id, created)."""
+        q, headers = self.start(subs, slo, arrival)
+        rid = f"{id_prefix}-{uuid.uuid4().hex}"
+        headers["x-request-id"] = rid
+        try:
+            await self.wait_added(subs)
+        except BaseException:
+            self.abort(subs)
+            raise
+        return q, headers, rid, int(time.time())
+
+    def abort(self, subs: list[Sub]) -> None:
+        for s in subs:
+            if s.stream is not None and not s.stream.done:
+                self.metrics.aborted_request(s.stream.admission.slo.name)
+                self.ae.abort(s.stream.req_id)
+
+    async def wait_added(self, subs: list[Sub]) -> None:
+        """Wait until the engine has every choice; on a failure abort them all and raise."""
+        res = await asyncio.gather(*(s.stream.added for s in subs), return_exceptions=True)
+        err = next((r for r in res if isinstance(r, BaseException)), None)
+        if err is None:
+            return
+        self.abort(subs)
+        if isinstance(err, InvalidRequestError):
+            raise APIError(400, str(err), "invalid_value")
+        if isinstance(err, EngineStoppedError):
+            raise APIError(503, str(err), "unavailable")
+        raise err
+
+    async def collect(self, q: asyncio.Queue, subs: list[Sub]) -> None:
+        by_id = {s.stream.req_id: s for s in subs}
+        left = len(subs)
+        while left:
+            item = await q.get()
+            if isinstance(item, StreamError):
+                raise item.error
+            if item.finished:
+                s = by_id[item.req_id]
+                if s.final is None:
+                    s.final = item
+                    left -= 1
+
+    async def run_blocking(self, request: Request, subs: list[Sub], q: asyncio.Queue) -> bool:
+        """Wait for every choice to finish; False when the client went away (then all are aborted)."""
+        collect = asyncio.ensure_future(self.collect(q, subs))
+        watch = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if collect in done:
+                collect.result()
+                return True
+            return False
+        finally:
+            for t in (collect, watch):
+                t.cancel()
+            self.abort(subs)
+
+    def slo_info(self, subs: list[Sub]) -> dict:
+        s0 = subs[0].stream.admission
+        slo = s0.slo
+        info = {
+            "slo_class": slo.name,
+            "ttft_slo_ms": None if slo.ttft is None else slo.ttft * 1e3,
+            "tbt_slo_ms": None if slo.tbt is None else slo.tbt * 1e3,
+            "demoted": s0.demoted,
+            "demoted_to": s0.demoted_to,
+            "requested_slo_class": s0.requested.name,
+            "predicted_ttft_ms": None if s0.predicted_ttft is None else s0.predicted_ttft * 1e3,
+            "ttft_ms": None,
+            "slo_met": None,
+        }
+        reqs = [s.final.request for s in subs if s.final is not None and s.final.request is not None]
+        if reqs and reqs[0].token_times:
+            info["ttft_ms"] = (reqs[0].token_times[0] - reqs[0].arrival_time) * 1e3
+        if reqs and all(s.final.finish_reason in ("stop", "length") for s in subs):
+            info["slo_met"] = all(all(slo_outcome(r)) for r in reqs)
+        return info
+
+    def check_finished(self, subs: list[Sub]) -> None:
+        if any(s.final.finish_reason == "abort" for s in subs):
+            raise APIError(503, "the request was aborted because the server is shutting down", "aborted")
+
+    @staticmethod
+    def usage(subs: list[Sub], n: int) -> dict:
+        prompt = sum(len(s.ids) for s in subs[::n])
+        completion = sum(len(s.final.token_ids) if s.final is not None else 0 for s in subs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+
+async def _batches(q: asyncio.Queue, subs: list[Sub]) -> AsyncIterator[list[tuple[Sub, Any]]]:
+    """Yields every (choice, output) ready now, as one batch (one write per batch under load),
+    until every choice finished; raises the error of a failed choice."""
+    by_id = {s.stream.req_id: s for s in subs}
+    left = len(subs)
+    while left:
+        items = [await q.get()]
+        while not q.empty():
+            items.append(q.get_nowait())
+        batch = []
+        for item in items:
+            if isinstance(item, StreamError):
+                raise item.error
+            s = by_id[item.req_id]
+            if s.final is not None:
+                continue
+            if item.finished:
+                s.final = item
+                left -= 1
+            batch.append((s, item))
+        yield batch
+
+
+def _error_event(exc: BaseException) -> str:
+    if isinstance(exc, EngineStepError):
+        return _sse(error_body(500, str(exc), "engine_error"))
+    log.error("stream failed", exc_info=exc)
+    return _sse(error_body(500, f"internal server error: {type(exc).__name__}", "internal_error"))
+
+
+async def _event_stream(srv, q, subs, base: dict, n: int, include_usage: bool, prologue: str,
+                        events: Callable[[Sub, Any], list[str]]) -> AsyncIterator[str]:
+    """The SSE body shared by both endpoints: ``prologue``, then the chunks ``events(choice, output)``
+    makes of each output (one write per batch of ready outputs), an error event if a choice failed,
+    the usage chunk when asked, ``[DONE]``. ``base`` holds the id/object/created/model fields."""
+    if prologue:
+        yield prologue
+    try:
+        async for batch in _batches(q, subs):
+            buf = [c for s, out in batch for c in events(s, out)]
+            if buf:
+                yield "".join(buf)
+    except Exception as e:  # noqa: BLE001
+        yield _error_event(e) + "data: [DONE]\n\n"
+        return
+    if include_usage:
+        yield _sse({**base, "choices": [], "usage": srv.usage(subs, n)})
+    yield "data: [DONE]\n\n"
+
+
+def stream_completion(srv, q, subs, rid, created, model, echo, include_usage, n,
+                      want_ids: bool = False) -> AsyncIterator[str]:
+    base = {"id": rid, "object": "text_completion", "created": created, "model": model}
+    note = srv.demotion_note(subs)
+
+    def chunk(index: int, text: str, reason: str | None, slo: dict | None = None, ids: dict | None = None) -> str:
+        obj = {**base, "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": reason,
+                                    **(ids or {})}]}
+        if slo is not None:
+            obj["slo"] = slo
+        return _sse(obj)
+
+    def events(s: Sub, out) -> list[str]:
+        d = out.delta_text  # stop-string hold-back applied by the engine (OutputText)
+        ids = stream_token_ids(s, out, want_ids)
+        if d or out.finished or ids:
+            return [chunk(s.index, d, out.finish_reason if out.finished else None, note if out.finished else None,
+                          ids)]
+        return []
+
+    prologue = "".join(chunk(s.index, s.prompt_text, None) for s in subs) if echo else ""
+    return _event_stream(srv, q, subs, base, n, include_usage, prologue, events)
+
+
+def stream_chat(srv, q, subs, rid, created, model, include_usage, n, want_ids: bool = False) -> AsyncIterator[str]:
+    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+    note = srv.demotion_note(subs)
+
+    def chunk(index: int, delta: dict, reason: str | None, slo: dict | None = None, ids: dict | None = None) -> str:
+        obj = {**base, "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": reason,
+                                    **(ids or {})}]}
+        if slo is not None:
+            obj["slo"] = slo
+        return _sse(obj)
+
+    def events(s: Sub, out) -> list[str]:
+        d = out.delta_text  # stop-string hold-back applied by the engine (OutputText)
+        ids = stream_token_ids(s, out, want_ids)
+        buf = [chunk(s.index, {"content": d}, None, None, ids)] if d or ids else []
+        if out.finished:
+            buf.append(chunk(s.index, {}, out.finish_reason, note))
+        return buf
+
+    prologue = "".join(chunk(s.index, {"role": "assistant", "content": ""}, None) for s in subs)
+    return _event_stream(srv, q, subs, base, n, include_usage, prologue, events)

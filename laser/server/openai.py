@@ -1,0 +1,155 @@
+"""OpenAI-compatible generation routes: ``/v1/completions``, ``/v1/chat/completions``,
+``/v1/models`` and the Laser extension ``/v1/slo_classes``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fastapi import APIRouter, Header, Request
+from fastapi.responses import JSONResponse, Response
+
+from .errors import APIError
+from .generation import EventStream, Generation, Sub, stream_chat, stream_completion, token_ids_fields
+from .protocol import (
+    MAX_CHOICES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    choice_seed,
+)
+
+ERRORS = {
+    400: {"model": ErrorResponse, "description": "malformed request"},
+    401: {"model": ErrorResponse, "description": "missing or wrong API key"},
+    429: {"model": ErrorResponse, "description": "queue full, or TTFT target infeasible"},
+    503: {"model": ErrorResponse, "description": "shutting down"},
+}
+
+
+def router(srv: Generation) -> APIRouter:
+    """The routes over one :class:`Generation` (one app's engine, metrics and model names)."""
+    router = APIRouter()
+    ae, names, errors = srv.ae, srv.names, ERRORS
+
+    @router.get("/v1/models", response_model=ModelList)
+    async def models():
+        return ModelList(data=[ModelCard(id=n, max_model_len=ae.max_model_len) for n in names])
+
+    @router.get("/v1/slo_classes")
+    async def slo_classes():
+        """Laser extension: the SLO classes requests may name (targets in ms)."""
+        table = ae.slo_classes
+        return {
+            "default": table.default,
+            "scale": table.scale,
+            "classes": {
+                n: {"ttft_ms": None if s.ttft is None else s.ttft * 1e3, "tbt_ms": None if s.tbt is None else s.tbt * 1e3}
+                for n, s in sorted(table.classes.items())
+            },
+            "on_infeasible": ae.on_infeasible,
+        }
+
+    @router.post("/v1/completions", responses=errors)
+    async def completions(
+        body: CompletionRequest,
+        request: Request,
+        x_slo_class: str | None = Header(None),
+        x_slo_ttft_ms: str | None = Header(None),
+        x_slo_tbt_ms: str | None = Header(None),
+    ):
+        arrival, model, slo, stop = srv.validate(body, x_slo_class, x_slo_ttft_ms, x_slo_tbt_ms, request.headers)
+        p = body.prompt
+        if isinstance(p, str):
+            prompts: list = [p]
+        elif not p:
+            raise APIError(400, "prompt: the prompt is empty", "invalid_value", "prompt")
+        elif isinstance(p[0], int):
+            prompts = [p]
+        else:
+            prompts = list(p)
+        if len(prompts) * body.n > MAX_CHOICES:
+            raise APIError(400, f"at most {MAX_CHOICES} choices per request (prompts x n), got "
+                                f"{len(prompts)} x {body.n}", "invalid_value", "n")
+        subs: list[Sub] = []
+        for i, pr in enumerate(prompts):
+            param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            ids = await srv.encode(pr, param)
+            mt = srv.max_tokens_for(body.max_tokens, len(ids), 16)
+            sp = srv.sampling_params(body, mt, stop)
+            text = pr if isinstance(pr, str) else None
+            for j in range(body.n):  # each choice its own reproducible stream (vLLM: seed + j)
+                subs.append(Sub(len(subs), ids, text, dataclasses.replace(sp, seed=choice_seed(sp.seed, j))))
+        if body.echo:
+            for s in subs:
+                if s.prompt_text is None:
+                    s.prompt_text = await ae.decode(s.ids)
+        q, headers, rid, created = await srv.launch(subs, slo, arrival, "cmpl")
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return EventStream(stream_completion(srv, q, subs, rid, created, model, body.echo, include_usage, body.n,
+                                                 body.return_token_ids), lambda: srv.abort(subs), headers)
+        if not await srv.run_blocking(request, subs, q):
+            return Response(status_code=499)
+        srv.check_finished(subs)
+        choices = [
+            {"index": s.index, "text": (s.prompt_text if body.echo else "") + s.final.text, "logprobs": None,
+             "finish_reason": s.final.finish_reason, **token_ids_fields(s, body.return_token_ids)}
+            for s in subs
+        ]
+        return JSONResponse(
+            {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
+             "usage": srv.usage(subs, body.n), "slo": srv.slo_info(subs)},
+            headers=headers,
+        )
+
+    @router.post("/v1/chat/completions", responses=errors)
+    async def chat_completions(
+        body: ChatCompletionRequest,
+        request: Request,
+        x_slo_class: str | None = Header(None),
+        x_slo_ttft_ms: str | None = Header(None),
+        x_slo_tbt_ms: str | None = Header(None),
+    ):
+        arrival, model, slo, stop = srv.validate(body, x_slo_class, x_slo_ttft_ms, x_slo_tbt_ms, request.headers)
+        messages = []
+        for i, m in enumerate(body.messages):
+            content = m.content
+            if isinstance(content, list):
+                texts = []
+                for j, part in enumerate(content):
+                    if part.type != "text" or part.text is None:
+                        raise APIError(400, f"messages[{i}].content[{j}]: only text content parts are supported "
+                                            f"(got type {part.type!r})", "unsupported_parameter", "messages")
+                    texts.append(part.text)
+                content = "\n".join(texts)
+            msg = {"role": m.role, "content": content or ""}
+            if m.name:
+                msg["name"] = m.name
+            messages.append(msg)
+        ids = await srv.encode(messages, "messages")
+        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        mt = srv.max_tokens_for(requested, len(ids), None)
+        sp = srv.sampling_params(body, mt, stop)
+        subs = [Sub(i, ids, None, dataclasses.replace(sp, seed=choice_seed(sp.seed, i))) for i in range(body.n)]
+        q, headers, rid, created = await srv.launch(subs, slo, arrival, "chatcmpl")
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return EventStream(stream_chat(srv, q, subs, rid, created, model, include_usage, body.n,
+                                           body.return_token_ids), lambda: srv.abort(subs), headers)
+        if not await srv.run_blocking(request, subs, q):
+            return Response(status_code=499)
+        srv.check_finished(subs)
+        choices = [
+            {"index": s.index, "message": {"role": "assistant", "content": s.final.text}, "logprobs": None,
+             "finish_reason": s.final.finish_reason, **token_ids_fields(s, body.return_token_ids)}
+            for s in subs
+        ]
+        return JSONResponse(
+            {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+             "usage": srv.usage(subs, body.n), "slo": srv.slo_info(subs)},
+            headers=headers,
+        )
+
+    return router
