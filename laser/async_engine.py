@@ -477,6 +477,8 @@ class AsyncEngine:
             finish_reason="abort",
             slo=s.admission.slo,
             request=last.request if last else None,
+            arrival_time=last.arrival_time if last else 0.0,
+            token_times=last.token_times if last else (),
         )
         for fn in self.listeners:
             try:

@@ -48,19 +48,15 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     slo: SLO
+    # The engine's live request: only the thread that steps the engine may read it (in-process
+    # drivers such as ``LLM``); other threads use the copies below.
     request: Request = field(repr=False, default=None)
     # Prefill role: the request continues on a decode instance (see Engine.handoffs).
     handed_off: bool = False
-
-    def record(self):
-        return request_record(self.request)
-
-
-def request_record(req: Request):
-    """Metrics view of a request: a :class:`laser.metrics.RequestRecord`."""
-    from .metrics import record_from_request
-
-    return record_from_request(req)
+    # Copies taken when the output was made (safe to read from any thread): the request's arrival
+    # time and the time of every output token so far (seconds, engine clock).
+    arrival_time: float = 0.0
+    token_times: tuple[float, ...] = ()
 
 
 class Engine:
@@ -303,6 +299,8 @@ class Engine:
                 handed_off=ev.handed_off,
                 slo=req.slo,
                 request=req,
+                arrival_time=req.arrival_time,
+                token_times=tuple(req.token_times),
             ))
         return outs
 

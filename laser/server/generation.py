@@ -379,7 +379,7 @@ class Generation:
             "ttft_ms": None,
             "slo_met": None,
         }
-        reqs = [s.final.request for s in subs if s.final is not None and s.final.request is not None]
+        reqs = [s.final for s in subs if s.final is not None]  # the outputs' copies, not live requests
         if reqs and reqs[0].token_times:
             info["ttft_ms"] = (reqs[0].token_times[0] - reqs[0].arrival_time) * 1e3
         if reqs and all(s.final.finish_reason in ("stop", "length") for s in subs):

@@ -32,7 +32,9 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 def slo_outcome(req) -> tuple[bool, bool]:
-    """(TTFT met, P99 TBT met) of a finished request, by :class:`laser.metrics.RequestRecord`'s rule."""
+    """(TTFT met, P99 TBT met) of a finished request, by :class:`laser.metrics.RequestRecord`'s rule.
+    ``req``: anything with ``req_id``, ``slo``, ``arrival_time`` and ``token_times`` (a
+    :class:`~laser.engine.RequestOutput` on the server side)."""
     from ..metrics import SLO_EPS, RequestRecord
 
     rec = RequestRecord(
@@ -114,13 +116,13 @@ class ServerMetrics:
 
     def on_output(self, stream, out) -> None:
         """Listener of :class:`~laser.async_engine.AsyncEngine`: one call per delivered output."""
-        req = out.request
+        req = out  # the output's own copies (the live Request belongs to the engine thread)
         cls = out.slo.name
         self._classes_seen.add(cls)
         m, n = self.model_name, len(out.token_ids)
         if out.new_token_ids:
             self.generation_tokens.labels(m, cls).inc(len(out.new_token_ids))
-            times = req.token_times if req is not None else ()
+            times = req.token_times
             if n == 1 and times:
                 self.ttft.labels(m, cls).observe(times[0] - req.arrival_time)
                 self.prompt_tokens.labels(m, cls).inc(len(out.prompt_token_ids))
@@ -130,7 +132,7 @@ class ServerMetrics:
             return
         if out.finish_reason in ("stop", "length"):
             self.success.labels(m, cls, out.finish_reason).inc()
-            if req is not None and req.token_times:
+            if req.token_times:
                 self.e2e.labels(m, cls).observe(req.token_times[-1] - req.arrival_time)
                 ttft_ok, tbt_ok = slo_outcome(req)
                 if ttft_ok and tbt_ok:
