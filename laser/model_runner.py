@@ -109,7 +109,9 @@ class ModelRunner:
             ids = []
             for w in embed_works:
                 ids.extend(self._requests[w.req_id].all_token_ids[w.token_start : w.token_start + w.num_tokens])
+            t0 = time.perf_counter()
             emb = self.model.embed(torch.tensor(ids, dtype=torch.long))
+            self._res.compute_seconds += time.perf_counter() - t0
             r = 0
             for w in embed_works:
                 entries.append((w, emb[r : r + w.num_tokens]))
@@ -128,11 +130,13 @@ class ModelRunner:
     def run_layer(self, layer, active):
         tl = time.perf_counter()
         self._hidden = self.model.forward_layer(layer, self._hidden, self._meta)
-        self._res.layer_seconds += time.perf_counter() - tl
+        self._res.compute_seconds += time.perf_counter() - tl
         self._res.num_layer_calls += 1
 
     def finish(self, active, layer):
+        t0 = time.perf_counter()
         self._finish(active, self._hidden, layer, self._requests, self._res, self._return_logits)
+        self._res.compute_seconds += time.perf_counter() - t0
 
     # -- composition helpers -------------------------------------------------------------------
     def _rows(self, active: list[Work]) -> list[tuple[int, int]]:

@@ -151,6 +151,7 @@ class StepResult:
     sampled: dict[str, int] = field(default_factory=dict)
     # req_id -> [V] float32 logits tensor (torch executor, only with ``return_logits``).
     logits: dict = field(default_factory=dict)
-    # Seconds spent in forward_layer calls (for overhead stats).
-    layer_seconds: float = 0.0
+    # Seconds of model compute: layer calls, embedding, LM head and sampling (the rest of a
+    # step's execution is switching: composition changes at layer boundaries, stop checks).
+    compute_seconds: float = 0.0
     num_layer_calls: int = 0

@@ -73,7 +73,7 @@ class StepStats:
     steps: int = 0
     schedule_s: float = 0.0  # schedule() + update() + outputs
     execute_s: float = 0.0  # executor.execute (layer calls + composition changes)
-    layer_s: float = 0.0  # inside layer calls only
+    compute_s: float = 0.0  # model compute inside execute: layer calls, embedding, LM head, sampling
     layer_calls: int = 0
 
     @property
@@ -192,7 +192,7 @@ class InstanceCore:
         st.steps += 1
         st.schedule_s += self._perf() - t2
         st.execute_s += t2 - t1
-        st.layer_s += result.layer_seconds
+        st.compute_s += result.compute_seconds
         st.layer_calls += result.num_layer_calls
         return events
 

@@ -70,7 +70,7 @@ class SimExecutor:
         self._res = res = StepResult(stopped_layer=0)
         self.clock.t += self.lm.embed_time(sum(w.num_tokens for w in plan.works if w.layer_start == 0))
         res.stopped_layer = walk(plan, self, stop_at)
-        res.layer_seconds = self.clock.t - t0
+        res.compute_seconds = self.clock.t - t0
         self.stats.steps += 1
         self.stats.busy_s += self.clock.t - t0
         return res
