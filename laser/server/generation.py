@@ -448,17 +448,26 @@ async def _event_stream(srv, q, subs, base: dict, n: int, include_usage: bool, p
     yield "data: [DONE]\n\n"
 
 
-def stream_completion(srv, q, subs, rid, created, model, echo, include_usage, n,
-                      want_ids: bool = False) -> AsyncIterator[str]:
-    base = {"id": rid, "object": "text_completion", "created": created, "model": model}
-    note = srv.demotion_note(subs)
+def _chunker(base: dict, field: str) -> Callable[..., str]:
+    """SSE chunk maker of one endpoint: ``chunk(index, value, reason, slo=None, ids=None)`` puts
+    ``value`` under ``field`` (``text`` or ``delta``) of choice ``index``, the finish reason, the
+    ``return_token_ids`` fields and the final ``slo`` note."""
 
-    def chunk(index: int, text: str, reason: str | None, slo: dict | None = None, ids: dict | None = None) -> str:
-        obj = {**base, "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": reason,
+    def chunk(index: int, value, reason: str | None, slo: dict | None = None, ids: dict | None = None) -> str:
+        obj = {**base, "choices": [{"index": index, field: value, "logprobs": None, "finish_reason": reason,
                                     **(ids or {})}]}
         if slo is not None:
             obj["slo"] = slo
         return _sse(obj)
+
+    return chunk
+
+
+def stream_completion(srv, q, subs, rid, created, model, echo, include_usage, n,
+                      want_ids: bool = False) -> AsyncIterator[str]:
+    base = {"id": rid, "object": "text_completion", "created": created, "model": model}
+    note = srv.demotion_note(subs)
+    chunk = _chunker(base, "text")
 
     def events(s: Sub, out) -> list[str]:
         d = out.delta_text  # stop-string hold-back applied by the engine (OutputText)
@@ -475,13 +484,7 @@ def stream_completion(srv, q, subs, rid, created, model, echo, include_usage, n,
 def stream_chat(srv, q, subs, rid, created, model, include_usage, n, want_ids: bool = False) -> AsyncIterator[str]:
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     note = srv.demotion_note(subs)
-
-    def chunk(index: int, delta: dict, reason: str | None, slo: dict | None = None, ids: dict | None = None) -> str:
-        obj = {**base, "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": reason,
-                                    **(ids or {})}]}
-        if slo is not None:
-            obj["slo"] = slo
-        return _sse(obj)
+    chunk = _chunker(base, "delta")
 
     def events(s: Sub, out) -> list[str]:
         d = out.delta_text  # stop-string hold-back applied by the engine (OutputText)
