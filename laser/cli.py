@@ -59,7 +59,22 @@ def add_engine_args(p: argparse.ArgumentParser, policy_default: str = "laser") -
              "on first use and re-made when stale",
     )
     p.add_argument("--threads", type=positive_int, default=None,
-                   help="torch intra-op threads (default: torch's choice, the number of cores)")
+                   help="torch intra-op threads (default: the number of physical cores)")
+
+
+def set_threads(threads: int | None) -> int:
+    """Set torch's intra-op threads to ``threads`` (default: physical cores; SMT siblings
+    share one core's FMA units, so more threads only add contention). Returns the count."""
+    import logging
+
+    import torch
+
+    from .model.loader import physical_cores
+
+    n = threads or physical_cores()
+    torch.set_num_threads(n)
+    logging.getLogger(__name__).info("torch threads: %d (%s)", n, "--threads" if threads else "physical cores")
+    return n
 
 
 def build_engine(args, **overrides):
@@ -70,8 +85,7 @@ def build_engine(args, **overrides):
     from .engine import Engine
     from .slo import SLOClasses
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     cache = CacheConfig(
         block_size=args.block_size,
         kv_cache_gib=args.kv_cache_gib,

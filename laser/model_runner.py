@@ -184,6 +184,14 @@ class ModelRunner:
             parts.append(cur)
         return parts
 
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """Bool mask (True = attend) -> additive mask in the model dtype (0 / -inf).
+
+        SDPA on CPU adds a float mask directly; a bool one is converted on every call.
+        """
+        m = torch.zeros(allowed.shape, dtype=self.model.dtype)
+        return m.masked_fill_(~allowed, float("-inf"))
+
     def _build_metadata(self, active: list[Work], layers: range) -> AttnMetadata:
         """Metadata for ``active`` (rows in order) valid for every layer in ``layers``."""
         bs = self.bm.block_size
@@ -224,7 +232,10 @@ class ModelRunner:
             kvi, valid = kv_indices(canon, part)
             layer_kvi = {l: kv_indices(tables(l), part)[0] for l in override_layers}
             q_index = torch.tensor([rows[i][0] for i in part]).view(-1, 1)
-            groups.append(AttnGroup(q_index, kvi, valid[:, None, None, :], None, None, layer_kvi))
+            groups.append(
+                AttnGroup(q_index, kvi, self._additive(valid[:, None, None, :]), None, None, layer_kvi,
+                          q_start=rows[part[0]][0])  # decode rows of a part are consecutive
+            )
         if pf:
             kvi, valid = kv_indices(canon, pf)
             layer_kvi = {l: kv_indices(tables(l), pf)[0] for l in override_layers}
@@ -243,14 +254,18 @@ class ModelRunner:
                 C = kvi.shape[1]
                 allowed = torch.arange(C)[None, None, :] <= qpos[:, :, None]  # [B, Q, C]
                 mask = allowed & valid[:, None, :]
-                mask = mask[:, None].expand(B, g, Q, C).reshape(B, 1, g * Q, C)
+                mask = self._additive(mask[:, None].expand(B, g, Q, C).reshape(B, 1, g * Q, C))
             if all(q == Q for q in qlens):
                 out_valid = out_rows = None
+                q_start = rows[pf[0]][0]  # prefill rows are consecutive and unpadded
             else:
+                q_start = None
                 real = qi[None, :] < ql[:, None]  # [B, Q]
                 out_valid = real.view(-1).nonzero().squeeze(1)
                 out_rows = q_index.view(-1)[out_valid]
-            groups.append(AttnGroup(q_index, kvi, mask, out_valid, out_rows, layer_kvi, causal=self_causal))
+            groups.append(
+                AttnGroup(q_index, kvi, mask, out_valid, out_rows, layer_kvi, causal=self_causal, q_start=q_start)
+            )
         return AttnMetadata(
             cos=self.model.rope_cos[pos],
             sin=self.model.rope_sin[pos],

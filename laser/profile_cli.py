@@ -56,14 +56,12 @@ def register(subparsers) -> None:
 
 
 def _engine(args):
-    import torch
-
+    from .cli import set_threads
     from .config import CacheConfig, SchedulerConfig
     from .engine import Engine
     from .latency_model import SimpleLatencyModel
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)  # the same default as engine starts, so the profile matches them
     cache = CacheConfig(block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
                         intermediate_cache_tokens=args.intermediate_cache_tokens)
     # The profile measures the executor: the policy does not matter, and no profile is loaded

@@ -38,7 +38,6 @@ of the two fastest repeats, to show how noisy the machine was.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import os
@@ -51,7 +50,6 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from .config import SchedulerConfig
 from .intermediate_cache import IntermediateCache
@@ -429,8 +427,6 @@ class Probe:
         self.gen = torch.Generator().manual_seed(seed)
         self._layer = 0
         self._uid = 0
-        # LlamaModel._attention(i, q, [k, v,] kc, vc, meta): newer versions also take the new K/V
-        self._attn_takes_kv = "k" in inspect.signature(self.model._attention).parameters
 
     def next_layer(self) -> int:
         """Layers rotate across calls, as in a pass through the model."""
@@ -463,37 +459,22 @@ class Probe:
 
     # -- the pieces -------------------------------------------------------------------------
     def stateless_call(self, n: int) -> Callable[[], object]:
-        """One layer's forward_layer ops minus the attention core (cache write + kernel)."""
+        """One layer's forward_layer ops minus the attention core (cache write + kernel):
+        :meth:`LlamaModel.qkv` then :meth:`LlamaModel.finish_layer`, q standing in for the
+        attention output (same shape)."""
         m, c = self.model, self.cfg
         hidden = self.randn(n, c.hidden_size)
         cos, sin = m.rope_cos[:n].contiguous(), m.rope_sin[:n].contiguous()
-        nh, kvh, d = c.num_heads, c.num_kv_heads, c.head_dim
-        split = [c.q_size, c.kv_size, c.kv_size]
 
         def run():
-            L = m.layers[self.next_layer()]
-            T = hidden.shape[0]
-            x = m._norm(hidden, L.ln1)
-            qkv = F.linear(x, L.qkv_w, L.qkv_b)
-            q, k, v = qkv.split(split, dim=-1)
-            q = q.view(T, nh, d)
-            k = k.view(T, kvh, d)
-            v = v.view(T, kvh, d)
-            if L.q_norm is not None:
-                q = m._norm(q, L.q_norm)
-                k = m._norm(k, L.k_norm)
-            q = _rope(q, cos, sin)
-            k = _rope(k, cos, sin)
-            # (attention core here) -- its output has q's shape; q stands in for it
-            h = hidden + F.linear(q.reshape(T, c.q_size), L.o_w)
-            x = m._norm(h, L.ln2)
-            gate, up = F.linear(x, L.gate_up_w).chunk(2, dim=-1)
-            return h + F.linear(F.silu(gate) * up, L.down_w)
+            i = self.next_layer()
+            q, _, _ = m.qkv(i, hidden, cos, sin)
+            return m.finish_layer(i, hidden, q)
 
         return run
 
     def attention_call(self, query_lens, context_lens) -> Callable[[], object]:
-        """KV-cache write of the new tokens + the attention kernel, as in forward_layer."""
+        """KV-cache write of the new tokens + the attention kernel: :meth:`LlamaModel.attend`."""
         m, c = self.model, self.cfg
         meta = self.metadata(query_lens, context_lens)
         T = sum(query_lens)
@@ -502,20 +483,7 @@ class Probe:
         q = _rope(q.view(T, c.num_heads, c.head_dim), meta.cos, meta.sin)
         k = _rope(k.reshape(T, c.num_kv_heads, c.head_dim), meta.cos, meta.sin)
         v = v.view(T, c.num_kv_heads, c.head_dim)
-
-        takes_kv = self._attn_takes_kv
-
-        def run():
-            i = self.next_layer()
-            kc, vc = m.kv[i, 0], m.kv[i, 1]
-            slots = meta.slots_for(i)
-            kc[slots] = k
-            vc[slots] = v
-            if takes_kv:
-                return m._attention(i, q, k, v, kc, vc, meta)
-            return m._attention(i, q, kc, vc, meta)
-
-        return run
+        return lambda: m.attend(self.next_layer(), q, k, v, meta)
 
     def layer_call(self, query_lens, context_lens) -> Callable[[], object]:
         """A whole ``forward_layer`` call."""

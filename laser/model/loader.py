@@ -144,19 +144,50 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """``"auto"`` picks bfloat16 only where the CPU has native bf16 matmuls (AVX512-BF16/AMX), else float32.
 
     On CPUs without them (e.g. AVX2-only), bf16 matmuls are emulated and measured several
-    times slower than fp32.
+    times slower than fp32. The choice and its reason are logged (INFO, ``laser.model.loader``).
+
+    Raises:
+        ConfigError: an unknown dtype name.
     """
     if isinstance(dtype, torch.dtype):
         return dtype
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
     if dtype == "auto":
-        if torch.cuda.is_available():
-            return torch.bfloat16
-        try:
-            flags = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            flags = ""
-        return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else torch.float32
+        chosen, why = _auto_dtype()
+        log.info("dtype auto -> %s: %s", str(chosen).removeprefix("torch."), why)
+        return chosen
     if dtype not in table:
         raise ConfigError(f"unsupported dtype {dtype!r}; use auto, float32 or bfloat16")
     return table[dtype]
+
+
+def _auto_dtype() -> tuple[torch.dtype, str]:
+    """(dtype, reason) for ``--dtype auto``."""
+    if torch.cuda.is_available():
+        return torch.bfloat16, "CUDA device"
+    try:
+        flags = set(next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")).split())
+    except (OSError, StopIteration):
+        return torch.float32, "CPU features unknown (no /proc/cpuinfo flags)"
+    native = sorted(flags & {"avx512_bf16", "amx_bf16"})
+    if native:
+        return torch.bfloat16, f"CPU has native bf16 matmuls ({', '.join(native)})"
+    return torch.float32, "CPU lacks native bf16 matmuls (no avx512_bf16/amx_bf16: bf16 would be emulated, ~5x slower)"
+
+
+def physical_cores() -> int:
+    """Number of physical CPU cores (distinct (package, core) pairs in /proc/cpuinfo; SMT
+    siblings counted once), or ``os.cpu_count()`` where that cannot be read."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return os.cpu_count() or 1
+    cores, phys = set(), "0"
+    for ln in text.splitlines():
+        key, _, val = ln.partition(":")
+        key = key.strip()
+        if key == "physical id":
+            phys = val.strip()
+        elif key == "core id":
+            cores.add((phys, val.strip()))
+    return len(cores) or os.cpu_count() or 1
