@@ -62,16 +62,11 @@ def add_engine_args(p: argparse.ArgumentParser, policy_default: str = "laser") -
                    help="torch intra-op threads (default: torch's choice, the number of cores)")
 
 
-def build_engine(args, **overrides):
-    """An :class:`Engine` from parsed CLI flags."""
-    import torch
-
+def engine_configs(args, role: str = "mixed"):
+    """(CacheConfig, SchedulerConfig, SLOClasses) from parsed CLI flags."""
     from .config import CacheConfig, SchedulerConfig
-    from .engine import Engine
     from .slo import SLOClasses
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     cache = CacheConfig(
         block_size=args.block_size,
         kv_cache_gib=args.kv_cache_gib,
@@ -82,9 +77,20 @@ def build_engine(args, **overrides):
         queue_order=args.queue_order,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        role=overrides.pop("role", getattr(args, "role", "mixed")),
+        role=role,
     )
-    slo = SLOClasses.load(args.slo_config, scale=args.slo_scale, default=args.default_slo_class)
+    return cache, sched, SLOClasses.load(args.slo_config, scale=args.slo_scale, default=args.default_slo_class)
+
+
+def build_engine(args, **overrides):
+    """An :class:`Engine` from parsed CLI flags."""
+    import torch
+
+    from .engine import Engine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cache, sched, slo = engine_configs(args, overrides.pop("role", getattr(args, "role", "mixed")))
     return Engine(
         model=args.model,
         policy=args.policy,

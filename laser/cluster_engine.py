@@ -134,7 +134,16 @@ class ClusterEngine:
         return self.latency_model.predict_prefill(num_tokens)
 
     def alive(self) -> dict[int, bool]:
+        """Instance id -> not marked dead."""
         return {i: h.alive for i, h in self.handles.items()}
+
+    def can_serve(self) -> bool:
+        """Live instances of every role the controller needs remain."""
+        try:
+            self._require_roles()
+        except ClusterError:
+            return False
+        return True
 
     # -- requests ----------------------------------------------------------------------------------------
     def add_request(self, prompt: list[int], sampling_params: SamplingParams | None = None,
