@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
-
-from .config import CacheConfig, SchedulerConfig
+from .config import SchedulerConfig
 from .detokenizer import OutputText
 from .intermediate_cache import IntermediateCache
 from .model.loader import load_tokenizer, resolve_model
@@ -64,6 +61,7 @@ class Engine(ModelInstance):
         dtype: ``auto`` (fp32 unless the CPU has native bf16), ``float32`` or ``bfloat16``.
         cache: KV/intermediate cache sizing. scheduler: scheduler config (policy overrides its name).
         slo_classes: SLO class table (the shipped one by default).
+        (other keyword arguments: :class:`laser.instance.model_instance.ModelInstance`'s)
         latency_model: the model the schedulers plan with; overrides ``latency_profile``.
         latency_profile: ``None`` — use the cached profile of this setup if there is one, else
             an analytic (roofline) estimate; ``"auto"`` — the cached profile, profiling this
@@ -77,24 +75,10 @@ class Engine(ModelInstance):
         LatencyProfileError: ``latency_profile`` names an unusable profile file.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        policy: str = "laser",
-        dtype: str | torch.dtype = "auto",
-        cache: CacheConfig | None = None,
-        scheduler: SchedulerConfig | None = None,
-        slo_classes: SLOClasses | None = None,
-        latency_model=None,
-        latency_profile: str | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        seed: int = 0,
-        max_model_len: int | None = None,
-    ):
+    def __init__(self, model: str | None = None, slo_classes: SLOClasses | None = None, **kwargs):
         self.tokenizer = load_tokenizer(resolve_model(model))
         eos = () if self.tokenizer.eos_token_id is None else (self.tokenizer.eos_token_id,)
-        super().__init__(model, policy, dtype, cache, scheduler, latency_model, latency_profile, clock, seed,
-                         max_model_len, extra_eos_ids=eos)
+        super().__init__(model, extra_eos_ids=eos, **kwargs)
         self.slo_classes = slo_classes or SLOClasses.load()
         self._text: dict[str, OutputText] = {}
         self.core.on_token = lambda req: self._text[req.req_id].add(req.output_token_ids[-1])
