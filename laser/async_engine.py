@@ -572,8 +572,14 @@ class AsyncEngine:
 
     def _publish(self, step_s: float) -> None:
         """Engine thread: publish the scheduler snapshot (admission, metrics) after a step."""
+        make = getattr(self.engine, "admission_snapshot", None)  # a cluster front end has its own
         try:
-            snap = snapshot_of(self.engine.scheduler, self.engine.clock(), self._num_adds_run, step_s)
+            if make is not None:
+                snap = make(self.engine.clock(), self._num_adds_run, step_s)
+                if snap is None:
+                    return
+            else:
+                snap = snapshot_of(self.engine.scheduler, self.engine.clock(), self._num_adds_run, step_s)
         except Exception:  # noqa: BLE001 - observability must never stop serving
             if not getattr(self, "_snapshot_failed", False):
                 self._snapshot_failed = True

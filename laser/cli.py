@@ -77,15 +77,11 @@ def set_threads(threads: int | None) -> int:
     return n
 
 
-def build_engine(args, **overrides):
-    """An :class:`Engine` from parsed CLI flags."""
-    import torch
-
+def engine_configs(args, role: str = "mixed"):
+    """(CacheConfig, SchedulerConfig, SLOClasses) from parsed CLI flags."""
     from .config import CacheConfig, SchedulerConfig
-    from .engine import Engine
     from .slo import SLOClasses
 
-    set_threads(args.threads)
     cache = CacheConfig(
         block_size=args.block_size,
         kv_cache_gib=args.kv_cache_gib,
@@ -96,9 +92,17 @@ def build_engine(args, **overrides):
         queue_order=args.queue_order,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        role=overrides.pop("role", getattr(args, "role", "mixed")),
+        role=role,
     )
-    slo = SLOClasses.load(args.slo_config, scale=args.slo_scale, default=args.default_slo_class)
+    return cache, sched, SLOClasses.load(args.slo_config, scale=args.slo_scale, default=args.default_slo_class)
+
+
+def build_engine(args, **overrides):
+    """An :class:`Engine` from parsed CLI flags."""
+    from .engine import Engine
+
+    set_threads(args.threads)
+    cache, sched, slo = engine_configs(args, overrides.pop("role", getattr(args, "role", "mixed")))
     return Engine(
         model=args.model,
         policy=args.policy,

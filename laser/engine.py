@@ -12,23 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
-
-from .config import CacheConfig, SchedulerConfig, resolve_max_model_len
+from .config import SchedulerConfig
 from .detokenizer import OutputText
 from .intermediate_cache import IntermediateCache
-from .kv_cache import KVCache
-from .model.llama import LlamaModel
-from .model.loader import load_config, load_tokenizer, load_weights, resolve_dtype, resolve_model
-from .model_runner import ModelRunner
-from .instance.core import Handoff, InstanceCore, make_scheduler
+from .model.loader import load_tokenizer, resolve_model
+from .instance.core import Handoff, make_scheduler
+from .instance.model_instance import ModelInstance
 from .request import SLO, InvalidRequestError, Request, SamplingParams
-from .sampler import Sampler
 from .slo import SLOClasses
 
 log = logging.getLogger(__name__)
@@ -59,7 +52,7 @@ class RequestOutput:
     token_times: tuple[float, ...] = ()
 
 
-class Engine:
+class Engine(ModelInstance):
     """One serving instance.
 
     Args:
@@ -68,6 +61,7 @@ class Engine:
         dtype: ``auto`` (fp32 unless the CPU has native bf16), ``float32`` or ``bfloat16``.
         cache: KV/intermediate cache sizing. scheduler: scheduler config (policy overrides its name).
         slo_classes: SLO class table (the shipped one by default).
+        (other keyword arguments: :class:`laser.instance.model_instance.ModelInstance`'s)
         latency_model: the model the schedulers plan with; overrides ``latency_profile``.
         latency_profile: ``None`` — use the cached profile of this setup if there is one, else
             an analytic (roofline) estimate; ``"auto"`` — the cached profile, profiling this
@@ -81,50 +75,11 @@ class Engine:
         LatencyProfileError: ``latency_profile`` names an unusable profile file.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        policy: str = "laser",
-        dtype: str | torch.dtype = "auto",
-        cache: CacheConfig | None = None,
-        scheduler: SchedulerConfig | None = None,
-        slo_classes: SLOClasses | None = None,
-        latency_model=None,
-        latency_profile: str | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        seed: int = 0,
-        max_model_len: int | None = None,
-    ):
-        path = resolve_model(model)
-        self.model_path = path
-        self.model_name = "smollm2" if model is None else str(model)
-        self.model_config = load_config(path)
-        self.dtype = resolve_dtype(dtype)
-        self.tokenizer = load_tokenizer(path)
-        weights = load_weights(path)
-        self.model = LlamaModel(self.model_config, weights, self.dtype)
-        del weights
-        self.cache_config = cache or CacheConfig()
-        self.kv_cache = KVCache(self.model_config, self.cache_config, self.dtype)
-        self.icache = IntermediateCache(self.cache_config.intermediate_cache_tokens)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.icache, Sampler(seed))
-        sched_cfg = scheduler or SchedulerConfig(policy=policy)
-        if scheduler is not None and policy != sched_cfg.policy:
-            sched_cfg = SchedulerConfig(**{**sched_cfg.__dict__, "policy": policy})
-        self.scheduler_config = sched_cfg
-        self.latency_profile = latency_profile
-        self.latency_model = latency_model or self._load_latency_model(latency_profile)
+    def __init__(self, model: str | None = None, slo_classes: SLOClasses | None = None, **kwargs):
+        self.tokenizer = load_tokenizer(resolve_model(model))
+        eos = () if self.tokenizer.eos_token_id is None else (self.tokenizer.eos_token_id,)
+        super().__init__(model, extra_eos_ids=eos, **kwargs)
         self.slo_classes = slo_classes or SLOClasses.load()
-        self.clock = clock
-        self.max_model_len = resolve_max_model_len(
-            max_model_len, self.model_config.max_position, self.kv_cache.num_blocks * self.cache_config.block_size
-        )
-        eos_ids = set(self.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos_ids.add(self.tokenizer.eos_token_id)
-        scheduler = make_scheduler(sched_cfg, self.model_config.num_layers, self.kv_cache.block_manager,
-                                   self.icache, self.latency_model, clock)
-        self.core = InstanceCore(scheduler, self.runner, clock, eos_ids=eos_ids, max_model_len=self.max_model_len)
         self._text: dict[str, OutputText] = {}
         self.core.on_token = lambda req: self._text[req.req_id].add(req.output_token_ids[-1])
 
@@ -183,22 +138,6 @@ class Engine:
         self.core.scheduler = make_scheduler(scheduler, self.model_config.num_layers, self.kv_cache.block_manager,
                                              self.icache, self.latency_model, self.clock)
         self.scheduler_config = scheduler
-
-    def _load_latency_model(self, profile: str | None):
-        from .latency_model import AnalyticLatencyModel, LatencyProfileError, ModelShape
-        from .profiler import load_or_create
-
-        if profile == "auto":
-            return load_or_create(self.runner, None, create=True)
-        if profile is not None:
-            # the user's own file: use it, or say why not -- never profile over it
-            return load_or_create(self.runner, profile, create=not os.path.exists(profile))
-        try:
-            return load_or_create(self.runner, None, create=False)
-        except LatencyProfileError:
-            log.info("no latency profile for this setup yet: using a roofline estimate (run `laser profile`)")
-        shape = ModelShape.from_hf_config(self.model_config.hf_config.to_dict())
-        return AnalyticLatencyModel(shape, "cpu-2core", dtype_bytes=torch.finfo(self.dtype).bits // 8)
 
     def predict_prefill_seconds(self, num_tokens: int) -> float:
         """Predicted time of a prefill of ``num_tokens`` tokens running alone (latency model)."""

@@ -20,6 +20,20 @@ class Sampler:
     def release(self, req_id: str) -> None:
         self._gens.pop(req_id, None)
 
+    def export_state(self, req_id: str) -> bytes | None:
+        """The seeded request's generator state (``torch.Generator.get_state`` as bytes), or
+        None when it has drawn nothing yet / is unseeded (a fresh generator from the seed is
+        then exact)."""
+        g = self._gens.get(req_id)
+        return None if g is None else g.get_state().numpy().tobytes()
+
+    def import_state(self, req_id: str, state: bytes | None) -> None:
+        """Continue ``req_id``'s generator from :meth:`export_state`'s bytes (None: nothing)."""
+        if state is not None:
+            g = torch.Generator()
+            g.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+            self._gens[req_id] = g
+
     def sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
         """logits [R, V] float32 (row r belongs to reqs[r]) -> R token ids."""
         out = logits.argmax(dim=-1).tolist()

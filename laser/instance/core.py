@@ -44,6 +44,12 @@ class Executor(Protocol):
     def release(self, req_id: str) -> None:
         """Forget per-request executor state (e.g. a seeded sampling generator)."""
 
+    def export_sampler_state(self, req_id: str) -> bytes | None:
+        """The request's own sampling generator state (seeded requests), None if it has none."""
+
+    def import_sampler_state(self, req_id: str, state: bytes | None) -> None:
+        """Continue a handed-off request's generator from ``state`` (None: nothing to do)."""
+
 
 @dataclass
 class Handoff:
@@ -54,6 +60,9 @@ class Handoff:
     kv: list | None
     # seconds on the sender's clock when the hand-off was exported
     time: float = 0.0
+    # the request's seeded sampling generator state (None: unseeded or greedy), so a seeded
+    # request samples the same tokens whether or not it moved
+    sampler_state: bytes | None = None
 
 
 @dataclass
@@ -204,7 +213,7 @@ class InstanceCore:
     # -- prefill -> decode hand-off ------------------------------------------------------------------
     def export(self, req: Request, now: float) -> Handoff:
         """Prefill role: package ``req`` (after its first token) with its KV and free it here."""
-        h = Handoff(req, self.executor.export_kv(req), now)
+        h = Handoff(req, self.executor.export_kv(req), now, self.executor.export_sampler_state(req.req_id))
         self.finish(req, "handoff")
         return h
 
@@ -225,6 +234,7 @@ class InstanceCore:
         req.num_computed_tokens = src.num_computed_tokens
         req.phase = Phase.DECODE
         self.executor.import_kv(req, h.kv)
+        self.executor.import_sampler_state(req.req_id, h.sampler_state)
         self.scheduler.add_running(req)
         return req
 

@@ -163,7 +163,13 @@ def build_app(
             return JSONResponse({"status": "dead", "error": str(ae.dead)}, status_code=503)
         if ae.draining or not ae.running:
             return JSONResponse({"status": "draining" if ae.draining else "stopped"}, status_code=503)
-        return {"status": "ok"}
+        alive = getattr(ae.engine, "alive", None)  # a cluster: its instances, as the controller sees them
+        if alive is None:
+            return {"status": "ok"}
+        instances = {str(i): {"role": ae.engine.handles[i].role, "alive": a} for i, a in alive().items()}
+        if not ae.engine.can_serve():
+            return JSONResponse({"status": "degraded", "instances": instances}, status_code=503)
+        return {"status": "ok", "instances": instances}
 
     @app.get("/metrics")
     async def prometheus():

@@ -45,6 +45,19 @@ def register(subparsers) -> None:
                    help="accept, with a warning, batch jobs the latency model says cannot meet their window "
                         "(default: reject them with the predicted completion time)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up request before serving")
+    g = p.add_argument_group("cluster (instances as Ray actors behind the global controller)")
+    g.add_argument("--prefill-instances", type=int, default=0, help="prefill instances (Ray actors)")
+    g.add_argument("--decode-instances", type=int, default=0, help="decode instances (Ray actors)")
+    g.add_argument("--mixed-instances", type=int, default=0, help="mixed (colocated) instances (Ray actors)")
+    g.add_argument("--threads-per-instance", type=int, default=1, help="torch threads (and Ray CPUs) per instance")
+    g.add_argument("--controller", default=None,
+                   help="global controller: laser (default with prefill/decode instances), distserve, "
+                        "colocated (default with mixed instances), colocated-laser, round_robin")
+    g.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
+    g.add_argument("--call-timeout", type=float, default=5.0,
+                   help="seconds an instance may take to answer the controller before it is marked dead")
+    g.add_argument("--step-timeout", type=float, default=60.0,
+                   help="seconds one instance step may take before the instance is marked dead")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 
@@ -62,6 +75,22 @@ def _warmup(engine) -> None:
     return req
 
 
+def build_cluster(args):
+    """A :class:`~laser.cluster_engine.ClusterEngine` over Ray instance actors from the CLI flags."""
+    from ..cli import engine_configs
+    from ..cluster_engine import start_cluster
+
+    if min(args.prefill_instances, args.decode_instances, args.mixed_instances) < 0:
+        raise SystemExit("laser: error: instance counts must be >= 0")
+    name = args.controller or ("colocated" if args.mixed_instances else "laser")
+    cache, sched, slo = engine_configs(args)
+    return start_cluster(name, args.prefill_instances, args.decode_instances, args.mixed_instances,
+                         model=args.model, dtype=args.dtype, cache=cache, scheduler=sched, slo_classes=slo,
+                         latency_profile=args.latency_profile, max_model_len=args.max_model_len,
+                         threads_per_instance=args.threads_per_instance, ray_address=args.ray_address,
+                         call_timeout_s=args.call_timeout, step_timeout_s=args.step_timeout)
+
+
 def cmd_serve(args) -> int:
     import uvicorn
 
@@ -72,7 +101,10 @@ def cmd_serve(args) -> int:
     if args.max_waiting < 1:
         print("laser: error: --max-waiting must be >= 1", file=sys.stderr)
         return 2
-    engine = build_engine(args, max_model_len=args.max_model_len)
+    if args.prefill_instances or args.decode_instances or args.mixed_instances:
+        engine = build_cluster(args)
+    else:
+        engine = build_engine(args, max_model_len=args.max_model_len)
     if not args.no_warmup:
         _warmup(engine)
     ae = AsyncEngine(engine, max_waiting=args.max_waiting, on_infeasible=args.on_infeasible)
@@ -94,7 +126,7 @@ def cmd_serve(args) -> int:
     server = make_server(config, ae, args.shutdown_timeout)
     names = ", ".join(args.served_model_name or [engine.model_name])
     print(
-        f"[laser] serving {names} on http://{args.host}:{args.port}/v1 (policy {engine.scheduler.name}, "
+        f"[laser] serving {names} on http://{args.host}:{args.port}/v1 ({_what(engine)}, "
         f"context {engine.max_model_len}, on-infeasible {args.on_infeasible}, "
         f"SLO classes {', '.join(engine.slo_classes.names())}, default {engine.slo_classes.default})",
         file=sys.stderr,
@@ -104,6 +136,14 @@ def cmd_serve(args) -> int:
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def _what(engine) -> str:
+    handles = getattr(engine, "handles", None)
+    if handles is None:
+        return f"policy {engine.scheduler.name}"
+    roles = ", ".join(f"{h.instance_id}:{h.role}" for h in handles.values())
+    return f"controller {engine.controller.name} over instances {roles}"
 
 
 def _server_class():

@@ -95,6 +95,7 @@ class ServerMetrics:
                                   "requested class (admitted, demoted, rejected_infeasible, rejected_queue_full, "
                                   "rejected_unavailable).", cls + ["outcome"], registry=r)
         r.register(_SchedulerCollector(self))
+        r.register(_ClusterCollector(self))
         self._classes_seen: set[str] = set()
 
     # -- observations (event loop) ------------------------------------------------------------------------
@@ -168,6 +169,46 @@ class ServerMetrics:
     def render(self) -> bytes:
         self.refresh()
         return generate_latest(self.registry)
+
+
+class _ClusterCollector:
+    """A cluster front end's counters (:class:`laser.cluster_engine.ClusterStats`) and each
+    instance's liveness, read when scraped (plain counters; racy reads are harmless)."""
+
+    def __init__(self, metrics: "ServerMetrics"):
+        self.metrics = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        ae = self.metrics.async_engine
+        eng = getattr(ae, "engine", None)
+        st = getattr(eng, "stats", None)
+        if not hasattr(eng, "handles") or st is None:
+            return
+        m = self.metrics.model_name
+        up = GaugeMetricFamily("laser:instance_alive", "1 while the controller counts the instance alive.",
+                               labels=["model_name", "instance", "role"])
+        for i, h in sorted(eng.handles.items()):
+            up.add_metric([m, str(i), h.role], 1.0 if h.alive else 0.0)
+        yield up
+        for name, doc, value in (
+            ("kv_transfers", "Prefill -> decode KV hand-offs completed.", st.transfers),
+            ("kv_transfer_bytes", "KV bytes handed off (all layers).", st.transfer_bytes),
+            ("kv_transfer_seconds", "Seconds from send to written on the decode instance, summed.",
+             sum(st.transfer_seconds)),
+            ("kv_transfer_resends", "Hand-offs re-sent after their decode instance failed.", st.resends),
+            ("instance_failures", "Instances marked dead (died or missed a timeout).", st.instance_failures),
+            ("recoveries", "Requests re-prefilled elsewhere after their instance failed.", st.recoveries),
+            ("recovery_seconds", "Seconds from an instance failure to the next token of each recovered "
+             "request, summed.", sum(st.recovery_seconds)),
+            ("controller_decisions", "Requests routed by the global controller.", st.routes),
+            ("controller_decision_seconds", "Seconds spent routing, summed.", st.route_seconds),
+        ):
+            c = CounterMetricFamily(f"laser:{name}", doc, labels=["model_name"])
+            c.add_metric([m], value)
+            yield c
 
 
 class _SchedulerCollector:

@@ -25,13 +25,10 @@ from ..config import SchedulerConfig
 from ..block_manager import OutOfBlocksError
 from ..instance.core import Handoff
 from ..instance.interface import ROLES, Instance
-from ..instance.messages import InstanceReport, LatencyIncrement, PrefillQueueEntry, RequestInfo
-from ..request import SLO, Request
-from ..scheduler.laser import DecodeCandidate, latency_increment
+from ..instance.messages import InstanceReport, LatencyIncrement, RequestInfo
+from ..instance.state import build_report, decode_increment
+from ..request import Request
 from .instance import SimInstance
-
-#: Free KV blocks kept in reserve by the decode memory check (CONTROLLER.md D3, as DistServe's 5 %).
-MEMORY_RESERVE = 0.05
 
 
 @dataclass
@@ -145,52 +142,15 @@ class SimClusterInstance(Instance):
         self.reserved.pop(req_id, None)
 
     def report(self) -> InstanceReport:
-        s = self.scheduler
-        queue = []
-        pending = self.sim.queued()
-        for r in sorted(s.prefilling() + list(s.waiting) + pending, key=s.queue_key):
-            queue.append(PrefillQueueEntry(r.req_id, r.ttft_deadline, r.num_tokens - r.num_computed_tokens,
-                                           r.num_prompt_tokens, r.demoted or r.slo.ttft is None))
-        decoding = s.decoding()
-        adopting = self.sim.adopting()
-        bm = self.sim.bm
-        free = bm.min_free() - sum(bm.blocks_needed(r.num_computed_tokens) for r in adopting)
-        return InstanceReport(
-            instance_id=self.instance_id, role=self.role, time=self.clock,
-            busy_until=self.plan_end if self.plan is not None else self.clock, queue=tuple(queue),
-            num_decoding=len(decoding) + len(adopting), num_reserved=len(self.reserved),
-            sum_context=sum(r.num_tokens for r in decoding) + sum(r.num_tokens for r in adopting),
-            free_blocks=free, total_blocks=bm.num_blocks, block_size=bm.block_size,
-            t_g=getattr(s, "t_g", math.inf), iteration_s=getattr(s, "last_iteration_s", None),
-            icache_used=self.sim.icache.used_tokens, icache_capacity=self.sim.icache.capacity_tokens)
+        busy_until = self.plan_end if self.plan is not None else self.clock
+        return build_report(self.instance_id, self.role, self.scheduler, self.sim.icache, self.clock, busy_until,
+                            self.sim.queued(), self.sim.adopting(), len(self.reserved))
 
     def latency_increment(self, info: RequestInfo) -> LatencyIncrement:
-        """Alg. 2 lines 1-9 (:func:`laser.scheduler.laser.latency_increment`) over the decoding
-        requests, the hand-offs on their way and the reservations; inf ("memory") when the
-        free KV blocks, less those already promised, cannot hold ``info``'s prompt plus its
-        expected output and a reserve of 5 % of the pool (CONTROLLER.md D3)."""
-        s = self.scheduler
-        bm = self.sim.bm
-        adopting = self.sim.adopting()
-        decoding = s.decoding() + adopting
-        promised = sum(bm.blocks_needed(r.num_computed_tokens) for r in adopting)
-        promised += sum(bm.blocks_needed(i.prompt_len + i.expected_output) for i in self.reserved.values()
-                        if i.req_id != info.req_id)
-        cands = [DecodeCandidate(i.req_id, i.prompt_len + 1, SLO(i.ttft, i.tbt))
-                 for i in self.reserved.values() if i.req_id != info.req_id]
-        need = bm.blocks_needed(info.prompt_len + info.expected_output)
-        used = bm.num_blocks - bm.min_free() + promised
-        n_req = len(decoding) + len(cands)
-        if bm.min_free() - promised - need < MEMORY_RESERVE * bm.num_blocks:
-            return LatencyIncrement(self.instance_id, info.req_id, math.inf, reason="memory",
-                                    num_requests=n_req, used_blocks=used)
-        plans = getattr(s, "plans", {})
-        factor = s.tg_margin if hasattr(s, "tg_margin") else 1.0
-        me = DecodeCandidate(info.req_id, info.prompt_len + 1, SLO(info.ttft, info.tbt))
-        inc = latency_increment(self.latency_model, self.num_layers, getattr(s, "iteration", 0),
-                                decoding + cands, plans, me, factor)
-        return LatencyIncrement(self.instance_id, info.req_id, inc.value, inc.iter_before, inc.iter_after,
-                                "ok" if inc.value != math.inf else "slo", n_req, used)
+        """Alg. 2 lines 1-9 (:func:`laser.instance.state.decode_increment`) over the decoding
+        requests, the hand-offs on their way and the reservations."""
+        return decode_increment(self.instance_id, self.scheduler, self.latency_model, self.num_layers, info,
+                                self.sim.adopting(), self.reserved)
 
     # -- driven by the cluster simulator ------------------------------------------------------
     def has_work(self) -> bool:

@@ -1,0 +1,505 @@
+"""The front end of a cluster: many instances behind the global controller, one engine to a server.
+
+:class:`ClusterEngine` has the methods :class:`~laser.async_engine.AsyncEngine` calls on an
+:class:`~laser.engine.Engine` (``add_request``, ``abort``, ``step``, ``has_unfinished``,
+``check_integrity``, ``clock``, tokenizer, SLO classes ...), so the same OpenAI server serves
+a cluster. It keeps what a client needs -- tokenizer, detokenizer, stop strings
+(:class:`~laser.detokenizer.OutputText`), each request's tokens and token times -- and sends
+only token ids to the instances (:class:`~laser.controller.handles.InstanceHandle`: in process
+or Ray actors).
+
+Per request (PPoPP'26 §7, CONTROLLER.md D1): the controller routes it at arrival (prefill
+instance, and on a disaggregated cluster the decode instance, which reserves room); after its
+first token the prefill instance exports its KV and sampling-generator state; the front end
+has the decode instance pull it (``adopt(take_handoff)``, instance to instance) and tells the
+prefill instance to drop its copy once the decode instance holds it.
+
+Failures (CONTROLLER.md A9, D10, C2, C6): every call has a timeout and every step a longer
+one; an instance that dies or misses one is marked dead, the controller is re-attached to the
+live ones (groups re-sized), and each of its requests resumes elsewhere: a hand-off still held
+by a live prefill instance is re-sent to another decode instance, anything else is
+re-prefilled from prompt + the tokens generated so far (kept here, so no token is streamed
+twice) with its original arrival time and deadline. Greedy requests continue identically; a
+seeded sampled request that is re-prefilled restarts its generator from the seed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .controller.base import Controller
+from .controller.handles import Call, InstanceFailure, InstanceHandle
+from .detokenizer import OutputText
+from .engine import RequestOutput
+from .instance.messages import RequestInfo
+from .request import SLO, InvalidRequestError, Phase, Request, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class ClusterError(RuntimeError):
+    """The cluster cannot serve: no live instance of a role it needs."""
+
+
+@dataclass
+class _Tracked:
+    """The front end's copy of one request: what was streamed, and where it is."""
+
+    req: Request  # prompt, sampling params, SLO, arrival; output_token_ids/token_times as streamed
+    text: OutputText
+    info: RequestInfo
+    owner: int  # instance that holds it now (its prefill instance until adopted)
+    decode: int | None = None  # decode instance chosen (reserved) or holding it
+    transfer: "_Transfer | None" = None
+    restarts: int = 0
+
+
+@dataclass
+class _Transfer:
+    src: int
+    dst: int
+    take: Call
+    adopt: Call
+
+
+@dataclass
+class ClusterStats:
+    """Counters of the cluster front end (exported by the server's ``/metrics``)."""
+
+    transfers: int = 0
+    transfer_bytes: int = 0
+    transfer_seconds: list[float] = field(default_factory=list)  # per hand-off, send -> written
+    transfer_layers: int = 0  # layers per hand-off (the model's)
+    resends: int = 0  # hand-offs re-sent to another decode instance
+    recoveries: int = 0  # requests re-prefilled after their instance failed
+    recovery_seconds: list[float] = field(default_factory=list)  # failure -> next token
+    instance_failures: int = 0
+    routes: int = 0
+    route_seconds: float = 0.0
+
+
+class ClusterEngine:
+    """Engine-like front end over ``handles`` driven by ``controller``.
+
+    Args:
+        handles: the instances (roles must fit the controller: prefill + decode, or mixed).
+        controller: a :class:`~laser.controller.Controller` (not yet attached).
+        tokenizer / model_config / model_name: the served model (front-end side only).
+        slo_classes: the SLO class table. step_timeout_s: a step longer than this marks its
+            instance dead (a stall). clock: the cluster clock (seconds; instances on the same
+            host share ``time.monotonic``).
+    """
+
+    def __init__(self, handles: list[InstanceHandle], controller: Controller, tokenizer, model_config,
+                 model_name: str, slo_classes, step_timeout_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic):
+        if not handles:
+            raise ValueError("a cluster needs at least one instance")
+        self.handles = {h.instance_id: h for h in handles}
+        self.controller = controller
+        controller.attach(list(handles))
+        self.tokenizer = tokenizer
+        self.model_config = model_config
+        self.model_name = model_name
+        self.slo_classes = slo_classes
+        self.max_model_len = min(h.describe["max_model_len"] for h in handles)
+        entry = next((h for h in handles if h.role != "decode"), handles[0])
+        self.latency_model = entry.latency_model
+        self.clock = clock
+        self.step_timeout_s = step_timeout_s
+        self.requests: dict[str, _Tracked] = {}
+        self.stats = ClusterStats()
+        self._steps: dict[int, Call] = {}  # instance id -> its step in flight
+        self._busy: set[int] = set()  # instances with work (as of their last step)
+        self._transfers: list[_Tracked] = []
+        self._pending: list[str] = []  # handed off, waiting for a decode instance
+        self._recovering: dict[str, float] = {}  # req id -> time its instance failed
+        self.arrival_hook = None  # AsyncEngine sets it; arrivals are routed on the engine thread
+
+    # -- what AsyncEngine reads --------------------------------------------------------------------------
+    @property
+    def scheduler(self):
+        """The front end stands in for a scheduler where AsyncEngine lists requests (``.requests``)."""
+        return self
+
+    def admission_snapshot(self, *args):
+        """No single queue to publish (admission predicts a prompt alone)."""
+        return None
+
+    def predict_prefill_seconds(self, num_tokens: int) -> float:
+        return self.latency_model.predict_prefill(num_tokens)
+
+    def alive(self) -> dict[int, bool]:
+        """Instance id -> not marked dead."""
+        return {i: h.alive for i, h in self.handles.items()}
+
+    def can_serve(self) -> bool:
+        """Live instances of every role the controller needs remain."""
+        try:
+            self._require_roles()
+        except ClusterError:
+            return False
+        return True
+
+    # -- requests ----------------------------------------------------------------------------------------
+    def add_request(self, prompt: list[int], sampling_params: SamplingParams | None = None,
+                    slo: SLO | str | None = None, req_id: str | None = None,
+                    arrival_time: float | None = None) -> Request:
+        """Validate, route and send a request (token ids). Raises InvalidRequestError (nothing
+        is sent) or ClusterError (no live instance can take it)."""
+        if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) for t in prompt):
+            raise InvalidRequestError("a cluster takes prompts as non-empty token id lists")
+        bad = [t for t in prompt if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} out of range [0, {self.model_config.vocab_size})")
+        if len(prompt) >= self.max_model_len:
+            raise InvalidRequestError(f"prompt has {len(prompt)} tokens; this model's context is "
+                                      f"{self.max_model_len} tokens")
+        if req_id is not None and req_id in self.requests:
+            raise InvalidRequestError(f"request id {req_id!r} is already in use")
+        sp = sampling_params or SamplingParams()
+        slo_obj = slo if isinstance(slo, SLO) else self.slo_classes.get(slo)
+        req = Request(prompt_token_ids=list(prompt), sampling_params=sp, slo=slo_obj,
+                      arrival_time=self.clock() if arrival_time is None else arrival_time, req_id=req_id or "")
+        info = self._info(req)
+        t = _Tracked(req, OutputText(self.tokenizer, req.prompt_token_ids, sp.stop), info, owner=-1)
+        self.requests[req.req_id] = t
+        try:
+            self._dispatch(t)
+        except BaseException:
+            del self.requests[req.req_id]
+            raise
+        return req
+
+    def _info(self, req: Request) -> RequestInfo:
+        return RequestInfo(req.req_id, req.arrival_time, req.num_tokens, req.slo.ttft, req.slo.tbt, req.slo.name,
+                           self.controller.expected_output(req.slo.name))
+
+    def _copy_for_instance(self, req: Request) -> Request:
+        """What an instance gets: the request, with the output so far (re-prefilled with the prompt)."""
+        r = Request(prompt_token_ids=list(req.prompt_token_ids), sampling_params=req.sampling_params, slo=req.slo,
+                    arrival_time=req.arrival_time, req_id=req.req_id)
+        if req.output_token_ids:
+            r.output_token_ids = list(req.output_token_ids)
+            r.token_times = list(req.token_times)
+            r.phase = Phase.PREFILL
+        return r
+
+    def _dispatch(self, t: _Tracked) -> None:
+        """Route ``t`` (controller) and send it to its prefill instance, marking dead whatever
+        fails to answer on the way and routing again."""
+        for _ in range(len(self.handles) + 1):
+            self._require_roles()
+            t0 = time.perf_counter()
+            try:
+                route = self.controller.route(t.info, self.clock())
+                self.stats.routes += 1
+                self.stats.route_seconds += time.perf_counter() - t0
+                t.owner, t.decode = route.prefill, route.decode
+                self.handles[route.prefill].add_request(self._copy_for_instance(t.req))
+            except InstanceFailure as e:
+                self._fail_instance(e.instance_id, str(e))
+                continue
+            self._busy.add(route.prefill)
+            return
+        raise ClusterError("no live instance accepted the request")
+
+    def _require_roles(self) -> None:
+        live = [h for h in self.handles.values() if h.alive]
+        roles = {h.role for h in live}
+        if self.controller.disaggregated and not {"prefill", "decode"} <= roles or not live:
+            raise ClusterError(f"no live instance of a needed role (live: {sorted(roles) or 'none'})")
+
+    def abort(self, req_id: str) -> bool:
+        """Abort a request wherever it is (front end, prefill, transfer, decode). False when unknown."""
+        t = self.requests.pop(req_id, None)
+        if t is None:
+            return False
+        self._recovering.pop(req_id, None)
+        if req_id in self._pending:
+            self._pending.remove(req_id)
+        self._release_everywhere(t)
+        return True
+
+    def _release_everywhere(self, t: _Tracked) -> None:
+        rid = t.req.req_id
+        for iid in {t.owner, t.decode, t.transfer.src if t.transfer else None} - {None, -1}:
+            h = self.handles[iid]
+            if h.alive:
+                try:
+                    h.abort(rid)
+                except InstanceFailure as e:
+                    self._fail_instance(e.instance_id, str(e))
+        if t in self._transfers:
+            self._transfers.remove(t)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- the loop ------------------------------------------------------------------------------------------
+    def step(self, wait_s: float = 0.05) -> list[RequestOutput]:
+        """Start a step on every live instance with work and none in flight, wait up to
+        ``wait_s`` for one to finish, then deliver tokens, move hand-offs and detect failures."""
+        for iid in list(self._busy):
+            h = self.handles[iid]
+            if h.alive and iid not in self._steps:
+                self._steps[iid] = h.submit("step")
+        outs: list[RequestOutput] = []
+        futs = [c.future for c in self._steps.values()] + [t.transfer.adopt.future for t in self._transfers]
+        end = time.monotonic() + wait_s
+        while futs and time.monotonic() < end:
+            done, _ = concurrent.futures.wait(futs, timeout=min(0.005, wait_s),
+                                              return_when=concurrent.futures.FIRST_COMPLETED)
+            if done:
+                break
+            if self.arrival_hook is not None:  # requests arriving meanwhile are routed now
+                self.arrival_hook()
+        self._poll_transfers()  # first: a decode step may already carry an adopted request's token
+        now = time.monotonic()
+        for iid, call in list(self._steps.items()):
+            if call.future.done():
+                del self._steps[iid]
+                try:
+                    res = call.handle.result(call)
+                except InstanceFailure as e:
+                    self._fail_instance(iid, str(e))
+                    continue
+                if not res["busy"]:
+                    self._busy.discard(iid)
+                outs.extend(self._on_events(iid, res["events"]))
+            elif now - call.started > self.step_timeout_s:
+                self._fail_instance(iid, f"step exceeded {self.step_timeout_s:.3g} s")
+        self._start_transfers()
+        return outs
+
+    def _on_events(self, iid: int, events: list) -> list[RequestOutput]:
+        outs = []
+        now = self.clock()
+        for rid, token, reason, handed_off in events:
+            t = self.requests.get(rid)
+            if t is not None and t.transfer is not None and t.transfer.dst == iid:
+                t.owner = iid  # adopted (its adopt answer may come after this step's)
+            if t is None or t.owner != iid:
+                continue  # aborted, or a stale token of an instance the request left
+            req = t.req
+            req.output_token_ids.append(token)
+            req.token_times.append(now)
+            if rid in self._recovering:
+                self.stats.recovery_seconds.append(now - self._recovering.pop(rid))
+            if t.text.add(token) and reason is None:
+                reason = "stop"  # a stop string: the instance still has it
+                try:
+                    self.handles[iid].abort(rid)
+                except InstanceFailure as e:
+                    self._fail_instance(e.instance_id, str(e))
+                handed_off = False
+            finished = reason is not None
+            if finished:
+                req.finish_reason = reason
+                del self.requests[rid]
+                if t.decode is not None and t.decode != iid:
+                    self._release_reservation(t)
+                self.controller.on_finish(req.slo.name, req.num_output_tokens, now, req.slo.tbt_or_inf)
+            elif handed_off:
+                self._pending.append(rid)
+            outs.append(RequestOutput(
+                req_id=rid, prompt=None, prompt_token_ids=req.prompt_token_ids, text=t.text.visible(finished),
+                token_ids=list(req.output_token_ids), delta_text=t.text.delta(finished), new_token_ids=[token],
+                finished=finished, finish_reason=reason, slo=req.slo, request=req, arrival_time=req.arrival_time,
+                token_times=tuple(req.token_times)))
+        return outs
+
+    def _release_reservation(self, t: _Tracked) -> None:
+        h = self.handles.get(t.decode)
+        if h is not None and h.alive:
+            try:
+                h.release(t.req.req_id)
+            except InstanceFailure as e:
+                self._fail_instance(e.instance_id, str(e))
+
+    # -- prefill -> decode hand-off ---------------------------------------------------------------------
+    def _start_transfers(self) -> None:
+        while self._pending:
+            rid = self._pending.pop(0)
+            t = self.requests.get(rid)
+            if t is None:
+                continue
+            src = self.handles[t.owner]
+            try:
+                d = self.controller.at_handoff(self._info(t.req), t.decode, self.clock())
+            except InstanceFailure as e:
+                self._pending.insert(0, rid)
+                self._fail_instance(e.instance_id, str(e))
+                continue
+            t.decode = d
+            take = src.submit("take_handoff", rid)
+            t.transfer = _Transfer(src.instance_id, d, take, self.handles[d].submit("adopt", take))
+            self._transfers.append(t)
+
+    def _poll_transfers(self) -> None:
+        for t in list(self._transfers):
+            tr = t.transfer
+            if not tr.adopt.future.done():
+                if time.monotonic() - tr.adopt.started > self.step_timeout_s:
+                    self._fail_instance(tr.dst, "hand-off not adopted in time")
+                continue
+            self._transfers.remove(t)
+            rid = t.req.req_id
+            src, dst = self.handles[tr.src], self.handles[tr.dst]
+            try:
+                src.result(tr.take)
+            except InstanceFailure as e:  # the prefill instance died holding the KV: re-prefill
+                self._fail_instance(tr.src, str(e))
+                continue
+            except KeyError:
+                continue  # aborted meanwhile
+            try:
+                m = dst.result(tr.adopt)
+            except InstanceFailure as e:  # decode side died: the prefill instance still holds it
+                self._fail_instance(tr.dst, str(e))
+                continue
+            except KeyError:
+                continue
+            t.transfer = None
+            t.owner = tr.dst
+            self._busy.add(tr.dst)
+            self.stats.transfers += 1
+            self.stats.transfer_bytes += m["bytes"]
+            self.stats.transfer_seconds.append(m["seconds"])
+            self.stats.transfer_layers = m["layers"]
+            try:
+                src.call("confirm", rid)
+            except InstanceFailure as e:
+                self._fail_instance(tr.src, str(e))
+
+    # -- failures ---------------------------------------------------------------------------------------
+    def _fail_instance(self, iid: int, why: str) -> None:
+        """Mark ``iid`` dead, re-attach the controller to the live instances and move every
+        request it held (re-send a hand-off still held by a live prefill instance, else
+        re-prefill prompt + output elsewhere)."""
+        h = self.handles[iid]
+        if not h.alive:
+            return
+        log.warning("instance %d (%s) marked dead: %s", iid, h.role, why)
+        h.alive = False
+        self.stats.instance_failures += 1
+        self._steps.pop(iid, None)
+        self._busy.discard(iid)
+        live = [x for x in self.handles.values() if x.alive]
+        try:
+            self._require_roles()
+            self.controller.attach(live)
+        except (ClusterError, ValueError) as e:
+            log.error("cluster cannot serve any more: %s", e)
+            return
+        now = self.clock()
+        for t in list(self.requests.values()):
+            tr = t.transfer
+            if tr is not None and iid in (tr.src, tr.dst):
+                self._transfers.remove(t)
+                t.transfer = None
+                if tr.src != iid:  # the decode side died: the prefill instance still holds the KV
+                    self.stats.resends += 1
+                    t.decode = None
+                    self._pending.append(t.req.req_id)
+                    continue
+                self._resume(t, now)
+            elif t.owner == iid:
+                if t.req.req_id in self._pending:
+                    self._pending.remove(t.req.req_id)
+                self._resume(t, now)
+            elif t.decode == iid:
+                t.decode = None  # chosen at arrival; re-chosen at the hand-off
+
+    def _resume(self, t: _Tracked, failed_at: float) -> None:
+        """Re-prefill ``t`` (prompt + streamed tokens) on a live instance, original deadline kept."""
+        self.stats.recoveries += 1
+        t.restarts += 1
+        for iid in {t.owner, t.decode} - {None, -1}:  # drop what live instances still hold of it
+            h = self.handles[iid]
+            if h.alive:
+                try:
+                    h.abort(t.req.req_id)
+                except InstanceFailure:
+                    pass
+        self._recovering.setdefault(t.req.req_id, failed_at)
+        t.info = self._info(t.req)
+        try:
+            self._dispatch(t)
+        except ClusterError as e:
+            log.error("request %s lost: %s", t.req.req_id, e)
+
+    # -- checks ------------------------------------------------------------------------------------------
+    def check_integrity(self, expect_empty: bool = False) -> None:
+        """Every live instance's KV pool, intermediate cache and scheduler (and, when idle, no
+        outbox, waiting hand-off or reservation). Raises AssertionError."""
+        for h in self.handles.values():
+            if h.alive and h.instance_id not in self._steps:
+                try:
+                    h.call("check_integrity", expect_empty and not self.requests)
+                except InstanceFailure as e:
+                    self._fail_instance(e.instance_id, str(e))
+
+    def drain(self, timeout_s: float = 300.0) -> list[RequestOutput]:
+        """Step until every request finished (tests, offline use); all outputs in order."""
+        outs = []
+        deadline = time.monotonic() + timeout_s
+        while self.has_unfinished():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(self.requests)} request(s) unfinished after {timeout_s} s")
+            outs.extend(self.step())
+        return outs
+
+
+def instance_roles(prefill: int, decode: int, mixed: int) -> list[tuple[int, str]]:
+    """``(instance_id, role)`` of a cluster of ``prefill`` + ``decode`` + ``mixed`` instances."""
+    roles = ["prefill"] * prefill + ["decode"] * decode + ["mixed"] * mixed
+    return list(enumerate(roles))
+
+
+def start_cluster(controller: str | Controller, prefill: int = 0, decode: int = 0, mixed: int = 0, *,
+                  model: str | None = None, dtype: str = "auto", cache=None, scheduler=None, slo_classes=None,
+                  latency_profile: str | None = None, max_model_len: int | None = None, seed: int = 0,
+                  threads_per_instance: int | None = None, use_ray: bool = True, ray_address: str | None = None,
+                  call_timeout_s: float = 5.0, step_timeout_s: float = 60.0) -> ClusterEngine:
+    """Start the instances (Ray actors, or in process with ``use_ray=False``) and the front end.
+
+    The instances run the controller's ``instance_policy`` scheduler; ``scheduler`` gives the
+    other scheduler knobs. With Ray, a local cluster is started with one CPU per instance
+    thread unless Ray is already up or ``ray_address`` names one to join.
+    Raises ValueError (bad layout for the controller) or InstanceFailure (an actor did not start).
+    """
+    import dataclasses
+
+    from .config import SchedulerConfig
+    from .controller import get_controller
+    from .model.loader import load_config, load_tokenizer, resolve_model
+    from .slo import SLOClasses
+
+    ctrl = get_controller(controller)() if isinstance(controller, str) else controller
+    specs = instance_roles(prefill, decode, mixed)
+    if not specs:
+        raise ValueError("a cluster needs at least one instance")
+    path = resolve_model(model)
+    tokenizer = load_tokenizer(path)
+    sched = dataclasses.replace(scheduler or SchedulerConfig(), policy=ctrl.instance_policy)
+    kwargs = dict(model=model, policy=ctrl.instance_policy, dtype=dtype, cache=cache, scheduler=sched,
+                  latency_profile=latency_profile, seed=seed, max_model_len=max_model_len,
+                  extra_eos_ids=() if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,))
+    if use_ray:
+        from .controller import ray_actors
+
+        ray_actors.init_local_ray(len(specs) * (threads_per_instance or 1), ray_address)
+        handles = ray_actors.start_instances(specs, kwargs, threads_per_instance, call_timeout_s)
+    else:
+        from .controller.handles import LocalHandle
+        from .instance.worker import InstanceWorker
+
+        handles = [LocalHandle(InstanceWorker(i, role, kwargs, threads_per_instance), call_timeout_s)
+                   for i, role in specs]
+    return ClusterEngine(handles, ctrl, tokenizer, load_config(path), "smollm2" if model is None else str(model),
+                         slo_classes or SLOClasses.load(), step_timeout_s=step_timeout_s)

@@ -1,0 +1,105 @@
+"""Instances as Ray actors: the only module of Laser that imports Ray.
+
+Each instance is one actor (the paper's system runs on Ray, one instance per actor as in
+DistServe's ``ParaWorker`` and Llumnix's ``Llumlet``, CONTROLLER.md C1) whose body is an
+:class:`~laser.instance.worker.InstanceWorker`: one real model, KV pool and scheduler. The
+actor is threaded (``max_concurrency``) so the controller's questions are answered at the
+next layer boundary of a running step instead of after it. :class:`RayHandle` is the
+controller's handle (every call with a timeout; a dead actor or a missed timeout raises
+:class:`~laser.controller.handles.InstanceFailure`). KV hand-offs go actor to actor through
+Ray's object store (``adopt.remote(take_handoff.remote(id))``), never through the front end.
+"""
+
+from __future__ import annotations
+
+import time
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from .handles import Call, InstanceFailure, InstanceHandle
+
+#: Ray's object store of a local cluster, bytes (hand-offs pass through it).
+OBJECT_STORE_BYTES = 300 << 20
+
+_ACTOR_CLASS = None
+
+
+def init_local_ray(num_cpus: int, address: str | None = None) -> None:
+    """Start a local Ray cluster (no dashboard, a small object store) or join ``address``.
+    A no-op when Ray is already initialised."""
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    else:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES,
+                 log_to_driver=False)
+
+
+def shutdown() -> None:
+    ray.shutdown()
+
+
+def _actor_class():
+    global _ACTOR_CLASS
+    if _ACTOR_CLASS is None:
+        from ..instance.worker import InstanceWorker
+
+        # 4 threads: a step, plus the controller's questions answered at layer boundaries
+        _ACTOR_CLASS = ray.remote(max_concurrency=4)(InstanceWorker)
+    return _ACTOR_CLASS
+
+
+def start_instances(specs: list[tuple[int, str]], engine_kwargs: dict, threads: int | None = None,
+                    call_timeout_s: float = 5.0, start_timeout_s: float = 300.0,
+                    max_restarts: int = 0) -> list["RayHandle"]:
+    """Start one actor per ``(instance_id, role)`` and wait until each has loaded its model.
+    Raises InstanceFailure when one fails to start within ``start_timeout_s``."""
+    cls = _actor_class()
+    actors = [cls.options(num_cpus=threads or 1, max_restarts=max_restarts).remote(i, role, engine_kwargs, threads)
+              for i, role in specs]
+    handles = []
+    for (i, _), a in zip(specs, actors):
+        try:
+            desc = ray.get(a.describe.remote(), timeout=start_timeout_s)
+        except (GetTimeoutError, RayActorError) as e:
+            raise InstanceFailure(i, f"did not start: {e}") from e
+        handles.append(RayHandle(a, desc, call_timeout_s))
+    return handles
+
+
+class RayHandle(InstanceHandle):
+    """The controller's handle on an instance actor."""
+
+    def __init__(self, actor, describe: dict, call_timeout_s: float = 5.0):
+        super().__init__(describe, call_timeout_s)
+        self.actor = actor
+
+    def _get(self, ref, timeout: float | None):
+        try:
+            return ray.get(ref, timeout=timeout)
+        except GetTimeoutError as e:
+            raise InstanceFailure(self.instance_id, f"no answer within {timeout:.3g} s", timed_out=True) from e
+        except RayActorError as e:
+            raise InstanceFailure(self.instance_id, f"actor died: {type(e).__name__}") from e
+        except RayTaskError as e:
+            cause = e.as_instanceof_cause()
+            if isinstance(cause, RayActorError):  # an argument's producer died (hand-off source)
+                raise InstanceFailure(self.instance_id, f"dependency lost: {cause}") from e
+            raise cause from None
+
+    def call(self, method: str, *args, timeout: float | None = None):
+        ref = getattr(self.actor, method).remote(*args)
+        return self._get(ref, self.call_timeout_s if timeout is None else timeout)
+
+    def submit(self, method: str, *args) -> Call:
+        args = tuple(a.ref if isinstance(a, Call) else a for a in args)
+        ref = getattr(self.actor, method).remote(*args)
+        return Call(ref.future(), ref, self, method, time.monotonic())
+
+    def result(self, call: Call, timeout: float | None = 0.0):
+        return self._get(call.ref, timeout)
+
+    def kill(self) -> None:
+        ray.kill(self.actor, no_restart=True)

@@ -1,0 +1,95 @@
+"""A real instance's parts without any front end: model, KV pool, intermediate cache, model
+runner, latency model, scheduler and the :class:`~laser.instance.core.InstanceCore` over them.
+
+:class:`laser.engine.Engine` (the in-process front end: tokenizer, stop strings) and
+:class:`laser.instance.worker.InstanceWorker` (the body of a Ray instance actor: token ids in,
+token events out) both build on it, so one place says how an instance is assembled.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Callable
+
+import torch
+
+from ..config import CacheConfig, SchedulerConfig, resolve_max_model_len
+from ..intermediate_cache import IntermediateCache
+from ..kv_cache import KVCache
+from ..model.llama import LlamaModel
+from ..model.loader import load_config, load_weights, resolve_dtype, resolve_model
+from ..model_runner import ModelRunner
+from ..sampler import Sampler
+from .core import InstanceCore, make_scheduler
+
+log = logging.getLogger(__name__)
+
+
+class ModelInstance:
+    """Model + KV pool + scheduler + core of one instance (see :class:`laser.engine.Engine` for
+    the arguments). ``extra_eos_ids``: end-of-sequence ids beyond the model config's (the
+    tokenizer's, which a front end knows).
+
+    Raises:
+        ModelLoadError: the model path is unusable. ConfigError: bad config values.
+        LatencyProfileError: ``latency_profile`` names an unusable profile file.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        policy: str = "laser",
+        dtype: str | torch.dtype = "auto",
+        cache: CacheConfig | None = None,
+        scheduler: SchedulerConfig | None = None,
+        latency_model=None,
+        latency_profile: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        seed: int = 0,
+        max_model_len: int | None = None,
+        extra_eos_ids: tuple[int, ...] = (),
+    ):
+        path = resolve_model(model)
+        self.model_path = path
+        self.model_name = "smollm2" if model is None else str(model)
+        self.model_config = load_config(path)
+        self.dtype = resolve_dtype(dtype)
+        weights = load_weights(path)
+        self.model = LlamaModel(self.model_config, weights, self.dtype)
+        del weights
+        self.cache_config = cache or CacheConfig()
+        self.kv_cache = KVCache(self.model_config, self.cache_config, self.dtype)
+        self.icache = IntermediateCache(self.cache_config.intermediate_cache_tokens)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.icache, Sampler(seed))
+        sched_cfg = scheduler or SchedulerConfig(policy=policy)
+        if scheduler is not None and policy != sched_cfg.policy:
+            sched_cfg = SchedulerConfig(**{**sched_cfg.__dict__, "policy": policy})
+        self.scheduler_config = sched_cfg
+        self.latency_profile = latency_profile
+        self.latency_model = latency_model or self._load_latency_model(latency_profile)
+        self.clock = clock
+        self.max_model_len = resolve_max_model_len(
+            max_model_len, self.model_config.max_position, self.kv_cache.num_blocks * self.cache_config.block_size
+        )
+        eos_ids = set(self.model_config.eos_token_ids) | set(extra_eos_ids)
+        sched = make_scheduler(sched_cfg, self.model_config.num_layers, self.kv_cache.block_manager,
+                               self.icache, self.latency_model, clock)
+        self.core = InstanceCore(sched, self.runner, clock, eos_ids=eos_ids, max_model_len=self.max_model_len)
+
+    def _load_latency_model(self, profile: str | None):
+        from ..latency_model import AnalyticLatencyModel, LatencyProfileError, ModelShape
+        from ..profiler import load_or_create
+
+        if profile == "auto":
+            return load_or_create(self.runner, None, create=True)
+        if profile is not None:
+            # the user's own file: use it, or say why not -- never profile over it
+            return load_or_create(self.runner, profile, create=not os.path.exists(profile))
+        try:
+            return load_or_create(self.runner, None, create=False)
+        except LatencyProfileError:
+            log.info("no latency profile for this setup yet: using a roofline estimate (run `laser profile`)")
+        shape = ModelShape.from_hf_config(self.model_config.hf_config.to_dict())
+        return AnalyticLatencyModel(shape, "cpu-2core", dtype_bytes=torch.finfo(self.dtype).bits // 8)

@@ -1,0 +1,68 @@
+"""What an instance tells the controller, computed from its scheduler: the report (§7.1) and
+the decode ``LatencyIncrement`` (Alg. 2 lines 1-9). One implementation for every instance
+kind: the simulated one (:class:`laser.sim.cluster_instance.SimClusterInstance`) and the real
+one (:class:`laser.instance.worker.InstanceWorker`, in process or a Ray actor). Torch-free.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..request import SLO, Request
+from ..scheduler.laser import DecodeCandidate, latency_increment
+from .messages import InstanceReport, LatencyIncrement, PrefillQueueEntry, RequestInfo
+
+#: Free KV blocks kept in reserve by the decode memory check (CONTROLLER.md D3, as DistServe's 5 %).
+MEMORY_RESERVE = 0.05
+
+
+def build_report(instance_id: int, role: str, sched, icache, now: float, busy_until: float,
+                 pending: list[Request] = (), adopting: list[Request] = (), num_reserved: int = 0) -> InstanceReport:
+    """The :class:`InstanceReport` of an instance whose scheduler is ``sched``.
+
+    ``pending``: requests delivered but not yet in the scheduler (they queue for prefill);
+    ``adopting``: hand-offs on their way or waiting for KV blocks (their blocks count as used);
+    ``num_reserved``: decode reservations (CONTROLLER.md D2). Times in seconds.
+    """
+    queue = []
+    for r in sorted(sched.prefilling() + list(sched.waiting) + list(pending), key=sched.queue_key):
+        queue.append(PrefillQueueEntry(r.req_id, r.ttft_deadline, r.num_tokens - r.num_computed_tokens,
+                                       r.num_prompt_tokens, r.demoted or r.slo.ttft is None))
+    decoding = sched.decoding()
+    bm = sched.bm
+    free = bm.min_free() - sum(bm.blocks_needed(r.num_computed_tokens) for r in adopting)
+    return InstanceReport(
+        instance_id=instance_id, role=role, time=now, busy_until=busy_until, queue=tuple(queue),
+        num_decoding=len(decoding) + len(adopting), num_reserved=num_reserved,
+        sum_context=sum(r.num_tokens for r in decoding) + sum(r.num_tokens for r in adopting),
+        free_blocks=free, total_blocks=bm.num_blocks, block_size=bm.block_size,
+        t_g=getattr(sched, "t_g", math.inf), iteration_s=getattr(sched, "last_iteration_s", None),
+        icache_used=icache.used_tokens, icache_capacity=icache.capacity_tokens)
+
+
+def decode_increment(instance_id: int, sched, latency_model, num_layers: int, info: RequestInfo,
+                     adopting: list[Request] = (), reserved: dict[str, RequestInfo] | None = None) -> LatencyIncrement:
+    """Alg. 2 lines 1-9 (:func:`laser.scheduler.laser.latency_increment`) over the decoding
+    requests, the hand-offs on their way (``adopting``) and the reservations; inf ("memory")
+    when the free KV blocks, less those already promised, cannot hold ``info``'s prompt plus
+    its expected output and a reserve of 5 % of the pool (CONTROLLER.md D3). Changes nothing."""
+    reserved = reserved or {}
+    bm = sched.bm
+    decoding = sched.decoding() + list(adopting)
+    others = [i for i in reserved.values() if i.req_id != info.req_id]
+    promised = sum(bm.blocks_needed(r.num_computed_tokens) for r in adopting)
+    promised += sum(bm.blocks_needed(i.prompt_len + i.expected_output) for i in others)
+    cands = [DecodeCandidate(i.req_id, i.prompt_len + 1, SLO(i.ttft, i.tbt)) for i in others]
+    need = bm.blocks_needed(info.prompt_len + info.expected_output)
+    used = bm.num_blocks - bm.min_free() + promised
+    n_req = len(decoding) + len(cands)
+    if bm.min_free() - promised - need < MEMORY_RESERVE * bm.num_blocks:
+        return LatencyIncrement(instance_id, info.req_id, math.inf, reason="memory",
+                                num_requests=n_req, used_blocks=used)
+    plans = getattr(sched, "plans", {})
+    factor = sched.tg_margin if hasattr(sched, "tg_margin") else 1.0
+    me = DecodeCandidate(info.req_id, info.prompt_len + 1, SLO(info.ttft, info.tbt))
+    inc = latency_increment(latency_model, num_layers, getattr(sched, "iteration", 0), decoding + cands, plans, me,
+                            factor)
+    return LatencyIncrement(instance_id, info.req_id, inc.value, inc.iter_before, inc.iter_after,
+                            "ok" if inc.value != math.inf else "slo", n_req, used)

@@ -1,0 +1,235 @@
+"""The body of a real instance behind the controller: one :class:`ModelInstance` (model, KV
+pool, scheduler, :class:`~laser.instance.core.InstanceCore`), token ids in, token events out.
+
+It has no tokenizer, detokenizer or stop strings: the front end
+(:class:`laser.cluster_engine.ClusterEngine`) keeps those. It runs in the front-end process
+(:class:`laser.controller.handles.LocalHandle`) or as a Ray actor
+(:mod:`laser.controller.ray_actors`), where several calls may arrive while a step runs:
+
+* ``step`` runs one scheduling step and holds the instance's lock for it;
+* the controller's questions and arrivals (``add_request``, ``report``,
+  ``latency_increment``, ``reserve``, ``release``) are queued and run by the stepping thread at
+  the next layer boundary (the core's ``arrival_hook``), so they answer within one layer call;
+* state changes that must not happen mid-step (``abort``, ``adopt``, ``take_handoff``,
+  ``confirm``) run between steps.
+
+The prefill -> decode hand-off (CONTROLLER.md A8, C3): after a request's first token the
+prefill instance exports its KV (all layers, after the last chunk — not streamed per layer
+yet) and its sampling generator state into an outbox; the decode instance pulls it with
+``adopt(take_handoff(id))`` and the prefill instance drops it only on ``confirm`` (a decode
+instance that dies mid-transfer costs a re-send, not a re-prefill).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+import time
+
+from ..block_manager import OutOfBlocksError
+from ..request import Request
+from .core import Handoff
+from .messages import InstanceReport, LatencyIncrement, RequestInfo
+from .model_instance import ModelInstance
+from .state import build_report, decode_increment
+
+
+class InstanceWorker:
+    """One instance (``role`` prefill | decode | mixed) over a real model.
+
+    Args:
+        instance_id: unique id in the cluster. role: the instance role.
+        engine_kwargs: :class:`ModelInstance` arguments (model path, policy, dtype, cache,
+            scheduler config, latency_profile, seed, max_model_len, extra_eos_ids); the
+            scheduler config's role is set to ``role``.
+        threads: torch intra-op threads of this instance (None: torch's default).
+    """
+
+    def __init__(self, instance_id: int, role: str, engine_kwargs: dict, threads: int | None = None):
+        import dataclasses
+
+        import torch
+
+        from ..config import SchedulerConfig
+
+        if threads:
+            torch.set_num_threads(threads)
+        kw = dict(engine_kwargs)
+        sched = kw.pop("scheduler", None) or SchedulerConfig(policy=kw.get("policy", "laser"))
+        kw["scheduler"] = dataclasses.replace(sched, role=role)
+        self.instance_id = instance_id
+        self.role = role
+        self.mi = ModelInstance(**kw)
+        self.core = self.mi.core
+        self.latency_model = self.mi.latency_model
+        self.num_layers = self.mi.model_config.num_layers
+        self.reserved: dict[str, RequestInfo] = {}
+        self.outbox: dict[str, Handoff] = {}  # exported, kept until the decode instance confirms
+        self.adopt_wait: list[Handoff] = []  # adopted but waiting for KV blocks
+        self._lock = threading.Lock()
+        self._at_boundary: collections.deque = collections.deque()
+        self._between: collections.deque = collections.deque()
+        self._stall_s = 0.0
+        self._busy_until = 0.0
+        self.core.arrival_hook = self._drain_boundary
+
+    def describe(self) -> dict:
+        """Static facts the front end and the controller need (picklable)."""
+        bm = self.core.scheduler.bm
+        return dict(instance_id=self.instance_id, role=self.role, latency_model=self.latency_model,
+                    num_layers=self.num_layers, max_model_len=self.mi.max_model_len,
+                    total_blocks=bm.num_blocks, block_size=bm.block_size, policy=self.core.scheduler.name)
+
+    # -- command plumbing --------------------------------------------------------------------------
+    def _drain(self, q: collections.deque) -> None:
+        while q:
+            fn, fut = q.popleft()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - the caller gets it
+                fut.set_exception(e)
+
+    def _drain_boundary(self) -> None:
+        if self._at_boundary:
+            self._drain(self._at_boundary)
+
+    def _call(self, fn, at_boundary: bool):
+        """Run ``fn`` on this instance's state: by the stepping thread at its next layer boundary
+        (``at_boundary``) or after its step, else at once when no step runs."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        (self._at_boundary if at_boundary else self._between).append((fn, fut))
+        while not fut.done():
+            if self._lock.acquire(timeout=0.002):
+                try:
+                    self._drain(self._at_boundary)
+                    self._drain(self._between)
+                finally:
+                    self._lock.release()
+        return fut.result()
+
+    # -- the Instance interface (controller side) --------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        """Queue ``req`` for prefill (a recovered request carries its output so far and is
+        re-prefilled: prompt + output). Raises ValueError on a duplicate id."""
+        def add():
+            self.reserved.pop(req.req_id, None)
+            self.core.add_request(req)
+        return self._call(add, True)
+
+    def abort(self, req_id: str) -> bool:
+        """Drop the request (queued, running, waiting for blocks, in the outbox, or reserved)."""
+        def abort():
+            found = self.reserved.pop(req_id, None) is not None
+            found |= self.outbox.pop(req_id, None) is not None
+            n = len(self.adopt_wait)
+            self.adopt_wait = [h for h in self.adopt_wait if h.request.req_id != req_id]
+            found |= n != len(self.adopt_wait)
+            return self.core.abort(req_id) is not None or found
+        return self._call(abort, False)
+
+    def report(self) -> InstanceReport:
+        def rep():
+            now = self.core.clock()
+            return build_report(self.instance_id, self.role, self.core.scheduler, self.mi.icache, now,
+                                max(now, self._busy_until), (), [h.request for h in self.adopt_wait],
+                                len(self.reserved))
+        return self._call(rep, True)
+
+    def latency_increment(self, info: RequestInfo) -> LatencyIncrement:
+        return self._call(lambda: decode_increment(self.instance_id, self.core.scheduler, self.latency_model,
+                                                   self.num_layers, info, [h.request for h in self.adopt_wait],
+                                                   self.reserved), True)
+
+    def reserve(self, info: RequestInfo) -> None:
+        self._call(lambda: self.reserved.__setitem__(info.req_id, info), True)
+
+    def release(self, req_id: str) -> None:
+        self._call(lambda: self.reserved.pop(req_id, None), True)
+
+    # -- hand-off ----------------------------------------------------------------------------------------
+    def take_handoff(self, req_id: str) -> tuple[Handoff, float]:
+        """Prefill side: the exported request (kept until :meth:`confirm`) and the wall time
+        (``time.time()``, s) it was sent. Raises KeyError when it is not in the outbox."""
+        return self._call(lambda: (self.outbox[req_id], time.time()), False)
+
+    def confirm(self, req_id: str) -> None:
+        """Prefill side: the decode instance holds ``req_id``'s KV; drop the exported copy."""
+        self._call(lambda: self.outbox.pop(req_id, None), False)
+
+    def adopt(self, sent: tuple[Handoff, float]) -> dict:
+        """Decode side: continue a request prefilled elsewhere (``sent`` from
+        :meth:`take_handoff`). Waits in order for KV blocks when the pool is full.
+        Returns ``{"bytes": KV bytes, "seconds": send -> written here (wall clock)}``."""
+        h, sent_at = sent
+
+        def adopt():
+            self.reserved.pop(h.request.req_id, None)
+            if self.adopt_wait:
+                self.adopt_wait.append(h)
+            else:
+                try:
+                    self.core.adopt(h)
+                except OutOfBlocksError:
+                    self.adopt_wait.append(h)
+            nbytes = sum(k.nbytes + v.nbytes for k, v in h.kv) if h.kv else 0
+            return {"bytes": nbytes, "seconds": time.time() - sent_at, "layers": len(h.kv or ())}
+        return self._call(adopt, False)
+
+    def _adopt_waiting(self) -> None:
+        while self.adopt_wait:
+            try:
+                self.core.adopt(self.adopt_wait[0])
+            except OutOfBlocksError:
+                return
+            self.adopt_wait.pop(0)
+
+    # -- the loop ----------------------------------------------------------------------------------------
+    def step(self) -> dict:
+        """One scheduling step. Returns ``{"events": [(req_id, token, finish_reason,
+        handed_off)], "busy": more work left, "step_s": seconds}``; handed-off requests wait in
+        the outbox for :meth:`take_handoff`."""
+        with self._lock:
+            if self._stall_s:
+                stall, self._stall_s = self._stall_s, 0.0
+                time.sleep(stall)
+            self._drain(self._at_boundary)
+            self._drain(self._between)
+            self._adopt_waiting()
+            t0 = time.perf_counter()
+            events = []
+            if self.core.has_unfinished():
+                # the report's busy_until: the step runs about as long as the last one
+                self._busy_until = self.core.clock() + (getattr(self.core.scheduler, "last_iteration_s", None) or 0.0)
+                for ev in self.core.step():
+                    events.append((ev.request.req_id, ev.token, ev.finish_reason, ev.handed_off))
+                for h in self.core.handoffs:
+                    self.outbox[h.request.req_id] = h
+                self.core.handoffs.clear()
+            self._busy_until = 0.0
+            self._drain(self._at_boundary)
+            self._drain(self._between)
+            return {"events": events, "busy": self.has_work(), "step_s": time.perf_counter() - t0}
+
+    def has_work(self) -> bool:
+        return self.core.has_unfinished() or bool(self.adopt_wait)
+
+    def check_integrity(self, expect_empty: bool = False) -> None:
+        """The core's check; when ``expect_empty`` also no outbox, waiting hand-off or reservation."""
+        def check():
+            self.core.check_integrity(expect_empty=expect_empty)
+            if expect_empty and (self.outbox or self.adopt_wait or self.reserved):
+                raise AssertionError(f"instance {self.instance_id}: outbox {sorted(self.outbox)}, "
+                                     f"waiting {len(self.adopt_wait)}, reserved {sorted(self.reserved)}")
+        return self._call(check, False)
+
+    def inject_stall(self, seconds: float) -> None:
+        """Fault injection (tests, chaos drills): the next step sleeps ``seconds`` holding the
+        instance, so it answers nothing meanwhile -- a straggler the controller must detect."""
+        self._stall_s = float(seconds)
+
+    def ping(self) -> bool:
+        return True
+
