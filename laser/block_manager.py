@@ -35,6 +35,8 @@ class _ReqBlocks:
     count: list[int] = field(default_factory=list)
     # layer -> full table for layers whose ids differ from the canonical ones.
     overrides: dict[int, list[int]] = field(default_factory=dict)
+    # Every layer holds exactly ``canon[:count[0]]`` (no override): allocate/free take the fast path.
+    uniform: bool = True
 
 
 class BlockManager:
@@ -52,7 +54,8 @@ class BlockManager:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: list[set[int]] = [set(range(num_blocks)) for _ in range(num_layers)]
+        every = set(range(num_blocks))
+        self._free: list[set[int]] = [every.copy() for _ in range(num_layers)]
         # Number of layers in which each block id is in use; ids at 0 are fully free.
         self._use = [0] * num_blocks
         self._fully_free: set[int] = set(range(num_blocks))
@@ -67,7 +70,7 @@ class BlockManager:
 
     def min_free(self) -> int:
         """Free blocks in the most-used layer (the binding constraint)."""
-        return min(len(f) for f in self._free)
+        return min(map(len, self._free))
 
     def usage(self) -> float:
         """Fraction of all blocks (over all layers) in use."""
@@ -85,6 +88,11 @@ class BlockManager:
         """Whether every layer in ``layers`` can grow ``req_id`` to cover ``num_tokens`` tokens."""
         need = self.blocks_needed(num_tokens)
         rb = self._reqs.get(req_id)
+        if layers is None or (layers.start == 0 and layers.stop >= self.num_layers and layers.step == 1):
+            if rb is None:
+                return need <= self.min_free()
+            if rb.uniform:
+                return need - rb.count[0] <= self.min_free()
         for layer in layers if layers is not None else range(self.num_layers):
             held = rb.count[layer] if rb else 0
             if need - held > len(self._free[layer]):
@@ -121,10 +129,38 @@ class BlockManager:
         rb = self._reqs.get(req_id)
         if rb is None:
             rb = self._reqs[req_id] = _ReqBlocks(count=[0] * self.num_layers)
+        whole = layers.start == 0 and layers.stop >= self.num_layers and layers.step == 1
+        if whole and rb.uniform and self._grow_all(rb, need):
+            return
         for layer in layers:
             while rb.count[layer] < need:
                 self._grow(rb, layer)
+        rb.uniform = whole and rb.uniform and not rb.overrides
 
+    def _grow_all(self, rb: _ReqBlocks, need: int) -> bool:
+        """Fast path of :meth:`allocate` over every layer for a request holding the same
+        canonical blocks at every layer: new blocks free in every layer extend the canonical
+        table and are taken everywhere at once. The same ids, in the same order, as growing
+        layer by layer would pick. False (nothing done) when it does not apply."""
+        held = rb.count[0]
+        if need <= held:
+            return True
+        if held != len(rb.canon) or len(self._fully_free) < need - held:
+            return False
+        ff = self._fully_free
+        new = []
+        for _ in range(need - held):
+            bid = next(iter(ff))
+            ff.discard(bid)
+            new.append(bid)
+        for f in self._free:
+            f.difference_update(new)
+        use = self._use
+        for bid in new:
+            use[bid] = self.num_layers
+        rb.canon.extend(new)
+        rb.count = [need] * self.num_layers
+        return True
     def _grow(self, rb: _ReqBlocks, layer: int) -> None:
         idx = rb.count[layer]
         free = self._free[layer]
@@ -163,6 +199,7 @@ class BlockManager:
         rb = self._reqs.get(req_id)
         if rb is None or rb.count[layer] == 0:
             return
+        rb.uniform = False
         for bid in self.table(req_id, layer):
             self._give(layer, bid)
         rb.count[layer] = 0
@@ -174,6 +211,17 @@ class BlockManager:
         """Release everything ``req_id`` holds (finish or abort). Idempotent."""
         rb = self._reqs.get(req_id)
         if rb is None:
+            return
+        if rb.uniform and rb.count[0] == len(rb.canon):  # the same blocks at every layer
+            bids = rb.canon
+            for f in self._free:
+                f.update(bids)
+            use, ff, n = self._use, self._fully_free, self.num_layers
+            for bid in bids:
+                use[bid] -= n
+                if use[bid] == 0:
+                    ff.add(bid)
+            del self._reqs[req_id]
             return
         for layer in range(self.num_layers):
             if rb.count[layer]:

@@ -18,6 +18,12 @@ Rules, at each boundary ``j`` (in this order):
 4. The layer runs for the active works (a gap between works runs nothing).
 
 At the end, works still active either finish the last layer (sampled) or park at it.
+
+Segment mode: with no ``stop_at`` and an executor that has ``run_layers(layers, active)``,
+the walker visits only the boundaries where the batch changes and hands the executor each
+constant-composition segment at once (the simulator prices it with one latency-model call).
+The rules and their order are the same; the torch executor has no ``run_layers`` and always
+gets one ``run_layer`` call per layer.
 Torch-free.
 """
 
@@ -61,6 +67,9 @@ def walk(plan: StepPlan, ex: LayerExecutor, stop_at: Callable[[int], bool] | Non
         return 0
     starts, ends = plan.boundaries()
     change_points = sorted(set(starts) | set(ends))
+    run_layers = getattr(ex, "run_layers", None)
+    if stop_at is None and run_layers is not None:
+        return _walk_segments(plan, ex, starts, ends, change_points, run_layers)
     changes = set(change_points)
     active: list[Work] = []
     first, last = plan.first_layer, plan.last_layer
@@ -91,3 +100,26 @@ def walk(plan: StepPlan, ex: LayerExecutor, stop_at: Callable[[int], bool] | Non
     if active:
         ex.finish(active, last)
     return last if stopped is None else stopped
+
+
+def _walk_segments(plan: StepPlan, ex: LayerExecutor, starts, ends, change_points, run_layers) -> int:
+    """:func:`walk` without a stop: rules 1, 3 and 4 at the change points only, each
+    constant-composition segment run by one ``run_layers(range, active)`` call."""
+    active: list[Work] = []
+    last = plan.last_layer
+    for k, j in enumerate(change_points):
+        if j >= last:
+            break
+        leaving = [w for w in ends.get(j, ()) if w in active]
+        if leaving:
+            active = ex.park(active, leaving, j)
+        joining = starts.get(j, ())
+        if joining:
+            active = ex.join(active, joining)
+        if active:
+            seg = range(j, change_points[k + 1])
+            ex.compose(active, seg)
+            run_layers(seg, active)
+    if active:
+        ex.finish(active, last)
+    return last

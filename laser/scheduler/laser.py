@@ -81,7 +81,8 @@ class LaserScheduler(Scheduler):
         self.num_step_preemptions = 0
         # State of the step being executed (for the arrival-time slack check).
         self._in_step = False
-        self._step_cum: list[float] = []  # predicted seconds to finish layers < j of the plan
+        self._step_cum: list[float] | None = []  # predicted seconds to finish layers < j of the plan
+        self._step_plan = StepPlan(num_layers, [])
         self._step_first = 0
         self._cur_layer = 0
         self._preempt = False
@@ -104,14 +105,31 @@ class LaserScheduler(Scheduler):
             now = self.clock()
             alone = self.lm.predict_prefill(req.num_tokens)
             slack = req.ttft_deadline - now - alone
-            j = min(max(self._cur_layer, self._step_first), len(self._step_cum) - 1)
-            remaining = self._step_cum[-1] - self._step_cum[j]
+            remaining = self._remaining_from(self._cur_layer)
             # (a request already hopeless even if it ran next does not disrupt the others)
             if remaining > slack and slack > -alone:
                 self._preempt = True
                 return
         if self._step_has_prefill and len(self.waiting) == 1 and self._cur_layer < self.num_layers - 1:
             self._preempt = True
+
+    def _remaining_from(self, layer: int) -> float:
+        """Predicted seconds of the executing step's layers from ``layer`` on (cumulative
+        layer times, built once per step, one latency-model call per constant segment)."""
+        cum = self._step_cum
+        if cum is None:
+            cum = self._step_cum = [0.0]
+            plan = self._step_plan
+            if plan.works:
+                first = plan.first_layer
+                cum.extend([0.0] * first)
+                for a, b, _, _, t in PlanCost(self.lm, self.num_layers, plan.works).segs:
+                    if b <= first or a >= plan.last_layer:
+                        continue
+                    for _ in range(max(a, first), b):
+                        cum.append(cum[-1] + t)
+        j = min(max(layer, self._step_first), len(cum) - 1)
+        return cum[-1] - cum[j]
 
     def on_adopt(self, req: Request) -> None:
         self.replan_needed = True
@@ -169,13 +187,8 @@ class LaserScheduler(Scheduler):
         return plan
 
     def _begin_step(self, plan: StepPlan) -> None:
-        cum = [0.0]
-        if plan.works:
-            first, last = plan.first_layer, plan.last_layer
-            lt = self.lm.predict_layer
-            for j in range(0, last):
-                cum.append(cum[-1] + (lt(plan.layer_step(j)) if j >= first else 0.0))
-        self._step_cum = cum
+        self._step_plan = plan
+        self._step_cum = None  # built on the first arrival during the step (_remaining_from)
         self._step_first = plan.first_layer if plan.works else 0
         self._cur_layer = self._step_first
         self._in_step = bool(plan.works)
@@ -437,6 +450,7 @@ class _LayerLoad:
         self.full = 0
         self.partial = [[0] * self.n for _ in range(self.HORIZON)]
         self.times: list[float] | None = None  # per iteration; None = recompute
+        self._row_memo: dict[tuple, float] = {}  # (full, row) -> that iteration's layer time
         for r in reqs:
             self.add(plans[r.req_id])
 
@@ -447,8 +461,15 @@ class _LayerLoad:
 
     def _times(self) -> list[float]:
         if self.times is None:
-            f, lt = self.full, self.layer
-            self.times = [sum(lt(f + c) for c in row) for row in self.partial]
+            f, lt, memo = self.full, self.layer, self._row_memo
+            times = []
+            for row in self.partial:  # rows repeat (every request full depth: all zero)
+                key = (f, tuple(row))
+                t = memo.get(key)
+                if t is None:
+                    t = memo[key] = sum(lt(f + c) for c in row)
+                times.append(t)
+            self.times = times
         return self.times
 
     def _delta(self, p: DecodePlan, h: int, d: int) -> float:

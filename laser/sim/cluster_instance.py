@@ -72,6 +72,10 @@ class _Node(SimInstance):
                 break
             self.adopt_wait.pop(0)
 
+    def next_release(self) -> float:
+        """Delivery time of the next request or hand-off not yet released (inf when none)."""
+        return self.deliveries[0][0] if self.deliveries else math.inf
+
     def adopting(self) -> list[Request]:
         """Hand-offs on their way here or waiting for KV blocks (their prefill-side requests)."""
         return [d[2].request for d in self.deliveries if isinstance(d[2], Handoff)] + [

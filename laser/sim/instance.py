@@ -49,7 +49,20 @@ class SimStats:
 class SimExecutor:
     """The simulated executor: each layer call advances the virtual clock by the latency model's
     prediction; paused works park in the intermediate cache as token counts (no payload);
-    hand-offs carry no tensors (their KV is allocated on import)."""
+    hand-offs carry no tensors (their KV is allocated on import).
+
+    Fast path (``next_release`` set): when nothing can be delivered before the step's predicted
+    end, no layer boundary can stop it (a scheduler stops a step only for a request that
+    arrived during it, :meth:`laser.scheduler.base.Scheduler.stop_at`), so the walker runs in
+    segment mode: one latency-model call per constant-composition segment instead of one per
+    layer, the clock advanced layer by layer by that segment's time (the same floating-point
+    sums as the layer-by-layer walk), and ``stop_at`` asked once, at the last boundary, so the
+    arrival hook still retries what waits on memory. Same virtual times, parks and samples.
+    """
+
+    #: Margin (s) between the predicted end of a step and the next delivery for the fast path
+    #: (the prediction and the walked clock may differ in the last bits).
+    QUIET_MARGIN_S = 1e-9
 
     def __init__(self, lm, num_layers: int, bm: BlockManager, icache: IntermediateCache, clock: VirtualClock,
                  stats: SimStats, record_plans: bool = False):
@@ -61,6 +74,9 @@ class SimExecutor:
         self.stats = stats
         self.record_plans = record_plans
         self._res: StepResult | None = None
+        # () -> virtual time of the next delivery the arrival hook could release (None: no fast path)
+        self.next_release = None
+        self.fast_steps = 0
 
     # -- laser.instance.core.Executor ------------------------------------------------------------------
     def execute(self, plan: StepPlan, requests, stop_at=None) -> StepResult:
@@ -68,6 +84,14 @@ class SimExecutor:
             self.stats.plans.append(StepPlan(plan.num_layers, list(plan.works)))
         t0 = self.clock.t
         self._res = res = StepResult(stopped_layer=0)
+        if stop_at is not None and self.next_release is not None and plan.works:
+            end = t0 + self.lm.predict_iteration(plan)
+            if self.next_release() > end + self.QUIET_MARGIN_S:
+                first, last = plan.first_layer, plan.last_layer
+                if last - first >= 2 and stop_at(last - 1):
+                    raise AssertionError("a scheduler stopped a step with no arrival during it")
+                stop_at = None
+                self.fast_steps += 1
         self.clock.t += self.lm.embed_time(sum(w.num_tokens for w in plan.works if w.layer_start == 0))
         res.stopped_layer = walk(plan, self, stop_at)
         res.compute_seconds = self.clock.t - t0
@@ -116,6 +140,15 @@ class SimExecutor:
         self.stats.layer_calls += 1
         self._res.num_layer_calls += 1
 
+    def run_layers(self, layers: range, active) -> None:
+        """Segment mode: ``len(layers)`` layer calls of the same batch, priced once."""
+        t = self.lm.layer_time(tuple(w.num_tokens for w in active), tuple(w.context_len for w in active))
+        clock = self.clock
+        for _ in layers:
+            clock.t += t
+        self.stats.layer_calls += len(layers)
+        self._res.num_layer_calls += len(layers)
+
     def finish(self, active, layer) -> None:
         if layer < self.n:
             self.park(active, active, layer)
@@ -146,6 +179,7 @@ class SimInstance(InstanceCore):
         self.icache = IntermediateCache(icache_tokens)
         self.stats = SimStats()
         executor = SimExecutor(latency_model, num_layers, self.bm, self.icache, clock, self.stats, record_plans)
+        executor.next_release = self.next_release
         super().__init__(make_scheduler(cfg, num_layers, self.bm, self.icache, latency_model, clock), executor, clock)
         self.arrival_hook = self._release
         self._arrivals: list[Request] = []  # sorted by arrival_time
@@ -174,6 +208,16 @@ class SimInstance(InstanceCore):
                 break  # waits until the pool frees
             self.adopted[req.req_id] = req
             self.pending.pop(0)
+
+    def next_release(self) -> float:
+        """Virtual time of the next arrival or hand-off not yet due (inf when none); a hand-off
+        already due but waiting for KV blocks does not count (nothing frees blocks mid-step)."""
+        t = self.clock.t
+        nxt = self._arrivals[0].arrival_time if self._arrivals else math.inf
+        for h in self.pending:
+            if h.time > t:
+                return min(nxt, h.time)
+        return nxt
 
     def next_event(self) -> float:
         """Virtual time of this instance's next action (now while it has work)."""
