@@ -98,9 +98,9 @@ request_st = st.tuples(
 
 
 _SUMM = SLO(ttft=0.03, tbt=0.012, name="summarization")
-# (a TBT target a request misses even alone no longer sets T_g: 4.8 ms is reachable alone on this
-# 4-layer model, ~4.3 ms, but not with the load below, so Alg. 1 must reduce the looser requests)
-_CODE = SLO(ttft=0.002, tbt=0.0048, name="code")
+# (a TBT target a request misses even alone no longer sets T_g: 4.4 ms is reachable alone on this
+# 4-layer model, ~4.2 ms, but not with the load below, so Alg. 1 must reduce the looser requests)
+_CODE = SLO(ttft=0.002, tbt=0.0044, name="code")
 _CHAT = SLO(ttft=0.004, tbt=0.006, name="chat")
 # Deterministic cases that hit every mechanism (random examples explore around them).
 _MIXED_LOAD = [
