@@ -185,7 +185,7 @@ class Engine:
         self.scheduler_config = scheduler
 
     def _load_latency_model(self, profile: str | None):
-        from .latency_model import AnalyticLatencyModel, LatencyProfileError, ModelShape
+        from .latency import AnalyticLatencyModel, LatencyProfileError, ModelShape
         from .profiler import load_or_create
 
         if profile == "auto":

@@ -53,7 +53,7 @@ import torch
 
 from .config import SchedulerConfig
 from .intermediate_cache import IntermediateCache
-from .latency_model import (
+from .latency import (
     AttentionSample,
     EmbedSample,
     FittedLatencyModel,

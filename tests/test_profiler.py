@@ -12,7 +12,7 @@ import pytest
 
 from laser import profiler
 from laser.config import CacheConfig
-from laser.latency_model import FittedLatencyModel, LatencyProfileError
+from laser.latency import FittedLatencyModel, LatencyProfileError
 from laser.plan import StepPlan, Work
 
 
@@ -261,7 +261,7 @@ def test_evaluate_reports_accuracy_per_layer_step_and_iteration(engine, fitted):
     assert rep["per_layer_step"]["n"] == 3
     json.dumps(rep)  # JSON-friendly
     # the measured ground truth does not depend on the model: re-score for another one
-    from laser.latency_model import SimpleLatencyModel
+    from laser.latency import SimpleLatencyModel
 
     simple = SimpleLatencyModel(num_layers=fitted.num_layers, per_layer=1.0)
     again = profiler.score(json.loads(json.dumps(rep)), simple)
