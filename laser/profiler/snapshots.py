@@ -29,12 +29,9 @@ class _Tables:
     ``ModelRunner._build_metadata`` reads (``block_size``, ``canonical_table``, ``table``,
     ``overridden_layers``)."""
 
-    _versions = iter(range(-1, -(1 << 62), -1))
-
     def __init__(self, bm, req_ids):
         self.block_size = bm.block_size
         self.num_blocks = bm.num_blocks
-        self.version = next(self._versions)  # never equal to a live block manager's
         self._canon = {r: list(bm.canonical_table(r)) for r in req_ids}
         self._over = {r: tuple(bm.overridden_layers(r)) for r in req_ids}
         self._tables = {(r, layer): list(bm.table(r, layer)) for r in req_ids for layer in self._over[r]}
@@ -108,9 +105,8 @@ def policy_snapshots(runner: ModelRunner, policy: str, lm: LatencyModel, *, num_
     n = runner.num_layers
     cfg = SchedulerConfig(policy=policy, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=64)
     icache = IntermediateCache(1 << 30)
-    sched = get_policy(policy)(cfg, n, bm, icache, lm)
     clock = [0.0]
-    sched.clock = lambda: clock[0]
+    sched = get_policy(policy)(cfg, n, bm, icache, lm, clock=lambda: clock[0])
     stream = synthetic_stream(num_requests, lm, seed=seed)
     rng = random.Random(seed)
     snaps: list[PlanSnapshot] = []
