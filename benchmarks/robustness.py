@@ -53,7 +53,7 @@ TARGET_MIN, TARGET_MEDIAN = 1.3, 1.7
 
 def hardware_kinds() -> dict[str, dict]:
     """Kind -> {"lm": latency model or None, "why": text, "slo_base", "num_blocks"}."""
-    from laser.latency_model import AnalyticLatencyModel, FittedLatencyModel
+    from laser.latency import AnalyticLatencyModel, FittedLatencyModel
 
     out = {}
     prof = HERE / "profiles" / "avx2-fp32-smollm2-135m.json"

@@ -197,7 +197,7 @@ def predict_ttft(snapshot: SchedulerSnapshot, request: QueueEntry, latency_model
         snapshot: the latest snapshot, with any admitted-but-unpublished requests merged
             into ``queue`` (see :meth:`QueueAwareAdmission.view`).
         request: the candidate (``prefill_tokens`` = its prompt length).
-        latency_model: any :class:`~laser.latency_model.LatencyModel` (read only).
+        latency_model: any :class:`~laser.latency.LatencyModel` (read only).
     """
     t = (now - arrival if arrival is not None else 0.0) + snapshot.step_remaining(now)
     contexts = list(snapshot.decode_contexts)

@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from .config import ConfigError
-    from .latency_model import LatencyProfileError
+    from .latency import LatencyProfileError
     from .model.loader import ModelLoadError
     from .request import InvalidRequestError
 

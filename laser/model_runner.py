@@ -21,6 +21,7 @@ import torch
 
 from .intermediate_cache import IntermediateCache
 from .kv_cache import KVCache
+from .latency.features import DEFAULT_MAX_GATHER_BYTES, decode_slices, max_gather_positions
 from .model.llama import AttnGroup, AttnMetadata, LlamaModel
 from .core.walk import walk
 from .plan import StepPlan, StepResult, Work
@@ -170,25 +171,17 @@ class ModelRunner:
                 res.logits[w.req_id] = logits[k]
 
     # -- attention metadata ----------------------------------------------------------------------
-    #: Largest padded K (or V) gather of one decode group, bytes. Larger gathers are served by
-    #: fresh mmap pages and page-fault on every layer (measured: ~35% slower per position).
-    max_gather_bytes = 16 << 20
+    #: Largest padded K (or V) gather of one decode group, bytes (see
+    #: :data:`laser.latency.features.DEFAULT_MAX_GATHER_BYTES`).
+    max_gather_bytes = DEFAULT_MAX_GATHER_BYTES
 
     def _split_decode(self, active: list[Work], dec: list[int]) -> list[list[int]]:
-        """Split decode rows (sorted by context) into consecutive groups whose padded gather fits."""
+        """Split decode rows (sorted by context) into consecutive groups whose padded gather
+        fits: the rule the latency model prices (:func:`laser.latency.features.decode_slices`)."""
         cfg = self.model.config
-        per_pos = cfg.num_kv_heads * cfg.head_dim * self.kv_cache.kv.element_size()
-        parts: list[list[int]] = []
-        cur: list[int] = []
-        for i in dec:
-            c = active[i].context_len  # non-decreasing along ``dec``
-            if cur and (len(cur) + 1) * c * per_pos > self.max_gather_bytes:
-                parts.append(cur)
-                cur = []
-            cur.append(i)
-        if cur:
-            parts.append(cur)
-        return parts
+        limit = max_gather_positions(cfg.num_kv_heads, cfg.head_dim, self.kv_cache.kv.element_size(),
+                                     self.max_gather_bytes)
+        return [dec[a:b] for a, b in decode_slices([active[i].context_len for i in dec], limit)]
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         """Bool mask (True = attend) -> additive mask in the model dtype (0 / -inf).

@@ -59,7 +59,7 @@ def _engine(args):
     from .cli import set_threads
     from .config import CacheConfig, SchedulerConfig
     from .engine import Engine
-    from .latency_model import SimpleLatencyModel
+    from .latency import SimpleLatencyModel
 
     set_threads(args.threads)  # the same default as engine starts, so the profile matches them
     cache = CacheConfig(block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,

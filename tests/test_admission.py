@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from laser.admission import QueueAwareAdmission, QueueEntry, SchedulerSnapshot, predict_ttft, snapshot_of
-from laser.latency_model import SimpleLatencyModel
+from laser.latency import SimpleLatencyModel
 from laser.request import SLO, Request, SamplingParams
 from laser.sim.instance import SimInstance
 

@@ -33,7 +33,7 @@ import pytest
 from laser.async_engine import AsyncEngine
 from laser.config import CacheConfig
 from laser.engine import Engine
-from laser.latency_model import SimpleLatencyModel
+from laser.latency import SimpleLatencyModel
 from laser.server.app import build_app
 from laser.server.cli import LiveServer
 

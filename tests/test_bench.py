@@ -20,7 +20,7 @@ from laser.bench.runner import (Benchmark, ClientTarget, EngineTarget, RunOutput
                                 reference_rate, tbt_token_budget)
 from laser.bench.workloads import WorkloadRequest
 from laser.config import SchedulerConfig
-from laser.latency_model import SimpleLatencyModel
+from laser.latency import SimpleLatencyModel
 from laser.metrics import RequestRecord
 from laser.slo import SLOClasses
 

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from laser.controller import CONTROLLERS
-from laser.latency_model import SimpleLatencyModel
+from laser.latency import SimpleLatencyModel
 from laser.request import SLO, Request, SamplingParams
 from laser.sim.cluster import ClusterConfig, ClusterSim, ClusterSpec, paper_config
 from laser.sim.events import EventQueue

@@ -12,7 +12,7 @@ from laser.controller import get_controller
 from laser.controller.groups import GroupManager, largest_remainder
 from laser.controller.laser import edf_finish_times
 from laser.instance.messages import RequestInfo
-from laser.latency_model import SimpleLatencyModel
+from laser.latency import SimpleLatencyModel
 from laser.instance.core import Handoff
 from laser.request import SLO, Phase, Request, SamplingParams
 from laser.scheduler.laser import DecodeCandidate, latency_increment

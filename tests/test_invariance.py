@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from laser.config import SchedulerConfig
 from laser.disagg import DisaggregatedPair
 from laser.engine import Engine
-from laser.latency_model import SimpleLatencyModel
+from laser.latency import SimpleLatencyModel
 from laser.request import SLO, SamplingParams
 
 

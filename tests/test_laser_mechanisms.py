@@ -8,7 +8,7 @@ import math
 import pytest
 
 from laser.config import SchedulerConfig
-from laser.latency_model import SimpleLatencyModel
+from laser.latency import SimpleLatencyModel
 from laser.metrics import RequestRecord
 from laser.request import SLO, Request, SamplingParams
 from laser.scheduler.laser import DecodePlan

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from laser.latency_model import (
+from laser.latency import (
     ATTENTION_FEATURES,
     AnalyticLatencyModel,
     AttentionSample,
@@ -24,7 +24,7 @@ from laser.latency_model import (
     default_profile_path,
     fit,
 )
-from laser.latency_model import _fit_piecewise
+from laser.latency.fitting import _fit_piecewise
 from laser.plan import LayerStep, StepPlan, Work
 
 
@@ -416,8 +416,32 @@ def test_model_shape_from_hf_config():
 def test_module_is_torch_free():
     import subprocess
 
-    code = "import sys, laser.latency_model; sys.exit(1 if 'torch' in sys.modules else 0)"
+    code = "import sys, laser.latency; sys.exit(1 if 'torch' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_predicting_from_a_saved_profile_imports_no_scipy(model, tmp_path):
+    """Schedulers and the simulator load a profile and predict: that must not pay for numpy
+    or scipy (only fitting imports them)."""
+    import subprocess
+
+    path = model.save(tmp_path / "p.json")
+    plan = StepPlan(model.num_layers, [Work("a", 0, 300, 0, model.num_layers), Work("b", 40, 1, 0, 2)])
+    want = model.predict_iteration(plan)
+    code = (
+        "import sys\n"
+        "from laser.latency import FittedLatencyModel\n"
+        "from laser.plan import StepPlan, Work\n"
+        f"m = FittedLatencyModel.load({str(path)!r})\n"
+        f"t = m.predict_iteration(StepPlan({model.num_layers}, [Work('a', 0, 300, 0, {model.num_layers}), "
+        "Work('b', 40, 1, 0, 2)]))\n"
+        "print(repr(t), m.layer_time((1,) * 40, tuple(range(100, 140))), m.max_tokens_within(0.01))\n"
+        "bad = sorted(k for k in ('scipy', 'numpy', 'torch') if k in sys.modules)\n"
+        "sys.exit(f'imported {bad}' if bad else 0)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert float(r.stdout.split()[0]) == want
 
 
 # ---------------------------------------------------------------- small counts, decode groups
@@ -474,7 +498,7 @@ def test_small_count_override_stays_non_decreasing_for_stateless():
 
 
 def test_gather_positions_from_profile_metadata():
-    from laser.latency_model import gather_positions_from_metadata, max_gather_positions
+    from laser.latency import gather_positions_from_metadata, max_gather_positions
 
     meta = {"shape": "llama-h576-i1536-L30-q9-kv3-d64-v49152", "dtype": "float32"}
     assert gather_positions_from_metadata(meta) == (16 << 20) // 768 == max_gather_positions(3, 64, 4)
@@ -485,7 +509,7 @@ def test_gather_positions_from_profile_metadata():
 
 
 def test_decode_attention_is_priced_per_runner_group():
-    from laser.latency_model import AttentionModel, decode_groups
+    from laser.latency import AttentionModel, decode_groups
 
     g = 1000
     assert decode_groups([10] * 5, g) == [(5, 10)]
@@ -505,20 +529,29 @@ def test_decode_attention_is_priced_per_runner_group():
 
 
 def test_decode_groups_mirror_the_runner():
+    """The runner's decode kernel groups are the groups the latency model prices: one rule
+    (``laser.latency.features.decode_slices``) and one limit, for random contexts and limits."""
     pytest.importorskip("torch")
     from types import SimpleNamespace
 
-    from laser.latency_model import DEFAULT_MAX_GATHER_BYTES, decode_groups, max_gather_positions
+    from laser.latency import DEFAULT_MAX_GATHER_BYTES, decode_groups, max_gather_positions
     from laser.model_runner import ModelRunner
 
     assert ModelRunner.max_gather_bytes == DEFAULT_MAX_GATHER_BYTES
-    fake = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(num_kv_heads=3, head_dim=64)),
-                           kv_cache=SimpleNamespace(kv=SimpleNamespace(element_size=lambda: 4)),
-                           max_gather_bytes=ModelRunner.max_gather_bytes)
-    g = max_gather_positions(3, 64, 4)
     rng = np.random.default_rng(9)
-    for _ in range(200):
-        ctx = sorted(int(x) for x in rng.integers(2, 4096, int(rng.integers(1, 96))))
-        active = [SimpleNamespace(context_len=x) for x in ctx]
-        parts = ModelRunner._split_decode(fake, active, list(range(len(ctx))))
-        assert [(len(p), ctx[p[-1]]) for p in parts] == decode_groups(ctx, g)
+    for kv_heads, head_dim, nbytes, limit in [(3, 64, 4, DEFAULT_MAX_GATHER_BYTES), (3, 64, 2, DEFAULT_MAX_GATHER_BYTES),
+                                              (2, 16, 4, 1 << 16), (2, 16, 4, 1000), (2, 16, 4, 1)]:
+        fake = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(num_kv_heads=kv_heads, head_dim=head_dim)),
+                               kv_cache=SimpleNamespace(kv=SimpleNamespace(element_size=lambda n=nbytes: n)),
+                               max_gather_bytes=limit)
+        g = max_gather_positions(kv_heads, head_dim, nbytes, limit)
+        per_pos = kv_heads * head_dim * nbytes
+        for _ in range(150):
+            ctx = [int(x) for x in rng.integers(1, 4096, int(rng.integers(1, 96)))]
+            rows = sorted(range(len(ctx)), key=lambda i: ctx[i])  # the runner's decode order
+            active = [SimpleNamespace(context_len=x) for x in ctx]
+            parts = ModelRunner._split_decode(fake, active, rows)
+            assert [i for p in parts for i in p] == rows
+            assert [(len(p), ctx[p[-1]]) for p in parts] == decode_groups(ctx, g)
+            for p in parts:  # each group's padded gather fits, or it is one row
+                assert len(p) == 1 or len(p) * ctx[p[-1]] * per_pos <= limit

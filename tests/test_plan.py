@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from laser.bench.plan import CapacityPlanner, attainment, balanced_split, parse_mix, table1_requests
-from laser.latency_model import SimpleLatencyModel
+from laser.latency import SimpleLatencyModel
 from laser.sim.cluster import ClusterConfig
 
 LM = SimpleLatencyModel(num_layers=4, per_layer=2e-4, per_token=2e-5, per_context=1e-7)

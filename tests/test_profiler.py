@@ -12,7 +12,7 @@ import pytest
 
 from laser import profiler
 from laser.config import CacheConfig
-from laser.latency_model import FittedLatencyModel, LatencyProfileError
+from laser.latency import FittedLatencyModel, LatencyProfileError
 from laser.plan import StepPlan, Work
 
 
@@ -66,7 +66,7 @@ def test_profile_gives_usable_model(engine, fitted):
 
 def test_profile_round_trips_through_its_file(engine, fitted, tmp_path, monkeypatch):
     path = fitted.save(tmp_path / "p.json")
-    monkeypatch.setattr(profiler, "profile", lambda *a, **k: pytest.fail("re-profiled a valid profile"))
+    monkeypatch.setattr(profiler.pipeline, "profile", lambda *a, **k: pytest.fail("re-profiled a valid profile"))
     lm = profiler.load_or_create(engine, path)
     assert isinstance(lm, FittedLatencyModel)
     assert lm.metadata["shape"] == fitted.metadata["shape"]
@@ -129,7 +129,7 @@ def test_engine_start_loads_the_profile(tiny_llama, fitted, tmp_path, monkeypatc
     from laser.engine import Engine
 
     path = fitted.save(tmp_path / "p.json")
-    monkeypatch.setattr(profiler, "profile", lambda *a, **k: pytest.fail("re-profiled a valid profile"))
+    monkeypatch.setattr(profiler.pipeline, "profile", lambda *a, **k: pytest.fail("re-profiled a valid profile"))
     e = Engine(model=str(tiny_llama), policy="laser", dtype="float32", cache=CacheConfig(num_blocks=256),
                latency_profile=str(path))
     assert isinstance(e.latency_model, FittedLatencyModel)
@@ -159,7 +159,7 @@ def test_engine_rejects_a_bad_profile_it_was_given_and_leaves_it_alone(tiny_llam
             doc["model"]["layer_attention_scale"] = 0
         text = json.dumps(doc)
     path.write_text(text)
-    monkeypatch.setattr(profiler, "profile", lambda *a, **k: pytest.fail("profiled over the user's file"))
+    monkeypatch.setattr(profiler.pipeline, "profile", lambda *a, **k: pytest.fail("profiled over the user's file"))
     with pytest.raises(LatencyProfileError, match="another setup" if damage == "wrong_setup" else "corrupt"):
         Engine(model=str(tiny_llama), policy="laser", dtype="float32", cache=CacheConfig(num_blocks=256),
                latency_profile=str(path))
@@ -261,7 +261,7 @@ def test_evaluate_reports_accuracy_per_layer_step_and_iteration(engine, fitted):
     assert rep["per_layer_step"]["n"] == 3
     json.dumps(rep)  # JSON-friendly
     # the measured ground truth does not depend on the model: re-score for another one
-    from laser.latency_model import SimpleLatencyModel
+    from laser.latency import SimpleLatencyModel
 
     simple = SimpleLatencyModel(num_layers=fitted.num_layers, per_layer=1.0)
     again = profiler.score(json.loads(json.dumps(rep)), simple)
@@ -298,3 +298,30 @@ def test_cli_profile_quick(tiny_llama, tmp_path, capsys):
     assert 0 <= rep["per_layer_step"]["mean_accuracy"] <= 1 and 0 <= rep["per_iteration"]["mean_accuracy"] <= 1
     text = capsys.readouterr().out
     assert "per iteration" in text and "Latency model accuracy" in text
+
+
+def test_profiled_calls_run_the_models_own_layer_functions(engine, monkeypatch):
+    """The profiler times the model's own layer code (no replica that could drift from it):
+    each call goes through ``qkv`` / ``attend`` / ``finish_layer`` /
+    ``forward_layer``, on rotating layers."""
+    model = engine.runner.model
+    seen = []
+    for name in ("qkv", "attend", "finish_layer", "forward_layer"):
+        orig = getattr(model, name)
+        monkeypatch.setattr(model, name, lambda i, *a, _o=orig, _n=name: seen.append((_n, i)) or _o(i, *a))
+    calls = profiler.ExecutorCalls(engine.runner, seed=0)
+    stateless = calls.stateless_call(8)
+    seen.clear()
+    out = stateless()
+    assert [n for n, _ in seen] == ["qkv", "finish_layer"] and seen[0][1] == seen[1][1]
+    assert out.shape == (8, engine.model_config.hidden_size)
+    attention = calls.attention_call((1, 1, 12), (20, 7, 30))
+    seen.clear()
+    attention()
+    attention()
+    assert [n for n, _ in seen] == ["attend", "attend"] and seen[0][1] != seen[1][1]
+    layer = calls.layer_call((1, 5), (9, 5))
+    seen.clear()
+    layer()
+    assert seen[0][0] == "forward_layer" and [n for n, _ in seen[1:]] == ["qkv", "attend", "finish_layer"]
+    engine.kv_cache.block_manager.check_integrity(expect_empty=True)

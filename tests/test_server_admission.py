@@ -30,7 +30,7 @@ import pytest
 from laser.async_engine import AsyncEngine, predicted_prefill_seconds
 from laser.config import CacheConfig
 from laser.engine import Engine
-from laser.latency_model import SimpleLatencyModel
+from laser.latency import SimpleLatencyModel
 from laser.server.app import build_app
 from laser.server.cli import LiveServer
 

@@ -7,7 +7,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from laser.admission import snapshot_of
-from laser.latency_model import SimpleLatencyModel
+from laser.latency import SimpleLatencyModel
 from laser.request import SLO, Request, SamplingParams
 from laser.server.metrics import ServerMetrics
 from laser.sim.instance import SimInstance

@@ -11,7 +11,7 @@ import pytest
 from laser.block_manager import BlockManager
 from laser.core.walk import walk
 from laser.intermediate_cache import IntermediateCache
-from laser.latency_model import AnalyticLatencyModel, HARDWARE, ModelShape, SimpleLatencyModel
+from laser.latency import AnalyticLatencyModel, HARDWARE, ModelShape, SimpleLatencyModel
 from laser.plan import StepPlan, StepResult, Work
 from laser.request import SLO, Request, SamplingParams
 from laser.sim import SimInstance

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from laser.config import SchedulerConfig
-from laser.latency_model import SimpleLatencyModel
+from laser.latency import SimpleLatencyModel
 from laser.request import SLO, Request, SamplingParams
 from laser.sim import SimInstance
 

@@ -11,7 +11,7 @@ import pytest
 from laser.batch.estimate import WindowError, job_seconds, parse_window, request_seconds, start_by
 from laser.batch.jobs import InputFileError, check_jsonl, parse_lines
 from laser.config import SchedulerConfig
-from laser.latency_model import SimpleLatencyModel
+from laser.latency import SimpleLatencyModel
 from laser.request import InvalidRequestError, Request
 from laser.scheduler.base import Scheduler
 from laser.slo import SLOClasses

@@ -240,7 +240,7 @@ def _planning_model(engine):
 def _sim_setup(args):
     """(latency model, num_layers, num_blocks, max_model_len, tokenizer) for --sim."""
     from laser.config import CacheConfig
-    from laser.latency_model import AnalyticLatencyModel, FittedLatencyModel, ModelShape
+    from laser.latency import AnalyticLatencyModel, FittedLatencyModel, ModelShape
     from laser.model.loader import load_config, resolve_dtype, resolve_model
 
     path = resolve_model(args.model)
@@ -390,7 +390,7 @@ def calibrate_slos(args, targets, requests, tokenizer):
 
 def _default_lm(args):
     """Roofline estimate of the served model on this kind of machine (when no profile exists)."""
-    from laser.latency_model import AnalyticLatencyModel, ModelShape
+    from laser.latency import AnalyticLatencyModel, ModelShape
     from laser.model.loader import load_config, resolve_model
 
     try:

@@ -221,7 +221,7 @@ def cmd_plan(args) -> int:
     if not (args.rate > 0 and math.isfinite(args.rate)):
         raise ValueError("--rate must be a positive number of req/s")
     if args.latency_profile:
-        from laser.latency_model import FittedLatencyModel
+        from laser.latency import FittedLatencyModel
 
         lm = FittedLatencyModel.load(args.latency_profile)
         cfg = ClusterConfig(latency_model=lm, kv_bytes_per_token_layer=args.kv_bytes_per_token_layer,

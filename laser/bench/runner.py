@@ -511,8 +511,8 @@ class ClientTarget(Target):
 
 
 @dataclass
-class Probe:
-    """One run of one target at one rate."""
+class RateRun:
+    """One run of one target at one request rate: a point the goodput search probes."""
 
     label: str
     rate: float | None  # req/s; None = the trace's own times
@@ -582,7 +582,7 @@ class Benchmark:
     def __init__(self, targets: dict[str, Target], requests: Sequence[WorkloadRequest], slos: SLOClasses,
                  burstiness: float = 1.0, seed: int = 0, attainment_target: float = 0.9,
                  trace_times: Sequence[float] | None = None, probe_timeout_s: float | None = None,
-                 progress: bool = False, on_probe: Callable[[Probe], None] | None = None,
+                 progress: bool = False, on_probe: Callable[[RateRun], None] | None = None,
                  early_stop: bool = False):
         if not targets:
             raise ValueError("no targets")
@@ -596,7 +596,7 @@ class Benchmark:
         self.progress = progress
         self.on_probe = on_probe
         self.early_stop = early_stop
-        self.probes: list[Probe] = []
+        self.probes: list[RateRun] = []
         self._base: np.ndarray | None = None
 
     # -- arrivals ------------------------------------------------------------------------------
@@ -620,7 +620,7 @@ class Benchmark:
         return [dataclasses.replace(r, arrival_time=float(t)) for r, t in zip(self.requests, self.times_at(rate))]
 
     # -- probes --------------------------------------------------------------------------------
-    def probe(self, label: str, rate: float | None, early_stop: bool | None = None) -> Probe:
+    def probe(self, label: str, rate: float | None, early_stop: bool | None = None) -> RateRun:
         """Run ``label`` at ``rate``; ``early_stop`` overrides the benchmark's setting."""
         wl = self.workload_at(rate)
         timeout = None
@@ -628,13 +628,13 @@ class Benchmark:
             timeout = max((w.arrival_time for w in wl), default=0.0) + self.probe_timeout_s
         stop = self.attainment_target if (self.early_stop if early_stop is None else early_stop) else None
         out = self.targets[label].run(wl, self.slos, timeout_s=timeout, progress=self.progress, stop_below=stop)
-        p = Probe(label, rate, out.records, summarize(out.records, out.duration), out.wall_s, out.early_stopped)
+        p = RateRun(label, rate, out.records, summarize(out.records, out.duration), out.wall_s, out.early_stopped)
         self.probes.append(p)
         if self.on_probe is not None:
             self.on_probe(p)
         return p
 
-    def run_at(self, rate: float | None, labels: Sequence[str] | None = None, rotate: int = 0) -> dict[str, Probe]:
+    def run_at(self, rate: float | None, labels: Sequence[str] | None = None, rotate: int = 0) -> dict[str, RateRun]:
         """Every target (or ``labels``) at ``rate``, back to back; ``rotate`` shifts who goes first."""
         labels = list(labels if labels is not None else self.targets)
         if labels:
@@ -678,7 +678,7 @@ def reference_rate(results: dict[str, GoodputResult], ours: str = "laser") -> fl
     return probed[0] if probed else None
 
 
-def probe_at(results_or_probes, label: str, rate: float | None) -> Probe | None:
+def probe_at(results_or_probes, label: str, rate: float | None) -> RateRun | None:
     """The last probe of ``label`` at ``rate`` (from a results dict or a probe list)."""
     if isinstance(results_or_probes, dict):
         probes = results_or_probes[label].probes

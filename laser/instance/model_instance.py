@@ -79,7 +79,7 @@ class ModelInstance:
         self.core = InstanceCore(sched, self.runner, clock, eos_ids=eos_ids, max_model_len=self.max_model_len)
 
     def _load_latency_model(self, profile: str | None):
-        from ..latency_model import AnalyticLatencyModel, LatencyProfileError, ModelShape
+        from ..latency import AnalyticLatencyModel, LatencyProfileError, ModelShape
         from ..profiler import load_or_create
 
         if profile == "auto":

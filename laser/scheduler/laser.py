@@ -34,8 +34,8 @@ import math
 import time
 from dataclasses import dataclass
 
-from ..latency_model import LatencyModel, SimpleLatencyModel
 from ..core.pricing import PlanCost
+from ..latency import LatencyModel, SimpleLatencyModel
 from ..plan import StepPlan, Work
 from ..request import SLO, Phase, Request
 from .base import Scheduler, ceil_div

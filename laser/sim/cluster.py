@@ -113,10 +113,10 @@ class ClusterConfig:
 def paper_config(model: str = "qwen2.5-14b", hardware: str = "a100-80gb", tp: int | None = None,
                  mem_fraction: float = 0.9, **overrides) -> ClusterConfig:
     """A :class:`ClusterConfig` for a paper-scale model on the analytic latency model
-    (an ESTIMATE, :class:`~laser.latency_model.AnalyticLatencyModel`): TP as in §9
+    (an ESTIMATE, :class:`~laser.latency.AnalyticLatencyModel`): TP as in §9
     (Qwen2.5-14B 1, Qwen2.5-32B 2, Llama-3-70B 4) unless given; the KV pool is
     ``mem_fraction`` of the instance's GPU memory minus the bf16 weights."""
-    from ..latency_model import HARDWARE, AnalyticLatencyModel, ModelShape
+    from ..latency import HARDWARE, AnalyticLatencyModel, ModelShape
 
     hw = HARDWARE[_hardware_name(hardware)]
     shape = ModelShape.preset(model)

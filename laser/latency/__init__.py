@@ -1,0 +1,88 @@
+"""Latency model: predict the wall time of a layer call, an iteration, a prefill.
+
+Paper §5. One layer call of a batch with query lengths ``q_k`` and context lengths
+``c_k`` (``n = Σq_k`` tokens) costs
+
+    stateless(n) + attention_scale · attention(q, c) + layer_overhead
+
+(``attention_scale`` >= 1 and ``layer_overhead`` are fitted on whole-layer samples: a layer
+whose attention streams a large KV cache runs its projections a little slower.)
+
+* ``stateless(n)``: QKV, O projection, MLP, norms, RoPE, residual adds. Piecewise
+  linear in ``n`` with fixed-width segments (GEMM tile effects; 32 tokens on GPU).
+  Here the width is *selected* by cross-validation among candidates, and the fit is
+  monotone (non-decreasing in ``n``), so schedulers may binary-search chunk sizes.
+  The smallest counts (``n = 1 .. K``, densely profiled) keep their measured values: a
+  single decode token is not half the cost of two (BLAS kernel switches).
+* ``attention(q, c)``: the paper's ``α·n + β·Σc + γ``, kept separately for the
+  decode-like entries (``q_k == 1``) and the prefill-like entries (``q_k > 1``) of the
+  batch; a mixed batch pays both parts. Terms for what the runner's kernels really
+  compute (padded decode groups, the causal score matrix of an uncached prefill, the
+  padded masked score matrix of other prefills) are selected by cross-validation when
+  the data warrants them (see ``ATTENTION_FEATURES``). Decode entries are priced per
+  group, as the runner splits them to bound the padded K/V gather
+  (``max_gather_positions``; see :func:`decode_groups`).
+* an iteration adds ``embed(tokens embedded)`` and ``head(rows through the LM head)``;
+  the head also keeps measured values for the smallest row counts (not monotone there).
+
+Three implementations of one interface (:class:`LatencyModel`):
+
+* :class:`FittedLatencyModel`: fitted from profile samples (:func:`fit`); saved to and
+  loaded from a JSON profile file that keeps the raw samples, so it can be refitted.
+* :class:`AnalyticLatencyModel`: a roofline *estimate* from the model shape and a
+  hardware table, for hardware we cannot profile (A100/H100/H200) and for schedulers
+  before a profile exists.
+* :class:`SimpleLatencyModel`: a few explicit constants, for tests with a fake clock.
+
+Modules: ``base`` (interface, error, profile samples), ``features`` (attention features,
+the decode grouping rule and its limit, shared with the model runner), ``fitted``
+(prediction), ``fitting`` (numpy/scipy; imported only to fit), ``analytic`` (roofline and
+test models), ``io`` (profile files).
+
+Torch-free on purpose (a design rule: schedulers and the simulator import this package).
+Prediction is pure Python arithmetic on precomputed coefficients (microseconds); importing
+this package, loading a profile and predicting import neither numpy nor scipy: ``fit``
+(and ``FittedLatencyModel.fit``/``refit``) import them when called.
+"""
+
+
+from .analytic import HARDWARE, MODEL_SHAPES, AnalyticLatencyModel, HardwareSpec, ModelShape, SimpleLatencyModel
+from .base import (
+    AttentionSample,
+    EmbedSample,
+    HeadSample,
+    LatencyModel,
+    LatencyProfileError,
+    LayerSample,
+    Sample,
+    StatelessSample,
+)
+from .features import (
+    ATTENTION_FEATURE_SETS,
+    ATTENTION_FEATURES,
+    DEFAULT_MAX_GATHER_BYTES,
+    attention_features,
+    decode_groups,
+    decode_slices,
+    gather_positions_from_metadata,
+    max_gather_positions,
+)
+from .fitted import AttentionModel, FittedLatencyModel, PiecewiseLinear
+from .io import PROFILE_FORMAT, PROFILE_VERSION, cpu_hardware_string, default_profile_path
+
+__all__ = [
+    "ATTENTION_FEATURES", "ATTENTION_FEATURE_SETS", "AnalyticLatencyModel", "AttentionModel", "AttentionSample",
+    "DEFAULT_MAX_GATHER_BYTES", "EmbedSample", "FittedLatencyModel", "HARDWARE", "HardwareSpec", "HeadSample",
+    "LatencyModel", "LatencyProfileError", "LayerSample", "MODEL_SHAPES", "ModelShape", "PROFILE_FORMAT",
+    "PROFILE_VERSION", "PiecewiseLinear", "Sample", "SimpleLatencyModel", "StatelessSample", "attention_features",
+    "cpu_hardware_string", "decode_groups", "decode_slices", "default_profile_path", "fit",
+    "gather_positions_from_metadata", "max_gather_positions",
+]
+
+
+def __getattr__(name):  # lazy: fitting imports numpy and scipy, predicting must not
+    if name == "fit":
+        from .fitting import fit
+
+        return fit
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

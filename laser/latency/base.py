@@ -1,0 +1,205 @@
+"""The latency model's interface (:class:`LatencyModel`), its error, and profile samples.
+
+Torch-free, numpy-free: schedulers and the simulator price plans with it (see
+:mod:`laser.latency` for the model itself, paper §5).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from laser.plan import LayerStep, StepPlan
+
+
+class LatencyProfileError(Exception):
+    """A latency profile file is missing, unreadable, corrupt, or for another setup."""
+
+
+# --------------------------------------------------------------------------------------
+# Profile samples: what the profiler produces (plain records, JSON-friendly).
+# Each ``seconds`` is one layer's (or the embed/head's) wall time, ideally the median
+# of a few repeats after warm-up; repeats may also be passed as separate samples.
+
+
+@dataclass(frozen=True, slots=True)
+class StatelessSample:
+    """One layer's stateless modules (norms, QKV, RoPE, O, MLP, residuals) on ``n_tokens`` tokens."""
+
+    n_tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionSample:
+    """One layer's attention core (KV-cache write + attention kernel) for a batch.
+
+    Entry k has ``query_lens[k]`` new tokens attending to ``context_lens[k]`` tokens
+    (cached context plus itself), as in :class:`laser.plan.LayerStep`.
+    """
+
+    query_lens: tuple[int, ...]
+    context_lens: tuple[int, ...]
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class EmbedSample:
+    """Token-embedding lookup of ``n_tokens`` tokens."""
+
+    n_tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class HeadSample:
+    """Final norm + LM head + sampling on ``n_rows`` rows (one per finishing request)."""
+
+    n_rows: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSample:
+    """Optional: a whole layer call, end to end. Fits the fixed per-layer-call overhead
+    (the median of what stateless + attention leave unexplained)."""
+
+    query_lens: tuple[int, ...]
+    context_lens: tuple[int, ...]
+    seconds: float
+
+
+Sample = StatelessSample | AttentionSample | EmbedSample | HeadSample | LayerSample
+
+
+def check_batch(q: Sequence[int], c: Sequence[int]) -> None:
+    """Raise ``ValueError`` unless ``q``/``c`` are equally long, non-empty, and ``1 <= q_k <= c_k``."""
+    if len(q) != len(c) or not q:
+        raise ValueError(f"query_lens and context_lens must be non-empty and equally long, got {q!r}, {c!r}")
+    for qi, ci in zip(q, c):
+        if qi < 1 or ci < qi:
+            raise ValueError(f"need 1 <= query_len <= context_len, got q={qi}, c={ci}")
+
+
+def check_seconds(s: float) -> None:
+    """Raise ``ValueError`` unless ``s`` is a positive finite number."""
+    if not (isinstance(s, (int, float)) and math.isfinite(s) and s > 0):
+        raise ValueError(f"seconds must be a positive finite number, got {s!r}")
+
+
+# Sample kinds as named in profile files.
+SAMPLE_TYPES = (StatelessSample, AttentionSample, EmbedSample, HeadSample, LayerSample)
+SAMPLE_KINDS = ("stateless", "attention", "embed", "head", "layer")
+TYPE_KIND = dict(zip(SAMPLE_TYPES, SAMPLE_KINDS))
+KIND_TYPE = dict(zip(SAMPLE_KINDS, SAMPLE_TYPES))
+
+
+# --------------------------------------------------------------------------------------
+# Interface
+
+
+class LatencyModel:
+    """Predicts wall time (seconds) of the executor's work.
+
+    Subclasses provide the primitives ``stateless_time``, ``attention_time``,
+    ``embed_time``, ``head_time`` and the attributes ``num_layers`` (layers of the
+    model) and ``layer_overhead_s`` (fixed cost of one layer call). Everything else is
+    derived here. Predictions are never negative, and non-decreasing in token counts and
+    context lengths, with two measured exceptions in :class:`FittedLatencyModel`: the LM
+    head at the smallest row counts, and decode attention where a longer context makes
+    the runner split a decode batch into less padded groups. Inputs are not validated on the hot path: query and
+    context lengths must satisfy ``1 <= q <= c``.
+    """
+
+    num_layers: int
+    layer_overhead_s: float = 0.0
+
+    # -- primitives (override) --------------------------------------------------------
+    def stateless_time(self, n_tokens: int) -> float:
+        """One layer's stateless modules on ``n_tokens`` tokens."""
+        raise NotImplementedError
+
+    def attention_time(self, query_lens: Sequence[int], context_lens: Sequence[int]) -> float:
+        """One layer's attention for a batch (see :class:`AttentionSample`)."""
+        raise NotImplementedError
+
+    def embed_time(self, n_tokens: int) -> float:
+        """Embedding lookup of ``n_tokens`` tokens (0 for 0 tokens)."""
+        raise NotImplementedError
+
+    def head_time(self, n_rows: int) -> float:
+        """Final norm + LM head + sampling on ``n_rows`` rows (0 for 0 rows)."""
+        raise NotImplementedError
+
+    # -- derived ----------------------------------------------------------------------
+    def layer_time(self, query_lens: Sequence[int], context_lens: Sequence[int]) -> float:
+        """One layer call on the batch ``(query_lens[k], context_lens[k])``; 0 if empty."""
+        if not query_lens:
+            return 0.0
+        return self.stateless_time(sum(query_lens)) + self.attention_time(query_lens, context_lens) + self.layer_overhead_s
+
+    def predict_layer(self, step: LayerStep) -> float:
+        """Seconds for one layer call (all layers cost the same; ``step.layer`` is unused)."""
+        return self.layer_time(step.query_lens, step.context_lens)
+
+    def predict_iteration(self, plan: StepPlan) -> float:
+        """Seconds for a whole plan: its layer calls + embedding of works starting at
+        layer 0 + LM head for ``plan.num_final()`` rows."""
+        from laser.core.pricing import PlanCost
+
+        return PlanCost(self, plan.num_layers, plan.works).total if plan.works else 0.0
+
+    def predict_prefill(self, prompt_len: int, layers: int | None = None, context_start: int = 0) -> float:
+        """A prefill chunk of ``prompt_len`` tokens after ``context_start`` cached tokens, alone.
+
+        ``layers=None``: a full pass (embedding, every layer, LM head for one row).
+        ``layers=k``: only ``k`` layer calls (no embedding, no head).
+        """
+        if prompt_len <= 0:
+            return 0.0
+        t = self.layer_time((prompt_len,), (context_start + prompt_len,))
+        if layers is not None:
+            return layers * t
+        return self.num_layers * t + self.embed_time(prompt_len) + self.head_time(1)
+
+    def predict_decode_iteration(self, context_lens: Sequence[int]) -> float:
+        """One decode token for each request (``context_lens`` include the new token)
+        through every layer, plus embedding and LM head."""
+        b = len(context_lens)
+        if not b:
+            return 0.0
+        q = (1,) * b
+        return self.num_layers * self.layer_time(q, context_lens) + self.embed_time(b) + self.head_time(b)
+
+    def max_tokens_within(
+        self,
+        budget_s: float,
+        layers: int = 1,
+        context_start: int = 0,
+        query_lens: Sequence[int] = (),
+        context_lens: Sequence[int] = (),
+        limit: int = 1 << 20,
+    ) -> int:
+        """Largest chunk ``k <= limit`` (tokens, after ``context_start`` cached tokens)
+        such that ``layers`` layer calls of the batch ``query_lens + (k,)`` take at most
+        ``budget_s``; 0 if not even one token fits. Binary search (predictions are
+        monotone). Embedding and LM head are not included."""
+        base_q, base_c = tuple(query_lens), tuple(context_lens)
+
+        def cost(k: int) -> float:
+            return layers * self.layer_time(base_q + (k,), base_c + (context_start + k,))
+
+        if limit < 1 or cost(1) > budget_s:
+            return 0
+        lo, hi = 1, 2
+        while hi <= limit and cost(hi) <= budget_s:
+            lo, hi = hi, hi * 2
+        hi = min(hi, limit + 1)  # cost(lo) fits; hi does not fit or is past the limit
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if cost(mid) <= budget_s:
+                lo = mid
+            else:
+                hi = mid
+        return lo

@@ -1,0 +1,133 @@
+"""Attention features and decode grouping: how the runner's attention kernels are priced.
+
+Torch-free, numpy-free. This module owns the rule by which decode rows are split into
+padded gather groups (:func:`decode_slices`) and its limit (:data:`DEFAULT_MAX_GATHER_BYTES`):
+the model runner (``ModelRunner._split_decode``) forms its kernel groups with it, and the
+latency model prices decode attention per group with it (:func:`decode_groups`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+# Largest padded K (or V) gather of one decode group, bytes. Larger gathers are served by
+# fresh mmap pages and page-fault on every layer (measured on CPU: ~35% slower per
+# position), so the runner splits decode batches to stay under it.
+DEFAULT_MAX_GATHER_BYTES = 16 << 20
+
+# --------------------------------------------------------------------------------------
+# Attention features
+#
+# The runner runs attention as *kernel groups* (``ModelRunner._build_metadata``), and the
+# features price each group the way it runs:
+#
+# Decode entries (q == 1), B_d of them with contexts c, split into padded groups (see
+# ``decode_groups``); each group gathers and attends over |g| · max_g c positions:
+#   d_groups  number of groups     (kernel launch, mask, output scatter per group)
+#   d_seqs    B_d (== tokens)      (paper's α·n)
+#   d_ctx     Σc                   (paper's β·Σc: KV bytes read)
+#   d_pad     Σ_g |g| · max_g c    (what the padded gather + kernel really touch)
+# Prefill entries (q > 1). A single prefill with no cached context (q == c) runs the
+# causal kernel on its own K/V:
+#   c_const   1 if so
+#   c_tokens  q
+#   c_square  q²                   (causal score matrix, the lower triangle)
+# Otherwise all prefill entries run one masked, padded group (B_p entries):
+#   m_const   1 if so
+#   m_tokens  Σq                   (paper's α·n)
+#   m_ctx     Σc                   (paper's β·Σc)
+#   m_pad     B_p · max q · max c  (padded score matrix: masked positions cost too)
+# A batch with both decode and prefill entries also scatters the groups' outputs into one
+# tensor; that costs tens of microseconds (measured: 55 us for 300 rows), so it has no
+# term of its own -- a free constant for it absorbed fit noise instead (0.5 ms per layer).
+# Candidate feature sets, simplest first; the fit picks one by CV (``laser.latency.fitting``).
+
+ATTENTION_FEATURES = ("d_groups", "d_seqs", "d_ctx", "d_pad", "c_const", "c_tokens", "c_square",
+                      "m_const", "m_tokens", "m_ctx", "m_pad")
+ATTENTION_FEATURE_SETS = {
+    # the paper's α·n + β·Σc + γ, for decode and prefill entries separately
+    "linear": ("d_groups", "d_seqs", "d_ctx", "c_const", "c_tokens", "m_const", "m_tokens", "m_ctx"),
+    # what the kernels compute: padded decode groups, causal / padded prefill score matrices
+    "kernel": ATTENTION_FEATURES,
+}
+N_DECODE_FEATURES = 4
+
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8}
+
+
+def max_gather_positions(kv_heads: int, head_dim: int, dtype_bytes: int,
+                         max_gather_bytes: int = DEFAULT_MAX_GATHER_BYTES) -> int:
+    """Padded positions (rows x max context) one decode group may gather under
+    ``max_gather_bytes`` (bytes of K, or of V): ``max_gather_bytes // (kv_heads · head_dim ·
+    dtype_bytes)``, at least 1 (a group always holds one row, whatever its context)."""
+    return max(1, int(max_gather_bytes) // max(1, int(kv_heads) * int(head_dim) * int(dtype_bytes)))
+
+
+def gather_positions_from_metadata(metadata: dict | None) -> int:
+    """``max_gather_positions`` for a profile: ``metadata["max_gather_positions"]`` if set,
+    else from the shape signature (``...-kv3-d64-...``) and ``dtype``; 0 (no split) if unknown."""
+    meta = metadata or {}
+    if meta.get("max_gather_positions") is not None:
+        return max(0, int(meta["max_gather_positions"]))
+    shape = str(meta.get("shape") or meta.get("model_id") or "")
+    m = re.search(r"-kv(\d+)-d(\d+)(?:-|$)", shape)
+    nbytes = _DTYPE_BYTES.get(str(meta.get("dtype", "")).removeprefix("torch."))
+    if not m or not nbytes:
+        return 0
+    return max_gather_positions(int(m.group(1)), int(m.group(2)), nbytes)
+
+
+def decode_slices(context_lens: Sequence[int], max_positions: int) -> list[tuple[int, int]]:
+    """Split decode rows into padded gather groups: ``(start, end)`` row ranges.
+
+    The one rule for decode grouping (the runner forms its attention groups with it, the
+    latency model prices them with it). ``context_lens`` must be non-decreasing (the
+    runner orders decode rows by context, so the padding of each group is small); a
+    group takes consecutive rows while ``(size + 1) · c <= max_positions`` for the next
+    row's context ``c``: its padded gather ``size · max c`` stays within the limit, or the
+    group is a single row. ``max_positions <= 0``: no limit (one group).
+    """
+    n = len(context_lens)
+    if not n:
+        return []
+    if max_positions <= 0 or n * context_lens[-1] <= max_positions:
+        return [(0, n)]
+    out = []
+    start = 0
+    for i, c in enumerate(context_lens):
+        if i > start and (i - start + 1) * c > max_positions:
+            out.append((start, i))
+            start = i
+    out.append((start, n))
+    return out
+
+
+def decode_groups(context_lens: Sequence[int], max_positions: int) -> list[tuple[int, int]]:
+    """``(size, max context)`` of each decode group the runner forms for these contexts
+    (in any order): :func:`decode_slices` of the sorted contexts."""
+    c = sorted(context_lens)
+    return [(b - a, c[b - 1]) for a, b in decode_slices(c, max_positions)]
+
+
+def attention_features(query_lens: Sequence[int], context_lens: Sequence[int],
+                       max_positions: int = 0) -> tuple[float, ...]:
+    """Feature vector (in ``ATTENTION_FEATURES`` order) of one attention batch; decode
+    entries are grouped as the runner does with ``max_positions`` (see :func:`decode_groups`)."""
+    dc = []
+    pq, pc = [], []
+    for q, c in zip(query_lens, context_lens):
+        if q == 1:
+            dc.append(c)
+        else:
+            pq.append(q)
+            pc.append(c)
+    groups = decode_groups(dc, max_positions)
+    f = [float(len(groups)), float(len(dc)), float(sum(dc)), float(sum(k * m for k, m in groups))]
+    if len(pq) == 1 and pq[0] == pc[0]:  # the causal fast path
+        f += [1.0, float(pq[0]), float(pq[0]) ** 2, 0.0, 0.0, 0.0, 0.0]
+    elif pq:
+        f += [0.0, 0.0, 0.0, 1.0, float(sum(pq)), float(sum(pc)), float(len(pq) * max(pq) * max(pc))]
+    else:
+        f += [0.0] * 7
+    return tuple(f)

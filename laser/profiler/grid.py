@@ -1,0 +1,147 @@
+"""What the profiler samples: the grid of token counts and batches (:class:`ProfileGrid`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def fit_to_pool(query_lens, context_lens, pool_tokens: int, block_size: int = 16):
+    """The batch, shrunk (contexts proportionally, then query lengths) so that its KV blocks
+    fit in one layer's pool of ``pool_tokens`` slots; unchanged when it fits."""
+    q, c = [int(x) for x in query_lens], [int(x) for x in context_lens]
+    cap = max(1, pool_tokens // block_size)  # blocks per layer
+    if len(c) > cap:
+        q, c = q[:cap], c[:cap]
+
+    def blocks():
+        return sum(-(-ci // block_size) for ci in c)
+
+    while blocks() > cap:
+        f = 0.98 * (cap - len(c)) * block_size / max(1, sum(c))
+        c = [max(1, int(ci * f)) for ci in c]
+        q = [max(1, min(qi, ci)) for qi, ci in zip(q, c)]
+    return tuple(q), tuple(c)
+
+
+@dataclass
+class ProfileGrid:
+    """What the profiler samples. Batches are ``(query_lens, context_lens)`` tuples."""
+
+    stateless_tokens: list[int]
+    attention_batches: list[tuple[tuple[int, ...], tuple[int, ...]]]
+    layer_batches: list[tuple[tuple[int, ...], tuple[int, ...]]]
+    embed_tokens: list[int]
+    head_rows: list[int]
+    min_rounds: int = 3
+    max_rounds: int = 10
+    tol: float = 0.03
+    warmup_s: float = 1.0  # spin-up before timing
+
+    @classmethod
+    def default(cls, max_tokens: int = 2048, max_context: int = 4096, pool_tokens: int = 1 << 30,
+                max_batch: int = 64, block_size: int = 16, seed: int = 0) -> "ProfileGrid":
+        """A grid that takes well under a minute for SmolLM2-size models on two CPU cores.
+
+        ``max_tokens``: largest chunk; ``max_context``: longest sequence; ``pool_tokens``:
+        KV slots per layer (Σc of a batch stays within it); ``max_batch``: decode batch.
+        """
+        rng = np.random.default_rng(seed)
+        # Stateless: dense for small n (decode batches), log-spaced up to max_tokens, plus
+        # a few random counts so tile effects are seen off the round numbers.
+        base = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256,
+                320, 384, 512, 640, 768, 1024, 1280, 1536, 2048]
+        st = {n for n in base if n <= max_tokens}
+        # (many points: the fit's cross-validation needs them to resolve kernel steps)
+        st |= {int(x) for x in rng.integers(2, max(3, min(max_tokens, 64)), 8)}
+        st |= {int(x) for x in rng.integers(64, max(65, min(max_tokens, 640)), 16)}
+        st |= {int(x) for x in rng.integers(640, max(641, max_tokens), 4)}
+        st.add(max_tokens)
+        ctx_cap = max(1, min(max_context, pool_tokens))
+
+        def clip_batch(q, c):
+            return fit_to_pool(q, c, pool_tokens, block_size)
+
+        def decode(b, mean_ctx):
+            c = rng.integers(max(2, mean_ctx // 4), max(3, mean_ctx * 7 // 4), b)
+            return clip_batch([1] * b, [min(int(x), ctx_cap) for x in c])
+
+        attn = []
+        for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128):
+            if b > max_batch:
+                continue
+            for mc in (64, 512, 2048):
+                attn.append(decode(b, min(mc, ctx_cap)))
+        for b in (3, 8, 16, 32, 48, 64):  # skewed: a few long contexts among short ones
+            if b > max_batch:
+                continue
+            nlong = 1 + b // 16
+            long = rng.integers(max(2, ctx_cap // 2), ctx_cap + 1, nlong)
+            short = rng.integers(2, max(3, min(512, ctx_cap)), b - nlong)
+            attn.append(clip_batch([1] * b, [int(x) for x in (*long, *short)]))
+        for q in (16, 32, 64, 128, 256, 512, 1024, 2048):
+            q = min(q, max_tokens)
+            for cached in (0, q // 2, 2 * q):
+                c = min(q + cached, ctx_cap)
+                attn.append(clip_batch([min(q, c)], [c]))
+        for _ in range(10):  # several prefill chunks in one batch
+            k = int(rng.integers(2, 5))
+            q = [int(x) for x in rng.integers(16, max(17, max_tokens // k), k)]
+            c = [min(qi + int(rng.integers(0, 2 * qi)), ctx_cap) for qi in q]
+            attn.append(clip_batch([min(a, b) for a, b in zip(q, c)], c))
+        for _ in range(14):  # mixed: decode batch + prefill chunk(s)
+            b = int(rng.integers(1, max_batch + 1))
+            dq, dc = decode(b, int(rng.choice([128, 512, 1024])))
+            k = int(rng.integers(1, 3))
+            q = [int(x) for x in rng.integers(16, max(17, max_tokens // 2), k)]
+            c = [min(qi + int(rng.integers(0, qi)), ctx_cap) for qi in q]
+            attn.append(clip_batch(list(dq) + [min(a, b) for a, b in zip(q, c)], list(dc) + c))
+        attn = list(dict.fromkeys(attn))
+        # Whole layers fit what composing the modules adds: a fixed per-call overhead and
+        # a scale on attention (a layer whose attention streams the KV cache through the
+        # CPU caches pays for it again in its projections). Small and medium batches (the
+        # decode iterations) and attention-heavy ones (long contexts, mixed steps).
+        layer = []
+        for b in (1, 2, 4, 8, 16, 32):
+            if b <= max_batch:
+                layer.append(decode(b, min(128, ctx_cap)))
+                layer.append(decode(b, min(384, ctx_cap)))
+        for b, mc in ((8, 1024), (16, 2048), (48, 2048), (64, 1024)):
+            if b <= max_batch:
+                layer.append(decode(b, min(mc, ctx_cap)))
+        for q in (16, 64, 256):
+            q = min(q, max_tokens)
+            layer.append(clip_batch([q], [min(q, ctx_cap)]))
+        q = min(1024, max_tokens)
+        layer.append(clip_batch([q], [min(q + q // 2, ctx_cap)]))
+        for b, q, mc in ((4, 32, 256), (8, 128, 256), (16, 64, 256), (32, 256, 1024), (48, 64, 512)):
+            if b <= max_batch:
+                dq, dc = decode(b, min(mc, ctx_cap))
+                layer.append(clip_batch(list(dq) + [min(q, max_tokens)], list(dc) + [min(q + 64, ctx_cap)]))
+        layer = list(dict.fromkeys(layer))
+        head = [r for r in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128) if r <= max(max_batch, 1) * 2]
+        embed = sorted({n for n in (1, 8, 64, 256, 1024, max_tokens) if n <= max_tokens})
+        return cls(sorted(st), attn, layer, embed, head)
+
+    @classmethod
+    def tiny(cls, seed: int = 0, rounds: tuple[int, int] = (2, 3)) -> "ProfileGrid":
+        """A small grid (seconds on a small model): for tests and ``laser profile --quick``."""
+        rng = np.random.default_rng(seed)
+        st = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+        attn = []
+        for b in (1, 4, 16):
+            for mc in (32, 256):
+                c = tuple(int(x) for x in rng.integers(2, 2 * mc, b))
+                attn.append(((1,) * b, c))
+        for q in (16, 64, 256):
+            for cached in (0, q):
+                attn.append(((q,), (q + cached,)))
+        attn.append(((1, 1, 32), (40, 90, 64)))
+        attn.append(((1, 24, 48), (100, 24, 96)))
+        return cls(st, attn, attn[::3], [1, 16, 128], [1, 4, 16], min_rounds=rounds[0], max_rounds=rounds[1],
+                   tol=0.05, warmup_s=0.2)
+
+    def num_cases(self) -> int:
+        return (len(self.stateless_tokens) + len(self.attention_batches) + len(self.layer_batches)
+                + len(self.embed_tokens) + len(self.head_rows))

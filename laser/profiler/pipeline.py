@@ -1,0 +1,300 @@
+"""The profile pipeline: time the grid on the real runner, fit, keep one profile file per setup.
+
+``load_or_create`` keeps one profile file per (model shape, dtype, hardware, threads);
+``profile`` measures and fits; ``collect_samples`` only measures (see :mod:`.timing`
+for how, :mod:`.calls` for what).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..latency import (
+    AttentionSample,
+    EmbedSample,
+    FittedLatencyModel,
+    HeadSample,
+    LatencyProfileError,
+    LayerSample,
+    StatelessSample,
+    cpu_hardware_string,
+    default_profile_path,
+)
+from ..latency.fitting import fit
+from ..model_runner import ModelRunner
+from .calls import ExecutorCalls
+from .grid import ProfileGrid, fit_to_pool
+from .timing import Bench, Case, planned_calls, progress_bar
+
+log = logging.getLogger(__name__)
+
+# Bump when what is measured, or how, changes: older profile files are then re-made.
+PROFILER_VERSION = 2
+# Candidate segment widths for the stateless / LM-head fits. On CPUs a single row runs a
+# matrix-vector kernel (one decode token: ~25% cheaper than two), so widths down to 1
+# are offered; cross-validation picks one.
+PROFILE_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def runner_of(obj) -> ModelRunner:
+    """The :class:`ModelRunner` of an Engine (or the runner itself). Raises ``TypeError``."""
+    runner = getattr(obj, "runner", obj)
+    if not isinstance(runner, ModelRunner):
+        raise TypeError(f"expected an Engine or a ModelRunner, got {type(obj).__name__}")
+    return runner
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def shape_signature(cfg) -> str:
+    """The model shape (what latency depends on), e.g. ``llama-h576-i1536-L30-q9-kv3-d64-v49152``."""
+    bias = "-bias" if cfg.qkv_bias else ""
+    qkn = "-qknorm" if cfg.qk_norm else ""
+    return (f"{cfg.model_type}-h{cfg.hidden_size}-i{cfg.intermediate_size}-L{cfg.num_layers}-q{cfg.num_heads}"
+            f"-kv{cfg.num_kv_heads}-d{cfg.head_dim}-v{cfg.vocab_size}{bias}{qkn}")
+
+
+def model_name_of(obj) -> str:
+    """A readable model name: the engine's (file/dir name of a path), else the checkpoint's
+    directory name, else the shape."""
+    name = getattr(obj, "model_name", None)
+    if not name:
+        hf = getattr(runner_of(obj).model.config, "hf_config", None)
+        name = getattr(hf, "_name_or_path", None) or getattr(hf, "name_or_path", None)
+    if name:
+        name = str(name)
+        base = os.path.basename(os.path.normpath(name)) if ("/" in name or os.sep in name) else name
+        return base.removesuffix(".gguf") or name
+    return shape_signature(runner_of(obj).model.config)
+
+
+def profile_metadata(obj, threads: int | None = None) -> dict:
+    """What a profile is keyed by and checked against when loaded.
+
+    ``model_id`` (the file key) is the model *shape*: latency depends on it, not on the
+    weights, so an Engine and its bare ModelRunner find the same file.
+    """
+    runner = runner_of(obj)
+    shape = shape_signature(runner.model.config)
+    return {
+        "model_id": shape,
+        "model_name": model_name_of(obj),
+        "shape": shape,
+        "dtype": dtype_name(runner.model.dtype),
+        "hardware": cpu_hardware_string(),
+        "threads": int(threads or torch.get_num_threads()),
+        "profiler_version": PROFILER_VERSION,
+    }
+
+
+def pool_tokens(runner: ModelRunner) -> int:
+    """KV slots per layer of the runner's pool (blocks x block size)."""
+    return runner.bm.num_blocks * runner.bm.block_size
+
+
+def default_grid(runner: ModelRunner) -> ProfileGrid:
+    """:meth:`ProfileGrid.default` sized to the runner's model (max positions) and KV pool."""
+    cfg = runner.model.config
+    pool = pool_tokens(runner)
+    return ProfileGrid.default(max_tokens=min(2048, cfg.max_position, pool),
+                               max_context=min(4096, cfg.max_position), pool_tokens=pool,
+                               block_size=runner.bm.block_size)
+
+
+def profile_cases(calls: ExecutorCalls, grid: ProfileGrid) -> list[Case]:
+    """One :class:`Case` per grid point (batches shrunk to fit the pool), keyed
+    ``(kind, *size)`` as :func:`samples_from_cases` reads them."""
+    pool, bs = pool_tokens(calls.runner), calls.bm.block_size
+    cases: list[Case] = []
+    for n in grid.stateless_tokens:
+        cases.append(Case(("stateless", n), calls.stateless_call(n)))
+    for q, c in dict.fromkeys(fit_to_pool(q, c, pool, bs) for q, c in grid.attention_batches):
+        cases.append(Case(("attention", q, c), calls.attention_call(q, c)))
+    for q, c in dict.fromkeys(fit_to_pool(q, c, pool, bs) for q, c in grid.layer_batches):
+        cases.append(Case(("layer", q, c), calls.layer_call(q, c)))
+    for n in grid.embed_tokens:
+        cases.append(Case(("embed", n), calls.embed_call(n)))
+    for r in grid.head_rows:
+        cases.append(Case(("head", r), calls.head_call(r)))
+    return cases
+
+
+def run_bench(cases: list[Case], bench: Bench, calls: ExecutorCalls, warmup_s: float, desc: str, progress) -> None:
+    """Warm the CPU up for ``warmup_s`` seconds, then time ``cases`` with ``bench`` (a
+    progress bar titled ``desc`` when ``progress``; None: when stderr is a terminal)."""
+    global_warmup(calls, warmup_s)
+    bar = progress_bar(planned_calls(len(cases), bench), desc, progress)
+    bench.progress = bar
+    try:
+        bench.run(cases)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def samples_from_cases(cases: list[Case], tol: float, bench: Bench, stats: dict | None, warn: bool = True) -> list:
+    """Profile samples from measured profile cases; ``stats`` receives how clean they were."""
+    unsettled = [k for k, c in enumerate(cases) if not c.settled(tol)]
+    clean = sum(len(c.clean) for c in cases) / max(1, sum(len(c.times) for c in cases))
+    info = {"repeats": sum(len(c.times) for c in cases), "clean_fraction": round(clean, 3),
+            "unsettled_cases": len(unsettled), "cases": len(cases), "out_of_time": bench.out_of_time,
+            "unsettled_index": unsettled}
+    if stats is not None:
+        stats.update(info)
+    if warn and (clean < 0.8 or len(unsettled) > len(cases) // 3):
+        log.warning("the CPU was busy with other work while profiling (%.0f%% of timed calls ran with no other "
+                    "task waiting for a CPU; %d of %d samples without two repeats within %.0f%%%s): the profile may "
+                    "be off; re-run `laser profile` on a quiet machine", 100 * clean, len(unsettled), len(cases),
+                    100 * tol, f"; the {bench.budget_s:g} s time budget ran out after {bench.rounds} rounds"
+                    if bench.out_of_time else "")
+    out = []
+    for cs in cases:
+        kind, *args = cs.key
+        t = cs.estimate()
+        if kind == "stateless":
+            out.append(StatelessSample(args[0], t))
+        elif kind == "attention":
+            out.append(AttentionSample(args[0], args[1], t))
+        elif kind == "layer":
+            out.append(LayerSample(args[0], args[1], t))
+        elif kind == "embed":
+            out.append(EmbedSample(args[0], t))
+        else:
+            out.append(HeadSample(args[0], t))
+    return out
+
+
+def collect_samples(runner: ModelRunner, grid: ProfileGrid | None = None, *, progress: bool | None = None,
+                    budget_s: float = 40.0, seed: int = 0, stats: dict | None = None, warn: bool = True) -> list:
+    """Time every grid point on ``runner`` (see the module docstring). Returns profile samples;
+    ``stats`` (when given) receives how clean the measurements were."""
+    runner = runner_of(runner)
+    grid = grid or default_grid(runner)
+    calls = ExecutorCalls(runner, seed)
+    with torch.inference_mode():
+        cases = profile_cases(calls, grid)
+        bench = Bench(grid.min_rounds, grid.max_rounds, grid.tol, budget_s=budget_s, seed=seed)
+        run_bench(cases, bench, calls, grid.warmup_s, "profiling", progress)
+    runner.bm.check_integrity()
+    return samples_from_cases(cases, grid.tol, bench, stats, warn=warn and grid.max_rounds > 1)
+
+
+def _sample_prediction(model: FittedLatencyModel, s) -> float:
+    if isinstance(s, StatelessSample):
+        return model.stateless_time(s.n_tokens)
+    if isinstance(s, AttentionSample):
+        return model.attention_time(s.query_lens, s.context_lens)
+    if isinstance(s, LayerSample):
+        return model.layer_time(s.query_lens, s.context_lens)
+    if isinstance(s, EmbedSample):
+        return model.embed_time(s.n_tokens)
+    return model.head_time(s.n_rows)
+
+
+def robust_fit(samples: list, unsettled: set[int], num_layers: int, metadata: dict,
+               ) -> tuple[FittedLatencyModel, int]:
+    """Fit, then drop *unsettled* samples (no two clean repeats agreed) that the fit puts far
+    below their measurement -- the signature of a call slowed by another process -- and
+    refit. Returns the model and how many samples were dropped."""
+    model = fit(samples, num_layers=num_layers, metadata=metadata, widths=PROFILE_WIDTHS)
+    if not unsettled:
+        return model, 0
+    resid = [_sample_prediction(model, s) / s.seconds - 1.0 for s in samples]
+    typical: dict[type, float] = {}
+    for t in {type(s) for s in samples}:
+        typical[t] = float(np.median([abs(r) for s, r in zip(samples, resid) if type(s) is t]))
+    drop = {k for k, (s, r) in enumerate(zip(samples, resid))
+            if k in unsettled and r < -max(0.15, 4 * typical[type(s)])}
+    for t in typical:  # never drop every sample of a kind
+        if all(k in drop for k, s in enumerate(samples) if type(s) is t):
+            drop -= {k for k, s in enumerate(samples) if type(s) is t}
+    if not drop:
+        return model, 0
+    kept = [s for k, s in enumerate(samples) if k not in drop]
+    return fit(kept, num_layers=num_layers, metadata=metadata, widths=PROFILE_WIDTHS), len(drop)
+
+
+def global_warmup(calls: ExecutorCalls, seconds: float = 1.0) -> None:
+    """Spin the CPU up and touch every layer's weights once before timing."""
+    t0 = time.perf_counter()
+    runs = [calls.stateless_call(64), calls.stateless_call(1)]
+    while time.perf_counter() - t0 < seconds:
+        for r in runs:
+            for _ in range(calls.num_layers):
+                r()
+
+
+def fit_profile(obj, samples: list, stats: dict, seconds: float, threads: int | None = None) -> FittedLatencyModel:
+    """:func:`robust_fit` of ``samples`` with the setup's metadata; ``stats`` (from
+    :func:`samples_from_cases`) goes to ``metadata["measurement"]``."""
+    runner = runner_of(obj)
+    meta = profile_metadata(obj, threads)
+    meta["profile_seconds"] = round(seconds, 2)
+    meta["pool_tokens"] = pool_tokens(runner)
+    model, dropped = robust_fit(samples, set(stats.pop("unsettled_index", ())), runner.num_layers, meta)
+    stats["dropped_outliers"] = dropped
+    model.metadata["measurement"] = stats
+    return model
+
+
+def profile(obj, path: str | os.PathLike | None = None, *, grid: ProfileGrid | None = None,
+            progress: bool | None = None, budget_s: float = 40.0, seed: int = 0,
+            threads: int | None = None) -> FittedLatencyModel:
+    """Profile ``obj`` (an Engine or a ModelRunner), fit, and save to ``path`` when given."""
+    t0 = time.perf_counter()
+    stats: dict = {}
+    samples = collect_samples(runner_of(obj), grid, progress=progress, budget_s=budget_s, seed=seed, stats=stats)
+    model = fit_profile(obj, samples, stats, time.perf_counter() - t0, threads)
+    if path is not None:
+        model.save(path)
+    return model
+
+
+def default_path(obj, threads: int | None = None) -> Path:
+    m = profile_metadata(obj, threads)
+    return default_profile_path(m["model_id"], m["dtype"], m["hardware"], m["threads"])
+
+
+def load_or_create(engine_or_model_runner, path: str | os.PathLike | None = None, create: bool = True, *,
+                   progress: bool | None = None, grid: ProfileGrid | None = None,
+                   budget_s: float = 40.0) -> FittedLatencyModel:
+    """The fitted latency model of this engine's setup: loaded from ``path`` (default:
+    :func:`default_profile_path` of model, dtype, hardware and threads) when present and
+    made for the same setup; otherwise profiled now and saved there.
+
+    A missing, unreadable, corrupt or mismatching file is logged (why, and that a new
+    profile is being made) and replaced; it never raises for that, unless
+    ``create=False``, which raises :class:`LatencyProfileError` instead of profiling.
+    A profile that cannot be saved is logged and still returned.
+    """
+    obj = engine_or_model_runner
+    runner = runner_of(obj)
+    meta = profile_metadata(obj)
+    path = Path(path) if path is not None else default_profile_path(
+        meta["model_id"], meta["dtype"], meta["hardware"], meta["threads"])
+    expect = {k: meta[k] for k in ("shape", "dtype", "hardware", "threads", "profiler_version")}
+    expect["num_layers"] = runner.num_layers
+    try:
+        model = FittedLatencyModel.load(path, **expect)
+        log.info("latency profile loaded from %s", path)
+        return model
+    except LatencyProfileError as e:
+        if not create:
+            raise
+        log.warning("%s -- profiling now (takes up to a minute)", e)
+    model = profile(obj, None, grid=grid, progress=progress, budget_s=budget_s)
+    try:
+        model.save(path)
+        log.info("latency profile saved to %s", path)
+    except OSError as e:
+        log.warning("cannot save the latency profile to %s (%s); using it for this run only", path, e)
+    return model
