@@ -11,7 +11,7 @@ so a change of the layer kernel is profiled as it is:
   kernel) on :class:`AttnMetadata` built by ``ModelRunner._build_metadata`` for fake works
   whose blocks are allocated in the block manager (and freed again);
 * **layer**: a whole :meth:`LlamaModel.forward_layer` call;
-* **embed** / **head**: what ``ModelRunner._join`` and ``_finish`` run (token-id tensor +
+* **embed** / **head**: what ``ModelRunner.join`` and ``_finish`` run (token-id tensor +
   embedding lookup; row gather + final norm + LM head + sampling).
 
 Calls rotate over the layers (as in a real pass, weights are not cache-hot).
@@ -72,7 +72,7 @@ class ExecutorCalls:
                 self.bm.allocate(rid, c, range(0, 1))
                 ids.append(rid)
                 works.append(Work(rid, c - q, q, 0, self.num_layers))
-            works.sort(key=lambda w: (w.num_tokens > 1, w.context_len if w.num_tokens == 1 else 0))  # as ModelRunner._join
+            works.sort(key=lambda w: (w.num_tokens > 1, w.context_len if w.num_tokens == 1 else 0))  # as ModelRunner.join
             return self.runner._build_metadata(works, range(0, self.num_layers))
         finally:
             for rid in ids:
