@@ -15,7 +15,7 @@ from laser.instance.messages import RequestInfo
 from laser.latency import SimpleLatencyModel
 from laser.instance.core import Handoff
 from laser.request import SLO, Phase, Request, SamplingParams
-from laser.scheduler.laser import DecodeCandidate, latency_increment
+from laser.scheduler.decode_plan import DecodeCandidate, latency_increment
 from laser.sim.cluster_instance import SimClusterInstance
 
 N = 4

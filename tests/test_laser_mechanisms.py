@@ -11,7 +11,7 @@ from laser.config import SchedulerConfig
 from laser.latency import SimpleLatencyModel
 from laser.metrics import RequestRecord
 from laser.request import SLO, Request, SamplingParams
-from laser.scheduler.laser import DecodePlan
+from laser.scheduler.decode_plan import DecodePlan
 from laser.sim import SimInstance
 
 N = 30

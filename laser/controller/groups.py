@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..scheduler.laser import _largest
+from ..scheduler.base import largest
 
 
 @dataclass
@@ -108,7 +108,7 @@ class GroupManager:
         def ok(b: int) -> bool:
             return self.lm.predict_decode_iteration([c] * b) <= self.margin * tbt
 
-        return _largest(1, min(limit, 4096), ok) or 1
+        return largest(1, min(limit, 4096), ok) or 1
 
     def throughput(self, g: Group) -> float:
         """μ_g, requests/s one instance finishes at its largest SLO-compliant batch."""

@@ -1,0 +1,230 @@
+"""Layer-level decode plans (PPoPP'26 §6.2): the (L, O) plan of a request, the per-layer load
+model Alg. 1 prices plans with, Alg. 1 itself and Alg. 2's ``LatencyIncrement`` as pure
+functions. The Laser scheduler (:mod:`laser.scheduler.laser`) and the controller's instances
+(:mod:`laser.instance.state`) share them; neither copies the other. Torch-free.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..latency import LatencyModel
+from ..request import SLO
+from .base import ceil_div
+
+
+@dataclass(slots=True)
+class DecodePlan:
+    """Alg. 1 plan of one decode request: L layers per iteration, offset O."""
+
+    layers: int  # L
+    offset: int  # O
+
+    def groups(self, n: int) -> int:
+        return ceil_div(n, self.layers)
+
+
+class _LayerLoad:
+    """Decode requests per layer over the next ``HORIZON`` iterations, for Alg. 1.
+
+    Layer j of iteration (now + h) runs ``full + partial[h][j]`` decode requests: ``full``
+    counts full-depth requests, ``partial`` the reduced ones (L < N). A layer's time is
+    priced by the latency model for that many decode tokens at the batch's mean context
+    (memoised), so trying an offset costs O(HORIZON·L), not a re-simulation. Exact for K in
+    {1, 2, 3, 4, 6, 12}; an approximation of the worst iteration otherwise.
+    """
+
+    HORIZON = 12
+
+    def __init__(self, lm: LatencyModel, num_layers: int, iteration: int, reqs: list, plans: dict[str, DecodePlan]):
+        self.n = num_layers
+        self.it0 = iteration
+        ctx = round(sum(r.num_tokens for r in reqs) / max(1, len(reqs)))
+        memo: dict[int, float] = {0: 0.0}
+
+        def layer(c: int) -> float:
+            t = memo.get(c)
+            if t is None:
+                t = memo[c] = lm.layer_time((1,) * c, (ctx,) * c)
+            return t
+
+        self.layer = layer
+        self.const = lm.embed_time(len(reqs)) + lm.head_time(len(reqs))
+        self.full = 0
+        self.partial = [[0] * self.n for _ in range(self.HORIZON)]
+        self.times: list[float] | None = None  # per iteration; None = recompute
+        self._row_memo: dict[tuple, float] = {}  # (full, row) -> that iteration's layer time
+        for r in reqs:
+            self.add(plans[r.req_id])
+
+    def _span(self, p: DecodePlan, h: int) -> tuple[int, int]:
+        k = p.groups(self.n)
+        g = (self.it0 + h - p.offset - 1) % k + 1  # the group that runs in this iteration
+        return (g - 1) * p.layers, min(self.n, g * p.layers)
+
+    def _times(self) -> list[float]:
+        if self.times is None:
+            f, lt, memo = self.full, self.layer, self._row_memo
+            times = []
+            for row in self.partial:  # rows repeat (every request full depth: all zero)
+                key = (f, tuple(row))
+                t = memo.get(key)
+                if t is None:
+                    t = memo[key] = sum(lt(f + c) for c in row)
+                times.append(t)
+            self.times = times
+        return self.times
+
+    def _delta(self, p: DecodePlan, h: int, d: int) -> float:
+        a, b = self._span(p, h)
+        row, lt, f = self.partial[h], self.layer, self.full
+        return sum(lt(f + row[j] + d) - lt(f + row[j]) for j in range(a, b))
+
+    def add(self, p: DecodePlan, d: int = 1) -> None:
+        if p.layers >= self.n:
+            self.full += d
+            self.times = None
+            return
+        times = self.times
+        for h in range(self.HORIZON):
+            if times is not None:
+                times[h] += self._delta(p, h, d)
+            a, b = self._span(p, h)
+            row = self.partial[h]
+            for j in range(a, b):
+                row[j] += d
+
+    def remove(self, p: DecodePlan) -> None:
+        self.add(p, -1)
+
+    def predict(self) -> float:
+        return max(self._times()) + self.const
+
+    def best_offset(self, L: int) -> DecodePlan:
+        """Offset for a new plan with L layers that minimises the worst iteration (load balance)."""
+        times = self._times()
+        best, best_t = None, math.inf
+        for o in range(ceil_div(self.n, L)):
+            p = DecodePlan(L, o)
+            t = max(times[h] + self._delta(p, h, 1) for h in range(self.HORIZON))
+            if t < best_t - 1e-12:
+                best, best_t = p, t
+        return best
+
+
+# -- Alg. 1 and Alg. 2 lines 1-9 as pure functions (the scheduler and the controller's
+# LatencyIncrement share them; neither copies the other) -----------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeCandidate:
+    """A request about to join a decode instance, as Alg. 1 sees it: ``num_tokens`` is its
+    context (prompt + the first token), ``slo`` its targets (only ``slo.tbt`` is used)."""
+
+    req_id: str
+    num_tokens: int
+    slo: SLO
+
+
+def exec_plan(lm: LatencyModel, num_layers: int, iteration: int, decoding: list, plans: dict[str, DecodePlan],
+              target_factor: float = 1.0) -> tuple[dict[str, DecodePlan], float, "_LayerLoad | None"]:
+    """Algorithm 1 (PPoPP'26 §6.2.2), ``ExecPlan(N, R, L, O, R*)``: plans for ``decoding``.
+
+    ``decoding``: requests (or :class:`DecodeCandidate`) with ``req_id``, ``num_tokens``,
+    ``slo``; a request without a plan in ``plans`` is new (``L = N, O = 0``). T_g is the
+    tightest TBT target that can be met at all (:func:`tbt_infeasible`); Alg. 1 plans
+    iterations to ``T_g * target_factor`` seconds:
+    while too slow, the most relaxed full-depth request drops to ``ceil(N*T_g/SLO_r)``
+    layers per iteration at the least-loaded offset; while there is headroom, the
+    strictest reduced request is restored to ``L = N`` (reverted and stop if that breaks
+    the target). Returns ``(plans, T_g, load)``; ``load`` (None when no request has a TBT
+    target) prices the returned plans (:meth:`_LayerLoad.predict`, seconds). Pure: the
+    input ``plans`` dict is not changed.
+    """
+    n = num_layers
+    plans = {r.req_id: plans.get(r.req_id, DecodePlan(n, 0)) for r in decoding}
+    # A TBT target that even an iteration of this request alone misses cannot be met by
+    # cutting iterations for it: it runs at full depth, as fast as possible, and T_g comes
+    # from the targets that can be met (Laser would otherwise halve throughput for nobody).
+    t_g = min((r.slo.tbt_or_inf for r in decoding if not tbt_infeasible(lm, r)), default=math.inf)
+    if t_g == math.inf:
+        return {rid: DecodePlan(n, 0) for rid in plans}, t_g, None
+    target = t_g * target_factor
+    load = _LayerLoad(lm, n, iteration, decoding, plans)
+    # relax: the most relaxed full-depth request first
+    relaxable = sorted(
+        (r for r in decoding if plans[r.req_id].layers >= n and r.slo.tbt_or_inf > t_g),
+        key=lambda r: -r.slo.tbt_or_inf,
+    )
+    for r in relaxable:
+        if load.predict() <= target:
+            break
+        slo = r.slo.tbt_or_inf
+        L = 1 if slo == math.inf else max(1, math.ceil(n * t_g / slo))  # best effort: 1 layer
+        if L >= n:
+            continue
+        load.remove(plans[r.req_id])
+        plans[r.req_id] = load.best_offset(L)
+        load.add(plans[r.req_id])
+    # restore: the strictest reduced request first; revert (and stop) if it breaks the target
+    reduced = sorted((r for r in decoding if plans[r.req_id].layers < n), key=lambda r: r.slo.tbt_or_inf)
+    for r in reduced:
+        if load.predict() >= target:
+            break
+        old = plans[r.req_id]
+        load.remove(old)
+        load.add(DecodePlan(n, 0))
+        if load.predict() > target:
+            load.remove(DecodePlan(n, 0))
+            load.add(old)
+            break
+        plans[r.req_id] = DecodePlan(n, 0)
+    return plans, t_g, load
+
+
+def tbt_infeasible(lm: LatencyModel, r) -> bool:
+    """Whether ``r``'s TBT target is missed even by a decode iteration of ``r`` alone
+    (every layer, its context; seconds from the latency model)."""
+    tbt = r.slo.tbt
+    return tbt is not None and lm.predict_decode_iteration((r.num_tokens,)) > tbt
+
+
+@dataclass(frozen=True, slots=True)
+class Increment:
+    """Answer of :func:`latency_increment`: ``value`` (seconds of aggregate TBT, inf when
+    the strictest TBT would break), ``iter_before``/``iter_after`` (predicted worst
+    iteration, seconds), ``t_g_after`` (tightest TBT with the candidate, seconds)."""
+
+    value: float
+    iter_before: float
+    iter_after: float
+    t_g_after: float
+
+
+def latency_increment(lm: LatencyModel, num_layers: int, iteration: int, decoding: list,
+                      plans: dict[str, DecodePlan], candidate, target_factor: float = 1.0) -> Increment:
+    """``LatencyIncrement(r*, d)``, Algorithm 2 lines 1-9 (PPoPP'26 §7.2.1), on copies.
+
+    ``Iter`` = predicted worst iteration of the current plans; Alg. 1 (:func:`exec_plan`)
+    with ``candidate`` added gives ``(L*, O*, Iter*, T_g*)``. If ``Iter* > T_g*`` (times
+    ``target_factor``, the fraction the scheduler plans to), or the candidate's own TBT target
+    is out of reach even alone here (:func:`tbt_infeasible`), the answer is inf; else
+    ``sum_{r in R*} Iter*·ceil(N/L*_r) - sum_{r in R} Iter·ceil(N/L_r)`` seconds (each
+    request's TBT is its iteration time times its iterations per token). Memory is the
+    instance's check, not this function's.
+    """
+    n = num_layers
+    cur = {r.req_id: plans.get(r.req_id, DecodePlan(n, 0)) for r in decoding}
+    if decoding:
+        it = _LayerLoad(lm, n, iteration, decoding, cur).predict()
+        before = sum(it * p.groups(n) for p in cur.values())
+    else:
+        it = before = 0.0
+    reqs = list(decoding) + [candidate]
+    new, t_g, load = exec_plan(lm, n, iteration, reqs, cur, target_factor)
+    it_star = (load if load is not None else _LayerLoad(lm, n, iteration, reqs, new)).predict()
+    if it_star > t_g * target_factor or tbt_infeasible(lm, candidate):
+        return Increment(math.inf, it, it_star, t_g)
+    after = sum(it_star * p.groups(n) for p in new.values())
+    return Increment(after - before, it, it_star, t_g)
