@@ -18,7 +18,7 @@ from typing import Callable
 from .config import SchedulerConfig
 from .detokenizer import OutputText
 from .intermediate_cache import IntermediateCache
-from .model.loader import load_tokenizer, resolve_model
+from .model.loader import load_config, load_tokenizer, resolve_model
 from .instance.core import Handoff, make_scheduler
 from .instance.model_instance import ModelInstance
 from .request import SLO, InvalidRequestError, Request, SamplingParams
@@ -76,7 +76,9 @@ class Engine(ModelInstance):
     """
 
     def __init__(self, model: str | None = None, slo_classes: SLOClasses | None = None, **kwargs):
-        self.tokenizer = load_tokenizer(resolve_model(model))
+        path = resolve_model(model)
+        load_config(path)  # a bad config is reported as such, before the tokenizer trips over it
+        self.tokenizer = load_tokenizer(path)
         eos = () if self.tokenizer.eos_token_id is None else (self.tokenizer.eos_token_id,)
         super().__init__(model, extra_eos_ids=eos, **kwargs)
         self.slo_classes = slo_classes or SLOClasses.load()
