@@ -39,7 +39,8 @@ from prometheus_client import Counter, Gauge
 
 from ..request import SLO
 from ..store import BatchStore
-from .estimate import cold_key, is_urgent, job_seconds, may_start, parse_window, progress_share, request_seconds, start_by
+from .estimate import (cold_key, is_urgent, job_concurrency, job_seconds, may_start, parse_window, progress_share,
+                       request_seconds, start_by)
 from .jobs import ENDPOINTS, error_record, max_tokens_of, parse_lines, prompt_of
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class _Job:
     done_work_s: float = 0.0
     cancelling: bool = False
     urgent: bool = False  # behind its deadline at the share it got: priority until it ends
+    latency_s: list = field(default_factory=list)  # start to finish of its finished lines (s)
 
     @property
     def remaining_work_s(self) -> float:
@@ -307,16 +309,23 @@ class BatchManager:
                 self._finalize(job.id, "completed")
                 continue
             urgent = self._urgent(job, now)
+            cold_started = 0  # started this turn: not yet streams of the engine
+            lat = sum(job.latency_s) / len(job.latency_s) if job.latency_s else None
+            conc = job_concurrency(self.concurrency, urgent, len(job.pending) + len(job.inflight), lat,
+                                   job.deadline - now)
             while job.pending and now >= self._retry_at and may_start(
                     urgent=urgent, interactive_waiting=busy, queued=self.ae.num_queued,
-                    max_waiting=self.ae.max_waiting, inflight=inflight, concurrency=self.concurrency):
+                    max_waiting=self.ae.max_waiting, inflight=inflight, concurrency=conc,
+                    cold_queued=self.ae.queued_of_tier("cold") + cold_started):
                 row = job.pending.popleft()
+                cold_started += 1
                 job.inflight[row["line"]] = asyncio.ensure_future(self._run_line(job, row))
                 inflight += 1
             self._update_gauges(job)
 
     async def _run_line(self, job: _Job, row: dict) -> None:
         line = row["line"]
+        t_start = time.time()
         base = self.ae.slo_classes.classes.get("batch") or SLO(name="batch", tier="cold")
         now = time.time()
         hot = [c.ttft for c in self.ae.slo_classes.classes.values() if c.tier == "hot" and c.ttft is not None]
@@ -354,6 +363,7 @@ class BatchManager:
         record = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": row["custom_id"],
                   "response": {"status_code": r.status_code, "request_id": r.headers.get("x-request-id"),
                                "body": body}, "error": None}
+        job.latency_s.append(time.time() - t_start)
         self._record(job, row, "completed" if r.status_code == 200 else "failed", record)
 
     def _record(self, job: _Job, row: dict, state: str, record: dict) -> None:
