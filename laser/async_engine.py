@@ -352,6 +352,10 @@ class AsyncEngine:
         return sum(len(s.prompt_token_ids) for s in self._streams.values()
                    if not s.first_token_seen and s.admission.slo.tier in ("hot", "warm"))
 
+    def queued_of_tier(self, tier: str) -> int:
+        """Accepted requests of SLO tier ``tier`` without a first token (event loop)."""
+        return sum(1 for s in self._streams.values() if not s.first_token_seen and s.admission.slo.tier == tier)
+
     def submit(
         self,
         prompt_token_ids: list[int],

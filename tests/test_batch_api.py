@@ -122,6 +122,14 @@ def test_openai_client_round_trip(live, client):
     assert f'laser:batch_requests{{batch_id="{b.id}",model_name="tiny",state="completed"}} 6.0' in text
     assert 'laser:batch_jobs_total{model_name="tiny",outcome="met_deadline"}' in text
     assert f'laser:batch_deadline_met{{batch_id="{b.id}",model_name="tiny"}} 1.0' in text
+    # DELETE /v1/files/{id}: gone for retrieve and content, a second delete is a 404; the batch stays
+    d = client.files.delete(f.id)
+    assert d.id == f.id and d.deleted
+    for call in (client.files.retrieve, client.files.content, client.files.delete):
+        with pytest.raises(openai.NotFoundError):
+            call(f.id)
+    assert client.batches.retrieve(b.id).status == "completed"
+    assert client.files.content(b.output_file_id).text.count("\n") == 6
 
 
 def test_chat_batch(client):

@@ -13,8 +13,10 @@ Scheduling (kept out of the torch-free schedulers except for one queue key):
   behind hot, warm and best-effort work; as the slack runs out it overtakes them;
 * the runner keeps at most ``concurrency`` lines in flight, starts none while the engine's
   waiting queue is half full, and starts none while hot or warm prompts wait for a first token
-  unless the job is urgent (its start-by time has passed) -- cold work fills the capacity that
-  hot and warm targets leave.
+  unless the job is urgent (its remaining work at the share of the machine it has been getting
+  would miss its deadline; :func:`laser.batch.estimate.is_urgent`) -- cold work fills the
+  capacity that hot and warm targets leave. An urgent job's lines get the key
+  :func:`laser.batch.estimate.cold_key` (ahead of warm and best-effort work).
 
 Durability: :class:`laser.store.BatchStore`; after a restart the jobs that were in progress
 resume with their unfinished lines (a line in flight at the crash runs again; its result was
@@ -37,7 +39,8 @@ from prometheus_client import Counter, Gauge
 
 from ..request import SLO
 from ..store import BatchStore
-from .estimate import job_seconds, parse_window, request_seconds, start_by
+from .estimate import (cold_key, is_urgent, job_concurrency, job_seconds, may_start, parse_window, progress_share,
+                       request_seconds, start_by)
 from .jobs import ENDPOINTS, error_record, max_tokens_of, parse_lines, prompt_of
 
 log = logging.getLogger(__name__)
@@ -67,6 +70,8 @@ class _Job:
     started: float = field(default_factory=time.time)  # this process's start on the job
     done_work_s: float = 0.0
     cancelling: bool = False
+    urgent: bool = False  # behind its deadline at the share it got: priority until it ends
+    latency_s: list = field(default_factory=list)  # start to finish of its finished lines (s)
 
     @property
     def remaining_work_s(self) -> float:
@@ -261,9 +266,17 @@ class BatchManager:
     def predicted_finish(self, job: _Job) -> float:
         """Now plus the remaining work at the rate the job has been getting (whole machine at first)."""
         now = time.time()
-        elapsed = now - job.started
-        share = job.done_work_s / elapsed if job.done_work_s > 0 and elapsed > 0 else 1.0
-        return now + job.remaining_work_s / max(share, 1e-3)
+        return now + job.remaining_work_s / max(self._share(job, now), 1e-3)
+
+    def _share(self, job: _Job, now: float) -> float:
+        return progress_share(job.done_work_s, now - job.started, job.deadline - job.started)
+
+    def _urgent(self, job: _Job, now: float) -> bool:
+        """Latched: once behind, a job keeps its priority until it ends (the share it gets with
+        priority would otherwise make it look on time again, and it would fall back and forth)."""
+        if not job.urgent:
+            job.urgent = is_urgent(now, job.deadline, job.remaining_work_s, self._share(job, now))
+        return job.urgent
 
     def _start_by(self, job: _Job) -> float:
         return start_by(job.deadline, job.remaining_work_s)
@@ -295,18 +308,29 @@ class BatchManager:
             if not job.pending and not job.inflight:
                 self._finalize(job.id, "completed")
                 continue
-            urgent = self._start_by(job) <= now
-            while (job.pending and inflight < self.concurrency and now >= self._retry_at
-                   and self.ae.num_queued < max(1, self.ae.max_waiting // 2) and (urgent or not busy)):
+            urgent = self._urgent(job, now)
+            cold_started = 0  # started this turn: not yet streams of the engine
+            lat = sum(job.latency_s) / len(job.latency_s) if job.latency_s else None
+            conc = job_concurrency(self.concurrency, urgent, len(job.pending) + len(job.inflight), lat,
+                                   job.deadline - now)
+            while job.pending and now >= self._retry_at and may_start(
+                    urgent=urgent, interactive_waiting=busy, queued=self.ae.num_queued,
+                    max_waiting=self.ae.max_waiting, inflight=inflight, concurrency=conc,
+                    cold_queued=self.ae.queued_of_tier("cold") + cold_started):
                 row = job.pending.popleft()
+                cold_started += 1
                 job.inflight[row["line"]] = asyncio.ensure_future(self._run_line(job, row))
                 inflight += 1
             self._update_gauges(job)
 
     async def _run_line(self, job: _Job, row: dict) -> None:
         line = row["line"]
+        t_start = time.time()
         base = self.ae.slo_classes.classes.get("batch") or SLO(name="batch", tier="cold")
-        key = self.ae.engine.clock() + (self._start_by(job) - time.time())  # engine clock
+        now = time.time()
+        hot = [c.ttft for c in self.ae.slo_classes.classes.values() if c.tier == "hot" and c.ttft is not None]
+        key_wall = cold_key(now, job.deadline, job.remaining_work_s, self._urgent(job, now), max(hot, default=0.0))
+        key = self.ae.engine.clock() + (key_wall - now)  # engine clock
         token = uuid.uuid4().hex
         self.gen.batch_slos[token] = dataclasses.replace(base, deadline=key)
         from ..server.generation import BATCH_SLO_HEADER
@@ -339,6 +363,7 @@ class BatchManager:
         record = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": row["custom_id"],
                   "response": {"status_code": r.status_code, "request_id": r.headers.get("x-request-id"),
                                "body": body}, "error": None}
+        job.latency_s.append(time.time() - t_start)
         self._record(job, row, "completed" if r.status_code == 200 else "failed", record)
 
     def _record(self, job: _Job, row: dict, state: str, record: dict) -> None:

@@ -128,6 +128,12 @@ def register(subparsers) -> None:
                    help="simulator clock: fitted profile (auto: when laser.profiler exists) or roofline estimate")
     t.add_argument("--sim-hardware", default="cpu-2core",
                    help="hardware table entry for --sim-latency analytic and --cluster (there default a100)")
+    b = p.add_argument_group("background batch job (cold tier, issue 14)")
+    b.add_argument("--batch-requests", type=int, default=None,
+                   help="run each target at --request-rate alone and beside a batch job of this many requests")
+    b.add_argument("--batch-window", type=_rate, default=600.0, help="the job's completion window (s)")
+    b.add_argument("--batch-concurrency", type=int, default=8, help="job requests in flight at most (engine/sim)")
+    b.add_argument("--batch-repeats", type=int, default=1, help="alone/with-job pairs per target, alternating")
     c = p.add_argument_group("simulated cluster (global controller, SIMULATED)")
     c.add_argument("--cluster", default=None,
                    help="simulate a cluster: 8P8D (prefill+decode instances) or 16M (mixed); needs --sim")
@@ -445,6 +451,8 @@ def cmd_bench(args) -> int:
     if args.base_url and args.sim:
         raise ValueError("--base-url and --sim are exclusive")
     search = args.goodput or (args.request_rate is None and args.trace is None)
+    if args.batch_requests and (search or getattr(args, "cluster", None)):
+        raise ValueError("--batch-requests needs --request-rate (one rate, no goodput search) and no --cluster")
     shown = parse_policies(args.policy or DEFAULT_POLICIES)
     if not args.base_url:
         shown = with_best_baseline(shown, search, auto=not args.no_auto_best)
@@ -513,6 +521,10 @@ def cmd_bench(args) -> int:
         return res, sw
 
     bench = make_bench(requests, slos)
+    if args.batch_requests:
+        from laser.bench.batchjob import bench_batch_job
+
+        return bench_batch_job(args, bench, lm, tokenizer, max_len, tag)
     results_gp = None
     range_note = None
     budget_sweeps = {}
@@ -560,6 +572,8 @@ def cmd_bench(args) -> int:
             sweeps["mix"][m.strip()] = {lb: g.goodput_rps for lb, g in res.items()}
             sweeps.setdefault("mix_best_budget", {})[m.strip()] = {lb: bs.best_budget for lb, bs in sw.items()}
     if args.sweep_cluster and search and getattr(args, "cluster", None):
+        from laser.bench.cluster import sweep_cluster
+
         sweeps["cluster_gpus"] = sweep_cluster(args, targets, requests, slos, lo, hi, grid, steps, make_bench, tag,
                                                time_cap)
     if bar is not None:
@@ -634,25 +648,3 @@ def cmd_bench(args) -> int:
         print("plots: " + ", ".join(str(p) for p in paths))
     return 0
 
-
-def sweep_cluster(args, targets, requests, slos, lo, hi, grid, steps, make_bench, tag, time_cap) -> dict:
-    """Goodput per cluster size (GPUs): ``GPUs / tp`` instances, split in half P:D
-    (prefill the smaller half) for disaggregated controllers, all mixed otherwise."""
-    from laser.bench.cluster import ClusterTarget
-    from laser.sim.cluster import ClusterSpec
-
-    out = {}
-    for g in (int(x) for x in _floats(args.sweep_cluster)):
-        n = g // next(iter(targets.values())).config.tp
-        if n < 2:
-            print(f"-- {g} GPUs: fewer than 2 instances, skipped{tag}")
-            continue
-        spec = ClusterSpec(num_mixed=n)
-        print(f"-- cluster {g} GPUs ({n} instances){tag}")
-        sized = {lb: ClusterTarget(t.controller, spec, t.config, lb) for lb, t in targets.items()}
-        b = make_bench(requests, slos)
-        b.targets = sized
-        res = b.goodput(lo * n / ClusterSpec.parse(args.cluster).total, hi * n / ClusterSpec.parse(args.cluster).total,
-                        grid, steps, full_grid=args.full_grid, max_doublings=args.max_doublings, time_cap_s=time_cap)
-        out[str(g)] = {lb: r.goodput_rps for lb, r in res.items()}
-    return out

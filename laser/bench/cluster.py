@@ -111,3 +111,25 @@ def build_cluster_targets(args) -> tuple[dict, object]:
     if len(set(names)) != len(names) or not names:
         raise ValueError(f"bad --controller list {args.controller!r}")
     return {n: ClusterTarget(n, spec, cfg) for n in names}, cfg
+
+
+def sweep_cluster(args, targets, requests, slos, lo, hi, grid, steps, make_bench, tag, time_cap) -> dict:
+    """Goodput per cluster size (GPUs): ``GPUs / tp`` instances, split in half P:D
+    (prefill the smaller half) for disaggregated controllers, all mixed otherwise."""
+    from laser.sim.cluster import ClusterSpec
+
+    out = {}
+    for g in (int(float(x)) for x in args.sweep_cluster.split(",") if x.strip()):
+        n = g // next(iter(targets.values())).config.tp
+        if n < 2:
+            print(f"-- {g} GPUs: fewer than 2 instances, skipped{tag}")
+            continue
+        spec = ClusterSpec(num_mixed=n)
+        print(f"-- cluster {g} GPUs ({n} instances){tag}")
+        sized = {lb: ClusterTarget(t.controller, spec, t.config, lb) for lb, t in targets.items()}
+        b = make_bench(requests, slos)
+        b.targets = sized
+        res = b.goodput(lo * n / ClusterSpec.parse(args.cluster).total, hi * n / ClusterSpec.parse(args.cluster).total,
+                        grid, steps, full_grid=args.full_grid, max_doublings=args.max_doublings, time_cap_s=time_cap)
+        out[str(g)] = {lb: r.goodput_rps for lb, r in res.items()}
+    return out

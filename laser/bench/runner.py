@@ -57,6 +57,14 @@ class RunOutput:
     wall_s: float
     # stopped once the attainment was certain to fall below ``stop_below`` (the rest aborted)
     early_stopped: bool = False
+    # seconds the machine spent executing steps, and the span they are a fraction of (engine:
+    # wall clock of the run; sim: virtual time), None when not known (a remote server)
+    busy_s: float | None = None
+    span_s: float | None = None
+
+    @property
+    def busy_fraction(self) -> float | None:
+        return self.busy_s / self.span_s if self.busy_s is not None and self.span_s else None
 
 
 def is_certain_miss(rec: RequestRecord, now: float) -> bool:
@@ -169,7 +177,10 @@ class EngineTarget(Target):
                 "latency_model": type(self.lm).__name__ if self.lm is not None else "policy default",
                 "scheduler": {**dataclasses.asdict(e.scheduler_config), "policy": self.policy, **self.overrides}}
 
-    def run(self, requests, slos, timeout_s=None, progress=False, stop_below=None) -> RunOutput:
+    def run(self, requests, slos, timeout_s=None, progress=False, stop_below=None, background=None) -> RunOutput:
+        """(See :meth:`Target.run`.) ``background``: a
+        :class:`~laser.bench.batchjob.JobDispatcher` whose requests run beside ``requests``
+        (single engine only); the run lasts until it has none left (or ``timeout_s``)."""
         from laser.online import TimedRequest, run_online
 
         for e in self.engines:
@@ -186,7 +197,11 @@ class EngineTarget(Target):
             if misses.allowed is not None and misses.decided([record_from_request(resolve(r)) for r in target.added], clock()):
                 raise _Decided
 
-        target = _Tap(inner, check)
+        if background is not None:
+            if self.pair is not None:
+                raise ValueError("a background batch job runs on a single engine, not a disaggregated pair")
+            background.attach(self._job_adder(), self.engine.scheduler, clock, f"{self.label}-{self.runs}")
+        target = _Tap(inner, check, background)
         stream = []
         for i, wr in enumerate(requests):
             sp = SamplingParams(max_tokens=wr.output_len, temperature=0.0, ignore_eos=True)
@@ -211,7 +226,10 @@ class EngineTarget(Target):
         finally:
             if bar is not None:
                 bar.close()
+            if background is not None:
+                background.abort_unfinished(inner.abort)
         wall = time.perf_counter() - t_start
+        span = clock() - t0
         by_id = {r.req_id: resolve(r) for r in target.added}
         records = []
         for i, (it, wr) in enumerate(zip(stream, requests)):
@@ -219,7 +237,13 @@ class EngineTarget(Target):
             records.append(record_from_request(r) if r is not None else missing_record(i, wr, _slo_for(slos, wr.slo_class), t0))
         for e in self.engines:
             e.check_integrity(expect_empty=True)
-        return RunOutput(records, _summary_duration(records), wall, stopped)
+        return RunOutput(records, _summary_duration(records), wall, stopped, target.busy_s, span)
+
+    def _job_adder(self):
+        def add(req_id: str, wr: WorkloadRequest, slo: SLO, now: float):
+            sp = SamplingParams(max_tokens=wr.output_len, temperature=0.0, ignore_eos=True)
+            return self.engine.add_request(self._encode(wr.prompt), sp, slo, req_id=req_id, arrival_time=now)
+        return add
 
     def warmup(self) -> None:
         warm = [WorkloadRequest("best_effort", "Warm up the engine with a short prompt, please.", 12, 4, 0.0),
@@ -229,20 +253,32 @@ class EngineTarget(Target):
 
 class _Tap:
     """What :func:`run_online` drives: the engine (or pair), plus a list of every request
-    added and a check after every step (which may raise :class:`_Decided`)."""
+    added, a check after every step (which may raise :class:`_Decided`), the seconds spent in
+    steps (``busy_s``), and an optional background job dispatched before every step (the run
+    goes on while it has requests left)."""
 
-    def __init__(self, inner, check: Callable[[], None]):
+    def __init__(self, inner, check: Callable[[], None], background=None):
         object.__setattr__(self, "_inner", inner)
         object.__setattr__(self, "_check", check)
+        object.__setattr__(self, "_background", background)
         object.__setattr__(self, "added", [])
+        object.__setattr__(self, "busy_s", 0.0)
 
     def add_request(self, *args, **kwargs):
         req = self._inner.add_request(*args, **kwargs)
         self.added.append(req)
         return req
 
+    def has_unfinished(self) -> bool:
+        bg = self._background
+        return self._inner.has_unfinished() or (bg is not None and bg.has_work())
+
     def step(self):
+        if self._background is not None:
+            self._background.dispatch()
+        t = time.perf_counter()
         out = self._inner.step()
+        object.__setattr__(self, "busy_s", self.busy_s + time.perf_counter() - t)
         self._check()
         return out
 
@@ -327,23 +363,29 @@ class SimTarget(Target):
         return SimInstance(self.policy, self.num_layers, self.lm, cfg, num_blocks=self.num_blocks,
                    block_size=self.block_size, icache_tokens=icache)
 
-    def run(self, requests, slos, timeout_s=None, progress=False, stop_below=None) -> RunOutput:
-        """(Virtual time is cheap: ``stop_below`` is ignored and every run goes to the end.)"""
+    def run(self, requests, slos, timeout_s=None, progress=False, stop_below=None, background=None) -> RunOutput:
+        """(Virtual time is cheap: ``stop_below`` is ignored and every run goes to the end.)
+        ``background``: a :class:`~laser.bench.batchjob.JobDispatcher` run beside ``requests``
+        (not disaggregated)."""
         t_start = time.perf_counter()
-        reqs = []
-        for i, wr in enumerate(requests):
-            reqs.append(Request(prompt_token_ids=[1] * wr.prompt_len,
-                                sampling_params=SamplingParams(max_tokens=wr.output_len, temperature=0.0,
-                                                               ignore_eos=True),
-                                slo=_slo_for(slos, wr.slo_class), arrival_time=wr.arrival_time,
-                                req_id=f"{self.label}-{i}"))
+        reqs = [_sim_request(wr, _slo_for(slos, wr.slo_class), wr.arrival_time, f"{self.label}-{i}")
+                for i, wr in enumerate(requests)]
         until = math.inf if timeout_s is None else timeout_s
+        if background is not None and self.disaggregated:
+            raise ValueError("a background batch job runs on a mixed instance, not a disaggregated pair")
         if not self.disaggregated:
             sim = self._sim("mixed", self.icache_tokens)
             for r in reqs:
                 sim._arrivals.append(r)
             sim._arrivals.sort(key=lambda r: r.arrival_time)
-            sim.run(until=until, max_steps=5_000_000)
+            if background is not None:
+                background.attach(_sim_job_adder(sim), sim.scheduler, sim.clock, self.label)
+            try:
+                sim.run(until=until, max_steps=5_000_000,
+                        before_step=background.dispatch if background is not None else None)
+            finally:
+                if background is not None:
+                    background.abort_unfinished(sim.abort)
             self.last_sims = [sim]
             final = reqs
         else:
@@ -357,7 +399,25 @@ class SimTarget(Target):
         if all(r.finished for r in records):
             for s in self.last_sims:
                 s.scheduler.check_integrity(expect_empty=True)
-        return RunOutput(records, _summary_duration(records), time.perf_counter() - t_start)
+        busy = sum(s.stats.busy_s for s in self.last_sims)
+        span = max(s.clock.t for s in self.last_sims) * len(self.last_sims)
+        return RunOutput(records, _summary_duration(records), time.perf_counter() - t_start, busy_s=busy, span_s=span)
+
+
+def _sim_request(wr: WorkloadRequest, slo: SLO, arrival: float, req_id: str) -> Request:
+    """A simulated request of ``wr``'s lengths (dummy token ids; greedy, ``ignore_eos``)."""
+    return Request(prompt_token_ids=[1] * wr.prompt_len,
+                   sampling_params=SamplingParams(max_tokens=wr.output_len, temperature=0.0, ignore_eos=True),
+                   slo=slo, arrival_time=arrival, req_id=req_id)
+
+
+def _sim_job_adder(sim):
+    """``add(req_id, workload request, slo, now)`` for a batch job's requests on ``sim``."""
+    def add(req_id: str, wr: WorkloadRequest, slo: SLO, now: float) -> Request:
+        req = _sim_request(wr, slo, now, req_id)
+        sim.add_request(req)
+        return req
+    return add
 
 
 # --------------------------------------------------------------------------------------- client

@@ -63,6 +63,12 @@ def router(mgr: BatchManager) -> APIRouter:
     async def get_file(file_id: str):
         return file_or_404(file_id)
 
+    @router.delete("/v1/files/{file_id}")
+    async def delete_file(file_id: str):
+        if not store.delete_file(file_id):
+            raise APIError(404, f"no file with id {file_id!r}", "file_not_found", "file_id")
+        return {"id": file_id, "object": "file", "deleted": True}
+
     @router.get("/v1/files/{file_id}/content")
     async def file_content(file_id: str):
         obj = file_or_404(file_id)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ..block_manager import BlockManager, OutOfBlocksError
 from ..config import SchedulerConfig
@@ -226,10 +227,17 @@ class SimInstance(InstanceCore):
         return min(self._arrivals[0].arrival_time if self._arrivals else math.inf,
                    self.pending[0].time if self.pending else math.inf)
 
-    def run(self, until: float = float("inf"), max_steps: int = 1_000_000) -> list[Request]:
-        """Run until every submitted request finished (or ``until``). Returns finished requests."""
+    def run(self, until: float = float("inf"), max_steps: int = 1_000_000,
+            before_step: Callable[[], None] | None = None) -> list[Request]:
+        """Run until every submitted request finished (or ``until``). Returns finished requests.
+
+        ``before_step`` is called after the arrivals are released, before every step decision
+        (and when idle): a driver that adds requests of its own, e.g. a batch job's runner.
+        """
         for _ in range(max_steps):
             self._release()
+            if before_step is not None:
+                before_step()
             if not self.has_unfinished():
                 t = self.next_event()
                 if t == math.inf or t > until:

@@ -110,6 +110,18 @@ class BatchStore:
         objs = [self.file_object(r["id"]) for r in rows]
         return [o for o in objs if purpose is None or o["purpose"] == purpose]
 
+    def delete_file(self, fid: str) -> bool:
+        """Remove a file's record and bytes; False when there is no such file. A batch made from an
+        input file keeps running (its requests live in the database); a deleted output file is gone
+        for ``files.content``, as in OpenAI's API."""
+        with self._lock:
+            self.db.execute("BEGIN IMMEDIATE")
+            n = self.db.execute("DELETE FROM files WHERE id = ?", (fid,)).rowcount
+            self.db.execute("COMMIT")
+        if n:
+            (self.files_dir / fid).unlink(missing_ok=True)
+        return bool(n)
+
     def file_bytes(self, fid: str) -> bytes:
         """Contents of a stored file. Raises FileNotFoundError."""
         return (self.files_dir / fid).read_bytes()
