@@ -14,7 +14,7 @@ from laser.bench.batchjob import JobDispatcher, hot_ttft, run_pair
 from laser.bench.runner import SimTarget
 from laser.bench.workloads import WorkloadRequest
 from laser.config import SchedulerConfig
-from laser.latency_model import SimpleLatencyModel
+from laser.latency import SimpleLatencyModel
 from laser.metrics import summarize
 from laser.slo import SLOClasses
 

@@ -16,7 +16,8 @@ from laser.bench.calibrate import (IsolatedLatency, calibrate, class_mean_prompt
                                    paper_targets)
 from laser.bench.best import expand_best, resolve_best
 from laser.bench.goodput import geometric_grid, search_goodput
-from laser.bench.runner import (Benchmark, ClientTarget, EngineTarget, RunOutput, SimTarget, Target,
+from laser.bench.client import ClientTarget
+from laser.bench.runner import (Benchmark, EngineTarget, RunOutput, SimTarget, Target,
                                 reference_rate, tbt_token_budget)
 from laser.bench.workloads import WorkloadRequest
 from laser.config import SchedulerConfig

@@ -287,7 +287,8 @@ def _sched_config(args, policy: str):
 
 def build_targets(args, specs):
     """(targets by label, tokenizer, max_model_len, latency model or None, mode)."""
-    from laser.bench.runner import ClientTarget, EngineTarget, SimTarget
+    from laser.bench.client import ClientTarget
+    from laser.bench.runner import EngineTarget, SimTarget
 
     if args.base_url:
         tgt = ClientTarget(args.base_url, args.served_model_name, args.endpoint, args.api_key, args.max_concurrency,

@@ -1,0 +1,162 @@
+"""Benchmark target for any OpenAI-compatible server (``laser bench --base-url``), timed client-side."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+
+from laser.bench.client_timing import ChunkTokenTimer
+from laser.bench.runner import MissCounter, RunOutput, Target, _request_bar, _slo_for, _summary_duration
+from laser.bench.workloads import WorkloadRequest
+from laser.metrics import RequestRecord
+from laser.request import SLO
+from laser.slo import SLOClasses
+
+
+
+class ClientTarget(Target):
+    """An OpenAI-compatible server at ``base_url``, timed client-side (streaming SSE).
+
+    ``endpoint``: ``/v1/completions`` (prompt text) or ``/v1/chat/completions`` (the prompt
+    as one user message). ``model``: the served model name (default: the first of
+    ``/v1/models``). ``max_concurrency``: at most this many requests in flight.
+    ``return_token_ids``: ask for per-chunk token ids (vLLM's extension; Laser serves it) to
+    time every token exactly; servers that ignore it are timed from the usage totals
+    (:class:`~laser.bench.client_timing.ChunkTokenTimer`).
+    """
+
+    kind = "client"
+
+    def __init__(self, base_url: str, model: str | None = None, endpoint: str = "/v1/completions",
+                 api_key: str | None = None, max_concurrency: int | None = None, label: str | None = None,
+                 extra_body: dict | None = None, return_token_ids: bool = True):
+        self.base_url = base_url.rstrip("/")
+        self.return_token_ids = return_token_ids
+        self.endpoint = endpoint
+        self.model = model
+        self.api_key = api_key
+        self.max_concurrency = max_concurrency
+        self.label = label or "server"
+        self.extra_body = dict(extra_body or {})
+        self.errors: list[str] = []
+
+    def describe(self) -> dict:
+        return {**super().describe(), "base_url": self.base_url, "endpoint": self.endpoint, "model": self.model}
+
+    def _headers(self, slo: SLO) -> dict:
+        h = {"x-slo-class": slo.name}
+        if slo.ttft is not None:
+            h["x-slo-ttft-ms"] = f"{slo.ttft * 1e3:.6g}"
+        if slo.tbt is not None:
+            h["x-slo-tbt-ms"] = f"{slo.tbt * 1e3:.6g}"
+        if self.api_key:
+            h["Authorization"] = f"Bearer {self.api_key}"
+        return h
+
+    def _body(self, wr: WorkloadRequest, slo: SLO) -> dict:
+        body = {"model": self.model, "max_tokens": wr.output_len, "temperature": 0.0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}, "slo_class": slo.name}
+        if self.return_token_ids:
+            body["return_token_ids"] = True
+        if self.endpoint.rstrip("/").endswith("chat/completions"):
+            body["messages"] = [{"role": "user", "content": wr.prompt}]
+        else:
+            body["prompt"] = wr.prompt
+        body.update(self.extra_body)
+        return body
+
+    def resolve_model(self) -> str:
+        import httpx
+
+        if self.model is None:
+            h = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            r = httpx.get(self.base_url + "/v1/models", headers=h, timeout=30)
+            r.raise_for_status()
+            self.model = r.json()["data"][0]["id"]
+        return self.model
+
+    async def _one(self, client, i: int, wr: WorkloadRequest, slo: SLO, t0: float, rec: RequestRecord, sem, bar):
+        await asyncio.sleep(max(0.0, t0 + wr.arrival_time - time.monotonic()))
+        async with sem:
+            rec.arrival_time = time.monotonic()
+            try:
+                async with client.stream("POST", self.base_url + self.endpoint, json=self._body(wr, slo),
+                                         headers=self._headers(slo)) as resp:
+                    if resp.status_code != 200:
+                        text = (await resp.aread()).decode(errors="replace")[:300]
+                        self.errors.append(f"HTTP {resp.status_code}: {text}")
+                        return
+                    timer = ChunkTokenTimer()
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            break
+                        now = time.monotonic()
+                        obj = json.loads(data)
+                        if "error" in obj:
+                            self.errors.append(str(obj["error"])[:300])
+                            return
+                        timer.feed(obj, now)
+                        rec.token_times[:] = timer.token_times()  # live, for the early-stop check
+                    rec.token_times[:] = timer.token_times()
+                    rec.finished = timer.finish_reason is not None and bool(rec.token_times)
+            except Exception as e:  # noqa: BLE001 - any transport failure is a failed request
+                self.errors.append(f"{type(e).__name__}: {e}")
+            finally:
+                if bar is not None:
+                    bar.update(1)
+
+    async def _run(self, requests, slos, timeout_s, progress, stop_below=None) -> tuple[list[RequestRecord], bool]:
+        import httpx
+
+        t0 = time.monotonic() + 0.05
+        records = []
+        for i, wr in enumerate(requests):
+            slo = _slo_for(slos, wr.slo_class)
+            records.append(RequestRecord(f"{self.label}-{i}", slo.name, slo.ttft, slo.tbt, t0 + wr.arrival_time, [],
+                                         wr.prompt_len, wr.output_len, False))
+        sem = asyncio.Semaphore(self.max_concurrency or len(requests) or 1)
+        bar = _request_bar(len(requests), self.label, progress)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        try:
+            async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+                tasks = [asyncio.create_task(self._one(client, i, wr, _slo_for(slos, wr.slo_class), t0, records[i],
+                                                       sem, bar))
+                         for i, wr in enumerate(requests)]
+                misses = MissCounter(len(requests), stop_below)
+                end = math.inf if timeout_s is None else time.monotonic() + timeout_s
+                pending = set(tasks)
+                stopped = False
+                while pending:
+                    wait = min(0.1, max(0.0, end - time.monotonic()))
+                    _, pending = await asyncio.wait(pending, timeout=wait)
+                    if not pending or time.monotonic() >= end:
+                        break
+                    started = [r for r, w in zip(records, requests) if time.monotonic() >= t0 + w.arrival_time]
+                    if misses.decided(started, time.monotonic()):
+                        stopped = True
+                        break
+                for t in pending:
+                    t.cancel()
+                if pending:
+                    await asyncio.gather(*pending, return_exceptions=True)
+        finally:
+            if bar is not None:
+                bar.close()
+        return records, stopped
+
+    def run(self, requests, slos, timeout_s=None, progress=False, stop_below=None) -> RunOutput:
+        self.resolve_model()
+        t_start = time.perf_counter()
+        records, stopped = asyncio.run(self._run(list(requests), slos, timeout_s, progress, stop_below))
+        return RunOutput(records, _summary_duration(records), time.perf_counter() - t_start, stopped)
+
+    def warmup(self) -> None:
+        wr = WorkloadRequest("best_effort", "Warm up the server with a short prompt, please.", 12, 4, 0.0)
+        self.run([wr], SLOClasses({}), timeout_s=120)
+
+
