@@ -27,6 +27,8 @@ import collections
 import math
 from dataclasses import dataclass, field, replace
 
+from .request import SLO
+
 #: Decoding never takes more than this share in the prediction (the schedulers keep room for prefill).
 MAX_DECODE_SHARE = 0.9
 
@@ -263,3 +265,53 @@ class QueueAwareAdmission:
     def admitted(self, seq: int, entry: QueueEntry) -> None:
         """Record a request submitted as the engine's ``seq``-th add (1-based, increasing)."""
         self._pending.append((seq, entry))
+
+
+# -- what admission control answers (raised / returned by laser.async_engine.AsyncEngine.admit) --------
+
+
+class QueueFullError(Exception):
+    """The bounded waiting queue is full (HTTP 429)."""
+
+
+class EngineStoppedError(Exception):
+    """The engine is draining, stopped, or dead (HTTP 503)."""
+
+
+class EngineStepError(Exception):
+    """``engine.step()`` raised; the requests in flight were aborted (HTTP 500)."""
+
+
+class SLOInfeasibleError(Exception):
+    """The predicted TTFT — behind the work queued ahead of the request — misses its target (HTTP 429)."""
+
+    def __init__(self, predicted_ttft: float, slo: SLO, num_ahead: int = 0):
+        self.predicted_ttft = predicted_ttft
+        self.slo = slo
+        self.num_ahead = num_ahead
+        where = "even if the request ran next" if num_ahead == 0 else f"behind {num_ahead} requests queued ahead of it"
+        super().__init__(
+            f"slo_class {slo.name!r} cannot be met: predicted time to first token "
+            f"{predicted_ttft * 1e3:.1f} ms > target {slo.ttft * 1e3:.1f} ms {where}"
+        )
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What admission control decided for one request."""
+
+    slo: SLO  # the SLO the request is served under
+    requested: SLO  # the SLO the client asked for
+    predicted_ttft: float | None  # seconds, behind the queue ahead (None: no latency model)
+    demoted: bool  # served under another class than ``requested`` (see ``demoted_to``)
+    entry: QueueEntry | None = None  # its place in the queue, for the next admissions
+    # the tier it was demoted to: "warm" (a demotable hot request under predicted pressure) or
+    # "best_effort" (``requested`` infeasible, ``on_infeasible == "demote"``); None if not demoted
+    demoted_to: str | None = None
+
+    @property
+    def slack(self) -> float | None:
+        """Requested TTFT target minus predicted TTFT (None when either is unknown)."""
+        if self.predicted_ttft is None or self.requested.ttft is None:
+            return None
+        return self.requested.ttft - self.predicted_ttft
