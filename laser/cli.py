@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.set_defaults(func=cmd_generate)
 
-    for name, module in (("serve", "server.cli"), ("profile", "profile_cli"), ("bench", "bench.cli"), ("plan", "bench.plan")):
+    for name, module in (("serve", "server.cli"), ("profile", "profile_cli"), ("bench", "bench.args"), ("plan", "bench.plan")):
         try:
             mod = __import__(f"laser.{module}", fromlist=["register"])
         except ImportError:

@@ -344,7 +344,8 @@ def test_cli_sim_json_and_plots(tmp_path, capsys):
 
 
 def test_parse_policies():
-    from laser.bench.cli import parse_mix, parse_policies
+    from laser.bench.args import parse_mix
+    from laser.bench.cli import parse_policies
 
     assert parse_policies("vllm, sarathi:64,sarathi:auto,laser") == [
         ("vllm", "vllm", None), ("sarathi:64", "sarathi", 64), ("sarathi:auto", "sarathi", "auto"),

@@ -26,22 +26,12 @@ from dataclasses import dataclass, field
 from laser.bench.cluster import TABLE1
 from laser.metrics import record_from_request
 from laser.request import SLO, Request, SamplingParams
+from laser.bench.args import parse_mix  # noqa: F401 - the planner's --mix (and its callers')
 
 #: Paper Table 1 SLOs per class: (TTFT s, TBT s).
 TABLE1_SLO = {"chat": (0.25, 0.1), "code": (0.125, 0.05), "summarization": (2.0, 0.2)}
 CLASS_ORDER = ("chat", "code", "summarization")  # --mix a:b:c = ShareGPT:HumanEval:LongBench
 _LOGNORMAL_MEAN = math.exp(0.5 ** 2 / 2)  # E[lognormal(0, 0.5)]
-
-
-def parse_mix(s: str) -> tuple[float, float, float]:
-    """``"a:b:c"`` -> weights (chat, code, summarization). Raises ValueError."""
-    try:
-        w = tuple(float(x) for x in s.split(":"))
-    except ValueError:
-        raise ValueError(f"bad --mix {s!r}: want a:b:c (chat:code:summarization)") from None
-    if len(w) != 3 or any(x < 0 or not math.isfinite(x) for x in w) or sum(w) <= 0:
-        raise ValueError(f"bad --mix {s!r}: want three non-negative weights, not all 0")
-    return w  # type: ignore[return-value]
 
 
 def table1_requests(n: int, rate: float, mix=(1.0, 1.0, 1.0), seed: int = 0, slo_scale: float = 1.0,
