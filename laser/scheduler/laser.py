@@ -46,9 +46,6 @@ class LaserScheduler(Scheduler):
 
     #: Most of an iteration that Alg. 1 leaves to prefill on a mixed instance (fraction).
     max_prefill_share = 0.5
-    #: Prefill time per step at least this fraction of the step's decode time (no starvation;
-    #: small enough to fit in the 10% margin iterations are planned with).
-    min_prefill_share = 0.1
     #: Pending prefills looked at when sizing the prefill time per iteration.
     max_need_candidates = 64
     #: Replan when the measured iteration time exceeds this fraction of T_g.
@@ -163,9 +160,6 @@ class LaserScheduler(Scheduler):
             need = self._prefill_need(now, decode_time)
             if need > budget and self._p99_allowance_left():
                 budget = need
-            # never starve prefill: when decode alone fills T_g (an overloaded machine, or
-            # deadlines already lost) waiting prefills still get a small share of each step
-            budget = max(budget, self.min_prefill_share * decode_time)
         works += self._prefill_works(now, works, budget)
         if not works and self.plans and self.config.role != "prefill":
             # No decode group is due in this iteration and no prefill fits: the iteration
