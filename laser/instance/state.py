@@ -63,6 +63,6 @@ def decode_increment(instance_id: int, sched, latency_model, num_layers: int, in
     factor = sched.tg_margin if hasattr(sched, "tg_margin") else 1.0
     me = DecodeCandidate(info.req_id, info.prompt_len + 1, SLO(info.ttft, info.tbt))
     inc = latency_increment(latency_model, num_layers, getattr(sched, "iteration", 0), decoding + cands, plans, me,
-                            factor)
+                            factor, getattr(sched, "decode_memo", None))
     return LatencyIncrement(instance_id, info.req_id, inc.value, inc.iter_before, inc.iter_after,
                             "ok" if inc.value != math.inf else "slo", n_req, used)
