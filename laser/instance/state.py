@@ -90,15 +90,17 @@ def migration_victim(sched, latency_model, num_layers: int,
     of the token in flight) are not chosen. Changes nothing.
     """
     bm = sched.bm
+    t_g = getattr(sched, "t_g", math.inf)
+    last = getattr(sched, "last_iteration_s", None)
+    slo = t_g != math.inf and last is not None and last > t_g  # cheap pre-check of the T_g trigger
+    if not slo and bm.min_free() >= len(sched.running):
+        return None  # each request grows by at most one block per token: room for everyone
     decoding = [r for r in sched.decoding() if r.req_id not in exclude]
     if len(decoding) < 2:
         return None  # a lone request has nowhere better to be
     held = bm.num_held
     growth = sum(1 for r in decoding if bm.blocks_needed(r.num_tokens + 1) > held(r.req_id, 0))
     short = growth - bm.min_free()
-    t_g = getattr(sched, "t_g", math.inf)
-    last = getattr(sched, "last_iteration_s", None)
-    slo = short <= 0 and t_g != math.inf and last is not None and last > t_g  # cheap pre-check
     if short <= 0 and not (slo and sched.predict_decode(decoding) > t_g):
         return None
     movable = sorted((r for r in decoding if r.next_layer == 0), key=lambda r: (held(r.req_id, 0), r.req_id))
