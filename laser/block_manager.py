@@ -60,6 +60,7 @@ class BlockManager:
         self._use = [0] * num_blocks
         self._fully_free: set[int] = set(range(num_blocks))
         self._reqs: dict[str, _ReqBlocks] = {}
+        self._min_free: int | None = num_blocks  # min(map(len, _free)); None = recompute
 
     # -- queries ----------------------------------------------------------------------
     def blocks_needed(self, num_tokens: int) -> int:
@@ -70,7 +71,10 @@ class BlockManager:
 
     def min_free(self) -> int:
         """Free blocks in the most-used layer (the binding constraint)."""
-        return min(map(len, self._free))
+        m = self._min_free
+        if m is None:
+            m = self._min_free = min(map(len, self._free))
+        return m
 
     def usage(self) -> float:
         """Fraction of all blocks (over all layers) in use."""
@@ -88,6 +92,8 @@ class BlockManager:
         """Whether every layer in ``layers`` can grow ``req_id`` to cover ``num_tokens`` tokens."""
         need = self.blocks_needed(num_tokens)
         rb = self._reqs.get(req_id)
+        if rb is not None and rb.uniform and need <= rb.count[0]:
+            return True  # holds them already at every layer
         if layers is None or (layers.start == 0 and layers.stop >= self.num_layers and layers.step == 1):
             if rb is None:
                 return need <= self.min_free()
@@ -155,6 +161,8 @@ class BlockManager:
             new.append(bid)
         for f in self._free:
             f.difference_update(new)
+        if self._min_free is not None:
+            self._min_free -= len(new)  # every layer lost the same blocks
         use = self._use
         for bid in new:
             use[bid] = self.num_layers
@@ -183,12 +191,14 @@ class BlockManager:
         rb.count[layer] = idx + 1
 
     def _take(self, layer: int, bid: int) -> None:
+        self._min_free = None
         self._free[layer].remove(bid)
         if self._use[bid] == 0:
             self._fully_free.discard(bid)
         self._use[bid] += 1
 
     def _give(self, layer: int, bid: int) -> None:
+        self._min_free = None
         self._free[layer].add(bid)
         self._use[bid] -= 1
         if self._use[bid] == 0:
@@ -216,6 +226,8 @@ class BlockManager:
             bids = rb.canon
             for f in self._free:
                 f.update(bids)
+            if self._min_free is not None:
+                self._min_free += len(bids)  # every layer got the same blocks back
             use, ff, n = self._use, self._fully_free, self.num_layers
             for bid in bids:
                 use[bid] -= n
@@ -260,6 +272,8 @@ class BlockManager:
             raise BlockManagerIntegrityError("per-block use counts are inconsistent")
         if self._fully_free != {b for b, u in enumerate(use) if u == 0}:
             raise BlockManagerIntegrityError("fully-free set is inconsistent")
+        if self._min_free is not None and self._min_free != min(map(len, self._free)):
+            raise BlockManagerIntegrityError("cached min_free is inconsistent")
         for rid, rb in self._reqs.items():
             if not any(rb.count):
                 raise BlockManagerIntegrityError(f"{rid} holds no block but is still tracked")

@@ -90,6 +90,10 @@ class StepPlan:
 
     num_layers: int
     works: list[Work] = field(default_factory=list)
+    # (latency model, seconds): the scheduler's prediction of this plan, made when it built it
+    # (``LatencyModel.predict_iteration`` returns it for that model instead of re-pricing).
+    # Plans are not changed after scheduling; None = not priced.
+    predicted: tuple | None = field(default=None, compare=False, repr=False)
 
     def __bool__(self) -> bool:
         return bool(self.works)

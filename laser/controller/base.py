@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from ..instance.interface import Instance
-from ..instance.messages import InstanceReport, RequestInfo
+from ..instance.messages import InstanceReport, MigrationCandidate, RequestInfo
 
 #: Default expected output length (tokens) before any request of a class finished.
 DEFAULT_EXPECTED_OUTPUT = 128
@@ -81,6 +81,12 @@ class Controller(ABC):
         """The decode instance that receives the KV when prefill ends (``chosen``: the one
         picked at arrival, if any). Default: keep it, else the least-loaded."""
         return chosen if chosen is not None else least_loaded_decode(self.decode).instance_id
+
+    def plan_migration(self, src: Instance, now: float) -> tuple[MigrationCandidate, int] | None:
+        """Decode->decode migration (CONTROLLER.md A8.4, D9), asked of a decode instance ``src``
+        between its steps: (the request that leaves, its destination instance id), or None.
+        Default: never (the baselines do not migrate)."""
+        return None
 
     def on_finish(self, slo_name: str, output_tokens: int, now: float, tbt: float = math.inf) -> None:
         """A request (TBT target ``tbt``) finished: update the expected output of its class

@@ -14,13 +14,19 @@ its smallest-increment instance (ties: fewer requests); if every answer is inf, 
 least-loaded instance (fewest KV blocks in use) takes it best effort. The chosen instance
 keeps a reservation (D2). At the hand-off the choice is re-checked and re-run if it
 became inf. Groups (§7.2.2): :class:`~laser.controller.groups.GroupManager`.
+
+Decode->decode migration (§8, CONTROLLER.md A8.4, D9): between its steps a decode instance
+whose KV memory or T_g broke names the request that should leave
+(:func:`laser.instance.state.migration_victim`); Alg. 2 over the other decode instances
+picks its destination, which must answer a finite increment (else it stays: moving it
+would break another instance).
 """
 
 from __future__ import annotations
 
 import math
 
-from ..instance.messages import InstanceReport, RequestInfo
+from ..instance.messages import InstanceReport, MigrationCandidate, RequestInfo
 from .base import Controller, Route, prefill_load_key, register
 from .groups import GroupManager
 
@@ -84,6 +90,7 @@ class LaserController(Controller):
         self.num_demoted = 0
         self.num_fallback_decode = 0
         self.num_reassigned = 0
+        self.num_migrated: dict[str, int] = {}  # reason (memory | slo) -> migrations
 
     def attach(self, instances) -> None:
         super().attach(instances)
@@ -118,12 +125,19 @@ class LaserController(Controller):
         incs = {d.instance_id: d.latency_increment(info) for d in self.decode if d.instance_id not in exclude}
         if not incs:
             raise RuntimeError("no decode instance to assign to")
+        best = self._nearest_group_best(info, incs)
+        if best is not None:
+            return best
+        self.num_fallback_decode += 1
+        return min(incs.values(), key=lambda x: (x.used_blocks, x.num_requests, x.instance_id)).instance_id
+
+    def _nearest_group_best(self, info: RequestInfo, incs: dict) -> int | None:
+        """Alg. 2 lines 10-15: the smallest finite increment of the nearest group that has one."""
         for g in self.groups.ordered(info.tbt_or_inf):
             cands = [incs[i] for i in g.members if i in incs and incs[i].feasible]
             if cands:
                 return min(cands, key=lambda x: (x.value, x.num_requests, x.instance_id)).instance_id
-        self.num_fallback_decode += 1
-        return min(incs.values(), key=lambda x: (x.used_blocks, x.num_requests, x.instance_id)).instance_id
+        return None
 
     def route(self, info: RequestInfo, now: float) -> Route:
         self.decisions += 1
@@ -143,6 +157,20 @@ class LaserController(Controller):
         if d != chosen:
             self.num_reassigned += 1
         return d
+
+    def plan_migration(self, src, now: float) -> tuple[MigrationCandidate, int] | None:
+        """D9: ``src``'s victim, to the instance Alg. 2 picks among the others (finite
+        increments only); the destination keeps a reservation until the KV arrives."""
+        cand = src.migration_candidate(self.mean_output)
+        if cand is None:
+            return None
+        incs = {d.instance_id: d.latency_increment(cand.info) for d in self.decode if d is not src}
+        dst = self._nearest_group_best(cand.info, incs)
+        if dst is None:
+            return None
+        self.instances[dst].reserve(cand.info)
+        self.num_migrated[cand.reason] = self.num_migrated.get(cand.reason, 0) + 1
+        return cand, dst
 
     def on_finish(self, slo_name: str, output_tokens: int, now: float, tbt: float = math.inf) -> None:
         super().on_finish(slo_name, output_tokens, now)

@@ -20,10 +20,13 @@ class PlanCost:
         self.lm = lm
         self.n = num_layers
         self.works = list(works)
+        # (query lens, context lens) -> lm.layer_time: a batch priced by with_work is not
+        # priced again when the work is added (the latency model is deterministic)
+        self._memo: dict[tuple, float] = {}
         self._rebuild()
 
     def _rebuild(self) -> None:
-        lm, ws = self.lm, self.works
+        lm, ws, memo = self.lm, self.works, self._memo
         bounds = sorted({0, self.n} | {w.layer_start for w in ws} | {w.layer_end for w in ws})
         self.segs = []  # (a, b, q, c, per-layer time)
         layers = 0.0
@@ -31,7 +34,9 @@ class PlanCost:
             act = [w for w in ws if w.layer_start <= a < w.layer_end]
             q = tuple(w.num_tokens for w in act)
             c = tuple(w.context_len for w in act)
-            t = lm.layer_time(q, c)
+            t = memo.get((q, c))
+            if t is None:
+                t = memo[(q, c)] = lm.layer_time(q, c)
             self.segs.append((a, b, q, c, t))
             layers += (b - a) * t
         self.embed_tokens = sum(w.num_tokens for w in ws if w.layer_start == 0)
@@ -41,13 +46,17 @@ class PlanCost:
 
     def with_work(self, w: Work) -> float:
         """Predicted time of the plan plus ``w`` (seconds)."""
-        lm = self.lm
+        lm, memo = self.lm, self._memo
         t = self._layers
         lo, hi = w.layer_start, w.layer_end
         for a, b, q, c, per in self.segs:
             o = min(b, hi) - max(a, lo)
             if o > 0:
-                t += o * (lm.layer_time(q + (w.num_tokens,), c + (w.context_len,)) - per)
+                key = (q + (w.num_tokens,), c + (w.context_len,))
+                t2 = memo.get(key)
+                if t2 is None:
+                    t2 = memo[key] = lm.layer_time(*key)
+                t += o * (t2 - per)
         e = self.embed_tokens + (w.num_tokens if lo == 0 else 0)
         f = self.final + (1 if hi == self.n else 0)
         return t + lm.embed_time(e) + lm.head_time(f)

@@ -212,13 +212,15 @@ class InstanceCore:
 
     # -- prefill -> decode hand-off ------------------------------------------------------------------
     def export(self, req: Request, now: float) -> Handoff:
-        """Prefill role: package ``req`` (after its first token) with its KV and free it here."""
+        """Package ``req`` with its KV and free it here: a prefill instance's hand-off after the
+        first token, or a decode->decode migration between steps."""
         h = Handoff(req, self.executor.export_kv(req), now, self.executor.export_sampler_state(req.req_id))
         self.finish(req, "handoff")
         return h
 
     def adopt(self, h: Handoff) -> Request:
-        """Decode role: continue a request prefilled elsewhere (its KV imported layer by layer).
+        """Decode role: continue a request prefilled (or decoding, migrated) elsewhere (its KV
+        imported layer by layer); its TBT misses so far come with it.
         Raises OutOfBlocksError (nothing kept) when the KV pool cannot hold it."""
         src = h.request
         req = Request(
@@ -232,6 +234,8 @@ class InstanceCore:
         req.output_token_ids = list(src.output_token_ids)
         req.token_times = list(src.token_times)
         req.num_computed_tokens = src.num_computed_tokens
+        req.num_tbt_misses = src.num_tbt_misses
+        req.tbt_infeasible = src.tbt_infeasible
         req.phase = Phase.DECODE
         self.executor.import_kv(req, h.kv)
         self.executor.import_sampler_state(req.req_id, h.sampler_state)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from ..request import Request
-from .messages import InstanceReport, LatencyIncrement, RequestInfo
+from .messages import InstanceReport, LatencyIncrement, MigrationCandidate, RequestInfo
 
 ROLES = ("prefill", "decode", "mixed")
 
@@ -53,3 +53,9 @@ class Instance(ABC):
 
     def release(self, req_id: str) -> None:
         """Drop a reservation made by :meth:`reserve`."""
+
+    def migration_candidate(self, expected_output: dict[str, float]) -> MigrationCandidate | None:
+        """Decode role: the request that must leave (KV memory or T_g broke, CONTROLLER.md D9;
+        :func:`laser.instance.state.migration_candidate`), None when none must. ``expected_output``:
+        the controller's expected output length per SLO class (tokens). Default: None."""
+        return None

@@ -112,3 +112,17 @@ class LatencyIncrement:
     @property
     def feasible(self) -> bool:
         return self.value != math.inf
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationCandidate:
+    """A decode instance's answer to "must a request leave?" (CONTROLLER.md A8.4, D9):
+    ``reason`` ``memory`` (free KV blocks below one step of growth) or ``slo`` (Alg. 1 cannot
+    bring the predicted iteration under T_g); ``info``: the request that should leave, as the
+    controller routes it (``prompt_len`` = its context now, ``expected_output`` = the tokens it
+    is still expected to generate); ``blocks``: KV blocks per layer it holds."""
+
+    instance_id: int
+    reason: str
+    info: RequestInfo
+    blocks: int

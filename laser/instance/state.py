@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 
 from ..request import SLO, Request
-from ..scheduler.decode_plan import DecodeCandidate, latency_increment
-from .messages import InstanceReport, LatencyIncrement, PrefillQueueEntry, RequestInfo
+from ..scheduler.decode_plan import DecodeCandidate, exec_plan, latency_increment
+from .messages import InstanceReport, LatencyIncrement, MigrationCandidate, PrefillQueueEntry, RequestInfo
 
 #: Free KV blocks kept in reserve by the decode memory check (CONTROLLER.md D3, as DistServe's 5 %).
 MEMORY_RESERVE = 0.05
@@ -63,6 +63,72 @@ def decode_increment(instance_id: int, sched, latency_model, num_layers: int, in
     factor = sched.tg_margin if hasattr(sched, "tg_margin") else 1.0
     me = DecodeCandidate(info.req_id, info.prompt_len + 1, SLO(info.ttft, info.tbt))
     inc = latency_increment(latency_model, num_layers, getattr(sched, "iteration", 0), decoding + cands, plans, me,
-                            factor)
+                            factor, getattr(sched, "decode_memo", None))
     return LatencyIncrement(instance_id, info.req_id, inc.value, inc.iter_before, inc.iter_after,
                             "ok" if inc.value != math.inf else "slo", n_req, used)
+
+
+#: Decode requests tried as the T_g victim (Alg. 1 is re-run once per try), fewest blocks first.
+MIGRATION_TRIES = 8
+
+
+def migration_victim(sched, latency_model, num_layers: int,
+                     exclude: set[str] | frozenset = frozenset()) -> tuple[Request, str] | None:
+    """Decode->decode migration trigger and victim (CONTROLLER.md A8.4, D9) of a decode instance
+    whose scheduler is ``sched``, between steps; None when nothing must move.
+
+    * ``memory``: the free KV blocks of the fullest layer are fewer than the decoding requests
+      need for the token after the next one (the step about to start is covered: one step of
+      growth in reserve, checked between steps). Victim: the request holding the fewest blocks
+      that still cover the shortfall (else the one holding the most).
+    * ``slo``: T_g is finite, the last decode iteration took longer than T_g and Alg. 1's plans
+      (:meth:`LaserScheduler.predict_decode`) predict an iteration over T_g. Victim: among the ``MIGRATION_TRIES`` requests with the fewest
+      blocks, the first whose departure lets Alg. 1 (:func:`exec_plan`) reach its T_g; else
+      none (moving one would not help).
+
+    Requests in ``exclude`` (already leaving) and those not at a token boundary (a layer group
+    of the token in flight) are not chosen. Changes nothing.
+    """
+    bm = sched.bm
+    t_g = getattr(sched, "t_g", math.inf)
+    last = getattr(sched, "last_iteration_s", None)
+    slo = t_g != math.inf and last is not None and last > t_g  # cheap pre-check of the T_g trigger
+    if not slo and bm.min_free() >= len(sched.running):
+        return None  # each request grows by at most one block per token: room for everyone
+    decoding = [r for r in sched.decoding() if r.req_id not in exclude]
+    if len(decoding) < 2:
+        return None  # a lone request has nowhere better to be
+    held = bm.num_held
+    growth = sum(1 for r in decoding if bm.blocks_needed(r.num_tokens + 1) > held(r.req_id, 0))
+    short = growth - bm.min_free()
+    if short <= 0 and not (slo and sched.predict_decode(decoding) > t_g):
+        return None
+    movable = sorted((r for r in decoding if r.next_layer == 0), key=lambda r: (held(r.req_id, 0), r.req_id))
+    if not movable:
+        return None
+    if short > 0:
+        cover = [r for r in movable if held(r.req_id, 0) >= short]
+        return (cover[0] if cover else movable[-1]), "memory"
+    factor = sched.plan_target_factor()
+    for r in movable[:MIGRATION_TRIES]:
+        rest = [x for x in decoding if x is not r]
+        _, t_g2, load = exec_plan(latency_model, num_layers, sched.iteration, rest, sched.plans, factor,
+                                  getattr(sched, "decode_memo", None))
+        if load is None or load.predict() <= t_g2:
+            return r, "slo"
+    return None
+
+
+def migration_candidate(instance_id: int, sched, latency_model, num_layers: int,
+                        expected_output: dict[str, float], exclude=frozenset()) -> MigrationCandidate | None:
+    """:func:`migration_victim` as the controller sees it: the victim's :class:`RequestInfo`
+    (context as its prompt; expected output = its class's expected output less what it has
+    generated, at least one block) and its blocks; None when nothing must move."""
+    v = migration_victim(sched, latency_model, num_layers, exclude=exclude)
+    if v is None:
+        return None
+    r, reason = v
+    bs = sched.bm.block_size
+    left = max(bs, round(expected_output.get(r.slo.name, 0)) - r.num_output_tokens)
+    info = RequestInfo(r.req_id, r.arrival_time, r.num_tokens, r.slo.ttft, r.slo.tbt, r.slo.name, left)
+    return MigrationCandidate(instance_id, reason, info, sched.bm.num_held(r.req_id, 0))

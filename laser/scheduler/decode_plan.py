@@ -6,6 +6,7 @@ functions. The Laser scheduler (:mod:`laser.scheduler.laser`) and the controller
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -25,6 +26,44 @@ class DecodePlan:
         return ceil_div(n, self.layers)
 
 
+class DecodeMemo:
+    """Prices that Alg. 1 and Alg. 2 ask for again and again, memoised for one latency model
+    (``lm``; deterministic and never changed in place, so a memoised price is the same
+    number): one decode layer of ``c`` requests at mean context ``ctx`` (seconds) and
+    :func:`tbt_infeasible` per (context, TBT target). Owned by a Laser
+    scheduler and shared by its replans and its instance's ``LatencyIncrement`` answers;
+    cleared when it holds more than ``MAX_ENTRIES`` prices."""
+
+    MAX_ENTRIES = 1 << 18
+
+    def __init__(self, lm: LatencyModel):
+        self.lm = lm
+        self.layers: dict[tuple[int, int], float] = {}
+        self.infeasible: dict[tuple[int, float], bool] = {}
+
+    def layer_time(self, c: int, ctx: int) -> float:
+        """One layer call of ``c`` decode tokens at context ``ctx`` each (seconds)."""
+        t = self.layers.get((c, ctx))
+        if t is None:
+            if len(self.layers) > self.MAX_ENTRIES:
+                self.layers.clear()
+            t = self.layers[(c, ctx)] = self.lm.layer_time((1,) * c, (ctx,) * c) if c else 0.0
+        return t
+
+    def tbt_infeasible(self, num_tokens: int, tbt: float) -> bool:
+        key = (num_tokens, tbt)
+        v = self.infeasible.get(key)
+        if v is None:
+            if len(self.infeasible) > self.MAX_ENTRIES:
+                self.infeasible.clear()
+            v = self.infeasible[key] = self.lm.predict_decode_iteration((num_tokens,)) > tbt
+        return v
+
+
+def _memo_for(lm: LatencyModel, memo: "DecodeMemo | None") -> "DecodeMemo | None":
+    return memo if memo is not None and memo.lm is lm else None
+
+
 class _LayerLoad:
     """Decode requests per layer over the next ``HORIZON`` iterations, for Alg. 1.
 
@@ -37,21 +76,30 @@ class _LayerLoad:
 
     HORIZON = 12
 
-    def __init__(self, lm: LatencyModel, num_layers: int, iteration: int, reqs: list, plans: dict[str, DecodePlan]):
+    def __init__(self, lm: LatencyModel, num_layers: int, iteration: int, reqs: list, plans: dict[str, DecodePlan],
+                 shared: DecodeMemo | None = None):
         self.n = num_layers
         self.it0 = iteration
         ctx = round(sum(r.num_tokens for r in reqs) / max(1, len(reqs)))
-        memo: dict[int, float] = {0: 0.0}
+        shared = _memo_for(lm, shared)
+        if shared is not None:
+            def layer(c: int, _t=shared.layer_time) -> float:
+                return _t(c, ctx)
+        else:
+            memo: dict[int, float] = {0: 0.0}
 
-        def layer(c: int) -> float:
-            t = memo.get(c)
-            if t is None:
-                t = memo[c] = lm.layer_time((1,) * c, (ctx,) * c)
-            return t
+            def layer(c: int) -> float:
+                t = memo.get(c)
+                if t is None:
+                    t = memo[c] = lm.layer_time((1,) * c, (ctx,) * c)
+                return t
 
+        self.ctx = ctx
+        self.shared = shared
         self.layer = layer
         self.const = lm.embed_time(len(reqs)) + lm.head_time(len(reqs))
         self.full = 0
+        self.num_partial = 0  # requests with L < N (0: every row of ``partial`` is zero)
         self.partial = [[0] * self.n for _ in range(self.HORIZON)]
         self.times: list[float] | None = None  # per iteration; None = recompute
         self._row_memo: dict[tuple, float] = {}  # (full, row) -> that iteration's layer time
@@ -66,6 +114,12 @@ class _LayerLoad:
     def _times(self) -> list[float]:
         if self.times is None:
             f, lt, memo = self.full, self.layer, self._row_memo
+            if not self.num_partial:
+                # every row is zero: one row's time, the same ``sum`` of N equal layer times
+                # as the general case (one latency-model lookup instead of N)
+                t = sum(itertools.repeat(lt(f), self.n))
+                self.times = [t] * self.HORIZON
+                return self.times
             times = []
             for row in self.partial:  # rows repeat (every request full depth: all zero)
                 key = (f, tuple(row))
@@ -86,6 +140,7 @@ class _LayerLoad:
             self.full += d
             self.times = None
             return
+        self.num_partial += d
         times = self.times
         for h in range(self.HORIZON):
             if times is not None:
@@ -128,7 +183,8 @@ class DecodeCandidate:
 
 
 def exec_plan(lm: LatencyModel, num_layers: int, iteration: int, decoding: list, plans: dict[str, DecodePlan],
-              target_factor: float = 1.0) -> tuple[dict[str, DecodePlan], float, "_LayerLoad | None"]:
+              target_factor: float = 1.0, memo: DecodeMemo | None = None
+              ) -> tuple[dict[str, DecodePlan], float, "_LayerLoad | None"]:
     """Algorithm 1 (PPoPP'26 §6.2.2), ``ExecPlan(N, R, L, O, R*)``: plans for ``decoding``.
 
     ``decoding``: requests (or :class:`DecodeCandidate`) with ``req_id``, ``num_tokens``,
@@ -140,18 +196,19 @@ def exec_plan(lm: LatencyModel, num_layers: int, iteration: int, decoding: list,
     strictest reduced request is restored to ``L = N`` (reverted and stop if that breaks
     the target). Returns ``(plans, T_g, load)``; ``load`` (None when no request has a TBT
     target) prices the returned plans (:meth:`_LayerLoad.predict`, seconds). Pure: the
-    input ``plans`` dict is not changed.
+    input ``plans`` dict is not changed. ``memo``: the caller's :class:`DecodeMemo` of ``lm``
+    (the same answer, faster).
     """
     n = num_layers
     plans = {r.req_id: plans.get(r.req_id, DecodePlan(n, 0)) for r in decoding}
     # A TBT target that even an iteration of this request alone misses cannot be met by
     # cutting iterations for it: it runs at full depth, as fast as possible, and T_g comes
     # from the targets that can be met (Laser would otherwise halve throughput for nobody).
-    t_g = min((r.slo.tbt_or_inf for r in decoding if not tbt_infeasible(lm, r)), default=math.inf)
+    t_g = min((r.slo.tbt_or_inf for r in decoding if not tbt_infeasible(lm, r, memo)), default=math.inf)
     if t_g == math.inf:
         return {rid: DecodePlan(n, 0) for rid in plans}, t_g, None
     target = t_g * target_factor
-    load = _LayerLoad(lm, n, iteration, decoding, plans)
+    load = _LayerLoad(lm, n, iteration, decoding, plans, memo)
     # relax: the most relaxed full-depth request first
     relaxable = sorted(
         (r for r in decoding if plans[r.req_id].layers >= n and r.slo.tbt_or_inf > t_g),
@@ -183,11 +240,17 @@ def exec_plan(lm: LatencyModel, num_layers: int, iteration: int, decoding: list,
     return plans, t_g, load
 
 
-def tbt_infeasible(lm: LatencyModel, r) -> bool:
+def tbt_infeasible(lm: LatencyModel, r, memo: DecodeMemo | None = None) -> bool:
     """Whether ``r``'s TBT target is missed even by a decode iteration of ``r`` alone
-    (every layer, its context; seconds from the latency model)."""
+    (every layer, its context; seconds from the latency model). ``memo``: a
+    :class:`DecodeMemo` of ``lm`` (memoised per context and target)."""
     tbt = r.slo.tbt
-    return tbt is not None and lm.predict_decode_iteration((r.num_tokens,)) > tbt
+    if tbt is None:
+        return False
+    memo = _memo_for(lm, memo)
+    if memo is not None:
+        return memo.tbt_infeasible(r.num_tokens, tbt)
+    return lm.predict_decode_iteration((r.num_tokens,)) > tbt
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,7 +266,8 @@ class Increment:
 
 
 def latency_increment(lm: LatencyModel, num_layers: int, iteration: int, decoding: list,
-                      plans: dict[str, DecodePlan], candidate, target_factor: float = 1.0) -> Increment:
+                      plans: dict[str, DecodePlan], candidate, target_factor: float = 1.0,
+                      memo: DecodeMemo | None = None) -> Increment:
     """``LatencyIncrement(r*, d)``, Algorithm 2 lines 1-9 (PPoPP'26 §7.2.1), on copies.
 
     ``Iter`` = predicted worst iteration of the current plans; Alg. 1 (:func:`exec_plan`)
@@ -212,19 +276,19 @@ def latency_increment(lm: LatencyModel, num_layers: int, iteration: int, decodin
     is out of reach even alone here (:func:`tbt_infeasible`), the answer is inf; else
     ``sum_{r in R*} Iter*·ceil(N/L*_r) - sum_{r in R} Iter·ceil(N/L_r)`` seconds (each
     request's TBT is its iteration time times its iterations per token). Memory is the
-    instance's check, not this function's.
+    instance's check, not this function's. ``memo``: a :class:`DecodeMemo` of ``lm``.
     """
     n = num_layers
     cur = {r.req_id: plans.get(r.req_id, DecodePlan(n, 0)) for r in decoding}
     if decoding:
-        it = _LayerLoad(lm, n, iteration, decoding, cur).predict()
+        it = _LayerLoad(lm, n, iteration, decoding, cur, memo).predict()
         before = sum(it * p.groups(n) for p in cur.values())
     else:
         it = before = 0.0
     reqs = list(decoding) + [candidate]
-    new, t_g, load = exec_plan(lm, n, iteration, reqs, cur, target_factor)
-    it_star = (load if load is not None else _LayerLoad(lm, n, iteration, reqs, new)).predict()
-    if it_star > t_g * target_factor or tbt_infeasible(lm, candidate):
+    new, t_g, load = exec_plan(lm, n, iteration, reqs, cur, target_factor, memo)
+    it_star = (load if load is not None else _LayerLoad(lm, n, iteration, reqs, new, memo)).predict()
+    if it_star > t_g * target_factor or tbt_infeasible(lm, candidate, memo):
         return Increment(math.inf, it, it_star, t_g)
     after = sum(it_star * p.groups(n) for p in new.values())
     return Increment(after - before, it, it_star, t_g)

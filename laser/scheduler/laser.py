@@ -38,7 +38,7 @@ from ..latency import LatencyModel, SimpleLatencyModel
 from ..plan import StepPlan, Work
 from ..request import Phase, Request
 from .base import Scheduler, largest
-from .decode_plan import DecodePlan, _LayerLoad, exec_plan, tbt_infeasible
+from .decode_plan import DecodeMemo, DecodePlan, _LayerLoad, exec_plan, tbt_infeasible
 
 
 class LaserScheduler(Scheduler):
@@ -63,6 +63,7 @@ class LaserScheduler(Scheduler):
             num_layers=num_layers, per_layer=2e-4, per_token=4e-5, per_context=2e-7
         )
         self.plans: dict[str, DecodePlan] = {}
+        self.decode_memo = DecodeMemo(self.lm)  # Alg. 1 / Alg. 2 prices (this scheduler's and its increments')
         self.iteration = 0
         self.replan_needed = False
         self.num_replans = 0
@@ -151,16 +152,18 @@ class LaserScheduler(Scheduler):
         if self.config.role != "prefill":
             works = self._decode_works(now)
         budget = math.inf
+        cost = PlanCost(self.lm, n, works)  # the plan's price, grown work by work
         if works:
             # Prefill gets the time left under T_g; more only when a waiting prefill's
             # deadline needs it *and* every decode request can still absorb one gap over
             # its target within its P99 allowance (the plan breaks T_g knowingly).
-            decode_time = self.lm.predict_iteration(StepPlan(n, works))
+            decode_time = cost.total
             budget = max(0.0, self.t_g * self.tg_margin - decode_time)
             need = self._prefill_need(now, decode_time)
             if need > budget and self._p99_allowance_left():
                 budget = need
-        works += self._prefill_works(now, works, budget)
+        works += self._prefill_works(now, cost, budget)
+        priced = bool(works)  # cost prices exactly ``works``
         if not works and self.plans and self.config.role != "prefill":
             # No decode group is due in this iteration and no prefill fits: the iteration
             # would be empty (it takes no time), so skip to the next one with a due group
@@ -171,7 +174,7 @@ class LaserScheduler(Scheduler):
                 if works:
                     break
         self.relieve_deadlock(works)
-        plan = StepPlan(n, works)
+        plan = StepPlan(n, works, predicted=(self.lm, cost.total) if priced else None)
         self._begin_step(plan)
         return plan
 
@@ -248,9 +251,9 @@ class LaserScheduler(Scheduler):
         self.replan_needed = False
         self.num_replans += 1
         self.plans, self.t_g, _ = exec_plan(self.lm, self.num_layers, self.iteration, decoding, self.plans,
-                                            self.plan_target_factor())
+                                            self.plan_target_factor(), self.decode_memo)
         for r in decoding:
-            if not r.tbt_infeasible and tbt_infeasible(self.lm, r):
+            if not r.tbt_infeasible and tbt_infeasible(self.lm, r, self.decode_memo):
                 r.tbt_infeasible = True  # served as well as possible; metrics say so
 
     def plan_target_factor(self) -> float:
@@ -311,7 +314,7 @@ class LaserScheduler(Scheduler):
     def predict_decode(self, decoding: list[Request], plans: dict[str, DecodePlan] | None = None) -> float:
         """Worst predicted decode-only iteration time over the next iterations under ``plans``."""
         plans = plans if plans is not None else self.plans
-        return _LayerLoad(self.lm, self.num_layers, self.iteration, decoding, plans).predict()
+        return _LayerLoad(self.lm, self.num_layers, self.iteration, decoding, plans, self.decode_memo).predict()
 
     # -- prefill (§6.1) ---------------------------------------------------------------------------
     #: Stop looking for more prefill work after this many candidates did not fit in time...
@@ -319,11 +322,11 @@ class LaserScheduler(Scheduler):
     #: ... or in the KV pool.
     max_alloc_misses = 8
 
-    def _prefill_works(self, now: float, decode_works: list[Work], budget: float) -> list[Work]:
+    def _prefill_works(self, now: float, cost: PlanCost, budget: float) -> list[Work]:
         """EDF merge of prefill layer-work into the step, within ``budget`` seconds beyond the
-        decode part and without breaking any included TTFT deadline that was being met."""
+        decode part (``cost``: the price of the decode works; each merged work is added to it)
+        and without breaking any included TTFT deadline that was being met."""
         n = self.num_layers
-        cost = PlanCost(self.lm, n, decode_works)
         limit = cost.total + budget
         cands = sorted([r for r in self.running if r.phase != Phase.DECODE] + list(self.waiting), key=self.queue_key)
         if self.config.role == "decode":

@@ -22,9 +22,16 @@ instance chosen (or changed) at the hand-off receives it all after prefill (Dist
 pull). Instances fill nodes of ``gpus_per_node`` GPUs in order, ``tp`` GPUs each;
 prefill and decode instances alternate so that P and D share nodes where they can.
 
+Decode->decode migration (§8, CONTROLLER.md A8.4, D9): after each step of a decode
+instance the controller may move one request out (:meth:`Controller.plan_migration`); its
+KV leaves the source at once and reaches the destination one controller message plus the
+whole transfer later (as a pulled prefill->decode transfer), where it is adopted and
+decodes on from its last token (the transfer is a gap in its token times).
+
 What is not modelled: link contention between concurrent transfers, the controller's own
-compute time (measured separately in wall time: ``decision_wall_s``), decode->decode
-migration, failures.
+compute time (measured separately in wall time: ``decision_wall_s``), Llumnix's multi-stage
+live copy (decoding on at the source while the bulk of the KV moves; here the request
+pauses for the whole copy and the source frees its blocks when it starts), failures.
 """
 
 from __future__ import annotations
@@ -149,6 +156,7 @@ class ClusterResult:
     transfers: int
     transfer_s: float
     reassigned: int = 0
+    migrations: int = 0  # decode->decode moves (counted apart from ``transfers``; their time is in ``transfer_s``)
 
 
 class ClusterSim:
@@ -212,7 +220,7 @@ class ClusterSim:
         decode_of: dict[str, int | None] = {}
         final: dict[str, Request] = {}
         done: dict[str, int] = {}
-        stats = {"decision_s": 0.0, "transfers": 0, "transfer_s": 0.0}
+        stats = {"decision_s": 0.0, "transfers": 0, "transfer_s": 0.0, "migrations": 0}
         for r in requests:
             q.push(r.arrival_time, "arrive", r)
 
@@ -241,15 +249,37 @@ class ClusterSim:
 
         def end(t: float, i: SimClusterInstance):
             outs = i.complete()
+            moves = migrate(i)
             while True:
                 nxt = i.begin(i.clock)
                 if nxt is None or nxt > t:
                     break
                 outs += i.complete()
+                moves += migrate(i)
             if nxt is not None:
                 yield nxt, "end", i
             for o in outs:
                 yield from output(i, o)
+            yield from moves
+
+        def migrate(src: SimClusterInstance) -> list:
+            """Between two steps of a decode instance: the controller's D9 move, if any."""
+            if src.role != "decode":
+                return []
+            t0 = time.perf_counter()
+            m = ctl.plan_migration(src, src.clock)
+            stats["decision_s"] += time.perf_counter() - t0
+            if m is None:
+                return []
+            cand, d = m
+            h = src.migrate_out(cand.info.req_id)
+            dst = inst[d]
+            whole = self.transfer_time(h.request.num_computed_tokens, src, dst)
+            ready = src.clock + delay + whole
+            stats["migrations"] += 1
+            stats["transfer_s"] += whole
+            dst.add_request(h, ready)
+            return [(ready, "wake", dst)]
 
         def output(src: SimClusterInstance, o):
             rid = o.req.req_id
@@ -280,7 +310,7 @@ class ClusterSim:
         q.run({"arrive": arrive, "wake": wake, "end": end}, until=until)
         result = ClusterResult([final.get(r.req_id, r) for r in requests], time.perf_counter() - t_wall,
                                q.processed, ctl.decisions, stats["decision_s"], stats["transfers"],
-                               stats["transfer_s"], getattr(ctl, "num_reassigned", 0))
+                               stats["transfer_s"], getattr(ctl, "num_reassigned", 0), stats["migrations"])
         if self.check and until == math.inf:
             self.check_conservation(requests, done)
         return result

@@ -25,8 +25,8 @@ from ..config import SchedulerConfig
 from ..block_manager import OutOfBlocksError
 from ..instance.core import Handoff
 from ..instance.interface import ROLES, Instance
-from ..instance.messages import InstanceReport, LatencyIncrement, RequestInfo
-from ..instance.state import build_report, decode_increment
+from ..instance.messages import InstanceReport, LatencyIncrement, MigrationCandidate, RequestInfo
+from ..instance.state import build_report, decode_increment, migration_candidate
 from ..request import Request
 from .instance import SimInstance
 
@@ -113,6 +113,7 @@ class SimClusterInstance(Instance):
         self.prefill_start: dict[str, float] = {}
         self._done = 0  # index into sim.finished already reported
         self.steps_begun = 0
+        self.migrated_out = 0
 
     # -- Instance interface --------------------------------------------------------------
     @property
@@ -155,6 +156,25 @@ class SimClusterInstance(Instance):
         requests, the hand-offs on their way and the reservations."""
         return decode_increment(self.instance_id, self.scheduler, self.latency_model, self.num_layers, info,
                                 self.sim.adopting(), self.reserved)
+
+    def migration_candidate(self, expected_output: dict[str, float]) -> MigrationCandidate | None:
+        """Decode role, between steps (:func:`laser.instance.state.migration_candidate`)."""
+        if self.role != "decode" or self.plan is not None:
+            return None
+        return migration_candidate(self.instance_id, self.scheduler, self.latency_model, self.num_layers,
+                                   expected_output)
+
+    def migrate_out(self, req_id: str) -> Handoff:
+        """Export a decoding request for another decode instance, between steps: its KV leaves
+        with it (freed here) and it continues there from its last token (the core's
+        :meth:`~laser.instance.core.InstanceCore.export`). Raises KeyError if it is not decoding here."""
+        if self.plan is not None:
+            raise RuntimeError(f"instance {self.instance_id}: migrate_out during a step")
+        req = self.scheduler.requests[req_id]
+        if req not in self.scheduler.decoding():
+            raise KeyError(f"{req_id} is not decoding on instance {self.instance_id}")
+        self.migrated_out += 1
+        return self.sim.export(req, self.clock)
 
     # -- driven by the cluster simulator ------------------------------------------------------
     def has_work(self) -> bool:
