@@ -123,6 +123,7 @@ class ClusterEngine:
         self._transfers: list[_Tracked] = []
         self._pending: list[str] = []  # handed off, waiting for a decode instance
         self._recovering: dict[str, float] = {}  # req id -> time its instance failed
+        self.last_reports: dict = {}  # instance id -> its InstanceReport after its last step (gauges)
         self.arrival_hook = None  # AsyncEngine sets it; arrivals are routed on the engine thread
 
     # -- what AsyncEngine reads --------------------------------------------------------------------------
@@ -287,6 +288,7 @@ class ClusterEngine:
                     continue
                 if not res["busy"]:
                     self._busy.discard(iid)
+                self.last_reports[iid] = res.get("report")
                 outs.extend(self._on_events(iid, res["events"]))
             elif now - call.started > self.step_timeout_s:
                 self._fail_instance(iid, f"step exceeded {self.step_timeout_s:.3g} s")
@@ -331,10 +333,11 @@ class ClusterEngine:
         return outs
 
     def _release_reservation(self, t: _Tracked) -> None:
+        """Cancel ``t``'s reservation on its decode instance, and any KV streamed there."""
         h = self.handles.get(t.decode)
         if h is not None and h.alive:
             try:
-                h.release(t.req.req_id)
+                h.abort(t.req.req_id)
             except InstanceFailure as e:
                 self._fail_instance(e.instance_id, str(e))
 
@@ -352,6 +355,8 @@ class ClusterEngine:
                 self._pending.insert(0, rid)
                 self._fail_instance(e.instance_id, str(e))
                 continue
+            if self.stream_kv and t.decode is not None and d != t.decode:
+                self._release_reservation(t)  # the layers streamed there go unused
             t.decode = d
             take = src.submit("take_handoff", rid, d)
             t.transfer = _Transfer(src.instance_id, d, take, self.handles[d].submit("adopt", take))

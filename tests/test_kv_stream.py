@@ -24,7 +24,11 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 def _run(cl, prompts):
     for i, p in enumerate(prompts):
         cl.add_request(p, GREEDY, slo=("chat", "code", None)[i % 3], req_id=str(i))
-    return {o.req_id: o.token_ids for o in cl.drain(120) if o.finished}
+    # done at its first token, on the prefill instance: what was streamed for it is dropped
+    cl.add_request(prompts[0], SamplingParams(max_tokens=1, temperature=0.0), slo="chat", req_id="one")
+    done = {o.req_id: o.token_ids for o in cl.drain(120) if o.finished}
+    assert len(done.pop("one")) == 1
+    return done
 
 
 def test_streamed_and_sent_kv_give_single_engine_output(tiny_llama):
@@ -42,6 +46,23 @@ def test_streamed_and_sent_kv_give_single_engine_output(tiny_llama):
         assert cl.stats.transfers == 4 and cl.stats.streamed_transfers == (4 if stream else 0)
         assert len(cl.stats.handoff_seconds) == 4
         cl.check_integrity(expect_empty=True)
+        if stream:
+            _check_gauges(cl)
+
+
+def _check_gauges(cl):
+    """/metrics' cluster collector: per-instance gauges from the instances' last reports."""
+    from types import SimpleNamespace
+
+    from laser.server.metrics import _ClusterCollector
+
+    fams = {f.name: f for f in _ClusterCollector(SimpleNamespace(async_engine=SimpleNamespace(engine=cl),
+                                                                 model_name="tiny")).collect()}
+    roles = {s.labels["instance"]: s.labels["role"] for s in fams["laser:instance_queue_length"].samples}
+    assert roles == {"0": "prefill", "1": "decode"}
+    assert all(s.value == 0 for s in fams["laser:instance_kv_cache_usage_perc"].samples)  # idle: all freed
+    assert [s.value for s in fams["laser:kv_transfers_streamed"].samples] == [4]
+    assert "laser:instance_t_g_seconds" in fams and "laser:instance_iteration_seconds" in fams
 
 
 def test_stale_stream_pieces_are_dropped(tiny_llama):

@@ -146,12 +146,13 @@ class InstanceWorker:
         return self._call(abort, False)
 
     def report(self) -> InstanceReport:
-        def rep():
-            now = self.core.clock()
-            return build_report(self.instance_id, self.role, self.core.scheduler, self.mi.icache, now,
-                                max(now, self._busy_until), (), [h.request for h in self.adopt_wait],
-                                len(self.reserved))
-        return self._call(rep, True)
+        return self._call(self._report, True)
+
+    def _report(self) -> InstanceReport:
+        now = self.core.clock()
+        return build_report(self.instance_id, self.role, self.core.scheduler, self.mi.icache, now,
+                            max(now, self._busy_until), (), [h.request for h in self.adopt_wait],
+                            len(self.reserved))
 
     def latency_increment(self, info: RequestInfo) -> LatencyIncrement:
         return self._call(lambda: decode_increment(self.instance_id, self.core.scheduler, self.latency_model,
@@ -162,11 +163,9 @@ class InstanceWorker:
         self._call(lambda: self.reserved.__setitem__(info.req_id, info), True)
 
     def release(self, req_id: str) -> None:
-        """Cancel ``req_id``'s reservation here, and its KV stream (blocks written are freed)."""
-        def release():
-            self.reserved.pop(req_id, None)
-            self.inbound.drop(req_id)
-        self._call(release, True)
+        """Cancel ``req_id``'s reservation here (a KV stream it expects stays: the controller may
+        pick this instance again at the hand-off; :meth:`abort` drops both)."""
+        self._call(lambda: self.reserved.pop(req_id, None), True)
 
     # -- per-layer KV streaming (decode side) -------------------------------------------------------------
     def expect_kv(self, req_id: str, key) -> None:
@@ -243,8 +242,9 @@ class InstanceWorker:
     # -- the loop ----------------------------------------------------------------------------------------
     def step(self) -> dict:
         """One scheduling step. Returns ``{"events": [(req_id, token, finish_reason,
-        handed_off)], "busy": more work left, "step_s": seconds}``; handed-off requests wait in
-        the outbox for :meth:`take_handoff`."""
+        handed_off)], "busy": more work left, "step_s": seconds, "report": the instance's
+        :class:`InstanceReport` after it (the front end's per-instance gauges)}``; handed-off
+        requests wait in the outbox for :meth:`take_handoff`."""
         with self._lock:
             if self._stall_s:
                 stall, self._stall_s = self._stall_s, 0.0
@@ -268,7 +268,8 @@ class InstanceWorker:
             self._busy_until = 0.0
             self._drain(self._at_boundary)
             self._drain(self._between)
-            return {"events": events, "busy": self.has_work(), "step_s": time.perf_counter() - t0}
+            return {"events": events, "busy": self.has_work(), "step_s": time.perf_counter() - t0,
+                    "report": self._report()}
 
     def has_work(self) -> bool:
         return self.core.has_unfinished() or bool(self.adopt_wait)
