@@ -9,8 +9,11 @@ only token ids to the instances (:class:`~laser.controller.handles.InstanceHandl
 or Ray actors).
 
 Per request (PPoPP'26 §7, CONTROLLER.md D1): the controller routes it at arrival (prefill
-instance, and on a disaggregated cluster the decode instance, which reserves room); after its
-first token the prefill instance exports its KV and sampling-generator state; the front end
+instance, and on a disaggregated cluster the decode instance, which reserves room); while its
+final prefill chunk runs, the prefill instance streams each finished layer's K/V straight to
+that decode instance (``stream_kv``; a controller that picks the decode instance only at the
+hand-off, like ``distserve``, gets the KV whole then); after its first token the prefill
+instance exports its sampling-generator state (and the KV, if not streamed there); the front end
 has the decode instance pull it (``adopt(take_handoff)``, instance to instance) and tells the
 prefill instance to drop its copy once the decode instance holds it.
 
