@@ -9,8 +9,11 @@ only token ids to the instances (:class:`~laser.controller.handles.InstanceHandl
 or Ray actors).
 
 Per request (PPoPP'26 §7, CONTROLLER.md D1): the controller routes it at arrival (prefill
-instance, and on a disaggregated cluster the decode instance, which reserves room); after its
-first token the prefill instance exports its KV and sampling-generator state; the front end
+instance, and on a disaggregated cluster the decode instance, which reserves room); while its
+final prefill chunk runs, the prefill instance streams each finished layer's K/V straight to
+that decode instance (``stream_kv``; a controller that picks the decode instance only at the
+hand-off, like ``distserve``, gets the KV whole then); after its first token the prefill
+instance exports its sampling-generator state (and the KV, if not streamed there); the front end
 has the decode instance pull it (``adopt(take_handoff)``, instance to instance) and tells the
 prefill instance to drop its copy once the decode instance holds it.
 
@@ -74,6 +77,8 @@ class ClusterStats:
     transfer_bytes: int = 0
     transfer_seconds: list[float] = field(default_factory=list)  # per hand-off, send -> written
     transfer_layers: int = 0  # layers per hand-off (the model's)
+    streamed_transfers: int = 0  # hand-offs whose KV was streamed layer by layer during prefill
+    handoff_seconds: list[float] = field(default_factory=list)  # per hand-off, prefill end -> adopted
     resends: int = 0  # hand-offs re-sent to another decode instance
     recoveries: int = 0  # requests re-prefilled after their instance failed
     recovery_seconds: list[float] = field(default_factory=list)  # failure -> next token
@@ -91,12 +96,15 @@ class ClusterEngine:
         tokenizer / model_config / model_name: the served model (front-end side only).
         slo_classes: the SLO class table. step_timeout_s: a step longer than this marks its
             instance dead (a stall). clock: the cluster clock (seconds; instances on the same
-            host share ``time.monotonic``).
+            host share ``time.monotonic``). stream_kv: when the decode instance is chosen at
+            arrival, stream the request's KV to it layer by layer during its final prefill
+            chunk (False: all layers at the hand-off).
     """
 
     def __init__(self, handles: list[InstanceHandle], controller: Controller, tokenizer, model_config,
                  model_name: str, slo_classes, step_timeout_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, stream_kv: bool = True):
+        self.stream_kv = stream_kv
         if not handles:
             raise ValueError("a cluster needs at least one instance")
         self.handles = {h.instance_id: h for h in handles}
@@ -118,6 +126,7 @@ class ClusterEngine:
         self._transfers: list[_Tracked] = []
         self._pending: list[str] = []  # handed off, waiting for a decode instance
         self._recovering: dict[str, float] = {}  # req id -> time its instance failed
+        self.last_reports: dict = {}  # instance id -> its InstanceReport after its last step (gauges)
         self.arrival_hook = None  # AsyncEngine sets it; arrivals are routed on the engine thread
 
     # -- what AsyncEngine reads --------------------------------------------------------------------------
@@ -200,13 +209,25 @@ class ClusterEngine:
                 self.stats.routes += 1
                 self.stats.route_seconds += time.perf_counter() - t0
                 t.owner, t.decode = route.prefill, route.decode
-                self.handles[route.prefill].add_request(self._copy_for_instance(t.req))
+                self._send(t, route.prefill, route.decode)
             except InstanceFailure as e:
                 self._fail_instance(e.instance_id, str(e))
                 continue
             self._busy.add(route.prefill)
             return
         raise ClusterError("no live instance accepted the request")
+
+    def _send(self, t: _Tracked, prefill: int, decode: int | None) -> None:
+        """Give ``t`` to its prefill instance; with a decode instance chosen already (and
+        ``stream_kv``), that one expects its KV layer by layer, straight from the prefill instance."""
+        req = self._copy_for_instance(t.req)
+        if not self.stream_kv or decode is None:
+            self.handles[prefill].add_request(req)
+            return
+        key = (t.restarts, prefill)  # a re-prefill's stream never mixes with a lost one's
+        dst = self.handles[decode]
+        dst.call("expect_kv", req.req_id, key)
+        self.handles[prefill].call("add_request", req, (dst.kv_sink(), key, decode))
 
     def _require_roles(self) -> None:
         live = [h for h in self.handles.values() if h.alive]
@@ -270,6 +291,7 @@ class ClusterEngine:
                     continue
                 if not res["busy"]:
                     self._busy.discard(iid)
+                self.last_reports[iid] = res.get("report")
                 outs.extend(self._on_events(iid, res["events"]))
             elif now - call.started > self.step_timeout_s:
                 self._fail_instance(iid, f"step exceeded {self.step_timeout_s:.3g} s")
@@ -314,10 +336,11 @@ class ClusterEngine:
         return outs
 
     def _release_reservation(self, t: _Tracked) -> None:
+        """Cancel ``t``'s reservation on its decode instance, and any KV streamed there."""
         h = self.handles.get(t.decode)
         if h is not None and h.alive:
             try:
-                h.release(t.req.req_id)
+                h.abort(t.req.req_id)
             except InstanceFailure as e:
                 self._fail_instance(e.instance_id, str(e))
 
@@ -335,8 +358,10 @@ class ClusterEngine:
                 self._pending.insert(0, rid)
                 self._fail_instance(e.instance_id, str(e))
                 continue
+            if self.stream_kv and t.decode is not None and d != t.decode:
+                self._release_reservation(t)  # the layers streamed there go unused
             t.decode = d
-            take = src.submit("take_handoff", rid)
+            take = src.submit("take_handoff", rid, d)
             t.transfer = _Transfer(src.instance_id, d, take, self.handles[d].submit("adopt", take))
             self._transfers.append(t)
 
@@ -371,6 +396,8 @@ class ClusterEngine:
             self.stats.transfer_bytes += m["bytes"]
             self.stats.transfer_seconds.append(m["seconds"])
             self.stats.transfer_layers = m["layers"]
+            self.stats.streamed_transfers += m["streamed"]
+            self.stats.handoff_seconds.append(m["after_prefill_s"])
             try:
                 src.call("confirm", rid)
             except InstanceFailure as e:
@@ -465,7 +492,8 @@ def start_cluster(controller: str | Controller, prefill: int = 0, decode: int = 
                   model: str | None = None, dtype: str = "auto", cache=None, scheduler=None, slo_classes=None,
                   latency_profile: str | None = None, max_model_len: int | None = None, seed: int = 0,
                   threads_per_instance: int | None = None, use_ray: bool = True, ray_address: str | None = None,
-                  call_timeout_s: float = 5.0, step_timeout_s: float = 60.0) -> ClusterEngine:
+                  call_timeout_s: float = 5.0, step_timeout_s: float = 60.0,
+                  stream_kv: bool = True) -> ClusterEngine:
     """Start the instances (Ray actors, or in process with ``use_ray=False``) and the front end.
 
     The instances run the controller's ``instance_policy`` scheduler; ``scheduler`` gives the
@@ -502,4 +530,4 @@ def start_cluster(controller: str | Controller, prefill: int = 0, decode: int = 
         handles = [LocalHandle(InstanceWorker(i, role, kwargs, threads_per_instance), call_timeout_s)
                    for i, role in specs]
     return ClusterEngine(handles, ctrl, tokenizer, load_config(path), "smollm2" if model is None else str(model),
-                         slo_classes or SLOClasses.load(), step_timeout_s=step_timeout_s)
+                         slo_classes or SLOClasses.load(), step_timeout_s=step_timeout_s, stream_kv=stream_kv)

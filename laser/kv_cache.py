@@ -55,8 +55,12 @@ class KVCache:
 
         Raises OutOfBlocksError (nothing allocated) when the layer's pool is full.
         """
-        n = k.shape[0]
-        self.block_manager.allocate(req_id, n, range(layer, layer + 1))
-        s = self.slots(self.block_manager.table(req_id, layer), 0, n)
+        self.block_manager.allocate(req_id, k.shape[0], range(layer, layer + 1))
+        self.write_layer(req_id, layer, k, v)
+
+    def write_layer(self, req_id: str, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K/V ``[num_tokens, kv_heads, head_dim]`` of positions ``0..num_tokens-1`` into
+        the blocks ``req_id`` already holds at ``layer`` (a re-sent layer overwrites in place)."""
+        s = self.slots(self.block_manager.table(req_id, layer), 0, k.shape[0])
         self.kv[layer, 0, s] = k.to(self.kv.dtype)
         self.kv[layer, 1, s] = v.to(self.kv.dtype)

@@ -41,6 +41,11 @@ class ModelRunner:
         self.num_layers = model.config.num_layers
         model.bind_kv_cache(kv_cache.kv)
         self._group_size = model.config.num_heads // model.config.num_kv_heads
+        # Per-layer KV streaming (prefill role, issue 13): req id -> send(layer, K, V), called as
+        # soon as the request's final prefill chunk has written a layer; the sent copies are kept
+        # here until the hand-off exports them (:meth:`export_kv`), so no layer is copied twice.
+        self.kv_streams: dict[str, Callable[[int, torch.Tensor, torch.Tensor], None]] = {}
+        self._streamed: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
 
     @torch.inference_mode()
     def execute(
@@ -69,22 +74,40 @@ class ModelRunner:
 
     # -- the instance core's executor hooks (laser.instance.core.Executor) ---------------------------
     def export_kv(self, req: Request) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (K, V) of ``req``'s computed tokens, each ``[T, kv_heads, head_dim]``."""
-        n = req.num_computed_tokens
-        return [self.kv_cache.export_layer(req.req_id, layer, n) for layer in range(self.num_layers)]
+        """Per layer (K, V) of ``req``'s computed tokens, each ``[T, kv_heads, head_dim]``.
 
-    def import_kv(self, req: Request, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Allocate ``req``'s blocks layer by layer and write its K/V.
-        Raises OutOfBlocksError (nothing kept) when the pool cannot hold it."""
+        Layers already streamed (:attr:`kv_streams`) are the copies sent then; any layer not
+        streamed yet is copied now and, when ``req`` has a stream, sent too, so its receiver
+        always ends up with every layer. The stream ends here."""
+        n = req.num_computed_tokens
+        have = self._streamed.pop(req.req_id, {})
+        send = self.kv_streams.pop(req.req_id, None)
+        out = []
+        for layer in range(self.num_layers):
+            kv = have.get(layer)
+            if kv is None or kv[0].shape[0] != n:
+                kv = self.kv_cache.export_layer(req.req_id, layer, n)
+                if send is not None:
+                    send(layer, *kv)
+            out.append(kv)
+        return out
+
+    def import_kv(self, req: Request, kv: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Allocate ``req``'s blocks layer by layer and write its K/V; a ``None`` entry is a layer
+        already written here (streamed in). Raises OutOfBlocksError when the pool cannot hold it
+        (then nothing of ``req`` is kept, streamed layers included)."""
         try:
-            for layer, (k, v) in enumerate(kv):
-                self.kv_cache.import_layer(req.req_id, layer, k, v)
+            for layer, piece in enumerate(kv):
+                if piece is not None:
+                    self.kv_cache.import_layer(req.req_id, layer, *piece)
         except Exception:
             self.bm.free(req.req_id)
             raise
 
     def release(self, req_id: str) -> None:
         self.sampler.release(req_id)
+        self.kv_streams.pop(req_id, None)
+        self._streamed.pop(req_id, None)
 
     def export_sampler_state(self, req_id: str) -> bytes | None:
         return self.sampler.export_state(req_id)
@@ -139,6 +162,18 @@ class ModelRunner:
         self._hidden = self.model.forward_layer(layer, self._hidden, self._meta)
         self._res.compute_seconds += time.perf_counter() - tl
         self._res.num_layer_calls += 1
+        if self.kv_streams:
+            self._stream_layer(layer, active)
+
+    def _stream_layer(self, layer: int, active: list[Work]) -> None:
+        """Layer ``layer`` of every active work is written: send it for each streamed request
+        whose final prefill chunk this is (its KV at this layer is now complete)."""
+        for w in active:
+            send = self.kv_streams.get(w.req_id)
+            if send is not None and w.context_len == self._requests[w.req_id].num_tokens:
+                kv = self.kv_cache.export_layer(w.req_id, layer, w.context_len)
+                self._streamed.setdefault(w.req_id, {})[layer] = kv
+                send(layer, *kv)
 
     def finish(self, active, layer):
         t0 = time.perf_counter()

@@ -88,6 +88,7 @@ def test_1p1d_equals_single_engine(tiny_llama, cluster, single):
     assert done == ref
     assert all(streams[k] == v for k, v in done.items())
     assert cl.stats.transfers == 6 and cl.stats.transfer_bytes > 0 and cl.stats.transfer_layers == 4
+    assert cl.stats.streamed_transfers == 6  # every layer went during the final chunk, not after
     cl.check_integrity(expect_empty=True)
 
 

@@ -76,6 +76,11 @@ class InstanceHandle(Instance):
         """End the instance's process (tests, chaos drills). In process: mark it unusable."""
         raise NotImplementedError
 
+    def kv_sink(self):
+        """A picklable :class:`~laser.instance.kv_stream.KVSink` into this instance, for a prefill
+        instance to stream a request's layers to it directly."""
+        raise NotImplementedError
+
     # -- Instance interface ----------------------------------------------------------------------------
     def add_request(self, req: Request, at: float = 0.0) -> None:
         self.call("add_request", req)
@@ -126,3 +131,8 @@ class LocalHandle(InstanceHandle):
 
     def kill(self) -> None:
         self._killed = True
+
+    def kv_sink(self):
+        from ..instance.kv_stream import LocalKVSink
+
+        return LocalKVSink(self.worker)

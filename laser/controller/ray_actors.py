@@ -103,3 +103,38 @@ class RayHandle(InstanceHandle):
 
     def kill(self) -> None:
         ray.kill(self.actor, no_restart=True)
+
+    def kv_sink(self) -> "RayKVSink":
+        return RayKVSink(self.actor)
+
+
+class RayKVSink:
+    """Streams a request's layers to an instance actor: one fire-and-forget actor call per
+    layer, its K/V as numpy arrays (Ray moves them through the object store and the receiver
+    reads them without a copy). Runs inside the prefill actor; a dead receiver is ignored (the
+    front end re-sends the whole KV to another decode instance at the hand-off)."""
+
+    _sender = None  # one thread per process submits the calls, off the prefill's layer loop
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def send(self, req_id, key, layer, k, v) -> None:
+        import torch
+
+        if k.dtype != torch.bfloat16:  # numpy has no bfloat16: those go as tensors
+            k, v = k.numpy(), v.numpy()
+        if RayKVSink._sender is None:
+            import concurrent.futures
+
+            RayKVSink._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-stream")
+        RayKVSink._sender.submit(self._submit, req_id, key, layer, k, v)
+
+    def _submit(self, req_id, key, layer, k, v) -> None:
+        try:
+            self.actor.receive_kv_layer.remote(req_id, key, layer, k, v)
+        except RayActorError:
+            pass
+
+    def __getstate__(self):
+        return {"actor": self.actor}

@@ -51,7 +51,9 @@ class LayerExecutor(Protocol):
         (the torch executor builds attention metadata here, once for all those layers)."""
 
     def run_layer(self, layer: int, active: list[Work]) -> None:
-        """Run one layer call for ``active``."""
+        """Run one layer call for ``active``. When it returns, layer ``layer``'s K/V of every
+        work in ``active`` is written: the point where the torch executor streams a finished
+        layer of a final prefill chunk to its decode instance (``ModelRunner.kv_streams``)."""
 
     def finish(self, active: list[Work], layer: int) -> None:
         """Works active at the plan's last layer: sample (``layer == N``) or park at ``layer``."""

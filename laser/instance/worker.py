@@ -13,23 +13,28 @@ It has no tokenizer, detokenizer or stop strings: the front end
 * state changes that must not happen mid-step (``abort``, ``adopt``, ``take_handoff``,
   ``confirm``) run between steps.
 
-The prefill -> decode hand-off (CONTROLLER.md A8, C3): after a request's first token the
-prefill instance exports its KV (all layers, after the last chunk — not streamed per layer
-yet) and its sampling generator state into an outbox; the decode instance pulls it with
-``adopt(take_handoff(id))`` and the prefill instance drops it only on ``confirm`` (a decode
-instance that dies mid-transfer costs a re-send, not a re-prefill).
+The prefill -> decode hand-off (CONTROLLER.md A8, C3): when the decode instance was chosen at
+arrival, the prefill instance streams the request's K/V layer by layer while its final chunk
+runs (``add_request(req, stream)``; the decode side :class:`~laser.instance.kv_stream.InboundKV`
+writes each layer into blocks it allocates). After the first token the prefill instance keeps
+the exported KV and sampling generator state in an outbox; the decode instance pulls it with
+``adopt(take_handoff(id, dst))`` -- without the KV when it was streamed to ``dst`` -- and the
+prefill instance drops it only on ``confirm`` (a decode instance that dies mid-transfer costs a
+re-send, not a re-prefill).
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import threading
 import time
 
 from ..block_manager import OutOfBlocksError
 from ..request import Request
 from .core import Handoff
+from .kv_stream import InboundKV
 from .messages import InstanceReport, LatencyIncrement, RequestInfo
 from .model_instance import ModelInstance
 from .state import build_report, decode_increment
@@ -47,8 +52,6 @@ class InstanceWorker:
     """
 
     def __init__(self, instance_id: int, role: str, engine_kwargs: dict, threads: int | None = None):
-        import dataclasses
-
         import torch
 
         from ..config import SchedulerConfig
@@ -66,6 +69,8 @@ class InstanceWorker:
         self.num_layers = self.mi.model_config.num_layers
         self.reserved: dict[str, RequestInfo] = {}
         self.outbox: dict[str, Handoff] = {}  # exported, kept until the decode instance confirms
+        self.streamed_to: dict[str, int] = {}  # prefill side: req id -> decode instance its KV streams to
+        self.inbound = InboundKV(self.mi.kv_cache, self.num_layers)  # decode side
         self.adopt_wait: list[Handoff] = []  # adopted but waiting for KV blocks
         self._lock = threading.Lock()
         self._at_boundary: collections.deque = collections.deque()
@@ -95,6 +100,7 @@ class InstanceWorker:
     def _drain_boundary(self) -> None:
         if self._at_boundary:
             self._drain(self._at_boundary)
+        self.inbound.drain()
 
     def _call(self, fn, at_boundary: bool):
         """Run ``fn`` on this instance's state: by the stepping thread at its next layer boundary
@@ -111,12 +117,19 @@ class InstanceWorker:
         return fut.result()
 
     # -- the Instance interface (controller side) --------------------------------------------------------
-    def add_request(self, req: Request) -> None:
+    def add_request(self, req: Request, stream: tuple | None = None) -> None:
         """Queue ``req`` for prefill (a recovered request carries its output so far and is
-        re-prefilled: prompt + output). Raises ValueError on a duplicate id."""
+        re-prefilled: prompt + output). ``stream``: ``(sink, key, decode_id)`` -- send each
+        layer of its final prefill chunk to ``sink`` (a :class:`~laser.instance.kv_stream.KVSink`
+        of instance ``decode_id``) as soon as it is written. Raises ValueError on a duplicate id."""
         def add():
             self.reserved.pop(req.req_id, None)
             self.core.add_request(req)
+            if stream is not None:
+                sink, key, dst = stream
+                rid = req.req_id
+                self.mi.runner.kv_streams[rid] = lambda layer, k, v: sink.send(rid, key, layer, k, v)
+                self.streamed_to[rid] = dst
         return self._call(add, True)
 
     def abort(self, req_id: str) -> bool:
@@ -124,6 +137,8 @@ class InstanceWorker:
         def abort():
             found = self.reserved.pop(req_id, None) is not None
             found |= self.outbox.pop(req_id, None) is not None
+            found |= self.inbound.drop(req_id)
+            self.streamed_to.pop(req_id, None)
             n = len(self.adopt_wait)
             self.adopt_wait = [h for h in self.adopt_wait if h.request.req_id != req_id]
             found |= n != len(self.adopt_wait)
@@ -131,12 +146,13 @@ class InstanceWorker:
         return self._call(abort, False)
 
     def report(self) -> InstanceReport:
-        def rep():
-            now = self.core.clock()
-            return build_report(self.instance_id, self.role, self.core.scheduler, self.mi.icache, now,
-                                max(now, self._busy_until), (), [h.request for h in self.adopt_wait],
-                                len(self.reserved))
-        return self._call(rep, True)
+        return self._call(self._report, True)
+
+    def _report(self) -> InstanceReport:
+        now = self.core.clock()
+        return build_report(self.instance_id, self.role, self.core.scheduler, self.mi.icache, now,
+                            max(now, self._busy_until), (), [h.request for h in self.adopt_wait],
+                            len(self.reserved))
 
     def latency_increment(self, info: RequestInfo) -> LatencyIncrement:
         return self._call(lambda: decode_increment(self.instance_id, self.core.scheduler, self.latency_model,
@@ -147,56 +163,95 @@ class InstanceWorker:
         self._call(lambda: self.reserved.__setitem__(info.req_id, info), True)
 
     def release(self, req_id: str) -> None:
+        """Cancel ``req_id``'s reservation here (a KV stream it expects stays: the controller may
+        pick this instance again at the hand-off; :meth:`abort` drops both)."""
         self._call(lambda: self.reserved.pop(req_id, None), True)
 
+    # -- per-layer KV streaming (decode side) -------------------------------------------------------------
+    def expect_kv(self, req_id: str, key) -> None:
+        """Accept the layers of stream ``(req_id, key)`` (sent before its hand-off)."""
+        self._call(lambda: self.inbound.expect(req_id, key), True)
+
+    def receive_kv_layer(self, req_id: str, key, layer: int, k, v) -> None:
+        """One streamed layer (K, V ``[T, kv_heads, head_dim]``, tensors or arrays). Answers at
+        once from any thread; the stepping thread writes it at its next layer boundary."""
+        self.inbound.receive(req_id, key, layer, k, v)
+
     # -- hand-off ----------------------------------------------------------------------------------------
-    def take_handoff(self, req_id: str) -> tuple[Handoff, float]:
+    def take_handoff(self, req_id: str, dst: int | None = None) -> tuple[Handoff, float]:
         """Prefill side: the exported request (kept until :meth:`confirm`) and the wall time
-        (``time.time()``, s) it was sent. Raises KeyError when it is not in the outbox."""
-        return self._call(lambda: (self.outbox[req_id], time.time()), False)
+        (``time.time()``, s) it was sent; without its KV (``kv=None``) when every layer was
+        already streamed to instance ``dst``. Raises KeyError when it is not in the outbox."""
+        def take():
+            h = self.outbox[req_id]
+            if dst is not None and self.streamed_to.get(req_id) == dst:
+                h = dataclasses.replace(h, kv=None)
+            return h, time.time()
+        return self._call(take, False)
 
     def confirm(self, req_id: str) -> None:
         """Prefill side: the decode instance holds ``req_id``'s KV; drop the exported copy."""
-        self._call(lambda: self.outbox.pop(req_id, None), False)
+        def confirm():
+            self.outbox.pop(req_id, None)
+            self.streamed_to.pop(req_id, None)
+        self._call(confirm, False)
 
     def adopt(self, sent: tuple[Handoff, float]) -> dict:
         """Decode side: continue a request prefilled elsewhere (``sent`` from
         :meth:`take_handoff`). Waits in order for KV blocks when the pool is full.
-        Returns ``{"bytes": KV bytes, "seconds": send -> written here (wall clock)}``."""
+        A hand-off without KV (streamed) takes its layers from :attr:`inbound` and waits until
+        all have arrived. Returns ``{"bytes": KV bytes, "seconds": send -> adopt (wall clock),
+        "after_prefill_s": prefill end -> adopt (the shared host clock), "layers", "streamed"}``;
+        the two times count until the request runs here, or until it queues for blocks or for
+        streamed layers still on their way. Raises KeyError for a stream this instance does not
+        expect (aborted)."""
         h, sent_at = sent
+        rid = h.request.req_id
 
         def adopt():
-            self.reserved.pop(h.request.req_id, None)
-            if self.adopt_wait:
-                self.adopt_wait.append(h)
+            self.reserved.pop(rid, None)
+            streamed = h.kv is None
+            if streamed:
+                self.inbound.drain()
+                nbytes = sum(k.nbytes + v.nbytes for k, v in self.inbound.streams[rid].pieces.values())
             else:
-                try:
-                    self.core.adopt(h)
-                except OutOfBlocksError:
-                    self.adopt_wait.append(h)
-            nbytes = sum(k.nbytes + v.nbytes for k, v in h.kv) if h.kv else 0
-            return {"bytes": nbytes, "seconds": time.time() - sent_at, "layers": len(h.kv or ())}
+                nbytes = sum(k.nbytes + v.nbytes for k, v in h.kv)
+            self.adopt_wait.append(h)
+            self._adopt_waiting()
+            return {"bytes": nbytes, "seconds": time.time() - sent_at, "after_prefill_s": self.core.clock() - h.time,
+                    "layers": self.num_layers, "streamed": streamed}
         return self._call(adopt, False)
 
     def _adopt_waiting(self) -> None:
+        """Adopt waiting hand-offs in order while their KV fits (and, streamed, has all arrived)."""
         while self.adopt_wait:
+            h = self.adopt_wait[0]
+            rid = h.request.req_id
+            if h.kv is None:
+                if not self.inbound.complete(rid):
+                    return
+                h = dataclasses.replace(h, kv=self.inbound.kv_for_adopt(rid))
             try:
-                self.core.adopt(self.adopt_wait[0])
+                self.core.adopt(h)
             except OutOfBlocksError:
+                self.inbound.import_failed(rid)
                 return
+            self.inbound.adopted(rid)
             self.adopt_wait.pop(0)
 
     # -- the loop ----------------------------------------------------------------------------------------
     def step(self) -> dict:
         """One scheduling step. Returns ``{"events": [(req_id, token, finish_reason,
-        handed_off)], "busy": more work left, "step_s": seconds}``; handed-off requests wait in
-        the outbox for :meth:`take_handoff`."""
+        handed_off)], "busy": more work left, "step_s": seconds, "report": the instance's
+        :class:`InstanceReport` after it (the front end's per-instance gauges)}``; handed-off
+        requests wait in the outbox for :meth:`take_handoff`."""
         with self._lock:
             if self._stall_s:
                 stall, self._stall_s = self._stall_s, 0.0
                 time.sleep(stall)
             self._drain(self._at_boundary)
             self._drain(self._between)
+            self.inbound.drain()
             self._adopt_waiting()
             t0 = time.perf_counter()
             events = []
@@ -205,13 +260,16 @@ class InstanceWorker:
                 self._busy_until = self.core.clock() + (getattr(self.core.scheduler, "last_iteration_s", None) or 0.0)
                 for ev in self.core.step():
                     events.append((ev.request.req_id, ev.token, ev.finish_reason, ev.handed_off))
+                    if ev.finish_reason is not None:
+                        self.streamed_to.pop(ev.request.req_id, None)
                 for h in self.core.handoffs:
                     self.outbox[h.request.req_id] = h
                 self.core.handoffs.clear()
             self._busy_until = 0.0
             self._drain(self._at_boundary)
             self._drain(self._between)
-            return {"events": events, "busy": self.has_work(), "step_s": time.perf_counter() - t0}
+            return {"events": events, "busy": self.has_work(), "step_s": time.perf_counter() - t0,
+                    "report": self._report()}
 
     def has_work(self) -> bool:
         return self.core.has_unfinished() or bool(self.adopt_wait)
@@ -220,9 +278,11 @@ class InstanceWorker:
         """The core's check; when ``expect_empty`` also no outbox, waiting hand-off or reservation."""
         def check():
             self.core.check_integrity(expect_empty=expect_empty)
-            if expect_empty and (self.outbox or self.adopt_wait or self.reserved):
+            if expect_empty and (self.outbox or self.adopt_wait or self.reserved or self.inbound.pending()
+                                 or self.streamed_to):
                 raise AssertionError(f"instance {self.instance_id}: outbox {sorted(self.outbox)}, "
-                                     f"waiting {len(self.adopt_wait)}, reserved {sorted(self.reserved)}")
+                                     f"waiting {len(self.adopt_wait)}, reserved {sorted(self.reserved)}, "
+                                     f"streams in {sorted(self.inbound.streams)}, out {sorted(self.streamed_to)}")
         return self._call(check, False)
 
     def inject_stall(self, seconds: float) -> None:

@@ -193,12 +193,17 @@ class _ClusterCollector:
         for i, h in sorted(eng.handles.items()):
             up.add_metric([m, str(i), h.role], 1.0 if h.alive else 0.0)
         yield up
+        yield from self._instance_gauges(eng, m)
         for name, doc, value in (
             ("kv_transfers", "Prefill -> decode KV hand-offs completed.", st.transfers),
             ("kv_transfer_bytes", "KV bytes handed off (all layers).", st.transfer_bytes),
             ("kv_transfer_seconds", "Seconds from send to written on the decode instance, summed.",
              sum(st.transfer_seconds)),
             ("kv_transfer_resends", "Hand-offs re-sent after their decode instance failed.", st.resends),
+            ("kv_transfers_streamed", "Hand-offs whose KV was streamed layer by layer during prefill.",
+             st.streamed_transfers),
+            ("kv_handoff_seconds", "Seconds from prefill end (first token) to the request adopted by its "
+             "decode instance, summed.", sum(st.handoff_seconds)),
             ("instance_failures", "Instances marked dead (died or missed a timeout).", st.instance_failures),
             ("recoveries", "Requests re-prefilled elsewhere after their instance failed.", st.recoveries),
             ("recovery_seconds", "Seconds from an instance failure to the next token of each recovered "
@@ -209,6 +214,33 @@ class _ClusterCollector:
             c = CounterMetricFamily(f"laser:{name}", doc, labels=["model_name"])
             c.add_metric([m], value)
             yield c
+
+
+    @staticmethod
+    def _instance_gauges(eng, m: str):
+        """Per-instance state from each instance's report after its last step (§7.1)."""
+        labels = ["model_name", "instance", "role"]
+        fams = {
+            "queue": GaugeMetricFamily("laser:instance_queue_length", "Requests with prefill work left.", labels=labels),
+            "decoding": GaugeMetricFamily("laser:instance_num_decoding", "Requests decoding.", labels=labels),
+            "kv": GaugeMetricFamily("laser:instance_kv_cache_usage_perc", "KV blocks in use (1 = 100%).",
+                                    labels=labels),
+            "iter": GaugeMetricFamily("laser:instance_iteration_seconds", "Last measured decode iteration.",
+                                      labels=labels),
+            "t_g": GaugeMetricFamily("laser:instance_t_g_seconds", "Tightest TBT target of its decode "
+                                     "requests (T_g; +Inf: none).", labels=labels),
+        }
+        for i, rep in sorted(eng.last_reports.items()):
+            if rep is None:
+                continue
+            lv = [m, str(i), rep.role]
+            fams["queue"].add_metric(lv, len(rep.queue))
+            fams["decoding"].add_metric(lv, rep.num_decoding)
+            fams["kv"].add_metric(lv, rep.used_blocks / rep.total_blocks if rep.total_blocks else 0.0)
+            if rep.iteration_s is not None:
+                fams["iter"].add_metric(lv, rep.iteration_s)
+            fams["t_g"].add_metric(lv, rep.t_g)
+        yield from fams.values()
 
 
 class _SchedulerCollector:
