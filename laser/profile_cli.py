@@ -138,7 +138,7 @@ def cmd_profile(args) -> int:
     path = explicit or profiler.default_path(engine)
     grid = profiler.ProfileGrid.tiny() if args.quick else None
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    ev = dict(num_layer_steps=6, plans_per_policy=2, max_tokens=256, max_batch=16, num_requests=8) \
+    ev = dict(num_layer_steps=6, plans_per_policy=2, max_tokens=256, max_batch=16, num_requests=8, num_small_decode=3) \
         if args.quick else {}
     rep = None
     t1 = time.perf_counter()
@@ -172,7 +172,14 @@ def cmd_profile(args) -> int:
     print(f"[laser] profile {path}: {len(lm.samples)} samples"
           + (f" ({dropped} disturbed ones dropped)" if dropped else "")
           + f"; {what} took {prof_s:.1f} s (model load {load_s:.1f} s)"
-          + (f", {100 * m['clean_fraction']:.0f}% of timed calls clean" if "clean_fraction" in m else ""))
+          + (f", {100 * m['clean_fraction']:.0f}% of timed calls clean" if "clean_fraction" in m else "")
+          + (f", {100 * m['disturbed_fraction']:.0f}% disturbed (reference calls re-timed up to "
+             f"{100 * m.get('max_reference_drift', 0):.0f}% over their best)" if "disturbed_fraction" in m else ""))
+    if m.get("disturbed_fraction", 0) > 0.1 or m.get("dropped_disturbed"):
+        print(f"[laser] warning: {100 * m['disturbed_fraction']:.0f}% of the profile's timed calls ran while the "
+              "machine was slower (another process competing for memory bandwidth or cores)"
+              + (f"; {m['dropped_disturbed']} samples dropped" if m.get("dropped_disturbed") else "")
+              + "; re-run `laser profile` on a quiet machine", file=sys.stderr)
     for line in summary_lines(lm):
         print(line)
     if not args.evaluate:

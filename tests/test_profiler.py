@@ -252,13 +252,19 @@ def test_bench_times_short_calls_in_bursts():
 
 def test_evaluate_reports_accuracy_per_layer_step_and_iteration(engine, fitted):
     rep = profiler.evaluate(engine, fitted, num_layer_steps=3, plans_per_policy=2, progress=False, rounds=(1, 1),
-                            max_tokens=128, max_batch=8, num_requests=6, budget_s=5, warmup_s=0.1)
+                            max_tokens=128, max_batch=8, num_requests=6, budget_s=5, warmup_s=0.1,
+                            num_small_decode=2)
     for key in ("per_layer_step", "per_iteration"):
         assert 0.0 <= rep[key]["mean_accuracy"] <= 1.0
         assert 0.0 <= rep[key]["p10_accuracy"] <= rep[key]["mean_accuracy"] + 1e-12
     assert set(rep["per_iteration"]["by_policy"]) == {"vllm", "sarathi", "laser"}
     assert set(rep["per_module"]) == {"stateless", "attention", "embed", "head"}
     assert rep["per_layer_step"]["n"] == 3
+    # small-batch decode iterations are reported apart (and only decode works, every layer)
+    assert 1 <= rep["per_small_decode_iteration"]["n"] <= 2
+    for r in rep["cases"]["small_decode"]:
+        assert r["kind"] == "decode" and 1 <= r["num_works"] <= 8 and r["policy"] == "small-decode"
+    assert 0.0 <= rep["measurement"]["disturbed_fraction"] <= 1.0
     json.dumps(rep)  # JSON-friendly
     # the measured ground truth does not depend on the model: re-score for another one
     from laser.latency import SimpleLatencyModel
@@ -269,7 +275,8 @@ def test_evaluate_reports_accuracy_per_layer_step_and_iteration(engine, fitted):
     assert all(r["pred_s"] >= 1.0 for r in again["cases"]["layer"])
     assert [r["actual_s"] for r in again["cases"]["iteration"]] == [r["actual_s"] for r in rep["cases"]["iteration"]]
     text = profiler.format_report(rep)
-    assert "per layer step" in text and "per iteration" in text
+    assert "per layer step" in text and "per iteration" in text and "small-batch decode" in text
+    assert "disturbed" in text
     engine.kv_cache.block_manager.check_integrity(expect_empty=True)
     assert len(engine.runner.icache) == 0
 

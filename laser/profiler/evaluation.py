@@ -33,7 +33,7 @@ from .pipeline import (
     runner_of,
     samples_from_cases,
 )
-from .snapshots import PlanReplay, PlanSnapshot, plan_kind, policy_snapshots
+from .snapshots import PlanReplay, PlanSnapshot, plan_kind, policy_snapshots, small_decode_snapshots
 from .timing import Bench, Case
 
 
@@ -100,11 +100,12 @@ class EvalSet:
     cases: list[Case]
     batches: list  # (kind, query_lens, context_lens) of the layer steps
     snaps: list  # PlanSnapshot of the iterations
+    small: list  # PlanSnapshot of the small-batch decode iterations
 
 
 def _eval_set(runner: ModelRunner, calls: ExecutorCalls, planning_lm: LatencyModel, *, policies: Sequence[str],
               num_layer_steps: int, plans_per_policy: int, seed: int, max_tokens: int, max_batch: int,
-              num_requests: int) -> EvalSet:
+              num_requests: int, num_small_decode: int = 12) -> EvalSet:
     if runner.bm.usage() > 0:
         raise ValueError("evaluate needs an idle engine (its KV pool is written to)")
     cfg = runner.model.config
@@ -129,7 +130,11 @@ def _eval_set(runner: ModelRunner, calls: ExecutorCalls, planning_lm: LatencyMod
         cases.append(Case(("head", r), calls.head_call(r)))
     for k, s in enumerate(snaps):
         cases.append(Case(("iteration", k), PlanReplay(runner, s, gen)))
-    return EvalSet(cases, batches, snaps)
+    small = small_decode_snapshots(runner, num_small_decode, seed=seed + 3, max_batch=min(32, max_batch),
+                                   max_context=min(512, cfg.max_position))
+    for k, s in enumerate(small):
+        cases.append(Case(("small_decode", k), PlanReplay(runner, s, gen)))
+    return EvalSet(cases, batches, snaps, small)
 
 
 def _eval_report(obj, es: EvalSet, lm: LatencyModel, tol: float, method: str, bench: Bench) -> dict:
@@ -145,14 +150,15 @@ def _eval_report(obj, es: EvalSet, lm: LatencyModel, tol: float, method: str, be
         elif kind == "head":
             rec = {"rows": k}
         else:
-            s = es.snaps[k]
+            s = (es.snaps if kind == "iteration" else es.small)[k]
             rec = {"policy": s.policy, "step": s.index, "kind": plan_kind(s.plan, s.plan.num_layers),
                    "num_works": len(s.plan.works), "tokens": sum(w.num_tokens for w in s.plan.works),
                    "layer_calls": len(s.plan.layer_steps()), "num_layers": s.plan.num_layers,
                    "works": [[w.token_start, w.num_tokens, w.layer_start, w.layer_end, int(w.sample)]
                              for w in s.plan.works]}
-        rec.update(actual_s=cs.estimate(), median_s=cs.median(), spread=cs.spread(), repeats=len(cs.times),
-                   clean_repeats=len(cs.clean), settled=cs.settled(tol))
+        rec.update(actual_s=cs.estimate(), median_s=cs.median(), spread=cs.spread(), repeats=cs.repeats,
+                   clean_repeats=len(cs.clean), disturbed_repeats=len(cs.disturbed),
+                   disturbed_only=not cs.times, settled=cs.settled(tol))
         res[kind].append(rec)
     all_cases = [r for v in res.values() for r in v]
     report = {
@@ -162,6 +168,12 @@ def _eval_report(obj, es: EvalSet, lm: LatencyModel, tol: float, method: str, be
             "repeats": sum(r["repeats"] for r in all_cases),
             "clean_fraction": round(sum(r["clean_repeats"] for r in all_cases)
                                     / max(1, sum(r["repeats"] for r in all_cases)), 3),
+            "disturbed_fraction": round(sum(r["disturbed_repeats"] for r in all_cases)
+                                        / max(1, sum(r["repeats"] for r in all_cases)), 3),
+            "disturbed_cases": sum(r["disturbed_only"] for r in all_cases),
+            "reference_checks": len(bench.checks),
+            "reference_tol": bench.ref_tol,
+            "max_reference_drift": round(bench.reference_drift(), 3),
             "settled_fraction": round(sum(r["settled"] for r in all_cases) / max(1, len(all_cases)), 3),
             "out_of_time": bench.out_of_time,
             "rounds": bench.rounds,
@@ -176,19 +188,24 @@ def _eval_report(obj, es: EvalSet, lm: LatencyModel, tol: float, method: str, be
 
 _METHOD = ("per case: shuffled rounds (min {lo}, max {hi}) after a warm-up, every case once per round, "
            "more rounds for unsettled cases while time is left; time = mean of the two fastest repeats; settled "
-           "when they agree within {tol:.0f}% and one was clean (no task waiting for a CPU, /proc/pressure/cpu)")
+           "when they agree within {tol:.0f}% and one was clean (no task waiting for a CPU, /proc/pressure/cpu); "
+           "repeats next to a re-timing of the reference calls (decode layer step at batch 8, 256-token prefill "
+           "layer step) more than 5% over its best are disturbed and re-measured")
 
 
 def evaluate(obj, lm: LatencyModel, *, policies: Sequence[str] = ("vllm", "sarathi", "laser"),
              num_layer_steps: int = 45, plans_per_policy: int = 10, progress: bool | None = None, seed: int = 1,
              budget_s: float = 100.0, rounds: tuple[int, int] = (3, 6), tol: float = 0.03,
-             max_tokens: int = 2048, max_batch: int = 64, num_requests: int = 24, warmup_s: float = 1.0) -> dict:
+             max_tokens: int = 2048, max_batch: int = 64, num_requests: int = 24, warmup_s: float = 1.0,
+             num_small_decode: int = 12) -> dict:
     """Accuracy of ``lm`` on held-out measurements of ``obj`` (an idle Engine or ModelRunner).
 
     * per module: stateless, attention, embedding and LM head on random held-out sizes;
     * per layer step: whole ``forward_layer`` calls on random batches vs ``predict_layer``;
     * per iteration: plans of every policy's scheduler (planned with ``lm``) on synthetic
-      request streams, ``ModelRunner.execute(plan)`` end to end vs ``predict_iteration(plan)``.
+      request streams, ``ModelRunner.execute(plan)`` end to end vs ``predict_iteration(plan)``;
+    * per small-batch decode iteration, reported apart: ``num_small_decode`` random decode
+      iterations of 1..32 requests at contexts 16..512 (:func:`.snapshots.small_decode_snapshots`).
 
     Ground truth is measured like the profile (:class:`Bench`: interleaved rounds, two
     fastest repeats). Returns a JSON-friendly dict (see ``format_report``).
@@ -199,7 +216,7 @@ def evaluate(obj, lm: LatencyModel, *, policies: Sequence[str] = ("vllm", "sarat
     with torch.inference_mode():
         es = _eval_set(runner, calls, lm, policies=policies, num_layer_steps=num_layer_steps,
                        plans_per_policy=plans_per_policy, seed=seed, max_tokens=max_tokens, max_batch=max_batch,
-                       num_requests=num_requests)
+                       num_requests=num_requests, num_small_decode=num_small_decode)
         bench = Bench(rounds[0], rounds[1], tol, budget_s=budget_s, seed=seed)
         run_bench(es.cases, bench, calls, warmup_s, "evaluating", progress)
     runner.bm.check_integrity(expect_empty=True)
@@ -212,7 +229,7 @@ def profile_and_evaluate(obj, *, grid: ProfileGrid | None = None, policies: Sequ
                          num_layer_steps: int = 45, plans_per_policy: int = 10, progress: bool | None = None,
                          seed: int = 0, budget_s: float = 140.0, max_tokens: int = 2048, max_batch: int = 64,
                          num_requests: int = 24, planning_lm: LatencyModel | None = None,
-                         threads: int | None = None) -> tuple[FittedLatencyModel, dict]:
+                         threads: int | None = None, num_small_decode: int = 12) -> tuple[FittedLatencyModel, dict]:
     """Profile and measure a held-out test set *in the same interleaved rounds*, then fit on
     the profile samples and score the test set (see :func:`evaluate`).
 
@@ -233,7 +250,7 @@ def profile_and_evaluate(obj, *, grid: ProfileGrid | None = None, policies: Sequ
         pcases = profile_cases(calls, grid)
         es = _eval_set(runner, calls, planning_lm, policies=policies, num_layer_steps=num_layer_steps,
                        plans_per_policy=plans_per_policy, seed=seed + 1, max_tokens=max_tokens, max_batch=max_batch,
-                       num_requests=num_requests)
+                       num_requests=num_requests, num_small_decode=num_small_decode)
         bench = Bench(grid.min_rounds, grid.max_rounds, grid.tol, budget_s=budget_s, seed=seed)
         setup_s = time.perf_counter() - t0
         run_bench(pcases + es.cases, bench, calls, grid.warmup_s, "profiling + evaluating", progress)
@@ -248,7 +265,7 @@ def profile_and_evaluate(obj, *, grid: ProfileGrid | None = None, policies: Sequ
     return model, rep
 
 
-CASE_KINDS = ("layer", "stateless", "attention", "embed", "head", "iteration")
+CASE_KINDS = ("layer", "stateless", "attention", "embed", "head", "iteration", "small_decode")
 
 
 def _case_prediction(lm: LatencyModel, kind: str, rec: dict) -> float:
@@ -277,6 +294,9 @@ def score(report: dict, lm: LatencyModel) -> dict:
             rec["pred_s"] = _case_prediction(lm, kind, rec)
 
     def summ(recs):
+        # cases whose every timing was disturbed (no time left to re-measure) are left out,
+        # unless no other case is left
+        recs = [r for r in recs if not r.get("disturbed_only")] or recs
         return summarize([r["pred_s"] for r in recs], [r["actual_s"] for r in recs])
 
     def by(recs, key):
@@ -296,6 +316,9 @@ def score(report: dict, lm: LatencyModel) -> dict:
     report["per_layer_step"] = {**summ(res.get("layer", [])), "by_kind": by(res.get("layer", []), "kind")}
     its = res.get("iteration", [])
     report["per_iteration"] = {**summ(its), "by_policy": by(its, "policy"), "by_kind": by(its, "kind")}
+    small = res.get("small_decode", [])
+    report["per_small_decode_iteration"] = {**summ(small), "by_batch": {
+        f"{lo}-{hi}": summ([r for r in small if lo <= r["num_works"] <= hi]) for lo, hi in ((1, 4), (5, 12), (13, 32))}}
     return report
 
 
@@ -326,10 +349,23 @@ def format_report(rep: dict) -> str:
         lines.append(row("  policy " + k, s))
     for k, s in rep["per_iteration"]["by_kind"].items():
         lines.append(row("  " + k, s))
+    sd = rep.get("per_small_decode_iteration")
+    if sd:
+        lines.append(" small-batch decode iterations (random, batch 1-32, context 16-512)")
+        lines.append(row("all", sd))
+        for k, s in sd["by_batch"].items():
+            if s["n"]:
+                lines.append(row("  batch " + k, s))
     ms = rep["measurement"]
     lines.append(f" measurement: {ms['repeats']} timed calls in {ms.get('rounds', '?')} rounds, "
-                 f"{100 * ms['clean_fraction']:.0f}% clean, {100 * ms['settled_fraction']:.0f}% of cases settled; "
+                 f"{100 * ms['clean_fraction']:.0f}% clean, {100 * ms.get('disturbed_fraction', 0):.0f}% disturbed "
+                 f"(reference calls up to {100 * ms.get('max_reference_drift', 0):.0f}% over their best), "
+                 f"{100 * ms['settled_fraction']:.0f}% of cases settled; "
                  f"two fastest repeats {100 * ms.get('two_fastest_spread', 0):.1f}% apart, median "
                  f"{100 * (ms['median_over_estimate'] - 1):.0f}% above them"
                  + (" (ran out of time)" if ms["out_of_time"] else ""))
+    if ms.get("disturbed_fraction", 0) > 0.1:
+        lines.append(f" warning: {100 * ms['disturbed_fraction']:.0f}% of timed calls ran while the machine was slower "
+                     "(another process competing for memory bandwidth or cores); figures may be off -- re-run on a "
+                     "quiet machine")
     return "\n".join(lines)

@@ -53,6 +53,13 @@ class ProfileGrid:
         base = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256,
                 320, 384, 512, 640, 768, 1024, 1280, 1536, 2048]
         st = {n for n in base if n <= max_tokens}
+        # Every decode batch up to 16 and every 4 up to 32 (small decode batches are the
+        # common iteration), and the paper's 32-token segment boundaries (Sec. 4: the
+        # stateless modules are fitted per 32-token segment, where GEMM kernels change
+        # tiles): every multiple of 32 up to 1024, of 128 beyond.
+        st |= {n for n in (*range(1, 17), *range(20, 33, 4)) if n <= max_tokens}
+        st |= {n for n in range(32, min(max_tokens, 1024) + 1, 32)}
+        st |= {n for n in range(1024, max_tokens + 1, 128)}
         # (many points: the fit's cross-validation needs them to resolve kernel steps)
         st |= {int(x) for x in rng.integers(2, max(3, min(max_tokens, 64)), 8)}
         st |= {int(x) for x in rng.integers(64, max(65, min(max_tokens, 640)), 16)}
@@ -68,6 +75,11 @@ class ProfileGrid:
             return clip_batch([1] * b, [min(int(x), ctx_cap) for x in c])
 
         attn = []
+        small = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # small decode batches at short contexts (16-512)
+        for b in small:
+            if b <= max_batch:
+                for mc in (32, 256):
+                    attn.append(decode(b, min(mc, ctx_cap)))
         for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128):
             if b > max_batch:
                 continue
@@ -103,10 +115,10 @@ class ProfileGrid:
         # CPU caches pays for it again in its projections). Small and medium batches (the
         # decode iterations) and attention-heavy ones (long contexts, mixed steps).
         layer = []
-        for b in (1, 2, 4, 8, 16, 32):
+        for b in small:
             if b <= max_batch:
-                layer.append(decode(b, min(128, ctx_cap)))
-                layer.append(decode(b, min(384, ctx_cap)))
+                for mc in (32, 128, 384):
+                    layer.append(decode(b, min(mc, ctx_cap)))
         for b, mc in ((8, 1024), (16, 2048), (48, 2048), (64, 1024)):
             if b <= max_batch:
                 layer.append(decode(b, min(mc, ctx_cap)))

@@ -35,7 +35,7 @@ from .timing import Bench, Case, planned_calls, progress_bar
 log = logging.getLogger(__name__)
 
 # Bump when what is measured, or how, changes: older profile files are then re-made.
-PROFILER_VERSION = 2
+PROFILER_VERSION = 3
 # Candidate segment widths for the stateless / LM-head fits. On CPUs a single row runs a
 # matrix-vector kernel (one decode token: ~25% cheaper than two), so widths down to 1
 # are offered; cross-validation picks one.
@@ -128,36 +128,75 @@ def profile_cases(calls: ExecutorCalls, grid: ProfileGrid) -> list[Case]:
     return cases
 
 
+def reference_cases(calls: ExecutorCalls) -> list[Case]:
+    """The reference calls :class:`Bench` re-times between the cases to see a slower
+    machine (see :mod:`.timing`): one decode layer step at batch 8 (contexts 256;
+    bandwidth-bound: KV and weights streamed) and one prefill layer step of 256 tokens
+    (compute-bound), shrunk to the KV pool and the model's positions."""
+    pool, bs = pool_tokens(calls.runner), calls.bm.block_size
+    q = max(2, min(256, calls.cfg.max_position, pool))
+    refs = [fit_to_pool((1,) * 8, (256,) * 8, pool, bs), fit_to_pool((q,), (q,), pool, bs)]
+    return [Case(("reference", *b), calls.layer_call(*b)) for b in refs]
+
+
 def run_bench(cases: list[Case], bench: Bench, calls: ExecutorCalls, warmup_s: float, desc: str, progress) -> None:
     """Warm the CPU up for ``warmup_s`` seconds, then time ``cases`` with ``bench`` (a
-    progress bar titled ``desc`` when ``progress``; None: when stderr is a terminal)."""
+    progress bar titled ``desc`` when ``progress``; None: when stderr is a terminal),
+    re-timing :func:`reference_cases` between them."""
     global_warmup(calls, warmup_s)
     bar = progress_bar(planned_calls(len(cases), bench), desc, progress)
     bench.progress = bar
     try:
-        bench.run(cases)
+        bench.run(cases, references=reference_cases(calls))
     finally:
         if bar is not None:
             bar.close()
 
 
+def disturbance_stats(cases: list[Case], bench: Bench) -> dict:
+    """How disturbed the timing of ``cases`` was: repeats, the fraction clean (undisturbed and
+    no task waiting for a CPU), the fraction disturbed (reference re-timing drifted over
+    ``bench.ref_tol``), cases left with no undisturbed repeat, the largest reference drift."""
+    repeats = sum(c.repeats for c in cases)
+    return {"repeats": repeats,
+            "clean_fraction": round(sum(len(c.clean) for c in cases) / max(1, repeats), 3),
+            "disturbed_fraction": round(sum(len(c.disturbed) for c in cases) / max(1, repeats), 3),
+            "disturbed_cases": sum(1 for c in cases if c.repeats and not c.times),
+            "reference_checks": len(bench.checks), "reference_tol": bench.ref_tol,
+            "max_reference_drift": round(bench.reference_drift(), 3)}
+
+
 def samples_from_cases(cases: list[Case], tol: float, bench: Bench, stats: dict | None, warn: bool = True) -> list:
-    """Profile samples from measured profile cases; ``stats`` receives how clean they were."""
-    unsettled = [k for k, c in enumerate(cases) if not c.settled(tol)]
-    clean = sum(len(c.clean) for c in cases) / max(1, sum(len(c.times) for c in cases))
-    info = {"repeats": sum(len(c.times) for c in cases), "clean_fraction": round(clean, 3),
-            "unsettled_cases": len(unsettled), "cases": len(cases), "out_of_time": bench.out_of_time,
-            "unsettled_index": unsettled}
+    """Profile samples from measured profile cases; ``stats`` receives how clean they were.
+
+    A case left with only disturbed repeats (the time budget ran out before it could be
+    re-measured) is dropped with a warning, unless that would drop every sample of its kind.
+    """
+    kinds = {c.key[0] for c in cases}
+    drop = {k for k, c in enumerate(cases) if c.repeats and not c.times}
+    for kind in kinds:  # never drop every sample of a kind
+        if all(k in drop for k, c in enumerate(cases) if c.key[0] == kind):
+            drop -= {k for k, c in enumerate(cases) if c.key[0] == kind}
+    kept = [c for k, c in enumerate(cases) if k not in drop]
+    unsettled = [k for k, c in enumerate(kept) if not c.settled(tol)]
+    info = {**disturbance_stats(cases, bench), "unsettled_cases": len(unsettled), "cases": len(cases),
+            "dropped_disturbed": len(drop), "out_of_time": bench.out_of_time, "unsettled_index": unsettled}
     if stats is not None:
         stats.update(info)
-    if warn and (clean < 0.8 or len(unsettled) > len(cases) // 3):
-        log.warning("the CPU was busy with other work while profiling (%.0f%% of timed calls ran with no other "
-                    "task waiting for a CPU; %d of %d samples without two repeats within %.0f%%%s): the profile may "
-                    "be off; re-run `laser profile` on a quiet machine", 100 * clean, len(unsettled), len(cases),
-                    100 * tol, f"; the {bench.budget_s:g} s time budget ran out after {bench.rounds} rounds"
+    clean, disturbed = info["clean_fraction"], info["disturbed_fraction"]
+    if warn and (clean < 0.8 or disturbed > 0.1 or len(unsettled) > len(cases) // 3):
+        log.warning("the machine was busy with other work while profiling (%.0f%% of timed calls clean, %.0f%% "
+                    "disturbed: reference calls re-timed up to %.0f%% slower than their best; %d of %d samples "
+                    "without two repeats within %.0f%%%s): the profile may be off; re-run `laser profile` on a "
+                    "quiet machine", 100 * clean, 100 * disturbed, 100 * info["max_reference_drift"],
+                    len(unsettled), len(cases), 100 * tol,
+                    f"; the {bench.budget_s:g} s time budget ran out after {bench.rounds} rounds"
                     if bench.out_of_time else "")
+    if warn and drop:
+        log.warning("%d of %d samples dropped: every timing of them was disturbed (the machine ran slower) and the "
+                    "time budget ran out before they could be re-measured", len(drop), len(cases))
     out = []
-    for cs in cases:
+    for cs in kept:
         kind, *args = cs.key
         t = cs.estimate()
         if kind == "stateless":

@@ -18,7 +18,7 @@ from ..config import SchedulerConfig
 from ..intermediate_cache import IntermediateCache
 from ..latency import LatencyModel
 from ..model_runner import ModelRunner
-from ..plan import StepPlan
+from ..plan import StepPlan, Work
 from ..request import SLO, Request, SamplingParams
 from ..sampler import Sampler
 from .calls import _REQ_PREFIX
@@ -144,6 +144,41 @@ def policy_snapshots(runner: ModelRunner, policy: str, lm: LatencyModel, *, num_
             sched.abort(rid, clock[0])
     bm.check_integrity(expect_empty=True)
     return _spread(snaps, keep, rng)
+
+
+def small_decode_snapshots(runner: ModelRunner, count: int, *, seed: int = 0, max_batch: int = 32,
+                           min_context: int = 16, max_context: int = 512) -> list[PlanSnapshot]:
+    """``count`` random decode iterations of small batches at short contexts: the common
+    iteration of an interactive load (issue 11 item 5: these were predicted up to 1.9x
+    their time). Batch 1..``max_batch`` (log-uniform), contexts ``min_context``..
+    ``max_context`` tokens (log-uniform), every layer, a token sampled per request; the
+    blocks are allocated in the runner's (idle) block manager, frozen, and freed again.
+    Policy ``"small-decode"``."""
+    from .grid import fit_to_pool
+
+    bm, n = runner.bm, runner.num_layers
+    rng = np.random.default_rng(seed)
+    pool = bm.num_blocks * bm.block_size
+    sp = SamplingParams(temperature=0.0)
+    out: list[PlanSnapshot] = []
+    for k in range(count):
+        b = int(round(np.exp(rng.uniform(0.0, np.log(max_batch)))))
+        ctx = np.exp(rng.uniform(np.log(min_context), np.log(max_context), b)).round().astype(int)
+        _, ctx = fit_to_pool((1,) * b, tuple(int(max(2, c)) for c in ctx), pool, bm.block_size)
+        reqs = {f"{_REQ_PREFIX}-smalldec-{seed}-{k}-{i}": Request([int(x) for x in rng.integers(10, 1000, c)], sp,
+                                                                  req_id=f"{_REQ_PREFIX}-smalldec-{seed}-{k}-{i}")
+                for i, c in enumerate(ctx)}
+        works = [Work(rid, c - 1, 1, 0, n, sample=True) for rid, c in zip(reqs, ctx)]
+        try:
+            for rid, c in zip(reqs, ctx):
+                bm.allocate(rid, c)
+            tables = _Tables(bm, list(reqs))
+        finally:
+            for rid in reqs:
+                bm.free(rid)
+        out.append(PlanSnapshot("small-decode", k, StepPlan(n, works), tables, reqs, []))
+    bm.check_integrity(expect_empty=True)
+    return out
 
 
 def plan_kind(plan: StepPlan, n: int) -> str:

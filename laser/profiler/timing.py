@@ -9,7 +9,18 @@ kernel's pressure counter ``/proc/pressure/cpu`` (at least ``min_rounds``, at mo
 ``max_rounds``; past the time budget no new round starts, but every case gets at least
 two repeats, so a busy machine makes profiling slower rather than wrong). A case's time
 is the mean of its two fastest repeats: interference only adds time, so this estimates
-the *undisturbed* time. Torch-free.
+the *undisturbed* time.
+
+The CPU-pressure counter sees a neighbour that takes a core, not one that takes memory
+bandwidth (a neighbour streaming memory slows a bandwidth-bound decode layer by tens of
+percent while no task ever waits for a CPU). So :class:`Bench` also re-times fixed
+*reference* calls (``references``: e.g. one decode layer step at batch 8 and one
+256-token prefill layer step) at the start and then interleaved with the cases, every
+``ref_interval_s`` seconds and at the end of every round. A repeat whose surrounding
+reference timings (the check before it and the check after it) drift more than
+``ref_tol`` above the best time of that reference so far is *disturbed*: it leaves
+``Case.times`` for ``Case.disturbed`` and the case is measured again (in extra rounds
+if needed, while the time budget lasts). Torch-free.
 """
 
 from __future__ import annotations
@@ -50,8 +61,11 @@ def _psi_reader() -> Callable[[], int] | None:
 class Case:
     """One thing to time: ``run()`` does one call (its result is discarded).
 
-    ``times`` are all repeats; ``clean`` those during which no task waited for a CPU
-    (nothing else competed with us), when the kernel reports CPU pressure.
+    ``times`` are the undisturbed repeats (seconds per call); ``clean`` those of them
+    during which no task waited for a CPU (nothing else competed with us), when the kernel
+    reports CPU pressure; ``disturbed`` the repeats taken while the reference calls ran
+    slower than their best (see :class:`Bench`), kept apart and used only when no
+    undisturbed repeat is left.
     """
 
     key: object
@@ -61,22 +75,29 @@ class Case:
     # Calls per repeat (back to back; a repeat's time is their mean). 0 = not yet chosen:
     # :meth:`Bench.run` sizes it from one untimed call (see ``Bench.burst_s``).
     burst: int = 0
+    disturbed: list[float] = field(default_factory=list)
+
+    @property
+    def repeats(self) -> int:
+        """All repeats, disturbed ones included."""
+        return len(self.times) + len(self.disturbed)
 
     def estimate(self) -> float:
-        """Mean of the two fastest repeats (the fastest alone with one repeat).
+        """Mean of the two fastest undisturbed repeats (the fastest alone with one; from
+        the disturbed repeats when there is no undisturbed one).
 
         Interference only ever adds time, so the fastest repeats are the least disturbed
         ones, whatever the pressure counter said about them.
         """
-        s = sorted(self.times)
+        s = sorted(self.times or self.disturbed)
         return (s[0] + s[1]) / 2 if len(s) > 1 else s[0]
 
     def median(self) -> float:
-        return float(np.median(self.times))
+        return float(np.median(self.times or self.disturbed))
 
     def spread(self) -> float:
         """Relative gap between the two fastest repeats (0 with one repeat)."""
-        s = sorted(self.times)
+        s = sorted(self.times or self.disturbed)
         return (s[1] - s[0]) / s[0] if len(s) > 1 else 0.0
 
     def settled(self, tol: float) -> bool:
@@ -85,12 +106,31 @@ class Case:
         return len(s) > 1 and s[1] <= s[0] * (1 + tol) and (s[0] in self.clean or s[1] in self.clean)
 
 
+class _Check:
+    """One re-timing of the reference calls: seconds per call of each, and the repeats of
+    cases timed since the previous check (the window it closes)."""
+
+    __slots__ = ("ref_times", "window", "disturbed")
+
+    def __init__(self, ref_times: list[float], window: list):
+        self.ref_times, self.window, self.disturbed = ref_times, window, False
+
+
 class Bench:
     """Interleaved, repeated timing of many cases (see the module docstring).
 
     A repeat counts as *clean* when the kernel's CPU-pressure counter (``/proc/pressure/cpu``)
     grew by less than 2% of its duration: no other task was waiting for a core, so none
     took one from us. Without that counter every repeat counts as clean.
+
+    A repeat counts as *disturbed* when a reference call timed just before or just after
+    it (see the module docstring) ran more than ``ref_tol`` slower than that reference's
+    best time so far: the machine was slower then, whatever the pressure counter says
+    (memory-bandwidth contention from a neighbour is invisible to it). Disturbed repeats
+    are re-measured: a case is settled only on undisturbed repeats, and cases left with
+    fewer than two undisturbed repeats get up to ``max_rounds`` extra rounds while the
+    budget lasts. As the best reference times only fall, a window once disturbed stays so,
+    and earlier windows are re-judged against the newest best.
 
     A repeat of a short case is a *burst* of back-to-back calls (as many as fill
     ``burst_s``, at most ``max_burst``), timed together: the layers of an iteration run
@@ -104,27 +144,49 @@ class Bench:
             one of them was clean).
         budget_s: no new repeat starts past this many seconds once every case has two.
         seed: shuffling seed. progress: a tqdm bar (None: none).
+        ref_tol: drift of a reference call over its best time beyond which the repeats
+            around it are disturbed (fraction). ref_interval_s: seconds of case timing
+            between two re-timings of the references. ref_initial: re-timings at the
+            start (the first best times). ref_repeats: bursts of each reference per
+            re-timing, the fastest counts (a single preemption does not flag a window;
+            sustained contention slows them all). ref_burst_s: length of a reference burst
+            (at most 8 x ``max_burst`` calls; longer than a case's: less noise).
+        clock: seconds counter (``time.perf_counter``; tests inject a fake one).
+        psi: cumulative CPU-stall microseconds counter; ``"auto"``: ``/proc/pressure/cpu``
+            when readable; None: none (every repeat clean).
     """
 
     def __init__(self, min_rounds: int = 3, max_rounds: int = 6, tol: float = 0.03,
                  budget_s: float = math.inf, seed: int = 0, progress=None, burst_s: float = 0.008,
-                 max_burst: int = 32):
+                 max_burst: int = 32, *, ref_tol: float = 0.05, ref_interval_s: float = 0.5,
+                 ref_initial: int = 3, ref_repeats: int = 2, ref_burst_s: float = 0.01, clock: Callable[[], float] = time.perf_counter, psi="auto"):
         if min_rounds < 1 or max_rounds < min_rounds:
             raise ValueError("need 1 <= min_rounds <= max_rounds")
+        if not ref_tol > 0 or not ref_interval_s > 0 or ref_initial < 1:
+            raise ValueError("need ref_tol > 0, ref_interval_s > 0 and ref_initial >= 1")
         self.burst_s, self.max_burst = burst_s, max(1, int(max_burst))
         self.min_rounds, self.max_rounds, self.tol = min_rounds, max_rounds, tol
         self.budget_s = budget_s
         self.rng = random.Random(seed)
         self.progress = progress
-        self.psi = _psi_reader()
+        self.clock = clock
+        self.psi = _psi_reader() if psi == "auto" else psi
+        self.ref_tol, self.ref_interval_s, self.ref_initial = ref_tol, ref_interval_s, ref_initial
+        self.ref_repeats, self.ref_burst_s = max(1, int(ref_repeats)), ref_burst_s
+        self.references: list[Case] = []
+        self.checks: list[_Check] = []
+        self._window: list = []  # (case, seconds) timed since the last check
+        self._last_check = 0.0
         self.repeats = 0
         self.clean_repeats = 0
+        self.disturbed_repeats = 0
         self.out_of_time = False
         self.rounds = 0  # rounds started
         self.seconds = 0.0  # time spent in run()
 
-    def time_once(self, case: Case) -> float:
-        pc, psi = time.perf_counter, self.psi
+    def _timed(self, case: Case) -> tuple[float, bool]:
+        """One repeat of ``case`` (a burst): seconds per call, and whether it ran clean."""
+        pc, psi = self.clock, self.psi
         run, k = case.run, max(1, case.burst)
         p0 = psi() if psi else 0
         t0 = pc()
@@ -132,48 +194,126 @@ class Bench:
             run()
         total = pc() - t0
         stall = (psi() - p0) * 1e-6 if psi else 0.0
-        dt = total / k
+        return total / k, stall <= 0.02 * total + 2e-5
+
+    def time_once(self, case: Case) -> float:
+        dt, clean = self._timed(case)
         case.times.append(dt)
         self.repeats += 1
-        if stall <= 0.02 * total + 2e-5:
+        if clean:
             case.clean.append(dt)
             self.clean_repeats += 1
+        self._window.append((case, dt, clean))
         return dt
 
-    def run(self, cases: list[Case], warmup: bool = False) -> list[Case]:
+    # -- reference re-timing ----------------------------------------------------------------
+    def _size_burst(self, c: Case, burst_s: float | None = None, max_burst: int | None = None,
+                    calls: int = 1) -> None:
+        """Size ``c``'s burst from the fastest of ``calls`` untimed calls (the first may be cold)."""
+        if c.burst <= 0:
+            dt = math.inf
+            for _ in range(calls):
+                tc = self.clock()
+                c.run()
+                dt = min(dt, self.clock() - tc)
+            c.burst = max(1, min(max_burst or self.max_burst, int((burst_s or self.burst_s) / max(dt, 1e-7))))
+
+    def check(self) -> None:
+        """Re-time every reference once, close the current window of repeats, and (re)judge
+        every window against the best reference times so far. No-op without references."""
+        if not self.references:
+            return
+        times = []
+        for r in self.references:
+            dt = min(self._timed(r)[0] for _ in range(self.ref_repeats))
+            r.times.append(dt)
+            times.append(dt)
+        self.checks.append(_Check(times, self._window))
+        self._window = []
+        self._last_check = self.clock()
+        best = [min(r.times) for r in self.references]
+        slow = [max(t / b for t, b in zip(c.ref_times, best)) > 1 + self.ref_tol for c in self.checks]
+        for k, c in enumerate(self.checks):
+            # a window lies between check k-1 and check k: disturbed if either was slow
+            if not c.disturbed and (slow[k] or (k > 0 and slow[k - 1])):
+                c.disturbed = True
+                for case, dt, clean in c.window:
+                    case.times.remove(dt)
+                    if clean:
+                        case.clean.remove(dt)
+                        self.clean_repeats -= 1
+                    case.disturbed.append(dt)
+                    self.disturbed_repeats += 1
+
+    def reference_drift(self) -> float:
+        """Largest drift of a reference re-timing over that reference's best (fraction; 0
+        without references)."""
+        if not self.references or not self.checks:
+            return 0.0
+        best = [min(r.times) for r in self.references]
+        return max(max(t / b for t, b in zip(c.ref_times, best)) for c in self.checks) - 1.0
+
+    # -- the rounds -------------------------------------------------------------------------
+    def run(self, cases: list[Case], warmup: bool = False, references: list[Case] | None = None) -> list[Case]:
         """Time ``cases`` (``warmup``: one untimed call each first). Cases without a burst
-        size get one from an untimed call (which also warms them up)."""
-        t0 = time.perf_counter()
+        size get one from an untimed call (which also warms them up). ``references``: the
+        reference calls re-timed between the cases (see the class docstring); once given
+        they are kept for later runs of this bench."""
+        t0 = self.clock()
         try:
             if warmup:
                 for c in self._shuffled(cases):
                     c.run()
                     self._tick()
+            if references:
+                self.references = list(references)
+                for r in self.references:
+                    self._size_burst(r, self.ref_burst_s, 8 * self.max_burst, calls=3)
+                for _ in range(self.ref_initial):
+                    self.check()
             for c in cases:
-                if c.burst <= 0:
-                    tc = time.perf_counter()
-                    c.run()
-                    dt = time.perf_counter() - tc
-                    c.burst = max(1, min(self.max_burst, int(self.burst_s / max(dt, 1e-7))))
-            for r in range(self.max_rounds):
-                todo = cases if r < self.min_rounds else [c for c in cases if not c.settled(self.tol)]
+                self._size_burst(c)
+            need = min(2, self.max_rounds)
+            for r in range(2 * self.max_rounds):
+                if r < self.min_rounds:
+                    todo = cases
+                elif r < self.max_rounds:
+                    todo = [c for c in cases if not c.settled(self.tol)]
+                else:  # extra rounds: re-measure cases that disturbance left short
+                    todo = [c for c in cases if len(c.times) < need and c.disturbed]
                 if not todo:
                     break
                 self.rounds += 1
+                timed = 0
                 for c in self._shuffled(todo):
                     # the budget never cuts a case below two repeats (the estimator needs two)
-                    if r >= min(2, self.max_rounds) and time.perf_counter() - t0 > self.budget_s:
+                    if self.clock() - t0 > self.budget_s and c.repeats >= need:
                         self.out_of_time = True
-                        return cases
+                        continue
                     self.time_once(c)
+                    timed += 1
                     self._tick()
+                    if self.references and self.clock() - self._last_check >= self.ref_interval_s:
+                        self.check()
+                if self._window:
+                    self.check()
+                if self.out_of_time and not timed:
+                    break
             return cases
         finally:
-            self.seconds += time.perf_counter() - t0
+            if self._window:
+                self.check()
+            self.seconds += self.clock() - t0
 
     @property
     def clean_fraction(self) -> float:
+        """Repeats that ran clean and undisturbed, of all repeats."""
         return self.clean_repeats / self.repeats if self.repeats else 1.0
+
+    @property
+    def disturbed_fraction(self) -> float:
+        """Repeats judged disturbed by the reference re-timing, of all repeats."""
+        return self.disturbed_repeats / self.repeats if self.repeats else 0.0
 
     def _shuffled(self, cases):
         out = list(cases)
