@@ -28,6 +28,7 @@ seeded sampled request that is re-prefilled restarts its generator from the seed
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import time
@@ -123,6 +124,8 @@ class ClusterEngine:
         self.stats = ClusterStats()
         self._steps: dict[int, Call] = {}  # instance id -> its step in flight
         self._busy: set[int] = set()  # instances with work (as of their last step)
+        self._work_sent: collections.Counter = collections.Counter()  # instance id -> work given so far
+        self._step_gen: dict[int, int] = {}  # instance id -> _work_sent when its step in flight started
         self._transfers: list[_Tracked] = []
         self._pending: list[str] = []  # handed off, waiting for a decode instance
         self._recovering: dict[str, float] = {}  # req id -> time its instance failed
@@ -213,7 +216,7 @@ class ClusterEngine:
             except InstanceFailure as e:
                 self._fail_instance(e.instance_id, str(e))
                 continue
-            self._busy.add(route.prefill)
+            self._mark_busy(route.prefill)
             return
         raise ClusterError("no live instance accepted the request")
 
@@ -269,6 +272,7 @@ class ClusterEngine:
             h = self.handles[iid]
             if h.alive and iid not in self._steps:
                 self._steps[iid] = h.submit("step")
+                self._step_gen[iid] = self._work_sent[iid]
         outs: list[RequestOutput] = []
         futs = [c.future for c in self._steps.values()] + [t.transfer.adopt.future for t in self._transfers]
         end = time.monotonic() + wait_s
@@ -289,14 +293,20 @@ class ClusterEngine:
                 except InstanceFailure as e:
                     self._fail_instance(iid, str(e))
                     continue
-                if not res["busy"]:
-                    self._busy.discard(iid)
+                if not res["busy"] and self._step_gen.get(iid) == self._work_sent[iid]:
+                    self._busy.discard(iid)  # idle, and given nothing since this step started
                 self.last_reports[iid] = res.get("report")
                 outs.extend(self._on_events(iid, res["events"]))
             elif now - call.started > self.step_timeout_s:
                 self._fail_instance(iid, f"step exceeded {self.step_timeout_s:.3g} s")
         self._start_transfers()
         return outs
+
+    def _mark_busy(self, iid: int) -> None:
+        """``iid`` was given work: step it until a step that started after this reports it idle
+        (a step already in flight may answer "idle" without having seen the new work)."""
+        self._busy.add(iid)
+        self._work_sent[iid] += 1
 
     def _on_events(self, iid: int, events: list) -> list[RequestOutput]:
         outs = []
@@ -362,7 +372,8 @@ class ClusterEngine:
                 self._release_reservation(t)  # the layers streamed there go unused
             t.decode = d
             take = src.submit("take_handoff", rid, d)
-            t.transfer = _Transfer(src.instance_id, d, take, self.handles[d].submit("adopt", take))
+            # the attempt number fences the adoption: a stale one (of an attempt given up on) is refused
+            t.transfer = _Transfer(src.instance_id, d, take, self.handles[d].submit("adopt", take, t.restarts))
             self._transfers.append(t)
 
     def _poll_transfers(self) -> None:
@@ -370,7 +381,10 @@ class ClusterEngine:
             tr = t.transfer
             if not tr.adopt.future.done():
                 if time.monotonic() - tr.adopt.started > self.step_timeout_s:
-                    self._fail_instance(tr.dst, "hand-off not adopted in time")
+                    if tr.take.future.done():
+                        self._fail_instance(tr.dst, "hand-off not adopted in time")
+                    else:  # the adoption waits for its argument: the prefill side is stuck
+                        self._fail_instance(tr.src, "hand-off not sent in time")
                 continue
             self._transfers.remove(t)
             rid = t.req.req_id
@@ -380,18 +394,20 @@ class ClusterEngine:
             except InstanceFailure as e:  # the prefill instance died holding the KV: re-prefill
                 self._fail_instance(tr.src, str(e))
                 continue
-            except KeyError:
-                continue  # aborted meanwhile
+            except KeyError as e:
+                self._lost_handoff(t, tr, e)
+                continue
             try:
                 m = dst.result(tr.adopt)
             except InstanceFailure as e:  # decode side died: the prefill instance still holds it
                 self._fail_instance(tr.dst, str(e))
                 continue
-            except KeyError:
+            except KeyError as e:
+                self._lost_handoff(t, tr, e)
                 continue
             t.transfer = None
             t.owner = tr.dst
-            self._busy.add(tr.dst)
+            self._mark_busy(tr.dst)
             self.stats.transfers += 1
             self.stats.transfer_bytes += m["bytes"]
             self.stats.transfer_seconds.append(m["seconds"])
@@ -402,6 +418,14 @@ class ClusterEngine:
                 src.call("confirm", rid)
             except InstanceFailure as e:
                 self._fail_instance(tr.src, str(e))
+
+    def _lost_handoff(self, t: _Tracked, tr: _Transfer, e: KeyError) -> None:
+        """A hand-off one side no longer knows (aborted there): nothing when ``t`` is gone or moved
+        on; else re-prefill it, so it is never left waiting for a transfer that will not come."""
+        if self.requests.get(t.req.req_id) is t and t.transfer is tr:
+            log.warning("hand-off of %s lost (%s); re-prefilling it", t.req.req_id, e)
+            t.transfer = None
+            self._resume(t, self.clock())
 
     # -- failures ---------------------------------------------------------------------------------------
     def _fail_instance(self, iid: int, why: str) -> None:
@@ -415,6 +439,7 @@ class ClusterEngine:
         h.alive = False
         self.stats.instance_failures += 1
         self._steps.pop(iid, None)
+        self._step_gen.pop(iid, None)
         self._busy.discard(iid)
         live = [x for x in self.handles.values() if x.alive]
         try:
@@ -427,7 +452,8 @@ class ClusterEngine:
         for t in list(self.requests.values()):
             tr = t.transfer
             if tr is not None and iid in (tr.src, tr.dst):
-                self._transfers.remove(t)
+                if t in self._transfers:  # (_poll_transfers takes it out before reading its answers)
+                    self._transfers.remove(t)
                 t.transfer = None
                 if tr.src != iid:  # the decode side died: the prefill instance still holds the KV
                     self.stats.resends += 1
@@ -446,11 +472,11 @@ class ClusterEngine:
         """Re-prefill ``t`` (prompt + streamed tokens) on a live instance, original deadline kept."""
         self.stats.recoveries += 1
         t.restarts += 1
-        for iid in {t.owner, t.decode} - {None, -1}:  # drop what live instances still hold of it
-            h = self.handles[iid]
+        for iid in {t.owner, t.decode} - {None, -1}:  # drop what live instances still hold of it,
+            h = self.handles[iid]                      # and refuse a late adoption of the old attempt
             if h.alive:
                 try:
-                    h.abort(t.req.req_id)
+                    h.call("abort", t.req.req_id, t.restarts)
                 except InstanceFailure:
                     pass
         self._recovering.setdefault(t.req.req_id, failed_at)
@@ -471,13 +497,25 @@ class ClusterEngine:
                 except InstanceFailure as e:
                     self._fail_instance(e.instance_id, str(e))
 
+    def describe_unfinished(self) -> list[str]:
+        """One line per unfinished request: where the front end believes it is (diagnostics)."""
+        lines = []
+        for rid, t in self.requests.items():
+            tr = t.transfer
+            lines.append(f"{rid}: owner {t.owner} decode {t.decode} tokens {len(t.req.output_token_ids)} "
+                         f"restarts {t.restarts} pending {rid in self._pending} "
+                         f"transfer {None if tr is None else (tr.src, tr.dst)} "
+                         f"busy {sorted(self._busy)} steps {sorted(self._steps)}")
+        return lines
+
     def drain(self, timeout_s: float = 300.0) -> list[RequestOutput]:
         """Step until every request finished (tests, offline use); all outputs in order."""
         outs = []
         deadline = time.monotonic() + timeout_s
         while self.has_unfinished():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{len(self.requests)} request(s) unfinished after {timeout_s} s")
+                raise TimeoutError(f"{len(self.requests)} request(s) unfinished after {timeout_s} s: "
+                                   + "; ".join(self.describe_unfinished()))
             outs.extend(self.step())
         return outs
 

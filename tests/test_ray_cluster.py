@@ -27,12 +27,6 @@ SEEDED = SamplingParams(max_tokens=10, temperature=0.8, seed=7, ignore_eos=True)
 CLASSES = ["chat", "code", "summarization", None]
 
 
-# Known race in failure recovery (open, issue 13): after a decode and then a prefill actor are
-# killed, some requests can stay unfinished (seen ~1 run in 2, at any load), and adopt() on a
-# survivor has raised ValueError. It must be fixed, not retried; then drop this mark.
-RECOVERY_RACE = pytest.mark.xfail(strict=False, reason="known race in Ray failure recovery (issue 13)")
-
-
 @pytest.fixture(scope="module")
 def cluster(tiny_llama):
     """Five instance actors: prefill 0-2, decode 3-4 (each test takes a subset)."""
@@ -98,7 +92,6 @@ def test_1p1d_equals_single_engine(tiny_llama, cluster, single):
     cl.check_integrity(expect_empty=True)
 
 
-@RECOVERY_RACE
 def test_kill_decode_then_prefill_actor(tiny_llama, cluster, single):
     """6 streams mid-generation lose their decode actor, then 2 prompts mid-prefill lose their
     prefill actor: every request completes with its no-failure tokens, none streamed twice."""
@@ -135,7 +128,6 @@ def test_kill_decode_then_prefill_actor(tiny_llama, cluster, single):
     cl.check_integrity(expect_empty=True)
 
 
-@RECOVERY_RACE
 def test_stalled_prefill_actor_is_detected(tiny_llama, cluster, single):
     """A prefill actor that stops answering misses its step timeout; its requests move."""
     prompts = prompts_of(4, base=9)

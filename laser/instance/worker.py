@@ -72,6 +72,7 @@ class InstanceWorker:
         self.streamed_to: dict[str, int] = {}  # prefill side: req id -> decode instance its KV streams to
         self.inbound = InboundKV(self.mi.kv_cache, self.num_layers)  # decode side
         self.adopt_wait: list[Handoff] = []  # adopted but waiting for KV blocks
+        self.fences: dict[str, int] = {}  # req id -> lowest hand-off attempt still accepted (see abort)
         self._lock = threading.Lock()
         self._at_boundary: collections.deque = collections.deque()
         self._between: collections.deque = collections.deque()
@@ -132,9 +133,13 @@ class InstanceWorker:
                 self.streamed_to[rid] = dst
         return self._call(add, True)
 
-    def abort(self, req_id: str) -> bool:
-        """Drop the request (queued, running, waiting for blocks, in the outbox, or reserved)."""
+    def abort(self, req_id: str, fence: int | None = None) -> bool:
+        """Drop the request (queued, running, waiting for blocks, in the outbox, or reserved).
+        ``fence``: the front end re-prefills it as attempt ``fence``; a hand-off of an earlier
+        attempt that reaches :meth:`adopt` later (it waited for its sender) is refused."""
         def abort():
+            if fence is not None:
+                self.fences[req_id] = max(fence, self.fences.get(req_id, 0))
             found = self.reserved.pop(req_id, None) is not None
             found |= self.outbox.pop(req_id, None) is not None
             found |= self.inbound.drop(req_id)
@@ -196,19 +201,22 @@ class InstanceWorker:
             self.streamed_to.pop(req_id, None)
         self._call(confirm, False)
 
-    def adopt(self, sent: tuple[Handoff, float]) -> dict:
+    def adopt(self, sent: tuple[Handoff, float], attempt: int = 0) -> dict:
         """Decode side: continue a request prefilled elsewhere (``sent`` from
         :meth:`take_handoff`). Waits in order for KV blocks when the pool is full.
         A hand-off without KV (streamed) takes its layers from :attr:`inbound` and waits until
         all have arrived. Returns ``{"bytes": KV bytes, "seconds": send -> adopt (wall clock),
         "after_prefill_s": prefill end -> adopt (the shared host clock), "layers", "streamed"}``;
         the two times count until the request runs here, or until it queues for blocks or for
-        streamed layers still on their way. Raises KeyError for a stream this instance does not
-        expect (aborted)."""
+        streamed layers still on their way. ``attempt``: the front end's attempt number of the
+        request (re-prefills count up). Raises KeyError for a stream this instance does not
+        expect (aborted) or a stale attempt (fenced by :meth:`abort`)."""
         h, sent_at = sent
         rid = h.request.req_id
 
         def adopt():
+            if attempt < self.fences.get(rid, 0):
+                raise KeyError(f"stale hand-off of {rid} (attempt {attempt} < {self.fences[rid]})")
             self.reserved.pop(rid, None)
             streamed = h.kv is None
             if streamed:

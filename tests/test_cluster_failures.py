@@ -1,0 +1,139 @@
+"""Failure recovery of the cluster front end (issue 13) on in-process instances (local handles:
+the same workers as the Ray actors, calls run synchronously), so every interleaving below is
+deterministic and needs no Ray.
+
+Greedy fp32: whatever dies and whenever, every request completes with its no-failure tokens,
+no token is streamed twice, and the survivors' KV pools are clean once idle.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import random
+
+import pytest
+
+from laser.cluster_engine import ClusterEngine, start_cluster
+from laser.config import SchedulerConfig
+from laser.controller import get_controller
+from laser.controller.handles import Call, LocalHandle
+from laser.engine import Engine
+from laser.instance.worker import InstanceWorker
+from laser.model.loader import load_config, load_tokenizer
+from laser.request import SamplingParams
+from laser.slo import SLOClasses
+
+SCHED = SchedulerConfig(max_num_batched_tokens=32)
+SP = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+CLASSES = ["chat", "code", "summarization", None]
+
+
+def _prompts(n, seed):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(rng.randrange(4, 60))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def single(tiny_llama):
+    return Engine(model=str(tiny_llama), dtype="float32", scheduler=SCHED)
+
+
+def _reference(engine, prompts):
+    for i, p in enumerate(prompts):
+        engine.add_request(p, SP, req_id=f"ref{i}")
+    out = {}
+    while engine.has_unfinished():
+        out.update({o.req_id.removeprefix("ref"): o.token_ids for o in engine.step() if o.finished})
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_instance_failures_lose_nothing(tiny_llama, single, seed):
+    """2 prefill + 2 decode instances (``laser`` controller) or 3 mixed (``colocated``); one or
+    two instances die at random steps (roles kept alive) while requests arrive over time."""
+    rng = random.Random(seed)
+    prompts = _prompts(8, seed)
+    ref = _reference(single, prompts)
+    kw = dict(model=str(tiny_llama), dtype="float32", scheduler=SCHED, use_ray=False)
+    disagg = seed % 3 != 2
+    cl = start_cluster("laser", 2, 2, **kw) if disagg else start_cluster("colocated", mixed=3, **kw)
+    kills = sorted(rng.sample(range(1, 25), 2 if disagg else 2))
+    victims = [rng.choice([0, 1]), rng.choice([2, 3])] if disagg else rng.sample(range(3), 2)
+    rng.shuffle(victims)
+    arrivals = {rng.randrange(0, 15): [] for _ in range(4)}
+    for i in range(len(prompts)):
+        rng.choice(list(arrivals.values())).append(i)
+    streams, done, step = {}, {}, 0
+    while step < 2000 and (cl.has_unfinished() or arrivals):
+        for i in arrivals.pop(step, []):
+            cl.add_request(prompts[i], SP, slo=CLASSES[i % 4], req_id=str(i))
+        if kills and step == kills[0]:
+            kills.pop(0)
+            cl.handles[victims.pop(0)].kill()
+        for o in cl.step(wait_s=0.0):
+            streams.setdefault(o.req_id, []).extend(o.new_token_ids)
+            if o.finished:
+                done[o.req_id] = o.token_ids
+        step += 1
+        if not cl.has_unfinished() and arrivals:
+            step = max(step, min(arrivals))
+    assert not cl.has_unfinished(), cl.describe_unfinished()
+    assert done == ref
+    assert all(streams[k] == v for k, v in done.items())  # no token streamed twice
+    cl.check_integrity(expect_empty=True)
+
+
+def test_stale_handoff_is_refused_after_a_re_prefill(tiny_llama):
+    """A hand-off of an attempt the front end gave up on (its adoption waited for a stuck
+    sender) is refused once the request is fenced, and the current attempt is adopted."""
+    kw = dict(model=str(tiny_llama), policy="laser", dtype="float32", scheduler=SCHED)
+    pre, dec = InstanceWorker(0, "prefill", kw), InstanceWorker(1, "decode", kw)
+    from laser.request import Request
+
+    pre.add_request(Request(prompt_token_ids=list(range(3, 20)), sampling_params=SP, req_id="r"))
+    while "r" not in pre.outbox:
+        pre.step()
+    sent = pre.take_handoff("r")
+    assert dec.abort("r", 1) is False  # nothing here yet; attempt 0 is now stale
+    with pytest.raises(KeyError, match="stale"):
+        dec.adopt(sent, 0)
+    assert not dec.has_work()
+    dec.adopt(sent, 1)
+    assert dec.has_work() and dec.step()["events"][0][0] == "r"
+
+
+class _SlowStepHandle(LocalHandle):
+    """An in-process instance whose step answers arrive late, as a remote actor's do: the step
+    runs when submitted, its answer is delivered only on :meth:`release` (the first step's)."""
+
+    held: list
+
+    def submit(self, method, *args):
+        call = super().submit(method, *args)
+        if method != "step" or self.held is None:
+            return call
+        late = concurrent.futures.Future()
+        self.held.append((call.future, late))
+        return Call(late, None, self, method, call.started)
+
+    def release(self):
+        for done, late in self.held:
+            late.set_result(done.result())
+        self.held = None
+
+
+def test_work_sent_during_an_idle_step_is_not_forgotten(tiny_llama):
+    """A step already in flight answers "idle" although a request was sent meanwhile: the front
+    end must keep stepping the instance (the request would otherwise never run)."""
+    kw = dict(model=str(tiny_llama), policy="sarathi", dtype="float32", scheduler=SCHED)
+    h = _SlowStepHandle(InstanceWorker(0, "mixed", kw))
+    h.held = []
+    cl = ClusterEngine([h], get_controller("colocated")(), load_tokenizer(str(tiny_llama)),
+                       load_config(str(tiny_llama)), "tiny", SLOClasses.load())
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    cl.add_request([5, 6, 7], one, req_id="a")
+    cl.step(wait_s=0.0)  # the step runs "a" to its only token; its answer ("idle") is in flight
+    cl.add_request([8, 9, 10], one, req_id="b")
+    h.release()
+    done = {o.req_id for o in cl.drain(30) if o.finished}
+    assert done == {"a", "b"}
