@@ -84,6 +84,7 @@ class ClusterStats:
     recoveries: int = 0  # requests re-prefilled after their instance failed
     recovery_seconds: list[float] = field(default_factory=list)  # failure -> next token
     instance_failures: int = 0
+    rejoins: int = 0  # dead instances that answered again (restarted by Ray) and rejoined, empty
     routes: int = 0
     route_seconds: float = 0.0
 
@@ -130,6 +131,13 @@ class ClusterEngine:
         self._pending: list[str] = []  # handed off, waiting for a decode instance
         self._recovering: dict[str, float] = {}  # req id -> time its instance failed
         self.last_reports: dict = {}  # instance id -> its InstanceReport after its last step (gauges)
+        self.rejoin_probe_s = 1.0  # a dead instance with restarts left is pinged this often ...
+        self.rejoin_timeout_s = 600.0  # ... for this long after its failure (model reload included)
+        self._probes: dict[int, list] = {}  # dead instance id -> [failed at, next probe at, ping in flight]
+        self._stranded: set[int] = set()  # dead instances whose requests wait for a needed role to return
+        self._parked: list[str] = []  # requests that found no live instance; they wait for one to rejoin
+        self._lost_outputs: list[RequestOutput] = []  # final outputs of requests given up on
+        self._dispatching: set[str] = set()  # requests being routed now
         self.arrival_hook = None  # AsyncEngine sets it; arrivals are routed on the engine thread
 
     # -- what AsyncEngine reads --------------------------------------------------------------------------
@@ -203,22 +211,41 @@ class ClusterEngine:
 
     def _dispatch(self, t: _Tracked) -> None:
         """Route ``t`` (controller) and send it to its prefill instance, marking dead whatever
-        fails to answer on the way and routing again."""
-        for _ in range(len(self.handles) + 1):
-            self._require_roles()
-            t0 = time.perf_counter()
-            try:
-                route = self.controller.route(t.info, self.clock())
-                self.stats.routes += 1
-                self.stats.route_seconds += time.perf_counter() - t0
-                t.owner, t.decode = route.prefill, route.decode
-                self._send(t, route.prefill, route.decode)
-            except InstanceFailure as e:
-                self._fail_instance(e.instance_id, str(e))
-                continue
-            self._mark_busy(route.prefill)
-            return
-        raise ClusterError("no live instance accepted the request")
+        fails to answer on the way and routing again (what the failed try left on a live
+        instance is dropped there). Raises ClusterError when no live instance takes it."""
+        rid = t.req.req_id
+        self._dispatching.add(rid)  # a failure met on the way must not move it too (no double send)
+        try:
+            for _ in range(len(self.handles) + 1):
+                self._require_roles()
+                t0 = time.perf_counter()
+                route = None
+                try:
+                    route = self.controller.route(t.info, self.clock())
+                    self.stats.routes += 1
+                    self.stats.route_seconds += time.perf_counter() - t0
+                    t.owner, t.decode = route.prefill, route.decode
+                    self._send(t, route.prefill, route.decode)
+                except InstanceFailure as e:
+                    self._fail_instance(e.instance_id, str(e))
+                    if route is not None:
+                        self._drop_on_live(rid, {route.prefill, route.decode})
+                    continue
+                self._mark_busy(route.prefill)
+                return
+            raise ClusterError("no live instance accepted the request")
+        finally:
+            self._dispatching.discard(rid)
+
+    def _drop_on_live(self, rid: str, instances, fence: int | None = None) -> None:
+        """Abort ``rid`` on those of ``instances`` still alive (``fence``: see ``InstanceWorker.abort``)."""
+        for iid in set(instances) - {None, -1}:
+            h = self.handles[iid]
+            if h.alive:
+                try:
+                    h.call("abort", rid, fence)
+                except InstanceFailure as e:
+                    self._fail_instance(e.instance_id, str(e))
 
     def _send(self, t: _Tracked, prefill: int, decode: int | None) -> None:
         """Give ``t`` to its prefill instance; with a decode instance chosen already (and
@@ -300,6 +327,11 @@ class ClusterEngine:
             elif now - call.started > self.step_timeout_s:
                 self._fail_instance(iid, f"step exceeded {self.step_timeout_s:.3g} s")
         self._start_transfers()
+        if self._probes or self._parked or self._stranded:
+            self._probe_dead()
+        if self._lost_outputs:
+            outs.extend(self._lost_outputs)
+            self._lost_outputs.clear()
         return outs
 
     def _mark_busy(self, iid: int) -> None:
@@ -438,6 +470,10 @@ class ClusterEngine:
         log.warning("instance %d (%s) marked dead: %s", iid, h.role, why)
         h.alive = False
         self.stats.instance_failures += 1
+        if h.restarts_left > 0:  # its host restarts it (Ray max_restarts): probe until it answers
+            h.restarts_left -= 1
+            now_m = time.monotonic()
+            self._probes[iid] = [now_m, now_m + self.rejoin_probe_s, None]
         self._steps.pop(iid, None)
         self._step_gen.pop(iid, None)
         self._busy.discard(iid)
@@ -447,9 +483,16 @@ class ClusterEngine:
             self.controller.attach(live)
         except (ClusterError, ValueError) as e:
             log.error("cluster cannot serve any more: %s", e)
+            self._stranded.add(iid)  # its requests move when an instance rejoins
             return
+        self._move_requests_of(iid)
+
+    def _move_requests_of(self, iid: int) -> None:
+        """Resume elsewhere every request dead instance ``iid`` held (see :meth:`_fail_instance`)."""
         now = self.clock()
         for t in list(self.requests.values()):
+            if t.req.req_id in self._dispatching:
+                continue  # its _dispatch routes it again
             tr = t.transfer
             if tr is not None and iid in (tr.src, tr.dst):
                 if t in self._transfers:  # (_poll_transfers takes it out before reading its answers)
@@ -468,23 +511,82 @@ class ClusterEngine:
             elif t.decode == iid:
                 t.decode = None  # chosen at arrival; re-chosen at the hand-off
 
+    def _probe_dead(self) -> None:
+        """Ping dead instances that may come back; one that answers is reset (emptied: a restarted
+        actor is empty, one that had only missed a timeout is not) and rejoins the controller."""
+        now = time.monotonic()
+        for iid, probe in list(self._probes.items()):
+            failed_at, next_at, ping = probe
+            h = self.handles[iid]
+            if ping is None:
+                if now - failed_at > self.rejoin_timeout_s:
+                    log.error("instance %d did not come back within %.0f s", iid, self.rejoin_timeout_s)
+                    del self._probes[iid]
+                elif now >= next_at:
+                    probe[2] = h.submit("ping")
+                continue
+            if not ping.future.done():
+                continue
+            probe[2] = None
+            try:
+                h.result(ping)
+                dropped = h.call("reset")
+            except InstanceFailure:
+                probe[1] = time.monotonic() + self.rejoin_probe_s
+                continue
+            del self._probes[iid]
+            h.alive = True
+            self.stats.rejoins += 1
+            log.warning("instance %d (%s) rejoined after %.1f s (dropped %d stale requests)", iid, h.role,
+                        now - failed_at, dropped)
+            if self.can_serve():
+                self.controller.attach([x for x in self.handles.values() if x.alive])
+                for dead in sorted(self._stranded):
+                    self._move_requests_of(dead)
+                self._stranded.clear()
+                parked, self._parked = self._parked, []
+                for rid in parked:
+                    if rid in self.requests:
+                        self._resume(self.requests[rid], self._recovering.get(rid, self.clock()))
+        if not self._probes:  # nothing can come back: what still waits is lost
+            dead = self._stranded
+            for t in list(self.requests.values()):
+                tr = t.transfer
+                if (t.req.req_id in self._parked or t.owner in dead
+                        or (tr is not None and {tr.src, tr.dst} & dead)):
+                    self._give_up(t, "no live instance of a needed role")
+            self._parked.clear()
+            self._stranded.clear()
+
     def _resume(self, t: _Tracked, failed_at: float) -> None:
         """Re-prefill ``t`` (prompt + streamed tokens) on a live instance, original deadline kept."""
         self.stats.recoveries += 1
         t.restarts += 1
-        for iid in {t.owner, t.decode} - {None, -1}:  # drop what live instances still hold of it,
-            h = self.handles[iid]                      # and refuse a late adoption of the old attempt
-            if h.alive:
-                try:
-                    h.call("abort", t.req.req_id, t.restarts)
-                except InstanceFailure:
-                    pass
+        # drop what live instances still hold of it, and refuse a late adoption of the old attempt
+        self._drop_on_live(t.req.req_id, {t.owner, t.decode}, t.restarts)
+        if self.requests.get(t.req.req_id) is not t:
+            return  # (an instance failed on the way and moved it already)
         self._recovering.setdefault(t.req.req_id, failed_at)
         t.info = self._info(t.req)
         try:
             self._dispatch(t)
         except ClusterError as e:
-            log.error("request %s lost: %s", t.req.req_id, e)
+            if self._probes:  # an instance may come back: it waits for that
+                t.owner, t.decode = -1, None
+                self._parked.append(t.req.req_id)
+            else:
+                self._give_up(t, str(e))
+
+    def _give_up(self, t: _Tracked, why: str) -> None:
+        """``t`` cannot be served any more: its stream ends with ``finish_reason="abort"``."""
+        log.error("request %s lost: %s", t.req.req_id, why)
+        self.abort(t.req.req_id)
+        t.req.finish_reason = "abort"
+        self._lost_outputs.append(RequestOutput(
+            req_id=t.req.req_id, prompt=None, prompt_token_ids=t.req.prompt_token_ids, text=t.text.visible(True),
+            token_ids=list(t.req.output_token_ids), delta_text=t.text.delta(True), new_token_ids=[], finished=True,
+            finish_reason="abort", slo=t.req.slo, request=t.req, arrival_time=t.req.arrival_time,
+            token_times=tuple(t.req.token_times)))
 
     # -- checks ------------------------------------------------------------------------------------------
     def check_integrity(self, expect_empty: bool = False) -> None:
@@ -531,12 +633,13 @@ def start_cluster(controller: str | Controller, prefill: int = 0, decode: int = 
                   latency_profile: str | None = None, max_model_len: int | None = None, seed: int = 0,
                   threads_per_instance: int | None = None, use_ray: bool = True, ray_address: str | None = None,
                   call_timeout_s: float = 5.0, step_timeout_s: float = 60.0,
-                  stream_kv: bool = True) -> ClusterEngine:
+                  stream_kv: bool = True, max_restarts: int = 0) -> ClusterEngine:
     """Start the instances (Ray actors, or in process with ``use_ray=False``) and the front end.
 
     The instances run the controller's ``instance_policy`` scheduler; ``scheduler`` gives the
     other scheduler knobs. With Ray, a local cluster is started with one CPU per instance
-    thread unless Ray is already up or ``ray_address`` names one to join.
+    thread unless Ray is already up or ``ray_address`` names one to join; ``max_restarts``: times
+    Ray restarts a dead instance actor (it rejoins empty; in process: ignored).
     Raises ValueError (bad layout for the controller) or InstanceFailure (an actor did not start).
     """
     import dataclasses
@@ -560,7 +663,8 @@ def start_cluster(controller: str | Controller, prefill: int = 0, decode: int = 
         from .controller import ray_actors
 
         ray_actors.init_local_ray(len(specs) * (threads_per_instance or 1), ray_address)
-        handles = ray_actors.start_instances(specs, kwargs, threads_per_instance, call_timeout_s)
+        handles = ray_actors.start_instances(specs, kwargs, threads_per_instance, call_timeout_s,
+                                             max_restarts=max_restarts)
     else:
         from .controller.handles import LocalHandle
         from .instance.worker import InstanceWorker

@@ -29,11 +29,13 @@ CLASSES = ["chat", "code", "summarization", None]
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama):
-    """Five instance actors: prefill 0-2, decode 3-4 (each test takes a subset)."""
-    ray_actors.init_local_ray(num_cpus=5)
+    """Six instance actors: prefill 0-2, decode 3-4, decode 5 that Ray restarts once (each test
+    takes a subset)."""
+    ray_actors.init_local_ray(num_cpus=6)
     kw = dict(model=str(tiny_llama), policy="laser", dtype="float32", scheduler=SCHED, seed=0)
     specs = [(0, "prefill"), (1, "prefill"), (2, "prefill"), (3, "decode"), (4, "decode")]
     handles = ray_actors.start_instances(specs, kw, threads=1, call_timeout_s=30.0)
+    handles += ray_actors.start_instances([(5, "decode")], kw, threads=1, call_timeout_s=30.0, max_restarts=1)
     yield {h.instance_id: h for h in handles}
     ray.shutdown()
 
@@ -45,6 +47,8 @@ def single(tiny_llama):
 
 def front(tiny_llama, handles, ids, call_timeout_s=30.0, step_timeout_s=60.0):
     hs = [ray_actors.RayHandle(handles[i].actor, handles[i].describe, call_timeout_s) for i in ids]
+    for h in hs:
+        h.restarts_left = handles[h.instance_id].restarts_left
     return ClusterEngine(hs, get_controller("laser")(), load_tokenizer(str(tiny_llama)), load_config(str(tiny_llama)),
                          "tiny", SLOClasses.load(), step_timeout_s=step_timeout_s)
 
@@ -146,6 +150,35 @@ def test_stalled_prefill_actor_is_detected(tiny_llama, cluster, single):
     assert time.monotonic() - t0 < 8.0  # detected within the timeouts, not after the stall
     assert done == ref
     assert all(streams[k] == v for k, v in done.items())
+
+
+def test_restarted_decode_actor_rejoins(tiny_llama, cluster, single):
+    """The only decode instance dies mid-generation and Ray restarts it: its requests wait (no
+    decode role left), then resume on it once it rejoins, empty; new requests are served too."""
+    prompts = prompts_of(3, base=21)
+    ref = reference(single, prompts + prompts[:1])
+    live_p = [i for i in (0, 1, 2) if _alive(cluster[i])]
+    cl = front(tiny_llama, cluster, live_p[:1] + [5])
+    cl.rejoin_probe_s = 0.2
+    for i, p in enumerate(prompts):
+        cl.add_request(p, GREEDY, slo=CLASSES[i % len(CLASSES)], req_id=str(i))
+    streams, done = {}, {}
+    deadline = time.monotonic() + 60
+    while not all(cl.requests[r].owner == 5 and len(streams.get(r, ())) >= 2 for r in cl.requests):
+        done.update(collect(cl.step(), streams))
+        assert time.monotonic() < deadline
+    cl.handles[5].kill(restart=True)
+    while cl.handles[5].alive:  # noticed at its next step
+        done.update(collect(cl.step(), streams))
+        assert time.monotonic() < deadline
+    assert not cl.can_serve()
+    done.update(collect(cl.drain(120), streams))
+    assert cl.handles[5].alive and cl.stats.rejoins == 1 and cl.stats.recoveries == 3
+    cl.add_request(prompts[0], GREEDY, slo="chat", req_id="3")
+    done.update(collect(cl.drain(60), streams))
+    assert done == ref
+    assert all(streams[k] == v for k, v in done.items())
+    cl.check_integrity(expect_empty=True)
 
 
 def _alive(h) -> bool:

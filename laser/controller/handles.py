@@ -58,6 +58,7 @@ class InstanceHandle(Instance):
         self.describe = describe
         self.call_timeout_s = call_timeout_s
         self.alive = True
+        self.restarts_left = 0  # times its host may restart it after a death (Ray ``max_restarts``)
 
     def call(self, method: str, *args, timeout: float | None = None):
         """``method(*args)`` on the instance; its result. Raises InstanceFailure (dead or no
@@ -72,8 +73,9 @@ class InstanceHandle(Instance):
         """The finished ``call``'s result, mapping a lost instance to InstanceFailure."""
         return call.future.result(timeout)
 
-    def kill(self) -> None:
-        """End the instance's process (tests, chaos drills). In process: mark it unusable."""
+    def kill(self, restart: bool = False) -> None:
+        """End the instance's process (tests, chaos drills); ``restart``: let its host start it
+        again (when it has restarts left), so it can rejoin. In process: mark it unusable."""
         raise NotImplementedError
 
     def kv_sink(self):
@@ -129,7 +131,7 @@ class LocalHandle(InstanceHandle):
             fut.set_exception(e)
         return Call(fut, None, self, method, time.monotonic())
 
-    def kill(self) -> None:
+    def kill(self, restart: bool = False) -> None:
         self._killed = True
 
     def kv_sink(self):

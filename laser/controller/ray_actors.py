@@ -55,7 +55,9 @@ def start_instances(specs: list[tuple[int, str]], engine_kwargs: dict, threads: 
                     call_timeout_s: float = 5.0, start_timeout_s: float = 300.0,
                     max_restarts: int = 0) -> list["RayHandle"]:
     """Start one actor per ``(instance_id, role)`` and wait until each has loaded its model.
-    Raises InstanceFailure when one fails to start within ``start_timeout_s``."""
+    ``max_restarts``: times Ray restarts a dead actor (it reloads the model, empty, and the
+    front end lets it rejoin). Raises InstanceFailure when one fails to start within
+    ``start_timeout_s``."""
     cls = _actor_class()
     actors = [cls.options(num_cpus=threads or 1, max_restarts=max_restarts).remote(i, role, engine_kwargs, threads)
               for i, role in specs]
@@ -65,7 +67,9 @@ def start_instances(specs: list[tuple[int, str]], engine_kwargs: dict, threads: 
             desc = ray.get(a.describe.remote(), timeout=start_timeout_s)
         except (GetTimeoutError, RayActorError) as e:
             raise InstanceFailure(i, f"did not start: {e}") from e
-        handles.append(RayHandle(a, desc, call_timeout_s))
+        h = RayHandle(a, desc, call_timeout_s)
+        h.restarts_left = max_restarts
+        handles.append(h)
     return handles
 
 
@@ -101,8 +105,8 @@ class RayHandle(InstanceHandle):
     def result(self, call: Call, timeout: float | None = 0.0):
         return self._get(call.ref, timeout)
 
-    def kill(self) -> None:
-        ray.kill(self.actor, no_restart=True)
+    def kill(self, restart: bool = False) -> None:
+        ray.kill(self.actor, no_restart=not restart)
 
     def kv_sink(self) -> "RayKVSink":
         return RayKVSink(self.actor)

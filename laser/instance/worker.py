@@ -293,6 +293,25 @@ class InstanceWorker:
                                      f"streams in {sorted(self.inbound.streams)}, out {sorted(self.streamed_to)}")
         return self._call(check, False)
 
+    def reset(self) -> int:
+        """Drop every request and everything held for one (queued, running, outbox, reservations,
+        streams): the instance rejoins a cluster empty after it was marked dead (a restarted
+        actor is empty already; one that only missed a timeout is not). Returns how many
+        requests it dropped."""
+        def reset():
+            rids = (set(self.core.scheduler.requests) | set(self.outbox) | set(self.reserved)
+                    | set(self.inbound.streams) | {h.request.req_id for h in self.adopt_wait})
+            for rid in rids:
+                self.reserved.pop(rid, None)
+                self.outbox.pop(rid, None)
+                self.inbound.drop(rid)
+                self.core.abort(rid)
+            self.streamed_to.clear()
+            self.adopt_wait.clear()
+            self.fences.clear()
+            return len(rids)
+        return self._call(reset, False)
+
     def inject_stall(self, seconds: float) -> None:
         """Fault injection (tests, chaos drills): the next step sleeps ``seconds`` holding the
         instance, so it answers nothing meanwhile -- a straggler the controller must detect."""

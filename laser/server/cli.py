@@ -58,6 +58,8 @@ def register(subparsers) -> None:
                    help="seconds an instance may take to answer the controller before it is marked dead")
     g.add_argument("--step-timeout", type=float, default=60.0,
                    help="seconds one instance step may take before the instance is marked dead")
+    g.add_argument("--instance-restarts", type=int, default=0,
+                   help="times Ray restarts a dead instance actor; a restarted one rejoins the controller empty")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 
@@ -88,7 +90,8 @@ def build_cluster(args):
                          model=args.model, dtype=args.dtype, cache=cache, scheduler=sched, slo_classes=slo,
                          latency_profile=args.latency_profile, max_model_len=args.max_model_len,
                          threads_per_instance=args.threads_per_instance, ray_address=args.ray_address,
-                         call_timeout_s=args.call_timeout, step_timeout_s=args.step_timeout)
+                         call_timeout_s=args.call_timeout, step_timeout_s=args.step_timeout,
+                         max_restarts=args.instance_restarts)
 
 
 def cmd_serve(args) -> int:
