@@ -218,16 +218,19 @@ class ClientJob:
     """The job through a server's OpenAI Batch API with the official ``openai`` client, on a thread.
 
     :meth:`start` uploads the JSONL (``files.create``, purpose ``batch``) and creates the batch
-    (``batches.create``, ``completion_window`` = the window in seconds, e.g. ``"600s"``) before
+    (``batches.create``, ``completion_window`` = ``completion_window`` as given, e.g. ``"10m"``, or by
+    default the window in seconds, e.g. ``"600s"``) before
     returning; the thread then polls ``batches.retrieve`` every ``poll_s`` until the batch ends
     (connection errors are retried: the server may be restarting) or ``GIVE_UP_FACTOR`` windows pass;
     :meth:`join` counts the output file's records and returns the :class:`JobResult`.
     """
 
     def __init__(self, base_url: str, api_key: str | None, model: str, endpoint: str,
-                 requests: Sequence[WorkloadRequest], window_s: float, poll_s: float = 1.0):
+                 requests: Sequence[WorkloadRequest], window_s: float, poll_s: float = 1.0,
+                 completion_window: str | None = None):
         self.base_url, self.api_key, self.model, self.endpoint = base_url.rstrip("/"), api_key, model, endpoint
         self.requests, self.window_s, self.poll_s = list(requests), float(window_s), poll_s
+        self.completion_window = completion_window or f"{self.window_s:g}s"
         self._result: JobResult | None = None
         self._error: BaseException | None = None
         self.batch_id: str | None = None
@@ -249,7 +252,7 @@ class ClientJob:
         f = self.client.files.create(file=("batch_job.jsonl", ("\n".join(lines) + "\n").encode()), purpose="batch")
         self.t0 = time.monotonic()
         b = self.client.batches.create(input_file_id=f.id, endpoint=self.endpoint,
-                                       completion_window=f"{self.window_s:g}s")
+                                       completion_window=self.completion_window)
         self.batch_id = b.id
         laser = (b.model_extra or {}).get("laser") or {}
         self.predicted_work_s = laser.get("predicted_work_s")

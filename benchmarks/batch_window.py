@@ -1,0 +1,498 @@
+"""Issue 14's done-when run: a batch job with a completion window beside interactive traffic,
+through the official ``openai`` client, surviving a server kill.
+
+What it does, against a real ``laser serve`` of the embedded default model (SmolLM2-135M):
+
+1. starts ``laser serve`` as a subprocess (its own temporary ``--data-dir``, a free port) and
+   waits for ``/health``;
+2. **phase A (alone)**: interactive Poisson traffic (classes ``chat`` and ``code``, both hot;
+   :func:`laser.bench.workloads.sample_mix` + :mod:`laser.bench.arrivals`) at ``--rate`` req/s
+   for ``--duration`` s through :class:`laser.bench.client.ClientTarget` (streaming, timed
+   client-side); hot SLO attainment by the paper's rule (finished, TTFT <= target and P99 TBT <=
+   target: :attr:`laser.metrics.RequestRecord.slo_met`) and mean TTFT;
+3. **phase B (with the job)**: uploads a ``--batch-requests``-line JSONL of
+   ``/v1/chat/completions`` bodies (short summarisation prompts, ``--job-max-tokens`` output
+   tokens each) with ``client.files.create(purpose="batch")`` and creates the batch with
+   ``client.batches.create(..., completion_window=--window)``
+   (:class:`laser.bench.batchjob.ClientJob`), then runs the same interactive arrivals again. When
+   ``--kill-at`` of the job's lines are done, the server is killed with SIGKILL and restarted on
+   the same ``--data-dir`` and port; the interactive traffic keeps going (requests sent while the
+   server is down, or in flight at the kill, fail and count as misses; they are also reported
+   apart). The job is polled with ``client.batches.retrieve`` until it ends; its output and error
+   files are downloaded with ``client.files.content`` and checked: exactly one result per
+   ``custom_id``, none duplicated, none missing, error lines listed;
+4. prints the comparison: attainment and mean TTFT alone vs with the job (and with the outage's
+   requests left out), the job's completion time (the server's ``completed_at - created_at``)
+   against its window, the lines re-run after the restart, and the server process's CPU use
+   (CPU-seconds per wall-second, from ``/proc``: a proxy for the busy fraction, which a client
+   cannot see; it includes the HTTP front end, not only engine steps).
+
+Run from the repository root (``--quick``: a smoke test of a few minutes)::
+
+    python benchmarks/batch_window.py                # 200 lines, 10-minute window (~12-15 min)
+    python benchmarks/batch_window.py --quick        # 20 lines, 2-minute window, short phases
+
+Defaults (chosen with the simulator on the shipped AVX2 fp32 profile of SmolLM2-135M, 1 thread,
+``benchmarks/profiles/avx2-fp32-smollm2-135m.json``, before any real run): 0.2 req/s of chat and
+code at length scale 0.1 (mean output ~20 tokens) with the paper's targets x 10 (chat 2.5 s / 1 s,
+code 1.25 s / 0.5 s) is a rate where hot attainment alone is about 100% (0.3 req/s: 89%); job lines
+of ~55-token prompts and 8 output tokens are ~1 s of whole-machine work each (200 lines: ~210 s),
+leaving the 600 s window room for the kill, the restart and the interactive traffic.
+
+Exit status: 0 when the job completed inside its window with every line exactly once and no
+error line; 1 otherwise (the report says what went wrong).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from laser.batch.estimate import parse_window
+from laser.bench.arrivals import arrival_times, with_arrivals
+from laser.bench.batchjob import ClientJob, batch_job_requests
+from laser.bench.client import ClientTarget
+from laser.bench.workloads import HFTokenizer, WorkloadRequest, sample_mix
+from laser.metrics import RequestRecord, summarize
+from laser.slo import SLOClasses
+
+REPO = Path(__file__).resolve().parent.parent
+ENDPOINT = "/v1/chat/completions"
+INTERACTIVE_MIX = (1, 1, 0)  # chat : code : summarization -- the hot classes only
+MAX_MODEL_LEN = 512  # prompt + output cap of the generated requests (tokens)
+
+
+# ------------------------------------------------------------------------------------------- server
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def proc_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` (all its threads), from ``/proc/<pid>/stat``;
+    None where ``/proc`` is not there or the process is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+
+
+class Server:
+    """One ``laser serve`` subprocess of the embedded default model, restartable on the same
+    ``data_dir`` and ``port``. Its output goes to ``data_dir/../server.log``.
+
+    :meth:`cpu_seconds` accumulates the CPU time of every process it ran, counted from when each
+    became ready (model loading and warm-up are left out). Raises RuntimeError when the server
+    exits or is not ready within ``start_timeout_s``.
+    """
+
+    def __init__(self, data_dir: Path, port: int, threads: int, slo_scale: float, batch_concurrency: int,
+                 policy: str, start_timeout_s: float = 300.0):
+        self.data_dir, self.port = data_dir, port
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.log_path = data_dir.parent / "server.log"
+        self.cmd = [sys.executable, "-m", "laser.cli", "serve", "--port", str(port), "--data-dir", str(data_dir),
+                    "--threads", str(threads), "--slo-scale", f"{slo_scale:g}", "--policy", policy,
+                    "--batch-concurrency", str(batch_concurrency), "--log-level", "warning"]
+        self.start_timeout_s = start_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self._cpu_done = 0.0  # CPU seconds of processes that are gone
+        self._cpu_base = 0.0  # CPU seconds of the current process when it became ready
+
+    def start(self) -> float:
+        """Start the process and wait for ``/health``; returns the seconds it took."""
+        t0 = time.monotonic()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+               "TOKENIZERS_PARALLELISM": "false"}
+        log = open(self.log_path, "a")
+        log.write(f"--- start {time.strftime('%H:%M:%S')}: {' '.join(self.cmd)}\n")
+        log.flush()
+        self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"laser serve exited with {self.proc.returncode}; log:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - t0 > self.start_timeout_s:
+                self.stop()
+                raise RuntimeError(f"laser serve not ready after {self.start_timeout_s:.0f} s; log:\n"
+                                   f"{self.log_tail()}")
+            time.sleep(0.25)
+        self._cpu_base = proc_cpu_seconds(self.proc.pid) or 0.0
+        return time.monotonic() - t0
+
+    def cpu_seconds(self) -> float | None:
+        """CPU seconds the server processes used while ready (None without ``/proc``)."""
+        now = proc_cpu_seconds(self.proc.pid) if self.proc is not None and self.proc.poll() is None else None
+        return None if now is None else self._cpu_done + now - self._cpu_base
+
+    def kill(self) -> None:
+        """SIGKILL the process (no shutdown of any kind) and reap it."""
+        cpu = proc_cpu_seconds(self.proc.pid)
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+        if cpu is not None:
+            self._cpu_done += cpu - self._cpu_base
+
+    def stop(self) -> None:
+        """Stop the process (SIGTERM, then SIGKILL after 30 s)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def batch_lines_in_flight(self) -> int | None:
+        """Lines of batch jobs the engine holds now (``laser:num_requests_running`` + ``_waiting`` of
+        the ``batch`` class on ``/metrics``); None when the scrape fails."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        try:
+            text = httpx.get(self.base_url + "/metrics", timeout=5).text
+        except httpx.HTTPError:
+            return None
+        n = 0.0
+        for fam in text_string_to_metric_families(text):
+            if fam.name in ("laser:num_requests_running", "laser:num_requests_waiting"):
+                n += sum(s.value for s in fam.samples if s.labels.get("slo_class") == "batch")
+        return int(n)
+
+
+# ------------------------------------------------------------------------------------------ workload
+
+
+def interactive_workload(tokenizer, rate: float, duration_s: float, seed: int,
+                         length_scale: float) -> list[WorkloadRequest]:
+    """Poisson arrivals at ``rate`` req/s over ``duration_s`` seconds, classes chat and code (1:1)."""
+    n = max(1, round(rate * duration_s))
+    reqs = sample_mix(INTERACTIVE_MIX, n, seed, length_scale, tokenizer, MAX_MODEL_LEN)
+    return with_arrivals(reqs, arrival_times(n, rate, seed=seed))
+
+
+def job_workload(tokenizer, n: int, seed: int, length_scale: float, max_tokens: int) -> list[WorkloadRequest]:
+    """``n`` summarisation prompts (:func:`laser.bench.batchjob.batch_job_requests`, lengths times
+    ``length_scale``), each asking for ``max_tokens`` output tokens."""
+    reqs = batch_job_requests(tokenizer, n, seed, length_scale, MAX_MODEL_LEN)
+    return [dataclasses.replace(r, output_len=max_tokens) for r in reqs]
+
+
+# ------------------------------------------------------------------------------------- kill/restart
+
+
+class KillAndRestart(threading.Thread):
+    """Watches the job (``batches.retrieve``) and, once ``fraction`` of its lines are done, kills
+    the server with SIGKILL and restarts it on the same data dir and port.
+
+    After :meth:`join`: ``done_at_kill`` (lines the API reported done just before), ``committed``
+    (lines whose results the SQLite store held when the process died), ``in_flight`` (lines the
+    engine held at the kill, from ``/metrics``), ``t_kill`` / ``t_ready`` (``time.monotonic()``),
+    ``restart_s``; ``error`` if the restart failed.
+    """
+
+    def __init__(self, server: Server, client, batch_id: str, total: int, fraction: float):
+        super().__init__(name="kill-and-restart", daemon=True)
+        self.server, self.client, self.batch_id = server, client, batch_id
+        self.threshold = max(1, math.ceil(fraction * total))
+        self.done_at_kill = self.committed = self.in_flight = None
+        self.t_kill = self.t_ready = self.restart_s = None
+        self.error: BaseException | None = None
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        try:
+            while not self.stop_event.is_set():
+                b = self.client.batches.retrieve(self.batch_id)
+                done = b.request_counts.completed + b.request_counts.failed
+                if b.status not in ("validating", "in_progress"):
+                    return  # ended before the threshold: nothing to kill
+                if done >= self.threshold:
+                    self.in_flight = self.server.batch_lines_in_flight()
+                    self.done_at_kill = done
+                    self.t_kill = time.monotonic()
+                    self.server.kill()
+                    self.committed = committed_lines(self.server.data_dir, self.batch_id)
+                    self.restart_s = self.server.start()
+                    self.t_ready = time.monotonic()
+                    return
+                time.sleep(0.25)
+        except BaseException as e:  # noqa: BLE001 - reported by the caller
+            self.error = e
+
+
+def committed_lines(data_dir: Path, batch_id: str) -> int:
+    """Lines of ``batch_id`` with a committed result in the store (read while the server is down)."""
+    import sqlite3
+
+    db = sqlite3.connect(data_dir / "laser.sqlite3")
+    try:
+        return db.execute("SELECT COUNT(*) FROM requests WHERE batch_id = ? AND state != 'pending'",
+                          (batch_id,)).fetchone()[0]
+    finally:
+        db.close()
+
+
+def check_output(client, batch_id: str, n: int) -> dict:
+    """Download the job's output and error files; count results per ``custom_id`` (``job-0`` ..
+    ``job-{n-1}``): ``missing``, ``duplicated``, ``unexpected`` ids, ``error_lines`` (error file
+    lines plus output lines whose status is not 200), and the batch object's final fields."""
+    b = client.batches.retrieve(batch_id)
+    seen: dict[str, int] = {}
+    errors = []
+    for fid, is_err in ((b.output_file_id, False), (b.error_file_id, True)):
+        if not fid:
+            continue
+        for ln in client.files.content(fid).text.splitlines():
+            if not ln.strip():
+                continue
+            rec = json.loads(ln)
+            seen[rec["custom_id"]] = seen.get(rec["custom_id"], 0) + 1
+            resp = rec.get("response") or {}
+            if is_err or rec.get("error") or resp.get("status_code") != 200:
+                errors.append({"custom_id": rec["custom_id"], "error": rec.get("error") or resp.get("body")})
+    expected = {f"job-{i}" for i in range(n)}
+    return {"status": b.status, "request_counts": b.request_counts.model_dump(),
+            "completion_s": (b.completed_at - b.created_at) if b.completed_at else None,
+            "results": sum(seen.values()), "missing": sorted(expected - set(seen)),
+            "duplicated": sorted(c for c, k in seen.items() if k > 1),
+            "unexpected": sorted(set(seen) - expected), "error_lines": errors}
+
+
+# ------------------------------------------------------------------------------------------- report
+
+
+def phase_stats(records: list[RequestRecord], leave_out: set[str] = frozenset()) -> dict:
+    """Hot attainment (overall and per class) and mean TTFT (s) of ``records``, without the
+    requests whose ids are in ``leave_out``."""
+    recs = [r for r in records if r.req_id not in leave_out]
+    s = summarize(recs)
+    return {"requests": len(recs), "attainment": s.overall.attainment, "ttft_mean_s": s.overall.ttft_mean,
+            "tpot_mean_s": s.overall.tpot_mean,
+            "per_class": {c: v.attainment for c, v in s.per_class.items()},
+            "unfinished": sum(not r.finished for r in recs)}
+
+
+def outage_ids(records: list[RequestRecord], t_kill: float | None, t_ready: float | None) -> set[str]:
+    """Requests the outage failed: unfinished ones in flight at ``t_kill`` or sent before ``t_ready``."""
+    if t_kill is None:
+        return set()
+    end = t_ready if t_ready is not None else math.inf
+    return {r.req_id for r in records if not r.finished and r.arrival_time < end
+            and (not r.token_times or r.token_times[-1] >= t_kill - 1.0)}
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{v:.1%}"
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{v * 1e3:.0f} ms"
+
+
+def format_report(res: dict) -> str:
+    """The comparison table of one run (``res`` as :func:`run` returns it)."""
+    a, b, bx, job, k = res["alone"], res["with_job"], res["with_job_outage_left_out"], res["job"], res["kill"]
+    cls = sorted(set(a["per_class"]) | set(b["per_class"]))
+    rows = [("", "alone", "with job", "with job, outage left out"),
+            ("interactive requests", str(a["requests"]), f"{b['requests']} ({res['outage_requests']} hit by the outage)",
+             str(bx["requests"])),
+            ("hot SLO attainment", _pct(a["attainment"]), _pct(b["attainment"]), _pct(bx["attainment"]))]
+    rows += [(f"  {c}", _pct(a["per_class"].get(c)), _pct(b["per_class"].get(c)), _pct(bx["per_class"].get(c)))
+             for c in cls]
+    rows += [("mean TTFT", _ms(a["ttft_mean_s"]), _ms(b["ttft_mean_s"]), _ms(bx["ttft_mean_s"])),
+             ("mean TPOT", _ms(a["tpot_mean_s"]), _ms(b["tpot_mean_s"]), _ms(bx["tpot_mean_s"])),
+             ("unfinished", str(a["unfinished"]), str(b["unfinished"]), str(bx["unfinished"])),
+             ("server CPU (cores busy)", _num(res["cpu_alone"]), _num(res["cpu_with_job"]), "")]
+    w = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = ["  ".join(c.ljust(w[i]) for i, c in enumerate(r)).rstrip() for r in rows]
+    comp = job["completion_s"]
+    lines.append("")
+    lines.append(f"batch job: {res['batch_requests']} lines, completion_window {res['window']!r} ({res['window_s']:g} s), "
+                 f"status {job['status']}, request_counts {job['request_counts']}")
+    pred = res.get("predicted_work_s")
+    lines.append(f"  completed in {'-' if comp is None else f'{comp:.0f} s'} of its {res['window_s']:g} s window "
+                 f"({'MET' if res['met_window'] else 'MISSED'})"
+                 + (f"; latency model's whole-machine work {pred:.0f} s" if pred is not None else ""))
+    if k["t_kill"] is None:
+        lines.append("  kill: not done (the job ended before the threshold)" + (f": {k['error']}" if k["error"] else ""))
+    else:
+        lines.append(f"  SIGKILL at {k['done_at_kill']}/{res['batch_requests']} lines done ({k['committed']} committed "
+                     f"in SQLite), {k['in_flight']} lines in the engine at the kill (run again after the restart), "
+                     f"{res['batch_requests'] - k['committed']} lines run by the restarted server; restart took "
+                     f"{k['restart_s']:.1f} s")
+    lines.append(f"  output check: {job['results']} results, missing {len(job['missing'])}, duplicated "
+                 f"{len(job['duplicated'])}, unexpected {len(job['unexpected'])}, error lines {len(job['error_lines'])}")
+    for e in job["error_lines"][:5]:
+        lines.append(f"    error: {json.dumps(e)[:300]}")
+    return "\n".join(lines)
+
+
+def _num(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+# ---------------------------------------------------------------------------------------------- run
+
+
+def run(args) -> dict:
+    """Both phases on one server; returns the results (json-able)."""
+    from laser.model.loader import load_tokenizer, resolve_model
+
+    window_s = parse_window(args.window)
+    tokenizer = HFTokenizer(load_tokenizer(resolve_model(None)))
+    slos = SLOClasses.load(None, scale=args.slo_scale)
+    interactive = interactive_workload(tokenizer, args.rate, args.duration, args.seed, args.length_scale)
+    job_reqs = job_workload(tokenizer, args.batch_requests, args.seed, args.job_length_scale, args.job_max_tokens)
+    print(f"interactive: {len(interactive)} requests (chat+code, {args.rate:g} req/s over {args.duration:g} s, "
+          f"mean prompt {sum(r.prompt_len for r in interactive) / len(interactive):.0f} tokens, mean output "
+          f"{sum(r.output_len for r in interactive) / len(interactive):.0f}); SLO scale {args.slo_scale:g}: "
+          + ", ".join(f"{c} TTFT {slos.get(c).ttft:g} s / TBT {slos.get(c).tbt:g} s" for c in ("chat", "code")))
+    print(f"batch job: {len(job_reqs)} lines to {ENDPOINT} (mean prompt "
+          f"{sum(r.prompt_len for r in job_reqs) / len(job_reqs):.0f} tokens, {args.job_max_tokens} output tokens "
+          f"each), completion_window {args.window!r}, kill at {args.kill_at:.0%} of the job", flush=True)
+    timeout = args.duration + args.drain
+    with tempfile.TemporaryDirectory(prefix="laser-batch-window-") as tmp:
+        server = Server(Path(tmp) / "data", free_port(), args.threads, args.slo_scale, args.batch_concurrency,
+                        args.policy)
+        try:
+            print(f"server ready in {server.start():.1f} s at {server.base_url}", flush=True)
+            target = ClientTarget(server.base_url, endpoint=ENDPOINT, label="interactive")
+            target.warmup()
+            # phase A: alone
+            cpu0, t0 = server.cpu_seconds(), time.monotonic()
+            out_a = target.run(interactive, slos, timeout_s=timeout)
+            cpu_alone = _rate(cpu0, server.cpu_seconds(), time.monotonic() - t0)
+            alone = phase_stats(out_a.records)
+            print(f"phase A (alone): attainment {_pct(alone['attainment'])}, mean TTFT {_ms(alone['ttft_mean_s'])}",
+                  flush=True)
+            # phase B: with the job, the server killed and restarted mid-job
+            job = ClientJob(server.base_url, None, target.resolve_model(), ENDPOINT, job_reqs, window_s,
+                            poll_s=1.0, completion_window=args.window)
+            cpu0, t0 = server.cpu_seconds(), time.monotonic()
+            job.start()
+            killer = KillAndRestart(server, job.client, job.batch_id, len(job_reqs), args.kill_at)
+            killer.start()
+            target.errors.clear()
+            out_b = target.run(interactive, slos, timeout_s=timeout)
+            t_interactive_end = time.monotonic()
+            try:
+                job.join()
+            except RuntimeError as e:  # duplicated ids: check_output says which
+                print(f"job: {e}")
+            killer.stop_event.set()
+            killer.join()
+            outage_s = (killer.t_ready - killer.t_kill) if killer.t_ready is not None else 0.0
+            cpu_with = _rate(cpu0, server.cpu_seconds(), t_interactive_end - t0 - outage_s)
+            checked = check_output(job.client, job.batch_id, len(job_reqs))
+        finally:
+            server.stop()
+    hit = outage_ids(out_b.records, killer.t_kill, killer.t_ready)
+    res = {
+        "benchmark": "batch_window (issue 14 done-when)", "rate_rps": args.rate, "duration_s": args.duration,
+        "seed": args.seed, "slo_scale": args.slo_scale, "threads": args.threads, "policy": args.policy,
+        "batch_requests": len(job_reqs), "window": args.window, "window_s": window_s,
+        "job_max_tokens": args.job_max_tokens, "kill_at": args.kill_at,
+        "alone": alone, "with_job": phase_stats(out_b.records), "with_job_outage_left_out": phase_stats(out_b.records, hit),
+        "outage_requests": len(hit), "cpu_alone": cpu_alone, "cpu_with_job": cpu_with,
+        "predicted_work_s": getattr(job, "predicted_work_s", None), "job": checked,
+        "kill": {"done_at_kill": killer.done_at_kill, "committed": killer.committed, "in_flight": killer.in_flight,
+                 "restart_s": killer.restart_s, "t_kill": killer.t_kill,
+                 "error": None if killer.error is None else repr(killer.error)},
+        "interactive_errors": target.errors[:20],
+    }
+    res["met_window"] = checked["status"] == "completed" and checked["completion_s"] is not None \
+        and checked["completion_s"] <= window_s
+    res["ok"] = res["met_window"] and not (checked["missing"] or checked["duplicated"] or checked["unexpected"]
+                                           or checked["error_lines"]) and killer.error is None
+    return res
+
+
+def _rate(cpu0: float | None, cpu1: float | None, wall_s: float) -> float | None:
+    if cpu0 is None or cpu1 is None or wall_s <= 0:
+        return None
+    return (cpu1 - cpu0) / wall_s
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rate", type=float, default=None, help="interactive request rate, req/s (default 0.2)")
+    p.add_argument("--duration", type=float, default=None, help="seconds of interactive arrivals per phase "
+                                                                "(default 300; --quick 60)")
+    p.add_argument("--batch-requests", type=int, default=None, help="lines of the batch job (default 200; --quick 20)")
+    p.add_argument("--window", default=None, help="completion_window of the job (default 10m; --quick 2m)")
+    p.add_argument("--kill-at", type=float, default=1 / 3, help="SIGKILL the server when this fraction of the job "
+                                                                "is done (default 1/3)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the server (default 1)")
+    p.add_argument("--slo-scale", type=float, default=10.0, help="multiply the paper's SLO targets (default 10)")
+    p.add_argument("--policy", default="laser", help="the server's --policy (default laser)")
+    p.add_argument("--batch-concurrency", type=int, default=8, help="the server's --batch-concurrency (default 8)")
+    p.add_argument("--length-scale", type=float, default=0.1, help="interactive prompt/output length scale")
+    p.add_argument("--job-length-scale", type=float, default=0.025,
+                   help="job prompt length scale (of the paper's 2,085-token summarisation mean)")
+    p.add_argument("--job-max-tokens", type=int, default=8, help="max_tokens of each job line")
+    p.add_argument("--drain", type=float, default=120.0, help="seconds after the last arrival before unfinished "
+                                                             "interactive requests are given up")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="smoke test: 20 lines, 2-minute window, 60 s phases")
+    p.add_argument("--json", default=None, help="write the results here")
+    a = p.parse_args(argv)
+    quick = {"rate": 0.2, "duration": 60.0, "batch_requests": 20, "window": "2m"}
+    full = {"rate": 0.2, "duration": 300.0, "batch_requests": 200, "window": "10m"}
+    for k, v in (quick if a.quick else full).items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    if not 0 < a.kill_at < 1:
+        p.error("--kill-at must be in (0, 1)")
+    if a.batch_requests < 1 or a.rate <= 0 or a.duration <= 0:
+        p.error("--batch-requests, --rate and --duration must be > 0")
+    try:
+        parse_window(a.window)
+    except ValueError as e:
+        p.error(str(e))
+    return a
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    print(f"CPU: {os.cpu_count()} cores; server threads {args.threads}, policy {args.policy}", flush=True)
+    res = run(args)
+    print()
+    print(format_report(res))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2, default=str))
+        print(f"results written to {args.json}")
+    return 0 if res["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
