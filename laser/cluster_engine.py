@@ -68,6 +68,7 @@ class _Transfer:
     dst: int
     take: Call
     adopt: Call
+    migration: bool = False  # a decode -> decode move (else the prefill -> decode hand-off)
 
 
 @dataclass
@@ -81,6 +82,8 @@ class ClusterStats:
     streamed_transfers: int = 0  # hand-offs whose KV was streamed layer by layer during prefill
     handoff_seconds: list[float] = field(default_factory=list)  # per hand-off, prefill end -> adopted
     resends: int = 0  # hand-offs re-sent to another decode instance
+    migrations: int = 0  # decode -> decode moves started (KV and sampler state, CONTROLLER.md D9)
+    migration_seconds: list[float] = field(default_factory=list)  # per completed move, send -> adopted
     recoveries: int = 0  # requests re-prefilled after their instance failed
     recovery_seconds: list[float] = field(default_factory=list)  # failure -> next token
     instance_failures: int = 0
@@ -324,6 +327,8 @@ class ClusterEngine:
                     self._busy.discard(iid)  # idle, and given nothing since this step started
                 self.last_reports[iid] = res.get("report")
                 outs.extend(self._on_events(iid, res["events"]))
+                if self.handles[iid].role == "decode":
+                    self._maybe_migrate(iid)
             elif now - call.started > self.step_timeout_s:
                 self._fail_instance(iid, f"step exceeded {self.step_timeout_s:.3g} s")
         self._start_transfers()
@@ -402,11 +407,40 @@ class ClusterEngine:
                 continue
             if self.stream_kv and t.decode is not None and d != t.decode:
                 self._release_reservation(t)  # the layers streamed there go unused
-            t.decode = d
-            take = src.submit("take_handoff", rid, d)
-            # the attempt number fences the adoption: a stale one (of an attempt given up on) is refused
-            t.transfer = _Transfer(src.instance_id, d, take, self.handles[d].submit("adopt", take, t.restarts))
-            self._transfers.append(t)
+            self._transfer(t, src, d)
+
+    def _transfer(self, t: _Tracked, src: InstanceHandle, d: int, migration: bool = False) -> None:
+        """Move ``t`` from ``src``'s outbox to decode instance ``d`` (instance to instance)."""
+        rid = t.req.req_id
+        t.decode = d
+        take = src.submit("take_handoff", rid, d)
+        # the attempt number fences the adoption: a stale one (of an attempt given up on) is refused
+        t.transfer = _Transfer(src.instance_id, d, take, self.handles[d].submit("adopt", take, t.restarts), migration)
+        self._transfers.append(t)
+
+    def _maybe_migrate(self, iid: int) -> None:
+        """Between two steps of decode instance ``iid``: the controller's D9 move, if any (only
+        with another live decode instance to go to). The request leaves ``iid``'s scheduler into
+        its outbox and travels like a hand-off; it streams again once adopted."""
+        if sum(h.alive and h.role == "decode" for h in self.handles.values()) < 2:
+            return
+        try:
+            m = self.controller.plan_migration(self.handles[iid], self.clock())
+            if m is None:
+                return
+            cand, d = m
+            t = self.requests.get(cand.info.req_id)
+            if t is None or t.owner != iid or t.transfer is not None:
+                self.handles[d].release(cand.info.req_id)
+                return
+            self.handles[iid].call("migrate_out", t.req.req_id)
+        except InstanceFailure as e:
+            self._fail_instance(e.instance_id, str(e))
+            return
+        except KeyError:  # finished or moved meanwhile
+            return
+        self.stats.migrations += 1
+        self._transfer(t, self.handles[iid], d, migration=True)
 
     def _poll_transfers(self) -> None:
         for t in list(self._transfers):
@@ -440,12 +474,15 @@ class ClusterEngine:
             t.transfer = None
             t.owner = tr.dst
             self._mark_busy(tr.dst)
-            self.stats.transfers += 1
-            self.stats.transfer_bytes += m["bytes"]
-            self.stats.transfer_seconds.append(m["seconds"])
-            self.stats.transfer_layers = m["layers"]
-            self.stats.streamed_transfers += m["streamed"]
-            self.stats.handoff_seconds.append(m["after_prefill_s"])
+            if tr.migration:
+                self.stats.migration_seconds.append(m["seconds"])
+            else:
+                self.stats.transfers += 1
+                self.stats.transfer_bytes += m["bytes"]
+                self.stats.transfer_seconds.append(m["seconds"])
+                self.stats.transfer_layers = m["layers"]
+                self.stats.streamed_transfers += m["streamed"]
+                self.stats.handoff_seconds.append(m["after_prefill_s"])
             try:
                 src.call("confirm", rid)
             except InstanceFailure as e:

@@ -14,8 +14,9 @@ import random
 import pytest
 
 from laser.cluster_engine import ClusterEngine, start_cluster
-from laser.config import SchedulerConfig
+from laser.config import CacheConfig, SchedulerConfig
 from laser.controller import get_controller
+from laser.controller.laser import LaserController
 from laser.controller.handles import Call, LocalHandle
 from laser.engine import Engine
 from laser.instance.worker import InstanceWorker
@@ -137,3 +138,45 @@ def test_work_sent_during_an_idle_step_is_not_forgotten(tiny_llama):
     h.release()
     done = {o.req_id for o in cl.drain(30) if o.finished}
     assert done == {"a", "b"}
+
+
+class _PinnedDecode(LaserController):
+    """Laser, but every request is placed on the first decode instance (a skewed placement that
+    pushes it past its KV pool); migration keeps Alg. 2's real choice."""
+
+    name = "pinned-test"
+
+    def assign_decode(self, info, exclude=()):
+        return self.decode[0].instance_id
+
+    def at_handoff(self, info, chosen, now):
+        return self.decode[0].instance_id
+
+
+def test_decode_instance_past_its_kv_pool_migrates_requests_out(tiny_llama, single):
+    """48 blocks of 4 tokens per instance; three requests of 20 + 60 tokens end at 20 blocks
+    each: they do not fit on one decode instance, so some move to the other before its pool runs
+    dry (nothing recomputed), and every request gives its single-engine tokens."""
+    sp = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(20)] for i in range(3)]
+    for i, p in enumerate(prompts):
+        single.add_request(p, sp, req_id=f"mig{i}")
+    ref = {}
+    while single.has_unfinished():
+        ref.update({o.req_id.removeprefix("mig"): o.token_ids for o in single.step() if o.finished})
+    cl = start_cluster(_PinnedDecode(), 1, 2, model=str(tiny_llama), dtype="float32", scheduler=SCHED,
+                       cache=CacheConfig(num_blocks=48, block_size=4), use_ray=False)
+    for i, p in enumerate(prompts):
+        cl.add_request(p, sp, req_id=str(i))  # best effort: no T_g, so the trigger is the KV pool alone
+    streams, done = {}, {}
+    for o in cl.drain(300):
+        streams.setdefault(o.req_id, []).extend(o.new_token_ids)
+        if o.finished:
+            done[o.req_id] = o.token_ids
+    assert cl.stats.migrations >= 1 and len(cl.stats.migration_seconds) == cl.stats.migrations
+    assert cl.controller.num_migrated.get("memory", 0) >= 1
+    src, dst = cl.handles[1].worker.core.scheduler, cl.handles[2].worker.core.scheduler
+    assert src.num_preemptions == 0 and dst.step_index > 0
+    assert done == ref
+    assert all(streams[k] == v for k, v in done.items())
+    cl.check_integrity(expect_empty=True)

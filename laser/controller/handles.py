@@ -102,6 +102,9 @@ class InstanceHandle(Instance):
     def release(self, req_id: str) -> None:
         self.call("release", req_id)
 
+    def migration_candidate(self, expected_output: dict[str, float]):
+        return self.call("migration_candidate", expected_output)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.instance_id}, {self.role}, {'alive' if self.alive else 'dead'})"
 

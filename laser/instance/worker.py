@@ -37,7 +37,7 @@ from .core import Handoff
 from .kv_stream import InboundKV
 from .messages import InstanceReport, LatencyIncrement, RequestInfo
 from .model_instance import ModelInstance
-from .state import build_report, decode_increment
+from .state import build_report, decode_increment, migration_candidate
 
 
 class InstanceWorker:
@@ -171,6 +171,28 @@ class InstanceWorker:
         """Cancel ``req_id``'s reservation here (a KV stream it expects stays: the controller may
         pick this instance again at the hand-off; :meth:`abort` drops both)."""
         self._call(lambda: self.reserved.pop(req_id, None), True)
+
+    # -- decode -> decode migration (CONTROLLER.md A8.4, D9) --------------------------------------------------
+    def migration_candidate(self, expected_output: dict[str, float]):
+        """Decode role, between steps: the request that must leave (KV memory or T_g broke;
+        :func:`laser.instance.state.migration_candidate`), None when none must."""
+        if self.role != "decode":
+            return None
+        return self._call(lambda: migration_candidate(self.instance_id, self.core.scheduler, self.latency_model,
+                                                      self.num_layers, expected_output), False)
+
+    def migrate_out(self, req_id: str) -> None:
+        """Decode role, between steps: export a decoding request (its KV, freed here, and its
+        sampler state) into the outbox; :meth:`take_handoff` / ``adopt`` / :meth:`confirm` move it
+        like a hand-off and it continues there from its last token. Raises KeyError if it is not
+        decoding here."""
+        def out():
+            sched = self.core.scheduler
+            req = sched.requests.get(req_id)
+            if req is None or req not in sched.decoding():
+                raise KeyError(f"{req_id} is not decoding on instance {self.instance_id}")
+            self.outbox[req_id] = self.core.export(req, self.core.clock())
+        self._call(out, False)
 
     # -- per-layer KV streaming (decode side) -------------------------------------------------------------
     def expect_kv(self, req_id: str, key) -> None:

@@ -206,6 +206,7 @@ class _ClusterCollector:
              "decode instance, summed.", sum(st.handoff_seconds)),
             ("instance_failures", "Instances marked dead (died or missed a timeout).", st.instance_failures),
             ("recoveries", "Requests re-prefilled elsewhere after their instance failed.", st.recoveries),
+            ("migrations", "Decode -> decode moves of a running request (KV memory or T_g broke).", st.migrations),
             ("instance_rejoins", "Dead instances that came back (restarted) and rejoined, empty.", st.rejoins),
             ("recovery_seconds", "Seconds from an instance failure to the next token of each recovered "
              "request, summed.", sum(st.recovery_seconds)),

@@ -1,0 +1,127 @@
+"""Real-cluster goodput (issue 13, deliver 5): the same arrivals and SLO targets against four
+layouts of two instances, each a real ``laser serve`` with instances as Ray actors:
+
+* ``laser``: 1 prefill + 1 decode instance under Laser's controller (layer-level instances);
+* ``distserve``: 1 prefill + 1 decode instance, iteration-level instances (DistServe);
+* ``colocated``: 2 mixed instances running Sarathi-Serve behind a least-loaded router;
+* ``colocated-laser``: 2 mixed instances running Laser's colocated role.
+
+For each layout the script starts the server (:class:`laser.bench.serve_proc.Server`), runs the
+goodput search of ``laser bench --base-url`` (same seed, workload, rate grid and targets for
+every layout), stops the server, and at the end prints one table: goodput (req/s at >= 90 %
+attainment), attainment and mean TTFT at a common rate, P99 ITL. Run from the repository root::
+
+    python benchmarks/cluster_goodput.py                      # ~30-40 min on 2 cores
+    python benchmarks/cluster_goodput.py --layouts laser,distserve --num-prompts 12
+
+The SLO targets are the paper's scaled by ``--slo-scale`` (default 6.849: what
+``--slo-base measured`` gave on the laser 1P1D server of this machine, see docs/benchmarks.md),
+passed identically to every layout. Each layout needs one CPU per instance; on a 2-core machine
+the two instances and the front end share the cores, so figures are relative to each other,
+not absolute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from laser.bench.serve_proc import REPO, Server, free_port
+
+LAYOUTS = {
+    "laser": ["--prefill-instances", "1", "--decode-instances", "1", "--controller", "laser"],
+    "distserve": ["--prefill-instances", "1", "--decode-instances", "1", "--controller", "distserve"],
+    "colocated": ["--mixed-instances", "2", "--controller", "colocated"],
+    "colocated-laser": ["--mixed-instances", "2", "--controller", "colocated-laser"],
+}
+
+
+def bench_layout(name: str, args, tmp: Path) -> dict:
+    """Start ``name``'s server, run the goodput search against it, stop it; the bench's JSON
+    block of the layout (``goodput_rps``, probes, ...) plus ``start_s``."""
+    serve = [*LAYOUTS[name], "--threads-per-instance", "1", "--dtype", "float32", "--log-level", "warning",
+             "--slo-scale", f"{args.slo_scale:g}"]
+    server = Server(tmp / name / "data", free_port(), serve)
+    (tmp / name).mkdir(parents=True, exist_ok=True)
+    out = tmp / f"{name}.json"
+    try:
+        start_s = server.start()
+        print(f"[{name}] server ready in {start_s:.1f} s", flush=True)
+        cmd = [sys.executable, "-m", "laser.cli", "bench", "--base-url", server.base_url, "--label", name,
+               "--slo-base", "paper", "--slo-scale", f"{args.slo_scale:g}", "--num-prompts", str(args.num_prompts),
+               "--length-scale", f"{args.length_scale:g}", "--seed", str(args.seed), "--mix", args.mix,
+               "--rate-range", args.rate_range, "--grid-points", str(args.grid_points),
+               "--bisect-steps", str(args.bisect_steps), "--search-time-cap", f"{args.time_cap:g}",
+               "--json", str(out)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        subprocess.run(cmd, cwd=REPO, env=env, check=True)
+    finally:
+        server.stop()
+    res = json.loads(out.read_text())
+    block = res["policies"][name]
+    block["start_s"] = start_s
+    return block
+
+
+def _probe_at(block: dict, rate: float) -> dict | None:
+    return next((p for p in block.get("probes", []) if abs(p["rate_rps"] - rate) < 1e-9), None)
+
+
+def table(blocks: dict[str, dict]) -> str:
+    """Markdown table: goodput, then attainment / mean TTFT / P99 TBT at the highest rate every
+    layout was probed at not above the lowest goodput (the common reference rate)."""
+    common = set.intersection(*({p["rate_rps"] for p in b.get("probes", [])} for b in blocks.values()))
+    floor = min((b["goodput_rps"] or 0.0) for b in blocks.values())
+    ref = max((r for r in common if r <= max(floor, min(common, default=0.0))), default=None)
+    lines = [f"| layout | goodput (req/s) | attainment @ {ref} req/s | mean TTFT | P99 TBT |", "|---|---|---|---|---|"]
+    for name, b in blocks.items():
+        g = b["goodput_rps"]
+        gs = "n/a" if g is None else (">= " if b.get("goodput_lower_bound") else "") + f"{g:.3f}"
+        if b.get("goodput_below_range"):
+            gs = f"< {g:.3f}" if g else "below range"
+        p = _probe_at(b, ref) if ref is not None else None
+        if p is None:
+            lines.append(f"| {name} | {gs} | - | - | - |")
+        else:
+            lines.append(f"| {name} | {gs} | {p['attainment']:.2f} | {p['mean_ttft_s']:.2f} s | "
+                         f"{p['p99_tbt_s']:.2f} s |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma list of " + ", ".join(LAYOUTS))
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--length-scale", type=float, default=0.25)
+    p.add_argument("--mix", default="1:1:1")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo-scale", type=float, default=6.849)
+    p.add_argument("--rate-range", default="0.08,0.4", help="LO,HI req/s of the search grid")
+    p.add_argument("--grid-points", type=int, default=3)
+    p.add_argument("--bisect-steps", type=int, default=1)
+    p.add_argument("--time-cap", type=float, default=900.0, help="seconds of goodput search per layout")
+    p.add_argument("--json", default=None, help="write every layout's block here")
+    args = p.parse_args(argv)
+    names = [n.strip() for n in args.layouts.split(",") if n.strip()]
+    bad = [n for n in names if n not in LAYOUTS]
+    if bad:
+        p.error(f"unknown layout(s) {bad}; choose from {list(LAYOUTS)}")
+    print(f"CPU: {os.cpu_count()} cores; layouts {names}; {args.num_prompts} prompts, mix {args.mix}, "
+          f"length x{args.length_scale:g}, SLO x{args.slo_scale:g}, rates {args.rate_range}", flush=True)
+    blocks = {}
+    with tempfile.TemporaryDirectory(prefix="laser-cluster-goodput-") as tmp:
+        for name in names:
+            blocks[name] = bench_layout(name, args, Path(tmp))
+    print(table(blocks))
+    if args.json:
+        Path(args.json).write_text(json.dumps(blocks, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
