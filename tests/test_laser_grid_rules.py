@@ -79,7 +79,8 @@ def test_iteration_bound_follows_a_reduced_requests_spent_gap():
     token every two iterations. When the code stream finishes mid-token, T_g rises to 200 ms;
     the chat request's second half-token must not then run in an iteration sized to the new
     T_g with a prefill on top (a 0.27 s gap before this rule). The iteration bound is its
-    remaining gap over its remaining iterations, so every chat gap stays within 200 ms."""
+    remaining gap over its remaining iterations, so the chat streams keep P99 TBT within
+    200 ms (one gap over it at most: the P99 allowance Laser may spend for a deadline)."""
     lm = SimpleLatencyModel(num_layers=N, per_layer=1.0e-3, per_token=1.0e-5, per_context=1.0e-5)  # 3 decodes: ~100 ms
     code = req(64, 0.0, CODE, 40, "code")
     chats = [req(64, 0.0, CHAT, 120, f"chat{k}") for k in range(2)]
@@ -88,6 +89,7 @@ def test_iteration_bound_follows_a_reduced_requests_spent_gap():
     reduced = [w for p in sim.stats.plans for w in p.works if w.req_id.startswith("chat") and w.is_decode
                and w.layer_end - w.layer_start < N]
     assert reduced, "the chat streams never ran reduced plans: the scenario does not test the rule"
-    for c in chats:
-        assert gaps(c).max() <= CHAT.tbt + 1e-9, (c.req_id, gaps(c).max())
+    for c in chats:  # P99 TBT within target: at most the one gap over it that the P99 allowance spends
+        assert np.percentile(gaps(c), 99) <= CHAT.tbt, (c.req_id, np.sort(gaps(c))[-3:])
+        assert c.num_tbt_misses <= (c.sampling_params.max_tokens - 2) // 100, (c.req_id, c.num_tbt_misses)
     assert sim.scheduler.num_replans >= 2

@@ -310,8 +310,9 @@ class LaserScheduler(Scheduler):
         request leaves: the reduced request's last group would otherwise run in an iteration
         sized to the new, looser T_g). Requests without a TBT target, without a token yet,
         with a target out of reach even alone (``tbt_infeasible``), or whose gap is lost
-        already (its share is below ``decode_time``, this iteration's decode seconds) do not
-        limit it."""
+        already (its share, even without the margin, is below ``decode_time``, this
+        iteration's decode seconds) do not limit it; one that makes it only without the
+        margin gets an iteration of decode work alone."""
         limit = self.t_g * self.tg_margin
         n = self.num_layers
         for r in self.running:
@@ -327,8 +328,11 @@ class LaserScheduler(Scheduler):
                 k, g = p.groups(n), r.next_layer // p.layers + 1
                 left = (0 if r.next_layer % p.layers else (g + p.offset - self.iteration) % k) + k - g + 1
             own = (r.token_times[-1] + tbt * self.tg_margin - now) / left
-            if own >= decode_time:  # else its gap is lost already: holding prefill back saves nobody
+            if own >= decode_time:
                 limit = min(limit, own)
+            elif (r.token_times[-1] + tbt - now) / left >= decode_time:
+                limit = min(limit, decode_time)  # only without prefill (and the margin) it still makes it
+            # else its gap is lost already: holding prefill back saves nobody
         return limit
 
     def _p99_allowance_left(self) -> bool:
