@@ -37,7 +37,7 @@ from ..core.pricing import PlanCost
 from ..latency import LatencyModel, SimpleLatencyModel
 from ..plan import StepPlan, Work
 from ..request import Phase, Request
-from .base import Scheduler, largest
+from .base import Scheduler, ceil_div, largest
 from .decode_plan import DecodeMemo, DecodePlan, _LayerLoad, exec_plan, tbt_infeasible
 
 
@@ -158,7 +158,7 @@ class LaserScheduler(Scheduler):
             # deadline needs it *and* every decode request can still absorb one gap over
             # its target within its P99 allowance (the plan breaks T_g knowingly).
             decode_time = cost.total
-            budget = max(0.0, self.t_g * self.tg_margin - decode_time)
+            budget = max(0.0, self._iteration_limit(now, decode_time) - decode_time)
             need = self._prefill_need(now, decode_time)
             if need > budget and self._p99_allowance_left():
                 budget = need
@@ -300,6 +300,41 @@ class LaserScheduler(Scheduler):
             return math.inf
         return decode_time * f / (1.0 - f)
 
+    def _iteration_limit(self, now: float, decode_time: float) -> float:
+        """Seconds this iteration may take so that every decoding request still gets its
+        token within its TBT target: ``tg_margin * T_g``, or less when a request's current
+        token gap is already partly spent -- request r with ``g`` iterations left before its
+        token (waiting for its next group's turn in Alg. 1's cycle, then its remaining groups) and ``s`` seconds left of its gap may take ``(s - (1 -
+        tg_margin) * TBT_r) / g`` (its TBT slack spread over its remaining iterations).
+        This matters when Alg. 1 changes a plan mid-token (e.g. T_g rises when the strictest
+        request leaves: the reduced request's last group would otherwise run in an iteration
+        sized to the new, looser T_g). Requests without a TBT target, without a token yet,
+        with a target out of reach even alone (``tbt_infeasible``), or whose gap is lost
+        already (its share, even without the margin, is below ``decode_time``, this
+        iteration's decode seconds) do not limit it; one that makes it only without the
+        margin gets an iteration of decode work alone."""
+        limit = self.t_g * self.tg_margin
+        n = self.num_layers
+        for r in self.running:
+            tbt = r.slo.tbt
+            if r.phase != Phase.DECODE or tbt is None or r.tbt_infeasible or not r.token_times:
+                continue
+            p = self.plans.get(r.req_id)
+            if p is None:
+                continue
+            if p.layers >= n:
+                left = 1
+            else:  # iterations until its next group runs (Alg. 1's cycle), then the rest of the groups
+                k, g = p.groups(n), r.next_layer // p.layers + 1
+                left = (0 if r.next_layer % p.layers else (g + p.offset - self.iteration) % k) + k - g + 1
+            own = (r.token_times[-1] + tbt * self.tg_margin - now) / left
+            if own >= decode_time:
+                limit = min(limit, own)
+            elif (r.token_times[-1] + tbt - now) / left >= decode_time:
+                limit = min(limit, decode_time)  # only without prefill (and the margin) it still makes it
+            # else its gap is lost already: holding prefill back saves nobody
+        return limit
+
     def _p99_allowance_left(self) -> bool:
         """Whether every decoding request may take one more token gap over its TBT target and
         still meet its P99 TBT (a request expecting g gaps tolerates floor((g - 1) / 100)
@@ -381,7 +416,16 @@ class LaserScheduler(Scheduler):
 
     def _fit(self, cost: "PlanCost", mk, k: int, lo: int, paused: bool, limit, met, now) -> Work | None:
         """Largest work that fits: a paused chunk advances as many layers as fit; a new chunk
-        takes the most tokens whose full pass fits, else a minimum chunk for fewer layers."""
+        takes the size that moves the most prefill (tokens x layers) within the bound.
+
+        A new chunk of the whole remaining prompt through every layer is taken when it fits.
+        Otherwise the candidates are the most tokens whose full pass fits, and chunks of
+        ``min_chunk`` x 2^i tokens (up to ``k``) for as many layers as fit; the one with the
+        most token-layers wins (ties: the cheaper, then the full pass). A layer call costs
+        nearly the same for a few tokens as for a few dozen (its weights are read once), so
+        on a tight bound a larger chunk through fewer layers advances the prompt more per
+        second than a small one through more layers -- the chunk then resumes at its layer
+        in the next iterations (layer-level chunked prefill, PPoPP'26 §6.1)."""
         n = self.num_layers
         deadline = min(met, default=math.inf) - now
         bound = min(limit, deadline)
@@ -391,10 +435,23 @@ class LaserScheduler(Scheduler):
 
         if fits(mk(k, n)):
             return mk(k, n)
-        if not paused:
-            best = largest(1, k - 1, lambda x: fits(mk(x, n)))
-            if best is not None and best >= min(self.min_chunk, k):
-                return mk(best, n)
-            k = min(k, self.min_chunk)
-        end = largest(lo + 1, n - 1, lambda e: fits(mk(k, e)))
-        return None if end is None else mk(k, end)
+        if paused:
+            end = largest(lo + 1, n - 1, lambda e: fits(mk(k, e)))
+            return None if end is None else mk(k, end)
+        cands = []
+        best = largest(1, k - 1, lambda x: fits(mk(x, n)))
+        if best is not None and best >= min(self.min_chunk, k):
+            cands.append(mk(best, n))
+        x = min(self.min_chunk, k)
+        while True:
+            end = largest(lo + 1, n - 1, lambda e, x=x: fits(mk(x, e)))
+            if end is None:
+                break  # a larger chunk fits even fewer layers
+            cands.append(mk(x, end))
+            if x >= k:
+                break
+            x = min(2 * x, k)
+        if not cands:
+            return None
+        return max(cands, key=lambda w: (w.num_tokens * (w.layer_end - w.layer_start), -cost.with_work(w),
+                                         w.layer_end))
