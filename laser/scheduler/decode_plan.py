@@ -103,8 +103,13 @@ class _LayerLoad:
         self._partial: list[list[int]] | None = None  # built when first needed (``partial``)
         self.times: list[float] | None = None  # per iteration; None = recompute
         self._row_memo: dict[tuple, float] = {}  # (full, row) -> that iteration's layer time
+        n = self.n
         for r in reqs:
-            self.add(plans[r.req_id])
+            p = plans[r.req_id]
+            if p.layers >= n:
+                self.full += 1  # (what ``add`` does for a full-depth plan, in line)
+            else:
+                self.add(p)
 
     @property
     def partial(self) -> list[list[int]]:
