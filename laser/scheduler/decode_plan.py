@@ -223,7 +223,7 @@ def exec_plan(lm: LatencyModel, num_layers: int, iteration: int, decoding: list,
     target = t_g * target_factor
     load = _LayerLoad(lm, n, iteration, decoding, plans, memo)
     # relax: the most relaxed full-depth request first
-    relaxable = sorted(
+    relaxable = () if load.predict() <= target else sorted(  # (the loop would stop at once)
         (r for r in decoding if plans[r.req_id].layers >= n and r.slo.tbt_or_inf > t_g),
         key=lambda r: -r.slo.tbt_or_inf,
     )
@@ -238,7 +238,8 @@ def exec_plan(lm: LatencyModel, num_layers: int, iteration: int, decoding: list,
         plans[r.req_id] = load.best_offset(L)
         load.add(plans[r.req_id])
     # restore: the strictest reduced request first; revert (and stop) if it breaks the target
-    reduced = sorted((r for r in decoding if plans[r.req_id].layers < n), key=lambda r: r.slo.tbt_or_inf)
+    reduced = sorted((r for r in decoding if plans[r.req_id].layers < n),
+                     key=lambda r: r.slo.tbt_or_inf) if load.num_partial else ()
     for r in reduced:
         if load.predict() >= target:
             break
