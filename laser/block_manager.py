@@ -91,6 +91,12 @@ class BlockManager:
         rb = self._reqs.get(req_id)
         return rb.count[layer] if rb else 0
 
+    def covers(self, req_id: str, num_tokens: int) -> bool:
+        """Whether ``req_id`` already holds the blocks for ``num_tokens`` tokens at every layer
+        (the same blocks at each: then allocating them is a no-op)."""
+        rb = self._reqs.get(req_id)
+        return rb is not None and rb.uniform and -(-num_tokens // self.block_size) <= rb.count[0]
+
     def has(self, req_id: str) -> bool:
         return req_id in self._reqs
 

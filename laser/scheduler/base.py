@@ -283,8 +283,12 @@ class Scheduler(ABC):
         """
         ok = []
         running = set(map(id, self.running))  # ids of self.running, kept in step with it below
+        covers = self.bm.covers
         for req in needed:
             if id(req) not in running:  # preempted as a victim of an earlier one
+                continue
+            if covers(req.req_id, req.num_tokens):  # its block holds the new token already
+                ok.append(req)
                 continue
             rank = None
             while not self.try_allocate(req, req.num_tokens):
