@@ -1,6 +1,6 @@
 """The cluster simulator's results are pinned: per-request first-token, token and finish times
-of small cluster runs hash to digests recorded on the code before the simulator speed-ups of
-issue 12 (steps 1-3). A speed change must leave every decision -- and so every virtual time --
+of small cluster runs hash to digests recorded on the code before the simulator speed-up
+step 3 of issue 12. A speed change must leave every decision -- and so every virtual time --
 bit-identical; these tests fail on any difference, however small.
 
 A deliberate decision change (a scheduler or controller rule) changes the digests too: re-record
@@ -98,7 +98,7 @@ SCENARIOS = {
                                    _table1(60, 150.0, seed=7, scale=0.1)),
 }
 
-#: SHA-256 (first 16 hex digits) of every request's times, recorded before the speed-ups.
+#: SHA-256 (first 16 hex digits) of every request's times, recorded before speed-up step 3.
 GOLDEN = {
     "migration-and-recompute": "058dd4fe3427e1c4",
     "migration-memory": "fc38eb2d0a7e151b",
