@@ -54,8 +54,10 @@ class BlockManager:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
-        every = set(range(num_blocks))
-        self._free: list[set[int]] = [every.copy() for _ in range(num_layers)]
+        # The free blocks of layer l are ``_fully_free | _extra[l]`` (disjoint): ids free at every
+        # layer are kept once, in ``_fully_free``, so a request holding the same blocks at every
+        # layer allocates and frees them in O(blocks), not O(blocks x layers).
+        self._extra: list[set[int]] = [set() for _ in range(num_layers)]
         # Number of layers in which each block id is in use; ids at 0 are fully free.
         self._use = [0] * num_blocks
         self._fully_free: set[int] = set(range(num_blocks))
@@ -67,23 +69,33 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def num_free(self, layer: int) -> int:
-        return len(self._free[layer])
+        return len(self._fully_free) + len(self._extra[layer])
+
+    def free_ids(self, layer: int) -> set[int]:
+        """The free block ids of ``layer`` (a new set)."""
+        return self._fully_free | self._extra[layer]
 
     def min_free(self) -> int:
         """Free blocks in the most-used layer (the binding constraint)."""
         m = self._min_free
         if m is None:
-            m = self._min_free = min(map(len, self._free))
+            m = self._min_free = len(self._fully_free) + min(map(len, self._extra))
         return m
 
     def usage(self) -> float:
         """Fraction of all blocks (over all layers) in use."""
         total = self.num_blocks * self.num_layers
-        return 1.0 - sum(len(f) for f in self._free) / total
+        return 1.0 - sum(self.num_free(layer) for layer in range(self.num_layers)) / total
 
     def num_held(self, req_id: str, layer: int) -> int:
         rb = self._reqs.get(req_id)
         return rb.count[layer] if rb else 0
+
+    def covers(self, req_id: str, num_tokens: int) -> bool:
+        """Whether ``req_id`` already holds the blocks for ``num_tokens`` tokens at every layer
+        (the same blocks at each: then allocating them is a no-op)."""
+        rb = self._reqs.get(req_id)
+        return rb is not None and rb.uniform and -(-num_tokens // self.block_size) <= rb.count[0]
 
     def has(self, req_id: str) -> bool:
         return req_id in self._reqs
@@ -101,7 +113,7 @@ class BlockManager:
                 return need - rb.count[0] <= self.min_free()
         for layer in layers if layers is not None else range(self.num_layers):
             held = rb.count[layer] if rb else 0
-            if need - held > len(self._free[layer]):
+            if need - held > self.num_free(layer):
                 return False
         return True
 
@@ -125,6 +137,9 @@ class BlockManager:
         All-or-nothing: raises :class:`OutOfBlocksError` (allocating nothing) when a
         layer lacks blocks.
         """
+        rb = self._reqs.get(req_id)
+        if rb is not None and rb.uniform and layers is None and -(-num_tokens // self.block_size) <= rb.count[0]:
+            return  # holds them already at every layer (every decode token but one a block)
         layers = layers if layers is not None else range(self.num_layers)
         if not self.can_allocate(req_id, num_tokens, layers):
             raise OutOfBlocksError(
@@ -132,7 +147,6 @@ class BlockManager:
                 f"per layer in layers {layers.start}..{layers.stop - 1}; free in the fullest layer: {self.min_free()}"
             )
         need = self.blocks_needed(num_tokens)
-        rb = self._reqs.get(req_id)
         if rb is None:
             rb = self._reqs[req_id] = _ReqBlocks(count=[0] * self.num_layers)
         whole = layers.start == 0 and layers.stop >= self.num_layers and layers.step == 1
@@ -159,8 +173,6 @@ class BlockManager:
             bid = next(iter(ff))
             ff.discard(bid)
             new.append(bid)
-        for f in self._free:
-            f.difference_update(new)
         if self._min_free is not None:
             self._min_free -= len(new)  # every layer lost the same blocks
         use = self._use
@@ -171,17 +183,17 @@ class BlockManager:
         return True
     def _grow(self, rb: _ReqBlocks, layer: int) -> None:
         idx = rb.count[layer]
-        free = self._free[layer]
+        extra, ff = self._extra[layer], self._fully_free
         ov = rb.overrides.get(layer)
         if idx < len(rb.canon):
             want = rb.canon[idx]
-            if want in free:
+            if want in extra or want in ff:
                 bid = want
             else:
-                bid = next(iter(free))
+                bid = next(iter(extra)) if extra else next(iter(ff))
         else:
             # Extend the canonical table with an id free in every layer when possible.
-            bid = next(iter(self._fully_free)) if self._fully_free else next(iter(free))
+            bid = next(iter(ff)) if ff else next(iter(extra))
             rb.canon.append(bid)
         self._take(layer, bid)
         if ov is None and bid != rb.canon[idx]:
@@ -192,17 +204,25 @@ class BlockManager:
 
     def _take(self, layer: int, bid: int) -> None:
         self._min_free = None
-        self._free[layer].remove(bid)
-        if self._use[bid] == 0:
-            self._fully_free.discard(bid)
+        if self._use[bid] == 0:  # fully free until now: still free at every other layer
+            self._fully_free.remove(bid)
+            for other, extra in enumerate(self._extra):
+                if other != layer:
+                    extra.add(bid)
+        else:
+            self._extra[layer].remove(bid)
         self._use[bid] += 1
 
     def _give(self, layer: int, bid: int) -> None:
         self._min_free = None
-        self._free[layer].add(bid)
         self._use[bid] -= 1
-        if self._use[bid] == 0:
+        if self._use[bid] == 0:  # free at every layer again
+            for other, extra in enumerate(self._extra):
+                if other != layer:
+                    extra.remove(bid)
             self._fully_free.add(bid)
+        else:
+            self._extra[layer].add(bid)
 
     def free_layer(self, req_id: str, layer: int) -> None:
         """Release ``req_id``'s blocks at one layer (e.g. after its KV migrated)."""
@@ -224,15 +244,12 @@ class BlockManager:
             return
         if rb.uniform and rb.count[0] == len(rb.canon):  # the same blocks at every layer
             bids = rb.canon
-            for f in self._free:
-                f.update(bids)
             if self._min_free is not None:
                 self._min_free += len(bids)  # every layer got the same blocks back
-            use, ff, n = self._use, self._fully_free, self.num_layers
+            use = self._use
             for bid in bids:
-                use[bid] -= n
-                if use[bid] == 0:
-                    ff.add(bid)
+                use[bid] = 0  # held at every layer, by this request alone
+            self._fully_free.update(bids)
             del self._reqs[req_id]
             return
         for layer in range(self.num_layers):
@@ -260,11 +277,14 @@ class BlockManager:
                     if bid in owned:
                         raise BlockManagerIntegrityError(f"block {bid} owned twice at layer {layer}")
                     owned.add(bid)
-            if owned & self._free[layer]:
+            free = self.free_ids(layer)
+            if self._extra[layer] & self._fully_free:
+                raise BlockManagerIntegrityError(f"layer {layer}: a block both fully and partly free")
+            if owned & free:
                 raise BlockManagerIntegrityError(f"layer {layer}: blocks both free and owned")
-            if len(owned) + len(self._free[layer]) != self.num_blocks:
+            if len(owned) + len(free) != self.num_blocks:
                 raise BlockManagerIntegrityError(
-                    f"layer {layer}: {self.num_blocks - len(owned) - len(self._free[layer])} blocks leaked"
+                    f"layer {layer}: {self.num_blocks - len(owned) - len(free)} blocks leaked"
                 )
             for bid in owned:
                 use[bid] += 1
@@ -272,7 +292,7 @@ class BlockManager:
             raise BlockManagerIntegrityError("per-block use counts are inconsistent")
         if self._fully_free != {b for b, u in enumerate(use) if u == 0}:
             raise BlockManagerIntegrityError("fully-free set is inconsistent")
-        if self._min_free is not None and self._min_free != min(map(len, self._free)):
+        if self._min_free is not None and self._min_free != min(map(self.num_free, range(self.num_layers))):
             raise BlockManagerIntegrityError("cached min_free is inconsistent")
         for rid, rb in self._reqs.items():
             if not any(rb.count):

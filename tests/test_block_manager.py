@@ -238,7 +238,7 @@ def test_check_integrity_detects_corruption():
     """The checker itself can fail: a leaked block and a double-owned block are caught."""
     bm = BlockManager(2, 4, BLOCK_SIZE)
     bm.allocate("a", BLOCK_SIZE)
-    bm._free[0].discard(next(iter(bm._free[0])))  # leak one block at layer 0
+    bm._fully_free.discard(next(iter(bm._fully_free)))  # leak one free block
     with pytest.raises(BlockManagerIntegrityError, match="leaked"):
         bm.check_integrity()
     bm = BlockManager(2, 4, BLOCK_SIZE)

@@ -74,6 +74,34 @@ def prefill_slack(rep: InstanceReport, lm, num_layers: int, info: RequestInfo, n
     return slack
 
 
+class Increments:
+    """Alg. 2's ``LatencyIncrement(r, d)`` of each decode instance ``d`` in ``instances``, asked
+    when first looked up (``incs[instance_id]``) and kept: the nearest group that has a finite
+    answer decides, so the instances of the groups after it are never asked (the same choice as
+    asking every instance first; an instance's answer changes nothing). ``id in incs``: whether
+    the instance is eligible; :meth:`values`: every answer (asks the rest; the fallback)."""
+
+    def __init__(self, instances: list, info: RequestInfo):
+        self._instances = {d.instance_id: d for d in instances}
+        self._info = info
+        self._answers: dict[int, object] = {}
+
+    def __contains__(self, instance_id: int) -> bool:
+        return instance_id in self._instances
+
+    def __bool__(self) -> bool:
+        return bool(self._instances)
+
+    def __getitem__(self, instance_id: int):
+        a = self._answers.get(instance_id)
+        if a is None:
+            a = self._answers[instance_id] = self._instances[instance_id].latency_increment(self._info)
+        return a
+
+    def values(self) -> list:
+        return [self[i] for i in self._instances]
+
+
 @register
 class LaserController(Controller):
     """The Laser controller. Options: ``window_s`` (λ EWMA, 30 s), ``interval_s`` (group
@@ -122,7 +150,7 @@ class LaserController(Controller):
     def assign_decode(self, info: RequestInfo, exclude: tuple[int, ...] = ()) -> int:
         """Algorithm 2 ``DecodeAssignment``: nearest group with a finite increment, its
         smallest increment; all inf -> least-loaded (KV blocks in use, then requests)."""
-        incs = {d.instance_id: d.latency_increment(info) for d in self.decode if d.instance_id not in exclude}
+        incs = Increments([d for d in self.decode if d.instance_id not in exclude], info)
         if not incs:
             raise RuntimeError("no decode instance to assign to")
         best = self._nearest_group_best(info, incs)
@@ -131,8 +159,9 @@ class LaserController(Controller):
         self.num_fallback_decode += 1
         return min(incs.values(), key=lambda x: (x.used_blocks, x.num_requests, x.instance_id)).instance_id
 
-    def _nearest_group_best(self, info: RequestInfo, incs: dict) -> int | None:
-        """Alg. 2 lines 10-15: the smallest finite increment of the nearest group that has one."""
+    def _nearest_group_best(self, info: RequestInfo, incs: "Increments") -> int | None:
+        """Alg. 2 lines 10-15: the smallest finite increment of the nearest group that has one
+        (only the groups visited ask their instances)."""
         for g in self.groups.ordered(info.tbt_or_inf):
             cands = [incs[i] for i in g.members if i in incs and incs[i].feasible]
             if cands:
@@ -164,7 +193,7 @@ class LaserController(Controller):
         cand = src.migration_candidate(self.mean_output)
         if cand is None:
             return None
-        incs = {d.instance_id: d.latency_increment(cand.info) for d in self.decode if d is not src}
+        incs = Increments([d for d in self.decode if d is not src], cand.info)
         dst = self._nearest_group_best(cand.info, incs)
         if dst is None:
             return None

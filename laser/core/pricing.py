@@ -32,8 +32,8 @@ class PlanCost:
         layers = 0.0
         for a, b in zip(bounds, bounds[1:]):
             act = [w for w in ws if w.layer_start <= a < w.layer_end]
-            q = tuple(w.num_tokens for w in act)
-            c = tuple(w.context_len for w in act)
+            q = tuple([w.num_tokens for w in act])
+            c = tuple([w.token_start + w.num_tokens for w in act])  # context_len
             t = memo.get((q, c))
             if t is None:
                 t = memo[(q, c)] = lm.layer_time(q, c)

@@ -52,7 +52,7 @@ def decode_increment(instance_id: int, sched, latency_model, num_layers: int, in
     others = [i for i in reserved.values() if i.req_id != info.req_id]
     promised = sum(bm.blocks_needed(r.num_computed_tokens) for r in adopting)
     promised += sum(bm.blocks_needed(i.prompt_len + i.expected_output) for i in others)
-    cands = [DecodeCandidate(i.req_id, i.prompt_len + 1, SLO(i.ttft, i.tbt)) for i in others]
+    cands = [DecodeCandidate(i.req_id, i.prompt_len + 1, _slo(i.ttft, i.tbt)) for i in others]
     need = bm.blocks_needed(info.prompt_len + info.expected_output)
     used = bm.num_blocks - bm.min_free() + promised
     n_req = len(decoding) + len(cands)
@@ -61,11 +61,25 @@ def decode_increment(instance_id: int, sched, latency_model, num_layers: int, in
                                 num_requests=n_req, used_blocks=used)
     plans = getattr(sched, "plans", {})
     factor = sched.tg_margin if hasattr(sched, "tg_margin") else 1.0
-    me = DecodeCandidate(info.req_id, info.prompt_len + 1, SLO(info.ttft, info.tbt))
+    me = DecodeCandidate(info.req_id, info.prompt_len + 1, _slo(info.ttft, info.tbt))
     inc = latency_increment(latency_model, num_layers, getattr(sched, "iteration", 0), decoding + cands, plans, me,
                             factor, getattr(sched, "decode_memo", None))
     return LatencyIncrement(instance_id, info.req_id, inc.value, inc.iter_before, inc.iter_after,
                             "ok" if inc.value != math.inf else "slo", n_req, used)
+
+
+_SLOS: dict[tuple, SLO] = {}
+
+
+def _slo(ttft: float | None, tbt: float | None) -> SLO:
+    """``SLO(ttft, tbt)``, one shared (frozen) object per pair: Alg. 2 builds a candidate for every
+    decode instance and reservation at every arrival."""
+    slo = _SLOS.get((ttft, tbt))
+    if slo is None:
+        if len(_SLOS) > 4096:
+            _SLOS.clear()
+        slo = _SLOS[(ttft, tbt)] = SLO(ttft, tbt)
+    return slo
 
 
 #: Decode requests tried as the T_g victim (Alg. 1 is re-run once per try), fewest blocks first.

@@ -141,6 +141,9 @@ class AnalyticLatencyModel(LatencyModel):
     kernel efficiency curves, tile quantisation, and overlap. Fit a profile for real numbers.
     """
 
+    #: Token counts whose stateless time is memoised (the simulator asks for the same few again and again).
+    STATELESS_MEMO = 1 << 16
+
     def __init__(self, shape: ModelShape | str, hardware: HardwareSpec | str = "h200", *, tp: int = 1,
                  dtype_bytes: int = 2, flops_efficiency: float = 0.7, bw_efficiency: float = 0.85,
                  layer_overhead_s: float | None = None):
@@ -184,6 +187,7 @@ class AnalyticLatencyModel(LatencyModel):
         # LM head (vocab-parallel): 2·h·V/t FLOPs per row, h·V/t·db weight bytes.
         self._head = (2 * h * s.vocab / t / F, h * s.vocab / t * db / BW, (h + s.vocab / t) * db / BW)
         self._embed_tok = 2 * h * db / BW
+        self._stateless: dict[int, float] = {}  # n_tokens -> stateless_time (memo)
 
     def breakdown(self, query_lens: Sequence[int], context_lens: Sequence[int]) -> dict[str, tuple[float, str]]:
         """Per module of one layer call: ``(seconds, "compute" | "memory" | "network")``."""
@@ -200,12 +204,17 @@ class AnalyticLatencyModel(LatencyModel):
         return out
 
     def stateless_time(self, n_tokens: int) -> float:
+        t = self._stateless.get(n_tokens)
+        if t is not None:
+            return t
         if n_tokens <= 0:
             return 0.0
         t = self._norm_tok * n_tokens + self._ar_tok * n_tokens + self._ar_const
         for _, fl, w, act in self._mods:
             c, m = fl * n_tokens, w + act * n_tokens
             t += c if c > m else m
+        if len(self._stateless) < self.STATELESS_MEMO:
+            self._stateless[n_tokens] = t  # a pure function of n_tokens: the same float every time
         return t
 
     def attention_time(self, query_lens, context_lens) -> float:

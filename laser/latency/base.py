@@ -147,11 +147,11 @@ class LatencyModel:
         """Seconds for a whole plan: its layer calls + embedding of works starting at
         layer 0 + LM head for ``plan.num_final()`` rows. A plan this model priced when it was
         built (``plan.predicted``) is not priced again (the same number)."""
-        from laser.core.pricing import PlanCost
-
         p = plan.predicted
         if p is not None and p[0] is self:
             return p[1]
+        from laser.core.pricing import PlanCost
+
         return PlanCost(self, plan.num_layers, plan.works).total if plan.works else 0.0
 
     def predict_prefill(self, prompt_len: int, layers: int | None = None, context_start: int = 0) -> float:

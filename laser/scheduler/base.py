@@ -282,19 +282,28 @@ class Scheduler(ABC):
         that got their block.
         """
         ok = []
+        running = set(map(id, self.running))  # ids of self.running, kept in step with it below
+        covers = self.bm.covers
         for req in needed:
-            if req not in self.running:  # preempted as a victim of an earlier one
+            if id(req) not in running:  # preempted as a victim of an earlier one
                 continue
-            rank = self.slo_rank(req)
+            if covers(req.req_id, req.num_tokens):  # its block holds the new token already
+                ok.append(req)
+                continue
+            rank = None
             while not self.try_allocate(req, req.num_tokens):
+                rank = self.slo_rank(req) if rank is None else rank
                 victims = [r for r in self.running if r is not req and self.slo_rank(r) >= rank]
                 if not victims:
                     self.preempt(req)
+                    running.discard(id(req))
                     break
-                self.preempt(max(victims, key=self._victim_key))
+                victim = max(victims, key=self._victim_key)
+                self.preempt(victim)
+                running.discard(id(victim))
             else:
                 ok.append(req)
-        return [r for r in ok if r in self.running]
+        return [r for r in ok if id(r) in running]
 
     # -- after a step ---------------------------------------------------------------------------
     def update(self, plan: StepPlan, stopped_layer: int, sampled: dict[str, int], now: float) -> list[Request]:

@@ -100,11 +100,24 @@ class _LayerLoad:
         self.const = lm.embed_time(len(reqs)) + lm.head_time(len(reqs))
         self.full = 0
         self.num_partial = 0  # requests with L < N (0: every row of ``partial`` is zero)
-        self.partial = [[0] * self.n for _ in range(self.HORIZON)]
+        self._partial: list[list[int]] | None = None  # built when first needed (``partial``)
         self.times: list[float] | None = None  # per iteration; None = recompute
         self._row_memo: dict[tuple, float] = {}  # (full, row) -> that iteration's layer time
+        n = self.n
         for r in reqs:
-            self.add(plans[r.req_id])
+            p = plans[r.req_id]
+            if p.layers >= n:
+                self.full += 1  # (what ``add`` does for a full-depth plan, in line)
+            else:
+                self.add(p)
+
+    @property
+    def partial(self) -> list[list[int]]:
+        """Reduced requests per layer (``[HORIZON][N]`` counts), all zero until one is added."""
+        rows = self._partial
+        if rows is None:
+            rows = self._partial = [[0] * self.n for _ in range(self.HORIZON)]
+        return rows
 
     def _span(self, p: DecodePlan, h: int) -> tuple[int, int]:
         k = p.groups(self.n)
@@ -204,13 +217,13 @@ def exec_plan(lm: LatencyModel, num_layers: int, iteration: int, decoding: list,
     # A TBT target that even an iteration of this request alone misses cannot be met by
     # cutting iterations for it: it runs at full depth, as fast as possible, and T_g comes
     # from the targets that can be met (Laser would otherwise halve throughput for nobody).
-    t_g = min((r.slo.tbt_or_inf for r in decoding if not tbt_infeasible(lm, r, memo)), default=math.inf)
+    t_g = _tightest_feasible_tbt(lm, decoding, memo)
     if t_g == math.inf:
         return {rid: DecodePlan(n, 0) for rid in plans}, t_g, None
     target = t_g * target_factor
     load = _LayerLoad(lm, n, iteration, decoding, plans, memo)
     # relax: the most relaxed full-depth request first
-    relaxable = sorted(
+    relaxable = () if load.predict() <= target else sorted(  # (the loop would stop at once)
         (r for r in decoding if plans[r.req_id].layers >= n and r.slo.tbt_or_inf > t_g),
         key=lambda r: -r.slo.tbt_or_inf,
     )
@@ -225,7 +238,8 @@ def exec_plan(lm: LatencyModel, num_layers: int, iteration: int, decoding: list,
         plans[r.req_id] = load.best_offset(L)
         load.add(plans[r.req_id])
     # restore: the strictest reduced request first; revert (and stop) if it breaks the target
-    reduced = sorted((r for r in decoding if plans[r.req_id].layers < n), key=lambda r: r.slo.tbt_or_inf)
+    reduced = sorted((r for r in decoding if plans[r.req_id].layers < n),
+                     key=lambda r: r.slo.tbt_or_inf) if load.num_partial else ()
     for r in reduced:
         if load.predict() >= target:
             break
@@ -238,6 +252,26 @@ def exec_plan(lm: LatencyModel, num_layers: int, iteration: int, decoding: list,
             break
         plans[r.req_id] = DecodePlan(n, 0)
     return plans, t_g, load
+
+
+def _tightest_feasible_tbt(lm: LatencyModel, decoding: list, memo: DecodeMemo | None) -> float:
+    """``min(r.slo.tbt_or_inf for r in decoding if not tbt_infeasible(lm, r, memo))`` (inf if
+    none), seconds: the memo's table read in line (this runs once per request per Alg. 1 call)."""
+    memo = _memo_for(lm, memo)
+    if memo is None:
+        return min((r.slo.tbt_or_inf for r in decoding if not tbt_infeasible(lm, r)), default=math.inf)
+    table, ask = memo.infeasible, memo.tbt_infeasible
+    t_g = math.inf
+    for r in decoding:
+        tbt = r.slo.tbt
+        if tbt is None or tbt >= t_g:
+            continue  # (cannot lower the minimum; its feasibility does not matter)
+        bad = table.get((r.num_tokens, tbt))
+        if bad is None:
+            bad = ask(r.num_tokens, tbt)
+        if not bad:
+            t_g = tbt
+    return t_g
 
 
 def tbt_infeasible(lm: LatencyModel, r, memo: DecodeMemo | None = None) -> bool:
@@ -282,7 +316,7 @@ def latency_increment(lm: LatencyModel, num_layers: int, iteration: int, decodin
     cur = {r.req_id: plans.get(r.req_id, DecodePlan(n, 0)) for r in decoding}
     if decoding:
         it = _LayerLoad(lm, n, iteration, decoding, cur, memo).predict()
-        before = sum(it * p.groups(n) for p in cur.values())
+        before = _aggregate_tbt(it, cur.values(), n)
     else:
         it = before = 0.0
     reqs = list(decoding) + [candidate]
@@ -290,5 +324,12 @@ def latency_increment(lm: LatencyModel, num_layers: int, iteration: int, decodin
     it_star = (load if load is not None else _LayerLoad(lm, n, iteration, reqs, new, memo)).predict()
     if it_star > t_g * target_factor or tbt_infeasible(lm, candidate, memo):
         return Increment(math.inf, it, it_star, t_g)
-    after = sum(it_star * p.groups(n) for p in new.values())
+    after = _aggregate_tbt(it_star, new.values(), n)
     return Increment(after - before, it, it_star, t_g)
+
+
+def _aggregate_tbt(it: float, plans, n: int) -> float:
+    """``sum_r it * ceil(N / L_r)`` over ``plans`` (seconds): each request's TBT is the iteration
+    time ``it`` times its iterations per token (the same terms, summed in the same order, as
+    ``sum(it * p.groups(n) for p in plans)``; a full-depth term is ``it`` itself)."""
+    return sum([it if p.layers >= n else it * -(-n // p.layers) for p in plans])

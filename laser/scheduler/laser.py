@@ -232,12 +232,14 @@ class LaserScheduler(Scheduler):
                 due.append(r)
         # KV for the new token (only those starting a token need a slot)
         need = [r for r in due if r.next_layer == 0]
+        preempted = self.num_preemptions
         ok = set(id(r) for r in self.preempt_for_decode(sorted(need, key=self.queue_key)))
+        preempted = self.num_preemptions != preempted  # (else every due request still runs)
         works = []
         for r in due:
             if r.next_layer == 0 and id(r) not in ok:
                 continue
-            if r not in self.running:
+            if preempted and r not in self.running:
                 continue
             p = self.plans.get(r.req_id)
             if p is None:

@@ -144,9 +144,10 @@ class SimExecutor:
     def run_layers(self, layers: range, active) -> None:
         """Segment mode: ``len(layers)`` layer calls of the same batch, priced once."""
         t = self.lm.layer_time(tuple(w.num_tokens for w in active), tuple(w.context_len for w in active))
-        clock = self.clock
+        now = self.clock.t
         for _ in layers:
-            clock.t += t
+            now += t  # layer by layer: the same sums as run_layer
+        self.clock.t = now
         self.stats.layer_calls += len(layers)
         self._res.num_layer_calls += len(layers)
 
