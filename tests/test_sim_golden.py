@@ -106,7 +106,7 @@ GOLDEN = {
     "small-2P2D-distserve": "9697e0b63f128459",
     "small-2P2D-laser": "81b34e49b1fc5fab",
     "small-3M-colocated": "a31f6d6f730862f5",
-    "tight-2P2D-laser-2000": "240ec0a0a2ef1d86",
+    "tight-2P2D-laser-2000": "8fd02faa81b2fabe",
     "tight-2P2D-laser-800": "0c9a70325376f2d2",
 }
 
