@@ -51,6 +51,20 @@ def test_conservation_every_request_finishes_once(controller, spec):
 
 
 @pytest.mark.parametrize("controller", ["laser", "distserve", "colocated"])
+def test_prompt_over_every_kv_pool_is_rejected_and_the_rest_served(controller):
+    """A prompt that no instance's KV pool can hold (32 blocks x 16 tokens = 512 tokens) is
+    rejected at arrival; the requests queued behind it are served (it used to block its
+    prefill instance's queue forever)."""
+    reqs = [Request([1] * p, SamplingParams(max_tokens=4, ignore_eos=True), CLASSES[1], arrival_time=0.001 * i,
+                    req_id=f"r{i}") for i, p in enumerate([40, 600, 30, 50, 20])]
+    res = ClusterSim(controller, ClusterSpec.parse("1P1D" if controller != "colocated" else "2M"),
+                     small_config(num_blocks=32)).run(reqs)
+    big = res.requests[1]
+    assert big.finish_reason == "abort" and not big.token_times
+    assert all(r.finish_reason == "length" for i, r in enumerate(res.requests) if i != 1)
+
+
+@pytest.mark.parametrize("controller", ["laser", "distserve", "colocated"])
 def test_ttft_never_below_isolated_prefill_and_kv_never_before_transfer(controller):
     cfg = small_config(msg_delay_s=2e-3, inter_node_bw=1e9)
     sim = ClusterSim(controller, ClusterSpec.parse("2P2D"), cfg)

@@ -212,7 +212,9 @@ class ClusterSim:
     # -- run ------------------------------------------------------------------------------------
     def run(self, requests: list[Request], until: float = math.inf) -> ClusterResult:
         """Serve ``requests`` (``arrival_time`` in virtual seconds). Returns every request's
-        final copy in input order."""
+        final copy in input order. A prompt that no instance's KV pool can hold is rejected at
+        arrival, as a real engine rejects a prompt over its context (``finish_reason="abort"``,
+        no token: an SLO miss), and the others are served."""
         t_wall = time.perf_counter()
         ctl, inst, delay = self.controller, self.instances, self.config.msg_delay_s
         q = EventQueue()
@@ -231,7 +233,14 @@ class ClusterSim:
             if end is not None:
                 yield end, "end", i
 
+        capacity = min(i.scheduler.bm.num_blocks * i.scheduler.bm.block_size for i in inst)
+
         def arrive(t: float, req: Request):
+            if req.num_prompt_tokens >= capacity:
+                req.finish_reason = "abort"
+                final[req.req_id] = req
+                done[req.req_id] = 1
+                return
             info = RequestInfo(req.req_id, req.arrival_time, req.num_prompt_tokens, req.slo.ttft, req.slo.tbt,
                                req.slo.name, ctl.expected_output(req.slo.name))
             t0 = time.perf_counter()
