@@ -10,6 +10,7 @@ import numpy as np
 from laser.config import SchedulerConfig
 from laser.latency import SimpleLatencyModel
 from laser.request import SLO, Request, SamplingParams
+from laser.scheduler.laser import LaserScheduler
 from laser.sim import SimInstance
 
 N = 30
@@ -66,21 +67,45 @@ def test_short_prompts_beside_decode_streams_are_served_within_two_iterations_on
 
 
 def test_a_late_request_does_not_keep_a_nearly_free_prompt_out_of_its_step():
-    """A prompt whose TTFT target is below its own prefill is late before it starts; a short
-    prompt arriving with it rides the same layer calls for 0.4 ms more (3% of the late one's
-    target) and gets its first token in the same step, instead of one iteration later
-    (before: nothing merged after a late request could delay its step at all). Work that
-    would cost the late request more than ``late_delay_share`` of its target still waits."""
-    late = Request([7] * 100, SamplingParams(max_tokens=1, temperature=0), SLO(ttft=0.012, name="code"),
+    """A 100-token prompt runs in two chunks (a 64-token step budget) and is late for its
+    last chunk; a short prompt queued behind it rides the same layer calls for 1 ms more (3%
+    of the late one's target) and gets its first token in the same step, instead of one
+    iteration later (before: nothing merged after a late request could delay its step at
+    all). The late one's first token comes at most ``late_delay_share`` of its target later."""
+    late = Request([7] * 100, SamplingParams(max_tokens=1, temperature=0), SLO(ttft=0.03, name="code"),
                    arrival_time=0.0, req_id="late")
     short = Request([7] * 16, SamplingParams(max_tokens=1, temperature=0), CHAT, arrival_time=0.0, req_id="short")
-    big = Request([7] * 2000, SamplingParams(max_tokens=1, temperature=0), CHAT, arrival_time=0.0, req_id="big")
-    sim = SimInstance("laser", N, GPU_LM, SchedulerConfig(policy="laser"), record_plans=True)
-    for r in (late, short, big):
+    sim = SimInstance("laser", N, GPU_LM, SchedulerConfig(policy="laser", max_num_batched_tokens=64),
+                      record_plans=True)
+    for r in (late, short):
         sim.submit(r)
     sim.run()
     sim.check_integrity(expect_empty=True)
-    assert GPU_LM.predict_prefill(100) > late.slo.ttft  # late from the start
-    assert short.token_times[0] == late.token_times[0]  # served in the late one's step
-    assert big.token_times[0] > late.token_times[0]  # 120 ms more would have delayed it
-    assert late.token_times[0] - late.arrival_time <= GPU_LM.predict_prefill(100) * 1.1
+    assert GPU_LM.predict_prefill(100) < late.slo.ttft  # it could have made it alone, in one chunk
+    assert late.token_times[0] - late.arrival_time > late.slo.ttft  # late after its first chunk
+    last = [p for p in sim.stats.plans if any(w.req_id == "late" and w.sample for w in p.works)]
+    assert any(w.req_id == "short" and w.sample for w in last[0].works)  # served in the late one's step
+    assert short.token_times[0] == late.token_times[0]
+    alone_last = GPU_LM.predict_prefill(36, context_start=64)
+    first_step = GPU_LM.predict_prefill(64)
+    assert late.token_times[0] <= first_step + alone_last + LaserScheduler.late_delay_share * late.slo.ttft
+
+
+def test_a_hopeless_prompt_goes_behind_the_ones_that_can_still_make_it():
+    """Under overload EDF serves the most urgent first even when it cannot make its
+    deadline any more, and makes the next ones late too (the domino effect): a 2000-token
+    prompt whose 50 ms target is below its own prefill (~0.13 s) used to run first and make
+    both 200-token prompts behind it miss their 100 ms targets. It now runs after them (and
+    still runs)."""
+    hopeless = Request([7] * 2000, SamplingParams(max_tokens=1, temperature=0), SLO(ttft=0.05, name="code"),
+                       arrival_time=0.0, req_id="hopeless")
+    others = [Request([7] * 200, SamplingParams(max_tokens=1, temperature=0), SLO(ttft=0.1, name="code"),
+                      arrival_time=0.0, req_id=f"ok{i}") for i in range(2)]
+    sim = SimInstance("laser", N, GPU_LM, SchedulerConfig(policy="laser"))
+    for r in (hopeless, *others):
+        sim.submit(r)
+    sim.run()
+    sim.check_integrity(expect_empty=True)
+    assert GPU_LM.predict_prefill(2000) > hopeless.slo.ttft
+    assert all(r.token_times[0] - r.arrival_time <= r.slo.ttft for r in others), [r.token_times for r in others]
+    assert hopeless.num_output_tokens == 1

@@ -308,7 +308,7 @@ class LaserScheduler(Scheduler):
             cands = [r for r in cands if r.output_token_ids]
         if not cands:
             return 0.0
-        cands.sort(key=self.queue_key)
+        cands.sort(key=self._prefill_key(now))
         work = f = 0.0
         for r in cands[: self.max_need_candidates]:
             left = r.num_tokens - r.num_computed_tokens
@@ -321,6 +321,30 @@ class LaserScheduler(Scheduler):
             if slack > 0:
                 f = max(f, work / slack)
         return f
+
+    def _prefill_key(self, now: float):
+        """Prefill order: EDF (``queue_key``), except that a request that has not started and
+        would miss its TTFT target even if it and the prefills ahead of it in EDF order (those
+        that can still make theirs) ran from now as one merged pass (PlanCost: on a GPU their
+        layer calls share the weight reads; an optimistic bound, decode work left out) goes behind
+        every request that can still make it (EDF's domino effect under overload: serving
+        the hopeless first makes the savable late too). It is still served, as soon as no
+        savable prefill waits; its record says it missed. Returns the sort key function."""
+        cands = sorted([r for r in self.running if r.phase != Phase.DECODE] + list(self.waiting),
+                       key=self.queue_key)
+        hopeless: set[int] = set()
+        ahead = PlanCost(self.lm, self.num_layers, [])  # the savable prefills ahead, merged in one pass
+        for r in cands[: self.max_need_candidates]:
+            w = Work(r.req_id, r.num_computed_tokens, r.num_tokens - r.num_computed_tokens, 0, self.num_layers, True)
+            if (r.slo.ttft is not None and not r.demoted and not r.boosted and r.num_computed_tokens == 0
+                    and not r.in_flight and now + ahead.with_work(w) > r.ttft_deadline):
+                hopeless.add(id(r))
+            elif w.num_tokens > 0:
+                ahead.add(w)
+
+        def key(r: Request):
+            return (id(r) in hopeless, *self.queue_key(r))
+        return key
 
     def _prefill_need(self, now: float, decode_time: float) -> float:
         """Seconds of prefill per iteration the pending prefills need (an iteration of
@@ -396,7 +420,8 @@ class LaserScheduler(Scheduler):
         and without breaking any included TTFT deadline that was being met."""
         n = self.num_layers
         limit = cost.total + budget
-        cands = sorted([r for r in self.running if r.phase != Phase.DECODE] + list(self.waiting), key=self.queue_key)
+        cands = sorted([r for r in self.running if r.phase != Phase.DECODE] + list(self.waiting),
+                       key=self._prefill_key(now))
         if self.config.role == "decode":
             # a decode instance prefills only to recompute requests it preempted
             cands = [r for r in cands if r.output_token_ids]
