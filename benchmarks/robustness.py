@@ -21,7 +21,8 @@ TBT target and the per-class attainment at Laser's first failing rate (which cla
     python benchmarks/robustness.py                  # a covering sample (18 points per kind)
     python benchmarks/robustness.py --full           # the full grid (162 points per kind)
 
-Prints the table and the min / median / max ratio per kind; writes JSON (``--json``).
+Prints the table and the min / median / max ratio per kind, and both policies' mean TTFT at
+sarathi:best's goodput rate; writes JSON (``--json``). ``--points 0,3`` runs only those points.
 """
 
 from __future__ import annotations
@@ -123,6 +124,10 @@ def run_point(kind: dict, point, tokenizer, num_prompts: int, budgets, time_cap_
     fail = las.bracket[1] if las.bracket else None
     at_fail = probe_at(res, "laser", fail) if fail else None
     # a workload that passes as one burst has no knee: no ratio (more prompts would give one)
+    # mean TTFT of both at sarathi:best's goodput (a rate sarathi:best passes), whole runs
+    ref = sar.goodput_rps or None
+    ttft = {lb: bench.probe(cand, ref, early_stop=False).summary.overall.ttft_mean if ref else None
+            for lb, cand in (("laser", "laser"), ("sarathi:best", sweeps["sarathi:best"].best_candidate))}
     no_knee = [g.label for g in (las, sar) if g.unbounded]
     ratio = las.goodput_rps / sar.goodput_rps if sar.goodput_rps and not no_knee else None
     return {
@@ -135,6 +140,8 @@ def run_point(kind: dict, point, tokenizer, num_prompts: int, budgets, time_cap_
         "capped": [g.label for g in (las, sar) if g.lower_bound],
         "no_knee": no_knee,
         "tightest_tbt_s": tightest,
+        "mean_ttft_rate_rps": ref,
+        "laser_mean_ttft_s": ttft["laser"], "sarathi_best_mean_ttft_s": ttft["sarathi:best"],
         "laser_p99_itl_at_goodput_s": at_g.summary.overall.tbt_p99 if at_g else None,
         "laser_class_attainment_at_first_fail": at_fail.class_attainment() if at_fail else None,
         "laser_first_fail_rps": fail,
@@ -169,12 +176,13 @@ def summarize_kind(rows: list[dict]) -> dict:
 def format_table(kind_name: str, why: str, rows: list[dict]) -> str:
     lines = [f"== {kind_name} [SIMULATED] - {why}",
              f"{'mix':<6} {'seed':>4} {'len':>4} {'slo':>4} {'laser':>8} {'sarathi:best':>12} {'budget':>6} "
-             f"{'ratio':>6}  {'laser P99 ITL / tightest TBT (ms)':>34}"]
+             f"{'ratio':>6}  {'laser P99 ITL / tightest TBT (ms)':>34}  {'mean TTFT laser / best (ms)':>28}"]
     for r in rows:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
         lines.append(f"{r['mix']:<6} {r['seed']:>4} {r['length_scale']:>4g} {r['slo_scale']:>4g} "
                      f"{r['laser_goodput']:>8} {r['sarathi_best_goodput']:>12} {r['best_budget']:>6} {ratio:>6}  "
-                     f"{_ms(r['laser_p99_itl_at_goodput_s']) + ' / ' + _ms(r['tightest_tbt_s']):>34}")
+                     f"{_ms(r['laser_p99_itl_at_goodput_s']) + ' / ' + _ms(r['tightest_tbt_s']):>34}  "
+                     f"{_ms(r.get('laser_mean_ttft_s')) + ' / ' + _ms(r.get('sarathi_best_mean_ttft_s')):>28}")
     s = summarize_kind(rows)
     if s["n"]:
         lines.append(f"laser / sarathi:best over {s['n']} points: min {s['min']:.2f}x, median {s['median']:.2f}x, "
@@ -198,6 +206,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", default=",".join(map(str, DEFAULT_BEST_BUDGETS)),
                     help="token budgets sarathi:best tries")
     ap.add_argument("--time-cap", type=float, default=600.0, help="wall seconds per goodput search (then '>=')")
+    ap.add_argument("--points", default=None,
+                    help="run only these grid points (0-based indices into the mode's list, e.g. 0,3)")
     ap.add_argument("--json", default="bench-results/robustness.json", help="results JSON path")
     ap.add_argument("--model", default=None, help="tokenizer for prompt lengths (default: laser's default model)")
     args = ap.parse_args(argv)
@@ -212,6 +222,8 @@ def main(argv=None) -> int:
     tokenizer = HFTokenizer(load_tokenizer(resolve_model(args.model)))
     kinds = hardware_kinds()
     points = grid_points(mode)
+    if args.points:
+        points = [points[int(i)] for i in args.points.split(",")]
     t0 = time.perf_counter()
     out = {"benchmark": "benchmarks/robustness.py", "simulated": True, "mode": mode, "num_prompts": n,
            "budgets": list(budgets), "command": "python benchmarks/robustness.py " + " ".join(sys.argv[1:]),

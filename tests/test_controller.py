@@ -173,8 +173,12 @@ def test_infeasible_request_goes_to_fewest_tokens_and_keeps_admitted_deadlines()
 
     kept = serve(True)
     assert all(r.first_token_time <= r.ttft_deadline for k, r in kept.items() if k != "urgent")
-    broken = serve(False)  # the same request in EDF position breaks an admitted deadline
-    assert any(r.first_token_time > r.ttft_deadline for k, r in broken.items() if k != "urgent")
+    # Undemoted, the instance's Laser scheduler itself puts the hopeless request behind the
+    # prefills that can still make their deadlines (no EDF domino): the admitted ones hold
+    # too, and the urgent one is still served.
+    undemoted = serve(False)
+    assert all(r.first_token_time <= r.ttft_deadline for k, r in undemoted.items() if k != "urgent")
+    assert undemoted["urgent"].first_token_time is not None
 
 
 # -- groups -----------------------------------------------------------------------------------

@@ -54,6 +54,9 @@ class LaserScheduler(Scheduler):
     tg_margin = 0.9
     #: Smallest prefill chunk worth a layer call (tokens).
     min_chunk = 16
+    #: Work merged after a late request's last chunk may delay its first token by this
+    #: fraction of its TTFT target (its deadline is missed already; others' need not be).
+    late_delay_share = 0.1
 
     def __init__(self, config, num_layers, block_manager, icache, latency_model: LatencyModel | None = None,
                  clock=time.monotonic):
@@ -77,6 +80,7 @@ class LaserScheduler(Scheduler):
         self._cur_layer = 0
         self._preempt = False
         self._step_has_prefill = False
+        self._step_resumes = False  # the step resumes a paused prefill chunk
         self._step_start = 0.0
         self.last_iteration_s: float | None = None
         self.t_g = math.inf
@@ -100,8 +104,36 @@ class LaserScheduler(Scheduler):
             if remaining > slack and slack > -alone:
                 self._preempt = True
                 return
-        if self._step_has_prefill and len(self.waiting) == 1 and self._cur_layer < self.num_layers - 1:
+        # (b) only stops a step of fresh chunks: a chunk resumed at its paused layer is not
+        # paused again for a merge (a stream of arrivals would otherwise keep it parked one
+        # layer before its end, iteration after iteration, while each newcomer catches up).
+        if (self._step_has_prefill and not self._step_resumes and len(self.waiting) == 1
+                and self._cur_layer < self.num_layers - 1 and self._merge_pays(req)):
             self._preempt = True
+
+    def _merge_pays(self, req: Request) -> bool:
+        """Whether stopping the running step at the next layer boundary j for ``req`` to
+        catch up and merge (§6.1, Fig. 1b) lowers the summed TTFT. ``req`` gains the
+        prefill part of the step's rest (the rest, ``_remaining_from(j)``, less its decode
+        works' layers from j on, which run to their ends either way); each of the k paused
+        prefill chunks loses about ``req``'s prefill alone (its catch-up through [0, j), then
+        its tokens in the merged layers from j on, which the paused chunks re-read). On a CPU
+        a layer call costs about its tokens: a short newcomer costs the paused chunk little.
+        On a GPU a layer call costs its weight read (tokens ride almost free): the stop
+        costs the paused chunk about a whole iteration and saves the newcomer only the
+        rest's prefill tokens -- it pays only against a long chunk early in the step."""
+        n = self.num_layers
+        j = min(max(self._cur_layer + 1, self._step_first), n)
+        dec, paused = [], 0
+        for w in self._step_plan.works:
+            if w.req_id in self.plans:
+                if w.layer_end > j:
+                    dec.append(Work(w.req_id, w.token_start, w.num_tokens, max(w.layer_start, j), w.layer_end,
+                                    w.sample))
+            elif w.layer_end > j:
+                paused += 1
+        prefill_rest = self._remaining_from(j) - (PlanCost(self.lm, n, dec).total if dec else 0.0)
+        return prefill_rest > paused * self.lm.predict_prefill(req.num_tokens)
 
     def _remaining_from(self, layer: int) -> float:
         """Predicted seconds of the executing step's layers from ``layer`` on (cumulative
@@ -185,6 +217,7 @@ class LaserScheduler(Scheduler):
         self._cur_layer = self._step_first
         self._in_step = bool(plan.works)
         self._step_has_prefill = any(w.num_tokens > 1 or w.req_id not in self.plans for w in plan.works)
+        self._step_resumes = any(w.layer_start > 0 and w.req_id not in self.plans for w in plan.works)
         self._preempt = False
         self._step_start = self.clock()
 
@@ -277,7 +310,7 @@ class LaserScheduler(Scheduler):
             cands = [r for r in cands if r.output_token_ids]
         if not cands:
             return 0.0
-        cands.sort(key=self.queue_key)
+        cands.sort(key=self._prefill_key(now))
         work = f = 0.0
         for r in cands[: self.max_need_candidates]:
             left = r.num_tokens - r.num_computed_tokens
@@ -290,6 +323,30 @@ class LaserScheduler(Scheduler):
             if slack > 0:
                 f = max(f, work / slack)
         return f
+
+    def _prefill_key(self, now: float):
+        """Prefill order: EDF (``queue_key``), except that a request that has not started and
+        would miss its TTFT target even if it and the prefills ahead of it in EDF order (those
+        that can still make theirs) ran from now as one merged pass (PlanCost: on a GPU their
+        layer calls share the weight reads; an optimistic bound, decode work left out) goes behind
+        every request that can still make it (EDF's domino effect under overload: serving
+        the hopeless first makes the savable late too). It is still served, as soon as no
+        savable prefill waits; its record says it missed. Returns the sort key function."""
+        cands = sorted([r for r in self.running if r.phase != Phase.DECODE] + list(self.waiting),
+                       key=self.queue_key)
+        hopeless: set[int] = set()
+        ahead = PlanCost(self.lm, self.num_layers, [])  # the savable prefills ahead, merged in one pass
+        for r in cands[: self.max_need_candidates]:
+            w = Work(r.req_id, r.num_computed_tokens, r.num_tokens - r.num_computed_tokens, 0, self.num_layers, True)
+            if (r.slo.ttft is not None and not r.demoted and not r.boosted and r.num_computed_tokens == 0
+                    and not r.in_flight and now + ahead.with_work(w) > r.ttft_deadline):
+                hopeless.add(id(r))
+            elif w.num_tokens > 0:
+                ahead.add(w)
+
+        def key(r: Request):
+            return (id(r) in hopeless, *self.queue_key(r))
+        return key
 
     def _prefill_need(self, now: float, decode_time: float) -> float:
         """Seconds of prefill per iteration the pending prefills need (an iteration of
@@ -365,7 +422,8 @@ class LaserScheduler(Scheduler):
         and without breaking any included TTFT deadline that was being met."""
         n = self.num_layers
         limit = cost.total + budget
-        cands = sorted([r for r in self.running if r.phase != Phase.DECODE] + list(self.waiting), key=self.queue_key)
+        cands = sorted([r for r in self.running if r.phase != Phase.DECODE] + list(self.waiting),
+                       key=self._prefill_key(now))
         if self.config.role == "decode":
             # a decode instance prefills only to recompute requests it preempted
             cands = [r for r in cands if r.output_token_ids]
@@ -411,9 +469,11 @@ class LaserScheduler(Scheduler):
                 met.append(r.ttft_deadline)
             elif r.slo.ttft is not None and w.layer_end == n and w.sample:
                 # Already late (e.g. it arrived during a step that could not stop sooner):
-                # its first token comes with this step, so nothing merged after it may delay
-                # the step further -- a late request is served as early as possible.
-                met.append(now + cost.total)
+                # its first token comes with this step, so what is merged after it may delay
+                # the step by at most ``late_delay_share`` of its TTFT target -- a late
+                # request is served nearly as early as possible, and short prompts that ride
+                # the same layer calls almost free (a GPU's weight-bound layers) still join.
+                met.append(now + cost.total + self.late_delay_share * r.slo.ttft)
         return works
 
     def _fit(self, cost: "PlanCost", mk, k: int, lo: int, paused: bool, limit, met, now) -> Work | None:
