@@ -100,14 +100,14 @@ SCENARIOS = {
 
 #: SHA-256 (first 16 hex digits) of every request's times, recorded before speed-up step 3.
 GOLDEN = {
-    "migration-and-recompute": "058dd4fe3427e1c4",
-    "migration-memory": "fc38eb2d0a7e151b",
-    "paper-2P2D-laser": "231c00086934d496",
+    "migration-and-recompute": "c0b0a24ee8af23c9",
+    "migration-memory": "28523728201b4296",
+    "paper-2P2D-laser": "93d3130e8d96cce1",
     "small-2P2D-distserve": "9697e0b63f128459",
-    "small-2P2D-laser": "81b34e49b1fc5fab",
+    "small-2P2D-laser": "d39aa6f8875ac45c",
     "small-3M-colocated": "a31f6d6f730862f5",
-    "tight-2P2D-laser-2000": "8fd02faa81b2fabe",
-    "tight-2P2D-laser-800": "0c9a70325376f2d2",
+    "tight-2P2D-laser-2000": "01f02b00cc733bbe",
+    "tight-2P2D-laser-800": "af5fc3030f0a1398",
 }
 
 
