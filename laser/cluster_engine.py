@@ -49,7 +49,7 @@ class ClusterError(RuntimeError):
     """The cluster cannot serve: no live instance of a role it needs."""
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity (membership of ``_transfers``)
 class _Tracked:
     """The front end's copy of one request: what was streamed, and where it is."""
 
@@ -316,6 +316,8 @@ class ClusterEngine:
         self._poll_transfers()  # first: a decode step may already carry an adopted request's token
         now = time.monotonic()
         for iid, call in list(self._steps.items()):
+            if self._steps.get(iid) is not call:
+                continue  # its instance failed while an earlier answer was handled
             if call.future.done():
                 del self._steps[iid]
                 try:
@@ -445,6 +447,8 @@ class ClusterEngine:
     def _poll_transfers(self) -> None:
         for t in list(self._transfers):
             tr = t.transfer
+            if tr is None or t not in self._transfers:
+                continue  # moved on while an earlier transfer's failure was handled
             if not tr.adopt.future.done():
                 if time.monotonic() - tr.adopt.started > self.step_timeout_s:
                     if tr.take.future.done():

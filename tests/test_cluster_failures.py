@@ -48,7 +48,7 @@ def _reference(engine, prompts):
     return out
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", [*range(8), 22])  # 4 and 22 once hit front-end races
 def test_random_instance_failures_lose_nothing(tiny_llama, single, seed):
     """2 prefill + 2 decode instances (``laser`` controller) or 3 mixed (``colocated``); one or
     two instances die at random steps (roles kept alive) while requests arrive over time."""
