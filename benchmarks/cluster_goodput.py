@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -110,6 +111,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-doublings", type=int, default=1,
                    help="doublings (halvings) of the rate past the grid (each halving doubles a probe's length)")
     p.add_argument("--json", default=None, help="write every layout's block here")
+    p.add_argument("--log-dir", default="bench-results/cluster-goodput-logs",
+                   help="copy each layout's server log here ('' to drop them)")
     args = p.parse_args(argv)
     names = [n.strip() for n in args.layouts.split(",") if n.strip()]
     bad = [n for n in names if n not in LAYOUTS]
@@ -120,7 +123,13 @@ def main(argv=None) -> int:
     blocks = {}
     with tempfile.TemporaryDirectory(prefix="laser-cluster-goodput-") as tmp:
         for name in names:
-            blocks[name] = bench_layout(name, args, Path(tmp))
+            try:
+                blocks[name] = bench_layout(name, args, Path(tmp))
+            finally:  # keep each server's log (a layout that stalls is diagnosed from it)
+                log = Path(tmp) / name / "server.log"
+                if args.log_dir and log.exists():
+                    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+                    shutil.copy(log, Path(args.log_dir) / f"{name}-server.log")
     print(table(blocks))
     if args.json:
         Path(args.json).write_text(json.dumps(blocks, indent=1))
