@@ -78,7 +78,8 @@ def _probe_at(block: dict, rate: float) -> dict | None:
 def table(blocks: dict[str, dict]) -> str:
     """Markdown table: goodput, then attainment / mean TTFT / P99 TBT at the highest rate every
     layout was probed at not above the lowest goodput (the common reference rate)."""
-    common = set.intersection(*({p["rate_rps"] for p in b.get("probes", [])} for b in blocks.values()))
+    common = set.intersection(*({p["rate_rps"] for p in b.get("probes", []) if p["rate_rps"] is not None}
+                                for b in blocks.values()))
     floor = min((b["goodput_rps"] or 0.0) for b in blocks.values())
     ref = max((r for r in common if r <= max(floor, min(common, default=0.0))), default=None)
     lines = [f"| layout | goodput (req/s) | attainment @ {ref} req/s | mean TTFT | P99 TBT |", "|---|---|---|---|---|"]
