@@ -280,14 +280,7 @@ class ClusterEngine:
         return True
 
     def _release_everywhere(self, t: _Tracked) -> None:
-        rid = t.req.req_id
-        for iid in {t.owner, t.decode, t.transfer.src if t.transfer else None} - {None, -1}:
-            h = self.handles[iid]
-            if h.alive:
-                try:
-                    h.abort(rid)
-                except InstanceFailure as e:
-                    self._fail_instance(e.instance_id, str(e))
+        self._drop_on_live(t.req.req_id, {t.owner, t.decode, t.transfer.src if t.transfer else None})
         if t in self._transfers:
             self._transfers.remove(t)
 
@@ -386,12 +379,7 @@ class ClusterEngine:
 
     def _release_reservation(self, t: _Tracked) -> None:
         """Cancel ``t``'s reservation on its decode instance, and any KV streamed there."""
-        h = self.handles.get(t.decode)
-        if h is not None and h.alive:
-            try:
-                h.abort(t.req.req_id)
-            except InstanceFailure as e:
-                self._fail_instance(e.instance_id, str(e))
+        self._drop_on_live(t.req.req_id, {t.decode})
 
     # -- prefill -> decode hand-off ---------------------------------------------------------------------
     def _start_transfers(self) -> None:
