@@ -132,9 +132,10 @@ class ClusterEngine:
         self._step_gen: dict[int, int] = {}  # instance id -> _work_sent when its step in flight started
         self._transfers: list[_Tracked] = []
         self._pending: list[str] = []  # handed off, waiting for a decode instance
+        self._confirms: list[Call] = []  # "confirm" calls (prefill side drops a delivered hand-off) in flight
         self._recovering: dict[str, float] = {}  # req id -> time its instance failed
         self.last_reports: dict = {}  # instance id -> its InstanceReport after its last step (gauges)
-        self.rejoin_probe_s = 1.0  # a dead instance with restarts left is pinged this often ...
+        self.rejoin_probe_s = 1.0  # a dead instance that may answer again is pinged this often ...
         self.rejoin_timeout_s = 600.0  # ... for this long after its failure (model reload included)
         self._probes: dict[int, list] = {}  # dead instance id -> [failed at, next probe at, ping in flight]
         self._stranded: set[int] = set()  # dead instances whose requests wait for a needed role to return
@@ -230,7 +231,7 @@ class ClusterEngine:
                     t.owner, t.decode = route.prefill, route.decode
                     self._send(t, route.prefill, route.decode)
                 except InstanceFailure as e:
-                    self._fail_instance(e.instance_id, str(e))
+                    self._fail_instance(e.instance_id, e)
                     if route is not None:
                         self._drop_on_live(rid, {route.prefill, route.decode})
                     continue
@@ -248,7 +249,7 @@ class ClusterEngine:
                 try:
                     h.call("abort", rid, fence)
                 except InstanceFailure as e:
-                    self._fail_instance(e.instance_id, str(e))
+                    self._fail_instance(e.instance_id, e)
 
     def _send(self, t: _Tracked, prefill: int, decode: int | None) -> None:
         """Give ``t`` to its prefill instance; with a decode instance chosen already (and
@@ -307,6 +308,7 @@ class ClusterEngine:
             if self.arrival_hook is not None:  # requests arriving meanwhile are routed now
                 self.arrival_hook()
         self._poll_transfers()  # first: a decode step may already carry an adopted request's token
+        self._poll_confirms()
         now = time.monotonic()
         for iid, call in list(self._steps.items()):
             if self._steps.get(iid) is not call:
@@ -316,7 +318,7 @@ class ClusterEngine:
                 try:
                     res = call.handle.result(call)
                 except InstanceFailure as e:
-                    self._fail_instance(iid, str(e))
+                    self._fail_instance(iid, e)
                     continue
                 if not res["busy"] and self._step_gen.get(iid) == self._work_sent[iid]:
                     self._busy.discard(iid)  # idle, and given nothing since this step started
@@ -325,7 +327,7 @@ class ClusterEngine:
                 if self.handles[iid].role == "decode":
                     self._maybe_migrate(iid)
             elif now - call.started > self.step_timeout_s:
-                self._fail_instance(iid, f"step exceeded {self.step_timeout_s:.3g} s")
+                self._fail_instance(iid, f"step exceeded {self.step_timeout_s:.3g} s", timed_out=True)
         self._start_transfers()
         if self._probes or self._parked or self._stranded:
             self._probe_dead()
@@ -359,7 +361,7 @@ class ClusterEngine:
                 try:
                     self.handles[iid].abort(rid)
                 except InstanceFailure as e:
-                    self._fail_instance(e.instance_id, str(e))
+                    self._fail_instance(e.instance_id, e)
                 handed_off = False
             finished = reason is not None
             if finished:
@@ -393,7 +395,7 @@ class ClusterEngine:
                 d = self.controller.at_handoff(self._info(t.req), t.decode, self.clock())
             except InstanceFailure as e:
                 self._pending.insert(0, rid)
-                self._fail_instance(e.instance_id, str(e))
+                self._fail_instance(e.instance_id, e)
                 continue
             if self.stream_kv and t.decode is not None and d != t.decode:
                 self._release_reservation(t)  # the layers streamed there go unused
@@ -425,7 +427,7 @@ class ClusterEngine:
                 return
             self.handles[iid].call("migrate_out", t.req.req_id)
         except InstanceFailure as e:
-            self._fail_instance(e.instance_id, str(e))
+            self._fail_instance(e.instance_id, e)
             return
         except KeyError:  # finished or moved meanwhile
             return
@@ -440,9 +442,9 @@ class ClusterEngine:
             if not tr.adopt.future.done():
                 if time.monotonic() - tr.adopt.started > self.step_timeout_s:
                     if tr.take.future.done():
-                        self._fail_instance(tr.dst, "hand-off not adopted in time")
+                        self._fail_instance(tr.dst, "hand-off not adopted in time", timed_out=True)
                     else:  # the adoption waits for its argument: the prefill side is stuck
-                        self._fail_instance(tr.src, "hand-off not sent in time")
+                        self._fail_instance(tr.src, "hand-off not sent in time", timed_out=True)
                 continue
             self._transfers.remove(t)
             rid = t.req.req_id
@@ -450,7 +452,7 @@ class ClusterEngine:
             try:
                 src.result(tr.take)
             except InstanceFailure as e:  # the prefill instance died holding the KV: re-prefill
-                self._fail_instance(tr.src, str(e))
+                self._fail_instance(tr.src, e)
                 continue
             except KeyError as e:
                 self._lost_handoff(t, tr, e)
@@ -458,7 +460,7 @@ class ClusterEngine:
             try:
                 m = dst.result(tr.adopt)
             except InstanceFailure as e:  # decode side died: the prefill instance still holds it
-                self._fail_instance(tr.dst, str(e))
+                self._fail_instance(tr.dst, e)
                 continue
             except KeyError as e:
                 self._lost_handoff(t, tr, e)
@@ -475,10 +477,26 @@ class ClusterEngine:
                 self.stats.transfer_layers = m["layers"]
                 self.stats.streamed_transfers += m["streamed"]
                 self.stats.handoff_seconds.append(m["after_prefill_s"])
+            # the prefill side drops its copy when it next can (a layer boundary); nothing waits
+            # for the answer: a prefill instance that fails now has nothing of this request left to lose
+            self._confirms.append(src.submit("confirm", rid))
+
+    def _poll_confirms(self, wait: bool = False) -> None:
+        """Collect the answers of the ``confirm`` calls sent (all of them when ``wait``); one that
+        failed marks its prefill instance dead."""
+        for c in list(self._confirms):
+            if not c.handle.alive:
+                self._confirms.remove(c)
+                continue
+            if not (wait or c.future.done()):
+                continue
+            self._confirms.remove(c)
             try:
-                src.call("confirm", rid)
+                c.handle.result(c, timeout=c.handle.call_timeout_s if wait else 0.0)
             except InstanceFailure as e:
-                self._fail_instance(tr.src, str(e))
+                self._fail_instance(e.instance_id, e)
+            except concurrent.futures.TimeoutError:  # (an in-process handle's future)
+                self._fail_instance(c.handle.instance_id, "confirm not answered in time", timed_out=True)
 
     def _lost_handoff(self, t: _Tracked, tr: _Transfer, e: KeyError) -> None:
         """A hand-off one side no longer knows (aborted there): nothing when ``t`` is gone or moved
@@ -489,18 +507,23 @@ class ClusterEngine:
             self._resume(t, self.clock())
 
     # -- failures ---------------------------------------------------------------------------------------
-    def _fail_instance(self, iid: int, why: str) -> None:
+    def _fail_instance(self, iid: int, why: "str | InstanceFailure", timed_out: bool = False) -> None:
         """Mark ``iid`` dead, re-attach the controller to the live instances and move every
         request it held (re-send a hand-off still held by a live prefill instance, else
-        re-prefill prompt + output elsewhere)."""
+        re-prefill prompt + output elsewhere). An instance that only missed a timeout
+        (``timed_out``, or an :class:`InstanceFailure` that says so: a straggler, perhaps alive)
+        or that its host restarts (Ray ``max_restarts``) is pinged until it answers and then
+        rejoins empty (:meth:`_probe_dead`); a restart is counted only for a death."""
+        timed_out = timed_out or getattr(why, "timed_out", False)
         h = self.handles[iid]
         if not h.alive:
             return
         log.warning("instance %d (%s) marked dead: %s", iid, h.role, why)
         h.alive = False
         self.stats.instance_failures += 1
-        if h.restarts_left > 0:  # its host restarts it (Ray max_restarts): probe until it answers
-            h.restarts_left -= 1
+        if h.restarts_left > 0 or timed_out:  # it may answer again: probe until it does
+            if not timed_out:
+                h.restarts_left -= 1
             now_m = time.monotonic()
             self._probes[iid] = [now_m, now_m + self.rejoin_probe_s, None]
         self._steps.pop(iid, None)
@@ -621,12 +644,13 @@ class ClusterEngine:
     def check_integrity(self, expect_empty: bool = False) -> None:
         """Every live instance's KV pool, intermediate cache and scheduler (and, when idle, no
         outbox, waiting hand-off or reservation). Raises AssertionError."""
+        self._poll_confirms(wait=True)  # a delivered hand-off's copy is dropped before the check
         for h in self.handles.values():
             if h.alive and h.instance_id not in self._steps:
                 try:
                     h.call("check_integrity", expect_empty and not self.requests)
                 except InstanceFailure as e:
-                    self._fail_instance(e.instance_id, str(e))
+                    self._fail_instance(e.instance_id, e)
 
     def describe_unfinished(self) -> list[str]:
         """One line per unfinished request: where the front end believes it is (diagnostics)."""

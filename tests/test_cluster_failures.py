@@ -180,3 +180,74 @@ def test_decode_instance_past_its_kv_pool_migrates_requests_out(tiny_llama, sing
     assert done == ref
     assert all(streams[k] == v for k, v in done.items())
     cl.check_integrity(expect_empty=True)
+
+
+def test_handoff_is_taken_and_confirmed_during_a_long_prefill_step(tiny_llama):
+    """The prefill side of a hand-off (``take_handoff``, ``confirm``) answers at the next layer
+    boundary of a running step, not after it: a request handed off just before a long prompt's
+    prefill step must not wait for that step (its next token would arrive a whole prefill
+    late -- the 1.8 s decode gap of a 1P1D real cluster)."""
+    import threading
+    import time
+
+    from laser.request import Request
+
+    kw = dict(model=str(tiny_llama), policy="laser", dtype="float32", scheduler=SCHED)
+    pre = InstanceWorker(0, "prefill", kw)
+    pre.add_request(Request(prompt_token_ids=list(range(3, 20)), sampling_params=SP, req_id="r"))
+    while "r" not in pre.outbox:
+        pre.step()
+    pre.add_request(Request(prompt_token_ids=[7] * 30, sampling_params=SP, req_id="long"))
+    hook, in_step, answered, step_done = pre.core.arrival_hook, threading.Event(), threading.Event(), threading.Event()
+
+    def boundary():  # the first layer boundary of the long step serves calls until the test is done
+        if in_step.is_set():
+            return hook()
+        in_step.set()
+        end = time.monotonic() + 10
+        while not answered.is_set() and time.monotonic() < end:
+            if pre._at_boundary:
+                hook()
+            time.sleep(0.001)
+        hook()
+
+    pre.core.arrival_hook = boundary
+    th = threading.Thread(target=lambda: (pre.step(), step_done.set()))
+    th.start()
+    assert in_step.wait(5)
+    handoff, _ = pre.take_handoff("r")
+    assert handoff.request.req_id == "r" and not step_done.is_set()  # answered mid-step
+    pre.confirm("r")
+    ok = not step_done.is_set() and "r" not in pre.outbox
+    answered.set()
+    th.join(10)
+    assert ok
+
+
+def test_instance_that_only_missed_a_timeout_rejoins(tiny_llama, single):
+    """The only prefill instance misses a timeout (a straggler, still alive, no restarts
+    configured): its requests wait instead of being given up, it is pinged, emptied and
+    rejoins, and every request completes with its no-failure tokens."""
+    from laser.controller.handles import InstanceFailure
+
+    prompts = _prompts(4, 3)
+    ref = _reference(single, prompts)
+    kw = dict(model=str(tiny_llama), dtype="float32", scheduler=SCHED, use_ray=False)
+    cl = start_cluster("laser", 1, 1, **kw)
+    cl.rejoin_probe_s = 0.0
+    for i, p in enumerate(prompts):
+        cl.add_request(p, SP, slo=CLASSES[i % 4], req_id=str(i))
+    streams, done = {}, {}
+    for o in cl.step(wait_s=0.0):
+        streams.setdefault(o.req_id, []).extend(o.new_token_ids)
+    assert cl.handles[0].restarts_left == 0
+    cl._fail_instance(0, InstanceFailure(0, "no answer within 5 s", timed_out=True))
+    assert not cl.handles[0].alive and not cl.can_serve()
+    for o in cl.drain(60):
+        streams.setdefault(o.req_id, []).extend(o.new_token_ids)
+        if o.finished:
+            done[o.req_id] = o.token_ids
+    assert cl.handles[0].alive and cl.stats.rejoins == 1
+    assert done == ref
+    assert all(streams[k] == v for k, v in done.items())
+    cl.check_integrity(expect_empty=True)

@@ -8,10 +8,12 @@ It has no tokenizer, detokenizer or stop strings: the front end
 
 * ``step`` runs one scheduling step and holds the instance's lock for it;
 * the controller's questions and arrivals (``add_request``, ``report``,
-  ``latency_increment``, ``reserve``, ``release``) are queued and run by the stepping thread at
-  the next layer boundary (the core's ``arrival_hook``), so they answer within one layer call;
-* state changes that must not happen mid-step (``abort``, ``adopt``, ``take_handoff``,
-  ``confirm``) run between steps.
+  ``latency_increment``, ``reserve``, ``release``) and the hand-off's prefill side
+  (``take_handoff``, ``confirm``: they touch only the outbox, which a step fills after it ends)
+  are queued and run by the stepping thread at the next layer boundary (the core's
+  ``arrival_hook``), so they answer within one layer call -- a hand-off never waits for the
+  next request's long prefill step, and neither do the decode tokens after it;
+* state changes that must not happen mid-step (``abort``, ``adopt``) run between steps.
 
 The prefill -> decode hand-off (CONTROLLER.md A8, C3): when the decode instance was chosen at
 arrival, the prefill instance streams the request's K/V layer by layer while its final chunk
@@ -214,14 +216,14 @@ class InstanceWorker:
             if dst is not None and self.streamed_to.get(req_id) == dst:
                 h = dataclasses.replace(h, kv=None)
             return h, time.time()
-        return self._call(take, False)
+        return self._call(take, True)
 
     def confirm(self, req_id: str) -> None:
         """Prefill side: the decode instance holds ``req_id``'s KV; drop the exported copy."""
         def confirm():
             self.outbox.pop(req_id, None)
             self.streamed_to.pop(req_id, None)
-        self._call(confirm, False)
+        self._call(confirm, True)
 
     def adopt(self, sent: tuple[Handoff, float], attempt: int = 0) -> dict:
         """Decode side: continue a request prefilled elsewhere (``sent`` from
