@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
 from .handles import Call, InstanceFailure, InstanceHandle
 
@@ -81,6 +81,10 @@ class RayHandle(InstanceHandle):
         self.actor = actor
 
     def _get(self, ref, timeout: float | None):
+        """``ray.get`` of one of this instance's calls. Raises InstanceFailure for a missed
+        timeout (``timed_out``), a dead actor, and every other failure of Ray itself (the memory
+        monitor killed the worker -- ``OutOfMemoryError`` --, a crashed worker, a lost object,
+        a dead node); the instance's own exceptions (bad input) pass through unchanged."""
         try:
             return ray.get(ref, timeout=timeout)
         except GetTimeoutError as e:
@@ -88,10 +92,11 @@ class RayHandle(InstanceHandle):
         except RayActorError as e:
             raise InstanceFailure(self.instance_id, f"actor died: {type(e).__name__}") from e
         except RayTaskError as e:
-            cause = e.as_instanceof_cause()
-            if isinstance(cause, RayActorError):  # an argument's producer died (hand-off source)
-                raise InstanceFailure(self.instance_id, f"dependency lost: {cause}") from e
-            raise cause from None
+            if isinstance(getattr(e, "cause", None), RayError):  # an argument's producer died (hand-off source)
+                raise InstanceFailure(self.instance_id, f"dependency lost: {type(e.cause).__name__}") from e
+            raise e.as_instanceof_cause() from None
+        except RayError as e:  # OutOfMemoryError, WorkerCrashedError, ObjectLostError, NodeDiedError, ...
+            raise InstanceFailure(self.instance_id, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}") from e
 
     def call(self, method: str, *args, timeout: float | None = None):
         ref = getattr(self.actor, method).remote(*args)
