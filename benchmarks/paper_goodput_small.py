@@ -4,7 +4,7 @@ the A100-80GB analytic latency model (an estimate, not a measurement).
 
 For each model, instance count (``--instances``, a list), request mix (``--mixes``), SLO
 scale and controller: SLO attainment at each rate of ``--rates`` (Laser and DistServe split
-in half P:D, prefill the smaller half; colocated all mixed), with ``--requests`` Poisson
+P:D by ``--prefill-share``, default half; colocated all mixed), with ``--requests`` Poisson
 requests of the Table 1 classes; goodput = the highest rate of the grid with attainment
 >= 90 % (a grid: a lower bound within one grid step; ``--bisect K`` then halves the step
 between the last passing and the first failing rate K times). A controller stops at the
@@ -55,7 +55,8 @@ def probe(ctl_spec: str, n: int, cfg, rate: float, args, mix, scale: float) -> d
     if name == "laser":
         opts = {"tbt_targets": tuple(sorted({r.slo.tbt for r in reqs})), **opts}
     t0 = time.perf_counter()
-    res = ClusterSim(get_controller(name)(**opts), ClusterSpec(n // 2, n - n // 2), cfg).run(reqs)
+    p = min(n - 1, max(1, round(n * args.prefill_share)))
+    res = ClusterSim(get_controller(name)(**opts), ClusterSpec(p, n - p), cfg).run(reqs)
     recs = [record_from_request(r) for r in res.requests]
     ttfts = [r.ttft for r in recs if r.ttft is not None]
     ttft_miss = sum(r.ttft is None or (r.ttft_slo is not None and r.ttft > r.ttft_slo) for r in recs)
@@ -104,6 +105,8 @@ def main() -> None:
     ap.add_argument("--mixes", "--mix", dest="mixes", default="1:1:1", help="chat:code:summarization, comma-separated")
     ap.add_argument("--requests", type=int, default=150)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prefill-share", type=float, default=0.5,
+                    help="prefill instances / instances of the disaggregated controllers (rounded, >= 1 of each)")
     ap.add_argument("--bisect", type=int, default=0, help="halvings between the last passing and first failing rate")
     ap.add_argument("--stop-below", type=float, default=0.5, help="stop a controller's grid below this attainment")
     a = ap.parse_args()
