@@ -15,6 +15,9 @@
    every request's times are bit-identical (a SHA-256 digest of each run's per-request
    first-token, token and finish times). CPU time is the steadier figure on a shared machine.
 
+   The sweep also times the two halves apart: prefill selection (§7.1) and Alg. 2's decode
+   assignment (§7.2.1), each in ms per request.
+
 Usage: python benchmarks/sim_scale.py [--requests 2000] [--instances 2,4,8,16,32]
        python benchmarks/sim_scale.py --baseline-rev main --requests 1000 --pairs 3 --instances ""
 """
@@ -54,9 +57,26 @@ def workload(n: int, rate: float, seed: int = 0) -> list[Request]:
     return out
 
 
-def scale_run(n: int, rate: float, spec: str) -> dict:
+def _time_parts(ctl, names: tuple[str, ...]) -> dict[str, float]:
+    """Wrap the controller's methods ``names`` with wall-time accumulators (seconds, per name)."""
+    acc = dict.fromkeys(names, 0.0)
+    for name in names:
+        def timed(*a, _f=getattr(ctl, name), _n=name, **k):
+            t = time.perf_counter()
+            try:
+                return _f(*a, **k)
+            finally:
+                acc[_n] += time.perf_counter() - t
+        setattr(ctl, name, timed)
+    return acc
+
+
+def scale_run(n: int, rate: float, spec: str, parts: bool = False) -> dict:
+    """``parts``: also time the prefill selection (§7.1) and Alg. 2's decode assignment apart
+    (ms per request; the decode part includes re-assignments at the hand-off)."""
     cfg = paper_config("qwen2.5-14b", "a100")
     sim = ClusterSim("laser", ClusterSpec.parse(spec), cfg)
+    acc = _time_parts(sim.controller, ("select_prefill", "assign_decode")) if parts else {}
     reqs = workload(n, rate)
     cpu = time.process_time()
     res = sim.run(reqs)
@@ -68,7 +88,8 @@ def scale_run(n: int, rate: float, spec: str) -> dict:
                        r.demoted)).encode())
     return {"n": n, "wall_s": res.wall_s, "cpu_s": cpu, "events": res.events,
             "decision_ms": 1e3 * res.decision_wall_s / n, "sim_s": max(r.finish_time for r in res.requests),
-            "ttft_met": met / n, "digest": h.hexdigest()[:16]}
+            "ttft_met": met / n, "digest": h.hexdigest()[:16],
+            **{f"{k}_ms": 1e3 * v / n for k, v in acc.items()}}
 
 
 def _child_run(tree: Path, n: int, rate: float) -> dict:
@@ -130,11 +151,13 @@ def main() -> None:
     print(f"16P16D laser: {r['n']} requests ({r['sim_s']:.0f} simulated s, {r['events']} events) in "
           f"{r['wall_s']:.1f} s wall = {per * 1e3:.2f} ms/request -> 100k requests ~ {per * 1e5:.0f} s "
           f"(linear extrapolation); TTFT met {r['ttft_met']:.3f}")
-    print(f"{'instances':>9} {'P/D':>7} {'decision ms/req':>16} {'wall s':>7}")
+    print(f"{'instances':>9} {'P/D':>7} {'decision ms/req':>16} {'prefill sel. ms':>16} {'Alg. 2 ms':>10} "
+          f"{'wall s':>7}")
     for k in (int(x) for x in a.instances.split(",") if x):
         spec = f"{max(1, k // 2)}P{max(1, k - k // 2)}D"
-        r = scale_run(a.sweep_requests, a.per_instance_rate * k, spec)
-        print(f"{k:>9} {spec:>7} {r['decision_ms']:>16.3f} {r['wall_s']:>7.1f}")
+        r = scale_run(a.sweep_requests, a.per_instance_rate * k, spec, parts=True)
+        print(f"{k:>9} {spec:>7} {r['decision_ms']:>16.3f} {r['select_prefill_ms']:>16.3f} "
+              f"{r['assign_decode_ms']:>10.3f} {r['wall_s']:>7.1f}")
 
 
 if __name__ == "__main__":

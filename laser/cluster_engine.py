@@ -693,7 +693,8 @@ def start_cluster(controller: str | Controller, prefill: int = 0, decode: int = 
     other scheduler knobs. With Ray, a local cluster is started with one CPU per instance
     thread unless Ray is already up or ``ray_address`` names one to join; ``max_restarts``: times
     Ray restarts a dead instance actor (it rejoins empty; in process: ignored).
-    Raises ValueError (bad layout for the controller) or InstanceFailure (an actor did not start).
+    Raises ValueError (bad layout for the controller, or a controller whose roles run different
+    policies: simulator only) or InstanceFailure (an actor did not start).
     """
     import dataclasses
 
@@ -703,6 +704,8 @@ def start_cluster(controller: str | Controller, prefill: int = 0, decode: int = 
     from .slo import SLOClasses
 
     ctrl = get_controller(controller)() if isinstance(controller, str) else controller
+    if any(ctrl.policy_for(r) != ctrl.instance_policy for r in ("prefill", "decode", "mixed")):
+        raise ValueError("per-role instance policies (the ablation options) run on the simulator only")
     specs = instance_roles(prefill, decode, mixed)
     if not specs:
         raise ValueError("a cluster needs at least one instance")

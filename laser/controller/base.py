@@ -69,6 +69,11 @@ class Controller(ABC):
             if len(self.prefill) != len(instances) or not instances:
                 raise ValueError(f"controller {self.name!r} needs mixed instances only")
 
+    def policy_for(self, role: str) -> str:
+        """The scheduler policy an instance of ``role`` (prefill | decode | mixed) runs under this
+        controller: ``instance_policy`` for every role unless a controller says otherwise."""
+        return self.instance_policy
+
     def expected_output(self, slo_name: str) -> int:
         return round(self.mean_output.get(slo_name, DEFAULT_EXPECTED_OUTPUT))
 

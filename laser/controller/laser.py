@@ -105,20 +105,44 @@ class Increments:
 @register
 class LaserController(Controller):
     """The Laser controller. Options: ``window_s`` (λ EWMA, 30 s), ``interval_s`` (group
-    re-size period, 10 s), ``tbt_targets`` (groups to create up front, seconds)."""
+    re-size period, 10 s), ``tbt_targets`` (groups to create up front, seconds).
+
+    Ablation options (PPoPP'26 Fig. 8/9; the defaults are Laser): ``prefill_policy`` /
+    ``decode_policy``, the scheduler of the prefill / decode instances (``"sarathi"`` on
+    prefill instances = iteration-level chunked prefill with EDF, Fig. 8's baseline;
+    ``"vllm"`` = whole-prompt prefill batches, or one-token decode iterations through every
+    layer, Fig. 9's iteration-level decode); ``decode_assignment``: ``"alg2"`` (groups and
+    increments) or ``"least_loaded"`` (always Alg. 2's fallback: fewest KV blocks in use
+    including those promised, then fewest requests; Fig. 9 without group assignment). Prefill
+    selection, the hand-off re-check and migration stay Laser's. Raises ValueError for an
+    unknown policy or assignment. The simulator honours the per-role policies
+    (:meth:`policy_for`); the real cluster front end runs ``instance_policy`` everywhere.
+    """
 
     name = "laser"
     disaggregated = True
     instance_policy = "laser"
+    DECODE_ASSIGNMENTS = ("alg2", "least_loaded")
 
-    def __init__(self, window_s: float = 30.0, interval_s: float = 10.0, tbt_targets: tuple = ()):
+    def __init__(self, window_s: float = 30.0, interval_s: float = 10.0, tbt_targets: tuple = (),
+                 prefill_policy: str = "laser", decode_policy: str = "laser", decode_assignment: str = "alg2"):
         super().__init__()
+        from ..scheduler import get_policy
+
+        get_policy(prefill_policy), get_policy(decode_policy)  # ValueError listing the known names
+        if decode_assignment not in self.DECODE_ASSIGNMENTS:
+            raise ValueError(f"decode_assignment must be one of {self.DECODE_ASSIGNMENTS}, got {decode_assignment!r}")
         self.window_s, self.interval_s, self.tbt_targets = window_s, interval_s, tuple(tbt_targets)
+        self.prefill_policy, self.decode_policy = prefill_policy, decode_policy
+        self.decode_assignment = decode_assignment
         self.groups: GroupManager | None = None
         self.num_demoted = 0
         self.num_fallback_decode = 0
         self.num_reassigned = 0
         self.num_migrated: dict[str, int] = {}  # reason (memory | slo) -> migrations
+
+    def policy_for(self, role: str) -> str:
+        return {"prefill": self.prefill_policy, "decode": self.decode_policy}.get(role, self.instance_policy)
 
     def attach(self, instances) -> None:
         super().attach(instances)
@@ -153,7 +177,7 @@ class LaserController(Controller):
         incs = Increments([d for d in self.decode if d.instance_id not in exclude], info)
         if not incs:
             raise RuntimeError("no decode instance to assign to")
-        best = self._nearest_group_best(info, incs)
+        best = self._nearest_group_best(info, incs) if self.decode_assignment == "alg2" else None
         if best is not None:
             return best
         self.num_fallback_decode += 1

@@ -180,7 +180,6 @@ class ClusterSim:
 
     def _build(self) -> list[SimClusterInstance]:
         c, s = self.config, self.spec
-        pol = self.controller.instance_policy
         roles: list[str] = []
         if s.num_mixed:
             roles = ["mixed"] * s.num_mixed
@@ -195,6 +194,7 @@ class ClusterSim:
                     d -= 1
         out = []
         for i, role in enumerate(roles):
+            pol = self.controller.policy_for(role)
             cfg = c.scheduler
             if role == "mixed" and pol == "sarathi" and c.mixed_token_budget:
                 cfg = dataclasses.replace(cfg, max_num_batched_tokens=c.mixed_token_budget)
