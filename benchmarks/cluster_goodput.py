@@ -27,12 +27,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import tempfile
 from pathlib import Path
 
-from laser.bench.serve_proc import Server, add_goodput_args, free_port, goodput_table, run_goodput_search
+from laser.bench.serve_proc import Server, add_goodput_args, free_port, goodput_table, keep_log, run_goodput_search
 
 LAYOUTS = {
     "laser": ["--prefill-instances", "1", "--decode-instances", "1", "--controller", "laser"],
@@ -62,10 +61,7 @@ def bench_layout(name: str, args, tmp: Path) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma list of " + ", ".join(LAYOUTS))
-    add_goodput_args(p)
-    p.add_argument("--json", default=None, help="write every layout's block here")
-    p.add_argument("--log-dir", default="bench-results/cluster-goodput-logs",
-                   help="copy each layout's server log here ('' to drop them)")
+    add_goodput_args(p, log_dir="bench-results/cluster-goodput-logs")
     args = p.parse_args(argv)
     names = [n.strip() for n in args.layouts.split(",") if n.strip()]
     bad = [n for n in names if n not in LAYOUTS]
@@ -78,11 +74,8 @@ def main(argv=None) -> int:
         for name in names:
             try:
                 blocks[name] = bench_layout(name, args, Path(tmp))
-            finally:  # keep each server's log (a layout that stalls is diagnosed from it)
-                log = Path(tmp) / name / "server.log"
-                if args.log_dir and log.exists():
-                    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-                    shutil.copy(log, Path(args.log_dir) / f"{name}-server.log")
+            finally:
+                keep_log(Path(tmp) / name / "server.log", args.log_dir, name)
     print(goodput_table(blocks))
     if args.json:
         Path(args.json).write_text(json.dumps(blocks, indent=1))

@@ -39,12 +39,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import tempfile
 from pathlib import Path
 
-from laser.bench.serve_proc import ServerProcess, Server, add_goodput_args, free_port, goodput_table, run_goodput_search
+from laser.bench.serve_proc import (Server, ServerProcess, add_goodput_args, free_port, goodput_table, keep_log,
+                                    run_goodput_search)
 
 SERVERS = ("laser", "llama.cpp")
 DECODE_PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
@@ -141,10 +141,7 @@ def main(argv=None) -> int:
     p.add_argument("--ctx-per-slot", type=int, default=2048, help="llama-server context tokens per slot")
     p.add_argument("--decode-batch", type=int, default=32, help="concurrent requests of the batched decode run")
     p.add_argument("--decode-tokens", type=int, default=128, help="output tokens of each decode-run request")
-    add_goodput_args(p)
-    p.add_argument("--json", default=None, help="write every server's block here")
-    p.add_argument("--log-dir", default="bench-results/llamacpp-compare-logs",
-                   help="copy each server's log here ('' to drop them)")
+    add_goodput_args(p, log_dir="bench-results/llamacpp-compare-logs")
     args = p.parse_args(argv)
     names = [n.strip() for n in args.servers.split(",") if n.strip()]
     if bad := [n for n in names if n not in SERVERS]:
@@ -183,10 +180,8 @@ def main(argv=None) -> int:
                                      name="llama-server")
             try:
                 blocks[name] = bench_server(name, proc, args, tmp)
-            finally:  # keep each server's log
-                if args.log_dir and proc.log_path.exists():
-                    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-                    shutil.copy(proc.log_path, Path(args.log_dir) / f"{name.replace('.', '')}-server.log")
+            finally:
+                keep_log(proc.log_path, args.log_dir, name.replace(".", ""))
     print(goodput_table(blocks, first_col="server"))
     print()
     print(decode_table(blocks, sorted({1, args.decode_batch})))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from laser.bench.serve_proc import ServerProcess, free_port, goodput_table
+from laser.bench.serve_proc import ServerProcess, free_port, goodput_table, keep_log
 
 _BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -134,3 +134,14 @@ def test_server_process_that_exits_raises_with_its_name_and_log(tmp_path):
                          tmp_path / "s.log", start_timeout_s=30, name="exiting-server")
     with pytest.raises(RuntimeError, match=r"exiting-server exited with 3(.|\n)*bad flag"):
         proc.start()
+
+
+def test_keep_log_copies_only_when_asked_and_present(tmp_path):
+    log = tmp_path / "server.log"
+    keep_log(log, str(tmp_path / "logs"), "llamacpp")  # no log yet: nothing, no error
+    assert not (tmp_path / "logs").exists()
+    log.write_text("hello\n")
+    keep_log(log, "", "llamacpp")  # '' drops logs
+    assert not (tmp_path / "logs").exists()
+    keep_log(log, str(tmp_path / "logs"), "llamacpp")
+    assert (tmp_path / "logs" / "llamacpp-server.log").read_text() == "hello\n"

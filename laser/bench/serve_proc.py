@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -140,10 +141,11 @@ class Server(ServerProcess):
         return int(n)
 
 
-def add_goodput_args(p, **defaults) -> None:
+def add_goodput_args(p, log_dir: str, **defaults) -> None:
     """Add the workload and search flags of :func:`run_goodput_search` to argparse parser ``p``
     (``defaults``: overrides by dest, e.g. ``slo_scale=10.0``), so that scripts comparing servers
-    give every server the same arrivals, mix and SLO targets."""
+    give every server the same arrivals, mix and SLO targets; also ``--json`` (where to write the
+    blocks) and ``--log-dir`` (default ``log_dir``: where :func:`keep_log` copies server logs)."""
     d = {"num_prompts": 16, "length_scale": 0.25, "mix": "1:1:1", "seed": 0, "slo_scale": 10.0,
          "rate_range": "0.1,0.5", "grid_points": 3, "bisect_steps": 1, "time_cap": 900.0, "max_doublings": 1,
          **defaults}
@@ -158,6 +160,16 @@ def add_goodput_args(p, **defaults) -> None:
     p.add_argument("--time-cap", type=float, default=d["time_cap"], help="seconds of goodput search per server")
     p.add_argument("--max-doublings", type=int, default=d["max_doublings"],
                    help="doublings (halvings) of the rate past the grid (each halving doubles a probe's length)")
+    p.add_argument("--json", default=None, help="write every server's block here")
+    p.add_argument("--log-dir", default=log_dir, help="copy each server's log here ('' to drop them)")
+
+
+def keep_log(log_path: Path, log_dir: str, name: str) -> None:
+    """Copy server log ``log_path`` to ``<log_dir>/<name>-server.log`` (nothing when ``log_dir`` is
+    empty or the log does not exist): a server that stalls is diagnosed from it."""
+    if log_dir and log_path.exists():
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        shutil.copy(log_path, Path(log_dir) / f"{name}-server.log")
 
 
 def run_goodput_search(base_url: str, label: str, args, out: Path) -> dict:
