@@ -57,13 +57,16 @@ def test_decode_batch_above_slots_is_rejected(capsys):
     assert "--slots >= 64" in capsys.readouterr().err
 
 
-def test_tables_render_missing_values_as_dashes():
+def test_tables_take_the_full_probe_and_render_missing_values_as_dashes():
     probe = {"rate_rps": 0.2, "attainment": 1.0, "mean_ttft_s": 0.5, "p99_tbt_s": 0.1}
     blocks = {
         "laser": {"goodput_rps": 0.2, "probes": [probe], "decode_tok_s": {1: 10.0, 32: 100.0}},
         # a probe stopped early before any token: no TTFT / TBT
         "llama.cpp": {"goodput_rps": None, "goodput_below_range": True,
-                      "probes": [{"rate_rps": 0.2, "attainment": 0.0, "mean_ttft_s": None, "p99_tbt_s": None}],
+                      "probes": [{"rate_rps": 0.2, "attainment": 0.9, "mean_ttft_s": 0.1, "p99_tbt_s": 0.1,
+                                  "early_stopped": True},  # superseded by the full re-run below
+                                 {"rate_rps": 0.2, "attainment": 0.0, "mean_ttft_s": None, "p99_tbt_s": None,
+                                  "early_stopped": False}],
                       "decode_tok_s": {1: 50.0, 32: None}},
     }
     g = goodput_table(blocks, first_col="server").splitlines()

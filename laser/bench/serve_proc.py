@@ -188,7 +188,12 @@ def run_goodput_search(base_url: str, label: str, args, out: Path) -> dict:
 
 
 def _probe_at(block: dict, rate: float) -> dict | None:
-    return next((p for p in block.get("probes", []) if abs(p["rate_rps"] - rate) < 1e-9), None)
+    """The probe at ``rate``: the last complete one (the search re-runs its reference rate in full
+    after probes that stopped early, whose attainment is only a lower bound and whose TTFT covers
+    the requests that started), else the last one."""
+    at = [p for p in block.get("probes", []) if p["rate_rps"] is not None and abs(p["rate_rps"] - rate) < 1e-9]
+    full = [p for p in at if not p.get("early_stopped")]
+    return (full or at or [None])[-1]
 
 
 def goodput_table(blocks: dict[str, dict], first_col: str = "layout") -> str:
