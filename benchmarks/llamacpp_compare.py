@@ -21,7 +21,9 @@ For each server (``--servers``, default both, in that order; never two at once) 
 3. runs the goodput search of ``laser bench --base-url`` against it
    (:func:`laser.bench.serve_proc.run_goodput_search`: same seed, mix, length scale, rate grid and
    the paper's SLO targets x ``--slo-scale`` for both). ``llama-server`` ignores Laser's SLO fields
-   (``slo_class``, ``x-slo-*`` headers): it serves its slots first come, first served;
+   (``slo_class``, ``x-slo-*`` headers): it serves its slots first come, first served. Its requests
+   carry ``cache_prompt: false`` (:data:`EXTRA_BODY`): the search replays the same prompts at every
+   rate, and llama-server's slot prompt cache would skip their prefill, which Laser cannot;
 4. stops it.
 
 At the end it prints the goodput table (goodput, attainment, mean TTFT, P99 TBT at a common rate)
@@ -47,6 +49,11 @@ from laser.bench.serve_proc import (Server, ServerProcess, add_goodput_args, fre
                                     run_goodput_search)
 
 SERVERS = ("laser", "llama.cpp")
+# Fields each server's requests carry. llama-server keeps each slot's last prompt in its KV and, by
+# default, reuses the common prefix of the next prompt (cache_prompt); the goodput search replays the
+# same prompts at every probed rate, so later probes would skip most prefill. Laser has no prefix
+# cache, so the comparison turns it off.
+EXTRA_BODY = {"laser": None, "llama.cpp": {"cache_prompt": False}}
 DECODE_PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
 
 
@@ -74,15 +81,15 @@ def steady_decode_rate(streams: list[list[float]]) -> float | None:
     return sum(sum(1 for x in t if start < x <= end) for t in streams) / (end - start)
 
 
-def decode_rate(base_url: str, batch: int, max_tokens: int, tokenizer=None) -> tuple[float | None, int]:
+def decode_rate(base_url: str, batch: int, max_tokens: int, extra_body: dict | None = None) -> tuple[float | None, int]:
     """Raw decode tok/s of the server at ``base_url`` with ``batch`` concurrent streaming requests
-    of :data:`DECODE_PROMPT`, ``max_tokens`` each (greedy, EOS ignored); also returns how many of
-    them finished. See :func:`steady_decode_rate`."""
+    of :data:`DECODE_PROMPT`, ``max_tokens`` each (greedy, EOS ignored, ``extra_body`` merged into
+    each body); also returns how many of them finished. See :func:`steady_decode_rate`."""
     from laser.bench.client import ClientTarget
     from laser.bench.workloads import WorkloadRequest
     from laser.slo import SLOClasses
 
-    tgt = ClientTarget(base_url, label=f"decode-b{batch}")
+    tgt = ClientTarget(base_url, label=f"decode-b{batch}", extra_body=extra_body)
     reqs = [WorkloadRequest("best_effort", DECODE_PROMPT, 0, max_tokens, 0.0) for _ in range(batch)]
     out = tgt.run(reqs, SLOClasses({}), timeout_s=600)
     if tgt.errors:
@@ -109,11 +116,11 @@ def bench_server(name: str, proc: ServerProcess, args, tmp: Path) -> dict:
         print(f"[{name}] ready in {start_s:.1f} s: {' '.join(proc.cmd)}", flush=True)
         decode = {}
         for b in sorted({1, args.decode_batch}):
-            rate, done = decode_rate(proc.base_url, b, args.decode_tokens)
+            rate, done = decode_rate(proc.base_url, b, args.decode_tokens, EXTRA_BODY[name])
             decode[b] = rate
             print(f"[{name}] decode batch {b}: {'n/a' if rate is None else f'{rate:.1f}'} tok/s "
                   f"({done}/{b} finished)", flush=True)
-        block = run_goodput_search(proc.base_url, name, args, tmp / f"{name}.json")
+        block = run_goodput_search(proc.base_url, name, args, tmp / f"{name}.json", EXTRA_BODY[name])
     finally:
         proc.stop()
     return {**block, "start_s": start_s, "decode_tok_s": decode}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from laser.bench.serve_proc import ServerProcess, free_port, goodput_table, keep_log
+from laser.bench.serve_proc import ServerProcess, free_port, goodput_search_cmd, goodput_table, keep_log
 
 _BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -148,3 +148,24 @@ def test_keep_log_copies_only_when_asked_and_present(tmp_path):
     assert not (tmp_path / "logs").exists()
     keep_log(log, str(tmp_path / "logs"), "llamacpp")
     assert (tmp_path / "logs" / "llamacpp-server.log").read_text() == "hello\n"
+
+
+def test_both_servers_get_the_same_bench_and_llama_server_no_prompt_cache(tmp_path):
+    """Same workload flags for both; only llama-server's requests carry ``cache_prompt: false``
+    (the search replays the same prompts at every rate)."""
+    import argparse
+
+    from laser.bench.args import register
+
+    p = argparse.ArgumentParser()
+    cmp_.add_goodput_args(p, log_dir="")
+    a = p.parse_args(["--num-prompts", "6", "--rate-range", "0.2,0.4"])
+    cmds = {n: goodput_search_cmd("http://h:1", n, a, tmp_path / "o.json", cmp_.EXTRA_BODY[n]) for n in cmp_.SERVERS}
+    strip = lambda c: [x for x in c if x not in cmp_.SERVERS]  # noqa: E731 - the label differs
+    assert strip(cmds["laser"]) == strip(cmds["llama.cpp"])[:len(strip(cmds["laser"]))]
+    assert cmds["llama.cpp"][-2:] == ["--extra-body", '{"cache_prompt": false}']
+    assert "--extra-body" not in cmds["laser"]
+    sub = argparse.ArgumentParser().add_subparsers()
+    register(sub)  # the bench accepts the command as built
+    parsed = sub.choices["bench"].parse_args(cmds["llama.cpp"][4:])
+    assert parsed.extra_body == {"cache_prompt": False} and parsed.num_prompts == 6 and parsed.label == "llama.cpp"

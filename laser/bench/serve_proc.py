@@ -172,18 +172,24 @@ def keep_log(log_path: Path, log_dir: str, name: str) -> None:
         shutil.copy(log_path, Path(log_dir) / f"{name}-server.log")
 
 
-def run_goodput_search(base_url: str, label: str, args, out: Path) -> dict:
-    """Run ``laser bench --base-url`` (goodput search, ``--slo-base paper``) against ``base_url``
-    with the flags of :func:`add_goodput_args` in ``args``, writing its JSON to ``out``; returns the
-    target's block (``goodput_rps``, ``probes``, ...). Raises CalledProcessError when the bench fails."""
+def goodput_search_cmd(base_url: str, label: str, args, out: Path, extra_body: dict | None = None) -> list[str]:
+    """The ``laser bench --base-url`` command of :func:`run_goodput_search`."""
     cmd = [sys.executable, "-m", "laser.cli", "bench", "--base-url", base_url, "--label", label,
            "--slo-base", "paper", "--slo-scale", f"{args.slo_scale:g}", "--num-prompts", str(args.num_prompts),
            "--length-scale", f"{args.length_scale:g}", "--seed", str(args.seed), "--mix", args.mix,
            "--rate-range", args.rate_range, "--grid-points", str(args.grid_points),
            "--bisect-steps", str(args.bisect_steps), "--search-time-cap", f"{args.time_cap:g}",
            "--max-doublings", str(args.max_doublings), "--json", str(out)]
+    return cmd + (["--extra-body", json.dumps(extra_body)] if extra_body else [])
+
+
+def run_goodput_search(base_url: str, label: str, args, out: Path, extra_body: dict | None = None) -> dict:
+    """Run ``laser bench --base-url`` (goodput search, ``--slo-base paper``) against ``base_url``
+    with the flags of :func:`add_goodput_args` in ``args`` (and ``--extra-body`` when
+    ``extra_body`` is given), writing its JSON to ``out``; returns the target's block
+    (``goodput_rps``, ``probes``, ...). Raises CalledProcessError when the bench fails."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    subprocess.run(cmd, cwd=REPO, env=env, check=True)
+    subprocess.run(goodput_search_cmd(base_url, label, args, out, extra_body), cwd=REPO, env=env, check=True)
     return json.loads(out.read_text())["policies"][label]
 
 
