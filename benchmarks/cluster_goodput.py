@@ -27,13 +27,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from laser.bench.serve_proc import REPO, Server, free_port
+from laser.bench.serve_proc import Server, add_goodput_args, free_port, goodput_table, keep_log, run_goodput_search
 
 LAYOUTS = {
     "laser": ["--prefill-instances", "1", "--decode-instances", "1", "--controller", "laser"],
@@ -50,70 +48,20 @@ def bench_layout(name: str, args, tmp: Path) -> dict:
              "--slo-scale", f"{args.slo_scale:g}"]
     server = Server(tmp / name / "data", free_port(), serve)
     (tmp / name).mkdir(parents=True, exist_ok=True)
-    out = tmp / f"{name}.json"
     try:
         start_s = server.start()
         print(f"[{name}] server ready in {start_s:.1f} s", flush=True)
-        cmd = [sys.executable, "-m", "laser.cli", "bench", "--base-url", server.base_url, "--label", name,
-               "--slo-base", "paper", "--slo-scale", f"{args.slo_scale:g}", "--num-prompts", str(args.num_prompts),
-               "--length-scale", f"{args.length_scale:g}", "--seed", str(args.seed), "--mix", args.mix,
-               "--rate-range", args.rate_range, "--grid-points", str(args.grid_points),
-               "--bisect-steps", str(args.bisect_steps), "--search-time-cap", f"{args.time_cap:g}",
-               "--max-doublings", str(args.max_doublings),
-               "--json", str(out)]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-        subprocess.run(cmd, cwd=REPO, env=env, check=True)
+        block = run_goodput_search(server.base_url, name, args, tmp / f"{name}.json")
     finally:
         server.stop()
-    res = json.loads(out.read_text())
-    block = res["policies"][name]
     block["start_s"] = start_s
     return block
-
-
-def _probe_at(block: dict, rate: float) -> dict | None:
-    return next((p for p in block.get("probes", []) if abs(p["rate_rps"] - rate) < 1e-9), None)
-
-
-def table(blocks: dict[str, dict]) -> str:
-    """Markdown table: goodput, then attainment / mean TTFT / P99 TBT at the highest rate every
-    layout was probed at not above the lowest goodput (the common reference rate)."""
-    common = set.intersection(*({p["rate_rps"] for p in b.get("probes", []) if p["rate_rps"] is not None}
-                                for b in blocks.values()))
-    floor = min((b["goodput_rps"] or 0.0) for b in blocks.values())
-    ref = max((r for r in common if r <= max(floor, min(common, default=0.0))), default=None)
-    lines = [f"| layout | goodput (req/s) | attainment @ {ref} req/s | mean TTFT | P99 TBT |", "|---|---|---|---|---|"]
-    for name, b in blocks.items():
-        g = b["goodput_rps"]
-        gs = "n/a" if g is None else (">= " if b.get("goodput_lower_bound") else "") + f"{g:.3f}"
-        if b.get("goodput_below_range"):
-            gs = f"< {g:.3f}" if g else "below range"
-        p = _probe_at(b, ref) if ref is not None else None
-        if p is None:
-            lines.append(f"| {name} | {gs} | - | - | - |")
-        else:
-            lines.append(f"| {name} | {gs} | {p['attainment']:.2f} | {p['mean_ttft_s']:.2f} s | "
-                         f"{p['p99_tbt_s']:.2f} s |")
-    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma list of " + ", ".join(LAYOUTS))
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--length-scale", type=float, default=0.25)
-    p.add_argument("--mix", default="1:1:1")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--slo-scale", type=float, default=10.0)
-    p.add_argument("--rate-range", default="0.1,0.5", help="LO,HI req/s of the search grid")
-    p.add_argument("--grid-points", type=int, default=3)
-    p.add_argument("--bisect-steps", type=int, default=1)
-    p.add_argument("--time-cap", type=float, default=900.0, help="seconds of goodput search per layout")
-    p.add_argument("--max-doublings", type=int, default=1,
-                   help="doublings (halvings) of the rate past the grid (each halving doubles a probe's length)")
-    p.add_argument("--json", default=None, help="write every layout's block here")
-    p.add_argument("--log-dir", default="bench-results/cluster-goodput-logs",
-                   help="copy each layout's server log here ('' to drop them)")
+    add_goodput_args(p, log_dir="bench-results/cluster-goodput-logs")
     args = p.parse_args(argv)
     names = [n.strip() for n in args.layouts.split(",") if n.strip()]
     bad = [n for n in names if n not in LAYOUTS]
@@ -126,12 +74,9 @@ def main(argv=None) -> int:
         for name in names:
             try:
                 blocks[name] = bench_layout(name, args, Path(tmp))
-            finally:  # keep each server's log (a layout that stalls is diagnosed from it)
-                log = Path(tmp) / name / "server.log"
-                if args.log_dir and log.exists():
-                    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-                    shutil.copy(log, Path(args.log_dir) / f"{name}-server.log")
-    print(table(blocks))
+            finally:
+                keep_log(Path(tmp) / name / "server.log", args.log_dir, name)
+    print(goodput_table(blocks))
     if args.json:
         Path(args.json).write_text(json.dumps(blocks, indent=1))
     return 0

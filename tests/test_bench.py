@@ -360,6 +360,27 @@ def test_parse_policies():
     assert parse_mix("4:2:1") == (4.0, 2.0, 1.0)
 
 
+def test_extra_body_flag_reaches_every_client_request():
+    """``laser bench --extra-body``: server-specific fields (llama-server's ``cache_prompt``) merged
+    into each request body; anything but a JSON object is a clear argparse error."""
+    import argparse
+
+    from laser.bench.args import parse_extra_body, register
+
+    sub = argparse.ArgumentParser().add_subparsers(dest="cmd")
+    register(sub)
+    parser = sub.choices["bench"]
+    args = parser.parse_args(["--base-url", "http://127.0.0.1:1", "--extra-body", '{"cache_prompt": false}'])
+    assert args.extra_body == {"cache_prompt": False}
+    assert parser.parse_args(["--base-url", "http://127.0.0.1:1"]).extra_body is None
+    wr = WorkloadRequest("chat", "Hello there", 2, 5, 0.0)
+    body = ClientTarget("http://x", model="m", extra_body=args.extra_body)._body(wr, paper_slos(1.0).get("chat"))
+    assert body["cache_prompt"] is False and body["max_tokens"] == 5 and body["ignore_eos"] is True
+    for bad in ("[1, 2]", "{cache_prompt: false}", '"x"'):
+        with pytest.raises(argparse.ArgumentTypeError, match="--extra-body"):
+            parse_extra_body(bad)
+
+
 def test_best_baseline_always_in_a_comparison_with_laser():
     from laser.bench.best import parse_budgets
     from laser.bench.cli import parse_policies, with_best_baseline

@@ -32,6 +32,20 @@ def parse_mix(s: str) -> tuple[float, float, float]:
     return parts  # type: ignore[return-value]
 
 
+def parse_extra_body(s: str) -> dict:
+    """``--extra-body``: a JSON object merged into every request body the client sends (e.g.
+    ``'{"cache_prompt": false}'`` for llama.cpp's server). Raises ArgumentTypeError otherwise."""
+    import json
+
+    try:
+        v = json.loads(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--extra-body is not JSON ({e}): {s!r}") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError(f"--extra-body must be a JSON object, got {type(v).__name__}: {s!r}")
+    return v
+
+
 def _floats(s: str) -> list[float]:
     return [float(x) for x in s.split(",") if x.strip()]
 
@@ -108,6 +122,9 @@ def register(subparsers) -> None:
     t.add_argument("--api-key", default=None)
     t.add_argument("--max-concurrency", type=int, default=None)
     t.add_argument("--label", default=None, help="name of the server in outputs (default 'server')")
+    t.add_argument("--extra-body", type=parse_extra_body, default=None,
+                   help="JSON object merged into every request body, for server-specific fields "
+                        "(e.g. '{\"cache_prompt\": false}' for llama-server)")
     t.add_argument("--sim", action="store_true", help="SIMULATED: the schedulers on a latency model in virtual time")
     t.add_argument("--sim-latency", choices=["auto", "profile", "analytic"], default="auto",
                    help="simulator clock: fitted profile (auto: when laser.profiler exists) or roofline estimate")

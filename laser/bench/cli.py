@@ -160,7 +160,7 @@ def build_targets(args, specs):
 
     if args.base_url:
         tgt = ClientTarget(args.base_url, args.served_model_name, args.endpoint, args.api_key, args.max_concurrency,
-                           label=args.label)
+                           label=args.label, extra_body=args.extra_body)
         return {tgt.label: tgt}, _tokenizer(args), args.max_model_len, None, "client"
     if getattr(args, "cluster", None):
         from laser.bench.cluster import build_cluster_targets

@@ -1,9 +1,12 @@
-"""A ``laser serve`` subprocess for end-to-end benchmarks (``benchmarks/batch_window.py``,
-``benchmarks/cluster_goodput.py``): start, wait for ``/health``, SIGKILL, restart, CPU use."""
+"""Server subprocesses for end-to-end benchmarks (``benchmarks/batch_window.py``,
+``benchmarks/cluster_goodput.py``, ``benchmarks/llamacpp_compare.py``): start, wait for ``/health``,
+SIGKILL, restart, CPU use. :class:`Server` is ``laser serve``; :class:`ServerProcess` any command."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -33,22 +36,21 @@ def proc_cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
 
 
-class Server:
-    """One ``laser serve`` subprocess (``serve_args``: its flags after ``--port`` and
-    ``--data-dir``), restartable on the same ``data_dir`` and ``port``. Its output goes to
-    ``data_dir/../server.log``.
+class ServerProcess:
+    """One HTTP server subprocess running ``cmd`` that listens on 127.0.0.1:``port`` and answers
+    ``GET /health`` with 200 once ready (``laser serve``; llama.cpp's ``llama-server`` answers 503
+    while it loads the model). Restartable on the same ``port``; its output goes to ``log_path``
+    (appended); ``name`` labels its errors.
 
     :meth:`cpu_seconds` accumulates the CPU time of every process it ran, counted from when each
-    became ready (model loading and warm-up are left out). Raises RuntimeError when the server
-    exits or is not ready within ``start_timeout_s``.
+    became ready (model loading and warm-up are left out). :meth:`start` raises RuntimeError when
+    the server exits or is not ready within ``start_timeout_s``.
     """
 
-    def __init__(self, data_dir: Path, port: int, serve_args: list[str], start_timeout_s: float = 300.0):
-        self.data_dir, self.port = data_dir, port
+    def __init__(self, cmd: list[str], port: int, log_path: Path, start_timeout_s: float = 300.0,
+                 name: str = "server"):
+        self.cmd, self.port, self.log_path, self.name = list(cmd), port, log_path, name
         self.base_url = f"http://127.0.0.1:{port}"
-        self.log_path = data_dir.parent / "server.log"
-        self.cmd = [sys.executable, "-m", "laser.cli", "serve", "--port", str(port), "--data-dir", str(data_dir),
-                    *serve_args]
         self.start_timeout_s = start_timeout_s
         self.proc: subprocess.Popen | None = None
         self._cpu_done = 0.0  # CPU seconds of processes that are gone
@@ -66,7 +68,7 @@ class Server:
         log.close()
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"laser serve exited with {self.proc.returncode}; log:\n{self.log_tail()}")
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; log:\n{self.log_tail()}")
             try:
                 if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
                     break
@@ -74,7 +76,7 @@ class Server:
                 pass
             if time.monotonic() - t0 > self.start_timeout_s:
                 self.stop()
-                raise RuntimeError(f"laser serve not ready after {self.start_timeout_s:.0f} s; log:\n"
+                raise RuntimeError(f"{self.name} not ready after {self.start_timeout_s:.0f} s; log:\n"
                                    f"{self.log_tail()}")
             time.sleep(0.25)
         self._cpu_base = proc_cpu_seconds(self.proc.pid) or 0.0
@@ -110,6 +112,19 @@ class Server:
         except OSError:
             return "(no log)"
 
+
+class Server(ServerProcess):
+    """One ``laser serve`` subprocess (``serve_args``: its flags after ``--port`` and
+    ``--data-dir``), restartable on the same ``data_dir`` and ``port``. Its output goes to
+    ``data_dir/../server.log``. See :class:`ServerProcess`.
+    """
+
+    def __init__(self, data_dir: Path, port: int, serve_args: list[str], start_timeout_s: float = 300.0):
+        self.data_dir = data_dir
+        super().__init__([sys.executable, "-m", "laser.cli", "serve", "--port", str(port), "--data-dir",
+                          str(data_dir), *serve_args], port, data_dir.parent / "server.log", start_timeout_s,
+                         "laser serve")
+
     def batch_lines_in_flight(self) -> int | None:
         """Lines of batch jobs the engine holds now (``laser:num_requests_running`` + ``_waiting`` of
         the ``batch`` class on ``/metrics``); None when the scrape fails."""
@@ -124,3 +139,91 @@ class Server:
             if fam.name in ("laser:num_requests_running", "laser:num_requests_waiting"):
                 n += sum(s.value for s in fam.samples if s.labels.get("slo_class") == "batch")
         return int(n)
+
+
+def add_goodput_args(p, log_dir: str, **defaults) -> None:
+    """Add the workload and search flags of :func:`run_goodput_search` to argparse parser ``p``
+    (``defaults``: overrides by dest, e.g. ``slo_scale=10.0``), so that scripts comparing servers
+    give every server the same arrivals, mix and SLO targets; also ``--json`` (where to write the
+    blocks) and ``--log-dir`` (default ``log_dir``: where :func:`keep_log` copies server logs)."""
+    d = {"num_prompts": 16, "length_scale": 0.25, "mix": "1:1:1", "seed": 0, "slo_scale": 10.0,
+         "rate_range": "0.1,0.5", "grid_points": 3, "bisect_steps": 1, "time_cap": 900.0, "max_doublings": 1,
+         **defaults}
+    p.add_argument("--num-prompts", type=int, default=d["num_prompts"])
+    p.add_argument("--length-scale", type=float, default=d["length_scale"])
+    p.add_argument("--mix", default=d["mix"])
+    p.add_argument("--seed", type=int, default=d["seed"])
+    p.add_argument("--slo-scale", type=float, default=d["slo_scale"], help="the paper's SLO targets times this")
+    p.add_argument("--rate-range", default=d["rate_range"], help="LO,HI req/s of the search grid")
+    p.add_argument("--grid-points", type=int, default=d["grid_points"])
+    p.add_argument("--bisect-steps", type=int, default=d["bisect_steps"])
+    p.add_argument("--time-cap", type=float, default=d["time_cap"], help="seconds of goodput search per server")
+    p.add_argument("--max-doublings", type=int, default=d["max_doublings"],
+                   help="doublings (halvings) of the rate past the grid (each halving doubles a probe's length)")
+    p.add_argument("--json", default=None, help="write every server's block here")
+    p.add_argument("--log-dir", default=log_dir, help="copy each server's log here ('' to drop them)")
+
+
+def keep_log(log_path: Path, log_dir: str, name: str) -> None:
+    """Copy server log ``log_path`` to ``<log_dir>/<name>-server.log`` (nothing when ``log_dir`` is
+    empty or the log does not exist): a server that stalls is diagnosed from it."""
+    if log_dir and log_path.exists():
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        shutil.copy(log_path, Path(log_dir) / f"{name}-server.log")
+
+
+def goodput_search_cmd(base_url: str, label: str, args, out: Path, extra_body: dict | None = None) -> list[str]:
+    """The ``laser bench --base-url`` command of :func:`run_goodput_search`."""
+    cmd = [sys.executable, "-m", "laser.cli", "bench", "--base-url", base_url, "--label", label,
+           "--slo-base", "paper", "--slo-scale", f"{args.slo_scale:g}", "--num-prompts", str(args.num_prompts),
+           "--length-scale", f"{args.length_scale:g}", "--seed", str(args.seed), "--mix", args.mix,
+           "--rate-range", args.rate_range, "--grid-points", str(args.grid_points),
+           "--bisect-steps", str(args.bisect_steps), "--search-time-cap", f"{args.time_cap:g}",
+           "--max-doublings", str(args.max_doublings), "--json", str(out)]
+    return cmd + (["--extra-body", json.dumps(extra_body)] if extra_body else [])
+
+
+def run_goodput_search(base_url: str, label: str, args, out: Path, extra_body: dict | None = None) -> dict:
+    """Run ``laser bench --base-url`` (goodput search, ``--slo-base paper``) against ``base_url``
+    with the flags of :func:`add_goodput_args` in ``args`` (and ``--extra-body`` when
+    ``extra_body`` is given), writing its JSON to ``out``; returns the target's block
+    (``goodput_rps``, ``probes``, ...). Raises CalledProcessError when the bench fails."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run(goodput_search_cmd(base_url, label, args, out, extra_body), cwd=REPO, env=env, check=True)
+    return json.loads(out.read_text())["policies"][label]
+
+
+def _probe_at(block: dict, rate: float) -> dict | None:
+    """The probe at ``rate``: the last complete one (the search re-runs its reference rate in full
+    after probes that stopped early, whose attainment is only a lower bound and whose TTFT covers
+    the requests that started), else the last one."""
+    at = [p for p in block.get("probes", []) if p["rate_rps"] is not None and abs(p["rate_rps"] - rate) < 1e-9]
+    full = [p for p in at if not p.get("early_stopped")]
+    return (full or at or [None])[-1]
+
+
+def goodput_table(blocks: dict[str, dict], first_col: str = "layout") -> str:
+    """Markdown table of :func:`run_goodput_search` blocks by name: goodput, then attainment /
+    mean TTFT / P99 TBT at the highest rate every server was probed at not above the lowest
+    goodput (the common reference rate)."""
+    common = set.intersection(*({p["rate_rps"] for p in b.get("probes", []) if p["rate_rps"] is not None}
+                                for b in blocks.values()))
+    floor = min((b["goodput_rps"] or 0.0) for b in blocks.values())
+    ref = max((r for r in common if r <= max(floor, min(common, default=0.0))), default=None)
+    lines = [f"| {first_col} | goodput (req/s) | attainment @ {ref} req/s | mean TTFT | P99 TBT |",
+             "|---|---|---|---|---|"]
+    for name, b in blocks.items():
+        g = b["goodput_rps"]
+        gs = "n/a" if g is None else (">= " if b.get("goodput_lower_bound") else "") + f"{g:.3f}"
+        if b.get("goodput_below_range"):
+            gs = f"< {g:.3f}" if g else "below range"
+        p = _probe_at(b, ref) if ref is not None else None
+        p = p or {}
+        cells = [_fmt(p.get("attainment"), "{:.2f}"), _fmt(p.get("mean_ttft_s"), "{:.2f} s"),
+                 _fmt(p.get("p99_tbt_s"), "{:.2f} s")]
+        lines.append(f"| {name} | {gs} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else spec.format(x)  # None: no probe, or a probe that streamed no token
