@@ -52,9 +52,17 @@ def bench_layout(name: str, args, tmp: Path) -> dict:
         start_s = server.start()
         print(f"[{name}] server ready in {start_s:.1f} s", flush=True)
         block = run_goodput_search(server.base_url, name, args, tmp / f"{name}.json")
+        # a run in which an instance died or missed a timeout (e.g. Ray's memory monitor killed an
+        # actor because other jobs filled the machine's memory) measured the recovery, not the layout
+        block["instance_failures"] = server.metric(("laser:instance_failures",))
+        block["instance_rejoins"] = server.metric(("laser:instance_rejoins",))
     finally:
         server.stop()
     block["start_s"] = start_s
+    if block["instance_failures"]:
+        print(f"[{name}] WARNING: {block['instance_failures']:g} instance failure(s) during the run "
+              f"({block['instance_rejoins'] or 0:g} rejoined): its figures are not the layout's; see its server log",
+              flush=True)
     return block
 
 
@@ -77,6 +85,9 @@ def main(argv=None) -> int:
             finally:
                 keep_log(Path(tmp) / name / "server.log", args.log_dir, name)
     print(goodput_table(blocks))
+    for name, b in blocks.items():
+        if b.get("instance_failures"):
+            print(f"NOT VALID: {name}: {b['instance_failures']:g} instance failure(s) during its run")
     if args.json:
         Path(args.json).write_text(json.dumps(blocks, indent=1))
     return 0

@@ -169,3 +169,39 @@ def test_both_servers_get_the_same_bench_and_llama_server_no_prompt_cache(tmp_pa
     register(sub)  # the bench accepts the command as built
     parsed = sub.choices["bench"].parse_args(cmds["llama.cpp"][4:])
     assert parsed.extra_body == {"cache_prompt": False} and parsed.num_prompts == 6 and parsed.label == "llama.cpp"
+
+
+def test_server_metric_sums_matching_samples_and_survives_a_failed_scrape(tmp_path, monkeypatch):
+    """``Server.metric`` (cluster_goodput.py flags a layout whose instances failed during its run)."""
+    import httpx
+
+    from laser.bench import serve_proc
+
+    text = textwrap.dedent("""\
+        # HELP laser:instance_failures Instances marked dead.
+        # TYPE laser:instance_failures counter
+        laser:instance_failures_total{model_name="m"} 2.0
+        # HELP laser:num_requests_running Running.
+        # TYPE laser:num_requests_running gauge
+        laser:num_requests_running{model_name="m",slo_class="batch"} 3.0
+        laser:num_requests_running{model_name="m",slo_class="chat"} 5.0
+        # HELP laser:num_requests_waiting Waiting.
+        # TYPE laser:num_requests_waiting gauge
+        laser:num_requests_waiting{model_name="m",slo_class="batch"} 1.0
+        """)
+
+    class _Resp:
+        def __init__(self, t):
+            self.text = t
+
+    monkeypatch.setattr(serve_proc.httpx, "get", lambda url, timeout: _Resp(text))
+    srv = serve_proc.Server(tmp_path / "data", free_port(), [])
+    assert srv.metric(("laser:instance_failures",)) == 2.0
+    assert srv.batch_lines_in_flight() == 4
+    assert srv.metric(("laser:num_requests_running",)) == 8.0
+
+    def fail(url, timeout):
+        raise httpx.ConnectError("refused")
+
+    monkeypatch.setattr(serve_proc.httpx, "get", fail)
+    assert srv.metric(("laser:instance_failures",)) is None and srv.batch_lines_in_flight() is None

@@ -125,20 +125,24 @@ class Server(ServerProcess):
                           str(data_dir), *serve_args], port, data_dir.parent / "server.log", start_timeout_s,
                          "laser serve")
 
-    def batch_lines_in_flight(self) -> int | None:
-        """Lines of batch jobs the engine holds now (``laser:num_requests_running`` + ``_waiting`` of
-        the ``batch`` class on ``/metrics``); None when the scrape fails."""
+    def metric(self, names: tuple[str, ...], **labels: str) -> float | None:
+        """Sum of the ``/metrics`` samples of the families ``names`` (e.g. ``laser:instance_failures``)
+        whose labels include ``labels``; None when the scrape fails."""
         from prometheus_client.parser import text_string_to_metric_families
 
         try:
             text = httpx.get(self.base_url + "/metrics", timeout=5).text
         except httpx.HTTPError:
             return None
-        n = 0.0
-        for fam in text_string_to_metric_families(text):
-            if fam.name in ("laser:num_requests_running", "laser:num_requests_waiting"):
-                n += sum(s.value for s in fam.samples if s.labels.get("slo_class") == "batch")
-        return int(n)
+        return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                   if (s.name in names or s.name.removesuffix("_total") in names)  # (a counter's sample)
+                   and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    def batch_lines_in_flight(self) -> int | None:
+        """Lines of batch jobs the engine holds now (``laser:num_requests_running`` + ``_waiting`` of
+        the ``batch`` class on ``/metrics``); None when the scrape fails."""
+        n = self.metric(("laser:num_requests_running", "laser:num_requests_waiting"), slo_class="batch")
+        return None if n is None else int(n)
 
 
 def add_goodput_args(p, log_dir: str, **defaults) -> None:
