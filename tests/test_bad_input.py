@@ -13,6 +13,7 @@ import pytest
 from laser import cli
 from laser.config import CacheConfig
 from laser.engine import Engine
+from laser.llm import LLM
 from laser.model.loader import ModelLoadError
 from laser.request import InvalidRequestError, SamplingParams
 from laser.scheduler import get_policy
@@ -135,6 +136,22 @@ def test_engine_keeps_serving_after_rejections(engine):
         engine.step()
     assert good.finish_reason == "length" and good.num_output_tokens == 5
     engine.check_integrity(expect_empty=True)
+
+
+def test_llm_generate_with_one_bad_prompt_enqueues_none(engine):
+    """``LLM.generate`` / ``LLM.chat`` raise for a bad prompt before anything runs: the good
+    prompts listed before it are not left in the engine (the next call would run them too)."""
+    llm = LLM.__new__(LLM)
+    llm.engine = engine
+    sp = SamplingParams(max_tokens=2, temperature=0)
+    with pytest.raises(InvalidRequestError):
+        llm.generate(["good one", "good two", ""], sp)
+    assert not engine.has_unfinished() and not engine.scheduler.requests
+    with pytest.raises(InvalidRequestError):
+        llm.chat([[{"role": "user", "content": "hi"}], []], sp)
+    assert not engine.has_unfinished() and not engine.scheduler.requests
+    outs = llm.generate(["good one"], sp)
+    assert len(outs) == 1 and outs[0].finish_reason == "length"
 
 
 # -- models -------------------------------------------------------------------------------------
