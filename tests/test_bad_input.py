@@ -270,3 +270,18 @@ def test_cli_unknown_policy(tiny_llama, capsys):
     assert rc == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("laser: error: unknown policy 'fifo'"), err
+
+
+def test_cli_serve_port_in_use_fails_before_loading(tmp_path, capsys):
+    """A port already taken is reported before the model loads (minutes on first use:
+    dequantising, profiling), not after; uvicorn used to find it out last."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        rc = cli.main(["serve", "--model", str(tmp_path / "not-loaded"), "--port", str(port), "--log-level", "error"])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"laser: error: cannot listen on 127.0.0.1:{port}: Address already in use"], err
