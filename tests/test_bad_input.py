@@ -44,6 +44,14 @@ def test_empty_prompt(engine, prompt):
         engine.add_request(prompt)
 
 
+@pytest.mark.parametrize("prompt", ["a\ud800b", [{"role": "user", "content": "\udfff"}]], ids=["text", "chat"])
+def test_prompt_with_a_lone_surrogate(engine, prompt):
+    """JSON may carry an unpaired UTF-16 surrogate (\\ud800); the tokenizer cannot encode it
+    (a TypeError that was an HTTP 500 for completions): it is an InvalidRequestError."""
+    with pytest.raises(InvalidRequestError, match=r"not valid Unicode text \(an unpaired surrogate"):
+        engine.add_request(prompt)
+
+
 def test_prompt_longer_than_context(engine):
     assert engine.max_model_len == 64
     with pytest.raises(InvalidRequestError, match=r"prompt has 100 tokens; this model's context is 64 tokens"):
