@@ -27,6 +27,17 @@ from .slo import SLOClasses
 log = logging.getLogger(__name__)
 
 
+def check_text(text: str, where: str) -> None:
+    """Raise InvalidRequestError when ``text`` is not valid Unicode text: an unpaired UTF-16
+    surrogate (JSON's ``"\\ud800"`` decodes to one) cannot be UTF-8 encoded, and the
+    tokenizer raises a TypeError on it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(f"{where} is not valid Unicode text (an unpaired surrogate "
+                                  f"{text[e.start]!r} at character {e.start})") from None
+
+
 @dataclass
 class RequestOutput:
     """Progress of one request after a step (cumulative text and tokens, plus the delta)."""
@@ -151,6 +162,7 @@ class Engine(ModelInstance):
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty")
+            check_text(prompt, "prompt")
             return self.tokenizer.encode(prompt)
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             return self.apply_chat_template(prompt)
@@ -164,6 +176,10 @@ class Engine(ModelInstance):
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         if not messages:
             raise InvalidRequestError("messages are empty")
+        for i, m in enumerate(messages):
+            for k, v in m.items():
+                if isinstance(v, str):
+                    check_text(v, f"messages[{i}].{k}")
         if self.tokenizer.chat_template is None:
             text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
             return self.tokenizer.encode(text)

@@ -36,14 +36,26 @@ class LLM:
         slos = slo if isinstance(slo, (list, tuple)) else [slo] * n
         if len(sps) != n or len(slos) != n:
             raise ValueError("need one sampling_params / slo per prompt, or a single one")
-        ids = [self.engine.add_request(p, sp, s).req_id for p, sp, s in zip(prompts, sps, slos)]
-        return self._run(ids, use_tqdm)
+        return self._run(self._add(zip(prompts, sps, slos)), use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None, slo=None):
-        """Generate replies to one conversation or a list of them (chat template applied)."""
+        """Generate replies to one conversation or a list of them (chat template applied).
+        Raises InvalidRequestError for a malformed conversation (before anything runs)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        ids = [self.engine.add_request(c, sampling_params, slo).req_id for c in convs]
-        return self._run(ids, False)
+        return self._run(self._add((c, sampling_params, slo) for c in convs), False)
+
+    def _add(self, items) -> list[str]:
+        """Enqueue every (prompt, sampling_params, slo); all or none: when one is rejected
+        (InvalidRequestError), the ones enqueued before it are aborted, then it raises."""
+        ids: list[str] = []
+        try:
+            for p, sp, s in items:
+                ids.append(self.engine.add_request(p, sp, s).req_id)
+        except BaseException:
+            for i in ids:
+                self.engine.abort(i)
+            raise
+        return ids
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}

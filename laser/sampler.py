@@ -50,9 +50,11 @@ class Sampler:
                 # row.argmax() (the first maximum), the greedy token when temperature is 1
                 sorted_logits, idx = torch.sort(row, descending=True, stable=True)
                 probs = sorted_logits.softmax(-1)
-                # keep the smallest prefix whose mass reaches top_p (always the top-1 token:
-                # its exclusive cumulative mass is 0 < top_p)
+                # keep the smallest prefix whose mass reaches top_p, and always the top-1 token
+                # (its exclusive cumulative mass is 0, but a top_p below float32's range, e.g.
+                # 1e-300, compares as 0 >= 0: without this, every token would be masked)
                 drop = probs.cumsum(-1) - probs >= sp.top_p
+                drop[0] = False
                 sorted_logits[drop] = float("-inf")
                 row = torch.full_like(row, float("-inf")).scatter(0, idx, sorted_logits)
             gen = self._generator(req)

@@ -77,6 +77,17 @@ def test_top_p_tiny_keeps_exactly_the_argmax_token():
     assert sampler.sample(logits, reqs) == logits.argmax(-1).tolist()
 
 
+def test_top_p_below_float32_range_still_keeps_the_argmax_token():
+    """A top_p that rounds to 0 in float32 (1e-300 passes the API's top_p > 0 check) must still
+    keep the top-1 token: it used to mask every token, so softmax gave NaNs, torch.multinomial
+    raised, and the engine step failed every request batched with it (HTTP 500 for all)."""
+    logits = torch.randn(2, 512, generator=torch.Generator().manual_seed(0))
+    sampler = Sampler(0)
+    reqs = [Request(prompt_token_ids=[1], sampling_params=SamplingParams(temperature=1.0, top_p=p, seed=3),
+                    slo=SLO(), arrival_time=0.0) for p in (1e-300, 5e-324)]
+    assert sampler.sample(logits, reqs) == logits.argmax(-1).tolist()
+
+
 def test_max_model_len_beyond_the_kv_pool_is_refused(caplog):
     assert resolve_max_model_len(1024, 2048, 1024) == 1024
     with pytest.raises(ConfigError, match=r"max_model_len 2048 .* room for 1024 tokens"):

@@ -13,6 +13,7 @@ import pytest
 from laser import cli
 from laser.config import CacheConfig
 from laser.engine import Engine
+from laser.llm import LLM
 from laser.model.loader import ModelLoadError
 from laser.request import InvalidRequestError, SamplingParams
 from laser.scheduler import get_policy
@@ -40,6 +41,14 @@ def nothing_left_behind(request):
 @pytest.mark.parametrize("prompt", ["", []], ids=["str", "list"])
 def test_empty_prompt(engine, prompt):
     with pytest.raises(InvalidRequestError, match="prompt is empty"):
+        engine.add_request(prompt)
+
+
+@pytest.mark.parametrize("prompt", ["a\ud800b", [{"role": "user", "content": "\udfff"}]], ids=["text", "chat"])
+def test_prompt_with_a_lone_surrogate(engine, prompt):
+    """JSON may carry an unpaired UTF-16 surrogate (\\ud800); the tokenizer cannot encode it
+    (a TypeError that was an HTTP 500 for completions): it is an InvalidRequestError."""
+    with pytest.raises(InvalidRequestError, match=r"not valid Unicode text \(an unpaired surrogate"):
         engine.add_request(prompt)
 
 
@@ -135,6 +144,22 @@ def test_engine_keeps_serving_after_rejections(engine):
         engine.step()
     assert good.finish_reason == "length" and good.num_output_tokens == 5
     engine.check_integrity(expect_empty=True)
+
+
+def test_llm_generate_with_one_bad_prompt_enqueues_none(engine):
+    """``LLM.generate`` / ``LLM.chat`` raise for a bad prompt before anything runs: the good
+    prompts listed before it are not left in the engine (the next call would run them too)."""
+    llm = LLM.__new__(LLM)
+    llm.engine = engine
+    sp = SamplingParams(max_tokens=2, temperature=0)
+    with pytest.raises(InvalidRequestError):
+        llm.generate(["good one", "good two", ""], sp)
+    assert not engine.has_unfinished() and not engine.scheduler.requests
+    with pytest.raises(InvalidRequestError):
+        llm.chat([[{"role": "user", "content": "hi"}], []], sp)
+    assert not engine.has_unfinished() and not engine.scheduler.requests
+    outs = llm.generate(["good one"], sp)
+    assert len(outs) == 1 and outs[0].finish_reason == "length"
 
 
 # -- models -------------------------------------------------------------------------------------
@@ -253,3 +278,18 @@ def test_cli_unknown_policy(tiny_llama, capsys):
     assert rc == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("laser: error: unknown policy 'fifo'"), err
+
+
+def test_cli_serve_port_in_use_fails_before_loading(tmp_path, capsys):
+    """A port already taken is reported before the model loads (minutes on first use:
+    dequantising, profiling), not after; uvicorn used to find it out last."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        rc = cli.main(["serve", "--model", str(tmp_path / "not-loaded"), "--port", str(port), "--log-level", "error"])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"laser: error: cannot listen on 127.0.0.1:{port}: Address already in use"], err

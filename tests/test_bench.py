@@ -506,3 +506,18 @@ def test_base_url_client_against_our_server(tiny_llama):
     finally:
         server.should_exit = True
         th.join(30)
+
+
+@needs_datasets
+def test_cli_sim_cluster_goodput_search(capsys):
+    """The README's cluster command (``--sim --cluster ... --controller a,b``, goodput search):
+    the results are keyed by controller; the search used to end in KeyError: 'vllm' (it
+    looked the default policies up among the controllers)."""
+    from laser.cli import main
+
+    rc = main(["bench", "--sim", "--cluster", "1P1D", "--controller", "laser,colocated", "--sim-model", "qwen2.5-14b",
+               "--sim-hardware", "a100", "--num-prompts", "12", "--grid-points", "2", "--bisect-steps", "0",
+               "--max-doublings", "0", "--no-progress"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "goodput" in text.lower() and "laser" in text and "colocated" in text and "vllm" not in text

@@ -332,6 +332,34 @@ def test_bad_input_does_not_disturb_others(live, client):
     engine_idle_and_clean(live)
 
 
+def test_body_over_the_limit_is_413_also_without_content_length(live):
+    """The 16 MiB limit holds for a chunked body (no Content-Length) too: it used to be read
+    whole (any size, in memory), parsed and tokenized. And a body that JSON cannot even decode
+    (invalid UTF-8, nesting too deep) is the documented 400 ``malformed JSON body``."""
+    from laser.server.app import DEFAULT_MAX_BODY_BYTES
+
+    big = b'{"prompt": "' + b"a" * DEFAULT_MAX_BODY_BYTES + b'"}'
+
+    def chunks():
+        for i in range(0, len(big), 1 << 20):
+            yield big[i:i + (1 << 20)]
+
+    with httpx.Client(base_url=live.url, timeout=60) as h:
+        for content in (big, chunks()):
+            r = h.post("/v1/completions", content=content, headers={"content-type": "application/json"})
+            assert r.status_code == 413, r.text[:300]
+            assert r.json()["error"]["code"] == "request_too_large"
+        for raw in (b'{"prompt": "\xff\xfe", "max_tokens": 1}', b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}"):
+            r = h.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+            assert r.status_code == 400, r.text[:300]
+            err = r.json()["error"]
+            assert err["code"] == "invalid_value" and err["message"].startswith("malformed JSON body: "), err
+        # the server is fine afterwards
+        r = h.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+    engine_idle_and_clean(live)
+
+
 def test_unknown_route_and_method(live):
     r = httpx.get(live.url + "/v1/nothing")
     assert r.status_code == 404 and "error" in r.json()

@@ -323,12 +323,16 @@ def cmd_bench(args) -> int:
     if args.batch_requests and (search or getattr(args, "cluster", None)):
         raise ValueError("--batch-requests needs --request-rate (one rate, no goodput search) and no --cluster")
     shown = parse_policies(args.policy or DEFAULT_POLICIES)
-    if not args.base_url:
+    # a simulated cluster compares controllers (--controller), not policies: no ':best' there
+    by_target = bool(args.base_url or getattr(args, "cluster", None))
+    if not by_target:
         shown = with_best_baseline(shown, search, auto=not args.no_auto_best)
     specs, groups = expand_best(shown, parse_budgets(args.best_budgets))
+    if by_target:
+        groups = {}
     progress = not args.no_progress
     targets, tokenizer, max_len, lm, mode = build_targets(args, specs)
-    labels = list(targets) if mode == "client" else [lb for lb, _, _ in shown]
+    labels = list(targets) if by_target else [lb for lb, _, _ in shown]
     simulated = mode == "sim"
     tag = f" {report.SIM_TAG}" if simulated else ""
     if simulated and getattr(args, "cluster", None):

@@ -329,7 +329,7 @@ def load_or_create(engine_or_model_runner, path: str | os.PathLike | None = None
     except LatencyProfileError as e:
         if not create:
             raise
-        log.warning("%s -- profiling now (takes up to a minute)", e)
+        log.warning("%s -- profiling now (under a minute on quiet cores; minutes on a busy machine)", e)
     model = profile(obj, None, grid=grid, progress=progress, budget_s=budget_s)
     try:
         model.save(path)

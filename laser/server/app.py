@@ -39,9 +39,17 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 
 
+class _BodyTooLarge(StarletteHTTPException):
+    """Raised from the guarded ``receive`` once a body passes the limit; FastAPI re-raises an
+    HTTPException met while reading the body, so it reaches :func:`build_app`'s handler."""
+
+    error_code = "request_too_large"
+
+
 class _Guard:
     """Pure-ASGI middleware (keeps disconnect detection intact): Bearer API key on ``/v1``
-    routes, and a request-body size limit."""
+    routes, and a request-body size limit: by ``Content-Length`` before anything is read, and
+    by counting the bytes received (a chunked body has no ``Content-Length``)."""
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int, on_reject: Callable[[str], None]):
         self.app = app
@@ -69,9 +77,24 @@ class _Guard:
                 too_big = False
             if too_big:
                 self.on_reject("too_large")
-                resp = error_response(413, f"request body larger than {self.max_body_bytes} bytes", "request_too_large")
+                resp = error_response(413, self._too_large_message(), "request_too_large")
                 return await resp(scope, receive, send)
-        await self.app(scope, receive, send)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            msg = await receive()
+            if msg["type"] == "http.request":
+                received += len(msg.get("body", b""))
+                if received > self.max_body_bytes:
+                    self.on_reject("too_large")
+                    raise _BodyTooLarge(413, self._too_large_message())
+            return msg
+
+        await self.app(scope, limited_receive, send)
+
+    def _too_large_message(self) -> str:
+        return f"request body larger than {self.max_body_bytes} bytes"
 
 
 
@@ -145,7 +168,15 @@ def build_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail), None, None, getattr(exc, "headers", None))
+        code = getattr(exc, "error_code", None)
+        detail = str(exc.detail)
+        if exc.status_code == 400 and code is None and exc.__cause__ is not None:
+            # FastAPI's "There was an error parsing the body": JSON it cannot even decode
+            # (invalid UTF-8, nesting deeper than the parser's recursion limit), a broken form
+            metrics.reject("invalid")
+            kind = "JSON" if "json" in request.headers.get("content-type", "") else "request"
+            code, detail = "invalid_value", f"malformed {kind} body: {exc.__cause__}"
+        return error_response(exc.status_code, detail, code, None, getattr(exc, "headers", None))
 
     @app.exception_handler(EngineStepError)
     async def _step_error(request: Request, exc: EngineStepError):

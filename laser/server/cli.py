@@ -94,6 +94,26 @@ def build_cluster(args):
                          max_restarts=args.instance_restarts)
 
 
+def port_unavailable(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on now, or None. Checked before the model loads
+    (minutes on first use: dequantising, profiling), so a taken port is reported at once;
+    uvicorn binds it again when it starts (SO_REUSEADDR, as uvicorn does)."""
+    import socket
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        return str(e)
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
 def cmd_serve(args) -> int:
     import uvicorn
 
@@ -103,6 +123,10 @@ def cmd_serve(args) -> int:
 
     if args.max_waiting < 1:
         print("laser: error: --max-waiting must be >= 1", file=sys.stderr)
+        return 2
+    busy = port_unavailable(args.host, args.port)
+    if busy is not None:
+        print(f"laser: error: cannot listen on {args.host}:{args.port}: {busy}", file=sys.stderr)
         return 2
     if args.prefill_instances or args.decode_instances or args.mixed_instances:
         engine = build_cluster(args)
