@@ -50,8 +50,9 @@ def test_timeout_is_marked_timed_out(monkeypatch):
 
 def test_the_instances_own_error_passes_through(monkeypatch):
     err = rex.RayTaskError("adopt", "Traceback ...", KeyError("stale hand-off of r"))
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError) as info:
         _handle(monkeypatch, err)._get(None, 1.0)
+    assert str(info.value) == "'stale hand-off of r'"  # its own message, no remote traceback
 
 
 def test_a_lost_argument_producer_is_an_instance_failure(monkeypatch):

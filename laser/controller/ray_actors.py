@@ -94,7 +94,9 @@ class RayHandle(InstanceHandle):
         except RayTaskError as e:
             if isinstance(getattr(e, "cause", None), RayError):  # an argument's producer died (hand-off source)
                 raise InstanceFailure(self.instance_id, f"dependency lost: {type(e.cause).__name__}") from e
-            raise e.as_instanceof_cause() from None
+            # the instance's own exception, as it raised it: its message, not Ray's wrapper (whose
+            # text carries the remote traceback, ANSI colours, pid, IP and actor id into an HTTP error)
+            raise (e.cause if isinstance(e.cause, Exception) else e.as_instanceof_cause()) from None
         except RayError as e:  # OutOfMemoryError, WorkerCrashedError, ObjectLostError, NodeDiedError, ...
             raise InstanceFailure(self.instance_id, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}") from e
 
