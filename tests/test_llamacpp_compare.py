@@ -75,6 +75,9 @@ def test_tables_take_the_full_probe_and_render_missing_values_as_dashes():
     assert g[3] == "| llama.cpp | below range | 0.00 | - | - |"
     d = cmp_.decode_table(blocks, [1, 32]).splitlines()
     assert d[2:] == ["| laser | 10.0 | 100.0 |", "| llama.cpp | 50.0 | n/a |"]
+    # a workload that passes even as one burst has no knee: never shown as a plain goodput figure
+    blocks["laser"].update(goodput_rps=0.5, goodput_unbounded=True)
+    assert goodput_table(blocks, first_col="server").splitlines()[2].startswith("| laser | unbounded (no knee")
 
 
 def test_build_commands_are_cpu_only_static_native_and_server_only(tmp_path):

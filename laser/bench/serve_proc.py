@@ -221,6 +221,8 @@ def goodput_table(blocks: dict[str, dict], first_col: str = "layout") -> str:
         gs = "n/a" if g is None else (">= " if b.get("goodput_lower_bound") else "") + f"{g:.3f}"
         if b.get("goodput_below_range"):
             gs = f"< {g:.3f}" if g else "below range"
+        if b.get("goodput_unbounded"):
+            gs = "unbounded (no knee: the whole workload at once passes)"
         p = _probe_at(b, ref) if ref is not None else None
         p = p or {}
         cells = [_fmt(p.get("attainment"), "{:.2f}"), _fmt(p.get("mean_ttft_s"), "{:.2f} s"),
