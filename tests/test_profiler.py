@@ -67,6 +67,7 @@ def test_profile_gives_usable_model(engine, fitted):
 def test_profile_round_trips_through_its_file(engine, fitted, tmp_path, monkeypatch):
     path = fitted.save(tmp_path / "p.json")
     monkeypatch.setattr(profiler.pipeline, "profile", lambda *a, **k: pytest.fail("re-profiled a valid profile"))
+    monkeypatch.setattr(profiler.pipeline, "machine_ratio", lambda model, runner: 1.0)  # (timing: its own test)
     lm = profiler.load_or_create(engine, path)
     assert isinstance(lm, FittedLatencyModel)
     assert lm.metadata["shape"] == fitted.metadata["shape"]
@@ -332,3 +333,34 @@ def test_profiled_calls_run_the_models_own_layer_functions(engine, monkeypatch):
     layer()
     assert seen[0][0] == "forward_layer" and [n for n, _ in seen[1:]] == ["qkv", "attend", "finish_layer"]
     engine.kv_cache.block_manager.check_integrity(expect_empty=True)
+
+
+def test_machine_ratio_compares_the_machine_now_with_the_profile(engine, fitted):
+    """A profile that still holds reads ~1x; one that predicts every layer call 1 s slower is
+    seen as far off (the check that replaces a stale cached profile at engine start)."""
+    import dataclasses
+
+    r = profiler.pipeline.machine_ratio(fitted, engine.runner)
+    assert 0.4 < r < 2.5, r
+    slow = dataclasses.replace(fitted, layer_overhead_s=fitted.layer_overhead_s + 1.0)
+    assert profiler.pipeline.machine_ratio(slow, engine.runner) < 0.05
+    engine.kv_cache.block_manager.check_integrity(expect_empty=True)  # the check leaves the pool as it was
+
+
+@pytest.mark.parametrize("ratio, reprofiled", [(1.3, False), (0.7, False), (2.3, True), (0.4, True)])
+def test_a_stale_cached_profile_is_replaced_at_engine_start(engine, fitted, tmp_path, caplog, monkeypatch,
+                                                            ratio, reprofiled):
+    """A cached profile made on a busier (or quieter) machine mispredicts every step; off by more
+    than STALE_RATIO it is re-made (a 2.3x pessimistic one judged a 0.4 s chat TBT infeasible on
+    the real engine); within it, it is kept. ``create=False`` never re-profiles."""
+    path = fitted.save(tmp_path / "p.json")
+    monkeypatch.setattr(profiler.pipeline, "machine_ratio", lambda model, runner: ratio)
+    made = []
+    monkeypatch.setattr(profiler.pipeline, "profile", lambda *a, **k: made.append(1) or fitted)
+    with caplog.at_level(logging.INFO, logger="laser.profiler"):
+        profiler.load_or_create(engine, path)
+    assert bool(made) == reprofiled
+    assert ("profiling now" in caplog.text) == reprofiled
+    made.clear()
+    profiler.load_or_create(engine, path, create=False)
+    assert not made

@@ -303,6 +303,38 @@ def default_path(obj, threads: int | None = None) -> Path:
     return default_profile_path(m["model_id"], m["dtype"], m["hardware"], m["threads"])
 
 
+#: A cached profile whose predictions of the reference calls are off by more than this factor
+#: (either way) on the machine as it runs now is replaced at engine start.
+STALE_RATIO = 1.6
+
+
+def machine_ratio(model: FittedLatencyModel, runner: ModelRunner, repeats: int = 5) -> float:
+    """How this machine runs the :func:`reference_cases` now against ``model``'s predictions:
+    the geometric mean over the two reference layer calls of (fastest of ``repeats`` timed
+    repeats, each a burst of >= 5 ms of back-to-back calls, after one untimed call) /
+    ``model.layer_time`` -- 1.0 when the profile still holds, > 1
+    when the machine is now slower than the profile says. Takes ~10 layer calls (well under a
+    second for SmolLM2 on one core). The check of :func:`load_or_create` (issue "Keep tight SLOs
+    under pressure": a profile made on a loaded machine predicted a 0.4 s chat TBT infeasible
+    on a quiet one, so Laser stopped protecting it)."""
+    calls = ExecutorCalls(runner)
+    logs = []
+    for case in reference_cases(calls):
+        _, q, c = case.key
+        burst = max(1, int(np.ceil(0.005 / max(_timed(case.run, 1), 1e-7))))  # >= 5 ms per repeat
+        best = min(_timed(case.run, burst) for _ in range(repeats))
+        logs.append(np.log(best / max(model.layer_time(q, c), 1e-9)))
+    return float(np.exp(np.mean(logs)))
+
+
+def _timed(fn, n: int) -> float:
+    """Mean seconds of ``n`` back-to-back calls of ``fn``."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n
+
+
 def load_or_create(engine_or_model_runner, path: str | os.PathLike | None = None, create: bool = True, *,
                    progress: bool | None = None, grid: ProfileGrid | None = None,
                    budget_s: float = 40.0) -> FittedLatencyModel:
@@ -312,7 +344,9 @@ def load_or_create(engine_or_model_runner, path: str | os.PathLike | None = None
 
     A missing, unreadable, corrupt or mismatching file is logged (why, and that a new
     profile is being made) and replaced; it never raises for that, unless
-    ``create=False``, which raises :class:`LatencyProfileError` instead of profiling.
+    ``create=False``, which raises :class:`LatencyProfileError` instead of profiling. With
+    ``create``, a loaded profile is also checked against the machine as it runs now
+    (:func:`machine_ratio`); one off by more than :data:`STALE_RATIO` either way is replaced.
     A profile that cannot be saved is logged and still returned.
     """
     obj = engine_or_model_runner
@@ -325,7 +359,15 @@ def load_or_create(engine_or_model_runner, path: str | os.PathLike | None = None
     try:
         model = FittedLatencyModel.load(path, **expect)
         log.info("latency profile loaded from %s", path)
-        return model
+        if not create:
+            return model
+        ratio = machine_ratio(model, runner)
+        if 1 / STALE_RATIO <= ratio <= STALE_RATIO:
+            log.info("latency profile matches this machine now (reference calls at %.2fx its predictions)", ratio)
+            return model
+        log.warning("the latency profile in %s predicts this machine %.2fx %s than it runs its reference calls "
+                    "now (a profile made on a busier or quieter machine): SLO planning would be wrong -- "
+                    "profiling now", path, ratio if ratio > 1 else 1 / ratio, "faster" if ratio > 1 else "slower")
     except LatencyProfileError as e:
         if not create:
             raise
