@@ -495,8 +495,6 @@ class ClusterEngine:
                 c.handle.result(c, timeout=c.handle.call_timeout_s if wait else 0.0)
             except InstanceFailure as e:
                 self._fail_instance(e.instance_id, e)
-            except concurrent.futures.TimeoutError:  # (an in-process handle's future)
-                self._fail_instance(c.handle.instance_id, "confirm not answered in time", timed_out=True)
 
     def _lost_handoff(self, t: _Tracked, tr: _Transfer, e: KeyError) -> None:
         """A hand-off one side no longer knows (aborted there): nothing when ``t`` is gone or moved

@@ -70,8 +70,13 @@ class InstanceHandle(Instance):
         raise NotImplementedError
 
     def result(self, call: Call, timeout: float | None = 0.0):
-        """The finished ``call``'s result, mapping a lost instance to InstanceFailure."""
-        return call.future.result(timeout)
+        """The finished ``call``'s result, mapping a lost instance -- or no answer within
+        ``timeout`` seconds (``timed_out``) -- to InstanceFailure."""
+        try:
+            return call.future.result(timeout)
+        except concurrent.futures.TimeoutError as e:
+            raise InstanceFailure(self.instance_id, f"no answer to {call.method} within {timeout:.3g} s",
+                                  timed_out=True) from e
 
     def kill(self, restart: bool = False) -> None:
         """End the instance's process (tests, chaos drills); ``restart``: let its host start it

@@ -92,11 +92,12 @@ class RayHandle(InstanceHandle):
         except RayActorError as e:
             raise InstanceFailure(self.instance_id, f"actor died: {type(e).__name__}") from e
         except RayTaskError as e:
-            if isinstance(getattr(e, "cause", None), RayError):  # an argument's producer died (hand-off source)
-                raise InstanceFailure(self.instance_id, f"dependency lost: {type(e.cause).__name__}") from e
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, RayError):  # an argument's producer died (hand-off source)
+                raise InstanceFailure(self.instance_id, f"dependency lost: {type(cause).__name__}") from e
             # the instance's own exception, as it raised it: its message, not Ray's wrapper (whose
             # text carries the remote traceback, ANSI colours, pid, IP and actor id into an HTTP error)
-            raise (e.cause if isinstance(e.cause, Exception) else e.as_instanceof_cause()) from None
+            raise (cause if isinstance(cause, Exception) else e.as_instanceof_cause()) from None
         except RayError as e:  # OutOfMemoryError, WorkerCrashedError, ObjectLostError, NodeDiedError, ...
             raise InstanceFailure(self.instance_id, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}") from e
 

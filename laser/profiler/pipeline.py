@@ -310,29 +310,20 @@ STALE_RATIO = 1.6
 
 def machine_ratio(model: FittedLatencyModel, runner: ModelRunner, repeats: int = 5) -> float:
     """How this machine runs the :func:`reference_cases` now against ``model``'s predictions:
-    the geometric mean over the two reference layer calls of (fastest of ``repeats`` timed
-    repeats, each a burst of >= 5 ms of back-to-back calls, after one untimed call) /
-    ``model.layer_time`` -- 1.0 when the profile still holds, > 1
-    when the machine is now slower than the profile says. Takes ~10 layer calls (well under a
-    second for SmolLM2 on one core). The check of :func:`load_or_create` (issue "Keep tight SLOs
-    under pressure": a profile made on a loaded machine predicted a 0.4 s chat TBT infeasible
-    on a quiet one, so Laser stopped protecting it)."""
-    calls = ExecutorCalls(runner)
+    the geometric mean over the two reference layer calls of (their :class:`Bench` estimate over
+    ``repeats`` repeats, each a burst of >= 5 ms of back-to-back calls, after one untimed call)
+    / ``model.layer_time`` -- 1.0 when the profile still holds, > 1 when the machine is now
+    slower than the profile says. Takes ~10 layer calls (well under a second for SmolLM2 on one
+    core). The check of :func:`load_or_create` (issue "Keep tight SLOs under pressure": a
+    profile made on a loaded machine predicted a 0.4 s chat TBT infeasible on a quiet one, so
+    Laser stopped protecting it)."""
+    cases = reference_cases(ExecutorCalls(runner))
+    Bench(min_rounds=repeats, max_rounds=repeats, tol=0.0, burst_s=0.005, max_burst=100_000, psi=None).run(cases)
     logs = []
-    for case in reference_cases(calls):
-        _, q, c = case.key
-        burst = max(1, int(np.ceil(0.005 / max(_timed(case.run, 1), 1e-7))))  # >= 5 ms per repeat
-        best = min(_timed(case.run, burst) for _ in range(repeats))
-        logs.append(np.log(best / max(model.layer_time(q, c), 1e-9)))
+    for case in cases:
+        _, q, ctx = case.key
+        logs.append(np.log(case.estimate() / max(model.layer_time(q, ctx), 1e-9)))
     return float(np.exp(np.mean(logs)))
-
-
-def _timed(fn, n: int) -> float:
-    """Mean seconds of ``n`` back-to-back calls of ``fn``."""
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t0) / n
 
 
 def load_or_create(engine_or_model_runner, path: str | os.PathLike | None = None, create: bool = True, *,
