@@ -5,7 +5,11 @@ Measures, interleaved in one run (so both see the same machine state):
   - prefill tokens/s at 512 prompt tokens (one request);
   - the machine's memory read bandwidth (a sum over a tensor far larger than the caches),
     and from it the batch-1 decode limit: bandwidth / bytes read per step (all weights,
-    LM head included, plus the K/V read), and the fraction of it each engine reaches.
+    LM head included, plus the K/V read), and the fraction of it each engine reaches;
+  - the machine's matmul peak (a large square matmul in the run's dtype, best of several)
+    and from it the compute limit of a prefill: its FLOPs (every layer's projections and
+    MLP over the prompt, causal attention, the LM head for the last token) over the peak,
+    the fraction of it each engine reaches, and the highest laser/HF ratio that limit allows.
 Prints our/HF ratios. Targets (issue 15): decode >= 1.5x HF at batch 1 and 32, prefill
 >= 1.3x at 512 tokens (bf16 on an AMX CPU, fp32 on an AVX2-only one).
 
@@ -95,6 +99,31 @@ def read_bandwidth(nbytes: int = 1 << 29, tries: int = 3) -> float:
     return nbytes / best
 
 
+def matmul_peak(dtype: torch.dtype, n: int = 2048, tries: int = 5) -> float:
+    """Best-of-``tries`` FLOP/s of one ``n`` x ``n`` by ``n`` x ``n`` matmul in ``dtype`` with
+    torch's threads: the compute ceiling the prefill's large matmuls can approach."""
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(tries):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best
+
+
+def prefill_flops(engine: Engine, length: int) -> float:
+    """FLOPs of a ``length``-token prefill: per layer the Q/K/V/O projections and the gated
+    MLP over every token (2 FLOPs per multiply-add), causal attention (QK^T and PV over
+    ``length * (length + 1) / 2`` query-key pairs), and the LM head for the last token only."""
+    c = engine.model_config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    per_token_layer = 2 * (c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size)
+    attention = 2 * 2 * q * length * (length + 1) / 2
+    return c.num_layers * (per_token_layer * length + attention) + 2 * c.hidden_size * c.vocab_size
+
+
 def decode_step_bytes(engine: Engine, context: int) -> int:
     """Bytes one batch-1 decode step must read: every weight once (LM head included) plus
     the request's K/V over ``context`` positions in every layer."""
@@ -142,7 +171,7 @@ def main() -> None:
     # warm-up both
     ours_decode(engine, 2, 16, 4)
     hf_decode(hf, 2, 16, 4)
-    bandwidths = []
+    bandwidths, peaks = [], []
     for kind, x in cases:
         ours, theirs = [], []
         for _ in range(args.repeats):
@@ -154,6 +183,7 @@ def main() -> None:
             else:
                 ours.append(ours_prefill(engine, x))
                 theirs.append(hf_prefill(hf, x))
+                peaks.append(matmul_peak(dtype))
         o, h = statistics.median(ours), statistics.median(theirs)
         rows.append({"kind": kind, "size": x, "laser_tok_s": o, "hf_tok_s": h, "ratio": o / h,
                      "laser_all": ours, "hf_all": theirs})
@@ -171,6 +201,20 @@ def main() -> None:
         rows.append({"kind": "bandwidth", "read_gb_s": bw / 1e9, "all_gb_s": [b / 1e9 for b in bandwidths],
                      "step_mb": step / 1e6, "limit_tok_s": limit,
                      "laser_fraction": b1["laser_tok_s"] / limit, "hf_fraction": b1["hf_tok_s"] / limit})
+    if peaks:
+        peak = statistics.median(peaks)
+        print(f"matmul peak {peak / 1e9:.1f} GFLOP/s (median of {len(peaks)}; max {max(peaks) / 1e9:.1f}; "
+              f"2048^3 {args.dtype})")
+        for r in [r for r in rows if r["kind"] == "prefill"]:
+            per_tok = prefill_flops(engine, r["size"]) / r["size"]
+            limit = peak / per_tok
+            r.update({"flops_per_token": per_tok, "compute_limit_tok_s": limit,
+                      "laser_compute_fraction": r["laser_tok_s"] / limit, "hf_compute_fraction": r["hf_tok_s"] / limit,
+                      "max_ratio_at_peak": limit / r["hf_tok_s"]})
+            print(f"prefill {r['size']} tokens: {per_tok / 1e6:.0f} MFLOP per token -> compute limit {limit:.0f} tok/s; "
+                  f"laser reaches {r['laser_compute_fraction']:.0%}, HF {r['hf_compute_fraction']:.0%}; "
+                  f"at the peak laser/HF could be at most {r['max_ratio_at_peak']:.2f}x")
+        rows.append({"kind": "matmul_peak", "gflop_s": peak / 1e9, "all_gflop_s": [p / 1e9 for p in peaks]})
     engine.check_integrity(expect_empty=True)
     if args.json:
         with open(args.json, "w") as f:
