@@ -87,7 +87,7 @@ class Linear:
     """
 
     __slots__ = ("w", "wt", "packed", "b")
-    PACKED_MAX_ROWS = 48
+    PACKED_MAX_ROWS = 64  # the crossover measured at 48-64 rows; 64 is a segment edge of the profile fits
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None = None):
         self.b = b
