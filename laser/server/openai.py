@@ -1,5 +1,5 @@
 """OpenAI-compatible generation routes: ``/v1/completions``, ``/v1/chat/completions``,
-``/v1/models`` and the Laser extension ``/v1/slo_classes``."""
+``/v1/models[/{id}]`` and the Laser extension ``/v1/slo_classes``."""
 
 from __future__ import annotations
 
@@ -33,9 +33,19 @@ def router(srv: Generation) -> APIRouter:
     router = APIRouter()
     ae, names, errors = srv.ae, srv.names, ERRORS
 
+    cards = {n: ModelCard(id=n, max_model_len=ae.max_model_len) for n in names}  # created: when the app was built
+
     @router.get("/v1/models", response_model=ModelList)
     async def models():
-        return ModelList(data=[ModelCard(id=n, max_model_len=ae.max_model_len) for n in names])
+        return ModelList(data=list(cards.values()))
+
+    @router.get("/v1/models/{model:path}", response_model=ModelCard,
+                responses={404: {"model": ErrorResponse, "description": "no such model"}})
+    async def model(model: str):
+        """One served model (OpenAI's ``models.retrieve``); ``model`` may hold slashes (``org/name``)."""
+        if model not in cards:
+            raise srv.unknown_model(model, 404)
+        return cards[model]
 
     @router.get("/v1/slo_classes")
     async def slo_classes():
