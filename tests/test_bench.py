@@ -103,6 +103,41 @@ def test_goodput_edges_and_reference_rate():
     assert reference_rate(res) == pytest.approx(0.5)  # no baseline passes: lowest common rate
 
 
+def test_one_goodput_text_for_every_report():
+    """Each kind of goodput (measured, capped lower bound, below the range, unbounded) reads the
+    same in the summary block, the comparison table (without the notes, explained under it) and
+    the Markdown table of the end-to-end benchmarks, which reads the JSON back."""
+    from laser.bench import report
+    from laser.bench.serve_proc import goodput_table
+
+    log: list = []
+    knees = {"laser": 1.0, "low": 0.01, "high": 100.0, "all": math.inf}
+    bench = Benchmark({lb: KneeTarget(lb, k, log) for lb, k in knees.items()},
+                      [wreq("code", 5, 1) for _ in range(20)], paper_slos(), burstiness=1e9)
+    res = bench.goodput(0.5, 2.0, grid_points=3, bisect_steps=3, max_doublings=3)
+    want = {"laser": f"{res['laser'].goodput_rps:.3f}", "low": "<0.062 (every probe failed)",
+            "high": ">=16.000 (cap: 3 doublings)", "all": "unbounded (no knee: the whole workload at once passes)"}
+    short = {"laser": want["laser"], "low": "<0.062", "high": ">=16.000", "all": "unbounded"}
+    assert {lb: g.display() for lb, g in res.items()} == want
+    assert {lb: g.display(notes=False) for lb, g in res.items()} == short
+    for lb, g in res.items():
+        p = g.probes[0]
+        block = report.format_summary(p.records, p.summary, rate=p.rate, goodput=g)
+        line = next(ln for ln in block.splitlines() if ln.startswith("Goodput (req/s):"))
+        assert line.removeprefix("Goodput (req/s):").strip() == want[lb], block
+    results = json.loads(json.dumps(report.sanitize(
+        {"policies": {lb: report.policy_json(lb, {}, None, g) for lb, g in res.items()}})))
+    table = report.format_comparison(results).splitlines()
+    for lb in res:
+        row = next(r for r in table if r.startswith(lb + " "))
+        assert row.split()[1] == short[lb], row
+    assert any(r.startswith(">= : the search cap") and "high: 3 doublings" in r for r in table)
+    assert any(r.startswith("unbounded: ") for r in table) and any(r.startswith("< : every probe") for r in table)
+    md = goodput_table(results["policies"]).splitlines()
+    for lb in res:
+        assert next(r for r in md if r.startswith(f"| {lb} |")).split(" | ")[1] == want[lb]
+
+
 def test_search_extends_until_every_policy_fails():
     """Knees far above the grid (and one below it): the search doubles (halves) until each
     target has failed (passed) a probe, then bisects; no result is a lower bound."""

@@ -72,7 +72,7 @@ def test_tables_take_the_full_probe_and_render_missing_values_as_dashes():
     g = goodput_table(blocks, first_col="server").splitlines()
     assert g[0].startswith("| server | goodput (req/s) | attainment @ 0.2 req/s")
     assert g[2] == "| laser | 0.200 | 1.00 | 0.50 s | 0.10 s |"
-    assert g[3] == "| llama.cpp | below range | 0.00 | - | - |"
+    assert g[3] == "| llama.cpp | <0.200 (every probe failed) | 0.00 | - | - |"
     d = cmp_.decode_table(blocks, [1, 32]).splitlines()
     assert d[2:] == ["| laser | 10.0 | 100.0 |", "| llama.cpp | 50.0 | n/a |"]
     # a workload that passes even as one burst has no knee: never shown as a plain goodput figure

@@ -473,7 +473,7 @@ def cmd_bench(args) -> int:
             policies_json[lb]["budget_sweep"] = budget_sweeps[lb].to_json()
         extra = {"Policy / target": f"{lb} ({mode}{', disaggregated' if args.disaggregated else ''})"}
         print(report.format_summary(p.records, p.summary, rate=p.rate, simulated=simulated,
-                                    goodput=g.goodput_rps if g is not None else None, extra=extra))
+                                    goodput=g, extra=extra))
     results = {
         "benchmark": "laser bench",
         "simulated": simulated,

@@ -73,16 +73,22 @@ class GoodputResult:
     capped: str | None = None
     unbounded: bool = False
 
-    def display(self, nd: int = 3) -> str:
-        """``"1.234"``, ``">=1.234 (cap: ...)"``, ``"<0.100"`` or ``"unbounded (...)"``."""
-        if self.unbounded:
-            return "unbounded (a burst of the whole workload passes)"
-        if self.lower_bound:
-            return f">={self.goodput_rps:.{nd}f} (cap: {self.capped})"
-        if self.below_range:
-            low = min((p.rate for p in self.probes if p.rate is not None), default=0.0)
-            return f"<{low:.{nd}f}"
-        return f"{self.goodput_rps:.{nd}f}"
+    def display(self, nd: int = 3, notes: bool = True) -> str:
+        """This goodput as text: see :func:`format_goodput`."""
+        return format_goodput(self.goodput_rps, lower_bound=self.lower_bound, below_range=self.below_range,
+                              unbounded=self.unbounded, capped=self.capped,
+                              lowest_rate=min((p.rate for p in self.probes if p.rate is not None), default=None),
+                              nd=nd, notes=notes)
+
+    def to_json(self) -> dict:
+        """The ``goodput_*`` fields of a policy's JSON block (read back by :func:`display_goodput_json`)."""
+        return {"goodput_rps": self.goodput_rps, "goodput_lower_bound": self.lower_bound,
+                "goodput_below_range": self.below_range,
+                # why the search stopped before this policy failed a probe (then goodput is a lower bound)
+                "goodput_capped": self.capped,
+                # even the whole workload arriving at once passed: every rate passes (no knee)
+                "goodput_unbounded": self.unbounded,
+                "goodput_bracket_rps": list(self.bracket) if self.bracket else None}
 
     def class_goodput(self, target: float) -> dict[str, float]:
         """Per class: the highest probed rate at which the class's attainment passes, with
@@ -100,6 +106,50 @@ class GoodputResult:
                 g = p.rate or 0.0
             out[c] = g
         return out
+
+
+# the ``goodput_*`` fields of a policy block with no goodput search
+NO_GOODPUT_JSON = {"goodput_rps": None, "goodput_lower_bound": False, "goodput_below_range": False,
+                   "goodput_capped": None, "goodput_unbounded": False, "goodput_bracket_rps": None}
+
+
+def format_goodput(goodput_rps: float | None, *, lower_bound: bool = False, below_range: bool = False,
+                   unbounded: bool = False, capped: str | None = None, lowest_rate: float | None = None,
+                   nd: int = 3, notes: bool = True) -> str:
+    """The one text of a goodput (req/s) for every report: ``laser bench``'s summary and
+    comparison table, the Markdown tables of the end-to-end benchmarks, the JSON of
+    ``benchmarks/robustness.py`` and of a ``:best`` budget sweep.
+
+    * ``"unbounded (no knee: ...)"``: the workload passed even as one burst (no rate fails);
+    * ``">=1.234 (cap: time cap 900 s)"``: a cap stopped the search before a probe failed;
+    * ``"<0.100 (every probe failed)"``: every probe failed, down to ``lowest_rate``
+      (``"below range"`` when that rate is not known);
+    * ``"1.234"``: a measured goodput; ``"-"``: no goodput (no search ran).
+
+    ``notes=False`` drops the parenthesised notes, for a table that explains the marks under it.
+    The flags are those of :class:`GoodputResult` (at most one of them holds).
+    """
+    if unbounded:
+        return "unbounded" + (" (no knee: the whole workload at once passes)" if notes else "")
+    if below_range:
+        if lowest_rate is None or not math.isfinite(lowest_rate):
+            return "below range"
+        return f"<{lowest_rate:.{nd}f}" + (" (every probe failed)" if notes else "")
+    if goodput_rps is None:
+        return "-"
+    if lower_bound:
+        return f">={goodput_rps:.{nd}f}" + (f" (cap: {capped})" if notes and capped else "")
+    return f"{goodput_rps:.{nd}f}"
+
+
+def display_goodput_json(block: dict, nd: int = 3, notes: bool = True) -> str:
+    """:func:`format_goodput` of a policy's JSON block (``laser bench --json``: the fields of
+    :meth:`GoodputResult.to_json`, the lowest rate from its ``probes``' ``rate_rps``)."""
+    rates = [p["rate_rps"] for p in block.get("probes") or () if p.get("rate_rps") is not None]
+    return format_goodput(block.get("goodput_rps"), lower_bound=bool(block.get("goodput_lower_bound")),
+                          below_range=bool(block.get("goodput_below_range")),
+                          unbounded=bool(block.get("goodput_unbounded")), capped=block.get("goodput_capped"),
+                          lowest_rate=min(rates, default=None), nd=nd, notes=notes)
 
 
 def geometric_grid(lo: float, hi: float, n: int) -> list[float]:

@@ -15,6 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
+from laser.bench.goodput import NO_GOODPUT_JSON, GoodputResult, display_goodput_json
 from laser.bench.workloads import WORKLOADS
 from laser.metrics import PERCENTILE_METHOD, RequestRecord, RunSummary
 
@@ -49,9 +50,10 @@ def _line(label: str, value) -> str:
 
 
 def format_summary(records: Sequence[RequestRecord], summary: RunSummary, title: str = "Serving Benchmark Result",
-                   rate: float | None = None, simulated: bool = False, goodput: float | None = None,
+                   rate: float | None = None, simulated: bool = False, goodput: GoodputResult | None = None,
                    extra: dict | None = None) -> str:
-    """The summary block of one run (one target at one rate)."""
+    """The summary block of one run (one target at one rate); ``goodput``: the target's goodput
+    search result, shown as :meth:`GoodputResult.display` (no line without one)."""
     t = f" {title}{' ' + SIM_TAG if simulated else ''} "
     o = summary.overall
     started = [r for r in records if r.token_times]
@@ -95,7 +97,7 @@ def format_summary(records: Sequence[RequestRecord], summary: RunSummary, title:
         lines.append(_line(f"  {c} (%):", f"{att}{tgt}"))
         lines.append(_line(f"  {c} mean TTFT / P99 ITL (ms):", f"{_ms(cs.ttft_mean)} / {_ms(cs.tbt_p99)}"))
     if goodput is not None:
-        lines.append(_line("Goodput (req/s):", _num(goodput, 3)))
+        lines.append(_line("Goodput (req/s):", goodput.display()))
     lines.append("=" * WIDTH)
     return "\n".join(lines)
 
@@ -133,10 +135,12 @@ def comparison_rows(policies: dict[str, dict], ours: str = "laser") -> list[dict
         # no ratio against or of a goodput without a knee (the workload passed as one burst)
         no_knee = d.get("goodput_unbounded", False) or bool(best and policies[best].get("goodput_unbounded"))
         ratio = (g / best_g) if (g is not None and best_g and not (no_knee and lb != best)) else None
-        rows.append({"policy": lb, "goodput_rps": g, "ratio": ratio, "mean_ttft_s": d.get("mean_ttft_s"),
-                     "attainment": d.get("attainment"), "p99_tbt_s": d.get("p99_tbt_s"),
-                     "lower_bound": d.get("goodput_lower_bound", False), "best_baseline": lb == best,
-                     "capped": d.get("goodput_capped"), "unbounded": d.get("goodput_unbounded", False), "below_range": d.get("goodput_below_range", False),
+        rows.append({"policy": lb, "goodput_rps": g, "goodput": display_goodput_json(d, notes=False), "ratio": ratio,
+                     "mean_ttft_s": d.get("mean_ttft_s"), "attainment": d.get("attainment"),
+                     "p99_tbt_s": d.get("p99_tbt_s"), "lower_bound": d.get("goodput_lower_bound", False),
+                     "best_baseline": lb == best, "capped": d.get("goodput_capped"),
+                     "unbounded": d.get("goodput_unbounded", False),
+                     "below_range": d.get("goodput_below_range", False),
                      "best_budget": (d.get("budget_sweep") or {}).get("best_budget"),
                      "partial": d.get("reference_probe_early_stopped", False)})
     return rows
@@ -162,20 +166,9 @@ def format_comparison(results: dict, ours: str = "laser") -> str:
     w = max([12] + [len(_policy_name(r)) for r in rows])
     lines.append(f"{'policy':<{w}} {'goodput (req/s)':>16} {'vs best baseline':>17} {'mean TTFT (ms)':>15} "
                  f"{'attainment':>11} {'P99 ITL (ms)':>13}")
-    capped = []
+    capped = [f"{r['policy']}: {r['capped']}" for r in rows if r["lower_bound"]]
     for row in rows:
-        g = row["goodput_rps"]
-        if g is None:
-            gs = "-"
-        elif row["lower_bound"]:
-            gs = f">={g:.3f}"
-            capped.append(f"{row['policy']}: {row['capped']}")
-        elif row["unbounded"]:
-            gs = "unbounded"
-        elif row["below_range"]:
-            gs = "0 (<lowest)"
-        else:
-            gs = f"{g:.3f}"
+        gs = row["goodput"]
         ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"
         if row["best_baseline"]:
             ratio += " (best)"
@@ -188,6 +181,8 @@ def format_comparison(results: dict, ours: str = "laser") -> str:
         lines.append("unbounded: the whole workload arriving at once still met the attainment target (no knee)")
     if capped:
         lines.append(">= : the search cap was hit before the policy failed a probe (" + "; ".join(capped) + ")")
+    if any(r["below_range"] for r in rows):
+        lines.append("< : every probe failed, down to the lowest rate probed")
     if any(r["partial"] for r in rows):
         lines.append("* stopped early at the reference rate (certain to fail): its columns cover the part that ran")
     comp = results.get("comparison") or {}
@@ -248,14 +243,7 @@ def policy_json(label: str, targets: dict, ref_probe=None, goodput=None, attainm
     s = ref_probe.summary if ref_probe is not None else None
     o = s.overall if s is not None else None
     d = {
-        "goodput_rps": goodput.goodput_rps if goodput is not None else None,
-        "goodput_lower_bound": goodput.lower_bound if goodput is not None else False,
-        "goodput_below_range": goodput.below_range if goodput is not None else False,
-        # why the search stopped before this policy failed a probe (then goodput is a lower bound)
-        "goodput_capped": goodput.capped if goodput is not None else None,
-        # even the whole workload arriving at once passed: every rate passes (no knee)
-        "goodput_unbounded": goodput.unbounded if goodput is not None else False,
-        "goodput_bracket_rps": list(goodput.bracket) if goodput is not None and goodput.bracket else None,
+        **(goodput.to_json() if goodput is not None else NO_GOODPUT_JSON),
         "reference_rate_rps": ref_probe.rate if ref_probe is not None else None,
         # the reference probe stopped once it certainly failed: its latencies cover only what ran
         "reference_probe_early_stopped": bool(ref_probe is not None and ref_probe.early_stopped),

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import httpx
 
+from laser.bench.goodput import display_goodput_json
+
 REPO = Path(__file__).resolve().parent.parent.parent
 
 
@@ -207,7 +209,8 @@ def _probe_at(block: dict, rate: float) -> dict | None:
 
 
 def goodput_table(blocks: dict[str, dict], first_col: str = "layout") -> str:
-    """Markdown table of :func:`run_goodput_search` blocks by name: goodput, then attainment /
+    """Markdown table of :func:`run_goodput_search` blocks by name: goodput (as
+    :func:`~laser.bench.goodput.display_goodput_json` writes it), then attainment /
     mean TTFT / P99 TBT at the highest rate every server was probed at not above the lowest
     goodput (the common reference rate)."""
     common = set.intersection(*({p["rate_rps"] for p in b.get("probes", []) if p["rate_rps"] is not None}
@@ -217,12 +220,7 @@ def goodput_table(blocks: dict[str, dict], first_col: str = "layout") -> str:
     lines = [f"| {first_col} | goodput (req/s) | attainment @ {ref} req/s | mean TTFT | P99 TBT |",
              "|---|---|---|---|---|"]
     for name, b in blocks.items():
-        g = b["goodput_rps"]
-        gs = "n/a" if g is None else (">= " if b.get("goodput_lower_bound") else "") + f"{g:.3f}"
-        if b.get("goodput_below_range"):
-            gs = f"< {g:.3f}" if g else "below range"
-        if b.get("goodput_unbounded"):
-            gs = "unbounded (no knee: the whole workload at once passes)"
+        gs = display_goodput_json(b)
         p = _probe_at(b, ref) if ref is not None else None
         p = p or {}
         cells = [_fmt(p.get("attainment"), "{:.2f}"), _fmt(p.get("mean_ttft_s"), "{:.2f} s"),

@@ -11,7 +11,8 @@ shutting down. A client that disconnects has its request aborted at once.
 
 Routes live in :mod:`laser.server.openai` (generation) and :mod:`laser.server.batches`
 (files and batches); this module builds the app: lifespan, middleware, error handlers,
-``/health`` and ``/metrics``.
+``/health`` (``GET`` and ``HEAD``) and ``/metrics``. An unhandled exception in a handler (a
+bug) is a JSON 500 ``internal_error`` that leaves a keep-alive connection open.
 """
 
 from __future__ import annotations
@@ -97,6 +98,42 @@ class _Guard:
         return f"request body larger than {self.max_body_bytes} bytes"
 
 
+class _Unhandled:
+    """Pure-ASGI middleware, the outermost of ours: an exception that no handler of the app
+    took (a bug) is logged once and answered as an OpenAI-style JSON 500
+    (``internal_error``), and the connection stays open for its next request.
+
+    Starlette's own last resort (``ServerErrorMiddleware``) sends the 500 and then re-raises,
+    so that the server logs it; uvicorn then closes the connection, and a client reusing a
+    keep-alive connection (the ``openai`` client, httpx, aiohttp) meets a dropped connection on
+    its next request. vLLM answers such errors with a JSON 500 the same way. An exception
+    raised after the response has started (a stream cut mid-way) is re-raised: that response is
+    incomplete, and closing the connection is the only way to tell the client.
+    """
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked_send)
+        except Exception as exc:
+            if started:
+                raise
+            log.exception("unhandled error serving %s %s", scope.get("method"), scope.get("path"))
+            resp = error_response(500, f"internal server error: {type(exc).__name__}", "internal_error")
+            await resp(scope, receive, send)
+
+
 
 def build_app(
     async_engine: AsyncEngine,
@@ -152,6 +189,7 @@ def build_app(
     app.state.async_engine = ae
     app.state.metrics = metrics
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes, on_reject=metrics.reject)
+    app.add_middleware(_Unhandled)  # added last: the outermost, around _Guard too
 
     # -- errors ---------------------------------------------------------------------------------------
     @app.exception_handler(RequestValidationError)
@@ -182,14 +220,13 @@ def build_app(
     async def _step_error(request: Request, exc: EngineStepError):
         return error_response(500, str(exc), "engine_error")
 
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception):
-        log.exception("unhandled error serving %s", request.url.path)
-        return error_response(500, f"internal server error: {type(exc).__name__}", "internal_error")
+    # any other exception: a JSON 500 from _Unhandled
 
     # -- routes ---------------------------------------------------------------------------------------
     @app.get("/health")
     async def health():
+        """200 ``{"status": "ok"}`` while serving (``HEAD`` too, for load balancers and probes);
+        503 while draining, stopped, after an engine failure, or when a cluster cannot serve."""
         if ae.dead is not None:
             return JSONResponse({"status": "dead", "error": str(ae.dead)}, status_code=503)
         if ae.draining or not ae.running:
@@ -201,6 +238,8 @@ def build_app(
         if not ae.engine.can_serve():
             return JSONResponse({"status": "degraded", "instances": instances}, status_code=503)
         return {"status": "ok", "instances": instances}
+
+    app.add_api_route("/health", health, methods=["HEAD"], operation_id="health_head")
 
     @app.get("/metrics")
     async def prometheus():

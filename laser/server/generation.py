@@ -127,12 +127,21 @@ class Generation:
 
     # -- parsing --------------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> str:
+        """The served name a request's ``model`` field selects (the first name when it is empty).
+
+        Raises:
+            APIError: 400 ``model_not_found`` for a name this server does not serve.
+        """
         if model is None or model == "":
             return self.names[0]
         if model not in self.names:
-            raise APIError(400, f"model {model!r} does not exist; this server serves {', '.join(self.names)}",
-                           "model_not_found", "model")
+            raise self.unknown_model(model, 400)
         return model
+
+    def unknown_model(self, model: str, status: int) -> APIError:
+        """The ``model_not_found`` error for ``model`` (400 in a request body, 404 for ``/v1/models/{id}``)."""
+        return APIError(status, f"model {model!r} does not exist; this server serves {', '.join(self.names)}",
+                        "model_not_found", "model")
 
     def resolve_slo(self, body, h_class: str | None, h_ttft: str | None, h_tbt: str | None,
                     headers=None) -> SLO:

@@ -1,11 +1,12 @@
 """OpenAI-compatible generation routes: ``/v1/completions``, ``/v1/chat/completions``,
-``/v1/models`` and the Laser extension ``/v1/slo_classes``."""
+``/v1/models[/{id}]`` and the Laser extension ``/v1/slo_classes``."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
-from fastapi import APIRouter, Header, Request
+from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, Response
 
 from .errors import APIError
@@ -28,14 +29,34 @@ ERRORS = {
 }
 
 
+@dataclasses.dataclass
+class SLOHeaders:
+    """The SLO request headers of both generation routes (``x-slo-class``, ``x-slo-ttft-ms``,
+    ``x-slo-tbt-ms``; a body field of the same meaning wins, see docs/server.md)."""
+
+    x_slo_class: str | None = Header(None)
+    x_slo_ttft_ms: str | None = Header(None)
+    x_slo_tbt_ms: str | None = Header(None)
+
+
 def router(srv: Generation) -> APIRouter:
     """The routes over one :class:`Generation` (one app's engine, metrics and model names)."""
     router = APIRouter()
     ae, names, errors = srv.ae, srv.names, ERRORS
 
+    cards = {n: ModelCard(id=n, max_model_len=ae.max_model_len) for n in names}  # created: when the app was built
+
     @router.get("/v1/models", response_model=ModelList)
     async def models():
-        return ModelList(data=[ModelCard(id=n, max_model_len=ae.max_model_len) for n in names])
+        return ModelList(data=list(cards.values()))
+
+    @router.get("/v1/models/{model:path}", response_model=ModelCard,
+                responses={404: {"model": ErrorResponse, "description": "no such model"}})
+    async def model(model: str):
+        """One served model (OpenAI's ``models.retrieve``); ``model`` may hold slashes (``org/name``)."""
+        if model not in cards:
+            raise srv.unknown_model(model, 404)
+        return cards[model]
 
     @router.get("/v1/slo_classes")
     async def slo_classes():
@@ -52,14 +73,9 @@ def router(srv: Generation) -> APIRouter:
         }
 
     @router.post("/v1/completions", responses=errors)
-    async def completions(
-        body: CompletionRequest,
-        request: Request,
-        x_slo_class: str | None = Header(None),
-        x_slo_ttft_ms: str | None = Header(None),
-        x_slo_tbt_ms: str | None = Header(None),
-    ):
-        arrival, model, slo, stop = srv.validate(body, x_slo_class, x_slo_ttft_ms, x_slo_tbt_ms, request.headers)
+    async def completions(body: CompletionRequest, request: Request, h: SLOHeaders = Depends()):
+        arrival, model, slo, stop = srv.validate(body, h.x_slo_class, h.x_slo_ttft_ms, h.x_slo_tbt_ms,
+                                                 request.headers)
         p = body.prompt
         if isinstance(p, str):
             prompts: list = [p]
@@ -90,29 +106,14 @@ def router(srv: Generation) -> APIRouter:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return EventStream(stream_completion(srv, q, subs, rid, created, model, body.echo, include_usage, body.n,
                                                  body.return_token_ids), lambda: srv.abort(subs), headers)
-        if not await srv.run_blocking(request, subs, q):
-            return Response(status_code=499)
-        srv.check_finished(subs)
-        choices = [
-            {"index": s.index, "text": (s.prompt_text if body.echo else "") + s.final.text, "logprobs": None,
-             "finish_reason": s.final.finish_reason, **token_ids_fields(s, body.return_token_ids)}
-            for s in subs
-        ]
-        return JSONResponse(
-            {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-             "usage": srv.usage(subs, body.n), "slo": srv.slo_info(subs)},
-            headers=headers,
-        )
+        return await answer(request, body, subs, q, headers, {"id": rid, "object": "text_completion",
+                                                               "created": created, "model": model},
+                            lambda s: {"text": (s.prompt_text if body.echo else "") + s.final.text})
 
     @router.post("/v1/chat/completions", responses=errors)
-    async def chat_completions(
-        body: ChatCompletionRequest,
-        request: Request,
-        x_slo_class: str | None = Header(None),
-        x_slo_ttft_ms: str | None = Header(None),
-        x_slo_tbt_ms: str | None = Header(None),
-    ):
-        arrival, model, slo, stop = srv.validate(body, x_slo_class, x_slo_ttft_ms, x_slo_tbt_ms, request.headers)
+    async def chat_completions(body: ChatCompletionRequest, request: Request, h: SLOHeaders = Depends()):
+        arrival, model, slo, stop = srv.validate(body, h.x_slo_class, h.x_slo_ttft_ms, h.x_slo_tbt_ms,
+                                                 request.headers)
         messages = []
         for i, m in enumerate(body.messages):
             content = m.content
@@ -138,18 +139,21 @@ def router(srv: Generation) -> APIRouter:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return EventStream(stream_chat(srv, q, subs, rid, created, model, include_usage, body.n,
                                            body.return_token_ids), lambda: srv.abort(subs), headers)
+        return await answer(request, body, subs, q, headers, {"id": rid, "object": "chat.completion",
+                                                               "created": created, "model": model},
+                            lambda s: {"message": {"role": "assistant", "content": s.final.text}})
+
+    async def answer(request: Request, body, subs: list[Sub], q, headers: dict, head: dict,
+                     content: Callable[[Sub], dict]) -> Response:
+        """The non-streaming answer of both generation routes, once every choice has finished:
+        ``head`` (id, object, created, model), the choices (``content(sub)``: the ``text`` or
+        ``message`` field), ``usage`` and ``slo``; 499 (no body) when the client went away."""
         if not await srv.run_blocking(request, subs, q):
             return Response(status_code=499)
         srv.check_finished(subs)
-        choices = [
-            {"index": s.index, "message": {"role": "assistant", "content": s.final.text}, "logprobs": None,
-             "finish_reason": s.final.finish_reason, **token_ids_fields(s, body.return_token_ids)}
-            for s in subs
-        ]
-        return JSONResponse(
-            {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-             "usage": srv.usage(subs, body.n), "slo": srv.slo_info(subs)},
-            headers=headers,
-        )
+        choices = [{"index": s.index, **content(s), "logprobs": None, "finish_reason": s.final.finish_reason,
+                    **token_ids_fields(s, body.return_token_ids)} for s in subs]
+        return JSONResponse({**head, "choices": choices, "usage": srv.usage(subs, body.n), "slo": srv.slo_info(subs)},
+                            headers=headers)
 
     return router
