@@ -109,3 +109,23 @@ def test_a_hopeless_prompt_goes_behind_the_ones_that_can_still_make_it():
     assert GPU_LM.predict_prefill(2000) > hopeless.slo.ttft
     assert all(r.token_times[0] - r.arrival_time <= r.slo.ttft for r in others), [r.token_times for r in others]
     assert hopeless.num_output_tokens == 1
+
+
+def test_overload_gives_up_the_longest_prompt_rather_than_the_short_ones_behind_it():
+    """Moore-Hodgson's rule (the fewest late requests on one machine): a 2000-token prompt
+    that can just make its 0.15 s target alone, and four 200-token prompts due 2 ms after it.
+    Not all five fit: the old rule (give up only the request that is itself late) kept the
+    long one first and lost three short ones; giving up the longest prompt of the set
+    instead loses only the long one. It still runs, after them."""
+    long_ = Request([7] * 2000, SamplingParams(max_tokens=1, temperature=0), SLO(ttft=0.15, name="summarization"),
+                    arrival_time=0.0, req_id="long")
+    shorts = [Request([7] * 200, SamplingParams(max_tokens=1, temperature=0), SLO(ttft=0.152, name="code"),
+                      arrival_time=0.0, req_id=f"short{i}") for i in range(4)]
+    sim = SimInstance("laser", N, GPU_LM, SchedulerConfig(policy="laser"))
+    for r in (long_, *shorts):
+        sim.submit(r)
+    sim.run()
+    sim.check_integrity(expect_empty=True)
+    assert GPU_LM.predict_prefill(2000) < long_.slo.ttft  # it could have made it alone
+    assert all(r.token_times[0] - r.arrival_time <= r.slo.ttft for r in shorts), [r.token_times for r in shorts]
+    assert long_.num_output_tokens == 1

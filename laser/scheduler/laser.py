@@ -325,28 +325,55 @@ class LaserScheduler(Scheduler):
         return f
 
     def _prefill_key(self, now: float):
-        """Prefill order: EDF (``queue_key``), except that a request that has not started and
-        would miss its TTFT target even if it and the prefills ahead of it in EDF order (those
-        that can still make theirs) ran from now as one merged pass (PlanCost: on a GPU their
-        layer calls share the weight reads; an optimistic bound, decode work left out) goes behind
-        every request that can still make it (EDF's domino effect under overload: serving
-        the hopeless first makes the savable late too). It is still served, as soon as no
-        savable prefill waits; its record says it missed. Returns the sort key function."""
+        """Prefill order: EDF (``queue_key``), except for the prefills given up under overload,
+        which go behind every other one (EDF's domino effect: serving the hopeless first makes
+        the savable late too). They are chosen by Moore-Hodgson's rule, which minimises the
+        number of late jobs on one machine (Moore, "An n job, one machine sequencing algorithm
+        for minimizing the number of late jobs", Management Science 1968) -- the number of
+        requests meeting their TTFT is what SLO attainment and goodput count: walk the
+        prefills in EDF order, adding each to a set run from now as one merged pass (PlanCost:
+        on a GPU their layer calls share the weight reads; an optimistic bound, decode work
+        left out); whenever the request just added would miss its TTFT target, give up the
+        *longest* prefill of the set that may be given up (not started, with a TTFT target,
+        neither demoted nor boosted) -- often a long prompt ahead that would make several
+        short ones late, rather than the newcomer. A given-up request is still served, as soon
+        as no savable prefill waits; its record says it missed. Returns the sort key function."""
         cands = sorted([r for r in self.running if r.phase != Phase.DECODE] + list(self.waiting),
                        key=self.queue_key)
         hopeless: set[int] = set()
-        ahead = PlanCost(self.lm, self.num_layers, [])  # the savable prefills ahead, merged in one pass
+        kept: list[tuple[Request, Work]] = []  # the savable prefills so far, in EDF order
+        ahead = PlanCost(self.lm, self.num_layers, [])  # ``kept``, merged in one pass
         for r in cands[: self.max_need_candidates]:
             w = Work(r.req_id, r.num_computed_tokens, r.num_tokens - r.num_computed_tokens, 0, self.num_layers, True)
-            if (r.slo.ttft is not None and not r.demoted and not r.boosted and r.num_computed_tokens == 0
-                    and not r.in_flight and now + ahead.with_work(w) > r.ttft_deadline):
-                hopeless.add(id(r))
-            elif w.num_tokens > 0:
+            if w.num_tokens <= 0:
+                continue
+            late = (r.slo.ttft is not None and not r.demoted and now + ahead.with_work(w) > r.ttft_deadline)
+            if not late:
                 ahead.add(w)
+                kept.append((r, w))
+                continue
+            may_drop = [(q, x) for q, x in kept + [(r, w)] if self._may_give_up(q)]
+            if not may_drop:
+                ahead.add(w)
+                kept.append((r, w))
+                continue
+            drop = max(may_drop, key=lambda qx: (qx[1].num_tokens, self.queue_key(qx[0])))
+            hopeless.add(id(drop[0]))
+            if drop[0] is not r:
+                kept = [qx for qx in kept if qx[0] is not drop[0]] + [(r, w)]
+                ahead = PlanCost(self.lm, self.num_layers, [x for _, x in kept])
 
         def key(r: Request):
             return (id(r) in hopeless, *self.queue_key(r))
         return key
+
+    @staticmethod
+    def _may_give_up(r: Request) -> bool:
+        """Whether Moore-Hodgson's rule (:meth:`_prefill_key`) may put ``r`` behind the others:
+        a prefill with a TTFT target that has not started (no work sunk into it), neither
+        demoted nor boosted."""
+        return (r.slo.ttft is not None and not r.demoted and not r.boosted and r.num_computed_tokens == 0
+                and not r.in_flight)
 
     def _prefill_need(self, now: float, decode_time: float) -> float:
         """Seconds of prefill per iteration the pending prefills need (an iteration of
