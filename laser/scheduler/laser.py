@@ -458,9 +458,12 @@ class LaserScheduler(Scheduler):
         met: list[float] = []  # deadlines of included requests this step still meets
         tokens = 0
         misses = alloc_misses = 0
+        queued = {id(r) for r in self.waiting}  # not running yet: each one takes a running slot
         for r in cands:
-            if r.phase == Phase.WAITING and len(self.running) >= self.config.max_num_seqs:
-                break
+            # a preempted request with outputs waits in the PREFILL phase: it counts too
+            # (and a running chunk behind it still proceeds)
+            if id(r) in queued and len(self.running) >= self.config.max_num_seqs:
+                continue
             if r.in_flight:
                 start, k, lo = r.num_computed_tokens, r.chunk_tokens, r.next_layer
             else:
