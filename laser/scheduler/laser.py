@@ -57,6 +57,8 @@ class LaserScheduler(Scheduler):
     #: Work merged after a late request's last chunk may delay its first token by this
     #: fraction of its TTFT target (its deadline is missed already; others' need not be).
     late_delay_share = 0.1
+    #: Floor on the prefill rate that overload triage assumes (:meth:`_prefill_key`).
+    min_prefill_rate = 0.1
 
     def __init__(self, config, num_layers, block_manager, icache, latency_model: LatencyModel | None = None,
                  clock=time.monotonic):
@@ -84,6 +86,9 @@ class LaserScheduler(Scheduler):
         self._step_start = 0.0
         self.last_iteration_s: float | None = None
         self.t_g = math.inf
+        #: Share of an iteration's time that the last step left to prefill (1.0 without decode
+        #: work): prefill advances at about this fraction of its alone speed (:meth:`_prefill_key`).
+        self.prefill_rate = 1.0
 
     # -- events ---------------------------------------------------------------------------------
     def on_arrival(self, req: Request) -> None:
@@ -194,6 +199,10 @@ class LaserScheduler(Scheduler):
             need = self._prefill_need(now, decode_time)
             if need > budget and self._p99_allowance_left():
                 budget = need
+            self.prefill_rate = (budget / (decode_time + budget) if math.isfinite(budget) and decode_time + budget > 0
+                                 else 1.0)
+        elif self.config.role != "prefill" and not self.plans:
+            self.prefill_rate = 1.0
         works += self._prefill_works(now, cost, budget)
         priced = bool(works)  # cost prices exactly ``works``
         if not works and self.plans and self.config.role != "prefill":
@@ -302,26 +311,35 @@ class LaserScheduler(Scheduler):
     def _prefill_share_needed(self, now: float) -> float:
         """Fraction f of the time from now that prefill must get for every pending prefill to
         meet its queue deadline (EDF order: ``f = max_k W_k / (D_k - now)``, W_k the predicted
-        prefill time of the first k requests alone, D_k the k-th deadline: arrival + TTFT
-        target, or the best-effort aging deadline). Requests already past their deadline are
-        served first but do not raise f (nothing can save them). 0 with nothing pending."""
+        time of the first k requests' remaining prefill run as one merged pass (PlanCost: on a
+        GPU their layer calls share the weight reads, so k short prompts cost about one; on a
+        CPU about their sum), D_k the k-th deadline: arrival + TTFT target, or the best-effort
+        aging deadline). Requests already past their deadline, and those given up under
+        overload (:meth:`_prefill_key`), are served but do not raise f (nothing can save
+        them). 0 with nothing pending."""
         cands = [r for r in self.running if r.phase != Phase.DECODE] + list(self.waiting)
         if self.config.role == "decode":
             cands = [r for r in cands if r.output_token_ids]
         if not cands:
             return 0.0
-        cands.sort(key=self._prefill_key(now))
-        work = f = 0.0
+        key = self._prefill_key(now)
+        cands.sort(key=key)
+        n = self.num_layers
+        work = PlanCost(self.lm, n, [])
+        f = 0.0
         for r in cands[: self.max_need_candidates]:
-            left = r.num_tokens - r.num_computed_tokens
-            t = self.lm.predict_prefill(left, context_start=r.num_computed_tokens)
+            if key(r)[0]:
+                break  # given up, and so is every one after it
+            start, left = r.num_computed_tokens, r.num_tokens - r.num_computed_tokens
             if r.in_flight:  # the chunk has run layers [0, next_layer) already
-                t -= self.lm.predict_prefill(r.chunk_tokens, layers=r.next_layer, context_start=r.num_computed_tokens)
-            work += max(t, 0.0)
+                work.add(Work(r.req_id, start, r.chunk_tokens, r.next_layer, n, left == r.chunk_tokens))
+                start, left = start + r.chunk_tokens, left - r.chunk_tokens
+            if left > 0:
+                work.add(Work(r.req_id, start, left, 0, n, True))
             ttft = r.slo.ttft if r.slo.ttft is not None else self.config.best_effort_deadline_s
             slack = r.arrival_time + ttft - now
-            if slack > 0:
-                f = max(f, work / slack)
+            if slack > 0 and work.works:
+                f = max(f, work.total / slack)
         return f
 
     def _prefill_key(self, now: float):
@@ -332,8 +350,10 @@ class LaserScheduler(Scheduler):
         for minimizing the number of late jobs", Management Science 1968) -- the number of
         requests meeting their TTFT is what SLO attainment and goodput count: walk the
         prefills in EDF order, adding each to a set run from now as one merged pass (PlanCost:
-        on a GPU their layer calls share the weight reads; an optimistic bound, decode work
-        left out); whenever the request just added would miss its TTFT target, give up the
+        on a GPU their layer calls share the weight reads) at ``prefill_rate``, the share of
+        each iteration that the last step left to prefill beside its decode work (at least
+        ``min_prefill_rate``; the pass alone ignored the decodes and kept prompts that then
+        missed by a few %); whenever the request just added would miss its TTFT target, give up the
         *longest* prefill of the set that may be given up (not started, with a TTFT target,
         neither demoted nor boosted) -- often a long prompt ahead that would make several
         short ones late, rather than the newcomer. A given-up request is still served, as soon
@@ -341,13 +361,15 @@ class LaserScheduler(Scheduler):
         cands = sorted([r for r in self.running if r.phase != Phase.DECODE] + list(self.waiting),
                        key=self.queue_key)
         hopeless: set[int] = set()
+        rate = max(self.prefill_rate, self.min_prefill_rate)
         kept: list[tuple[Request, Work]] = []  # the savable prefills so far, in EDF order
         ahead = PlanCost(self.lm, self.num_layers, [])  # ``kept``, merged in one pass
         for r in cands[: self.max_need_candidates]:
             w = Work(r.req_id, r.num_computed_tokens, r.num_tokens - r.num_computed_tokens, 0, self.num_layers, True)
             if w.num_tokens <= 0:
                 continue
-            late = (r.slo.ttft is not None and not r.demoted and now + ahead.with_work(w) > r.ttft_deadline)
+            late = (r.slo.ttft is not None and not r.demoted
+                    and now + ahead.with_work(w) / rate > r.ttft_deadline)
             if not late:
                 ahead.add(w)
                 kept.append((r, w))
