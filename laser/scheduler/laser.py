@@ -328,8 +328,8 @@ class LaserScheduler(Scheduler):
         work = PlanCost(self.lm, n, [])
         f = 0.0
         for r in cands[: self.max_need_candidates]:
-            if key(r)[0]:
-                break  # given up, and so is every one after it
+            if key(r)[0] == 1:
+                continue  # given up
             start, left = r.num_computed_tokens, r.num_tokens - r.num_computed_tokens
             if r.in_flight:  # the chunk has run layers [0, next_layer) already
                 work.add(Work(r.req_id, start, r.chunk_tokens, r.next_layer, n, left == r.chunk_tokens))
@@ -353,11 +353,15 @@ class LaserScheduler(Scheduler):
         on a GPU their layer calls share the weight reads) at ``prefill_rate``, the share of
         each iteration that the last step left to prefill beside its decode work (at least
         ``min_prefill_rate``; the pass alone ignored the decodes and kept prompts that then
-        missed by a few %); whenever the request just added would miss its TTFT target, give up the
-        *longest* prefill of the set that may be given up (not started, with a TTFT target,
-        neither demoted nor boosted) -- often a long prompt ahead that would make several
-        short ones late, rather than the newcomer. A given-up request is still served, as soon
-        as no savable prefill waits; its record says it missed. Returns the sort key function."""
+        missed by a few %); whenever the request just added, not started, would miss its TTFT
+        target, give up the *longest* prefill of the set that may be given up (not started,
+        with a TTFT target, neither demoted nor boosted), again until it makes it or is itself
+        given up -- often a long prompt ahead that would make several short ones late, rather
+        than the newcomer (a late started request gives up no one: nothing would save it). A
+        given-up request is still served: behind the savable prefills that need the time,
+        ahead of those whose deadlines hold with all given-up work run first; its record says
+        it missed. Returns the sort key function (tier 0: savable and urgent, 1: given up, 2:
+        savable with room; then ``queue_key``)."""
         cands = sorted([r for r in self.running if r.phase != Phase.DECODE] + list(self.waiting),
                        key=self.queue_key)
         hopeless: set[int] = set()
@@ -368,25 +372,45 @@ class LaserScheduler(Scheduler):
             w = Work(r.req_id, r.num_computed_tokens, r.num_tokens - r.num_computed_tokens, 0, self.num_layers, True)
             if w.num_tokens <= 0:
                 continue
-            late = (r.slo.ttft is not None and not r.demoted
-                    and now + ahead.with_work(w) / rate > r.ttft_deadline)
-            if not late:
+            def late() -> bool:
+                return (r.slo.ttft is not None and not r.demoted
+                        and now + ahead.with_work(w) / rate > r.ttft_deadline)
+            if not late() or not self._may_give_up(r):
+                # on time, or started (its work is sunk, and giving up others would not save it)
                 ahead.add(w)
                 kept.append((r, w))
                 continue
-            may_drop = [(q, x) for q, x in kept + [(r, w)] if self._may_give_up(q)]
-            if not may_drop:
-                ahead.add(w)
-                kept.append((r, w))
-                continue
-            drop = max(may_drop, key=lambda qx: (qx[1].num_tokens, self.queue_key(qx[0])))
-            hopeless.add(id(drop[0]))
-            if drop[0] is not r:
-                kept = [qx for qx in kept if qx[0] is not drop[0]] + [(r, w)]
+            while True:  # give up the longest until r makes it (or r itself is the longest)
+                drop = max([qx for qx in kept if self._may_give_up(qx[0])] + [(r, w)],
+                           key=lambda qx: (qx[1].num_tokens, self.queue_key(qx[0])))
+                hopeless.add(id(drop[0]))
+                if drop[0] is r:
+                    break
+                kept = [qx for qx in kept if qx[0] is not drop[0]]
                 ahead = PlanCost(self.lm, self.num_layers, [x for _, x in kept])
+                if not late():
+                    ahead.add(w)
+                    kept.append((r, w))
+                    break
+        # The given-up prefills wait only behind the savable ones that need the time: the
+        # savable ones from index ``room`` on still make their deadlines with all given-up
+        # work run before them, so they go after it (a long prompt with a far deadline must
+        # not keep a late short one waiting for seconds).
+        room = len(kept)
+        if hopeless and kept:
+            given = [Work(q.req_id, q.num_computed_tokens, q.num_tokens - q.num_computed_tokens, 0, self.num_layers,
+                          True) for q in cands if id(q) in hopeless]
+            pre = PlanCost(self.lm, self.num_layers, given)
+            ends = []
+            for _, x in kept:
+                pre.add(x)
+                ends.append(now + pre.total / rate)
+            while room > 0 and ends[room - 1] <= kept[room - 1][0].ttft_deadline:
+                room -= 1
+        tier = {id(q): (0 if i < room else 2) for i, (q, _) in enumerate(kept)}
 
         def key(r: Request):
-            return (id(r) in hopeless, *self.queue_key(r))
+            return (1 if id(r) in hopeless else tier.get(id(r), 2), *self.queue_key(r))
         return key
 
     @staticmethod
