@@ -14,8 +14,9 @@ Hardware kinds (one latency model each; everything here is simulated, virtual ti
 
 Per grid point: a goodput search (laser/bench/goodput.py) of ``laser`` and every
 ``sarathi:best@<budget>`` candidate on the same arrivals; ratio = laser / sarathi:best.
-Points below 1.3x are listed with Laser's P99 ITL at its goodput against the tightest
-TBT target and the per-class attainment at Laser's first failing rate (which class breaks).
+Points below 1.3x are listed with Laser's P99 ITL at its goodput (of the class with the tightest
+TBT target, against that target) and the per-class attainment at Laser's first failing rate
+(which class breaks); every point also lists each class's P99 ITL against its own TBT target.
 
     python benchmarks/robustness.py --quick          # every axis value once: minutes
     python benchmarks/robustness.py                  # a covering sample (18 points per kind)
@@ -119,7 +120,9 @@ def run_point(kind: dict, point, tokenizer, num_prompts: int, budgets, time_cap_
     res = bench.goodput(0.1 * cap, cap, grid_points=5, bisect_steps=6, rel_tol=0.02, time_cap_s=time_cap_s)
     res, sweeps = resolve_best(res, groups, ["sarathi:best", "laser"])
     las, sar = res["laser"], res["sarathi:best"]
-    tightest = min(s.tbt for s in slos.classes.values() if s.tbt is not None)
+    tbts = {c: s.tbt for c, s in slos.classes.items() if s.tbt is not None}
+    tightest = min(tbts.values())
+    tight_cls = min(tbts, key=tbts.get)
     at_g = probe_at(res, "laser", las.goodput_rps) if las.goodput_rps else None
     fail = las.bracket[1] if las.bracket else None
     at_fail = probe_at(res, "laser", fail) if fail else None
@@ -143,6 +146,11 @@ def run_point(kind: dict, point, tokenizer, num_prompts: int, budgets, time_cap_
         "mean_ttft_rate_rps": ref,
         "laser_mean_ttft_s": ttft["laser"], "sarathi_best_mean_ttft_s": ttft["sarathi:best"],
         "laser_p99_itl_at_goodput_s": at_g.summary.overall.tbt_p99 if at_g else None,
+        # the issue's check: the class with the tightest TBT target, and every class against its own
+        "tightest_tbt_class": tight_cls,
+        "tbt_targets_s": tbts,
+        "laser_class_p99_itl_at_goodput_s": ({c: cs.tbt_p99 for c, cs in at_g.summary.per_class.items()}
+                                             if at_g else None),
         "laser_class_attainment_at_first_fail": at_fail.class_attainment() if at_fail else None,
         "laser_first_fail_rps": fail,
     }
@@ -152,12 +160,21 @@ def _ms(v):
     return "-" if v is None else f"{v * 1e3:.0f}"
 
 
+def tightest_p99(r: dict) -> float | None:
+    """Laser's P99 ITL, at its goodput, of the class with the tightest TBT target (the
+    issue's check; the all-request P99 includes relaxed classes whose reduced plans stretch
+    their gaps up to their own, looser targets by design)."""
+    per = r.get("laser_class_p99_itl_at_goodput_s")
+    return per.get(r.get("tightest_tbt_class")) if per else None
+
+
 def reason(r: dict) -> str:
     """Why a point is below the target: Laser's P99 ITL vs the tightest TBT, and the class
     whose attainment broke first at Laser's first failing rate."""
     bits = [f"no knee for {', '.join(r['no_knee'])}: the whole workload passes as one burst"] if r["no_knee"] else []
     bits += [f"best budget {r['best_budget']}",
-            f"laser P99 ITL {_ms(r['laser_p99_itl_at_goodput_s'])} ms vs tightest TBT {_ms(r['tightest_tbt_s'])} ms"]
+            f"laser P99 ITL of {r.get('tightest_tbt_class')} {_ms(tightest_p99(r))} ms vs its TBT "
+            f"{_ms(r['tightest_tbt_s'])} ms (all requests: {_ms(r['laser_p99_itl_at_goodput_s'])} ms)"]
     ca = r.get("laser_class_attainment_at_first_fail")
     if ca:
         worst = min(ca, key=ca.get)
@@ -176,13 +193,21 @@ def summarize_kind(rows: list[dict]) -> dict:
 def format_table(kind_name: str, why: str, rows: list[dict]) -> str:
     lines = [f"== {kind_name} [SIMULATED] - {why}",
              f"{'mix':<6} {'seed':>4} {'len':>4} {'slo':>4} {'laser':>8} {'sarathi:best':>12} {'budget':>6} "
-             f"{'ratio':>6}  {'laser P99 ITL / tightest TBT (ms)':>34}  {'mean TTFT laser / best (ms)':>28}"]
+             f"{'ratio':>6}  {'laser P99 ITL of tightest class / its TBT (ms)':>46}  {'mean TTFT laser / best (ms)':>28}"]
     for r in rows:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
         lines.append(f"{r['mix']:<6} {r['seed']:>4} {r['length_scale']:>4g} {r['slo_scale']:>4g} "
                      f"{r['laser_goodput']:>8} {r['sarathi_best_goodput']:>12} {r['best_budget']:>6} {ratio:>6}  "
-                     f"{_ms(r['laser_p99_itl_at_goodput_s']) + ' / ' + _ms(r['tightest_tbt_s']):>34}  "
+                     f"{_ms(tightest_p99(r)) + ' / ' + _ms(r['tightest_tbt_s']):>46}  "
                      f"{_ms(r.get('laser_mean_ttft_s')) + ' / ' + _ms(r.get('sarathi_best_mean_ttft_s')):>28}")
+    for r in rows:
+        per = r.get("laser_class_p99_itl_at_goodput_s") or {}
+        tbts = r.get("tbt_targets_s") or {}
+        over = [c for c in per if per[c] is not None and c in tbts and per[c] > tbts[c]]
+        lines.append(f"  {r['mix']} seed {r['seed']} x{r['length_scale']:g} SLO x{r['slo_scale']:g}: laser P99 ITL per class "
+                     f"at its goodput (ms, vs its TBT): "
+                     + ", ".join(f"{c} {_ms(per[c])}/{_ms(tbts.get(c))}" for c in sorted(per))
+                     + (f" -- OVER for {', '.join(over)}" if over else " -- all within"))
     s = summarize_kind(rows)
     if s["n"]:
         lines.append(f"laser / sarathi:best over {s['n']} points: min {s['min']:.2f}x, median {s['median']:.2f}x, "

@@ -9,6 +9,7 @@ import numpy as np
 
 from laser.config import SchedulerConfig
 from laser.latency import SimpleLatencyModel
+from laser.plan import StepPlan, Work
 from laser.request import SLO, Request, SamplingParams
 from laser.scheduler.laser import LaserScheduler
 from laser.sim import SimInstance
@@ -109,3 +110,68 @@ def test_a_hopeless_prompt_goes_behind_the_ones_that_can_still_make_it():
     assert GPU_LM.predict_prefill(2000) > hopeless.slo.ttft
     assert all(r.token_times[0] - r.arrival_time <= r.slo.ttft for r in others), [r.token_times for r in others]
     assert hopeless.num_output_tokens == 1
+
+
+def test_overload_gives_up_the_longest_prompt_rather_than_the_short_ones_behind_it():
+    """Moore-Hodgson's rule (the fewest late requests on one machine): a 2000-token prompt
+    that can just make its 0.15 s target alone, and four 200-token prompts due 2 ms after it.
+    Not all five fit: the old rule (give up only the request that is itself late) kept the
+    long one first and lost three short ones; giving up the longest prompt of the set
+    instead loses only the long one. It still runs, after them."""
+    long_ = Request([7] * 2000, SamplingParams(max_tokens=1, temperature=0), SLO(ttft=0.15, name="summarization"),
+                    arrival_time=0.0, req_id="long")
+    shorts = [Request([7] * 200, SamplingParams(max_tokens=1, temperature=0), SLO(ttft=0.152, name="code"),
+                      arrival_time=0.0, req_id=f"short{i}") for i in range(4)]
+    sim = SimInstance("laser", N, GPU_LM, SchedulerConfig(policy="laser"))
+    for r in (long_, *shorts):
+        sim.submit(r)
+    sim.run()
+    sim.check_integrity(expect_empty=True)
+    assert GPU_LM.predict_prefill(2000) < long_.slo.ttft  # it could have made it alone
+    assert all(r.token_times[0] - r.arrival_time <= r.slo.ttft for r in shorts), [r.token_times for r in shorts]
+    assert long_.num_output_tokens == 1
+
+
+def test_overload_triage_counts_the_share_of_each_iteration_left_to_prefill():
+    """Beside 16 decode streams whose tight TBT (25 ms) leaves prefill under a third of each
+    iteration, a 1000-token prompt (0.2 s target) and four 100-token prompts due 10 ms after
+    it cannot all make their targets, although one merged pass of all five (~0.1 s) would.
+    Triage that priced the pending prefill at its alone speed kept the long prompt first and
+    lost all five (long 0.235 s, short ones 0.26-0.32 s); pricing it at the share of the
+    iteration that the decodes leave (``prefill_rate``) gives up the long one and serves the
+    four in time."""
+    strict = SLO(ttft=1.0, tbt=0.025, name="strict")
+    reqs = [Request([7] * 16, SamplingParams(max_tokens=80, temperature=0, ignore_eos=True), strict,
+                    arrival_time=0.0, req_id=f"dec{i}") for i in range(16)]
+    long_ = Request([7] * 1000, SamplingParams(max_tokens=1, temperature=0), SLO(ttft=0.2, name="summarization"),
+                    arrival_time=0.1, req_id="long")
+    shorts = [Request([7] * 100, SamplingParams(max_tokens=1, temperature=0), SLO(ttft=0.21, name="code"),
+                      arrival_time=0.1, req_id=f"short{i}") for i in range(4)]
+    sim = SimInstance("laser", N, GPU_LM, SchedulerConfig(policy="laser"))
+    for r in (*reqs, long_, *shorts):
+        sim.submit(r)
+    sim.run()
+    sim.check_integrity(expect_empty=True)
+    merged = GPU_LM.predict_iteration(StepPlan(N, [Work(r.req_id, 0, r.num_tokens, 0, N, True)
+                                                   for r in (long_, *shorts)]))
+    assert merged < long_.slo.ttft  # the optimistic bound: all five in time
+    assert all(r.token_times[0] - r.arrival_time <= r.slo.ttft for r in shorts), \
+        [r.token_times[0] - r.arrival_time for r in shorts]
+    assert long_.num_output_tokens == 1
+
+
+def test_prefill_share_prices_pending_short_prompts_as_one_merged_pass():
+    """The share of each iteration that the pending prefills need (which Alg. 1 leaves
+    them) prices them as one merged pass: twenty 20-token prompts due in 0.125 s need about
+    39 ms of a weight-bound GPU's time (15 ms of weight reads + their tokens), a share of
+    ~0.3 -- not twenty separate passes (0.3 s, a share above 1 that capped Alg. 1's decode
+    target at half of T_g)."""
+    sim = SimInstance("laser", N, GPU_LM, SchedulerConfig(policy="laser"))
+    reqs = [Request([7] * 20, SamplingParams(max_tokens=1, temperature=0), CODE, arrival_time=0.0, req_id=f"c{i}")
+            for i in range(20)]
+    for r in reqs:
+        sim.scheduler.add_request(r)
+    merged = GPU_LM.predict_iteration(StepPlan(N, [Work(r.req_id, 0, 20, 0, N, True) for r in reqs]))
+    f = sim.scheduler._prefill_share_needed(0.0)
+    assert abs(f - merged / CODE.ttft) < 1e-9, (f, merged / CODE.ttft)
+    assert f < 0.5

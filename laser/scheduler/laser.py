@@ -57,6 +57,8 @@ class LaserScheduler(Scheduler):
     #: Work merged after a late request's last chunk may delay its first token by this
     #: fraction of its TTFT target (its deadline is missed already; others' need not be).
     late_delay_share = 0.1
+    #: Floor on the prefill rate that overload triage assumes (:meth:`_prefill_key`).
+    min_prefill_rate = 0.1
 
     def __init__(self, config, num_layers, block_manager, icache, latency_model: LatencyModel | None = None,
                  clock=time.monotonic):
@@ -84,6 +86,9 @@ class LaserScheduler(Scheduler):
         self._step_start = 0.0
         self.last_iteration_s: float | None = None
         self.t_g = math.inf
+        #: Share of an iteration's time that the last step left to prefill (1.0 without decode
+        #: work): prefill advances at about this fraction of its alone speed (:meth:`_prefill_key`).
+        self.prefill_rate = 1.0
 
     # -- events ---------------------------------------------------------------------------------
     def on_arrival(self, req: Request) -> None:
@@ -194,6 +199,10 @@ class LaserScheduler(Scheduler):
             need = self._prefill_need(now, decode_time)
             if need > budget and self._p99_allowance_left():
                 budget = need
+            self.prefill_rate = (budget / (decode_time + budget) if math.isfinite(budget) and decode_time + budget > 0
+                                 else 1.0)
+        elif self.config.role != "prefill" and not self.plans:
+            self.prefill_rate = 1.0
         works += self._prefill_works(now, cost, budget)
         priced = bool(works)  # cost prices exactly ``works``
         if not works and self.plans and self.config.role != "prefill":
@@ -302,51 +311,115 @@ class LaserScheduler(Scheduler):
     def _prefill_share_needed(self, now: float) -> float:
         """Fraction f of the time from now that prefill must get for every pending prefill to
         meet its queue deadline (EDF order: ``f = max_k W_k / (D_k - now)``, W_k the predicted
-        prefill time of the first k requests alone, D_k the k-th deadline: arrival + TTFT
-        target, or the best-effort aging deadline). Requests already past their deadline are
-        served first but do not raise f (nothing can save them). 0 with nothing pending."""
+        time of the first k requests' remaining prefill run as one merged pass (PlanCost: on a
+        GPU their layer calls share the weight reads, so k short prompts cost about one; on a
+        CPU about their sum), D_k the k-th deadline: arrival + TTFT target, or the best-effort
+        aging deadline). Requests already past their deadline, and those given up under
+        overload (:meth:`_prefill_key`), are served but do not raise f (nothing can save
+        them). 0 with nothing pending."""
         cands = [r for r in self.running if r.phase != Phase.DECODE] + list(self.waiting)
         if self.config.role == "decode":
             cands = [r for r in cands if r.output_token_ids]
         if not cands:
             return 0.0
-        cands.sort(key=self._prefill_key(now))
-        work = f = 0.0
+        key = self._prefill_key(now)
+        cands.sort(key=key)
+        n = self.num_layers
+        work = PlanCost(self.lm, n, [])
+        f = 0.0
         for r in cands[: self.max_need_candidates]:
-            left = r.num_tokens - r.num_computed_tokens
-            t = self.lm.predict_prefill(left, context_start=r.num_computed_tokens)
+            if key(r)[0] == 1:
+                continue  # given up
+            start, left = r.num_computed_tokens, r.num_tokens - r.num_computed_tokens
             if r.in_flight:  # the chunk has run layers [0, next_layer) already
-                t -= self.lm.predict_prefill(r.chunk_tokens, layers=r.next_layer, context_start=r.num_computed_tokens)
-            work += max(t, 0.0)
+                work.add(Work(r.req_id, start, r.chunk_tokens, r.next_layer, n, left == r.chunk_tokens))
+                start, left = start + r.chunk_tokens, left - r.chunk_tokens
+            if left > 0:
+                work.add(Work(r.req_id, start, left, 0, n, True))
             ttft = r.slo.ttft if r.slo.ttft is not None else self.config.best_effort_deadline_s
             slack = r.arrival_time + ttft - now
-            if slack > 0:
-                f = max(f, work / slack)
+            if slack > 0 and work.works:
+                f = max(f, work.total / slack)
         return f
 
     def _prefill_key(self, now: float):
-        """Prefill order: EDF (``queue_key``), except that a request that has not started and
-        would miss its TTFT target even if it and the prefills ahead of it in EDF order (those
-        that can still make theirs) ran from now as one merged pass (PlanCost: on a GPU their
-        layer calls share the weight reads; an optimistic bound, decode work left out) goes behind
-        every request that can still make it (EDF's domino effect under overload: serving
-        the hopeless first makes the savable late too). It is still served, as soon as no
-        savable prefill waits; its record says it missed. Returns the sort key function."""
+        """Prefill order: EDF (``queue_key``), except for the prefills given up under overload,
+        which go behind every other one (EDF's domino effect: serving the hopeless first makes
+        the savable late too). They are chosen by Moore-Hodgson's rule, which minimises the
+        number of late jobs on one machine (Moore, "An n job, one machine sequencing algorithm
+        for minimizing the number of late jobs", Management Science 1968) -- the number of
+        requests meeting their TTFT is what SLO attainment and goodput count: walk the
+        prefills in EDF order, adding each to a set run from now as one merged pass (PlanCost:
+        on a GPU their layer calls share the weight reads) at ``prefill_rate``, the share of
+        each iteration that the last step left to prefill beside its decode work (at least
+        ``min_prefill_rate``; the pass alone ignored the decodes and kept prompts that then
+        missed by a few %); whenever the request just added, not started, would miss its TTFT
+        target, give up the *longest* prefill of the set that may be given up (not started,
+        with a TTFT target, neither demoted nor boosted), again until it makes it or is itself
+        given up -- often a long prompt ahead that would make several short ones late, rather
+        than the newcomer (a late started request gives up no one: nothing would save it). A
+        given-up request is still served: behind the savable prefills that need the time,
+        ahead of those whose deadlines hold with all given-up work run first; its record says
+        it missed. Returns the sort key function (tier 0: savable and urgent, 1: given up, 2:
+        savable with room; then ``queue_key``)."""
         cands = sorted([r for r in self.running if r.phase != Phase.DECODE] + list(self.waiting),
                        key=self.queue_key)
         hopeless: set[int] = set()
-        ahead = PlanCost(self.lm, self.num_layers, [])  # the savable prefills ahead, merged in one pass
+        rate = max(self.prefill_rate, self.min_prefill_rate)
+        kept: list[tuple[Request, Work]] = []  # the savable prefills so far, in EDF order
+        ahead = PlanCost(self.lm, self.num_layers, [])  # ``kept``, merged in one pass
         for r in cands[: self.max_need_candidates]:
             w = Work(r.req_id, r.num_computed_tokens, r.num_tokens - r.num_computed_tokens, 0, self.num_layers, True)
-            if (r.slo.ttft is not None and not r.demoted and not r.boosted and r.num_computed_tokens == 0
-                    and not r.in_flight and now + ahead.with_work(w) > r.ttft_deadline):
-                hopeless.add(id(r))
-            elif w.num_tokens > 0:
+            if w.num_tokens <= 0:
+                continue
+            def late() -> bool:
+                return (r.slo.ttft is not None and not r.demoted
+                        and now + ahead.with_work(w) / rate > r.ttft_deadline)
+            if not late() or not self._may_give_up(r):
+                # on time, or started (its work is sunk, and giving up others would not save it)
                 ahead.add(w)
+                kept.append((r, w))
+                continue
+            while True:  # give up the longest until r makes it (or r itself is the longest)
+                drop = max([qx for qx in kept if self._may_give_up(qx[0])] + [(r, w)],
+                           key=lambda qx: (qx[1].num_tokens, self.queue_key(qx[0])))
+                hopeless.add(id(drop[0]))
+                if drop[0] is r:
+                    break
+                kept = [qx for qx in kept if qx[0] is not drop[0]]
+                ahead = PlanCost(self.lm, self.num_layers, [x for _, x in kept])
+                if not late():
+                    ahead.add(w)
+                    kept.append((r, w))
+                    break
+        # The given-up prefills wait only behind the savable ones that need the time: the
+        # savable ones from index ``room`` on still make their deadlines with all given-up
+        # work run before them, so they go after it (a long prompt with a far deadline must
+        # not keep a late short one waiting for seconds).
+        room = len(kept)
+        if hopeless and kept:
+            given = [Work(q.req_id, q.num_computed_tokens, q.num_tokens - q.num_computed_tokens, 0, self.num_layers,
+                          True) for q in cands if id(q) in hopeless]
+            pre = PlanCost(self.lm, self.num_layers, given)
+            ends = []
+            for _, x in kept:
+                pre.add(x)
+                ends.append(now + pre.total / rate)
+            while room > 0 and ends[room - 1] <= kept[room - 1][0].ttft_deadline:
+                room -= 1
+        tier = {id(q): (0 if i < room else 2) for i, (q, _) in enumerate(kept)}
 
         def key(r: Request):
-            return (id(r) in hopeless, *self.queue_key(r))
+            return (1 if id(r) in hopeless else tier.get(id(r), 2), *self.queue_key(r))
         return key
+
+    @staticmethod
+    def _may_give_up(r: Request) -> bool:
+        """Whether Moore-Hodgson's rule (:meth:`_prefill_key`) may put ``r`` behind the others:
+        a prefill with a TTFT target that has not started (no work sunk into it), neither
+        demoted nor boosted."""
+        return (r.slo.ttft is not None and not r.demoted and not r.boosted and r.num_computed_tokens == 0
+                and not r.in_flight)
 
     def _prefill_need(self, now: float, decode_time: float) -> float:
         """Seconds of prefill per iteration the pending prefills need (an iteration of
