@@ -20,6 +20,11 @@ prefill instances), ``laser@decode_policy=vllm``, ``laser@decode_assignment=leas
 baseline's P:D split (CONTROLLER.md D11), e.g. ``distserve@prefill_share=0.25`` (2P6D of 8).
 The first controller is the reference of the ratios.
 
+Colocated Sarathi-Serve's token budget (``--sarathi-budget``): by default Sarathi-Serve's
+rule at the tightest scaled TBT target (the paper: "chunk size limited to meet the 50 ms
+TBT"; CONTROLLER.md D11), as ``laser bench --sim`` does; ``--sarathi-budget 2048`` gives the
+scheduler's default budget, which the runs recorded before this option used.
+
 ``--extend K``: when a controller passes the highest grid rate, keep probing one grid step
 (the last step of ``--rates``) higher, at most K times, until it fails -- so the knee is
 found (and then bisected) instead of reporting the grid top as a lower bound.
@@ -31,10 +36,13 @@ Usage: python benchmarks/paper_goodput_small.py [--model qwen2.5-14b] [--instanc
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import statistics
 import time
 
 from laser.bench.plan import attainment, parse_mix, table1_requests
+from laser.bench.runner import tbt_token_budget
 from laser.controller import get_controller
 from laser.metrics import record_from_request
 from laser.sim.cluster import ClusterSim, ClusterSpec, paper_config
@@ -83,21 +91,49 @@ def extended_rates(rates: list[float], extend: int) -> list[float]:
     return [rates[-1] + step * (i + 1) for i in range(extend)]
 
 
+@functools.lru_cache(maxsize=None)
+def _tbt_budget(lm, tbt: float) -> int:
+    return tbt_token_budget(lm, tbt)
+
+
+def mixed_budget(ctl_cls, lm, tbts, setting: str) -> int | None:
+    """Token budget of a colocated Sarathi-Serve controller's mixed instances, None for any
+    other controller. ``setting``: ``"tbt"`` = Sarathi-Serve's rule at the tightest of the
+    (scaled) TBT targets ``tbts`` (s) -- the largest budget whose iteration with 8 decode
+    tokens the latency model ``lm`` keeps within it (:func:`laser.bench.runner.tbt_token_budget`,
+    as ``laser bench --sim`` and CONTROLLER.md D11); an integer string = that many tokens.
+    Raises ValueError for anything else."""
+    if ctl_cls.disaggregated or ctl_cls.instance_policy != "sarathi":
+        return None
+    if setting == "tbt":
+        return _tbt_budget(lm, min(tbts))
+    if not setting.isdigit() or int(setting) < 1:
+        raise ValueError(f"--sarathi-budget wants 'tbt' or a positive token count, got {setting!r}")
+    return int(setting)
+
+
 def probe(ctl_spec: str, n: int, cfg, rate: float, args, mix, scale: float) -> dict:
-    """One simulated run; attainment, mean TTFT (s), TTFT and P99-TBT miss fractions, wall time."""
+    """One simulated run; attainment, mean TTFT (s), TTFT and P99-TBT miss fractions, wall
+    time, and the mixed instances' token budget (None unless colocated Sarathi)."""
     name, opts, share = split_options(ctl_spec, args.prefill_share)
     reqs = table1_requests(args.requests, rate, mix, seed=args.seed, slo_scale=scale, prefix="r")
+    tbts = tuple(sorted({r.slo.tbt for r in reqs if r.slo.tbt is not None}))
     if name == "laser":
-        opts = {"tbt_targets": tuple(sorted({r.slo.tbt for r in reqs})), **opts}
+        opts = {"tbt_targets": tbts, **opts}
+    cls = get_controller(name)
+    budget = mixed_budget(cls, cfg.latency_model, tbts, args.sarathi_budget)
+    if budget is not None:
+        cfg = dataclasses.replace(cfg, mixed_token_budget=budget)
     t0 = time.perf_counter()
     p, d = pd_split(n, share)
-    res = ClusterSim(get_controller(name)(**opts), ClusterSpec(p, d), cfg).run(reqs)
+    res = ClusterSim(cls(**opts), ClusterSpec(p, d), cfg).run(reqs)
     recs = [record_from_request(r) for r in res.requests]
     ttfts = [r.ttft for r in recs if r.ttft is not None]
     ttft_miss = sum(r.ttft is None or (r.ttft_slo is not None and r.ttft > r.ttft_slo) for r in recs)
     tbt_miss = sum(r.tbt_slo is not None and r.p99_tbt is not None and r.p99_tbt > r.tbt_slo for r in recs)
     return {"att": attainment(res.requests), "ttft": statistics.fmean(ttfts) if ttfts else float("nan"),
-            "ttft_miss": ttft_miss / len(recs), "tbt_miss": tbt_miss / len(recs), "wall": time.perf_counter() - t0}
+            "ttft_miss": ttft_miss / len(recs), "tbt_miss": tbt_miss / len(recs), "wall": time.perf_counter() - t0,
+            "budget": budget}
 
 
 def search_knee(run, rates: list[float], extend: int = 0, bisect: int = 0,
@@ -140,7 +176,8 @@ def goodput(ctl: str, n: int, cfg, rates: list[float], args, mix, scale: float, 
     def run(rate):
         p = probe(ctl, n, cfg, rate, args, mix, scale)
         print(f"  {label} {ctl:>34} {rate:6.3g} req/s: attainment {p['att']:6.1%}  mean TTFT {p['ttft'] * 1e3:7.1f} ms"
-              f"  TTFT miss {p['ttft_miss']:5.1%}  TBT miss {p['tbt_miss']:5.1%}  ({p['wall']:.0f} s)", flush=True)
+              f"  TTFT miss {p['ttft_miss']:5.1%}  TBT miss {p['tbt_miss']:5.1%}"
+              + (f"  chunk budget {p['budget']}" if p["budget"] else "") + f"  ({p['wall']:.0f} s)", flush=True)
         return p["att"]
 
     passed, top = search_knee(run, rates, args.extend, args.bisect, args.stop_below)
@@ -175,6 +212,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prefill-share", type=float, default=0.5,
                     help="prefill instances / instances of the disaggregated controllers (rounded, >= 1 of each)")
+    ap.add_argument("--sarathi-budget", default="tbt",
+                    help="colocated Sarathi's token budget: 'tbt' (sized to the tightest scaled TBT) or a token count")
     ap.add_argument("--extend", type=int, default=0, help="grid steps probed above the top rate while it passes")
     ap.add_argument("--bisect", type=int, default=0, help="halvings between the last passing and first failing rate")
     ap.add_argument("--stop-below", type=float, default=0.5, help="stop a controller's grid below this attainment")
@@ -186,9 +225,11 @@ def main() -> None:
         name, opts, share = split_options(c, a.prefill_share)
         get_controller(name)(**opts)
         pd_split(2, share)
+        mixed_budget(get_controller(name), cfg.latency_model, (0.05,), a.sarathi_budget)
     print(f"SIMULATED: {a.model} shapes, A100-80GB analytic latency model, TP{cfg.tp}, {a.requests} requests per "
           f"probe (seed {a.seed}), Table 1 lengths (lognormal) and SLOs x scale; goodput = highest rate with >= 90 % "
-          f"attainment on the grid {a.rates} (+{a.bisect} bisection steps)")
+          f"attainment on the grid {a.rates} (+{a.extend} extension, +{a.bisect} bisection steps); colocated Sarathi "
+          f"token budget: {a.sarathi_budget}")
     rows = []
     for n in (int(x) for x in a.instances.split(",")):
         for mix_s in a.mixes.split(","):

@@ -83,9 +83,27 @@ def test_prefill_share_option_sets_the_simulated_layout(monkeypatch):
         return real(p, d)
 
     monkeypatch.setattr(pg, "ClusterSpec", spy)
-    args = argparse.Namespace(requests=12, seed=0, prefill_share=0.5)
+    args = argparse.Namespace(requests=12, seed=0, prefill_share=0.5, sarathi_budget="tbt")
     cfg = pg.paper_config("qwen2.5-14b", "a100")
     out = pg.probe("distserve@prefill_share=0.25", 8, cfg, 4.0, args, pg.parse_mix("1:1:1"), 1.0)
     pg.probe("distserve", 8, cfg, 4.0, args, pg.parse_mix("1:1:1"), 1.0)
     assert layouts == [(2, 6), (4, 4)]
     assert 0.0 <= out["att"] <= 1.0 and out["ttft"] > 0
+
+
+def test_colocated_sarathi_gets_a_tbt_sized_budget_and_others_none():
+    cfg = pg.paper_config("qwen2.5-14b", "a100")
+    lm = cfg.latency_model
+    colocated, distserve, laser = (pg.get_controller(n) for n in ("colocated", "distserve", "laser"))
+    b50 = pg.mixed_budget(colocated, lm, (0.05, 0.1, 0.2), "tbt")
+    assert b50 == pg.tbt_token_budget(lm, 0.05)
+    assert 16 <= pg.mixed_budget(colocated, lm, (0.04, 0.08), "tbt") < b50 < 2048  # tighter TBT, smaller chunks
+    assert pg.mixed_budget(colocated, lm, (0.05,), "2048") == 2048
+    assert pg.mixed_budget(distserve, lm, (0.05,), "tbt") is None
+    assert pg.mixed_budget(laser, lm, (0.05,), "tbt") is None
+    for bad in ("0", "big", "-5"):
+        with pytest.raises(ValueError, match="sarathi-budget"):
+            pg.mixed_budget(colocated, lm, (0.05,), bad)
+    args = argparse.Namespace(requests=12, seed=0, prefill_share=0.5, sarathi_budget="tbt")
+    out = pg.probe("colocated", 4, cfg, 2.0, args, pg.parse_mix("1:1:1"), 1.0)
+    assert out["budget"] == b50 and 0.0 <= out["att"] <= 1.0
