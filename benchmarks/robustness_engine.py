@@ -9,6 +9,8 @@ requests, arrivals and SLO targets:
 
 * ``laser`` and ``sarathi@<best budget>`` (EDF queue, the budget the grid found best), at
   the rate where the simulator put Laser's goodput (a rate above sarathi:best's goodput).
+  The engine plans with the profile as it is, or (``--calibrate``) with it calibrated online
+  as ``laser serve`` does by default (each policy its own calibration).
 
 The simulator predicts laser passes (>= 90 % of requests within SLO) and sarathi fails there.
 Printed per point: attainment (and per class) of both, real vs simulated, mean TTFT and P99
@@ -38,6 +40,8 @@ from robustness import HERE, hardware_kinds, slo_table  # noqa: E402  (script di
 from laser.bench.runner import Benchmark, EngineTarget, SimTarget
 from laser.bench.workloads import sample_mix
 from laser.config import SchedulerConfig
+from laser.latency import CalibratedLatencyModel
+from laser.latency.calibrated import _quantile as _q
 
 PROFILE = HERE / "profiles" / "avx2-fp32-smollm2-135m.json"
 
@@ -58,7 +62,8 @@ def summary_row(run) -> dict:
             "wall_s": run.wall_s}
 
 
-def check_point(engine, kind: dict, row: dict, tokenizer, seconds: float, min_requests: int) -> dict:
+def check_point(engine, kind: dict, row: dict, tokenizer, seconds: float, min_requests: int,
+                calibrate: bool = False) -> dict:
     """Run laser and sarathi@best on the real engine and in the simulator at Laser's
     simulated goodput rate of ``row``; returns both policies' summaries, real and simulated."""
     mixv = tuple(float(x) for x in row["mix"].split(":"))
@@ -68,11 +73,13 @@ def check_point(engine, kind: dict, row: dict, tokenizer, seconds: float, min_re
     n = max(min_requests, min(len(requests), math.ceil(rate * seconds)))
     budget = row["best_budget"]
     sar = f"sarathi@{budget}"
-    lm = engine.latency_model
+    def lm():  # each policy plans with its own calibration (from 1.0), or with the profile as is
+        return CalibratedLatencyModel(kind["lm"]) if calibrate else kind["lm"]
+
     engine_targets = {
-        "laser": EngineTarget("laser", engine=engine, latency_model=lm, label="laser",
+        "laser": EngineTarget("laser", engine=engine, latency_model=lm(), label="laser",
                               config_overrides={"queue_order": "edf"}),
-        sar: EngineTarget("sarathi", engine=engine, latency_model=lm, label=sar,
+        sar: EngineTarget("sarathi", engine=engine, latency_model=lm(), label=sar,
                           config_overrides={"queue_order": "edf", "max_num_batched_tokens": budget}),
     }
     sim_targets = {
@@ -90,6 +97,12 @@ def check_point(engine, kind: dict, row: dict, tokenizer, seconds: float, min_re
         t1 = time.perf_counter()
         r = real.probe(label, rate, early_stop=False)
         out["policies"][label] = {"real": summary_row(r), "sim": summary_row(s)}
+        cal = engine_targets[label].lm
+        if isinstance(cal, CalibratedLatencyModel):  # how far the profile was off while this ran
+            out["policies"][label]["calibration"] = {"factor": cal.factor, "steps": cal.observed,
+                                                     "ratio_quantiles": [_q(cal.ratios, x) for x in (0.1, 0.5, 0.9)]}
+            print(f"  {'':<12} calibration factor {cal.factor:.2f} over {cal.observed} steps; measured/predicted "
+                  f"P10/P50/P90 {' / '.join(f'{_q(cal.ratios, x):.2f}' for x in (0.1, 0.5, 0.9))}", flush=True)
         print(f"  {label:<12} real {r.attainment:.2f}  sim {s.attainment:.2f}  "
               f"(real mean TTFT {r.summary.overall.ttft_mean:.2f} s, P99 TBT {r.summary.overall.tbt_p99:.3f} s; "
               f"{time.perf_counter() - t1:.0f} s)", flush=True)
@@ -106,6 +119,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=240.0, help="arrival span per real run (sets the prefix size)")
     ap.add_argument("--min-requests", type=int, default=12, help="at least this many requests per run")
     ap.add_argument("--json", default="bench-results/robustness-engine.json", help="results JSON path")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="the engine plans with the profile calibrated online (as `laser serve` does by "
+                         "default; laser.latency.calibrated), not with the profile as is")
+    ap.add_argument("--only", default=None, help="run only these of worst,median,best")
     args = ap.parse_args(argv)
 
     from laser.bench.workloads import HFTokenizer
@@ -126,18 +143,21 @@ def main(argv=None) -> int:
               f"{kind['num_blocks']}", flush=True)
     tokenizer = HFTokenizer(engine.tokenizer)
     EngineTarget("vllm", engine=engine).warmup()
-    out = {"benchmark": "benchmarks/robustness_engine.py", "grid": args.grid_json,
+    out = {"benchmark": "benchmarks/robustness_engine.py", "grid": args.grid_json, "calibrated": args.calibrate,
            "command": "python benchmarks/robustness_engine.py " + " ".join(sys.argv[1:]),
            "engine": "SmolLM2-135M, float32, 1 thread", "profile": PROFILE.name, "points": []}
     done: dict[int, dict] = {}
-    for name, row in pick_points(rows):
+    picked = pick_points(rows)
+    if args.only:
+        picked = [(n, r) for n, r in picked if n in args.only.split(",")]
+    for name, row in picked:
         if id(row) in done:  # fewer than three rated points: one row fills several names
             out["points"].append({**done[id(row)], "name": name})
             continue
         print(f"[{name}] mix {row['mix']} seed {row['seed']} len x{row['length_scale']:g} SLO x{row['slo_scale']:g}: "
               f"grid laser {row['laser_goodput']} / sarathi:best {row['sarathi_best_goodput']} "
               f"= {row['ratio']:.2f}x", flush=True)
-        res = check_point(engine, kind, row, tokenizer, args.seconds, args.min_requests)
+        res = check_point(engine, kind, row, tokenizer, args.seconds, args.min_requests, args.calibrate)
         done[id(row)] = {"name": name, **{k: row[k] for k in ("mix", "seed", "length_scale", "slo_scale", "ratio")},
                          **res}
         out["points"].append(done[id(row)])

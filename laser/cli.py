@@ -58,6 +58,9 @@ def add_engine_args(p: argparse.ArgumentParser, policy_default: str = "laser") -
              "created there when missing); 'auto' (default): the cached profile of this setup, profiled "
              "on first use and re-made when stale",
     )
+    p.add_argument("--no-latency-calibration", dest="latency_calibration", action="store_false",
+                   help="plan with the profile's predictions as they are (default: scaled by how the "
+                        "machine runs now, measured over the last steps; laser.latency.calibrated)")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch intra-op threads (default: the number of physical cores)")
 
@@ -111,6 +114,7 @@ def build_engine(args, **overrides):
         scheduler=sched,
         slo_classes=slo,
         latency_profile=args.latency_profile,
+        latency_calibration=getattr(args, "latency_calibration", True),
         **overrides,
     )
 

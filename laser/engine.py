@@ -79,6 +79,9 @@ class Engine(ModelInstance):
             machine now (< 60 s) when missing or stale; a path — that profile file, used as is
             (created there only when missing: a file that is corrupt or made for another setup
             raises ``LatencyProfileError`` and is left alone).
+        latency_calibration: plan with the loaded (or estimated) model scaled by how the
+            machine runs now (:class:`~laser.latency.calibrated.CalibratedLatencyModel`,
+            default True); a ``latency_model`` given here is used as it is.
         clock: time source in seconds (monotonic by default).
         seed: seed of the shared sampling generator.
     Raises:
@@ -144,6 +147,7 @@ class Engine(ModelInstance):
         self.core.handoffs.clear()
         if latency_model is not None:
             self.latency_model = latency_model
+            self.core.step_observer = getattr(latency_model, "observe_step", None)
         if intermediate_cache_tokens is not None:
             self.icache = self.runner.icache = IntermediateCache(intermediate_cache_tokens)
         if clock is not None:

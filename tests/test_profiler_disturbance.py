@@ -77,6 +77,48 @@ def test_the_first_best_is_re_judged_when_the_machine_gets_quieter():
     assert all(c.times and all(t == pytest.approx(0.01) for t in c.times) for c in cases)
 
 
+class JitteryMachine(FakeMachine):
+    """Every call runs 0-15 % slower than its cost at random (a VM's own timing noise), and
+    calls ``lo``..``hi``-1 ``factor`` times slower on top (a neighbour)."""
+
+    def __init__(self, lo: int, hi: int, factor: float = 1.5, seed: int = 0):
+        import random
+
+        super().__init__(lo, hi, factor)
+        self.rng = random.Random(seed)
+
+    def call(self, cost: float):
+        def run():
+            self.calls += 1
+            slow = self.factor if self.lo <= self.calls < self.hi else 1.0
+            self.now += cost * slow * (1.0 + 0.15 * self.rng.random())
+        return run
+
+
+def test_a_jittery_quiet_machine_keeps_most_repeats():
+    """Seen on a quiet 2-vCPU VM: reference re-timings spread up to ~15 % over their best, so a
+    fixed 5 % tolerance marked 97 % of the repeats disturbed and the profile dropped 222 of 251
+    samples. The tolerance follows the machine's own jitter (2x the median drift)."""
+    m = JitteryMachine(lo=0, hi=0)
+    cases = [profiler.Case(k, m.call(0.01 * (k + 1))) for k in range(10)]
+    b = bench_on(m, min_rounds=4, max_rounds=4)
+    b.run(cases, references=[profiler.Case("ref", m.call(0.005))])
+    assert b.effective_ref_tol() > b.ref_tol
+    assert b.disturbed_fraction < 0.35, b.disturbed_fraction
+    assert all(len(c.times) >= 2 for c in cases)
+
+
+def test_a_neighbour_is_still_seen_on_a_jittery_machine():
+    m = JitteryMachine(lo=60, hi=100, factor=1.5)
+    cases = [profiler.Case(k, m.call(0.01 * (k + 1))) for k in range(10)]
+    b = bench_on(m, min_rounds=4, max_rounds=6)
+    b.run(cases, references=[profiler.Case("ref", m.call(0.005))])
+    assert b.disturbed_repeats > 0
+    # what is left undisturbed is quiet time (jitter only), never the neighbour's 1.5x
+    for k, c in enumerate(cases):
+        assert all(t < 1.2 * 0.01 * (k + 1) for t in c.times), (k, c.times)
+
+
 def test_out_of_budget_disturbed_samples_are_dropped_with_a_warning(caplog):
     b = profiler.Bench(psi=None)
     only_disturbed = profiler.Case(("stateless", 8), lambda: None, disturbed=[2.0, 2.1])

@@ -131,6 +131,7 @@ def _sim_setup(args):
             a = _engine_args(args, "vllm")
             a.latency_profile = "auto"
             lm = _planning_model(build_engine(a))
+            lm = getattr(lm, "inner", lm)  # the profiled model, not the engine's online calibration of it
             if not isinstance(lm, FittedLatencyModel):
                 if args.sim_latency == "profile":
                     raise ValueError("--sim-latency profile: no fitted latency profile could be made")

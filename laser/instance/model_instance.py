@@ -18,6 +18,7 @@ import torch
 from ..config import CacheConfig, SchedulerConfig, resolve_max_model_len
 from ..intermediate_cache import IntermediateCache
 from ..kv_cache import KVCache
+from ..latency import CalibratedLatencyModel
 from ..model.llama import LlamaModel
 from ..model.loader import load_config, load_weights, resolve_dtype, resolve_model
 from ..model_runner import ModelRunner
@@ -50,6 +51,7 @@ class ModelInstance:
         seed: int = 0,
         max_model_len: int | None = None,
         extra_eos_ids: tuple[int, ...] = (),
+        latency_calibration: bool = True,
     ):
         path = resolve_model(model)
         self.model_path = path
@@ -68,7 +70,11 @@ class ModelInstance:
             sched_cfg = SchedulerConfig(**{**sched_cfg.__dict__, "policy": policy})
         self.scheduler_config = sched_cfg
         self.latency_profile = latency_profile
-        self.latency_model = latency_model or self._load_latency_model(latency_profile)
+        if latency_model is None:
+            latency_model = self._load_latency_model(latency_profile)
+            if latency_calibration:
+                latency_model = CalibratedLatencyModel(latency_model)
+        self.latency_model = latency_model
         self.clock = clock
         self.max_model_len = resolve_max_model_len(
             max_model_len, self.model_config.max_position, self.kv_cache.num_blocks * self.cache_config.block_size
@@ -77,6 +83,7 @@ class ModelInstance:
         sched = make_scheduler(sched_cfg, self.model_config.num_layers, self.kv_cache.block_manager,
                                self.icache, self.latency_model, clock)
         self.core = InstanceCore(sched, self.runner, clock, eos_ids=eos_ids, max_model_len=self.max_model_len)
+        self.core.step_observer = getattr(self.latency_model, "observe_step", None)
 
     def _load_latency_model(self, profile: str | None):
         from ..latency import AnalyticLatencyModel, LatencyProfileError, ModelShape

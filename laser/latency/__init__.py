@@ -34,6 +34,9 @@ Three implementations of one interface (:class:`LatencyModel`):
   before a profile exists.
 * :class:`SimpleLatencyModel`: a few explicit constants, for tests with a fake clock.
 
+:class:`CalibratedLatencyModel` wraps any of them for a real instance: its predictions
+scaled by how the machine runs now (measured over the last steps).
+
 Modules: ``base`` (interface, error, profile samples), ``features`` (attention features,
 the decode grouping rule and its limit, shared with the model runner), ``fitted``
 (prediction), ``fitting`` (numpy/scipy; imported only to fit), ``analytic`` (roofline and
@@ -67,11 +70,13 @@ from .features import (
     gather_positions_from_metadata,
     max_gather_positions,
 )
+from .calibrated import CalibratedLatencyModel
 from .fitted import AttentionModel, FittedLatencyModel, PiecewiseLinear
 from .io import PROFILE_FORMAT, PROFILE_VERSION, cpu_hardware_string, default_profile_path
 
 __all__ = [
     "ATTENTION_FEATURES", "ATTENTION_FEATURE_SETS", "AnalyticLatencyModel", "AttentionModel", "AttentionSample",
+    "CalibratedLatencyModel",
     "DEFAULT_MAX_GATHER_BYTES", "EmbedSample", "FittedLatencyModel", "HARDWARE", "HardwareSpec", "HeadSample",
     "LatencyModel", "LatencyProfileError", "LayerSample", "MODEL_SHAPES", "ModelShape", "PROFILE_FORMAT",
     "PROFILE_VERSION", "PiecewiseLinear", "Sample", "SimpleLatencyModel", "StatelessSample", "attention_features",

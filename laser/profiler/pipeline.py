@@ -162,7 +162,7 @@ def disturbance_stats(cases: list[Case], bench: Bench) -> dict:
             "clean_fraction": round(sum(len(c.clean) for c in cases) / max(1, repeats), 3),
             "disturbed_fraction": round(sum(len(c.disturbed) for c in cases) / max(1, repeats), 3),
             "disturbed_cases": sum(1 for c in cases if c.repeats and not c.times),
-            "reference_checks": len(bench.checks), "reference_tol": bench.ref_tol,
+            "reference_checks": len(bench.checks), "reference_tol": round(bench.effective_ref_tol(), 3),
             "max_reference_drift": round(bench.reference_drift(), 3)}
 
 

@@ -18,7 +18,8 @@ percent while no task ever waits for a CPU). So :class:`Bench` also re-times fix
 256-token prefill layer step) at the start and then interleaved with the cases, every
 ``ref_interval_s`` seconds and at the end of every round. A repeat whose surrounding
 reference timings (the check before it and the check after it) drift more than
-``ref_tol`` above the best time of that reference so far is *disturbed*: it leaves
+``ref_tol`` above the best time of that reference so far (or beyond the machine's own
+jitter: ``Bench.effective_ref_tol``) is *disturbed*: it leaves
 ``Case.times`` for ``Case.disturbed`` and the case is measured again (in extra rounds
 if needed, while the time budget lasts). Torch-free.
 """
@@ -125,12 +126,13 @@ class Bench:
 
     A repeat counts as *disturbed* when a reference call timed just before or just after
     it (see the module docstring) ran more than ``ref_tol`` slower than that reference's
-    best time so far: the machine was slower then, whatever the pressure counter says
-    (memory-bandwidth contention from a neighbour is invisible to it). Disturbed repeats
-    are re-measured: a case is settled only on undisturbed repeats, and cases left with
-    fewer than two undisturbed repeats get up to ``max_rounds`` extra rounds while the
-    budget lasts. As the best reference times only fall, a window once disturbed stays so,
-    and earlier windows are re-judged against the newest best.
+    best time so far (or more than ``noise_factor`` times the median drift, on a machine
+    whose timing jitters by itself: :meth:`effective_ref_tol`): the machine was slower then,
+    whatever the pressure counter says (memory-bandwidth contention from a neighbour is
+    invisible to it). Disturbed repeats are re-measured: a case is settled only on
+    undisturbed repeats, and cases left with fewer than two undisturbed repeats get up to
+    ``max_rounds`` extra rounds while the budget lasts. Every window is re-judged at every
+    check against the newest best times and tolerance.
 
     A repeat of a short case is a *burst* of back-to-back calls (as many as fill
     ``burst_s``, at most ``max_burst``), timed together: the layers of an iteration run
@@ -151,6 +153,8 @@ class Bench:
             re-timing, the fastest counts (a single preemption does not flag a window;
             sustained contention slows them all). ref_burst_s: length of a reference burst
             (at most 8 x ``max_burst`` calls; longer than a case's: less noise).
+        noise_factor: a check is slow only beyond this many times the median drift of all
+            checks, when that exceeds ``ref_tol`` (the machine's own jitter).
         clock: seconds counter (``time.perf_counter``; tests inject a fake one).
         psi: cumulative CPU-stall microseconds counter; ``"auto"``: ``/proc/pressure/cpu``
             when readable; None: none (every repeat clean).
@@ -159,7 +163,8 @@ class Bench:
     def __init__(self, min_rounds: int = 3, max_rounds: int = 6, tol: float = 0.03,
                  budget_s: float = math.inf, seed: int = 0, progress=None, burst_s: float = 0.008,
                  max_burst: int = 32, *, ref_tol: float = 0.05, ref_interval_s: float = 0.5,
-                 ref_initial: int = 3, ref_repeats: int = 2, ref_burst_s: float = 0.01, clock: Callable[[], float] = time.perf_counter, psi="auto"):
+                 ref_initial: int = 3, ref_repeats: int = 2, ref_burst_s: float = 0.01, noise_factor: float = 2.0,
+                 clock: Callable[[], float] = time.perf_counter, psi="auto"):
         if min_rounds < 1 or max_rounds < min_rounds:
             raise ValueError("need 1 <= min_rounds <= max_rounds")
         if not ref_tol > 0 or not ref_interval_s > 0 or ref_initial < 1:
@@ -173,6 +178,7 @@ class Bench:
         self.psi = _psi_reader() if psi == "auto" else psi
         self.ref_tol, self.ref_interval_s, self.ref_initial = ref_tol, ref_interval_s, ref_initial
         self.ref_repeats, self.ref_burst_s = max(1, int(ref_repeats)), ref_burst_s
+        self.noise_factor = noise_factor
         self.references: list[Case] = []
         self.checks: list[_Check] = []
         self._window: list = []  # (case, seconds) timed since the last check
@@ -231,19 +237,52 @@ class Bench:
         self.checks.append(_Check(times, self._window))
         self._window = []
         self._last_check = self.clock()
+        self._judge()
+
+    def _drifts(self) -> list[float]:
+        """Per check, the largest drift of its reference re-timings over each reference's best."""
         best = [min(r.times) for r in self.references]
-        slow = [max(t / b for t, b in zip(c.ref_times, best)) > 1 + self.ref_tol for c in self.checks]
+        return [max(t / b for t, b in zip(c.ref_times, best)) - 1.0 for c in self.checks]
+
+    def effective_ref_tol(self) -> float:
+        """The drift beyond which a check counts as slow: ``ref_tol``, or ``noise_factor``
+        times the median drift of all checks when that is larger. A machine whose own timing
+        jitters (a VM: re-timings of a reference on a quiet host spread 10-15 % over their
+        best, ~7 % at the median) would otherwise mark nearly every repeat disturbed, and the
+        profile would lose the samples it drops; a neighbour that slows the machine for a
+        minority of the run still lifts its checks far above the median."""
+        drifts = self._drifts()
+        if not drifts:
+            return self.ref_tol
+        return max(self.ref_tol, self.noise_factor * float(np.median(drifts)))
+
+    def _judge(self) -> None:
+        """(Re)judge every window against the best reference times and the effective
+        tolerance so far: a window between two checks is disturbed when either is slow.
+        The best times only fall and the tolerance follows the noise seen, so a window can
+        change sides; its repeats move between ``Case.times`` and ``Case.disturbed``."""
+        tol = self.effective_ref_tol()
+        slow = [d > tol for d in self._drifts()]
         for k, c in enumerate(self.checks):
-            # a window lies between check k-1 and check k: disturbed if either was slow
-            if not c.disturbed and (slow[k] or (k > 0 and slow[k - 1])):
-                c.disturbed = True
-                for case, dt, clean in c.window:
+            now = slow[k] or (k > 0 and slow[k - 1])
+            if now == c.disturbed:
+                continue
+            c.disturbed = now
+            for case, dt, clean in c.window:
+                if now:
                     case.times.remove(dt)
+                    case.disturbed.append(dt)
                     if clean:
                         case.clean.remove(dt)
                         self.clean_repeats -= 1
-                    case.disturbed.append(dt)
                     self.disturbed_repeats += 1
+                else:
+                    case.disturbed.remove(dt)
+                    case.times.append(dt)
+                    if clean:
+                        case.clean.append(dt)
+                        self.clean_repeats += 1
+                    self.disturbed_repeats -= 1
 
     def reference_drift(self) -> float:
         """Largest drift of a reference re-timing over that reference's best (fraction; 0

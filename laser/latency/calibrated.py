@@ -1,0 +1,100 @@
+"""A latency model that follows the machine as it runs now (online calibration).
+
+A profile is measured once; the machine it runs on changes: another process takes memory
+bandwidth, the host of a VM gets busier, the KV pool fills and attention reads scatter. A
+plan sized to 90 % of a TBT target with a model that is 25 % optimistic right now misses the
+target (seen on the real engine: the chat class of the KV-pressure scenario planned at
+0.32 s per iteration against 0.4 s, and ran 0.50 s). :class:`CalibratedLatencyModel` scales
+every prediction of the profiled model by a factor the instance measures as it serves: the
+``quantile`` of (measured / predicted) wall time over its last ``window`` complete steps.
+
+The factor is a high quantile rather than the mean so that the plans hold in most steps
+when step times jitter (the P99 TBT is what a class is judged on). It starts at 1.0, moves
+only after ``min_steps`` observations, and stays in ``[lo, hi]``. Steps that a stop cut
+short are not observed (their prediction was for the whole plan). The simulator never uses
+it (its executor runs the predictions themselves). Torch- and numpy-free.
+
+The same idea as the running correction of a cost model in database query optimisers; in
+LLM serving, DistServe and Llumnix fit their latency models offline only.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+from .base import LatencyModel
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated ``q`` quantile (numpy's default rule) of non-empty ``values``."""
+    s = sorted(values)
+    x = q * (len(s) - 1)
+    i = int(x)
+    return s[i] if i + 1 >= len(s) else s[i] + (x - i) * (s[i + 1] - s[i])
+
+
+class CalibratedLatencyModel(LatencyModel):
+    """``inner``'s predictions times :attr:`factor` (dimensionless, see the module docstring).
+
+    Args:
+        inner: the profiled model (any :class:`LatencyModel`).
+        window: complete steps remembered. quantile: of their measured / predicted ratios.
+        min_steps: observations before the factor leaves 1.0.
+        lo, hi: bounds of the factor.
+    Raises:
+        ValueError: for a window or min_steps below 1, a quantile outside (0, 1], or
+            bounds that do not satisfy ``0 < lo <= 1 <= hi``.
+    """
+
+    def __init__(self, inner: LatencyModel, window: int = 64, quantile: float = 0.8, min_steps: int = 8,
+                 lo: float = 0.5, hi: float = 4.0):
+        if window < 1 or min_steps < 1 or not 0.0 < quantile <= 1.0 or not 0.0 < lo <= 1.0 <= hi:
+            raise ValueError("need window >= 1, min_steps >= 1, 0 < quantile <= 1 and 0 < lo <= 1 <= hi")
+        self.inner = inner
+        self.num_layers = inner.num_layers
+        self.quantile, self.min_steps, self.lo, self.hi = quantile, min_steps, lo, hi
+        self.ratios: deque[float] = deque(maxlen=window)
+        self.factor = 1.0
+        self.observed = 0  # steps observed in all
+
+    @property
+    def metadata(self) -> dict:
+        return getattr(self.inner, "metadata", {})
+
+    @property
+    def layer_overhead_s(self) -> float:  # type: ignore[override]
+        return self.factor * self.inner.layer_overhead_s
+
+    # -- predictions: the inner model's, scaled --------------------------------------------
+    def stateless_time(self, n_tokens: int) -> float:
+        return self.factor * self.inner.stateless_time(n_tokens)
+
+    def attention_time(self, query_lens: Sequence[int], context_lens: Sequence[int]) -> float:
+        return self.factor * self.inner.attention_time(query_lens, context_lens)
+
+    def embed_time(self, n_tokens: int) -> float:
+        return self.factor * self.inner.embed_time(n_tokens)
+
+    def head_time(self, n_rows: int) -> float:
+        return self.factor * self.inner.head_time(n_rows)
+
+    def layer_time(self, query_lens: Sequence[int], context_lens: Sequence[int]) -> float:
+        return self.factor * self.inner.layer_time(query_lens, context_lens)
+
+    # -- calibration ---------------------------------------------------------------------------
+    def observe(self, predicted_s: float, measured_s: float) -> None:
+        """One complete step: ``predicted_s`` by the inner model (unscaled), ``measured_s``
+        of wall time. Non-positive predictions are ignored."""
+        if predicted_s <= 0.0 or measured_s <= 0.0:
+            return
+        self.ratios.append(measured_s / predicted_s)
+        self.observed += 1
+        if len(self.ratios) >= self.min_steps:
+            q = _quantile(self.ratios, self.quantile)
+            self.factor = min(self.hi, max(self.lo, q))
+
+    def observe_step(self, plan, measured_s: float) -> None:
+        """Observe a step that ran ``plan`` (a :class:`~laser.plan.StepPlan`) to completion."""
+        if plan.works:
+            self.observe(self.inner.predict_iteration(plan), measured_s)
