@@ -92,21 +92,30 @@ def test_a_late_request_does_not_keep_a_nearly_free_prompt_out_of_its_step():
     assert late.token_times[0] <= first_step + alone_last + LaserScheduler.late_delay_share * late.slo.ttft
 
 
+def _prompt(tokens: int, ttft: float, name: str, req_id: str) -> Request:
+    """A prompt of ``tokens`` tokens arriving at 0 with a TTFT target (one output token)."""
+    return Request([7] * tokens, SamplingParams(max_tokens=1, temperature=0), SLO(ttft=ttft, name=name),
+                   arrival_time=0.0, req_id=req_id)
+
+
+def _run_alone(*reqs: Request) -> None:
+    """Run ``reqs`` on one simulated Laser instance of the GPU model until all finish."""
+    sim = SimInstance("laser", N, GPU_LM, SchedulerConfig(policy="laser"))
+    for r in reqs:
+        sim.submit(r)
+    sim.run()
+    sim.check_integrity(expect_empty=True)
+
+
 def test_a_hopeless_prompt_goes_behind_the_ones_that_can_still_make_it():
     """Under overload EDF serves the most urgent first even when it cannot make its
     deadline any more, and makes the next ones late too (the domino effect): a 2000-token
     prompt whose 50 ms target is below its own prefill (~0.13 s) used to run first and make
     both 200-token prompts behind it miss their 100 ms targets. It now runs after them (and
     still runs)."""
-    hopeless = Request([7] * 2000, SamplingParams(max_tokens=1, temperature=0), SLO(ttft=0.05, name="code"),
-                       arrival_time=0.0, req_id="hopeless")
-    others = [Request([7] * 200, SamplingParams(max_tokens=1, temperature=0), SLO(ttft=0.1, name="code"),
-                      arrival_time=0.0, req_id=f"ok{i}") for i in range(2)]
-    sim = SimInstance("laser", N, GPU_LM, SchedulerConfig(policy="laser"))
-    for r in (hopeless, *others):
-        sim.submit(r)
-    sim.run()
-    sim.check_integrity(expect_empty=True)
+    hopeless = _prompt(2000, 0.05, "code", "hopeless")
+    others = [_prompt(200, 0.1, "code", f"ok{i}") for i in range(2)]
+    _run_alone(hopeless, *others)
     assert GPU_LM.predict_prefill(2000) > hopeless.slo.ttft
     assert all(r.token_times[0] - r.arrival_time <= r.slo.ttft for r in others), [r.token_times for r in others]
     assert hopeless.num_output_tokens == 1
@@ -118,15 +127,9 @@ def test_overload_gives_up_the_longest_prompt_rather_than_the_short_ones_behind_
     Not all five fit: the old rule (give up only the request that is itself late) kept the
     long one first and lost three short ones; giving up the longest prompt of the set
     instead loses only the long one. It still runs, after them."""
-    long_ = Request([7] * 2000, SamplingParams(max_tokens=1, temperature=0), SLO(ttft=0.15, name="summarization"),
-                    arrival_time=0.0, req_id="long")
-    shorts = [Request([7] * 200, SamplingParams(max_tokens=1, temperature=0), SLO(ttft=0.152, name="code"),
-                      arrival_time=0.0, req_id=f"short{i}") for i in range(4)]
-    sim = SimInstance("laser", N, GPU_LM, SchedulerConfig(policy="laser"))
-    for r in (long_, *shorts):
-        sim.submit(r)
-    sim.run()
-    sim.check_integrity(expect_empty=True)
+    long_ = _prompt(2000, 0.15, "summarization", "long")
+    shorts = [_prompt(200, 0.152, "code", f"short{i}") for i in range(4)]
+    _run_alone(long_, *shorts)
     assert GPU_LM.predict_prefill(2000) < long_.slo.ttft  # it could have made it alone
     assert all(r.token_times[0] - r.arrival_time <= r.slo.ttft for r in shorts), [r.token_times for r in shorts]
     assert long_.num_output_tokens == 1
