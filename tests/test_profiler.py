@@ -12,7 +12,7 @@ import pytest
 
 from laser import profiler
 from laser.config import CacheConfig
-from laser.latency import FittedLatencyModel, LatencyProfileError
+from laser.latency import CalibratedLatencyModel, FittedLatencyModel, LatencyProfileError
 from laser.plan import StepPlan, Work
 
 
@@ -133,7 +133,8 @@ def test_engine_start_loads_the_profile(tiny_llama, fitted, tmp_path, monkeypatc
     monkeypatch.setattr(profiler.pipeline, "profile", lambda *a, **k: pytest.fail("re-profiled a valid profile"))
     e = Engine(model=str(tiny_llama), policy="laser", dtype="float32", cache=CacheConfig(num_blocks=256),
                latency_profile=str(path))
-    assert isinstance(e.latency_model, FittedLatencyModel)
+    assert isinstance(e.latency_model, CalibratedLatencyModel)  # calibrated online while it serves
+    assert isinstance(e.latency_model.inner, FittedLatencyModel)
     assert e.latency_model.metadata["created"] == fitted.metadata["created"]
     assert e.scheduler.latency_model is e.latency_model
 

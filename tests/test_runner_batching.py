@@ -17,7 +17,12 @@ from laser.plan import StepPlan, Work
 from laser.request import Request, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-ATOL = 1e-5
+# Logits of one request alone and in a batch agree to fp32 rounding, not bit for bit: the layer
+# matmuls read their weights in a layout chosen by row count (laser.model.llama.Linear: one row an
+# axpy stream, 2-64 rows oneDNN's packed kernel, more rows sgemm), which sum in different orders
+# (seen: 1.1e-5 on logits of magnitude ~3 after the tiny model's layers). Greedy tokens stay equal
+# (tests/test_invariance.py).
+ATOL = 5e-5
 
 
 def prompt(seed: int, n: int) -> list[int]:
