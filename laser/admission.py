@@ -101,7 +101,9 @@ def snapshot_of(sched, now: float, num_adds: int = 0, last_step_s: float = 0.0) 
     ``counters`` holds copies of the observability state: ``preemptions`` {(cause, class): n},
     ``recomputes`` {(kind, class): n}, ``recomputed_tokens`` {(kind, class): tokens},
     ``icache_tokens`` / ``icache_capacity`` (tokens), ``icache_evictions`` (total),
-    ``layer_stops`` (Laser's stops at a layer boundary), ``running`` / ``waiting`` {class: n}.
+    ``layer_stops`` (Laser's stops at a layer boundary), ``latency_calibration`` (the factor the
+    planning model's predictions are scaled by; :mod:`laser.latency.calibrated`), ``running`` /
+    ``waiting`` {class: n}.
     """
     from .request import Phase
 
@@ -129,6 +131,8 @@ def snapshot_of(sched, now: float, num_adds: int = 0, last_step_s: float = 0.0) 
         "icache_capacity": icache.capacity_tokens,
         "icache_evictions": icache.num_evictions,
         "layer_stops": getattr(sched, "num_step_preemptions", 0),
+        # the online calibration factor of the model the scheduler plans with (1.0 without one)
+        "latency_calibration": float(getattr(getattr(sched, "latency_model", None), "factor", 1.0)),
         "running": dict(running),
         "waiting": dict(waiting),
     }

@@ -290,3 +290,10 @@ class _SchedulerCollector:
                                 labels=["model_name"])
         cap.add_metric([m], c.get("icache_capacity", 0))
         yield cap
+        if "latency_calibration" in c:
+            cal = GaugeMetricFamily("laser:latency_model_calibration", "Factor the latency profile's predictions "
+                                    "are scaled by: measured / predicted step time as the machine runs now "
+                                    "(1 = the profile holds; --no-latency-calibration keeps it at 1).",
+                                    labels=["model_name"])
+            cal.add_metric([m], c["latency_calibration"])
+            yield cal
