@@ -70,13 +70,13 @@ from .features import (
     gather_positions_from_metadata,
     max_gather_positions,
 )
-from .calibrated import CalibratedLatencyModel
+from .calibrated import CalibratedLatencyModel, ScaledLatencyModel
 from .fitted import AttentionModel, FittedLatencyModel, PiecewiseLinear
 from .io import PROFILE_FORMAT, PROFILE_VERSION, cpu_hardware_string, default_profile_path
 
 __all__ = [
     "ATTENTION_FEATURES", "ATTENTION_FEATURE_SETS", "AnalyticLatencyModel", "AttentionModel", "AttentionSample",
-    "CalibratedLatencyModel",
+    "CalibratedLatencyModel", "ScaledLatencyModel",
     "DEFAULT_MAX_GATHER_BYTES", "EmbedSample", "FittedLatencyModel", "HARDWARE", "HardwareSpec", "HeadSample",
     "LatencyModel", "LatencyProfileError", "LayerSample", "MODEL_SHAPES", "ModelShape", "PROFILE_FORMAT",
     "PROFILE_VERSION", "PiecewiseLinear", "Sample", "SimpleLatencyModel", "StatelessSample", "attention_features",

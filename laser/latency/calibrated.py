@@ -12,7 +12,9 @@ The factor is a high quantile rather than the mean so that the plans hold in mos
 when step times jitter (the P99 TBT is what a class is judged on). It starts at 1.0, moves
 only after ``min_steps`` observations, and stays in ``[lo, hi]``. Steps that a stop cut
 short are not observed (their prediction was for the whole plan). The simulator never uses
-it (its executor runs the predictions themselves). Torch- and numpy-free.
+it unless asked (``SimInstance(latency_model=CalibratedLatencyModel(m),
+machine_model=ScaledLatencyModel(m, f))`` simulates a machine ``f`` times slower than its
+profile, planned for with and without calibration). Torch- and numpy-free.
 
 The same idea as the running correction of a cost model in database query optimisers; in
 LLM serving, DistServe and Llumnix fit their latency models offline only.
@@ -34,8 +36,45 @@ def _quantile(values: Sequence[float], q: float) -> float:
     return s[i] if i + 1 >= len(s) else s[i] + (x - i) * (s[i + 1] - s[i])
 
 
-class CalibratedLatencyModel(LatencyModel):
-    """``inner``'s predictions times :attr:`factor` (dimensionless, see the module docstring).
+class ScaledLatencyModel(LatencyModel):
+    """``inner``'s predictions times :attr:`factor` (dimensionless). As the clock of a
+    simulated machine (``SimInstance(machine_model=...)``) it stands for a machine slower or
+    faster than its profile says; :class:`CalibratedLatencyModel` moves the factor online."""
+
+    def __init__(self, inner: LatencyModel, factor: float = 1.0):
+        if not factor > 0.0:
+            raise ValueError("need factor > 0")
+        self.inner = inner
+        self.num_layers = inner.num_layers
+        self.factor = float(factor)
+
+    @property
+    def metadata(self) -> dict:
+        return getattr(self.inner, "metadata", {})
+
+    @property
+    def layer_overhead_s(self) -> float:  # type: ignore[override]
+        return self.factor * self.inner.layer_overhead_s
+
+    def stateless_time(self, n_tokens: int) -> float:
+        return self.factor * self.inner.stateless_time(n_tokens)
+
+    def attention_time(self, query_lens: Sequence[int], context_lens: Sequence[int]) -> float:
+        return self.factor * self.inner.attention_time(query_lens, context_lens)
+
+    def embed_time(self, n_tokens: int) -> float:
+        return self.factor * self.inner.embed_time(n_tokens)
+
+    def head_time(self, n_rows: int) -> float:
+        return self.factor * self.inner.head_time(n_rows)
+
+    def layer_time(self, query_lens: Sequence[int], context_lens: Sequence[int]) -> float:
+        return self.factor * self.inner.layer_time(query_lens, context_lens)
+
+
+class CalibratedLatencyModel(ScaledLatencyModel):
+    """``inner``'s predictions times :attr:`factor`, which follows the measured / predicted
+    time of the instance's steps (see the module docstring).
 
     Args:
         inner: the profiled model (any :class:`LatencyModel`).
@@ -51,36 +90,10 @@ class CalibratedLatencyModel(LatencyModel):
                  lo: float = 0.5, hi: float = 4.0):
         if window < 1 or min_steps < 1 or not 0.0 < quantile <= 1.0 or not 0.0 < lo <= 1.0 <= hi:
             raise ValueError("need window >= 1, min_steps >= 1, 0 < quantile <= 1 and 0 < lo <= 1 <= hi")
-        self.inner = inner
-        self.num_layers = inner.num_layers
+        super().__init__(inner, 1.0)
         self.quantile, self.min_steps, self.lo, self.hi = quantile, min_steps, lo, hi
         self.ratios: deque[float] = deque(maxlen=window)
-        self.factor = 1.0
         self.observed = 0  # steps observed in all
-
-    @property
-    def metadata(self) -> dict:
-        return getattr(self.inner, "metadata", {})
-
-    @property
-    def layer_overhead_s(self) -> float:  # type: ignore[override]
-        return self.factor * self.inner.layer_overhead_s
-
-    # -- predictions: the inner model's, scaled --------------------------------------------
-    def stateless_time(self, n_tokens: int) -> float:
-        return self.factor * self.inner.stateless_time(n_tokens)
-
-    def attention_time(self, query_lens: Sequence[int], context_lens: Sequence[int]) -> float:
-        return self.factor * self.inner.attention_time(query_lens, context_lens)
-
-    def embed_time(self, n_tokens: int) -> float:
-        return self.factor * self.inner.embed_time(n_tokens)
-
-    def head_time(self, n_rows: int) -> float:
-        return self.factor * self.inner.head_time(n_rows)
-
-    def layer_time(self, query_lens: Sequence[int], context_lens: Sequence[int]) -> float:
-        return self.factor * self.inner.layer_time(query_lens, context_lens)
 
     # -- calibration ---------------------------------------------------------------------------
     def observe(self, predicted_s: float, measured_s: float) -> None:

@@ -28,18 +28,24 @@ class DecodePlan:
 
 class DecodeMemo:
     """Prices that Alg. 1 and Alg. 2 ask for again and again, memoised for one latency model
-    (``lm``; deterministic and never changed in place, so a memoised price is the same
-    number): one decode layer of ``c`` requests at mean context ``ctx`` (seconds) and
-    :func:`tbt_infeasible` per (context, TBT target). Owned by a Laser
-    scheduler and shared by its replans and its instance's ``LatencyIncrement`` answers;
-    cleared when it holds more than ``MAX_ENTRIES`` prices."""
+    (``lm``; deterministic, so a memoised price is the same number): one decode layer of
+    ``c`` requests at mean context ``ctx`` (seconds) and :func:`tbt_infeasible` per (context,
+    TBT target). A :class:`~laser.latency.ScaledLatencyModel` (a real instance's online
+    calibration) changes its factor in place: its inner model's prices are memoised and
+    scaled by the factor of the moment. Owned by a Laser scheduler and shared by its replans
+    and its instance's ``LatencyIncrement`` answers; cleared when it holds more than
+    ``MAX_ENTRIES`` prices."""
 
     MAX_ENTRIES = 1 << 18
 
     def __init__(self, lm: LatencyModel):
+        from laser.latency import ScaledLatencyModel
+
         self.lm = lm
+        self._scaled = lm if isinstance(lm, ScaledLatencyModel) else None
+        self._base = lm.inner if self._scaled is not None else lm  # what the memo prices
         self.layers: dict[tuple[int, int], float] = {}
-        self.infeasible: dict[tuple[int, float], bool] = {}
+        self.single: dict[int, float] = {}  # decode iteration of one request at a context, unscaled
 
     def layer_time(self, c: int, ctx: int) -> float:
         """One layer call of ``c`` decode tokens at context ``ctx`` each (seconds)."""
@@ -47,17 +53,18 @@ class DecodeMemo:
         if t is None:
             if len(self.layers) > self.MAX_ENTRIES:
                 self.layers.clear()
-            t = self.layers[(c, ctx)] = self.lm.layer_time((1,) * c, (ctx,) * c) if c else 0.0
-        return t
+            t = self.layers[(c, ctx)] = self._base.layer_time((1,) * c, (ctx,) * c) if c else 0.0
+        return t if self._scaled is None else t * self._scaled.factor
 
     def tbt_infeasible(self, num_tokens: int, tbt: float) -> bool:
-        key = (num_tokens, tbt)
-        v = self.infeasible.get(key)
-        if v is None:
-            if len(self.infeasible) > self.MAX_ENTRIES:
-                self.infeasible.clear()
-            v = self.infeasible[key] = self.lm.predict_decode_iteration((num_tokens,)) > tbt
-        return v
+        """True when one decode iteration of a request at context ``num_tokens`` alone takes
+        longer than ``tbt``."""
+        t = self.single.get(num_tokens)
+        if t is None:
+            if len(self.single) > self.MAX_ENTRIES:
+                self.single.clear()
+            t = self.single[num_tokens] = self._base.predict_decode_iteration((num_tokens,))
+        return (t if self._scaled is None else t * self._scaled.factor) > tbt
 
 
 def _memo_for(lm: LatencyModel, memo: "DecodeMemo | None") -> "DecodeMemo | None":
@@ -260,15 +267,15 @@ def _tightest_feasible_tbt(lm: LatencyModel, decoding: list, memo: DecodeMemo | 
     memo = _memo_for(lm, memo)
     if memo is None:
         return min((r.slo.tbt_or_inf for r in decoding if not tbt_infeasible(lm, r)), default=math.inf)
-    table, ask = memo.infeasible, memo.tbt_infeasible
+    table, ask = memo.single, memo.tbt_infeasible
+    scale = memo._scaled.factor if memo._scaled is not None else 1.0
     t_g = math.inf
     for r in decoding:
         tbt = r.slo.tbt
         if tbt is None or tbt >= t_g:
             continue  # (cannot lower the minimum; its feasibility does not matter)
-        bad = table.get((r.num_tokens, tbt))
-        if bad is None:
-            bad = ask(r.num_tokens, tbt)
+        t = table.get(r.num_tokens)
+        bad = ask(r.num_tokens, tbt) if t is None else (t if scale == 1.0 else t * scale) > tbt
         if not bad:
             t_g = tbt
     return t_g

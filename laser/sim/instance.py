@@ -168,11 +168,16 @@ class SimInstance(InstanceCore):
             whether the instance hands requests off (``prefill``) or adopts them (``decode``)).
         num_blocks / block_size: KV pool per layer. icache_tokens: intermediate cache capacity.
         record_plans: keep every executed plan in ``stats.plans`` (tests).
+        machine_model: what each layer call really takes (the clock; default: ``latency_model``,
+            the exact model). E.g. ``ScaledLatencyModel(m, 1.3)`` for a machine 30 % slower than
+            the profile ``m`` the scheduler plans with; a
+            :class:`~laser.latency.CalibratedLatencyModel` as ``latency_model`` then learns the
+            factor from the simulated steps, as a real instance does.
     """
 
     def __init__(self, policy: str, num_layers: int, latency_model, config: SchedulerConfig | None = None,
                  num_blocks: int = 4096, block_size: int = 16, icache_tokens: int = 16384,
-                 record_plans: bool = False):
+                 record_plans: bool = False, machine_model=None):
         cfg = dataclasses.replace(config or SchedulerConfig(), policy=policy)
         clock = VirtualClock()
         self.lm = latency_model
@@ -180,10 +185,12 @@ class SimInstance(InstanceCore):
         self.bm = BlockManager(num_layers, num_blocks, block_size)
         self.icache = IntermediateCache(icache_tokens)
         self.stats = SimStats()
-        executor = SimExecutor(latency_model, num_layers, self.bm, self.icache, clock, self.stats, record_plans)
+        executor = SimExecutor(machine_model or latency_model, num_layers, self.bm, self.icache, clock, self.stats,
+                               record_plans)
         executor.next_release = self.next_release
         super().__init__(make_scheduler(cfg, num_layers, self.bm, self.icache, latency_model, clock), executor, clock)
         self.arrival_hook = self._release
+        self.step_observer = getattr(latency_model, "observe_step", None)
         self._arrivals: list[Request] = []  # sorted by arrival_time
         self.pending: list[Handoff] = []  # decode role: hand-offs by the time they reach this instance
         self.adopted: dict[str, Request] = {}  # req_id -> this instance's copy of a handed-off request
