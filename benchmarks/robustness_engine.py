@@ -35,15 +35,12 @@ import sys
 import time
 from pathlib import Path
 
-from robustness import HERE, hardware_kinds, slo_table  # noqa: E402  (script directory is on sys.path)
+from robustness import hardware_kinds, slo_table  # noqa: E402  (script directory is on sys.path)
 
 from laser.bench.runner import Benchmark, EngineTarget, SimTarget
 from laser.bench.workloads import sample_mix
 from laser.config import SchedulerConfig
 from laser.latency import CalibratedLatencyModel
-from laser.latency.calibrated import _quantile as _q
-
-PROFILE = HERE / "profiles" / "avx2-fp32-smollm2-135m.json"
 
 
 def pick_points(rows: list[dict]) -> list[tuple[str, dict]]:
@@ -73,21 +70,15 @@ def check_point(engine, kind: dict, row: dict, tokenizer, seconds: float, min_re
     n = max(min_requests, min(len(requests), math.ceil(rate * seconds)))
     budget = row["best_budget"]
     sar = f"sarathi@{budget}"
-    def lm():  # each policy plans with its own calibration (from 1.0), or with the profile as is
-        return CalibratedLatencyModel(kind["lm"]) if calibrate else kind["lm"]
-
-    engine_targets = {
-        "laser": EngineTarget("laser", engine=engine, latency_model=lm(), label="laser",
-                              config_overrides={"queue_order": "edf"}),
-        sar: EngineTarget("sarathi", engine=engine, latency_model=lm(), label=sar,
-                          config_overrides={"queue_order": "edf", "max_num_batched_tokens": budget}),
-    }
-    sim_targets = {
-        "laser": SimTarget("laser", kind["lm"], config=SchedulerConfig(policy="laser", queue_order="edf"),
-                           num_blocks=kind["num_blocks"], label="laser"),
-        sar: SimTarget("sarathi", kind["lm"], num_blocks=kind["num_blocks"], label=sar,
-                       config=SchedulerConfig(policy="sarathi", queue_order="edf", max_num_batched_tokens=budget)),
-    }
+    policies = {"laser": ("laser", {"queue_order": "edf"}),
+                sar: ("sarathi", {"queue_order": "edf", "max_num_batched_tokens": budget})}
+    # on the engine each policy plans with its own calibration (from 1.0), or with the profile as is
+    engine_targets = {lb: EngineTarget(pol, engine=engine, label=lb, config_overrides=cfg,
+                                       latency_model=CalibratedLatencyModel(kind["lm"]) if calibrate else kind["lm"])
+                      for lb, (pol, cfg) in policies.items()}
+    sim_targets = {lb: SimTarget(pol, kind["lm"], config=SchedulerConfig(policy=pol, **cfg),
+                                 num_blocks=kind["num_blocks"], label=lb)
+                   for lb, (pol, cfg) in policies.items()}
     prefix = requests[:n]
     real = Benchmark(engine_targets, prefix, slos, seed=row["seed"])
     sim = Benchmark(sim_targets, prefix, slos, seed=row["seed"])
@@ -99,10 +90,11 @@ def check_point(engine, kind: dict, row: dict, tokenizer, seconds: float, min_re
         out["policies"][label] = {"real": summary_row(r), "sim": summary_row(s)}
         cal = engine_targets[label].lm
         if isinstance(cal, CalibratedLatencyModel):  # how far the profile was off while this ran
+            qs = [cal.ratio_quantile(x) for x in (0.1, 0.5, 0.9)]
             out["policies"][label]["calibration"] = {"factor": cal.factor, "steps": cal.observed,
-                                                     "ratio_quantiles": [_q(cal.ratios, x) for x in (0.1, 0.5, 0.9)]}
+                                                     "ratio_quantiles": qs}
             print(f"  {'':<12} calibration factor {cal.factor:.2f} over {cal.observed} steps; measured/predicted "
-                  f"P10/P50/P90 {' / '.join(f'{_q(cal.ratios, x):.2f}' for x in (0.1, 0.5, 0.9))}", flush=True)
+                  f"P10/P50/P90 {' / '.join(f'{x:.2f}' for x in qs)}", flush=True)
         print(f"  {label:<12} real {r.attainment:.2f}  sim {s.attainment:.2f}  "
               f"(real mean TTFT {r.summary.overall.ttft_mean:.2f} s, P99 TBT {r.summary.overall.tbt_p99:.3f} s; "
               f"{time.perf_counter() - t1:.0f} s)", flush=True)
@@ -145,7 +137,7 @@ def main(argv=None) -> int:
     EngineTarget("vllm", engine=engine).warmup()
     out = {"benchmark": "benchmarks/robustness_engine.py", "grid": args.grid_json, "calibrated": args.calibrate,
            "command": "python benchmarks/robustness_engine.py " + " ".join(sys.argv[1:]),
-           "engine": "SmolLM2-135M, float32, 1 thread", "profile": PROFILE.name, "points": []}
+           "engine": "SmolLM2-135M, float32, 1 thread", "profile": kind["why"], "points": []}
     done: dict[int, dict] = {}
     picked = pick_points(rows)
     if args.only:

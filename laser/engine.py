@@ -147,7 +147,6 @@ class Engine(ModelInstance):
         self.core.handoffs.clear()
         if latency_model is not None:
             self.latency_model = latency_model
-            self.core.step_observer = getattr(latency_model, "observe_step", None)
         if intermediate_cache_tokens is not None:
             self.icache = self.runner.icache = IntermediateCache(intermediate_cache_tokens)
         if clock is not None:

@@ -126,9 +126,13 @@ class InstanceCore:
         self.handoffs: list[Handoff] = []  # prefill role: requests that left after their first token
         # The front end's view of each new token (detokenize; True = a stop string matched).
         self.on_token: Callable[[Request], bool] | None = None
-        # Told (plan, seconds on ``clock``) after every step that ran its plan to the end: the
-        # online calibration of the latency model (laser.latency.calibrated).
-        self.step_observer: Callable[[StepPlan, float], None] | None = None
+
+    @property
+    def step_observer(self) -> Callable[[StepPlan, float], None] | None:
+        """Told (plan, seconds on ``clock``) after every step that ran its plan to the end: the
+        online calibration of the model the scheduler plans with, when it has one
+        (:class:`laser.latency.CalibratedLatencyModel`); None otherwise."""
+        return getattr(self.scheduler.latency_model, "observe_step", None)
 
     @property
     def role(self) -> str:
@@ -187,12 +191,13 @@ class InstanceCore:
         """Second half: execute ``plan`` (from :meth:`schedule`), update the scheduler, apply
         the finish rule and the hand-off."""
         t1 = self._perf()
-        c1 = self.clock() if self.step_observer is not None else 0.0
+        observe = self.step_observer
+        c1 = self.clock() if observe is not None else 0.0
         result = self.executor.execute(plan, self.scheduler.requests, stop_at=self._stop_at)
         now = self.clock()
         t2 = self._perf()
-        if self.step_observer is not None and result.stopped_layer >= plan.last_layer:
-            self.step_observer(plan, now - c1)  # the instance's clock: wall time, or virtual in the simulator
+        if observe is not None and result.stopped_layer >= plan.last_layer:
+            observe(plan, now - c1)  # the instance's clock: wall time, or virtual in the simulator
         events = []
         for req in self.scheduler.update(plan, result.stopped_layer, result.sampled, now):
             reason = self.finish_reason(req)

@@ -83,7 +83,6 @@ class ModelInstance:
         sched = make_scheduler(sched_cfg, self.model_config.num_layers, self.kv_cache.block_manager,
                                self.icache, self.latency_model, clock)
         self.core = InstanceCore(sched, self.runner, clock, eos_ids=eos_ids, max_model_len=self.max_model_len)
-        self.core.step_observer = getattr(self.latency_model, "observe_step", None)
 
     def _load_latency_model(self, profile: str | None):
         from ..latency import AnalyticLatencyModel, LatencyProfileError, ModelShape

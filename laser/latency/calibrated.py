@@ -104,8 +104,11 @@ class CalibratedLatencyModel(ScaledLatencyModel):
         self.ratios.append(measured_s / predicted_s)
         self.observed += 1
         if len(self.ratios) >= self.min_steps:
-            q = _quantile(self.ratios, self.quantile)
-            self.factor = min(self.hi, max(self.lo, q))
+            self.factor = min(self.hi, max(self.lo, self.ratio_quantile(self.quantile)))
+
+    def ratio_quantile(self, q: float) -> float:
+        """The ``q`` quantile of the remembered measured / predicted ratios (1.0 before any)."""
+        return _quantile(self.ratios, q) if self.ratios else 1.0
 
     def observe_step(self, plan, measured_s: float) -> None:
         """Observe a step that ran ``plan`` (a :class:`~laser.plan.StepPlan`) to completion."""

@@ -244,14 +244,16 @@ class Bench:
         best = [min(r.times) for r in self.references]
         return [max(t / b for t, b in zip(c.ref_times, best)) - 1.0 for c in self.checks]
 
-    def effective_ref_tol(self) -> float:
+    def effective_ref_tol(self, drifts: list[float] | None = None) -> float:
         """The drift beyond which a check counts as slow: ``ref_tol``, or ``noise_factor``
         times the median drift of all checks when that is larger. A machine whose own timing
         jitters (a VM: re-timings of a reference on a quiet host spread 10-15 % over their
         best, ~7 % at the median) would otherwise mark nearly every repeat disturbed, and the
         profile would lose the samples it drops; a neighbour that slows the machine for a
-        minority of the run still lifts its checks far above the median."""
-        drifts = self._drifts()
+        minority of the run still lifts its checks far above the median. ``drifts``: those of
+        :meth:`_drifts`, when the caller has them."""
+        if drifts is None:
+            drifts = self._drifts()
         if not drifts:
             return self.ref_tol
         return max(self.ref_tol, self.noise_factor * float(np.median(drifts)))
@@ -261,8 +263,9 @@ class Bench:
         tolerance so far: a window between two checks is disturbed when either is slow.
         The best times only fall and the tolerance follows the noise seen, so a window can
         change sides; its repeats move between ``Case.times`` and ``Case.disturbed``."""
-        tol = self.effective_ref_tol()
-        slow = [d > tol for d in self._drifts()]
+        drifts = self._drifts()
+        tol = self.effective_ref_tol(drifts)
+        slow = [d > tol for d in drifts]
         for k, c in enumerate(self.checks):
             now = slow[k] or (k > 0 and slow[k - 1])
             if now == c.disturbed:

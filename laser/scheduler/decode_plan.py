@@ -47,6 +47,11 @@ class DecodeMemo:
         self.layers: dict[tuple[int, int], float] = {}
         self.single: dict[int, float] = {}  # decode iteration of one request at a context, unscaled
 
+    @property
+    def factor(self) -> float:
+        """The scale of the memoised prices now (1.0 unless ``lm`` is a scaled model)."""
+        return self._scaled.factor if self._scaled is not None else 1.0
+
     def layer_time(self, c: int, ctx: int) -> float:
         """One layer call of ``c`` decode tokens at context ``ctx`` each (seconds)."""
         t = self.layers.get((c, ctx))
@@ -268,14 +273,14 @@ def _tightest_feasible_tbt(lm: LatencyModel, decoding: list, memo: DecodeMemo | 
     if memo is None:
         return min((r.slo.tbt_or_inf for r in decoding if not tbt_infeasible(lm, r)), default=math.inf)
     table, ask = memo.single, memo.tbt_infeasible
-    scale = memo._scaled.factor if memo._scaled is not None else 1.0
+    scale = memo.factor
     t_g = math.inf
     for r in decoding:
         tbt = r.slo.tbt
         if tbt is None or tbt >= t_g:
             continue  # (cannot lower the minimum; its feasibility does not matter)
         t = table.get(r.num_tokens)
-        bad = ask(r.num_tokens, tbt) if t is None else (t if scale == 1.0 else t * scale) > tbt
+        bad = ask(r.num_tokens, tbt) if t is None else t * scale > tbt
         if not bad:
             t_g = tbt
     return t_g

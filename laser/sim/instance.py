@@ -190,7 +190,6 @@ class SimInstance(InstanceCore):
         executor.next_release = self.next_release
         super().__init__(make_scheduler(cfg, num_layers, self.bm, self.icache, latency_model, clock), executor, clock)
         self.arrival_hook = self._release
-        self.step_observer = getattr(latency_model, "observe_step", None)
         self._arrivals: list[Request] = []  # sorted by arrival_time
         self.pending: list[Handoff] = []  # decode role: hand-offs by the time they reach this instance
         self.adopted: dict[str, Request] = {}  # req_id -> this instance's copy of a handed-off request
