@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 
 import pytest
 
@@ -556,3 +557,24 @@ def test_cli_sim_cluster_goodput_search(capsys):
     assert rc == 0
     text = capsys.readouterr().out
     assert "goodput" in text.lower() and "laser" in text and "colocated" in text and "vllm" not in text
+
+
+def test_comparison_ratio_edges_unbounded_best_and_below_range():
+    """A baseline without a knee is the best baseline whatever finite goodput another shows
+    (and no ratio is stated against it); a policy whose every probe failed gets no ratio
+    (its 0.0 only says "below the lowest rate probed"), not 0.00x."""
+    from laser.bench import report
+
+    pol = {"laser": {"goodput_rps": 2.0},
+           "sarathi": {"goodput_rps": 8.0},
+           "vllm": {"goodput_rps": 4.0, "goodput_unbounded": True}}
+    rows = {r["policy"]: r for r in report.comparison_rows(pol)}
+    assert rows["vllm"]["best_baseline"] and not rows["sarathi"]["best_baseline"]
+    assert rows["laser"]["ratio"] is None and rows["sarathi"]["ratio"] is None
+    pol = {"laser": {"goodput_rps": 0.0, "goodput_below_range": True}, "sarathi": {"goodput_rps": 1.5}}
+    rows = {r["policy"]: r for r in report.comparison_rows(pol)}
+    assert rows["sarathi"]["best_baseline"] and rows["laser"]["ratio"] is None
+    line = next(ln for ln in report.format_comparison({"policies": pol}).splitlines() if ln.startswith("laser "))
+    assert not re.search(r"\d\.\d\dx", line), line
+    pol["laser"] = {"goodput_rps": 3.0}
+    assert {r["policy"]: r for r in report.comparison_rows(pol)}["laser"]["ratio"] == 2.0

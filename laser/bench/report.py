@@ -126,15 +126,19 @@ def comparison_rows(policies: dict[str, dict], ours: str = "laser") -> list[dict
     """Rows of the table policy / goodput / ratio to the best baseline / mean TTFT (from the JSON)."""
     labels = list(policies)
     base = baselines_of(labels, ours)
-    best = max(base, key=lambda lb: policies[lb].get("goodput_rps") or 0.0) if base else None
+    # a baseline without a knee (it passed the whole workload as one burst) beats any finite goodput
+    best = max(base, key=lambda lb: (bool(policies[lb].get("goodput_unbounded")),
+                                     policies[lb].get("goodput_rps") or 0.0)) if base else None
     best_g = policies[best].get("goodput_rps") if best else None
     rows = []
     for lb in labels:
         d = policies[lb]
         g = d.get("goodput_rps")
-        # no ratio against or of a goodput without a knee (the workload passed as one burst)
+        # no ratio against or of a goodput without a knee (the workload passed as one burst), nor of
+        # one below the probed range (its 0.0 only says "below the lowest rate probed")
         no_knee = d.get("goodput_unbounded", False) or bool(best and policies[best].get("goodput_unbounded"))
-        ratio = (g / best_g) if (g is not None and best_g and not (no_knee and lb != best)) else None
+        below = bool(d.get("goodput_below_range"))
+        ratio = (g / best_g) if (g is not None and best_g and not below and not (no_knee and lb != best)) else None
         rows.append({"policy": lb, "goodput_rps": g, "goodput": display_goodput_json(d, notes=False), "ratio": ratio,
                      "mean_ttft_s": d.get("mean_ttft_s"), "attainment": d.get("attainment"),
                      "p99_tbt_s": d.get("p99_tbt_s"), "lower_bound": d.get("goodput_lower_bound", False),

@@ -130,16 +130,17 @@ class Generation:
         """The served name a request's ``model`` field selects (the first name when it is empty).
 
         Raises:
-            APIError: 400 ``model_not_found`` for a name this server does not serve.
+            APIError: 404 ``model_not_found`` for a name this server does not serve (as OpenAI
+            and vLLM answer it; the ``openai`` client raises ``NotFoundError``).
         """
         if model is None or model == "":
             return self.names[0]
         if model not in self.names:
-            raise self.unknown_model(model, 400)
+            raise self.unknown_model(model, 404)
         return model
 
     def unknown_model(self, model: str, status: int) -> APIError:
-        """The ``model_not_found`` error for ``model`` (400 in a request body, 404 for ``/v1/models/{id}``)."""
+        """The ``model_not_found`` error for ``model`` (``status``: 404, in a request body and for ``/v1/models/{id}``)."""
         return APIError(status, f"model {model!r} does not exist; this server serves {', '.join(self.names)}",
                         "model_not_found", "model")
 
@@ -230,7 +231,7 @@ class Generation:
     def validate(self, body, h_class: str | None, h_ttft: str | None, h_tbt: str | None, headers=None):
         """Checks shared by both generation endpoints: (arrival time, model name, SLO, stop strings).
 
-        Raises APIError (400) for an unknown model, an unsupported parameter, a bad SLO or stop list.
+        Raises APIError: 404 for an unknown model; 400 for an unsupported parameter, a bad SLO or stop list.
         """
         arrival = self.ae.engine.clock()
         model = self.check_model(body.model)
