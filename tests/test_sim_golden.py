@@ -102,11 +102,11 @@ SCENARIOS = {
 GOLDEN = {
     "migration-and-recompute": "c0b0a24ee8af23c9",
     "migration-memory": "28523728201b4296",
-    "paper-2P2D-laser": "93d3130e8d96cce1",
+    "paper-2P2D-laser": "eeb06b97c60be7ce",
     "small-2P2D-distserve": "9697e0b63f128459",
     "small-2P2D-laser": "d39aa6f8875ac45c",
     "small-3M-colocated": "a31f6d6f730862f5",
-    "tight-2P2D-laser-2000": "01f02b00cc733bbe",
+    "tight-2P2D-laser-2000": "af5caf8b56b82ad5",
     "tight-2P2D-laser-800": "af5fc3030f0a1398",
 }
 

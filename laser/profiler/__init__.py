@@ -9,7 +9,8 @@ attention), embedding and LM head.
 Modules:
 
 * :mod:`.timing` -- :class:`Case`, :class:`Bench`: interleaved, repeated timing that
-  stays right on a shared machine (CPU-pressure checks, two fastest repeats);
+  stays right on a shared machine (CPU-pressure checks, reference re-timing; a case's
+  time is the median of its undisturbed repeats);
 * :mod:`.calls` -- :class:`ExecutorCalls`: the timed calls on the real runner;
 * :mod:`.grid` -- :class:`ProfileGrid`: what is sampled;
 * :mod:`.pipeline` -- :func:`collect_samples`, :func:`profile`, :func:`load_or_create`
@@ -18,8 +19,8 @@ Modules:
 * :mod:`.evaluation` -- the accuracy report of ``laser profile --evaluate``
   (:func:`evaluate`, :func:`profile_and_evaluate`, :func:`score`, :func:`format_report`).
   Its ground truth is measured like the profile, in the same interleaved rounds when
-  measured together (:func:`profile_and_evaluate`), and records medians and the spread of
-  the two fastest repeats, to show how noisy the machine was.
+  measured together (:func:`profile_and_evaluate`), and records the best times and the
+  spread of the two fastest repeats, to show how noisy the machine was.
 """
 
 from .calls import GREEDY, ExecutorCalls

@@ -156,7 +156,7 @@ def _eval_report(obj, es: EvalSet, lm: LatencyModel, tol: float, method: str, be
                    "layer_calls": len(s.plan.layer_steps()), "num_layers": s.plan.num_layers,
                    "works": [[w.token_start, w.num_tokens, w.layer_start, w.layer_end, int(w.sample)]
                              for w in s.plan.works]}
-        rec.update(actual_s=cs.estimate(), median_s=cs.median(), spread=cs.spread(), repeats=cs.repeats,
+        rec.update(actual_s=cs.estimate(), best_s=cs.best(), spread=cs.spread(), repeats=cs.repeats,
                    clean_repeats=len(cs.clean), disturbed_repeats=len(cs.disturbed),
                    disturbed_only=not cs.times, settled=cs.settled(tol))
         res[kind].append(rec)
@@ -178,7 +178,7 @@ def _eval_report(obj, es: EvalSet, lm: LatencyModel, tol: float, method: str, be
             "out_of_time": bench.out_of_time,
             "rounds": bench.rounds,
             "timing_seconds": round(bench.seconds, 1),
-            "median_over_estimate": float(np.mean([r["median_s"] / r["actual_s"] for r in all_cases])),
+            "estimate_over_best": float(np.mean([r["actual_s"] / r["best_s"] for r in all_cases])),
             "two_fastest_spread": float(np.mean([r["spread"] for r in all_cases])),
         },
         "cases": res,
@@ -187,8 +187,8 @@ def _eval_report(obj, es: EvalSet, lm: LatencyModel, tol: float, method: str, be
 
 
 _METHOD = ("per case: shuffled rounds (min {lo}, max {hi}) after a warm-up, every case once per round, "
-           "more rounds for unsettled cases while time is left; time = mean of the two fastest repeats; settled "
-           "when they agree within {tol:.0f}% and one was clean (no task waiting for a CPU, /proc/pressure/cpu); "
+           "more rounds for unsettled cases while time is left; time = median of the undisturbed repeats; "
+           "settled when the two fastest agree within {tol:.0f}% and one was clean (no task waiting for a CPU, /proc/pressure/cpu); "
            "repeats next to a re-timing of the reference calls (decode layer step at batch 8, 256-token prefill "
            "layer step) more than 5% over its best are disturbed and re-measured")
 
@@ -207,8 +207,8 @@ def evaluate(obj, lm: LatencyModel, *, policies: Sequence[str] = ("vllm", "sarat
     * per small-batch decode iteration, reported apart: ``num_small_decode`` random decode
       iterations of 1..32 requests at contexts 16..512 (:func:`.snapshots.small_decode_snapshots`).
 
-    Ground truth is measured like the profile (:class:`Bench`: interleaved rounds, two
-    fastest repeats). Returns a JSON-friendly dict (see ``format_report``).
+    Ground truth is measured like the profile (:class:`Bench`: interleaved rounds, the median
+    of the undisturbed repeats). Returns a JSON-friendly dict (see ``format_report``).
     See :func:`profile_and_evaluate` for measuring the profile and the test set together.
     """
     runner = runner_of(obj)
@@ -361,8 +361,8 @@ def format_report(rep: dict) -> str:
                  f"{100 * ms['clean_fraction']:.0f}% clean, {100 * ms.get('disturbed_fraction', 0):.0f}% disturbed "
                  f"(reference calls up to {100 * ms.get('max_reference_drift', 0):.0f}% over their best), "
                  f"{100 * ms['settled_fraction']:.0f}% of cases settled; "
-                 f"two fastest repeats {100 * ms.get('two_fastest_spread', 0):.1f}% apart, median "
-                 f"{100 * (ms['median_over_estimate'] - 1):.0f}% above them"
+                 f"two fastest repeats {100 * ms.get('two_fastest_spread', 0):.1f}% apart, the median (the "
+                 f"time used) {100 * (ms.get('estimate_over_best', 1.0) - 1):.0f}% above them"
                  + (" (ran out of time)" if ms["out_of_time"] else ""))
     if ms.get("disturbed_fraction", 0) > 0.1:
         lines.append(f" warning: {100 * ms['disturbed_fraction']:.0f}% of timed calls ran while the machine was slower "

@@ -52,6 +52,12 @@ class LaserScheduler(Scheduler):
     replan_threshold = 0.95
     #: Plan iterations to this fraction of T_g: real iterations run a few % over predictions.
     tg_margin = 0.9
+    #: Work merged into a step after a request with a TTFT target may delay that request's
+    #: first token to at most this fraction of its target (as ``tg_margin`` for T_g): the
+    #: merge plans to the model's prediction, and a step that runs 10-15 % over it must not
+    #: turn a deadline planned to the last millisecond into a miss. The request itself is
+    #: admitted when it meets its full deadline.
+    ttft_margin = 0.9
     #: Smallest prefill chunk worth a layer call (tokens).
     min_chunk = 16
     #: Work merged after a late request's last chunk may delay its first token by this
@@ -70,6 +76,7 @@ class LaserScheduler(Scheduler):
         self.plans: dict[str, DecodePlan] = {}
         self.decode_memo = DecodeMemo(self.lm)  # Alg. 1 / Alg. 2 prices (this scheduler's and its increments')
         self.iteration = 0
+        self._given_up: set[str] = set()  # ids of prefills Moore-Hodgson's rule gave up (until they finish)
         self.replan_needed = False
         self.num_replans = 0
         self._last_drift_replan = -(10**9)
@@ -166,6 +173,7 @@ class LaserScheduler(Scheduler):
             self.replan_needed = True
 
     def on_finish(self, req: Request) -> None:
+        self._given_up.discard(req.req_id)
         if self.plans.pop(req.req_id, None) is not None or req.phase == Phase.DECODE:
             self.replan_needed = True
 
@@ -357,9 +365,9 @@ class LaserScheduler(Scheduler):
         target, give up the *longest* prefill of the set that may be given up (not started,
         with a TTFT target, neither demoted nor boosted), again until it makes it or is itself
         given up -- often a long prompt ahead that would make several short ones late, rather
-        than the newcomer (a late started request gives up no one: nothing would save it). A
-        given-up request is still served: behind the savable prefills that need the time,
-        ahead of those whose deadlines hold with all given-up work run first; its record says
+        than the newcomer (a late started request gives up no one: nothing would save it; one
+        that misses even run alone from now is given up itself). A given-up request is still
+        served: behind the savable prefills that need the time, ahead of those whose deadlines hold with all given-up work run first; its record says
         it missed. Returns the sort key function (tier 0: savable and urgent, 1: given up, 2:
         savable with room; then ``queue_key``)."""
         cands = sorted([r for r in self.running if r.phase != Phase.DECODE] + list(self.waiting),
@@ -384,6 +392,7 @@ class LaserScheduler(Scheduler):
                 drop = max([qx for qx in kept if self._may_give_up(qx[0])] + [(r, w)],
                            key=lambda qx: (qx[1].num_tokens, self.queue_key(qx[0])))
                 hopeless.add(id(drop[0]))
+                self._given_up.add(drop[0].req_id)
                 if drop[0] is r:
                     break
                 kept = [qx for qx in kept if qx[0] is not drop[0]]
@@ -405,7 +414,9 @@ class LaserScheduler(Scheduler):
             for _, x in kept:
                 pre.add(x)
                 ends.append(now + pre.total / rate)
-            while room > 0 and ends[room - 1] <= kept[room - 1][0].ttft_deadline:
+            # (a best-effort request's deadline is its aging deadline, as in EDF: once that is
+            # near, it needs the time too -- else a stream of given-up prompts starves it)
+            while room > 0 and ends[room - 1] <= self.queue_key(kept[room - 1][0])[0]:
                 room -= 1
         tier = {id(q): (0 if i < room else 2) for i, (q, _) in enumerate(kept)}
 
@@ -413,13 +424,13 @@ class LaserScheduler(Scheduler):
             return (1 if id(r) in hopeless else tier.get(id(r), 2), *self.queue_key(r))
         return key
 
-    @staticmethod
-    def _may_give_up(r: Request) -> bool:
+    def _may_give_up(self, r: Request) -> bool:
         """Whether Moore-Hodgson's rule (:meth:`_prefill_key`) may put ``r`` behind the others:
-        a prefill with a TTFT target that has not started (no work sunk into it), neither
-        demoted nor boosted."""
-        return (r.slo.ttft is not None and not r.demoted and not r.boosted and r.num_computed_tokens == 0
-                and not r.in_flight)
+        a prefill with a TTFT target that has not started (no work sunk into it), or that was
+        given up before -- a piece of it merged into a step with room since must not promote
+        it ahead of the savable ones it was given up for --, neither demoted nor boosted."""
+        return (r.slo.ttft is not None and not r.demoted and not r.boosted
+                and ((r.num_computed_tokens == 0 and not r.in_flight) or r.req_id in self._given_up))
 
     def _prefill_need(self, now: float, decode_time: float) -> float:
         """Seconds of prefill per iteration the pending prefills need (an iteration of
@@ -495,13 +506,17 @@ class LaserScheduler(Scheduler):
         and without breaking any included TTFT deadline that was being met."""
         n = self.num_layers
         limit = cost.total + budget
-        cands = sorted([r for r in self.running if r.phase != Phase.DECODE] + list(self.waiting),
-                       key=self._prefill_key(now))
+        key = self._prefill_key(now)
+        cands = sorted([r for r in self.running if r.phase != Phase.DECODE] + list(self.waiting), key=key)
         if self.config.role == "decode":
             # a decode instance prefills only to recompute requests it preempted
             cands = [r for r in cands if r.output_token_ids]
         works: list[Work] = []
         met: list[float] = []  # deadlines of included requests this step still meets
+        # ... less the rest of their prefill after this step: the bound for given-up and demoted
+        # work, which must never make an admitted request late (its own chunk ends in time, but a
+        # hopeless prompt merged beside it would push the rest of its prompt past its deadline)
+        met_rest: list[float] = []
         tokens = 0
         misses = alloc_misses = 0
         queued = {id(r) for r in self.waiting}  # not running yet: each one takes a running slot
@@ -520,7 +535,7 @@ class LaserScheduler(Scheduler):
             def mk(k, end, r=r, start=start, lo=lo):
                 return Work(r.req_id, start, k, lo, end, sample=end == n and start + k == r.num_tokens)
 
-            w = self._fit(cost, mk, k, lo, r.in_flight, limit, met, now)
+            w = self._fit(cost, mk, k, lo, r.in_flight, limit, met_rest if r.demoted or key(r)[0] == 1 else met, now)
             if w is None:
                 if works:
                     misses += 1
@@ -541,16 +556,36 @@ class LaserScheduler(Scheduler):
             works.append(w)
             cost.add(w)
             tokens += w.num_tokens
-            if now + cost.total <= r.ttft_deadline:
-                met.append(r.ttft_deadline)
-            elif r.slo.ttft is not None and w.layer_end == n and w.sample:
+            held = r.arrival_time + self.ttft_margin * r.slo.ttft if r.slo.ttft is not None else r.ttft_deadline
+            rest = self._prefill_rest(r, w)
+            for bound, extra in ((met, 0.0), (met_rest, rest)):
+                end = now + cost.total + extra
+                if end <= held:
+                    bound.append(held - extra)
+                elif end <= r.ttft_deadline:
+                    bound.append(r.ttft_deadline - extra)  # inside the margin already: later work keeps the rest
+            if now + cost.total > r.ttft_deadline and r.slo.ttft is not None and w.layer_end == n and w.sample:
                 # Already late (e.g. it arrived during a step that could not stop sooner):
                 # its first token comes with this step, so what is merged after it may delay
                 # the step by at most ``late_delay_share`` of its TTFT target -- a late
                 # request is served nearly as early as possible, and short prompts that ride
                 # the same layer calls almost free (a GPU's weight-bound layers) still join.
                 met.append(now + cost.total + self.late_delay_share * r.slo.ttft)
+                met_rest.append(met[-1])
         return works
+
+    def _prefill_rest(self, r: Request, w: Work) -> float:
+        """Predicted seconds of ``r``'s prefill left after work ``w`` of this step, run alone:
+        ``w``'s chunk through the layers after ``w.layer_end``, then the prompt tokens after
+        the chunk in one full pass (0 when ``w`` completes the prefill)."""
+        n = self.num_layers
+        t = (n - w.layer_end) * self.lm.layer_time((w.num_tokens,), (w.context_len,)) if w.layer_end < n else 0.0
+        left = r.num_tokens - w.context_len
+        if left > 0:
+            t += self.lm.predict_prefill(left, context_start=w.context_len)
+        elif w.layer_end < n:
+            t += self.lm.head_time(1)
+        return t
 
     def _fit(self, cost: "PlanCost", mk, k: int, lo: int, paused: bool, limit, met, now) -> Work | None:
         """Largest work that fits: a paused chunk advances as many layers as fit; a new chunk
