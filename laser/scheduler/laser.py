@@ -183,6 +183,10 @@ class LaserScheduler(Scheduler):
         # iteration (Alg. 1, replanned only on events); prefill requests fill the time left
         # under T_g (all of it on a prefill instance) in EDF order, merged while every
         # included TTFT deadline holds, each advancing as many layers as fit.
+        if self.steady_decode:
+            plan = self._steady_decode_plan(now)
+            if plan is not None:
+                return plan
         self.preempt_for_stricter()
         n = self.num_layers
         works: list[Work] = []
@@ -216,6 +220,52 @@ class LaserScheduler(Scheduler):
                     break
         self.relieve_deadlock(works)
         plan = StepPlan(n, works, predicted=(self.lm, cost.total) if priced else None)
+        self._begin_step(plan)
+        return plan
+
+    #: Build a decode instance's steady steps directly (:meth:`_steady_decode_plan`); tests
+    #: switch it off to check that the generic path makes the same plans.
+    steady_decode = True
+
+    def _steady_decode_plan(self, now: float) -> StepPlan | None:
+        """The plan :meth:`schedule` makes, built without its generic machinery, when this is
+        a decode instance in steady decode: nothing waiting, no replan due, every running
+        request decoding at full depth (Alg. 1's L = N) from layer 0, and the KV pool able to
+        give each request whose new token starts a block that block (a decode instance spends
+        most of its steps so). The generic path then preempts nobody, allocates the new blocks
+        in queue order, runs one token of every request through every layer in running order,
+        prices the plan as one segment (:class:`PlanCost`: ``N * layer_time + embed + head``),
+        leaves prefill the time under the iteration limit (``prefill_rate``) and plans no
+        prefill (a decode instance prefills only what it preempted, and nothing waits). This
+        does exactly that, with the same floating-point operations in the same order. Returns
+        None, having changed nothing, when the state is not steady."""
+        if self.config.role != "decode" or self.waiting or self.replan_needed or not self.running:
+            return None
+        n, plans, covers = self.num_layers, self.plans, self.bm.covers
+        grow = []  # requests whose new token starts a block
+        for r in self.running:
+            p = plans.get(r.req_id)
+            if p is None or p.layers < n or r.phase != Phase.DECODE or r.next_layer:
+                return None
+            if not covers(r.req_id, r.num_tokens):
+                if not covers(r.req_id, r.num_tokens - 1):
+                    return None  # not one uniform block short: the generic path decides
+                grow.append(r)
+        if len(grow) > self.bm.min_free():
+            return None  # someone would be preempted
+        for r in sorted(grow, key=self.queue_key):  # preempt_for_decode's order (a stable sort)
+            if not self.try_allocate(r, r.num_tokens):
+                raise AssertionError(f"{r.req_id}: a block the pool had room for was refused")
+        works = [Work(r.req_id, r.num_tokens - 1, 1, 0, n, True) for r in self.running]
+        b = len(works)
+        lm = self.lm
+        layers = 0.0
+        layers += n * lm.layer_time((1,) * b, tuple([w.token_start + 1 for w in works]))
+        decode_time = layers + lm.embed_time(b) + lm.head_time(b)
+        budget = max(0.0, self._iteration_limit(now, decode_time) - decode_time)
+        self.prefill_rate = (budget / (decode_time + budget) if math.isfinite(budget) and decode_time + budget > 0
+                             else 1.0)
+        plan = StepPlan(n, works, predicted=(lm, decode_time))
         self._begin_step(plan)
         return plan
 

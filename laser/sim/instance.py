@@ -75,6 +75,8 @@ class SimExecutor:
         self.stats = stats
         self.record_plans = record_plans
         self._res: StepResult | None = None
+        # (the walker's batch list, its layer time): run_layer prices a batch once per step
+        self._priced: tuple[list | None, float] = (None, 0.0)
         # () -> virtual time of the next delivery the arrival hook could release (None: no fast path)
         self.next_release = None
         self.fast_steps = 0
@@ -85,6 +87,7 @@ class SimExecutor:
             self.stats.plans.append(StepPlan(plan.num_layers, list(plan.works)))
         t0 = self.clock.t
         self._res = res = StepResult(stopped_layer=0)
+        self._priced = (None, 0.0)
         if stop_at is not None and self.next_release is not None and plan.works:
             end = t0 + self.lm.predict_iteration(plan)
             if self.next_release() > end + self.QUIET_MARGIN_S:
@@ -93,8 +96,16 @@ class SimExecutor:
                     raise AssertionError("a scheduler stopped a step with no arrival during it")
                 stop_at = None
                 self.fast_steps += 1
-        self.clock.t += self.lm.embed_time(sum(w.num_tokens for w in plan.works if w.layer_start == 0))
-        res.stopped_layer = walk(plan, self, stop_at)
+        works = plan.works
+        self.clock.t += self.lm.embed_time(sum(w.num_tokens for w in works if w.layer_start == 0))
+        if stop_at is None and works and all(w.layer_start == 0 and w.layer_end == self.n for w in works):
+            # one segment, every work from embedding to sampling (a decode step at full depth,
+            # whole prefills): the walk's segment mode without its bookkeeping
+            self.run_layers(range(self.n), works)
+            self.finish(works, self.n)
+            res.stopped_layer = self.n
+        else:
+            res.stopped_layer = walk(plan, self, stop_at)
         res.compute_seconds = self.clock.t - t0
         self.stats.steps += 1
         self.stats.busy_s += self.clock.t - t0
@@ -136,8 +147,10 @@ class SimExecutor:
         pass
 
     def run_layer(self, layer, active) -> None:
-        step = LayerStep(layer, tuple(w.num_tokens for w in active), tuple(w.context_len for w in active))
-        self.clock.t += self.lm.predict_layer(step)
+        if active is not self._priced[0]:  # the walker builds a new list whenever the batch changes
+            step = LayerStep(layer, tuple(w.num_tokens for w in active), tuple(w.context_len for w in active))
+            self._priced = (active, self.lm.predict_layer(step))  # (all layers cost the same)
+        self.clock.t += self._priced[1]
         self.stats.layer_calls += 1
         self._res.num_layer_calls += 1
 
