@@ -241,26 +241,29 @@ class LaserScheduler(Scheduler):
         None, having changed nothing, when the state is not steady."""
         if self.config.role != "decode" or self.waiting or self.replan_needed or not self.running:
             return None
-        n, plans, covers = self.num_layers, self.plans, self.bm.covers
+        n, plans, covers, decode = self.num_layers, self.plans, self.bm.covers, Phase.DECODE
         grow = []  # requests whose new token starts a block
+        works, ctx = [], []
         for r in self.running:
             p = plans.get(r.req_id)
-            if p is None or p.layers < n or r.phase != Phase.DECODE or r.next_layer:
+            if p is None or p.layers < n or r.phase is not decode or r.next_layer:
                 return None
-            if not covers(r.req_id, r.num_tokens):
-                if not covers(r.req_id, r.num_tokens - 1):
+            rid, c = r.req_id, r.num_tokens
+            if not covers(rid, c):
+                if not covers(rid, c - 1):
                     return None  # not one uniform block short: the generic path decides
                 grow.append(r)
+            works.append(Work(rid, c - 1, 1, 0, n, True))
+            ctx.append(c)
         if len(grow) > self.bm.min_free():
             return None  # someone would be preempted
         for r in sorted(grow, key=self.queue_key):  # preempt_for_decode's order (a stable sort)
             if not self.try_allocate(r, r.num_tokens):
                 raise AssertionError(f"{r.req_id}: a block the pool had room for was refused")
-        works = [Work(r.req_id, r.num_tokens - 1, 1, 0, n, True) for r in self.running]
         b = len(works)
         lm = self.lm
         layers = 0.0
-        layers += n * lm.layer_time((1,) * b, tuple([w.token_start + 1 for w in works]))
+        layers += n * lm.layer_time((1,) * b, tuple(ctx))
         decode_time = layers + lm.embed_time(b) + lm.head_time(b)
         budget = max(0.0, self._iteration_limit(now, decode_time) - decode_time)
         self.prefill_rate = (budget / (decode_time + budget) if math.isfinite(budget) and decode_time + budget > 0
@@ -285,7 +288,8 @@ class LaserScheduler(Scheduler):
         if plan.works:
             # A stop pauses prefill work only: the decode works ran their layer groups, so
             # the decode iteration happened either way (Work.reached).
-            dec = [w for w in plan.works if w.is_decode and w.req_id in self.plans]
+            plans = self.plans
+            dec = any(w.is_decode and w.req_id in plans for w in plan.works)
             complete = stopped_layer == plan.last_layer
             if dec and complete:
                 self.last_iteration_s = self.clock() - self._step_start

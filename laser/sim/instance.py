@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from functools import reduce
+from itertools import repeat
+from operator import add
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -88,22 +91,29 @@ class SimExecutor:
         t0 = self.clock.t
         self._res = res = StepResult(stopped_layer=0)
         self._priced = (None, 0.0)
-        if stop_at is not None and self.next_release is not None and plan.works:
+        works, n = plan.works, self.n
+        embed, whole = 0, bool(works)  # tokens embedded; whether every work runs layers [0, N)
+        for w in works:
+            if w.layer_start == 0:
+                embed += w.num_tokens
+                whole = whole and w.layer_end == n
+            else:
+                whole = False
+        if stop_at is not None and self.next_release is not None and works:
             end = t0 + self.lm.predict_iteration(plan)
             if self.next_release() > end + self.QUIET_MARGIN_S:
-                first, last = plan.first_layer, plan.last_layer
+                first, last = (0, n) if whole else (plan.first_layer, plan.last_layer)
                 if last - first >= 2 and stop_at(last - 1):
                     raise AssertionError("a scheduler stopped a step with no arrival during it")
                 stop_at = None
                 self.fast_steps += 1
-        works = plan.works
-        self.clock.t += self.lm.embed_time(sum(w.num_tokens for w in works if w.layer_start == 0))
-        if stop_at is None and works and all(w.layer_start == 0 and w.layer_end == self.n for w in works):
+        self.clock.t += self.lm.embed_time(embed)
+        if stop_at is None and whole:
             # one segment, every work from embedding to sampling (a decode step at full depth,
             # whole prefills): the walk's segment mode without its bookkeeping
-            self.run_layers(range(self.n), works)
-            self.finish(works, self.n)
-            res.stopped_layer = self.n
+            self.run_layers(range(n), works)
+            self.finish(works, n)
+            res.stopped_layer = n
         else:
             res.stopped_layer = walk(plan, self, stop_at)
         res.compute_seconds = self.clock.t - t0
@@ -156,11 +166,9 @@ class SimExecutor:
 
     def run_layers(self, layers: range, active) -> None:
         """Segment mode: ``len(layers)`` layer calls of the same batch, priced once."""
-        t = self.lm.layer_time(tuple(w.num_tokens for w in active), tuple(w.context_len for w in active))
-        now = self.clock.t
-        for _ in layers:
-            now += t  # layer by layer: the same sums as run_layer
-        self.clock.t = now
+        t = self.lm.layer_time(tuple([w.num_tokens for w in active]), tuple([w.context_len for w in active]))
+        # layer by layer, ((t0 + t) + t) + ...: the same sums as run_layer (a left fold, not sum())
+        self.clock.t = reduce(add, repeat(t, len(layers)), self.clock.t)
         self.stats.layer_calls += len(layers)
         self._res.num_layer_calls += len(layers)
 
