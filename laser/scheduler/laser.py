@@ -72,6 +72,7 @@ class LaserScheduler(Scheduler):
         self.iteration = 0
         self.replan_needed = False
         self.num_replans = 0
+        self.num_steady_steps = 0  # steps built by _steady_decode_plan
         self._last_drift_replan = -(10**9)
         self.num_step_preemptions = 0
         # State of the step being executed (for the arrival-time slack check).
@@ -270,6 +271,7 @@ class LaserScheduler(Scheduler):
                              else 1.0)
         plan = StepPlan(n, works, predicted=(lm, decode_time))
         self._begin_step(plan)
+        self.num_steady_steps += 1
         return plan
 
     def _begin_step(self, plan: StepPlan) -> None:
