@@ -229,17 +229,13 @@ class LaserScheduler(Scheduler):
     steady_decode = True
 
     def _steady_decode_plan(self, now: float) -> StepPlan | None:
-        """The plan :meth:`schedule` makes, built without its generic machinery, when this is
-        a decode instance in steady decode: nothing waiting, no replan due, every running
-        request decoding at full depth (Alg. 1's L = N) from layer 0, and the KV pool able to
-        give each request whose new token starts a block that block (a decode instance spends
-        most of its steps so). The generic path then preempts nobody, allocates the new blocks
-        in queue order, runs one token of every request through every layer in running order,
-        prices the plan as one segment (:class:`PlanCost`: ``N * layer_time + embed + head``),
-        leaves prefill the time under the iteration limit (``prefill_rate``) and plans no
-        prefill (a decode instance prefills only what it preempted, and nothing waits). This
-        does exactly that, with the same floating-point operations in the same order. Returns
-        None, having changed nothing, when the state is not steady."""
+        """The plan :meth:`schedule` makes on a decode instance in steady decode (most of its
+        steps): nothing waiting, no replan due, every running request at full depth (Alg. 1's
+        L = N) from layer 0, a free block for each one whose new token starts a block. The
+        generic path then preempts nobody, allocates those blocks in queue order, runs one token
+        of every request through every layer in running order, prices one segment (:class:`PlanCost`)
+        and sets ``prefill_rate``; this does the same, with the same float operations in the same
+        order. None, having changed nothing, when the state is not steady."""
         if self.config.role != "decode" or self.waiting or self.replan_needed or not self.running:
             return None
         n, plans, covers, decode = self.num_layers, self.plans, self.bm.covers, Phase.DECODE

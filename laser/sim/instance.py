@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass, field
 from functools import reduce
 from itertools import repeat
 from operator import add
-from dataclasses import dataclass, field
 from typing import Callable
 
 from ..block_manager import BlockManager, OutOfBlocksError
