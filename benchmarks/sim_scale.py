@@ -147,10 +147,11 @@ def main() -> None:
     print(f"SIMULATED cluster (Qwen2.5-14B shapes, A100-80GB analytic model); wall times measured on "
           f"{platform.processor() or platform.machine()}, Python {platform.python_version()}")
     r = scale_run(a.requests, a.rate, "16P16D")
-    per = r["wall_s"] / r["n"]
+    per, cpu = r["wall_s"] / r["n"], r["cpu_s"] / r["n"]
     print(f"16P16D laser: {r['n']} requests ({r['sim_s']:.0f} simulated s, {r['events']} events) in "
           f"{r['wall_s']:.1f} s wall = {per * 1e3:.2f} ms/request -> 100k requests ~ {per * 1e5:.0f} s "
-          f"(linear extrapolation); TTFT met {r['ttft_met']:.3f}")
+          f"(linear extrapolation); CPU {r['cpu_s']:.1f} s = {cpu * 1e3:.2f} ms/request -> 100k ~ {cpu * 1e5:.0f} s; "
+          f"TTFT met {r['ttft_met']:.3f}")
     print(f"{'instances':>9} {'P/D':>7} {'decision ms/req':>16} {'prefill sel. ms':>16} {'Alg. 2 ms':>10} "
           f"{'wall s':>7}")
     for k in (int(x) for x in a.instances.split(",") if x):

@@ -277,15 +277,17 @@ class BlockManager:
                     if bid in owned:
                         raise BlockManagerIntegrityError(f"block {bid} owned twice at layer {layer}")
                     owned.add(bid)
-            free = self.free_ids(layer)
-            if self._extra[layer] & self._fully_free:
+            # the layer's free blocks are _fully_free | _extra[layer] (disjoint), checked without
+            # building their union (O(owned + extra) per layer, not O(num_blocks))
+            extra = self._extra[layer]
+            if not extra.isdisjoint(self._fully_free):
                 raise BlockManagerIntegrityError(f"layer {layer}: a block both fully and partly free")
-            if owned & free:
+            if not (owned.isdisjoint(self._fully_free) and owned.isdisjoint(extra)):
                 raise BlockManagerIntegrityError(f"layer {layer}: blocks both free and owned")
-            if len(owned) + len(free) != self.num_blocks:
-                raise BlockManagerIntegrityError(
-                    f"layer {layer}: {self.num_blocks - len(owned) - len(free)} blocks leaked"
-                )
+            num_free = len(self._fully_free) + len(extra)
+            if len(owned) + num_free != self.num_blocks:
+                leaked = self.num_blocks - len(owned) - num_free
+                raise BlockManagerIntegrityError(f"layer {layer}: {leaked} blocks leaked")
             for bid in owned:
                 use[bid] += 1
         if use != self._use:

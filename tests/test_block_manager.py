@@ -235,7 +235,8 @@ def test_exhaustion_is_all_or_nothing_with_clear_message():
 
 
 def test_check_integrity_detects_corruption():
-    """The checker itself can fail: a leaked block and a double-owned block are caught."""
+    """The checker itself can fail: a leaked block, a double-owned block, a block both owned and
+    free, a block both fully and partly free are caught."""
     bm = BlockManager(2, 4, BLOCK_SIZE)
     bm.allocate("a", BLOCK_SIZE)
     bm._fully_free.discard(next(iter(bm._fully_free)))  # leak one free block
@@ -247,6 +248,16 @@ def test_check_integrity_detects_corruption():
     bid = bm.table("a", 1)[0]
     bm._reqs["b"].overrides[1] = [bid]  # b claims a's block at layer 1
     with pytest.raises(BlockManagerIntegrityError):
+        bm.check_integrity()
+    bm = BlockManager(2, 4, BLOCK_SIZE)
+    bm.allocate("a", BLOCK_SIZE)
+    bm._extra[0].add(bm.table("a", 0)[0])  # a's block also listed free at layer 0
+    with pytest.raises(BlockManagerIntegrityError, match="both free and owned"):
+        bm.check_integrity()
+    bm = BlockManager(2, 4, BLOCK_SIZE)
+    bm.allocate("a", BLOCK_SIZE)
+    bm._extra[1].add(next(iter(bm._fully_free)))  # a fully free block also listed as free at layer 1 only
+    with pytest.raises(BlockManagerIntegrityError, match="both fully and partly free"):
         bm.check_integrity()
     bm = BlockManager(2, 4, BLOCK_SIZE)
     bm.allocate("a", BLOCK_SIZE)

@@ -199,12 +199,13 @@ class InstanceCore:
         if observe is not None and result.stopped_layer >= plan.last_layer:
             observe(plan, now - c1)  # the instance's clock: wall time, or virtual in the simulator
         events = []
+        hands_off = self.role == "prefill"
         for req in self.scheduler.update(plan, result.stopped_layer, result.sampled, now):
             reason = self.finish_reason(req)
             ev = TokenEvent(req, req.output_token_ids[-1], reason)
             if reason is not None:
                 self.finish(req, reason)
-            elif self.role == "prefill":
+            elif hands_off:
                 self.handoffs.append(self.export(req, now))
                 ev.handed_off = True
             events.append(ev)

@@ -315,8 +315,9 @@ class Scheduler(ABC):
         """
         n = self.num_layers
         out = []
+        get = self.requests.get
         for w in plan.works:
-            req = self.requests.get(w.req_id)
+            req = get(w.req_id)
             if req is None:  # aborted while the step ran
                 continue
             reached = w.reached(stopped_layer)
@@ -326,9 +327,10 @@ class Scheduler(ABC):
                 req.next_layer = 0
                 if w.sample:
                     req.output_token_ids.append(sampled[w.req_id])
-                    if req.token_times and req.slo.tbt is not None and now - req.token_times[-1] > req.slo.tbt:
+                    times, tbt = req.token_times, req.slo.tbt
+                    if times and tbt is not None and now - times[-1] > tbt:
                         req.num_tbt_misses += 1
-                    req.token_times.append(now)
+                    times.append(now)
                     req.phase = Phase.DECODE
                     out.append(req)
             elif reached > w.layer_start:

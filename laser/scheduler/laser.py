@@ -79,6 +79,7 @@ class LaserScheduler(Scheduler):
         self._given_up: set[str] = set()  # ids of prefills Moore-Hodgson's rule gave up (until they finish)
         self.replan_needed = False
         self.num_replans = 0
+        self.num_steady_steps = 0  # steps built by _steady_decode_plan
         self._last_drift_replan = -(10**9)
         self.num_step_preemptions = 0
         # State of the step being executed (for the arrival-time slack check).
@@ -191,6 +192,10 @@ class LaserScheduler(Scheduler):
         # iteration (Alg. 1, replanned only on events); prefill requests fill the time left
         # under T_g (all of it on a prefill instance) in EDF order, merged while every
         # included TTFT deadline holds, each advancing as many layers as fit.
+        if self.steady_decode:
+            plan = self._steady_decode_plan(now)
+            if plan is not None:
+                return plan
         self.preempt_for_stricter()
         n = self.num_layers
         works: list[Work] = []
@@ -227,6 +232,52 @@ class LaserScheduler(Scheduler):
         self._begin_step(plan)
         return plan
 
+    #: Build a decode instance's steady steps directly (:meth:`_steady_decode_plan`); tests
+    #: switch it off to check that the generic path makes the same plans.
+    steady_decode = True
+
+    def _steady_decode_plan(self, now: float) -> StepPlan | None:
+        """The plan :meth:`schedule` makes on a decode instance in steady decode (most of its
+        steps): nothing waiting, no replan due, every running request at full depth (Alg. 1's
+        L = N) from layer 0, a free block for each one whose new token starts a block. The
+        generic path then preempts nobody, allocates those blocks in queue order, runs one token
+        of every request through every layer in running order, prices one segment (:class:`PlanCost`)
+        and sets ``prefill_rate``; this does the same, with the same float operations in the same
+        order. None, having changed nothing, when the state is not steady."""
+        if self.config.role != "decode" or self.waiting or self.replan_needed or not self.running:
+            return None
+        n, plans, covers, decode = self.num_layers, self.plans, self.bm.covers, Phase.DECODE
+        grow = []  # requests whose new token starts a block
+        works, ctx = [], []
+        for r in self.running:
+            p = plans.get(r.req_id)
+            if p is None or p.layers < n or r.phase is not decode or r.next_layer:
+                return None
+            rid, c = r.req_id, r.num_tokens
+            if not covers(rid, c):
+                if not covers(rid, c - 1):
+                    return None  # not one uniform block short: the generic path decides
+                grow.append(r)
+            works.append(Work(rid, c - 1, 1, 0, n, True))
+            ctx.append(c)
+        if len(grow) > self.bm.min_free():
+            return None  # someone would be preempted
+        for r in sorted(grow, key=self.queue_key):  # preempt_for_decode's order (a stable sort)
+            if not self.try_allocate(r, r.num_tokens):
+                raise AssertionError(f"{r.req_id}: a block the pool had room for was refused")
+        b = len(works)
+        lm = self.lm
+        layers = 0.0
+        layers += n * lm.layer_time((1,) * b, tuple(ctx))
+        decode_time = layers + lm.embed_time(b) + lm.head_time(b)
+        budget = max(0.0, self._iteration_limit(now, decode_time) - decode_time)
+        self.prefill_rate = (budget / (decode_time + budget) if math.isfinite(budget) and decode_time + budget > 0
+                             else 1.0)
+        plan = StepPlan(n, works, predicted=(lm, decode_time))
+        self._begin_step(plan)
+        self.num_steady_steps += 1
+        return plan
+
     def _begin_step(self, plan: StepPlan) -> None:
         self._step_plan = plan
         self._step_cum = None  # built on the first arrival during the step (_remaining_from)
@@ -243,7 +294,8 @@ class LaserScheduler(Scheduler):
         if plan.works:
             # A stop pauses prefill work only: the decode works ran their layer groups, so
             # the decode iteration happened either way (Work.reached).
-            dec = [w for w in plan.works if w.is_decode and w.req_id in self.plans]
+            plans = self.plans
+            dec = any(w.is_decode and w.req_id in plans for w in plan.works)
             complete = stopped_layer == plan.last_layer
             if dec and complete:
                 self.last_iteration_s = self.clock() - self._step_start

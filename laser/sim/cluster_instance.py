@@ -114,6 +114,11 @@ class SimClusterInstance(Instance):
         self._done = 0  # index into sim.finished already reported
         self.steps_begun = 0
         self.migrated_out = 0
+        # Bumped by every method below that changes what a report says (the scheduler's queues
+        # and KV pool, the deliveries, the reservations, the step in flight): ``report`` answers
+        # from its last report while the version and the clock are unchanged.
+        self._version = 0
+        self._report: tuple[tuple[int, float], InstanceReport] | None = None
 
     # -- Instance interface --------------------------------------------------------------
     @property
@@ -127,10 +132,12 @@ class SimClusterInstance(Instance):
     def add_request(self, req: Request | Handoff, at: float) -> None:
         """Deliver a request (prefill side) or a hand-off with its KV (decode side) at ``at``."""
         rid = req.request.req_id if isinstance(req, Handoff) else req.req_id
+        self._version += 1
         self.reserved.pop(rid, None)
         self.sim.deliver(req, at)
 
     def abort(self, req_id: str, at: float) -> bool:
+        self._version += 1
         self.reserved.pop(req_id, None)
         before = len(self.sim.deliveries) + len(self.sim.adopt_wait)
         self.sim.deliveries = [d for d in self.sim.deliveries
@@ -141,15 +148,24 @@ class SimClusterInstance(Instance):
         return self.scheduler.abort(req_id, at) is not None or dropped
 
     def reserve(self, info: RequestInfo) -> None:
+        self._version += 1
         self.reserved[info.req_id] = info
 
     def release(self, req_id: str) -> None:
+        self._version += 1
         self.reserved.pop(req_id, None)
 
     def report(self) -> InstanceReport:
+        """The instance's :class:`InstanceReport` (:func:`build_report`); the same (frozen) object
+        again while nothing it reads changed (every arrival asks every prefill instance)."""
+        key = (self._version, self.clock)
+        if self._report is not None and self._report[0] == key:
+            return self._report[1]
         busy_until = self.plan_end if self.plan is not None else self.clock
-        return build_report(self.instance_id, self.role, self.scheduler, self.sim.icache, self.clock, busy_until,
-                            self.sim.queued(), self.sim.adopting(), len(self.reserved))
+        rep = build_report(self.instance_id, self.role, self.scheduler, self.sim.icache, self.clock, busy_until,
+                           self.sim.queued(), self.sim.adopting(), len(self.reserved))
+        self._report = (key, rep)
+        return rep
 
     def latency_increment(self, info: RequestInfo) -> LatencyIncrement:
         """Alg. 2 lines 1-9 (:func:`laser.instance.state.decode_increment`) over the decoding
@@ -174,6 +190,7 @@ class SimClusterInstance(Instance):
         if req not in self.scheduler.decoding():
             raise KeyError(f"{req_id} is not decoding on instance {self.instance_id}")
         self.migrated_out += 1
+        self._version += 1
         return self.sim.export(req, self.clock)
 
     # -- driven by the cluster simulator ------------------------------------------------------
@@ -189,6 +206,7 @@ class SimClusterInstance(Instance):
         if self.plan is not None:
             raise RuntimeError(f"instance {self.instance_id}: a step is already in flight")
         sim = self.sim
+        self._version += 1
         sim.clock.t = max(sim.clock.t, now)
         sim._release()
         if not self.has_work():
@@ -209,6 +227,7 @@ class SimClusterInstance(Instance):
     def complete(self) -> list[Output]:
         """Execute the step in flight (deliveries up to now are known); what it produced."""
         plan, self.plan = self.plan, None
+        self._version += 1
         sim = self.sim
         sim.clock.t = self.plan_start
         sim.finish_step(plan)

@@ -18,6 +18,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from functools import reduce
+from itertools import repeat
+from operator import add
 from typing import Callable
 
 from ..block_manager import BlockManager, OutOfBlocksError
@@ -75,6 +78,8 @@ class SimExecutor:
         self.stats = stats
         self.record_plans = record_plans
         self._res: StepResult | None = None
+        # (the walker's batch list, its layer time): run_layer prices a batch once per step
+        self._priced: tuple[list | None, float] = (None, 0.0)
         # () -> virtual time of the next delivery the arrival hook could release (None: no fast path)
         self.next_release = None
         self.fast_steps = 0
@@ -85,16 +90,32 @@ class SimExecutor:
             self.stats.plans.append(StepPlan(plan.num_layers, list(plan.works)))
         t0 = self.clock.t
         self._res = res = StepResult(stopped_layer=0)
-        if stop_at is not None and self.next_release is not None and plan.works:
+        self._priced = (None, 0.0)
+        works, n = plan.works, self.n
+        embed, whole = 0, bool(works)  # tokens embedded; whether every work runs layers [0, N)
+        for w in works:
+            if w.layer_start == 0:
+                embed += w.num_tokens
+                whole = whole and w.layer_end == n
+            else:
+                whole = False
+        if stop_at is not None and self.next_release is not None and works:
             end = t0 + self.lm.predict_iteration(plan)
             if self.next_release() > end + self.QUIET_MARGIN_S:
-                first, last = plan.first_layer, plan.last_layer
+                first, last = (0, n) if whole else (plan.first_layer, plan.last_layer)
                 if last - first >= 2 and stop_at(last - 1):
                     raise AssertionError("a scheduler stopped a step with no arrival during it")
                 stop_at = None
                 self.fast_steps += 1
-        self.clock.t += self.lm.embed_time(sum(w.num_tokens for w in plan.works if w.layer_start == 0))
-        res.stopped_layer = walk(plan, self, stop_at)
+        self.clock.t += self.lm.embed_time(embed)
+        if stop_at is None and whole:
+            # one segment, every work from embedding to sampling (a decode step at full depth,
+            # whole prefills): the walk's segment mode without its bookkeeping
+            self.run_layers(range(n), works)
+            self.finish(works, n)
+            res.stopped_layer = n
+        else:
+            res.stopped_layer = walk(plan, self, stop_at)
         res.compute_seconds = self.clock.t - t0
         self.stats.steps += 1
         self.stats.busy_s += self.clock.t - t0
@@ -136,18 +157,18 @@ class SimExecutor:
         pass
 
     def run_layer(self, layer, active) -> None:
-        step = LayerStep(layer, tuple(w.num_tokens for w in active), tuple(w.context_len for w in active))
-        self.clock.t += self.lm.predict_layer(step)
+        if active is not self._priced[0]:  # the walker builds a new list whenever the batch changes
+            step = LayerStep(layer, tuple(w.num_tokens for w in active), tuple(w.context_len for w in active))
+            self._priced = (active, self.lm.predict_layer(step))  # (all layers cost the same)
+        self.clock.t += self._priced[1]
         self.stats.layer_calls += 1
         self._res.num_layer_calls += 1
 
     def run_layers(self, layers: range, active) -> None:
         """Segment mode: ``len(layers)`` layer calls of the same batch, priced once."""
-        t = self.lm.layer_time(tuple(w.num_tokens for w in active), tuple(w.context_len for w in active))
-        now = self.clock.t
-        for _ in layers:
-            now += t  # layer by layer: the same sums as run_layer
-        self.clock.t = now
+        t = self.lm.layer_time(tuple([w.num_tokens for w in active]), tuple([w.context_len for w in active]))
+        # layer by layer, ((t0 + t) + t) + ...: the same sums as run_layer (a left fold, not sum())
+        self.clock.t = reduce(add, repeat(t, len(layers)), self.clock.t)
         self.stats.layer_calls += len(layers)
         self._res.num_layer_calls += len(layers)
 
