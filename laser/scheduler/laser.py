@@ -18,14 +18,17 @@ Decode (§6.2, Alg. 1). Decode request r has a plan (L_r, O_r): with K_r = ceil(
 layer groups, group g (layers ((g-1)L, gL]) runs in iteration i iff
 ``(i - g - O_r) mod K_r == 0`` — one group per iteration, a token every K_r
 iterations. T_g is the tightest TBT target present. While the predicted iteration time
-exceeds T_g, the most relaxed full-depth request gets ``L = ceil(N*T_g/SLO_r)`` and the
-offset that balances layer load; while it is below T_g, the strictest reduced request
-is restored to L = N (reverted if that breaks T_g). Plans change only on arrival,
+exceeds T_g, the most relaxed full-depth request gets ``L = ceil(N*T_g/SLO_r)``, its
+first group in the coming iteration (the paper balances layer load by the offset; a
+later start stretches the gap in progress); while it is below T_g, the strictest reduced
+request is restored to L = N (reverted if that breaks T_g). Plans change only on arrival,
 departure, or when the measured iteration time nears T_g.
 
 Colocated (role ``mixed``, not in the paper): prefill layer-work shares iterations with
 decode layer-work and gets the time left under T_g, advancing as many layers per
 iteration as fit; a prefill's chunk may thus cross several iterations layer by layer.
+Alg. 1 prices the iteration with the prefill the pending deadlines need merged into its
+layer calls, so decode layers are cut when prefill needs the compute they take.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from .decode_plan import DecodeMemo, DecodePlan, _LayerLoad, exec_plan, tbt_infe
 class LaserScheduler(Scheduler):
     name = "laser"
 
-    #: Most of an iteration that Alg. 1 leaves to prefill on a mixed instance (fraction).
+    #: Most of an iteration that the controller's Alg. 1 price leaves to prefill on a mixed instance (fraction).
     max_prefill_share = 0.5
     #: Pending prefills looked at when sizing the prefill time per iteration.
     max_need_candidates = 64
@@ -294,53 +297,87 @@ class LaserScheduler(Scheduler):
         """Alg. 1: relax the most relaxed / restore the strictest, against T_g."""
         self.replan_needed = False
         self.num_replans += 1
-        self.plans, self.t_g, _ = exec_plan(self.lm, self.num_layers, self.iteration, decoding, self.plans,
-                                            self.plan_target_factor(), self.decode_memo)
+        if self.config.role == "mixed":
+            # Alg. 1 prices each iteration with the prefill the pending deadlines need merged
+            # into its layer calls, to tg_margin * T_g: a decode token costs what it adds to
+            # them (on a GPU, a prefill token's compute once the call is compute-bound, where
+            # priced alone the decode batch is weight-bound and no plan was ever reduced)
+            _, rate = self._prefill_demand(self.clock())
+            self.plans, self.t_g, _ = exec_plan(self.lm, self.num_layers, self.iteration, decoding, self.plans,
+                                                self.tg_margin, self.decode_memo, rate,
+                                                self.config.max_num_batched_tokens)
+        else:
+            self.plans, self.t_g, _ = exec_plan(self.lm, self.num_layers, self.iteration, decoding, self.plans,
+                                                self.plan_target_factor(), self.decode_memo)
         for r in decoding:
             if not r.tbt_infeasible and tbt_infeasible(self.lm, r, self.decode_memo):
                 r.tbt_infeasible = True  # served as well as possible; metrics say so
 
     def plan_target_factor(self) -> float:
-        """Fraction of T_g that Alg. 1 plans decode iterations to: ``tg_margin``, less the
-        share of each iteration that the pending prefills need to meet their deadlines on a
-        mixed instance (:meth:`_prefill_share_needed`, at most ``max_prefill_share``)."""
+        """Fraction of T_g that the controller's Alg. 1 prices (``instance/state.py``) plan
+        decode iterations to: ``tg_margin``, less the share of each iteration that the pending
+        prefills need to meet their deadlines on a mixed instance
+        (:meth:`_prefill_share_needed`, at most ``max_prefill_share``). The scheduler's own
+        replans on a mixed instance price the merged iteration instead (:meth:`_replan`)."""
         if self.config.role != "mixed":
             return self.tg_margin
         return self.tg_margin * (1.0 - min(self.max_prefill_share, self._prefill_share_needed(self.clock())))
 
     def _prefill_share_needed(self, now: float) -> float:
         """Fraction f of the time from now that prefill must get for every pending prefill to
-        meet its queue deadline (EDF order: ``f = max_k W_k / (D_k - now)``, W_k the predicted
-        time of the first k requests' remaining prefill run as one merged pass (PlanCost: on a
-        GPU their layer calls share the weight reads, so k short prompts cost about one; on a
-        CPU about their sum), D_k the k-th deadline: arrival + TTFT target, or the best-effort
-        aging deadline). Requests already past their deadline, and those given up under
-        overload (:meth:`_prefill_key`), are served but do not raise f (nothing can save
-        them). 0 with nothing pending."""
+        meet its queue deadline (:meth:`_prefill_demand`'s first half)."""
+        return self._prefill_demand(now)[0]
+
+    def _prefill_demand(self, now: float) -> tuple[float, float]:
+        """What the pending prefills need to meet their queue deadlines, in prefill order
+        (:meth:`_prefill_key`: EDF, the given-up ones behind the urgent savable ones): ``(f,
+        rate)``. ``f = max_k W_k / (D_k - now)`` is the fraction of the time from now that
+        prefill must get, W_k the predicted time of the first k savable requests' remaining
+        prefill run as one merged pass (PlanCost: on a GPU their layer calls share the weight
+        reads, so k short prompts cost about one; on a CPU about their sum; the first
+        ``max_need_candidates``), D_k the k-th deadline: arrival + TTFT target, or the
+        best-effort aging deadline. ``rate = max_k T_k / max(D_k - now, tg_margin * T_g)`` is
+        the prefill throughput that takes (tokens/s), T_k the prompt tokens left of every
+        pending request up to the k-th, the given-up ones included (they are served, and
+        their work comes first), over all of them; a deadline inside the coming iteration
+        counts as one iteration away (no plan serves it sooner). Requests past their deadline,
+        and those given up under overload, have no D_k (nothing can save them). ``(0, 0)``
+        with nothing pending. Alg. 1 on a mixed instance prices its iterations with ``rate``
+        (:meth:`_replan`)."""
         cands = [r for r in self.running if r.phase != Phase.DECODE] + list(self.waiting)
         if self.config.role == "decode":
             cands = [r for r in cands if r.output_token_ids]
         if not cands:
-            return 0.0
+            return 0.0, 0.0
         key = self._prefill_key(now)
         cands.sort(key=key)
         n = self.num_layers
         work = PlanCost(self.lm, n, [])
-        f = 0.0
-        for r in cands[: self.max_need_candidates]:
-            if key(r)[0] == 1:
-                continue  # given up
+        f = rate = 0.0
+        tokens = 0.0
+        # (a deadline within the coming iteration is not served sooner by any plan: the rate
+        # looks at least one iteration ahead)
+        floor = self.tg_margin * self.t_g if math.isfinite(self.t_g) else 0.0
+        for i, r in enumerate(cands):
+            given_up = key(r)[0] == 1
+            priced = i < self.max_need_candidates and not given_up
             start, left = r.num_computed_tokens, r.num_tokens - r.num_computed_tokens
             if r.in_flight:  # the chunk has run layers [0, next_layer) already
-                work.add(Work(r.req_id, start, r.chunk_tokens, r.next_layer, n, left == r.chunk_tokens))
+                if priced:
+                    work.add(Work(r.req_id, start, r.chunk_tokens, r.next_layer, n, left == r.chunk_tokens))
+                tokens += r.chunk_tokens * (n - r.next_layer) / n
                 start, left = start + r.chunk_tokens, left - r.chunk_tokens
             if left > 0:
-                work.add(Work(r.req_id, start, left, 0, n, True))
+                if priced:
+                    work.add(Work(r.req_id, start, left, 0, n, True))
+                tokens += left
             ttft = r.slo.ttft if r.slo.ttft is not None else self.config.best_effort_deadline_s
             slack = r.arrival_time + ttft - now
-            if slack > 0 and work.works:
-                f = max(f, work.total / slack)
-        return f
+            if slack > 0 and not given_up:
+                rate = max(rate, tokens / max(slack, floor))
+                if priced and work.works:
+                    f = max(f, work.total / slack)
+        return f, rate
 
     def _prefill_key(self, now: float):
         """Prefill order: EDF (``queue_key``), except for the prefills given up under overload,
@@ -424,12 +461,13 @@ class LaserScheduler(Scheduler):
     def _prefill_need(self, now: float, decode_time: float) -> float:
         """Seconds of prefill per iteration the pending prefills need (an iteration of
         ``decode_time`` seconds of decode work plus p of prefill gives prefill the share
-        p / (decode_time + p) >= f, :meth:`_prefill_share_needed`)."""
+        p / (decode_time + p) >= f, :meth:`_prefill_share_needed`). 0 when ``f >= 1``: a
+        prefill that misses its deadline even with the whole machine from now on is not saved
+        by breaking the decode requests' T_g (an unbounded iteration that spent their P99
+        allowance for nobody)."""
         f = self._prefill_share_needed(now)
-        if f <= 0.0:
+        if f <= 0.0 or f >= 1.0:
             return 0.0
-        if f >= 1.0:
-            return math.inf
         return decode_time * f / (1.0 - f)
 
     def _iteration_limit(self, now: float, decode_time: float) -> float:
