@@ -305,3 +305,20 @@ def test_marginal_plan_cost_equals_full_prediction():
         a = rng.randrange(N)
         w = Work("new", 0, rng.randint(1, 400), a, rng.randint(a + 1, N))
         assert cost.with_work(w) == pytest.approx(lm.predict_iteration(StepPlan(N, works + [w])), rel=1e-9)
+
+
+def test_alg1_relaxed_layers_are_not_rounded_up_by_floating_point():
+    """L = ceil(N * T_g / SLO_r): 48 * 0.05 / 0.1 is 24.000000000000004 in floating point; the
+    relaxed request must get 24 layers per iteration (two even groups), not 25."""
+    from laser.scheduler.decode_plan import exec_plan
+
+    n = 48
+    # tight alone: 48 x 0.9 ms = 43.2 ms (meets 50 ms); both at full depth 48 ms > 0.9 x 50 ms
+    lm = SimpleLatencyModel(num_layers=n, per_layer=8e-4, per_token=1e-4)
+    tight, relaxed = req(4, 0.0, tbt=0.05, max_tokens=5), req(4, 0.0, tbt=0.1, max_tokens=5)
+    for r in (tight, relaxed):
+        r.output_token_ids, r.num_computed_tokens = [1], r.num_tokens - 1
+    assert 48 * 0.05 / 0.1 > 24  # the floating-point trap itself
+    plans, t_g, _ = exec_plan(lm, n, 0, [tight, relaxed], {}, target_factor=0.9)
+    assert t_g == 0.05 and plans[tight.req_id].layers == n
+    assert plans[relaxed.req_id].layers == 24

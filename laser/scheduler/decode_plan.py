@@ -52,13 +52,15 @@ class DecodeMemo:
         """The scale of the memoised prices now (1.0 unless ``lm`` is a scaled model)."""
         return self._scaled.factor if self._scaled is not None else 1.0
 
-    def layer_time(self, c: int, ctx: int) -> float:
-        """One layer call of ``c`` decode tokens at context ``ctx`` each (seconds)."""
-        t = self.layers.get((c, ctx))
+    def layer_time(self, c: int, ctx: int, background: int = 0) -> float:
+        """One layer call of ``c`` decode tokens at context ``ctx`` each, beside a prefill
+        chunk of ``background`` tokens (seconds; see :class:`_LayerLoad`)."""
+        key = (c, ctx, background)
+        t = self.layers.get(key)
         if t is None:
             if len(self.layers) > self.MAX_ENTRIES:
                 self.layers.clear()
-            t = self.layers[(c, ctx)] = self._base.layer_time((1,) * c, (ctx,) * c) if c else 0.0
+            t = self.layers[key] = _layer_price(self._base, c, ctx, background)
         return t if self._scaled is None else t * self._scaled.factor
 
     def tbt_infeasible(self, num_tokens: int, tbt: float) -> bool:
@@ -70,6 +72,14 @@ class DecodeMemo:
                 self.single.clear()
             t = self.single[num_tokens] = self._base.predict_decode_iteration((num_tokens,))
         return (t if self._scaled is None else t * self._scaled.factor) > tbt
+
+
+def _layer_price(lm: LatencyModel, c: int, ctx: int, background: int) -> float:
+    """One layer call of ``c`` decode tokens at context ``ctx`` plus one prefill chunk of
+    ``background`` tokens (a fresh chunk: context = its length), seconds; 0 when empty."""
+    if background > 0:
+        return lm.layer_time((1,) * c + (background,), (ctx,) * c + (background,))
+    return lm.layer_time((1,) * c, (ctx,) * c) if c else 0.0
 
 
 def _memo_for(lm: LatencyModel, memo: "DecodeMemo | None") -> "DecodeMemo | None":
@@ -84,26 +94,42 @@ class _LayerLoad:
     priced by the latency model for that many decode tokens at the batch's mean context
     (memoised), so trying an offset costs O(HORIZON·L), not a re-simulation. Exact for K in
     {1, 2, 3, 4, 6, 12}; an approximation of the worst iteration otherwise.
+
+    ``background``: prefill tokens that ride every layer call of the iteration beside the
+    decode tokens (a mixed instance whose pending prefills need that many per iteration):
+    the iteration is then priced as the merged layer calls, so a decode token costs what it
+    adds to them -- on a GPU, nearly nothing while the call is bound by its weight read, and
+    a prefill token's compute once the prefill makes it compute-bound (priced alone, a
+    decode batch is weight-bound there, and cutting its layers looks like it saves nothing).
     """
 
     HORIZON = 12
 
     def __init__(self, lm: LatencyModel, num_layers: int, iteration: int, reqs: list, plans: dict[str, DecodePlan],
-                 shared: DecodeMemo | None = None):
+                 shared: DecodeMemo | None = None, background: int = 0):
         self.n = num_layers
         self.it0 = iteration
         ctx = round(sum(r.num_tokens for r in reqs) / max(1, len(reqs)))
         shared = _memo_for(lm, shared)
+        # The mean context prices the batch as the model would its real contexts only if the
+        # model is linear in them; a fitted model need not be (one long summarization stream
+        # among short ones cost 272 ms where the mean priced 144 ms, and T_g broke unseen):
+        # every price is scaled by the whole batch's real / mean-context price.
+        fix = 1.0
+        if len(reqs) > 1 and any(r.num_tokens != ctx for r in reqs):
+            mean_t = lm.layer_time((1,) * len(reqs), (ctx,) * len(reqs))
+            if mean_t > 0:
+                fix = lm.layer_time((1,) * len(reqs), tuple(r.num_tokens for r in reqs)) / mean_t
         if shared is not None:
             def layer(c: int, _t=shared.layer_time) -> float:
-                return _t(c, ctx)
+                return _t(c, ctx, background) * fix
         else:
-            memo: dict[int, float] = {0: 0.0}
+            memo: dict[int, float] = {}
 
             def layer(c: int) -> float:
                 t = memo.get(c)
                 if t is None:
-                    t = memo[c] = lm.layer_time((1,) * c, (ctx,) * c)
+                    t = memo[c] = _layer_price(lm, c, ctx, background) * fix
                 return t
 
         self.ctx = ctx
@@ -182,15 +208,15 @@ class _LayerLoad:
         return max(self._times()) + self.const
 
     def best_offset(self, L: int) -> DecodePlan:
-        """Offset for a new plan with L layers that minimises the worst iteration (load balance)."""
-        times = self._times()
-        best, best_t = None, math.inf
-        for o in range(ceil_div(self.n, L)):
-            p = DecodePlan(L, o)
-            t = max(times[h] + self._delta(p, h, 1) for h in range(self.HORIZON))
-            if t < best_t - 1e-12:
-                best, best_t = p, t
-        return best
+        """Offset of a new plan with L layers: the one whose first group runs in the coming
+        iteration (``it0``). A request is relaxed right after its token (full-depth requests
+        get one every iteration), so its gap in progress then takes exactly K = ceil(N/L)
+        iterations; any other offset makes it wait up to K - 1 more, and the gap breaks its
+        TBT target unless every iteration before it shrinks (the scheduler's TBT-slack
+        bound: 30 ms iterations instead of 45 on the A100 grid). Alg. 1 chose the offset
+        that balances the layer load; requests relaxed at the same moment with the same K now
+        run the same group together, which loads every iteration with one group of each."""
+        return DecodePlan(L, (self.it0 - 1) % ceil_div(self.n, L))
 
 
 # -- Alg. 1 and Alg. 2 lines 1-9 as pure functions (the scheduler and the controller's
@@ -207,9 +233,13 @@ class DecodeCandidate:
     slo: SLO
 
 
+#: Granularity (tokens) of the prefill chunk :func:`exec_plan` prices iterations with.
+PREFILL_QUANTUM = 16
+
+
 def exec_plan(lm: LatencyModel, num_layers: int, iteration: int, decoding: list, plans: dict[str, DecodePlan],
-              target_factor: float = 1.0, memo: DecodeMemo | None = None
-              ) -> tuple[dict[str, DecodePlan], float, "_LayerLoad | None"]:
+              target_factor: float = 1.0, memo: DecodeMemo | None = None, prefill_rate: float = 0.0,
+              max_prefill_tokens: int = 0) -> tuple[dict[str, DecodePlan], float, "_LayerLoad | None"]:
     """Algorithm 1 (PPoPP'26 §6.2.2), ``ExecPlan(N, R, L, O, R*)``: plans for ``decoding``.
 
     ``decoding``: requests (or :class:`DecodeCandidate`) with ``req_id``, ``num_tokens``,
@@ -217,9 +247,14 @@ def exec_plan(lm: LatencyModel, num_layers: int, iteration: int, decoding: list,
     tightest TBT target that can be met at all (:func:`tbt_infeasible`); Alg. 1 plans
     iterations to ``T_g * target_factor`` seconds:
     while too slow, the most relaxed full-depth request drops to ``ceil(N*T_g/SLO_r)``
-    layers per iteration at the least-loaded offset; while there is headroom, the
-    strictest reduced request is restored to ``L = N`` (reverted and stop if that breaks
-    the target). Returns ``(plans, T_g, load)``; ``load`` (None when no request has a TBT
+    layers per iteration, its first group in the coming iteration
+    (:meth:`_LayerLoad.best_offset`); while there is headroom, the strictest reduced request
+    is restored to ``L = N`` (reverted and stop if that breaks the target). ``prefill_rate`` (tokens/s, a mixed instance's pending prefill demand):
+    every iteration is priced with ``prefill_rate * T_g * target_factor`` prefill tokens
+    (rounded up to a multiple of ``PREFILL_QUANTUM``, at most ``max_prefill_tokens``) merged
+    into its layer calls (:class:`_LayerLoad`'s ``background``), so Alg. 1 cuts decode
+    layers exactly when the merged iteration would not fit. Returns ``(plans, T_g, load)``;
+    ``load`` (None when no request has a TBT
     target) prices the returned plans (:meth:`_LayerLoad.predict`, seconds). Pure: the
     input ``plans`` dict is not changed. ``memo``: the caller's :class:`DecodeMemo` of ``lm``
     (the same answer, faster).
@@ -233,7 +268,11 @@ def exec_plan(lm: LatencyModel, num_layers: int, iteration: int, decoding: list,
     if t_g == math.inf:
         return {rid: DecodePlan(n, 0) for rid in plans}, t_g, None
     target = t_g * target_factor
-    load = _LayerLoad(lm, n, iteration, decoding, plans, memo)
+    background = 0
+    if prefill_rate > 0 and max_prefill_tokens > 0:
+        q = PREFILL_QUANTUM
+        background = min(max_prefill_tokens, q * math.ceil(prefill_rate * target / q))
+    load = _LayerLoad(lm, n, iteration, decoding, plans, memo, background)
     # relax: the most relaxed full-depth request first
     relaxable = () if load.predict() <= target else sorted(  # (the loop would stop at once)
         (r for r in decoding if plans[r.req_id].layers >= n and r.slo.tbt_or_inf > t_g),
@@ -243,7 +282,8 @@ def exec_plan(lm: LatencyModel, num_layers: int, iteration: int, decoding: list,
         if load.predict() <= target:
             break
         slo = r.slo.tbt_or_inf
-        L = 1 if slo == math.inf else max(1, math.ceil(n * t_g / slo))  # best effort: 1 layer
+        # (1e-9: N*T_g/SLO_r = 48*0.05/0.1 is 24.000000000000004 in floating point, not 25 layers)
+        L = 1 if slo == math.inf else max(1, math.ceil(n * t_g / slo - 1e-9))  # best effort: 1 layer
         if L >= n:
             continue
         load.remove(plans[r.req_id])
