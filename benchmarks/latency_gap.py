@@ -138,14 +138,16 @@ def report(tap: Tap) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--policy", default="laser")
-    ap.add_argument("--requests", type=int, default=24)
+    ap.add_argument("--policy", default="laser", help="scheduling policy (default: laser)")
+    ap.add_argument("--requests", type=int, default=24, help="requests timed after the warm-up (default: 24)")
     ap.add_argument("--rate", type=float, default=None, help="Poisson arrivals at this rate (req/s); all at once without")
     ap.add_argument("--profile", default=str(DEFAULT_PROFILE), help="latency profile the scheduler plans with")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrivals (default: 0)")
     a = ap.parse_args(argv)
-    if a.requests < 1 or (a.rate is not None and not a.rate > 0):
-        ap.error("need --requests >= 1 and --rate > 0")
+    if a.requests < 1:
+        ap.error(f"--requests must be >= 1, got {a.requests}")
+    if a.rate is not None and not a.rate > 0:
+        ap.error(f"--rate must be > 0, got {a.rate}")
 
     from laser.cli import set_threads
     from laser.profiler.pipeline import cpu_hardware_string
@@ -155,8 +157,16 @@ def main(argv=None) -> int:
     from laser.online import TimedRequest, run_online
     from laser.request import SLO, SamplingParams
 
+    from laser.latency import LatencyProfileError
+    from laser.scheduler import POLICIES
+
+    if a.policy not in POLICIES:
+        ap.error(f"--policy {a.policy!r}: unknown; one of {', '.join(sorted(POLICIES))}")
     set_threads(1)
-    lm = FittedLatencyModel.load(a.profile)
+    try:
+        lm = FittedLatencyModel.load(a.profile)
+    except (LatencyProfileError, OSError, ValueError) as e:
+        ap.error(f"--profile {a.profile}: {e}")
     engine = Engine(policy=a.policy, dtype="float32", cache=CacheConfig(kv_cache_gib=1.0), latency_model=lm)
     tap = Tap(engine.runner, lm)
     rng = random.Random(a.seed)

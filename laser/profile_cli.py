@@ -169,9 +169,12 @@ def cmd_profile(args) -> int:
     m = lm.metadata.get("measurement", {})
     what = "profile + test set" if rep is not None else "profile"
     dropped = m.get("dropped_outliers") or 0
-    print(f"[laser] profile {path}: {len(lm.samples)} samples"
-          + (f" ({dropped} disturbed ones dropped)" if dropped else "")
-          + f"; {what} took {prof_s:.1f} s (model load {load_s:.1f} s)"
+    loaded = args.reuse and "profile_seconds" in lm.metadata and prof_s < 0.5 * lm.metadata["profile_seconds"]
+    took = (f"loaded (profiled in {lm.metadata['profile_seconds']:.1f} s on {lm.metadata.get('created', '?')})"
+            if loaded else f"{what} took {prof_s:.1f} s")
+    print(f"[laser] profile {path}: {len(lm.samples)} samples, each the median of its undisturbed repeats"
+          + (f" ({dropped} dropped as outliers of the fit, likely slowed by another process)" if dropped else "")
+          + f"; {took} (model load {load_s:.1f} s)"
           + (f", {100 * m['clean_fraction']:.0f}% of timed calls clean" if "clean_fraction" in m else "")
           + (f", {100 * m['disturbed_fraction']:.0f}% disturbed (reference calls re-timed up to "
              f"{100 * m.get('max_reference_drift', 0):.0f}% over their best)" if "disturbed_fraction" in m else ""))
