@@ -142,11 +142,15 @@ def cmd_profile(args) -> int:
         if args.quick else {}
     rep = None
     t1 = time.perf_counter()
+    loaded = False  # the profile was read from its file, not measured now
     if args.reuse:
         # the user's own file is used as is or rejected, never profiled over
         create = not explicit or not os.path.exists(path)
+        before = os.path.getmtime(path) if os.path.exists(path) else None
         lm = profiler.load_or_create(engine, path, create=create, progress=progress, budget_s=args.budget, grid=grid)
         prof_s = time.perf_counter() - t1
+        # (a stale cached profile is made again: then the file changed)
+        loaded = before is not None and os.path.exists(path) and os.path.getmtime(path) == before
     else:
         print(f"[laser] profiling {profiler.model_name_of(engine)} ({profiler.dtype_name(engine.dtype)}, "
               f"{profiler.profile_metadata(engine)['threads']} threads)"
@@ -169,8 +173,7 @@ def cmd_profile(args) -> int:
     m = lm.metadata.get("measurement", {})
     what = "profile + test set" if rep is not None else "profile"
     dropped = m.get("dropped_outliers") or 0
-    loaded = args.reuse and "profile_seconds" in lm.metadata and prof_s < 0.5 * lm.metadata["profile_seconds"]
-    took = (f"loaded (profiled in {lm.metadata['profile_seconds']:.1f} s on {lm.metadata.get('created', '?')})"
+    took = (f"loaded (profiled in {lm.metadata.get('profile_seconds', '?')} s on {lm.metadata.get('created', '?')})"
             if loaded else f"{what} took {prof_s:.1f} s")
     print(f"[laser] profile {path}: {len(lm.samples)} samples, each the median of its undisturbed repeats"
           + (f" ({dropped} dropped as outliers of the fit, likely slowed by another process)" if dropped else "")

@@ -259,9 +259,8 @@ class LaserScheduler(LaserPrefill, Scheduler):
                 raise AssertionError(f"{r.req_id}: a block the pool had room for was refused")
         b = len(works)
         lm = self.lm
-        layers = 0.0
-        layers += n * lm.layer_time((1,) * b, tuple(ctx))
-        decode_time = layers + lm.embed_time(b) + lm.head_time(b)
+        # PlanCost's sum for one segment of n layers (its 0.0 + n*t is n*t: prices are >= 0)
+        decode_time = n * lm.layer_time((1,) * b, tuple(ctx)) + lm.embed_time(b) + lm.head_time(b)
         budget = max(0.0, self._iteration_limit(now, decode_time) - decode_time)
         self.prefill_rate = (budget / (decode_time + budget) if math.isfinite(budget) and decode_time + budget > 0
                              else 1.0)
