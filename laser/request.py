@@ -193,6 +193,18 @@ class Request:
         return self.token_times[0] if self.token_times else None
 
     @property
+    def tbt_miss_allowance(self) -> int:
+        """Token gaps over the TBT target this request may take and still meet its P99 TBT:
+        ``floor((g - 1) / 100)`` for ``g`` gaps, ``g`` from ``max_tokens`` (an upper bound)."""
+        return (self.sampling_params.max_tokens - 2) // 100
+
+    @property
+    def p99_tbt_broken(self) -> bool:
+        """Whether more of its gaps missed the TBT target than :attr:`tbt_miss_allowance`: its
+        P99 TBT, hence its SLO, is lost whatever comes next."""
+        return self.num_tbt_misses > self.tbt_miss_allowance
+
+    @property
     def ttft_deadline(self) -> float:
         """Arrival + TTFT target (EDF key); inf for best effort."""
         return self.arrival_time + self.slo.ttft_or_inf

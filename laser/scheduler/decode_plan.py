@@ -244,7 +244,10 @@ def exec_plan(lm: LatencyModel, num_layers: int, iteration: int, decoding: list,
 
     ``decoding``: requests (or :class:`DecodeCandidate`) with ``req_id``, ``num_tokens``,
     ``slo``; a request without a plan in ``plans`` is new (``L = N, O = 0``). T_g is the
-    tightest TBT target that can be met at all (:func:`tbt_infeasible`); Alg. 1 plans
+    tightest TBT target that can be met at all: not out of reach alone (:func:`tbt_infeasible`),
+    and not one whose requests alone at full depth already take longer than it (overload: the
+    next looser target is T_g, and those requests run at full depth; our rule, the paper is
+    silent). Alg. 1 plans
     iterations to ``T_g * target_factor`` seconds:
     while too slow, the most relaxed full-depth request drops to ``ceil(N*T_g/SLO_r)``
     layers per iteration, its first group in the coming iteration
@@ -260,19 +263,37 @@ def exec_plan(lm: LatencyModel, num_layers: int, iteration: int, decoding: list,
     (the same answer, faster).
     """
     n = num_layers
-    plans = {r.req_id: plans.get(r.req_id, DecodePlan(n, 0)) for r in decoding}
-    # A TBT target that even an iteration of this request alone misses cannot be met by
-    # cutting iterations for it: it runs at full depth, as fast as possible, and T_g comes
-    # from the targets that can be met (Laser would otherwise halve throughput for nobody).
-    t_g = _tightest_feasible_tbt(lm, decoding, memo)
-    if t_g == math.inf:
-        return {rid: DecodePlan(n, 0) for rid in plans}, t_g, None
-    target = t_g * target_factor
-    background = 0
-    if prefill_rate > 0 and max_prefill_tokens > 0:
-        q = PREFILL_QUANTUM
-        background = min(max_prefill_tokens, q * math.ceil(prefill_rate * target / q))
-    load = _LayerLoad(lm, n, iteration, decoding, plans, memo, background)
+    given = plans
+    floor = 0.0
+    while True:
+        plans = {r.req_id: given.get(r.req_id, DecodePlan(n, 0)) for r in decoding}
+        # A TBT target that even an iteration of this request alone misses cannot be met by
+        # cutting iterations for it: it runs at full depth, as fast as possible, and T_g comes
+        # from the targets that can be met (Laser would otherwise halve throughput for nobody).
+        t_g = _tightest_feasible_tbt(lm, decoding, memo, floor)
+        if t_g == math.inf:
+            return {rid: DecodePlan(n, 0) for rid in plans}, t_g, None
+        target = t_g * target_factor
+        background = 0
+        if prefill_rate > 0 and max_prefill_tokens > 0:
+            q = PREFILL_QUANTUM
+            background = min(max_prefill_tokens, q * math.ceil(prefill_rate * target / q))
+        load = _LayerLoad(lm, n, iteration, decoding, plans, memo, background)
+        _relax_and_restore(load, plans, decoding, n, t_g, target)
+        if load.predict() <= t_g or not _overloaded(lm, n, iteration, decoding, t_g, floor, memo):
+            return plans, t_g, load
+        # Overload: the requests at T_g (and tighter) alone, at full depth, already take longer
+        # than T_g, so every one of them misses whatever is cut for them; they run at full
+        # depth and T_g comes from the next looser target (else the whole instance is held to
+        # an iteration nobody gets).
+        floor = t_g
+
+
+def _relax_and_restore(load: "_LayerLoad", plans: dict[str, DecodePlan], decoding: list, n: int, t_g: float,
+                       target: float) -> None:
+    """Alg. 1's two loops on ``load`` and ``plans`` (both changed in place): relax the most
+    relaxed full-depth requests while the iteration is over ``target`` seconds, then restore
+    the strictest reduced ones while it stays under."""
     # relax: the most relaxed full-depth request first
     relaxable = () if load.predict() <= target else sorted(  # (the loop would stop at once)
         (r for r in decoding if plans[r.req_id].layers >= n and r.slo.tbt_or_inf > t_g),
@@ -303,22 +324,32 @@ def exec_plan(lm: LatencyModel, num_layers: int, iteration: int, decoding: list,
             load.add(old)
             break
         plans[r.req_id] = DecodePlan(n, 0)
-    return plans, t_g, load
 
 
-def _tightest_feasible_tbt(lm: LatencyModel, decoding: list, memo: DecodeMemo | None) -> float:
-    """``min(r.slo.tbt_or_inf for r in decoding if not tbt_infeasible(lm, r, memo))`` (inf if
-    none), seconds: the memo's table read in line (this runs once per request per Alg. 1 call)."""
+def _overloaded(lm: LatencyModel, n: int, iteration: int, decoding: list, t_g: float, floor: float,
+                memo: DecodeMemo | None) -> bool:
+    """Whether the requests whose targets set T_g (TBT in (``floor``, ``t_g``]), decoding alone at
+    full depth, take longer than ``t_g`` seconds per iteration."""
+    tight = [r for r in decoding if r.slo.tbt is not None and floor < r.slo.tbt <= t_g]
+    full = {r.req_id: DecodePlan(n, 0) for r in tight}
+    return _LayerLoad(lm, n, iteration, tight, full, memo).predict() > t_g
+
+
+def _tightest_feasible_tbt(lm: LatencyModel, decoding: list, memo: DecodeMemo | None, floor: float = 0.0) -> float:
+    """``min(r.slo.tbt_or_inf for r in decoding if not tbt_infeasible(lm, r, memo))`` over targets
+    above ``floor`` (inf if none), seconds: the memo's table read in line (this runs once per
+    request per Alg. 1 call)."""
     memo = _memo_for(lm, memo)
     if memo is None:
-        return min((r.slo.tbt_or_inf for r in decoding if not tbt_infeasible(lm, r)), default=math.inf)
+        return min((r.slo.tbt_or_inf for r in decoding if r.slo.tbt_or_inf > floor and not tbt_infeasible(lm, r)),
+                   default=math.inf)
     table, ask = memo.single, memo.tbt_infeasible
     scale = memo.factor
     t_g = math.inf
     for r in decoding:
         tbt = r.slo.tbt
-        if tbt is None or tbt >= t_g:
-            continue  # (cannot lower the minimum; its feasibility does not matter)
+        if tbt is None or tbt >= t_g or tbt <= floor:
+            continue  # (cannot lower the minimum, or given up; its feasibility does not matter)
         t = table.get(r.num_tokens)
         bad = ask(r.num_tokens, tbt) if t is None else t * scale > tbt
         if not bad:

@@ -380,15 +380,17 @@ class LaserScheduler(LaserPrefill, Scheduler):
         This matters when Alg. 1 changes a plan mid-token (e.g. T_g rises when the strictest
         request leaves: the reduced request's last group would otherwise run in an iteration
         sized to the new, looser T_g). Requests without a TBT target, without a token yet,
-        with a target out of reach even alone (``tbt_infeasible``), or whose gap is lost
+        with a target out of reach even alone (``tbt_infeasible``) or below T_g (Alg. 1 gave its
+        target up: the requests at it overload the instance), or whose gap is lost
         already (its share, even without the margin, is below ``decode_time``, this
         iteration's decode seconds) do not limit it; one that makes it only without the
         margin gets an iteration of decode work alone."""
-        limit = self.t_g * self.tg_margin
+        t_g = self.t_g
+        limit = t_g * self.tg_margin
         n = self.num_layers
         for r in self.running:
             tbt = r.slo.tbt
-            if r.phase != Phase.DECODE or tbt is None or r.tbt_infeasible or not r.token_times:
+            if r.phase != Phase.DECODE or tbt is None or tbt < t_g or r.tbt_infeasible or not r.token_times:
                 continue
             p = self.plans.get(r.req_id)
             if p is None:
@@ -407,13 +409,17 @@ class LaserScheduler(LaserPrefill, Scheduler):
         return limit
 
     def _p99_allowance_left(self) -> bool:
-        """Whether every decoding request may take one more token gap over its TBT target and
-        still meet its P99 TBT (a request expecting g gaps tolerates floor((g - 1) / 100)
-        misses; g from ``max_tokens``, an upper bound)."""
+        """Whether every decoding request whose TBT target T_g holds (target set, at or above
+        T_g, reachable alone) and whose P99 TBT is not broken already
+        (:attr:`Request.p99_tbt_broken`) may take one more token gap over its target and still
+        meet its P99 TBT (:attr:`Request.tbt_miss_allowance`). A request with nothing left to
+        lose does not veto the break."""
+        t_g = self.t_g
         for r in self.running:
-            if r.phase != Phase.DECODE or r.slo.tbt is None:
+            tbt = r.slo.tbt
+            if r.phase != Phase.DECODE or tbt is None or tbt < t_g or r.tbt_infeasible or r.p99_tbt_broken:
                 continue
-            if r.num_tbt_misses + 1 > (r.sampling_params.max_tokens - 2) // 100:
+            if r.num_tbt_misses + 1 > r.tbt_miss_allowance:
                 return False
         return True
 

@@ -31,7 +31,8 @@ class LaserPrefill:
     #: Smallest prefill chunk worth a layer call (tokens).
     min_chunk = 16
     #: Work merged after a late request's last chunk may delay its first token by this
-    #: fraction of its TTFT target (its deadline is missed already; others' need not be).
+    #: fraction of its TTFT target (its deadline is missed already; others' need not be);
+    #: given-up work by the step's decode seconds when that is more (:meth:`_prefill_works`).
     late_delay_share = 0.1
     #: Floor on the prefill rate that overload triage assumes (:meth:`_prefill_key`).
     min_prefill_rate = 0.1
@@ -198,6 +199,7 @@ class LaserPrefill:
         and without breaking any included TTFT deadline that was being met."""
         n = self.num_layers
         limit = cost.total + budget
+        decode_s = cost.total  # the decode works' price (the prefill works are added below)
         key = self._prefill_key(now)
         cands = sorted([r for r in self.running if r.phase != Phase.DECODE] + list(self.waiting), key=key)
         if self.config.role == "decode":
@@ -209,6 +211,9 @@ class LaserPrefill:
         # work, which must never make an admitted request late (its own chunk ends in time, but a
         # hopeless prompt merged beside it would push the rest of its prompt past its deadline)
         met_rest: list[float] = []
+        # ... with a late request's bound widened to the step's decode seconds: for given-up work
+        # that completes its prefill in this step (see the late rule below)
+        met_late: list[float] = []
         tokens = 0
         misses = alloc_misses = 0
         queued = {id(r) for r in self.waiting}  # not running yet: each one takes a running slot
@@ -227,7 +232,12 @@ class LaserPrefill:
             def mk(k, end, r=r, start=start, lo=lo):
                 return Work(r.req_id, start, k, lo, end, sample=end == n and start + k == r.num_tokens)
 
-            w = self._fit(cost, mk, k, lo, r.in_flight, limit, met_rest if r.demoted or key(r)[0] == 1 else met, now)
+            if r.demoted or key(r)[0] == 1:
+                w = self._fit(cost, mk, k, lo, r.in_flight, limit, met_late, now)
+                if w is not None and not w.sample:  # only a whole (rest of a) prompt gets the wider bound
+                    w = self._fit(cost, mk, k, lo, r.in_flight, limit, met_rest, now)
+            else:
+                w = self._fit(cost, mk, k, lo, r.in_flight, limit, met, now)
             if w is None:
                 if works:
                     misses += 1
@@ -250,7 +260,7 @@ class LaserPrefill:
             tokens += w.num_tokens
             held = r.arrival_time + self.ttft_margin * r.slo.ttft if r.slo.ttft is not None else r.ttft_deadline
             rest = self._prefill_rest(r, w)
-            for bound, extra in ((met, 0.0), (met_rest, rest)):
+            for bound, extra in ((met, 0.0), (met_rest, rest), (met_late, rest)):
                 end = now + cost.total + extra
                 if end <= held:
                     bound.append(held - extra)
@@ -262,8 +272,14 @@ class LaserPrefill:
                 # the step by at most ``late_delay_share`` of its TTFT target -- a late
                 # request is served nearly as early as possible, and short prompts that ride
                 # the same layer calls almost free (a GPU's weight-bound layers) still join.
+                # Given-up work that completes its prefill in this step may delay it by up to
+                # the step's decode seconds: beside a decode batch, a late prompt left for the
+                # next step waits that step's whole decode part, so merging it costs the late
+                # one less than it saves the other (else late prompts go one per iteration
+                # behind a decode batch); a chunk of a long one that does not finish here may not.
                 met.append(now + cost.total + self.late_delay_share * r.slo.ttft)
                 met_rest.append(met[-1])
+                met_late.append(now + cost.total + max(self.late_delay_share * r.slo.ttft, decode_s))
         return works
 
     def _prefill_rest(self, r: Request, w: Work) -> float:
