@@ -36,18 +36,23 @@ def positive_float(s: str) -> float:
 
 def add_engine_args(p: argparse.ArgumentParser, policy_default: str = "laser") -> None:
     """Flags shared by every command that builds an engine."""
-    p.add_argument("--model", default=None, help="HF checkpoint dir or GGUF file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="compute dtype (default auto: bfloat16 only on CPUs with native bf16 matmuls, "
+    p.add_argument("--model", default=None,
+                   help="HF checkpoint dir or GGUF file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="compute dtype (default auto: bfloat16 only on CPUs with native bf16 matmuls, "
                         "else float32)")
-    p.add_argument("--policy", default=policy_default, help="scheduling policy: vllm, sarathi, laser (default %(default)s)")
+    p.add_argument("--policy", default=policy_default,
+                   help="scheduling policy: vllm, sarathi, laser (default %(default)s)")
     p.add_argument("--queue-order", default="edf", choices=["edf", "fcfs"],
                    help="waiting-queue order: earliest TTFT deadline first (default) or arrival order")
-    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache pool size, GiB over all layers (default %(default)s)")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0,
+                   help="KV cache pool size, GiB over all layers (default %(default)s)")
     p.add_argument("--block-size", type=positive_int, default=16, help="KV cache block size, tokens (default 16)")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=512,
                    help="token budget per step, tokens (vLLM's max_num_batched_tokens; Sarathi's chunk budget; "
                         "default %(default)s)")
-    p.add_argument("--max-num-seqs", type=positive_int, default=256, help="most requests running at once (default %(default)s)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=256,
+                   help="most requests running at once (default %(default)s)")
     p.add_argument("--intermediate-cache-tokens", type=positive_int, default=16384,
                    help="capacity of the cache of paused hidden states, tokens (over it: recompute; "
                         "default %(default)s)")
@@ -163,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="complete one prompt and print it")
     add_engine_args(g)
-    g.add_argument("--prompt", required=True, help="the prompt (in the model's chat template, if it has one, unless --raw)")
+    g.add_argument("--prompt", required=True,
+                   help="the prompt (in the model's chat template, if it has one, unless --raw)")
     g.add_argument("--max-tokens", type=positive_int, default=128, help="most tokens to generate (default %(default)s)")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")

@@ -5,13 +5,14 @@
 
 Where the profile goes: ``--output PATH`` (or ``--latency-profile PATH``, the same;
 ``--output`` wins), else the cache file of this (model, dtype, hardware, threads) that
-engine starts read (``--latency-profile auto``; a ``--quick`` profile is written only where
-you name). It is measured anew and written there,
-unless ``--reuse``: then a file you named is loaded as is (an error if it is corrupt or
-made for another setup: it is never profiled over; measured there only when missing),
-and the cache file is loaded when it is valid and still matches this machine, else made
-again (as at engine start). The scheduling flags (``--policy``, ``--queue-order``, token
-budgets, SLOs) and ``--no-latency-calibration`` do not change what is measured."""
+engine starts read (``--latency-profile auto``; a ``--quick`` profile is written only
+where you name). It is measured anew and written there, unless ``--reuse``: then a file
+you named is loaded as is (an error if it is corrupt or made for another setup: it is
+never profiled over; measured there only when missing), and the cache file is loaded
+when it is valid and still matches this machine, else made again (as at engine start).
+The scheduling flags (``--policy``, ``--queue-order``, token budgets, SLOs) and
+``--no-latency-calibration`` do not change what is measured.
+"""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def register(subparsers) -> None:
     from .cli import add_engine_args, positive_float
 
     p = subparsers.add_parser("profile", help="profile the latency model on this machine (and report its accuracy)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(p, policy_default="vllm")
     # What is measured does not depend on the scheduler: keep those flags (scripts may pass
     # a whole engine command line) but out of --help. --latency-profile names the file written.
@@ -42,10 +43,12 @@ def register(subparsers) -> None:
             a.help = ("profile file to write, as --output (which wins when both are given); 'auto' (default): the "
                       "cache file of this setup that engine starts read")
     p.add_argument("--output", "-o", default=None,
-                   help="profile file to write (default: --latency-profile's, else the per-model/dtype/hardware/threads "
+                   help="profile file to write (default: --latency-profile's, else the "
+                        "per-model/dtype/hardware/threads "
                         "cache file)")
     p.add_argument("--reuse", action="store_true",
-                   help="load the profile instead of measuring it: a file named by --output/--latency-profile as is (an "
+                   help="load the profile instead of measuring it: a file named by --output/--latency-profile as is "
+                        "(an "
                         "error if it is corrupt or made for another setup; measured only when missing), the cache "
                         "file when it is valid and matches this machine now (else measured again)")
     p.add_argument("--budget", type=positive_float, default=40.0,
@@ -53,8 +56,10 @@ def register(subparsers) -> None:
                         "sample still gets two timings, so a busy machine takes longer)")
     p.add_argument("--evaluate", action="store_true",
                    help="then measure held-out layer steps and scheduler iterations and report accuracy")
-    p.add_argument("--json", default=None, metavar="PATH", help="write the accuracy report as JSON (with --evaluate; default: not written)")
-    p.add_argument("--policies", default="vllm,sarathi,laser", help="comma list of policies whose plans --evaluate times (default %(default)s)")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="write the accuracy report as JSON (with --evaluate; default: not written)")
+    p.add_argument("--policies", default="vllm,sarathi,laser",
+                   help="comma list of policies whose plans --evaluate times (default %(default)s)")
     p.add_argument("--eval-budget", type=positive_float, default=100.0,
                    help="seconds of timing after which --evaluate stops repeating measurements (default 100)")
     p.add_argument("--quick", action="store_true",
