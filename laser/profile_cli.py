@@ -32,7 +32,8 @@ def register(subparsers) -> None:
     from .cli import add_engine_args, positive_float
 
     p = subparsers.add_parser("profile", help="profile the latency model on this machine (and report its accuracy)",
-                              description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=__doc__.replace("``", ""),
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(p, policy_default="vllm")
     # What is measured does not depend on the scheduler: keep those flags (scripts may pass
     # a whole engine command line) but out of --help. --latency-profile names the file written.
@@ -44,13 +45,11 @@ def register(subparsers) -> None:
                       "cache file of this setup that engine starts read")
     p.add_argument("--output", "-o", default=None,
                    help="profile file to write (default: --latency-profile's, else the "
-                        "per-model/dtype/hardware/threads "
-                        "cache file)")
+                        "per-model/dtype/hardware/threads cache file)")
     p.add_argument("--reuse", action="store_true",
-                   help="load the profile instead of measuring it: a file named by --output/--latency-profile as is "
-                        "(an "
-                        "error if it is corrupt or made for another setup; measured only when missing), the cache "
-                        "file when it is valid and matches this machine now (else measured again)")
+                   help="load the profile instead of measuring it: a file named by --output/--latency-profile as "
+                        "is (an error if it is corrupt or made for another setup; measured only when missing), the "
+                        "cache file when it is valid and matches this machine now (else measured again)")
     p.add_argument("--budget", type=positive_float, default=40.0,
                    help="seconds of timing after which profiling stops repeating samples (default 40; every "
                         "sample still gets two timings, so a busy machine takes longer)")
