@@ -36,20 +36,28 @@ def positive_float(s: str) -> float:
 
 def add_engine_args(p: argparse.ArgumentParser, policy_default: str = "laser") -> None:
     """Flags shared by every command that builds an engine."""
-    p.add_argument("--model", default=None, help="HF checkpoint dir or GGUF file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="compute dtype")
-    p.add_argument("--policy", default=policy_default, help="scheduling policy: vllm, sarathi, laser")
+    p.add_argument("--model", default=None,
+                   help="HF checkpoint dir or GGUF file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="compute dtype (default auto: bfloat16 only on CPUs with native bf16 matmuls, "
+                        "else float32)")
+    p.add_argument("--policy", default=policy_default,
+                   help="scheduling policy: vllm, sarathi, laser (default %(default)s)")
     p.add_argument("--queue-order", default="edf", choices=["edf", "fcfs"],
                    help="waiting-queue order: earliest TTFT deadline first (default) or arrival order")
-    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache pool size, GiB (all layers)")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0,
+                   help="KV cache pool size, GiB over all layers (default %(default)s)")
     p.add_argument("--block-size", type=positive_int, default=16, help="KV cache block size, tokens (default 16)")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=512,
-                   help="token budget per step (vLLM's max_num_batched_tokens; Sarathi's chunk budget)")
-    p.add_argument("--max-num-seqs", type=positive_int, default=256, help="most requests running at once")
+                   help="token budget per step, tokens (vLLM's max_num_batched_tokens; Sarathi's chunk budget; "
+                        "default %(default)s)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=256,
+                   help="most requests running at once (default %(default)s)")
     p.add_argument("--intermediate-cache-tokens", type=positive_int, default=16384,
-                   help="capacity of the cache of paused hidden states, tokens (over it: recompute)")
+                   help="capacity of the cache of paused hidden states, tokens (over it: recompute; "
+                        "default %(default)s)")
     p.add_argument("--slo-config", default=None, help="SLO classes JSON (default: the shipped paper classes)")
-    p.add_argument("--slo-scale", type=float, default=1.0, help="multiply every SLO target")
+    p.add_argument("--slo-scale", type=float, default=1.0, help="multiply every SLO target (default %(default)s)")
     p.add_argument("--default-slo-class", default="best_effort",
                    help="SLO class of requests that name none (default best_effort)")
     p.add_argument(
@@ -153,18 +161,21 @@ def cmd_generate(args) -> int:
     return 0 if text is not None else 1
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``laser`` argument parser with every subcommand that imports here."""
     parser = argparse.ArgumentParser(prog="laser", description="Laser: layer-level multi-SLO LLM serving")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="complete one prompt and print it")
     add_engine_args(g)
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--prompt", required=True,
+                   help="the prompt (in the model's chat template, if it has one, unless --raw)")
+    g.add_argument("--max-tokens", type=positive_int, default=128, help="most tokens to generate (default %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
+    g.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (default 0: off)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="this request's own sampling seed (default: none: the engine's shared generator)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.set_defaults(func=cmd_generate)
 
@@ -174,7 +185,11 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             continue
         mod.register(sub)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from .config import ConfigError

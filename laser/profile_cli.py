@@ -3,12 +3,15 @@
     laser profile [--model M] [--dtype D] [--threads T] [--output PATH] [--reuse]
                   [--evaluate] [--json PATH] [--policies vllm,sarathi,laser]
 
-Without ``--output`` the profile goes to the default per-(model, dtype, hardware,
-threads) file that ``load_or_create`` (engine start) reads. ``--latency-profile PATH``
-names the profile file too: ``--reuse`` loads it (an error if it is corrupt or made for
-another setup: it is never profiled over), otherwise it is profiled anew and written
-there. The scheduling flags (``--policy``, ``--queue-order``, token budgets, SLOs) do not
-change what is measured.
+Where the profile goes: ``--output PATH`` (or ``--latency-profile PATH``, the same;
+``--output`` wins), else the cache file of this (model, dtype, hardware, threads) that
+engine starts read (``--latency-profile auto``; a ``--quick`` profile is written only
+where you name). It is measured anew and written there, unless ``--reuse``: then a file
+you named is loaded as is (an error if it is corrupt or made for another setup: it is
+never profiled over; measured there only when missing), and the cache file is loaded
+when it is valid and still matches this machine, else made again (as at engine start).
+The scheduling flags (``--policy``, ``--queue-order``, token budgets, SLOs) and
+``--no-latency-calibration`` do not change what is measured.
 """
 
 from __future__ import annotations
@@ -20,38 +23,48 @@ import sys
 import time
 
 
-_SCHEDULING_FLAGS = {"policy", "queue_order", "max_num_batched_tokens", "max_num_seqs", "slo_config", "slo_scale",
-                     "default_slo_class"}
+# engine flags that do not change what is measured (scheduling, SLOs, online calibration)
+_UNMEASURED_FLAGS = {"policy", "queue_order", "max_num_batched_tokens", "max_num_seqs", "slo_config", "slo_scale",
+                     "default_slo_class", "latency_calibration"}
 
 
 def register(subparsers) -> None:
     from .cli import add_engine_args, positive_float
 
     p = subparsers.add_parser("profile", help="profile the latency model on this machine (and report its accuracy)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=__doc__.replace("``", ""),
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(p, policy_default="vllm")
     # What is measured does not depend on the scheduler: keep those flags (scripts may pass
-    # a whole engine command line) but out of --help.
+    # a whole engine command line) but out of --help. --latency-profile names the file written.
     for a in p._actions:
-        if a.dest in _SCHEDULING_FLAGS:
+        if a.dest in _UNMEASURED_FLAGS:
             a.help = argparse.SUPPRESS
+        elif a.dest == "latency_profile":
+            a.help = ("profile file to write, as --output (which wins when both are given); 'auto' (default): the "
+                      "cache file of this setup that engine starts read")
     p.add_argument("--output", "-o", default=None,
-                   help="profile file to write (default: the per-model/dtype/hardware/threads cache file)")
+                   help="profile file to write (default: --latency-profile's, else the "
+                        "per-model/dtype/hardware/threads cache file)")
     p.add_argument("--reuse", action="store_true",
-                   help="load the profile file when it is valid for this setup instead of re-profiling")
+                   help="load the profile instead of measuring it: a file named by --output/--latency-profile as "
+                        "is (an error if it is corrupt or made for another setup; measured only when missing), the "
+                        "cache file when it is valid and matches this machine now (else measured again)")
     p.add_argument("--budget", type=positive_float, default=40.0,
                    help="seconds of timing after which profiling stops repeating samples (default 40; every "
                         "sample still gets two timings, so a busy machine takes longer)")
     p.add_argument("--evaluate", action="store_true",
                    help="then measure held-out layer steps and scheduler iterations and report accuracy")
-    p.add_argument("--json", default=None, metavar="PATH", help="write the accuracy report as JSON (with --evaluate)")
-    p.add_argument("--policies", default="vllm,sarathi,laser", help="policies whose plans --evaluate times")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="write the accuracy report as JSON (with --evaluate; default: not written)")
+    p.add_argument("--policies", default="vllm,sarathi,laser",
+                   help="comma list of policies whose plans --evaluate times (default %(default)s)")
     p.add_argument("--eval-budget", type=positive_float, default=100.0,
                    help="seconds of timing after which --evaluate stops repeating measurements (default 100)")
     p.add_argument("--quick", action="store_true",
                    help="a small sample grid and a short evaluation (seconds; smoke tests, not for serving); "
                         "caps the budgets at 10 s and 20 s")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (default: shown on a terminal)")
     p.set_defaults(func=cmd_profile)
 
 
@@ -114,12 +127,14 @@ def summary_lines(lm) -> list[str]:
 
 def cmd_profile(args) -> int:
     from . import profiler
+    from .profiler.pipeline import disturbed_enough_to_warn
 
     progress = not args.no_progress and sys.stderr.isatty()
     lp = getattr(args, "latency_profile", None)
     explicit = args.output or (lp if lp not in (None, "auto") else None)  # where the user said
     if args.quick and args.reuse and not explicit:
-        print("laser: error: --quick --reuse needs --output (a quick profile must not become the default one)",
+        print("laser: error: --quick --reuse needs --output or --latency-profile PATH (a quick profile must not "
+              "become the default one)",
               file=sys.stderr)
         return 2
     if args.json and not args.evaluate:
@@ -181,9 +196,12 @@ def cmd_profile(args) -> int:
           + (f", {100 * m['clean_fraction']:.0f}% of timed calls clean" if "clean_fraction" in m else "")
           + (f", {100 * m['disturbed_fraction']:.0f}% disturbed (reference calls re-timed up to "
              f"{100 * m.get('max_reference_drift', 0):.0f}% over their best)" if "disturbed_fraction" in m else ""))
-    if m.get("disturbed_fraction", 0) > 0.1 or m.get("dropped_disturbed"):
-        print(f"[laser] warning: {100 * m['disturbed_fraction']:.0f}% of the profile's timed calls ran while the "
-              "machine was slower (another process competing for memory bandwidth or cores)"
+    # A profile measured now was warned about where it was measured (the profiler's log);
+    # one loaded from its file was measured in an earlier run: say it here, once.
+    warned = not loaded and disturbed_enough_to_warn(m)
+    if loaded and (m.get("disturbed_fraction", 0) > 0.1 or m.get("dropped_disturbed")):
+        print(f"[laser] warning: {100 * m['disturbed_fraction']:.0f}% of the loaded profile's timed calls ran while "
+              "the machine was slower (another process competing for memory bandwidth or cores)"
               + (f"; {m['dropped_disturbed']} samples dropped" if m.get("dropped_disturbed") else "")
               + "; re-run `laser profile` on a quiet machine", file=sys.stderr)
     for line in summary_lines(lm):
@@ -199,7 +217,8 @@ def cmd_profile(args) -> int:
     rep["total_seconds"] = round(time.perf_counter() - t0, 1)
     rep["profile_path"] = str(path)
     rep["command"] = ("laser " + " ".join(sys.argv[1:])) if sys.argv[1:2] == ["profile"] else None
-    print(profiler.format_report(rep))
+    # the test set measured interleaved with a profile warned about shares its warning
+    print(profiler.format_report(rep, warn_busy=not (warned and rep["measurement"].get("interleaved_with_profile"))))
     print(f"[laser] total {rep['total_seconds']:.1f} s")
     if args.json:
         try:

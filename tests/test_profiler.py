@@ -369,3 +369,41 @@ def test_a_stale_cached_profile_is_replaced_at_engine_start(engine, fitted, tmp_
     made.clear()
     profiler.load_or_create(engine, path, create=False)
     assert not made
+
+
+def _busy_machine_timings(cases, bench, calls, warmup_s, desc, progress):
+    """Stands in for ``pipeline.run_bench`` (no layer is timed): every case gets two agreeing
+    undisturbed repeats of a made-up linear cost and three disturbed ones at twice that, as
+    on a machine shared with another process (60% of the timed calls disturbed)."""
+    def cost(kind, *a):
+        if kind in ("stateless", "embed", "head"):
+            return 2e-5 + 1e-7 * a[0]
+        q, ctx = a
+        attention = 5e-6 * len(q) + 1e-8 * sum(q) + 2e-9 * sum(ctx)
+        return attention + (cost("stateless", sum(q)) if kind == "layer" else 0.0)
+
+    for c in cases:
+        t = cost(*c.key)
+        c.times, c.clean, c.disturbed = [t, t], [t], [2 * t] * 3
+
+
+def test_profile_cli_warns_about_a_busy_machine_once(tiny_llama, tmp_path, monkeypatch, caplog, capsys):
+    # Measured now: the profiler's log says the machine was busy; the CLI does not repeat it.
+    # Loaded with --reuse: nothing is measured, so the CLI says it of the loaded profile, once.
+    from laser.cli import main
+
+    monkeypatch.setattr(profiler.pipeline, "run_bench", _busy_machine_timings)
+    out = tmp_path / "prof.json"
+    base = ["profile", "--model", str(tiny_llama), "--dtype", "float32", "--kv-cache-gib", "0.01", "--quick",
+            "--output", str(out), "--no-progress"]
+    for argv, loaded in ((base, False), (base + ["--reuse"], True)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            assert main(argv) == 0
+        said = capsys.readouterr()
+        texts = [r.getMessage() for r in caplog.records] + said.err.splitlines() + said.out.splitlines()
+        warnings = [t for t in texts if "quiet machine" in t]
+        assert len(warnings) == 1, (argv, warnings)
+        assert ("loaded profile" in warnings[0]) == loaded
+        assert "60% disturbed" in said.out  # the figures are still in the summary line
+    assert FittedLatencyModel.load(out).metadata["measurement"]["disturbed_fraction"] == pytest.approx(0.6)

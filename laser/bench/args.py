@@ -59,44 +59,64 @@ def register(subparsers) -> None:
 
     p = subparsers.add_parser(
         "bench", help="multi-SLO serving benchmark: SLO attainment and goodput per policy",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        description="Multi-SLO serving benchmark: per policy, SLO attainment at a request rate and goodput (the "
+                    "highest rate at which --attainment-target of the requests meet their SLOs), on in-process "
+                    "engines, an OpenAI-compatible server (--base-url) or SIMULATED (--sim, --cluster).")
     add_engine_args(p, policy_default=DEFAULT_POLICIES)
+    for act in p._actions:
+        if act.dest == "policy":
+            act.help = "comma list of policies to compare, as --policies (default %(default)s)"
     p.add_argument("--policies", dest="policy",
                    help="comma list of policies (same as --policy), e.g. vllm,sarathi,laser; 'name:N' sets its "
                         "token budget (max_num_batched_tokens) to N, 'name:auto' to Sarathi-Serve's TBT-sized budget, "
-                        "'name:best' to the best of --best-budgets on this workload")
+                        "'name:best' to the best of --best-budgets on this workload (default %s, plus %s beside laser: "
+                        "see --no-auto-best)" % (DEFAULT_POLICIES, DEFAULT_BEST_BASELINE))
     p.add_argument("--best-budgets", default=",".join(map(str, DEFAULT_BEST_BUDGETS)),
                    help="token budgets a 'name:best' policy tries (default %(default)s)")
     p.add_argument("--no-auto-best", action="store_true",
                    help=f"do not add {DEFAULT_BEST_BASELINE} to a comparison with laser that has no ':best' policy")
-    p.add_argument("--disaggregated", action="store_true", help="prefill+decode instance pair per policy")
-    p.add_argument("--max-model-len", type=int, default=None, help="cap prompt+output length (tokens)")
+    p.add_argument("--disaggregated", action="store_true",
+                   help="a prefill+decode instance pair per policy (default: one mixed instance)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="cap prompt+output length, tokens (default: the engine's context)")
 
     w = p.add_argument_group("workload")
-    w.add_argument("--mix", type=parse_mix, default=(1.0, 1.0, 1.0), help="chat:code:summarization ratios (default 1:1:1)")
+    w.add_argument("--mix", type=parse_mix, default=(1.0, 1.0, 1.0),
+                   help="chat:code:summarization ratios (default 1:1:1)")
     w.add_argument("--num-prompts", type=int, default=None, help="requests per run (default 100; a trace: all rows)")
-    w.add_argument("--length-scale", type=float, default=1.0, help="multiply prompt and output lengths")
-    w.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
-    w.add_argument("--trace", default=None, help="replay a trace CSV (Laser, vidur splitwise or Azure format)")
-    w.add_argument("--trace-class", default=None, help="SLO class of every trace row (class-less formats)")
+    w.add_argument("--length-scale", type=float, default=1.0,
+                   help="multiply prompt and output lengths (default %(default)s)")
+    w.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default %(default)s)")
+    w.add_argument("--trace", default=None,
+                   help="replay a trace CSV (Laser, vidur splitwise or Azure format; default: none, the --mix "
+                        "workload)")
+    w.add_argument("--trace-class", default=None,
+                   help="SLO class of every trace row (default: the row's slo_class column; class-less formats: the "
+                        "class the file name says)")
     w.add_argument("--tokenizer", default=None, help="tokenizer dir for prompt lengths (default: --model's)")
 
     a = p.add_argument_group("arrivals and goodput search")
     a.add_argument("--request-rate", type=_rate, default=None,
                    help="one run per target at this rate (req/s, 'inf' = all at once); default: goodput search")
-    a.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of gaps; 1 = Poisson")
-    a.add_argument("--goodput", action="store_true", help="goodput search even with --trace (rescaled to each rate)")
+    a.add_argument("--burstiness", type=float, default=1.0,
+                   help="Gamma shape of the gaps between arrivals (default %(default)s: Poisson)")
+    a.add_argument("--goodput", action="store_true",
+                   help="goodput search even with --trace (rescaled to each rate; default: a trace replays its own "
+                        "times)")
     a.add_argument("--rate-range", default="auto",
-                   help="LO,HI req/s of the search grid (auto: 0.1-1.0x the simulated saturation throughput)")
+                   help="LO,HI req/s of the search grid (default auto: 0.1-1.0x the simulated saturation throughput)")
     a.add_argument("--grid-points", type=int, default=None, help="grid rates (default 4; sim 8)")
     a.add_argument("--bisect-steps", type=int, default=None, help="bisection rounds after the grid (default 2; sim 6)")
     a.add_argument("--max-doublings", type=int, default=DEFAULT_MAX_DOUBLINGS,
-                   help="doublings (halvings) of the rate past the grid until a policy fails (passes) a probe")
+                   help="doublings (halvings) of the rate past the grid until a policy fails (passes) a probe "
+                        "(default %(default)s)")
     a.add_argument("--search-time-cap", type=float, default=None,
                    help="wall seconds after which the goodput search starts no probe; a policy that has not "
                         "failed a probe by then is reported as '>=' with the cap (default: 3600; sim 900)")
     a.add_argument("--full-grid", action="store_true", help="run every grid rate even after two failures in a row")
-    a.add_argument("--attainment-target", type=float, default=0.9, help="goodput threshold (paper: 0.9)")
+    a.add_argument("--attainment-target", type=float, default=0.9,
+                   help="fraction of requests meeting their SLO at which a rate counts as goodput "
+                        "(default %(default)s, as the paper)")
     a.add_argument("--probe-timeout", type=float, default=None,
                    help="seconds a run may go on after its last arrival; unfinished = missed (default 60; sim none)")
     a.add_argument("--no-early-stop", action="store_true",
@@ -107,56 +127,72 @@ def register(subparsers) -> None:
 
     s = p.add_argument_group("SLO targets")
     s.add_argument("--slo-base", choices=["paper", "measured"], default="paper",
-                   help="paper targets, or scaled to this target's isolated latency (see laser/bench/calibrate.py)")
+                   help="paper targets, or scaled to this target's isolated latency (see laser/bench/calibrate.py; "
+                        "default %(default)s)")
     s.add_argument("--tbt-multiple", type=float, default=DEFAULT_TBT_MULTIPLE,
-                   help="measured base: tightest TBT = this x isolated decode step")
+                   help="measured base: tightest TBT = this x isolated decode step (default %(default)s)")
     s.add_argument("--ttft-multiple", type=float, default=DEFAULT_TTFT_MULTIPLE,
-                   help="measured base: every TTFT >= this x its class's isolated prefill")
-    s.add_argument("--isolated-repeats", type=int, default=3)
-    s.add_argument("--isolated-output-tokens", type=int, default=16)
+                   help="measured base: every TTFT >= this x its class's isolated prefill (default %(default)s)")
+    s.add_argument("--isolated-repeats", type=int, default=3,
+                   help="measured base: runs of each class's request alone, their median used (default %(default)s)")
+    s.add_argument("--isolated-output-tokens", type=int, default=16,
+                   help="measured base: output tokens of each request run alone, at least 2 (default %(default)s)")
 
     t = p.add_argument_group("client and simulator")
-    t.add_argument("--base-url", default=None, help="benchmark an OpenAI-compatible server instead of in-process engines")
-    t.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
+    t.add_argument("--base-url", default=None,
+                   help="benchmark the OpenAI-compatible server at this URL (default: none, in-process engines)")
+    t.add_argument("--endpoint", default="/v1/completions",
+                   help="/v1/completions or /v1/chat/completions (default %(default)s)")
     t.add_argument("--served-model-name", default=None, help="'model' field (default: the server's first model)")
-    t.add_argument("--api-key", default=None)
-    t.add_argument("--max-concurrency", type=int, default=None)
+    t.add_argument("--api-key", default=None, help="Bearer token sent to --base-url (default: none)")
+    t.add_argument("--max-concurrency", type=int, default=None,
+                   help="requests in flight at most against --base-url (default: no limit)")
     t.add_argument("--label", default=None, help="name of the server in outputs (default 'server')")
     t.add_argument("--extra-body", type=parse_extra_body, default=None,
                    help="JSON object merged into every request body, for server-specific fields "
-                        "(e.g. '{\"cache_prompt\": false}' for llama-server)")
+                        "(e.g. '{\"cache_prompt\": false}' for llama-server; default: none)")
     t.add_argument("--sim", action="store_true", help="SIMULATED: the schedulers on a latency model in virtual time")
     t.add_argument("--sim-latency", choices=["auto", "profile", "analytic"], default="auto",
-                   help="simulator clock: fitted profile (auto: when laser.profiler exists) or roofline estimate")
+                   help="simulator clock: profile (--latency-profile's fitted profile, or this setup's), analytic "
+                        "(roofline estimate), auto (default: profile when one can be made, else analytic)")
     t.add_argument("--sim-hardware", default="cpu-2core",
-                   help="hardware table entry for --sim-latency analytic and --cluster (there default a100)")
+                   help="hardware table entry for --sim-latency analytic and --cluster (default %(default)s; with "
+                        "--cluster a100)")
     b = p.add_argument_group("background batch job (cold tier, issue 14)")
     b.add_argument("--batch-requests", type=int, default=None,
-                   help="run each target at --request-rate alone and beside a batch job of this many requests")
-    b.add_argument("--batch-window", type=_rate, default=600.0, help="the job's completion window (s)")
-    b.add_argument("--batch-concurrency", type=int, default=8, help="job requests in flight at most (engine/sim)")
-    b.add_argument("--batch-repeats", type=int, default=1, help="alone/with-job pairs per target, alternating")
+                   help="run each target at --request-rate alone and beside a batch job of this many requests "
+                        "(default: no batch job)")
+    b.add_argument("--batch-window", type=_rate, default=600.0,
+                   help="the job's completion window, seconds (default %(default)s)")
+    b.add_argument("--batch-concurrency", type=int, default=8,
+                   help="job requests in flight at most (engine/sim; default %(default)s)")
+    b.add_argument("--batch-repeats", type=int, default=1,
+                   help="alone/with-job pairs per target, alternating (default %(default)s)")
     c = p.add_argument_group("simulated cluster (global controller, SIMULATED)")
     c.add_argument("--cluster", default=None,
-                   help="simulate a cluster: 8P8D (prefill+decode instances) or 16M (mixed); needs --sim")
+                   help="simulate a cluster: 8P8D (prefill+decode instances) or 16M (mixed); needs --sim (default: "
+                        "none)")
     c.add_argument("--controller", default=None,
                    help="comma list of controllers (laser, distserve, colocated, colocated-laser, round_robin); "
                         "default laser,distserve,colocated")
-    c.add_argument("--sim-model", default="qwen2.5-14b", help="paper-scale model shape (qwen2.5-14b/32b, llama-3-70b)")
+    c.add_argument("--sim-model", default="qwen2.5-14b",
+                   help="paper-scale model shape (qwen2.5-14b/32b, llama-3-70b; default %(default)s)")
     c.add_argument("--sim-tp", type=int, default=None, help="GPUs per instance (default as in the paper: 1/2/4)")
-    c.add_argument("--msg-delay-ms", type=float, default=1.0, help="controller<->instance message delay (ms)")
+    c.add_argument("--msg-delay-ms", type=float, default=1.0,
+                   help="controller<->instance message delay, ms (default %(default)s)")
     c.add_argument("--sweep-cluster", nargs="?", const="2,4,8,12,16", default=None,
-                   help="goodput per cluster size in GPUs (default list 2,4,8,12,16), P:D split in half")
+                   help="goodput per cluster size in GPUs (default list 2,4,8,12,16), P:D split in half (default: off)")
 
     o = p.add_argument_group("output")
-    o.add_argument("--json", default=None, help="write results JSON here")
-    o.add_argument("--plots", default=None, help="write PNG plots into this directory")
+    o.add_argument("--json", default=None, help="write results JSON here (default: not written)")
+    o.add_argument("--plots", default=None, help="write PNG plots into this directory (default: none)")
     o.add_argument("--sweep-slo-scale", nargs="?", const=DEFAULT_SLO_SCALES, default=None,
-                   help=f"goodput per SLO scale (default list {DEFAULT_SLO_SCALES})")
+                   help=f"goodput per SLO scale (default list {DEFAULT_SLO_SCALES}; default: off)")
     o.add_argument("--sweep-mix", nargs="?", const=DEFAULT_MIXES, default=None,
-                   help=f"goodput per mix (default list {DEFAULT_MIXES})")
-    o.add_argument("--no-progress", action="store_true")
-    o.add_argument("--no-warmup", action="store_true")
+                   help=f"goodput per mix (default list {DEFAULT_MIXES}; default: off)")
+    o.add_argument("--no-progress", action="store_true", help="no progress bars (default: shown)")
+    o.add_argument("--no-warmup", action="store_true",
+                   help="skip the short warm-up requests sent to each engine or server before measuring")
     from laser.bench.cli import cmd_bench
 
     p.set_defaults(func=cmd_bench)

@@ -186,21 +186,31 @@ class CapacityPlanner:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("plan", help="capacity planner: smallest P:D split keeping >= 90%% SLO attainment (SIMULATED)")
+    p = sub.add_parser("plan", help="capacity planner: smallest P:D split keeping --attainment-target "
+                                    "(default 90%%) SLO attainment (SIMULATED)")
     p.add_argument("--rate", type=float, required=True, help="arrival rate (req/s)")
-    p.add_argument("--mix", default="1:1:1", help="chat:code:summarization weights (ShareGPT:HumanEval:LongBench)")
-    p.add_argument("--controller", default="laser", help="controller (laser, distserve, colocated, ...)")
-    p.add_argument("--sim-model", default="qwen2.5-14b", help="paper-scale model shape (qwen2.5-14b/32b, llama-3-70b)")
-    p.add_argument("--sim-hardware", default="a100", help="hardware table entry (a100, h100, ...)")
+    p.add_argument("--mix", default="1:1:1",
+                   help="chat:code:summarization weights (ShareGPT:HumanEval:LongBench; default %(default)s)")
+    p.add_argument("--controller", default="laser",
+                   help="controller (laser, distserve, colocated, colocated-laser, round_robin; default %(default)s)")
+    p.add_argument("--sim-model", default="qwen2.5-14b",
+                   help="paper-scale model shape (qwen2.5-14b/32b, llama-3-70b; default %(default)s)")
+    p.add_argument("--sim-hardware", default="a100", help="hardware table entry (a100, h100, ...; default %(default)s)")
     p.add_argument("--latency-profile", default=None,
-                   help="plan for our own instances from a fitted latency profile (JSON) instead of --sim-model")
-    p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks per layer per instance (with --latency-profile)")
-    p.add_argument("--kv-bytes-per-token-layer", type=int, default=4096, help="KV transfer size (with --latency-profile)")
-    p.add_argument("--slo-scale", type=float, default=1.0, help="multiply Table 1's TTFT and TBT targets")
-    p.add_argument("--requests", type=int, default=300, help="simulated requests per probe")
-    p.add_argument("--attainment-target", type=float, default=0.9)
-    p.add_argument("--max-instances", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
+                   help="plan for our own instances from a fitted latency profile (JSON) instead of --sim-model "
+                        "(default: none)")
+    p.add_argument("--num-blocks", type=int, default=4096,
+                   help="KV blocks per layer per instance (with --latency-profile; default %(default)s)")
+    p.add_argument("--kv-bytes-per-token-layer", type=int, default=4096,
+                   help="KV transfer size, bytes per token per layer (with --latency-profile; default %(default)s)")
+    p.add_argument("--slo-scale", type=float, default=1.0,
+                   help="multiply Table 1's TTFT and TBT targets (default %(default)s)")
+    p.add_argument("--requests", type=int, default=300, help="simulated requests per probe (default %(default)s)")
+    p.add_argument("--attainment-target", type=float, default=0.9,
+                   help="SLO attainment the plan must reach (default %(default)s, as the paper)")
+    p.add_argument("--max-instances", type=int, default=64,
+                   help="largest cluster searched, instances (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default %(default)s)")
     p.set_defaults(func=cmd_plan)
 
 

@@ -322,8 +322,9 @@ def score(report: dict, lm: LatencyModel) -> dict:
     return report
 
 
-def format_report(rep: dict) -> str:
-    """Human-readable accuracy table."""
+def format_report(rep: dict, warn_busy: bool = True) -> str:
+    """Human-readable accuracy table; with ``warn_busy``, a warning line when over 10% of the
+    timed calls were disturbed (False: the caller has warned about the same measurement)."""
     def pct(x):
         return "   n/a" if x is None else f"{100 * x:5.1f}%"
 
@@ -364,7 +365,7 @@ def format_report(rep: dict) -> str:
                  f"two fastest repeats {100 * ms.get('two_fastest_spread', 0):.1f}% apart, the median (the "
                  f"time used) {100 * (ms.get('estimate_over_best', 1.0) - 1):.0f}% above them"
                  + (" (ran out of time)" if ms["out_of_time"] else ""))
-    if ms.get("disturbed_fraction", 0) > 0.1:
+    if warn_busy and ms.get("disturbed_fraction", 0) > 0.1:
         lines.append(f" warning: {100 * ms['disturbed_fraction']:.0f}% of timed calls ran while the machine was slower "
                      "(another process competing for memory bandwidth or cores); figures may be off -- re-run on a "
                      "quiet machine")

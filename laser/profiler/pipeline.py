@@ -166,6 +166,15 @@ def disturbance_stats(cases: list[Case], bench: Bench) -> dict:
             "max_reference_drift": round(bench.reference_drift(), 3)}
 
 
+def disturbed_enough_to_warn(info: dict) -> bool:
+    """Whether a profile measured as ``info`` says (from :func:`samples_from_cases`; the
+    ``metadata["measurement"]`` of a profile) may be off because the machine was busy: under
+    80% of its timed calls clean, over 10% disturbed, or over a third of its samples without
+    two repeats within the tolerance. :func:`samples_from_cases` logs the warning then."""
+    return (info["clean_fraction"] < 0.8 or info["disturbed_fraction"] > 0.1
+            or info["unsettled_cases"] > info["cases"] // 3)
+
+
 def samples_from_cases(cases: list[Case], tol: float, bench: Bench, stats: dict | None, warn: bool = True) -> list:
     """Profile samples from measured profile cases; ``stats`` receives how clean they were.
 
@@ -184,7 +193,7 @@ def samples_from_cases(cases: list[Case], tol: float, bench: Bench, stats: dict 
     if stats is not None:
         stats.update(info)
     clean, disturbed = info["clean_fraction"], info["disturbed_fraction"]
-    if warn and (clean < 0.8 or disturbed > 0.1 or len(unsettled) > len(cases) // 3):
+    if warn and disturbed_enough_to_warn(info):
         log.warning("the machine was busy with other work while profiling (%.0f%% of timed calls clean, %.0f%% "
                     "disturbed: reference calls re-timed up to %.0f%% slower than their best; %d of %d samples "
                     "without two repeats within %.0f%%%s): the profile may be off; re-run `laser profile` on a "

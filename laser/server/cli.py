@@ -21,46 +21,56 @@ def register(subparsers) -> None:
     )
     add_engine_args(p)
     p.add_argument("--role", default="mixed", choices=["mixed"],
-                   help="instance role (prefill/decode instances are driven by the global controller)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+                   help="instance role (default %(default)s; prefill/decode instances are started with "
+                        "--prefill-instances/--decode-instances behind the global controller)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default %(default)s)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="names accepted in the 'model' field (default: the model's name)")
     p.add_argument("--api-key", default=os.environ.get("LASER_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $LASER_API_KEY)")
     p.add_argument("--on-infeasible", default="queue", choices=list(ON_INFEASIBLE),
                    help="when the latency model predicts a TTFT miss even if the request ran next: serve it "
-                        "anyway (queue), answer 429 (reject), or serve it as best_effort (demote)")
+                        "anyway (queue, the default), answer 429 (reject), or serve it as best_effort (demote)")
     p.add_argument("--max-waiting", type=int, default=256,
-                   help="accepted requests without a first token, at most; more get 429")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length limit (tokens)")
+                   help="accepted requests without a first token, at most; more get 429 (default %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length limit, tokens (default: the model's, capped to the KV pool)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGINT/SIGTERM, seconds in-flight requests may finish before they are aborted")
+                   help="on SIGINT/SIGTERM, seconds in-flight requests may finish before they are aborted "
+                        "(default %(default)s)")
     p.add_argument("--data-dir", default=None,
                    help="Batch API store: SQLite jobs and results plus files (default: "
                         "$LASER_CACHE_DIR/batches, else ~/.cache/laser/batches)")
     p.add_argument("--batch-concurrency", type=int, default=8,
-                   help="Batch API lines in flight at most (cold tier)")
+                   help="Batch API lines in flight at most (cold tier; default %(default)s)")
     p.add_argument("--batch-accept-infeasible", action="store_true",
                    help="accept, with a warning, batch jobs the latency model says cannot meet their window "
                         "(default: reject them with the predicted completion time)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up request before serving")
     g = p.add_argument_group("cluster (instances as Ray actors behind the global controller)")
-    g.add_argument("--prefill-instances", type=int, default=0, help="prefill instances (Ray actors)")
-    g.add_argument("--decode-instances", type=int, default=0, help="decode instances (Ray actors)")
-    g.add_argument("--mixed-instances", type=int, default=0, help="mixed (colocated) instances (Ray actors)")
-    g.add_argument("--threads-per-instance", type=int, default=1, help="torch threads (and Ray CPUs) per instance")
+    g.add_argument("--prefill-instances", type=int, default=0,
+                   help="prefill instances (Ray actors; default %(default)s)")
+    g.add_argument("--decode-instances", type=int, default=0, help="decode instances (Ray actors; default %(default)s)")
+    g.add_argument("--mixed-instances", type=int, default=0,
+                   help="mixed (colocated) instances (Ray actors; default %(default)s)")
+    g.add_argument("--threads-per-instance", type=int, default=1,
+                   help="torch threads (and Ray CPUs) per instance (default %(default)s)")
     g.add_argument("--controller", default=None,
                    help="global controller: laser (default with prefill/decode instances), distserve, "
                         "colocated (default with mixed instances), colocated-laser, round_robin")
-    g.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
+    g.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (e.g. auto) instead of starting a local one (default: a local one)")
     g.add_argument("--call-timeout", type=float, default=5.0,
-                   help="seconds an instance may take to answer the controller before it is marked dead")
+                   help="seconds an instance may take to answer the controller before it is marked dead "
+                        "(default %(default)s)")
     g.add_argument("--step-timeout", type=float, default=60.0,
-                   help="seconds one instance step may take before the instance is marked dead")
+                   help="seconds one instance step may take before the instance is marked dead (default %(default)s)")
     g.add_argument("--instance-restarts", type=int, default=0,
-                   help="times Ray restarts a dead instance actor; a restarted one rejoins the controller empty")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+                   help="times Ray restarts a dead instance actor; a restarted one rejoins the controller empty "
+                        "(default %(default)s)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default %(default)s)")
     p.set_defaults(func=cmd_serve)
 
 
