@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from laser.config import SchedulerConfig
 from laser.latency import SimpleLatencyModel
 from laser.request import SLO, Request, SamplingParams
 from laser.sim import SimInstance
+from simutil import run_sim
 
 N = 30
 CODE = SLO(ttft=0.5, tbt=0.1, name="code")
@@ -41,13 +41,7 @@ def req(prompt: int, arrival: float, slo: SLO, max_tokens: int, name: str) -> Re
 
 
 def run(reqs: list[Request], lm) -> SimInstance:
-    sim = SimInstance("laser", N, lm, SchedulerConfig(policy="laser"), record_plans=True)
-    for r in reqs:
-        sim.submit(r)
-    sim.run(max_steps=2_000_000)
-    sim.check_integrity(expect_empty=True)
-    assert all(r.num_output_tokens == r.sampling_params.max_tokens for r in reqs)
-    return sim
+    return run_sim("laser", reqs, lm, N)
 
 
 def gaps(r: Request) -> np.ndarray:

@@ -12,6 +12,7 @@ from laser.latency import SimpleLatencyModel
 from laser.request import SLO, Request, SamplingParams
 from laser.scheduler.decode_plan import DecodeCandidate, exec_plan
 from laser.sim import SimInstance
+from simutil import run_sim
 
 N = 30
 CHAT = SLO(ttft=0.25, tbt=0.1, name="chat")
@@ -27,13 +28,7 @@ def req(prompt: int, arrival: float, slo: SLO, max_tokens: int, name: str) -> Re
 
 
 def run(policy: str, reqs: list[Request], lm=LM) -> SimInstance:
-    sim = SimInstance(policy, N, lm, SchedulerConfig(), num_blocks=4096, record_plans=True)
-    for r in reqs:
-        sim.submit(r)
-    sim.run(max_steps=1_000_000)
-    sim.check_integrity(expect_empty=True)
-    assert all(r.num_output_tokens == r.sampling_params.max_tokens for r in reqs)
-    return sim
+    return run_sim(policy, reqs, lm, N, max_steps=1_000_000, num_blocks=4096)
 
 
 def slo_met(r: Request) -> bool:
@@ -95,7 +90,7 @@ def test_late_prompts_ride_one_decode_step_together():
     loose = SLO(ttft=2.0, tbt=2.0, name="summarization")  # (T_g leaves prefill most of each step)
     streams = [req(16, 0.0, loose, 40, f"s{k}") for k in range(8)]
     prompts = [req(8, 1.0, late, 4, f"c{k}") for k in range(6)]  # 48 ms of prefill each, a step ~90 ms
-    sim = run("laser", streams + prompts)
+    run("laser", streams + prompts)
     firsts = sorted({round(p.token_times[0], 9) for p in prompts})
     assert len(firsts) <= 3, firsts  # the six first tokens come with at most three steps
     ttfts = [p.token_times[0] - p.arrival_time for p in prompts]

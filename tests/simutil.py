@@ -1,0 +1,21 @@
+"""Shared helper of the simulated scheduler tests: run requests on one simulated instance."""
+
+from __future__ import annotations
+
+from laser.config import SchedulerConfig
+from laser.request import Request
+from laser.sim import SimInstance
+
+
+def run_sim(policy: str, reqs: list[Request], lm, num_layers: int, max_steps: int = 2_000_000,
+            **instance_kw) -> SimInstance:
+    """Submit ``reqs`` to a fresh :class:`SimInstance` of ``policy`` on ``lm`` (``record_plans``
+    on), run it to the end and check that it is empty and consistent and that every request got
+    all its ``max_tokens`` tokens (none lost)."""
+    sim = SimInstance(policy, num_layers, lm, SchedulerConfig(policy=policy), record_plans=True, **instance_kw)
+    for r in reqs:
+        sim.submit(r)
+    sim.run(max_steps=max_steps)
+    sim.check_integrity(expect_empty=True)
+    assert all(r.num_output_tokens == r.sampling_params.max_tokens for r in reqs), "a request lost tokens"
+    return sim
