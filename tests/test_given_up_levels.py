@@ -13,23 +13,14 @@ import numpy as np
 
 from laser.instance.core import Handoff
 from laser.instance.state import migration_victim
-from laser.latency import SimpleLatencyModel
 from laser.request import SLO, Request, SamplingParams
 from laser.scheduler.decode_plan import DecodeCandidate, exec_plan, latency_increment
 from laser.sim.cluster_instance import SimClusterInstance
 from simutil import run_sim
 
-N = 30
-CHAT = SLO(ttft=0.25, tbt=0.1, name="chat")
-CODE = SLO(ttft=0.125, tbt=0.05, name="code")
-SUMM = SLO(ttft=2.0, tbt=0.2, name="summarization")
-# one decode request alone: 30 x 1.6 ms = 48 ms (code's 50 ms holds); two: 54 ms (it does not)
-LM = SimpleLatencyModel(num_layers=N, per_layer=1.4e-3, per_token=2e-4)
-
-
-def req(prompt: int, arrival: float, slo: SLO, max_tokens: int, name: str) -> Request:
-    return Request([7] * prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), slo,
-                   arrival_time=arrival, req_id=name)
+# the workload of test_lost_slo: one decode request alone takes 48 ms per iteration (code's 50 ms
+# holds), two take 54 ms (it does not)
+from test_lost_slo import CHAT, CODE, LM, N, SUMM, req  # noqa: E402
 
 
 def test_alg2_answers_inf_for_a_request_whose_level_alg1_would_give_up():
