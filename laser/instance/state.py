@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from ..request import SLO, Request
-from ..scheduler.decode_plan import DecodeCandidate, exec_plan, latency_increment
+from ..scheduler.decode_plan import DecodeCandidate, exec_plan, latency_increment, level_given_up
 from .messages import InstanceReport, LatencyIncrement, MigrationCandidate, PrefillQueueEntry, RequestInfo
 
 #: Free KV blocks kept in reserve by the decode memory check (CONTROLLER.md D3, as DistServe's 5 %).
@@ -96,9 +96,11 @@ def migration_victim(sched, latency_model, num_layers: int,
       growth in reserve, checked between steps). Victim: the request holding the fewest blocks
       that still cover the shortfall (else the one holding the most).
     * ``slo``: T_g is finite, the last decode iteration took longer than T_g and Alg. 1's plans
-      (:meth:`LaserScheduler.predict_decode`) predict an iteration over T_g. Victim: among the ``MIGRATION_TRIES`` requests with the fewest
-      blocks, the first whose departure lets Alg. 1 (:func:`exec_plan`) reach its T_g; else
-      none (moving one would not help).
+      (:meth:`LaserScheduler.predict_decode`) predict an iteration over T_g; or Alg. 1 gave up
+      a tighter TBT level that its own requests overload (:func:`level_given_up`), and the last
+      iteration took longer than that level. Victim: among the ``MIGRATION_TRIES`` requests with the fewest
+      blocks, the first whose departure lets Alg. 1 (:func:`exec_plan`) reach its T_g without
+      giving a level up; else none (moving one would not help).
 
     Requests in ``exclude`` (already leaving) and those not at a token boundary (a layer group
     of the token in flight) are not chosen. Changes nothing.
@@ -107,6 +109,13 @@ def migration_victim(sched, latency_model, num_layers: int,
     t_g = getattr(sched, "t_g", math.inf)
     last = getattr(sched, "last_iteration_s", None)
     slo = t_g != math.inf and last is not None and last > t_g  # cheap pre-check of the T_g trigger
+    memo = getattr(sched, "decode_memo", None)
+    # (a level given up: a request with a tighter target than T_g, reachable alone; the scan is
+    # skipped while T_g holds the tightest target on the instance)
+    given_up = (not slo and last is not None
+                and any(r.slo.tbt is not None and r.slo.tbt < t_g and last > r.slo.tbt for r in sched.running)
+                and level_given_up(latency_model, sched.decoding(), t_g, memo))
+    slo = slo or given_up
     if not slo and bm.min_free() >= len(sched.running):
         return None  # each request grows by at most one block per token: room for everyone
     decoding = [r for r in sched.decoding() if r.req_id not in exclude]
@@ -115,7 +124,7 @@ def migration_victim(sched, latency_model, num_layers: int,
     held = bm.num_held
     growth = sum(1 for r in decoding if bm.blocks_needed(r.num_tokens + 1) > held(r.req_id, 0))
     short = growth - bm.min_free()
-    if short <= 0 and not (slo and sched.predict_decode(decoding) > t_g):
+    if short <= 0 and not (given_up or (slo and sched.predict_decode(decoding) > t_g)):
         return None
     movable = sorted((r for r in decoding if r.next_layer == 0), key=lambda r: (held(r.req_id, 0), r.req_id))
     if not movable:
@@ -126,9 +135,8 @@ def migration_victim(sched, latency_model, num_layers: int,
     factor = sched.plan_target_factor()
     for r in movable[:MIGRATION_TRIES]:
         rest = [x for x in decoding if x is not r]
-        _, t_g2, load = exec_plan(latency_model, num_layers, sched.iteration, rest, sched.plans, factor,
-                                  getattr(sched, "decode_memo", None))
-        if load is None or load.predict() <= t_g2:
+        _, t_g2, load = exec_plan(latency_model, num_layers, sched.iteration, rest, sched.plans, factor, memo)
+        if not level_given_up(latency_model, rest, t_g2, memo) and (load is None or load.predict() <= t_g2):
             return r, "slo"
     return None
 

@@ -357,6 +357,14 @@ def _tightest_feasible_tbt(lm: LatencyModel, decoding: list, memo: DecodeMemo | 
     return t_g
 
 
+def level_given_up(lm: LatencyModel, decoding: list, t_g: float, memo: DecodeMemo | None = None) -> bool:
+    """Whether ``t_g`` (seconds; :func:`exec_plan`'s T_g for ``decoding``) is looser than the
+    tightest TBT target of ``decoding`` reachable alone: Alg. 1 gave a level up because its own
+    requests overload the iteration, so the strictest TBT that could be met breaks (Alg. 2 line
+    7's condition, PPoPP'26 §7.2.1, and the migration trigger's, CONTROLLER.md D9)."""
+    return _tightest_feasible_tbt(lm, decoding, memo) < t_g
+
+
 def tbt_infeasible(lm: LatencyModel, r, memo: DecodeMemo | None = None) -> bool:
     """Whether ``r``'s TBT target is missed even by a decode iteration of ``r`` alone
     (every layer, its context; seconds from the latency model). ``memo``: a
@@ -390,7 +398,10 @@ def latency_increment(lm: LatencyModel, num_layers: int, iteration: int, decodin
     ``Iter`` = predicted worst iteration of the current plans; Alg. 1 (:func:`exec_plan`)
     with ``candidate`` added gives ``(L*, O*, Iter*, T_g*)``. If ``Iter* > T_g*`` (times
     ``target_factor``, the fraction the scheduler plans to), or the candidate's own TBT target
-    is out of reach even alone here (:func:`tbt_infeasible`), the answer is inf; else
+    is out of reach even alone here (:func:`tbt_infeasible`), or Alg. 1 met ``T_g*`` only by
+    giving up a tighter level that its own requests overload (:func:`level_given_up`: the
+    strictest TBT breaks, so the paper's ``Iter* > T_g*`` over the tightest target holds), the
+    answer is inf; else
     ``sum_{r in R*} Iter*·ceil(N/L*_r) - sum_{r in R} Iter·ceil(N/L_r)`` seconds (each
     request's TBT is its iteration time times its iterations per token). Memory is the
     instance's check, not this function's. ``memo``: a :class:`DecodeMemo` of ``lm``.
@@ -405,7 +416,8 @@ def latency_increment(lm: LatencyModel, num_layers: int, iteration: int, decodin
     reqs = list(decoding) + [candidate]
     new, t_g, load = exec_plan(lm, n, iteration, reqs, cur, target_factor, memo)
     it_star = (load if load is not None else _LayerLoad(lm, n, iteration, reqs, new, memo)).predict()
-    if it_star > t_g * target_factor or tbt_infeasible(lm, candidate, memo):
+    if (it_star > t_g * target_factor or tbt_infeasible(lm, candidate, memo)
+            or level_given_up(lm, reqs, t_g, memo)):
         return Increment(math.inf, it, it_star, t_g)
     after = _aggregate_tbt(it_star, new.values(), n)
     return Increment(after - before, it, it_star, t_g)
