@@ -6,7 +6,7 @@ per policy, the wall time of the batch, the engine steps, and per class how many
 their TTFT and their whole SLO (TTFT and P99 TBT, numpy "linear" percentile, as
 ``laser.metrics``). Each policy gets a fresh engine and a 2-prompt warm-up first.
 
-Usage: python benchmarks/offline_batch.py [--threads 1] [--policies vllm,sarathi,laser]
+Usage: python benchmarks/offline_batch.py [--threads 1] [--policies vllm,sarathi,laser] [--model PATH]
        [--prompts 24] [--max-tokens 32] [--repeats 1]
 
 Real engine, real timing: say which CPU and whether the machine was quiet next to any figure.
@@ -23,12 +23,13 @@ import numpy as np
 CLASSES = ("chat", "code", "summarization")
 
 
-def run(policy: str, prompts: list[str], max_tokens: int) -> dict:
-    """One batch on a fresh engine; returns wall seconds, steps and per-class counts."""
+def run(policy: str, prompts: list[str], max_tokens: int, model: str | None = None) -> dict:
+    """One batch on a fresh engine of ``model`` (default: the embedded SmolLM2); returns
+    ``wall_s`` (seconds), ``steps`` and per-class ``ttft_met`` / ``slo_met`` counts."""
     from laser import LLM
     from laser.request import SamplingParams
 
-    llm = LLM(policy=policy)
+    llm = LLM(model=model, policy=policy)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
     steps0 = llm.engine.core.step_stats.steps
     slos = [CLASSES[i % 3] for i in range(len(prompts))]
@@ -49,6 +50,7 @@ def run(policy: str, prompts: list[str], max_tokens: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF checkpoint dir or GGUF file (default: the embedded SmolLM2)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: physical cores)")
     ap.add_argument("--policies", default="vllm,sarathi,laser", help="comma list of policies, run in this order")
     ap.add_argument("--prompts", type=int, default=24, help="prompts in the batch (default 24)")
@@ -61,12 +63,12 @@ def main() -> None:
 
     n = set_threads(a.threads)
     prompts = [f"Write a short note number {i} about the sea and the sky." for i in range(a.prompts)]
-    print(f"real engine, embedded SmolLM2-135M, {n} thread(s), {platform.processor() or platform.machine()}; "
+    print(f"real engine, {a.model or 'embedded SmolLM2-135M'}, {n} thread(s), {platform.processor() or platform.machine()}; "
           f"{a.prompts} prompts x {a.max_tokens} tokens, classes {'/'.join(CLASSES)} round-robin, all at once")
     print(f"{'policy':>8} {'wall s':>7} {'steps':>6}  TTFT met / SLO met per class")
     for _ in range(a.repeats):
         for policy in a.policies.split(","):
-            r = run(policy, prompts, a.max_tokens)
+            r = run(policy, prompts, a.max_tokens, a.model)
             per = ", ".join(f"{c} {r['ttft_met'][c]}/{r['slo_met'][c]}" for c in CLASSES)
             print(f"{policy:>8} {r['wall_s']:>7.2f} {r['steps']:>6}  {per}  (SLO met {sum(r['slo_met'].values())})",
                   flush=True)
