@@ -379,19 +379,17 @@ class LaserScheduler(LaserPrefill, Scheduler):
         tg_margin) * TBT_r) / g`` (its TBT slack spread over its remaining iterations).
         This matters when Alg. 1 changes a plan mid-token (e.g. T_g rises when the strictest
         request leaves: the reduced request's last group would otherwise run in an iteration
-        sized to the new, looser T_g). Requests without a TBT target, without a token yet,
-        with a target out of reach even alone (``tbt_infeasible``) or below T_g (Alg. 1 gave its
-        target up: the requests at it overload the instance), or whose gap is lost
+        sized to the new, looser T_g). Requests T_g does not hold for (:meth:`_tg_held`: no TBT
+        target, one out of reach even alone, or one below T_g), without a token yet, or whose gap is lost
         already (its share, even without the margin, is below ``decode_time``, this
         iteration's decode seconds) do not limit it; one that makes it only without the
         margin gets an iteration of decode work alone."""
-        t_g = self.t_g
-        limit = t_g * self.tg_margin
+        limit = self.t_g * self.tg_margin
         n = self.num_layers
-        for r in self.running:
-            tbt = r.slo.tbt
-            if r.phase != Phase.DECODE or tbt is None or tbt < t_g or r.tbt_infeasible or not r.token_times:
+        for r in self._tg_held():
+            if not r.token_times:
                 continue
+            tbt = r.slo.tbt
             p = self.plans.get(r.req_id)
             if p is None:
                 continue
@@ -409,19 +407,21 @@ class LaserScheduler(LaserPrefill, Scheduler):
         return limit
 
     def _p99_allowance_left(self) -> bool:
-        """Whether every decoding request whose TBT target T_g holds (target set, at or above
-        T_g, reachable alone) and whose P99 TBT is not broken already
-        (:attr:`Request.p99_tbt_broken`) may take one more token gap over its target and still
-        meet its P99 TBT (:attr:`Request.tbt_miss_allowance`). A request with nothing left to
-        lose does not veto the break."""
+        """Whether every decoding request whose TBT target T_g holds (:meth:`_tg_held`) and whose
+        P99 TBT is not broken already (:attr:`Request.p99_tbt_broken`) may take one more token gap
+        over its target and still meet its P99 TBT (:attr:`Request.tbt_miss_allowance`). A request
+        with nothing left to lose does not veto the break."""
+        return all(r.p99_tbt_broken or r.num_tbt_misses + 1 <= r.tbt_miss_allowance for r in self._tg_held())
+
+    def _tg_held(self):
+        """The decoding requests whose TBT target T_g holds: a target at or above T_g (below it,
+        Alg. 1 gave the level up: its own requests overload the iteration) and reachable alone
+        (not ``tbt_infeasible``). None while T_g is inf."""
         t_g = self.t_g
         for r in self.running:
             tbt = r.slo.tbt
-            if r.phase != Phase.DECODE or tbt is None or tbt < t_g or r.tbt_infeasible or r.p99_tbt_broken:
-                continue
-            if r.num_tbt_misses + 1 > r.tbt_miss_allowance:
-                return False
-        return True
+            if r.phase == Phase.DECODE and tbt is not None and tbt >= t_g and not r.tbt_infeasible:
+                yield r
 
     def predict_decode(self, decoding: list[Request], plans: dict[str, DecodePlan] | None = None) -> float:
         """Worst predicted decode-only iteration time over the next iterations under ``plans``."""
