@@ -9,6 +9,7 @@ import numpy as np
 
 from laser.config import SchedulerConfig
 from laser.latency import SimpleLatencyModel
+from laser.metrics import record_from_request
 from laser.request import SLO, Request, SamplingParams
 from laser.scheduler.decode_plan import DecodeCandidate, exec_plan
 from laser.sim import SimInstance
@@ -32,9 +33,7 @@ def run(policy: str, reqs: list[Request], lm=LM) -> SimInstance:
 
 
 def slo_met(r: Request) -> bool:
-    gaps = np.diff(r.token_times)
-    p99 = float(np.percentile(gaps, 99)) if len(gaps) else 0.0
-    return r.token_times[0] - r.arrival_time <= r.slo.ttft + 1e-9 and p99 <= r.slo.tbt + 1e-9
+    return record_from_request(r).slo_met
 
 
 def decoding(slo: SLO, first_token_at: float, name: str) -> Request:
