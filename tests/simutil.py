@@ -8,11 +8,12 @@ from laser.sim import SimInstance
 
 
 def run_sim(policy: str, reqs: list[Request], lm, num_layers: int, max_steps: int = 2_000_000,
-            **instance_kw) -> SimInstance:
-    """Submit ``reqs`` to a fresh :class:`SimInstance` of ``policy`` on ``lm`` (``record_plans``
-    on), run it to the end and check that it is empty and consistent and that every request got
-    all its ``max_tokens`` tokens (none lost)."""
-    sim = SimInstance(policy, num_layers, lm, SchedulerConfig(policy=policy), record_plans=True, **instance_kw)
+            config: SchedulerConfig | None = None, record_plans: bool = True, **instance_kw) -> SimInstance:
+    """Submit ``reqs`` to a fresh :class:`SimInstance` of ``policy`` on ``lm`` (scheduler knobs
+    ``config``, its policy replaced), run it to the end and check that it is empty and consistent
+    and that every request got all its ``max_tokens`` tokens (none lost)."""
+    sim = SimInstance(policy, num_layers, lm, config or SchedulerConfig(policy=policy), record_plans=record_plans,
+                      **instance_kw)
     for r in reqs:
         sim.submit(r)
     sim.run(max_steps=max_steps)

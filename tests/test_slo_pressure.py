@@ -12,6 +12,7 @@ from laser.config import SchedulerConfig
 from laser.latency import SimpleLatencyModel
 from laser.request import SLO, Request, SamplingParams
 from laser.sim import SimInstance
+from simutil import run_sim
 
 N = 30
 # ~1.2 ms per decode layer call at batch 4 (36 ms per iteration), a 2,000-token prefill alone
@@ -40,13 +41,7 @@ def p99_tbt(r: Request) -> float:
 
 
 def run(policy: str, reqs: list[Request], lm=LM, num_blocks: int = 4096, **cfg) -> SimInstance:
-    sim = SimInstance(policy, N, lm, SchedulerConfig(**cfg), num_blocks=num_blocks)
-    for r in reqs:
-        sim.submit(r)
-    sim.run(max_steps=2_000_000)
-    sim.check_integrity(expect_empty=True)
-    assert all(r.num_output_tokens == r.sampling_params.max_tokens for r in reqs), "a request lost tokens"
-    return sim
+    return run_sim(policy, reqs, lm, N, config=SchedulerConfig(**cfg), record_plans=False, num_blocks=num_blocks)
 
 
 @pytest.mark.parametrize("policy", ["laser", "sarathi", "vllm"])
