@@ -110,3 +110,69 @@ def test_a_machine_slower_than_its_profile_breaks_tbt_unless_laser_calibrates():
         assert plain > 80, plain  # of 252 gaps
         assert calibrated < 25 and max(when) < 2.0, (calibrated, when)  # only while it learns (runs ~10 s)
     assert late_gaps(1.0, True)[0] == late_gaps(1.0, False)[0] == 0  # an exact profile: nothing changes
+
+
+def test_timing_spread_is_the_high_quantile_over_the_factor_with_a_prior():
+    m = CalibratedLatencyModel(LM, window=50, quantile=0.8, min_steps=4, spread_quantile=0.98, max_spread=1.5,
+                               prior_spread=1.1)
+    assert LM.timing_spread() == 1.0  # a model that is the clock (the simulator's) has no spread
+    assert m.timing_spread() == 1.1  # nothing measured yet: the prior
+    for r in [1.0] * 45 + [1.25] * 5:  # 10 % of the steps 25 % over
+        m.observe(1.0, r)
+    assert m.factor == pytest.approx(1.0)
+    assert m.timing_spread() == pytest.approx(1.25)  # the 98th percentile over the factor
+    for _ in range(50):
+        m.observe(1.0, 0.9)
+    assert m.timing_spread() == 1.0  # a steady machine: never below 1
+    for r in [1.0] * 40 + [3.0] * 10:
+        m.observe(1.0, r)
+    assert m.timing_spread() == 1.5  # capped
+    for kw in (dict(spread_quantile=0.5), dict(spread_quantile=1.1), dict(prior_spread=0.9),
+               dict(prior_spread=2.0), dict(max_spread=0.9)):
+        with pytest.raises(ValueError):
+            CalibratedLatencyModel(LM, **kw)
+
+
+def test_laser_widens_its_margins_on_a_machine_whose_steps_jitter():
+    """Simulated (virtual time): one step in ten runs 12-30 % over the profile (as a jittery VM
+    does; the calibration factor, the 80th percentile, stays ~1.0). With the fixed 10 % margin
+    the code class's 0.2 s TBT breaks in those steps; with the margin divided by the measured
+    timing spread (98th percentile / factor) no gap is over, and the best-effort prefills that
+    give up the time finish a few % later."""
+    import random
+
+    import numpy as np
+
+    from laser.config import SchedulerConfig
+    from laser.latency import ScaledLatencyModel
+    from laser.request import SLO, Request
+    from laser.sim import SimInstance
+
+    lm = SimpleLatencyModel(num_layers=30, per_layer=1.0e-3, per_token=3.6e-5, per_context=2e-8)
+    code, best = SLO(ttft=0.5, tbt=0.2, name="code"), SLO(name="best_effort")
+
+    def run(plan_lm, seed):
+        machine = ScaledLatencyModel(lm, 1.0)
+        rng = random.Random(seed)
+
+        def jitter():  # the next step's speed
+            machine.factor = rng.uniform(1.12, 1.3) if rng.random() < 0.1 else rng.uniform(0.95, 1.02)
+
+        sim = SimInstance("laser", 30, plan_lm, SchedulerConfig(policy="laser"), machine_model=machine)
+        sp = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+        codes = [Request([7] * 64, sp, code, arrival_time=0.05 * k, req_id=f"c{k}") for k in range(4)]
+        bests = [Request([7] * 600, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True), best,
+                         arrival_time=0.5 + 0.3 * k, req_id=f"b{k}") for k in range(6)]
+        for r in codes + bests:
+            sim.submit(r)
+        sim.run(max_steps=2_000_000, before_step=jitter)
+        sim.check_integrity(expect_empty=True)
+        over = sum(int((np.diff(r.token_times) > code.tbt).sum()) for r in codes)
+        return over, max(r.token_times[-1] for r in bests)
+
+    for seed in (7, 8):
+        fixed, end_fixed = run(CalibratedLatencyModel(lm, max_spread=1.0, prior_spread=1.0), seed)
+        widened, end_widened = run(CalibratedLatencyModel(lm), seed)
+        assert fixed >= 5, fixed  # of 252 gaps
+        assert widened == 0, widened
+        assert end_widened < 1.1 * end_fixed

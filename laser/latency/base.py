@@ -115,6 +115,13 @@ class LatencyModel:
     num_layers: int
     layer_overhead_s: float = 0.0
 
+    def timing_spread(self) -> float:
+        """How much longer than predicted a step may run in the worst few percent of steps
+        (dimensionless, >= 1): planning margins are divided by it. 1.0 for a model whose
+        predictions are the clock itself (the simulator's); a model calibrated on a real
+        machine measures it (:meth:`~laser.latency.calibrated.CalibratedLatencyModel.timing_spread`)."""
+        return 1.0
+
     # -- primitives (override) --------------------------------------------------------
     def stateless_time(self, n_tokens: int) -> float:
         """One layer's stateless modules on ``n_tokens`` tokens."""

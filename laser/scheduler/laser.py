@@ -373,7 +373,8 @@ class LaserScheduler(LaserPrefill, Scheduler):
 
     def _iteration_limit(self, now: float, decode_time: float) -> float:
         """Seconds this iteration may take so that every decoding request still gets its
-        token within its TBT target: ``tg_margin * T_g``, or less when a request's current
+        token within its TBT target: ``tg_margin * T_g`` (the margin divided by the latency
+        model's measured :meth:`~laser.latency.LatencyModel.timing_spread` on a real machine), or less when a request's current
         token gap is already partly spent -- request r with ``g`` iterations left before its
         token (waiting for its next group's turn in Alg. 1's cycle, then its remaining groups) and ``s`` seconds left of its gap may take ``(s - (1 -
         tg_margin) * TBT_r) / g`` (its TBT slack spread over its remaining iterations).
@@ -384,7 +385,8 @@ class LaserScheduler(LaserPrefill, Scheduler):
         already (its share, even without the margin, is below ``decode_time``, this
         iteration's decode seconds) do not limit it; one that makes it only without the
         margin gets an iteration of decode work alone."""
-        limit = self.t_g * self.tg_margin
+        margin = self.tg_margin / self.lm.timing_spread()  # a jittery machine: a wider margin
+        limit = self.t_g * margin
         n = self.num_layers
         for r in self._tg_held():
             if not r.token_times:
@@ -398,7 +400,7 @@ class LaserScheduler(LaserPrefill, Scheduler):
             else:  # iterations until its next group runs (Alg. 1's cycle), then the rest of the groups
                 k, g = p.groups(n), r.next_layer // p.layers + 1
                 left = (0 if r.next_layer % p.layers else (g + p.offset - self.iteration) % k) + k - g + 1
-            own = (r.token_times[-1] + tbt * self.tg_margin - now) / left
+            own = (r.token_times[-1] + tbt * margin - now) / left
             if own >= decode_time:
                 limit = min(limit, own)
             elif (r.token_times[-1] + tbt - now) / left >= decode_time:

@@ -26,7 +26,8 @@ class LaserPrefill:
     #: first token to at most this fraction of its target (as ``tg_margin`` for T_g): the
     #: merge plans to the model's prediction, and a step that runs 10-15 % over it must not
     #: turn a deadline planned to the last millisecond into a miss. The request itself is
-    #: admitted when it meets its full deadline.
+    #: admitted when it meets its full deadline. On a real machine the margin is divided by
+    #: the latency model's measured ``timing_spread()`` (steps that run over their prediction).
     ttft_margin = 0.9
     #: Smallest prefill chunk worth a layer call (tokens).
     min_chunk = 16
@@ -216,6 +217,7 @@ class LaserPrefill:
         met_late: list[float] = []
         tokens = 0
         misses = alloc_misses = 0
+        ttft_margin = self.ttft_margin / self.lm.timing_spread()
         queued = {id(r) for r in self.waiting}  # not running yet: each one takes a running slot
         for r in cands:
             # a preempted request with outputs waits in the PREFILL phase: it counts too
@@ -258,7 +260,7 @@ class LaserPrefill:
             works.append(w)
             cost.add(w)
             tokens += w.num_tokens
-            held = r.arrival_time + self.ttft_margin * r.slo.ttft if r.slo.ttft is not None else r.ttft_deadline
+            held = r.arrival_time + ttft_margin * r.slo.ttft if r.slo.ttft is not None else r.ttft_deadline
             rest = self._prefill_rest(r, w)
             for bound, extra in ((met, 0.0), (met_rest, rest), (met_late, rest)):
                 end = now + cost.total + extra
