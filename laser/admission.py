@@ -102,7 +102,8 @@ def snapshot_of(sched, now: float, num_adds: int = 0, last_step_s: float = 0.0) 
     ``recomputes`` {(kind, class): n}, ``recomputed_tokens`` {(kind, class): tokens},
     ``icache_tokens`` / ``icache_capacity`` (tokens), ``icache_evictions`` (total),
     ``layer_stops`` (Laser's stops at a layer boundary), ``latency_calibration`` (the factor the
-    planning model's predictions are scaled by; :mod:`laser.latency.calibrated`), ``running`` /
+    planning model's predictions are scaled by; :mod:`laser.latency.calibrated`),
+    ``latency_timing_spread`` (the model's ``timing_spread()``), ``running`` /
     ``waiting`` {class: n}.
     """
     from .request import Phase
@@ -133,6 +134,9 @@ def snapshot_of(sched, now: float, num_adds: int = 0, last_step_s: float = 0.0) 
         "layer_stops": getattr(sched, "num_step_preemptions", 0),
         # the online calibration factor of the model the scheduler plans with (1.0 without one)
         "latency_calibration": float(getattr(getattr(sched, "latency_model", None), "factor", 1.0)),
+        # ... and the spread of its slow steps that divides Laser's planning margins (1.0 without one)
+        "latency_timing_spread": float(sched.latency_model.timing_spread()
+                                       if hasattr(getattr(sched, "latency_model", None), "timing_spread") else 1.0),
         "running": dict(running),
         "waiting": dict(waiting),
     }

@@ -62,7 +62,9 @@ def test_an_engine_observes_every_complete_step(tiny_llama):
     assert m.factor == m.hi  # a real step takes far longer than 1 ns per layer: capped
     from laser.admission import snapshot_of
 
-    assert snapshot_of(e.scheduler, 0.0).counters["latency_calibration"] == m.hi  # what /metrics exports
+    counters = snapshot_of(e.scheduler, 0.0).counters
+    assert counters["latency_calibration"] == m.hi  # what /metrics exports
+    assert counters["latency_timing_spread"] == m.timing_spread() >= 1.0
     plain = Engine(str(tiny_llama), policy="laser", dtype="float32", cache=CacheConfig(kv_cache_gib=0.01),
                    latency_model=LM)
     assert plain.core.step_observer is None and plain.latency_model is LM

@@ -297,3 +297,10 @@ class _SchedulerCollector:
                                     labels=["model_name"])
             cal.add_metric([m], c["latency_calibration"])
             yield cal
+        if "latency_timing_spread" in c:
+            spread = GaugeMetricFamily("laser:latency_model_timing_spread", "How far the slowest steps run over "
+                                       "the calibrated prediction (98th / 80th percentile of measured / predicted "
+                                       "step time); Laser divides its planning margins by it (1 = steady machine).",
+                                       labels=["model_name"])
+            spread.add_metric([m], c["latency_timing_spread"])
+            yield spread
