@@ -199,6 +199,13 @@ class Request:
         return (self.sampling_params.max_tokens - 2) // 100
 
     @property
+    def ttft_missed(self) -> bool:
+        """Whether its first token came after its TTFT target (False before the first token
+        and without a target): its SLO is lost whatever comes next."""
+        ttft = self.slo.ttft
+        return ttft is not None and bool(self.token_times) and self.token_times[0] - self.arrival_time > ttft
+
+    @property
     def p99_tbt_broken(self) -> bool:
         """Whether more of its gaps missed the TBT target than :attr:`tbt_miss_allowance`: its
         P99 TBT, hence its SLO, is lost whatever comes next."""

@@ -342,9 +342,16 @@ class LaserScheduler(LaserPrefill, Scheduler):
         return works
 
     def _replan(self, decoding: list[Request]) -> None:
-        """Alg. 1: relax the most relaxed / restore the strictest, against T_g."""
+        """Alg. 1: relax the most relaxed / restore the strictest, against T_g.
+
+        When no decoding request has an SLO left to keep (:meth:`_nothing_to_keep`), T_g is
+        inf and every request runs at full depth: Alg. 1 would cut iterations (and prefill
+        time) for targets nobody can meet any more (our rule; the paper is silent)."""
         self.replan_needed = False
         self.num_replans += 1
+        if self._nothing_to_keep(decoding):
+            self.plans, self.t_g = {r.req_id: DecodePlan(self.num_layers, 0) for r in decoding}, math.inf
+            return
         if self.config.role == "mixed":
             # Alg. 1 prices each iteration with the prefill the pending deadlines need merged
             # into its layer calls, to tg_margin * T_g: a decode token costs what it adds to
@@ -360,6 +367,15 @@ class LaserScheduler(LaserPrefill, Scheduler):
         for r in decoding:
             if not r.tbt_infeasible and tbt_infeasible(self.lm, r, self.decode_memo):
                 r.tbt_infeasible = True  # served as well as possible; metrics say so
+
+    @staticmethod
+    def _nothing_to_keep(decoding: list[Request]) -> bool:
+        """Whether every decoding request with a TBT target has lost its SLO already: its first
+        token missed its TTFT target, its P99 TBT is broken, or its TBT target is out of reach
+        even alone (``tbt_infeasible``). A request's SLO is met only with both targets
+        (:mod:`laser.metrics`), so holding T_g for these saves no SLO; it only slows everyone
+        (the offline case of issue 16: a batch submitted at once misses every first token)."""
+        return all(r.slo.tbt is None or r.ttft_missed or r.p99_tbt_broken or r.tbt_infeasible for r in decoding)
 
     def plan_target_factor(self) -> float:
         """Fraction of T_g that the controller's Alg. 1 prices (``instance/state.py``) plan
