@@ -274,33 +274,25 @@ class _SchedulerCollector:
             tok.add_metric([m, kind, cls], c.get("recomputed_tokens", {}).get((kind, cls), 0))
         yield rec
         yield tok
-        ev = CounterMetricFamily("laser:intermediate_cache_evictions", "Paused chunks evicted from the "
-                                 "intermediate cache (recomputed from layer 0 later).", labels=["model_name"])
-        ev.add_metric([m], c.get("icache_evictions", 0))
-        yield ev
-        stops = CounterMetricFamily("laser:layer_stops", "Steps stopped at a layer boundary for a more urgent "
-                                    "arrival (Laser §6.1).", labels=["model_name"])
-        stops.add_metric([m], c.get("layer_stops", 0))
-        yield stops
-        used = GaugeMetricFamily("laser:intermediate_cache_tokens", "Tokens of paused hidden states held.",
-                                 labels=["model_name"])
-        used.add_metric([m], c.get("icache_tokens", 0))
-        yield used
-        cap = GaugeMetricFamily("laser:intermediate_cache_capacity_tokens", "Intermediate cache capacity.",
-                                labels=["model_name"])
-        cap.add_metric([m], c.get("icache_capacity", 0))
-        yield cap
-        if "latency_calibration" in c:
-            cal = GaugeMetricFamily("laser:latency_model_calibration", "Factor the latency profile's predictions "
-                                    "are scaled by: measured / predicted step time as the machine runs now "
-                                    "(1 = the profile holds; --no-latency-calibration keeps it at 1).",
-                                    labels=["model_name"])
-            cal.add_metric([m], c["latency_calibration"])
-            yield cal
-        if "latency_timing_spread" in c:
-            spread = GaugeMetricFamily("laser:latency_model_timing_spread", "How far the slowest steps run over "
-                                       "the calibrated prediction (98th / 80th percentile of measured / predicted "
-                                       "step time); Laser divides its planning margins by it (1 = steady machine).",
-                                       labels=["model_name"])
-            spread.add_metric([m], c["latency_timing_spread"])
-            yield spread
+        singles = [
+            (CounterMetricFamily, "laser:intermediate_cache_evictions", "Paused chunks evicted from the "
+             "intermediate cache (recomputed from layer 0 later).", c.get("icache_evictions", 0)),
+            (CounterMetricFamily, "laser:layer_stops", "Steps stopped at a layer boundary for a more urgent "
+             "arrival (Laser §6.1).", c.get("layer_stops", 0)),
+            (GaugeMetricFamily, "laser:intermediate_cache_tokens", "Tokens of paused hidden states held.",
+             c.get("icache_tokens", 0)),
+            (GaugeMetricFamily, "laser:intermediate_cache_capacity_tokens", "Intermediate cache capacity.",
+             c.get("icache_capacity", 0)),
+            (GaugeMetricFamily, "laser:latency_model_calibration", "Factor the latency profile's predictions "
+             "are scaled by: measured / predicted step time as the machine runs now (1 = the profile holds; "
+             "--no-latency-calibration keeps it at 1).", c.get("latency_calibration")),
+            (GaugeMetricFamily, "laser:latency_model_timing_spread", "How far the slowest steps run over the "
+             "calibrated prediction (98th / 80th percentile of measured / predicted step time); Laser divides "
+             "its planning margins by it (1 = steady machine).", c.get("latency_timing_spread")),
+        ]
+        for family, name, doc, value in singles:
+            if value is None:  # (not reported by this engine)
+                continue
+            f = family(name, doc, labels=["model_name"])
+            f.add_metric([m], value)
+            yield f
