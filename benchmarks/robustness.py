@@ -8,7 +8,9 @@ Hardware kinds (one latency model each; everything here is simulated, virtual ti
   fp32 (``benchmarks/profiles/avx2-fp32-smollm2-135m.json``, SmolLM2-135M, 1 thread; made
   with ``laser profile``). SLOs: ``measured`` base (the paper's targets scaled so the
   tightest TBT is 4x the isolated decode step, as ``laser bench --slo-base measured``).
-* ``amx-bf16``: no profile is shipped (no AMX machine was available): reported missing.
+* ``amx-bf16``: the same for an Intel CPU with AMX in bf16
+  (``benchmarks/profiles/amx-bf16-smollm2-135m.json``); reported missing until an AMX machine
+  has run ``benchmarks/amx_session.sh`` (none was available to any session so far).
 * ``a100-qwen2.5-14b``: the analytic (roofline) model of Qwen2.5-14B on an A100-80GB, an
   ESTIMATE; the paper's SLO targets (made for 13-14B models on A100-class GPUs).
 
@@ -53,20 +55,32 @@ SLO_SCALES = (0.8, 1.0, 1.3)
 TARGET_MIN, TARGET_MEDIAN = 1.3, 1.7
 
 
+#: The CPU kinds whose measured profile the project ships (benchmarks/profiles/<kind>-smollm2-135m.json,
+#: ``laser profile --threads 1 --kv-cache-gib 1``): kind -> (dtype, KV blocks of 16 tokens in 1 GiB for
+#: SmolLM2-135M: 30 layers x 3 KV heads x 64 x 2 (K, V) x the dtype's bytes).
+SHIPPED_CPU_KINDS = {"avx2-fp32": ("float32", 1456), "amx-bf16": ("bfloat16", 2912)}
+
+
+def profile_path(kind: str) -> Path:
+    """Where the measured profile of CPU kind ``kind`` is shipped (``benchmarks/amx_session.sh``
+    makes the AMX one)."""
+    return HERE / "profiles" / f"{kind}-smollm2-135m.json"
+
+
 def hardware_kinds() -> dict[str, dict]:
-    """Kind -> {"lm": latency model or None, "why": text, "slo_base", "num_blocks"}."""
+    """Kind -> {"lm": latency model or None, "why": text, "slo_base", "num_blocks", "dtype"}."""
     from laser.latency import AnalyticLatencyModel, FittedLatencyModel
 
     out = {}
-    prof = HERE / "profiles" / "avx2-fp32-smollm2-135m.json"
-    if prof.exists():
-        lm = FittedLatencyModel.load(prof)
-        # KV pool of 1 GiB in fp32 for SmolLM2-135M (30 layers, 3 KV heads x 64): 1456 blocks of 16
-        out["avx2-fp32"] = {"lm": lm, "why": f"measured profile {prof.name} (SmolLM2-135M, fp32, 1 thread)",
-                            "slo_base": "measured", "num_blocks": 1456}
-    else:
-        out["avx2-fp32"] = {"lm": None, "why": f"missing: {prof.name} not found"}
-    out["amx-bf16"] = {"lm": None, "why": "missing: no AMX machine was available to profile on"}
+    for kind, (dtype, blocks) in SHIPPED_CPU_KINDS.items():
+        prof = profile_path(kind)
+        if prof.exists():
+            out[kind] = {"lm": FittedLatencyModel.load(prof), "dtype": dtype, "num_blocks": blocks,
+                         "why": f"measured profile {prof.name} (SmolLM2-135M, {dtype}, 1 thread)",
+                         "slo_base": "measured"}
+        else:
+            out[kind] = {"lm": None, "why": f"missing: {prof.name} not found (no machine of this kind has "
+                                            f"profiled it; benchmarks/amx_session.sh makes the AMX one)"}
     # Qwen2.5-14B on one A100-80GB: ~29.6 GB of bf16 weights leaves ~45 GiB of KV cache at
     # 192 KiB per token (48 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes): ~15,000 blocks of 16.
     out["a100-qwen2.5-14b"] = {"lm": AnalyticLatencyModel("qwen2.5-14b", "a100-80gb"),

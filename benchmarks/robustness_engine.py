@@ -1,10 +1,10 @@
 """Real-engine spot checks of the robustness grid (issue 16, item 3): does the simulator's
 verdict at a grid point hold on the real engine?
 
-Reads the JSON of a ``benchmarks/robustness.py`` run (its ``avx2-fp32`` rows: the measured
-profile of this CPU kind), picks the points with the lowest, the median and the highest
-laser / sarathi:best ratio, and at each one runs, on the REAL engine (SmolLM2-135M, fp32,
-1 torch thread, planning with the same shipped profile) and in the SIMULATOR on the same
+Reads the JSON of a ``benchmarks/robustness.py`` run (its ``--kind`` rows, ``avx2-fp32`` or
+``amx-bf16``: the measured profile of this CPU kind), picks the points with the lowest, the
+median and the highest laser / sarathi:best ratio, and at each one runs, on the REAL engine
+(SmolLM2-135M in the kind's dtype, 1 torch thread, planning with the same shipped profile) and in the SIMULATOR on the same
 requests, arrivals and SLO targets:
 
 * ``laser`` and ``sarathi@<best budget>`` (EDF queue, the budget the grid found best), at
@@ -107,7 +107,10 @@ def fmt_classes(ca: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("grid_json", help="JSON written by benchmarks/robustness.py (with avx2-fp32 rows)")
+    ap.add_argument("grid_json", help="JSON written by benchmarks/robustness.py (with rows of --kind)")
+    ap.add_argument("--kind", default="avx2-fp32", choices=["avx2-fp32", "amx-bf16"],
+                    help="the CPU kind whose grid rows and shipped profile to use; the engine runs in its dtype "
+                         "(this machine must be of that kind)")
     ap.add_argument("--seconds", type=float, default=240.0, help="arrival span per real run (sets the prefix size)")
     ap.add_argument("--min-requests", type=int, default=12, help="at least this many requests per run")
     ap.add_argument("--json", default="bench-results/robustness-engine.json", help="results JSON path")
@@ -123,13 +126,15 @@ def main(argv=None) -> int:
     from laser.engine import Engine
 
     grid = json.loads(Path(args.grid_json).read_text())
-    rows = grid["kinds"].get("avx2-fp32", {}).get("points")
+    rows = grid["kinds"].get(args.kind, {}).get("points")
     if not rows:
-        raise SystemExit(f"{args.grid_json}: no avx2-fp32 points")
-    kind = hardware_kinds()["avx2-fp32"]
+        raise SystemExit(f"{args.grid_json}: no {args.kind} points")
+    kind = hardware_kinds()[args.kind]
+    if kind["lm"] is None:
+        raise SystemExit(f"{args.kind}: {kind['why']}")
     set_threads(1)
     # the engine plans with the same fitted model the simulator runs on
-    engine = Engine(policy="laser", dtype="float32", cache=CacheConfig(kv_cache_gib=1.0), latency_model=kind["lm"])
+    engine = Engine(policy="laser", dtype=kind["dtype"], cache=CacheConfig(kv_cache_gib=1.0), latency_model=kind["lm"])
     if engine.kv_cache.num_blocks != kind["num_blocks"]:
         print(f"note: the engine's KV pool has {engine.kv_cache.num_blocks} blocks, the simulator "
               f"{kind['num_blocks']}", flush=True)
@@ -137,7 +142,7 @@ def main(argv=None) -> int:
     EngineTarget("vllm", engine=engine).warmup()
     out = {"benchmark": "benchmarks/robustness_engine.py", "grid": args.grid_json, "calibrated": args.calibrate,
            "command": "python benchmarks/robustness_engine.py " + " ".join(sys.argv[1:]),
-           "engine": "SmolLM2-135M, float32, 1 thread", "profile": kind["why"], "points": []}
+           "engine": f"SmolLM2-135M, {kind['dtype']}, 1 thread", "profile": kind["why"], "points": []}
     done: dict[int, dict] = {}
     picked = pick_points(rows)
     if args.only:
