@@ -202,8 +202,12 @@ class Engine(ModelInstance):
         req_id: str | None = None,
         arrival_time: float | None = None,
     ) -> Request:
-        """Validate and enqueue a request. Raises InvalidRequestError (nothing is enqueued)."""
-        sp = sampling_params or SamplingParams()
+        """Validate and enqueue a request. Raises InvalidRequestError (nothing is enqueued),
+        also for ``sampling_params`` that is not a :class:`SamplingParams` (a dict, a list)."""
+        sp = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(sp, SamplingParams):
+            raise InvalidRequestError(f"sampling_params must be a SamplingParams (or None), got "
+                                      f"{type(sp).__name__}: {sp!r:.80}")
         ids = self.encode_prompt(prompt)
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(

@@ -293,3 +293,21 @@ def test_cli_serve_port_in_use_fails_before_loading(tmp_path, capsys):
     assert rc == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"laser: error: cannot listen on 127.0.0.1:{port}: Address already in use"], err
+
+
+def test_sampling_params_of_the_wrong_type_is_rejected_and_enqueues_nothing(engine):
+    """A dict (vLLM-style keyword bag) or a list where one ``SamplingParams`` belongs was
+    enqueued and failed only in the next step (``AttributeError: 'dict' object has no
+    attribute 'stop'``), left in the engine: every later ``generate`` failed the same way."""
+    llm = LLM.__new__(LLM)
+    llm.engine = engine
+    for bad in ({"max_tokens": 3}, [SamplingParams(max_tokens=2)], 16):
+        with pytest.raises(InvalidRequestError, match="sampling_params must be a SamplingParams"):
+            engine.add_request("hi", bad)
+        assert not engine.scheduler.requests
+    with pytest.raises(InvalidRequestError, match="sampling_params must be a SamplingParams"):
+        llm.chat([[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]],
+                 [SamplingParams(max_tokens=2)] * 2)
+    assert not engine.scheduler.requests
+    outs = llm.generate(["good one"], SamplingParams(max_tokens=2, temperature=0))
+    assert len(outs) == 1 and outs[0].finish_reason == "length"
