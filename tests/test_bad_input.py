@@ -311,3 +311,13 @@ def test_sampling_params_of_the_wrong_type_is_rejected_and_enqueues_nothing(engi
     assert not engine.scheduler.requests
     outs = llm.generate(["good one"], SamplingParams(max_tokens=2, temperature=0))
     assert len(outs) == 1 and outs[0].finish_reason == "length"
+
+
+def test_non_string_stop_is_rejected_and_enqueues_nothing(engine):
+    """``SamplingParams(stop=[5])`` passes its own checks; the engine enqueued the request and
+    then raised TypeError building its stop-string matcher, leaving it in the scheduler (every
+    later ``generate`` ran, and failed on, it again)."""
+    with pytest.raises(InvalidRequestError, match="stop strings must be strings"):
+        engine.add_request("hi", SamplingParams(max_tokens=2, stop=[5]))
+    assert not engine.scheduler.requests and not engine.has_unfinished()
+    engine.check_integrity(expect_empty=True)
