@@ -321,3 +321,14 @@ def test_non_string_stop_is_rejected_and_enqueues_nothing(engine):
         engine.add_request("hi", SamplingParams(max_tokens=2, stop=[5]))
     assert not engine.scheduler.requests and not engine.has_unfinished()
     engine.check_integrity(expect_empty=True)
+
+
+def test_llm_chat_with_a_string_says_what_it_wants(engine):
+    """``LLM.chat("hi")`` took the string as a list of conversations and ran one request per
+    character ('h', 'i'); it is an error naming the expected shape."""
+    llm = LLM.__new__(LLM)
+    llm.engine = engine
+    for bad in ("hi", {"role": "user", "content": "hi"}):
+        with pytest.raises(InvalidRequestError, match="list of .*role.*content"):
+            llm.chat(bad, SamplingParams(max_tokens=2))
+    assert not engine.scheduler.requests
