@@ -578,3 +578,44 @@ def test_comparison_ratio_edges_unbounded_best_and_below_range():
     assert not re.search(r"\d\.\d\dx", line), line
     pol["laser"] = {"goodput_rps": 3.0}
     assert {r["policy"]: r for r in report.comparison_rows(pol)}["laser"]["ratio"] == 2.0
+
+
+def test_base_url_client_says_why_requests_fail(tiny_llama, caplog):
+    """``laser bench --base-url`` against a wrong ``--endpoint`` / ``--served-model-name`` or an
+    unreachable server: the client collected each failure's HTTP status and body but printed
+    none of them (a run read 'attainment 0.000 ... 2 unfinished'; an unreachable URL was an
+    httpx traceback). The warm-up now stops with the server's answer, a run logs how many
+    requests failed and why, and an unreachable server is an error naming the URL."""
+    import logging
+    import socket
+
+    from laser.async_engine import AsyncEngine
+    from laser.config import CacheConfig
+    from laser.engine import Engine
+    from laser.server.app import build_app
+    from laser.server.cli import LiveServer
+
+    engine = Engine(str(tiny_llama), policy="sarathi", dtype="float32", cache=CacheConfig(num_blocks=64),
+                    max_model_len=128)
+    srv = LiveServer(build_app(AsyncEngine(engine), served_model_names=["tiny"]))
+    try:
+        wrong = ClientTarget(srv.url, endpoint="/v1/nothing", label="wrong")
+        with pytest.raises(ValueError, match=r"warm-up request .*/v1/nothing.* HTTP 404"):
+            wrong.warmup()
+        nope = ClientTarget(srv.url, model="nope", label="nope")
+        with caplog.at_level(logging.WARNING, logger="laser.bench.client"):
+            out = nope.run(_small_workload()[:2], paper_slos(100.0), timeout_s=30)
+        assert not any(r.finished for r in out.records)
+        msg = " ".join(r.getMessage() for r in caplog.records)
+        assert "2 of 2 requests failed" in msg and "HTTP 404" in msg and "model_not_found" in msg, msg
+        ok = ClientTarget(srv.url, label="ok")
+        ok.warmup()  # a served model and endpoint: no error
+    finally:
+        srv.stop()
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ValueError, match=f"cannot reach .*127.0.0.1:{port}"):
+        ClientTarget(f"http://127.0.0.1:{port}").resolve_model()
+    with pytest.raises(ValueError, match="cannot reach"):
+        ClientTarget("notaurl").resolve_model()
