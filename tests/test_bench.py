@@ -619,3 +619,19 @@ def test_base_url_client_says_why_requests_fail(tiny_llama, caplog):
         ClientTarget(f"http://127.0.0.1:{port}").resolve_model()
     with pytest.raises(ValueError, match="cannot reach"):
         ClientTarget("notaurl").resolve_model()
+
+
+@pytest.mark.parametrize("flag,value", [("--num-prompts", "0"), ("--num-prompts", "-2"), ("--max-concurrency", "0"),
+                                        ("--max-concurrency", "-1"), ("--attainment-target", "2"),
+                                        ("--attainment-target", "0")])
+def test_bench_count_flags_out_of_range_are_usage_errors(flag, value, capsys):
+    """``--num-prompts 0`` ran the default 100 prompts and ``-2`` an empty run (a table of
+    dashes); ``--max-concurrency 0`` meant no limit and ``-1`` failed after the warm-up with
+    'Semaphore initial value must be >= 0'; ``--attainment-target 2`` could never be met. Each
+    is now refused by the parser, naming the flag."""
+    from laser import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--sim", flag, value])
+    assert e.value.code == 2
+    assert f"argument {flag}" in capsys.readouterr().err
