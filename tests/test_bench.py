@@ -635,3 +635,34 @@ def test_bench_count_flags_out_of_range_are_usage_errors(flag, value, capsys):
         cli.main(["bench", "--sim", flag, value])
     assert e.value.code == 2
     assert f"argument {flag}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["plan", "--rate", "10", "--sim-model", "nope"], "argument --sim-model: unknown model shape 'nope'"),
+    (["plan", "--rate", "10", "--sim-hardware", "nope"], "argument --sim-hardware: unknown hardware 'nope'"),
+    (["bench", "--sim", "--cluster", "8P8D", "--sim-model", "nope"], "argument --sim-model: unknown model shape"),
+    (["bench", "--sim", "--sim-latency", "analytic", "--sim-hardware", "tpu"],
+     "argument --sim-hardware: unknown hardware 'tpu'"),
+])
+def test_unknown_sim_model_or_hardware_is_a_usage_error(argv, needle, capsys):
+    """An unknown ``--sim-model`` / ``--sim-hardware`` ended ``laser plan`` and ``laser bench``
+    in a KeyError traceback; it is a usage error that lists the known names."""
+    from laser import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and needle in err and "known:" in err, err
+
+
+def test_sim_hardware_aliases_work_without_cluster():
+    """``--sim-hardware a100`` (README's spelling, accepted with ``--cluster`` and by ``laser
+    plan``) was a KeyError for ``laser bench --sim --sim-latency analytic``: the alias table
+    lived in the cluster simulator only. The flag now resolves aliases to the table's name."""
+    from laser.bench.args import sim_hardware_name
+
+    assert sim_hardware_name("a100") == "a100-80gb" and sim_hardware_name("H100") == "h100-sxm"
+    assert sim_hardware_name("cpu-2core") == "cpu-2core"
+    from laser.latency import AnalyticLatencyModel, ModelShape
+
+    AnalyticLatencyModel(ModelShape.preset("smollm2-135m"), sim_hardware_name("a100"))

@@ -57,6 +57,29 @@ def _fraction(s: str) -> float:
     return v
 
 
+def sim_hardware_name(s: str) -> str:
+    """argparse type of ``--sim-hardware``: the ``laser.latency.HARDWARE`` entry a name or alias
+    (``a100``, ``h100``) denotes. Raises ArgumentTypeError listing the known names."""
+    from laser.latency import HARDWARE
+    from laser.sim.cluster import hardware_name
+
+    name = hardware_name(s)
+    if name not in HARDWARE:
+        raise argparse.ArgumentTypeError(f"unknown hardware {s!r}; known: {', '.join(sorted(HARDWARE))} "
+                                         "(aliases a100, h100)")
+    return name
+
+
+def sim_model_name(s: str) -> str:
+    """argparse type of ``--sim-model``: a ``laser.latency.MODEL_SHAPES`` entry (any case).
+    Raises ArgumentTypeError listing the known names."""
+    from laser.latency import MODEL_SHAPES
+
+    if s.lower() not in MODEL_SHAPES:
+        raise argparse.ArgumentTypeError(f"unknown model shape {s!r}; known: {', '.join(sorted(MODEL_SHAPES))}")
+    return s.lower()
+
+
 def _floats(s: str) -> list[float]:
     return [float(x) for x in s.split(",") if x.strip()]
 
@@ -166,7 +189,7 @@ def register(subparsers) -> None:
     t.add_argument("--sim-latency", choices=["auto", "profile", "analytic"], default="auto",
                    help="simulator clock: profile (--latency-profile's fitted profile, or this setup's), analytic "
                         "(roofline estimate), auto (default: profile when one can be made, else analytic)")
-    t.add_argument("--sim-hardware", default="cpu-2core",
+    t.add_argument("--sim-hardware", type=sim_hardware_name, default="cpu-2core",
                    help="hardware table entry for --sim-latency analytic and --cluster (default %(default)s; with "
                         "--cluster a100)")
     b = p.add_argument_group("background batch job (cold tier, issue 14)")
@@ -186,7 +209,7 @@ def register(subparsers) -> None:
     c.add_argument("--controller", default=None,
                    help="comma list of controllers (laser, distserve, colocated, colocated-laser, round_robin); "
                         "default laser,distserve,colocated")
-    c.add_argument("--sim-model", default="qwen2.5-14b",
+    c.add_argument("--sim-model", type=sim_model_name, default="qwen2.5-14b",
                    help="paper-scale model shape (qwen2.5-14b/32b, llama-3-70b; default %(default)s)")
     c.add_argument("--sim-tp", type=int, default=None, help="GPUs per instance (default as in the paper: 1/2/4)")
     c.add_argument("--msg-delay-ms", type=float, default=1.0,
