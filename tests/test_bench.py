@@ -666,3 +666,15 @@ def test_sim_hardware_aliases_work_without_cluster():
     from laser.latency import AnalyticLatencyModel, ModelShape
 
     AnalyticLatencyModel(ModelShape.preset("smollm2-135m"), sim_hardware_name("a100"))
+
+
+@pytest.mark.parametrize("flag,value", [("--requests", "0"), ("--requests", "-5"), ("--attainment-target", "5")])
+def test_plan_out_of_range_flags_are_usage_errors(flag, value, capsys):
+    """``laser plan --requests 0`` simulated empty probes up to 64 instances and concluded 'no
+    cluster of up to 64 instances reaches 90%'; ``--attainment-target 5`` 'no cluster ...
+    reaches 500%'. Both are usage errors naming the flag."""
+    from laser import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["plan", "--rate", "10", flag, value])
+    assert e.value.code == 2 and f"argument {flag}" in capsys.readouterr().err

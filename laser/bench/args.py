@@ -46,7 +46,7 @@ def parse_extra_body(s: str) -> dict:
     return v
 
 
-def _fraction(s: str) -> float:
+def fraction(s: str) -> float:
     """argparse type: a number in (0, 1] (a fraction of requests)."""
     try:
         v = float(s)
@@ -148,7 +148,7 @@ def register(subparsers) -> None:
                    help="wall seconds after which the goodput search starts no probe; a policy that has not "
                         "failed a probe by then is reported as '>=' with the cap (default: 3600; sim 900)")
     a.add_argument("--full-grid", action="store_true", help="run every grid rate even after two failures in a row")
-    a.add_argument("--attainment-target", type=_fraction, default=0.9,
+    a.add_argument("--attainment-target", type=fraction, default=0.9,
                    help="fraction of requests meeting their SLO at which a rate counts as goodput "
                         "(default %(default)s, as the paper)")
     a.add_argument("--probe-timeout", type=float, default=None,
