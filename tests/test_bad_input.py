@@ -332,3 +332,21 @@ def test_llm_chat_with_a_string_says_what_it_wants(engine):
         with pytest.raises(InvalidRequestError, match="list of .*role.*content"):
             llm.chat(bad, SamplingParams(max_tokens=2))
     assert not engine.scheduler.requests
+
+
+def test_run_online_with_a_bad_request_leaves_nothing_behind(engine):
+    """``laser.online.run_online`` raised for a malformed request in the stream (here an empty
+    prompt arriving second) but left the requests it had already released in the engine: they
+    ran on, unseen, inside the next run (stealing its steps and skewing its timings). It now
+    aborts them before it raises, as ``LLM.generate`` does."""
+    from laser.online import TimedRequest, run_online
+
+    sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    stream = [TimedRequest(0.0, "hello there " * 4, sp, "chat"), TimedRequest(0.02, "", sp, "chat"),
+              TimedRequest(0.04, "ok", sp, "chat")]
+    with pytest.raises(InvalidRequestError, match="empty"):
+        run_online(engine, stream)
+    assert not engine.has_unfinished() and not engine.scheduler.requests
+    engine.check_integrity(expect_empty=True)
+    (out,) = run_online(engine, [TimedRequest(0.0, "again", SamplingParams(max_tokens=3, temperature=0), "chat")])
+    assert len(out.output_token_ids) == 3
