@@ -77,7 +77,11 @@ class SLOClasses:
         return sorted(self.classes)
 
     def get(self, name: str | None) -> SLO:
-        """The SLO of class ``name`` (the default class when None). Raises InvalidRequestError if unknown."""
+        """The SLO of class ``name`` (the default class when None). Raises InvalidRequestError if
+        unknown, or when ``name`` is not a string (e.g. a dict of targets: pass an ``SLO``)."""
+        if name is not None and not isinstance(name, str):
+            raise InvalidRequestError(f"slo must be an SLO class name (or an SLO, or None), got {type(name).__name__}: "
+                                      f"{name!r:.80}")
         name = name or self.default
         try:
             return self.classes[name]

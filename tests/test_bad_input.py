@@ -116,6 +116,10 @@ def test_prompt_of_wrong_type(engine):
 def test_unknown_slo_class(engine):
     with pytest.raises(InvalidRequestError, match=r"unknown slo_class 'platinum'; known: .*chat"):
         engine.add_request("hello", slo="platinum")
+    # an slo that is neither a class name nor an SLO (a dict of targets) was a TypeError ('unhashable type')
+    with pytest.raises(InvalidRequestError, match=r"slo must be an SLO class name .*got dict"):
+        engine.add_request("hello", slo={"ttft": 0.25, "tbt": 0.1})
+    assert not engine.scheduler.requests
 
 
 def test_duplicate_request_id(engine):
