@@ -66,12 +66,21 @@ class SLOClasses:
 
     @classmethod
     def load(cls, path: str | Path | None = None, scale: float = 1.0, default: str = "best_effort") -> "SLOClasses":
-        """Load from ``path`` (JSON) or the shipped file."""
+        """Load from ``path`` (JSON) or the shipped file. Raises ValueError (naming the file) when
+        it cannot be read, is not JSON or is not a JSON object, and for invalid classes."""
         if path is None:
-            text = (Path(__file__).parent / "configs" / "slo_classes.json").read_text()
-        else:
-            text = Path(path).read_text()
-        return cls(json.loads(text), scale=scale, default=default)
+            return cls(json.loads((Path(__file__).parent / "configs" / "slo_classes.json").read_text()),
+                       scale=scale, default=default)
+        try:
+            spec = json.loads(Path(path).read_text())
+        except OSError as e:
+            raise ValueError(f"--slo-config {str(path)!r}: cannot read it ({e.strerror or e})") from None
+        except ValueError as e:
+            raise ValueError(f"--slo-config {str(path)!r}: not JSON ({e})") from None
+        if not isinstance(spec, dict):
+            raise ValueError(f"--slo-config {str(path)!r}: want a JSON object of SLO classes, got "
+                             f"{type(spec).__name__}")
+        return cls(spec, scale=scale, default=default)
 
     def names(self) -> list[str]:
         return sorted(self.classes)

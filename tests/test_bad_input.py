@@ -354,3 +354,25 @@ def test_run_online_with_a_bad_request_leaves_nothing_behind(engine):
     engine.check_integrity(expect_empty=True)
     (out,) = run_online(engine, [TimedRequest(0.0, "again", SamplingParams(max_tokens=3, temperature=0), "chat")])
     assert len(out.output_token_ids) == 3
+
+
+def test_unreadable_slo_config_and_bad_port_are_clear_errors(tmp_path, capsys):
+    """``--slo-config`` naming a missing or non-JSON file ended in a FileNotFoundError /
+    JSONDecodeError traceback, and ``laser serve --port 70000`` in an OverflowError from
+    ``bind()`` after the model had loaded; now a ValueError naming the file (``laser: error:``)
+    and a usage error."""
+    from laser.slo import SLOClasses
+
+    with pytest.raises(ValueError, match=r"--slo-config .*missing\.json"):
+        SLOClasses.load(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match=r"--slo-config .*bad\.json.*not JSON"):
+        SLOClasses.load(bad)
+    bad.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"--slo-config .*bad\.json.*JSON object"):
+        SLOClasses.load(bad)
+    for port in ("70000", "-1", "http"):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["serve", "--port", port])
+        assert e.value.code == 2 and "argument --port" in capsys.readouterr().err
