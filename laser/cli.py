@@ -23,6 +23,17 @@ def positive_int(s: str) -> int:
     return v
 
 
+def tcp_port(s: str) -> int:
+    """argparse type: a TCP port number, 0-65535."""
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a TCP port (0-65535), got {s!r}") from None
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port (0-65535), got {v}")
+    return v
+
+
 def positive_float(s: str) -> float:
     """argparse type: a finite number > 0."""
     try:

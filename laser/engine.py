@@ -202,8 +202,14 @@ class Engine(ModelInstance):
         req_id: str | None = None,
         arrival_time: float | None = None,
     ) -> Request:
-        """Validate and enqueue a request. Raises InvalidRequestError (nothing is enqueued)."""
-        sp = sampling_params or SamplingParams()
+        """Validate and enqueue a request. Raises InvalidRequestError (nothing is enqueued),
+        also for ``sampling_params`` that is not a :class:`SamplingParams` (a dict, a list)."""
+        sp = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(sp, SamplingParams):
+            raise InvalidRequestError(f"sampling_params must be a SamplingParams (or None), got "
+                                      f"{type(sp).__name__}: {sp!r:.80}")
+        if not all(isinstance(s, str) for s in sp.stop):
+            raise InvalidRequestError(f"stop strings must be strings, got {list(sp.stop)!r:.80}")
         ids = self.encode_prompt(prompt)
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
@@ -223,8 +229,9 @@ class Engine(ModelInstance):
             req_id=req_id or "",
             prompt=prompt if isinstance(prompt, str) else None,
         )
+        text = OutputText(self.tokenizer, ids, sp.stop)  # before enqueueing: nothing is left if it raises
         self.core.add_request(req)
-        self._text[req.req_id] = OutputText(self.tokenizer, ids, sp.stop)
+        self._text[req.req_id] = text
         return req
 
     def abort(self, req_id: str) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from .engine import Engine, RequestOutput
-from .request import SLO, SamplingParams
+from .request import SLO, InvalidRequestError, SamplingParams
 
 
 class LLM:
@@ -40,7 +40,13 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None, slo=None):
         """Generate replies to one conversation or a list of them (chat template applied).
-        Raises InvalidRequestError for a malformed conversation (before anything runs)."""
+        Raises InvalidRequestError for a malformed conversation (before anything runs), also
+        for ``messages`` that is not a list (a plain prompt string: use :meth:`generate`)."""
+        if not isinstance(messages, (list, tuple)):
+            raise InvalidRequestError(
+                "messages must be a list of {'role': ..., 'content': ...} dicts (one conversation) or a list of "
+                f"such lists, got {type(messages).__name__}" + (" (for a plain prompt use LLM.generate)"
+                                                                if isinstance(messages, str) else ""))
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         return self._run(self._add((c, sampling_params, slo) for c in convs), False)
 

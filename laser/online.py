@@ -32,6 +32,8 @@ def run_online(engine, stream: list[TimedRequest], clock: Callable[[], float] = 
     Returns the finished :class:`~laser.request.Request` objects in stream order. A
     request's ``arrival_time`` is its scheduled release time, so queueing delay inside the
     engine counts toward its TTFT. Requests still unfinished after ``timeout_s`` are aborted.
+    Raises InvalidRequestError for a malformed request when it is released; the requests
+    released before it are aborted first, so nothing of the stream stays in the engine.
     """
     items = sorted(stream, key=lambda r: r.arrival)
     reqs: list = [None] * len(items)
@@ -48,6 +50,11 @@ def run_online(engine, stream: list[TimedRequest], clock: Callable[[], float] = 
                                            arrival_time=t0 + it.arrival)
             pos += 1
 
+    def abort_released():
+        for r in reqs:
+            if r is not None and not r.is_finished:
+                engine.abort(r.req_id)
+
     hooks = [e for e in (getattr(engine, "prefill", None), getattr(engine, "decode", None)) if e is not None] or [engine]
     for e in hooks:
         e.arrival_hook = release
@@ -63,10 +70,11 @@ def run_online(engine, stream: list[TimedRequest], clock: Callable[[], float] = 
                 for o in outs:
                     on_output(o)
             if timeout_s is not None and clock() - t0 > timeout_s:
-                for r in reqs:
-                    if r is not None and not r.is_finished:
-                        engine.abort(r.req_id)
+                abort_released()
                 break
+    except BaseException:
+        abort_released()
+        raise
     finally:
         for e in hooks:
             e.arrival_hook = None

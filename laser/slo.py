@@ -66,18 +66,31 @@ class SLOClasses:
 
     @classmethod
     def load(cls, path: str | Path | None = None, scale: float = 1.0, default: str = "best_effort") -> "SLOClasses":
-        """Load from ``path`` (JSON) or the shipped file."""
+        """Load from ``path`` (JSON) or the shipped file. Raises ValueError (naming the file) when
+        it cannot be read, is not JSON or is not a JSON object, and for invalid classes."""
         if path is None:
-            text = (Path(__file__).parent / "configs" / "slo_classes.json").read_text()
-        else:
-            text = Path(path).read_text()
-        return cls(json.loads(text), scale=scale, default=default)
+            return cls(json.loads((Path(__file__).parent / "configs" / "slo_classes.json").read_text()),
+                       scale=scale, default=default)
+        try:
+            spec = json.loads(Path(path).read_text())
+        except OSError as e:
+            raise ValueError(f"--slo-config {str(path)!r}: cannot read it ({e.strerror or e})") from None
+        except ValueError as e:
+            raise ValueError(f"--slo-config {str(path)!r}: not JSON ({e})") from None
+        if not isinstance(spec, dict):
+            raise ValueError(f"--slo-config {str(path)!r}: want a JSON object of SLO classes, got "
+                             f"{type(spec).__name__}")
+        return cls(spec, scale=scale, default=default)
 
     def names(self) -> list[str]:
         return sorted(self.classes)
 
     def get(self, name: str | None) -> SLO:
-        """The SLO of class ``name`` (the default class when None). Raises InvalidRequestError if unknown."""
+        """The SLO of class ``name`` (the default class when None). Raises InvalidRequestError if
+        unknown, or when ``name`` is not a string (e.g. a dict of targets: pass an ``SLO``)."""
+        if name is not None and not isinstance(name, str):
+            raise InvalidRequestError(f"slo must be an SLO class name (or an SLO, or None), got {type(name).__name__}: "
+                                      f"{name!r:.80}")
         name = name or self.default
         try:
             return self.classes[name]

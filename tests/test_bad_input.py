@@ -116,6 +116,10 @@ def test_prompt_of_wrong_type(engine):
 def test_unknown_slo_class(engine):
     with pytest.raises(InvalidRequestError, match=r"unknown slo_class 'platinum'; known: .*chat"):
         engine.add_request("hello", slo="platinum")
+    # an slo that is neither a class name nor an SLO (a dict of targets) was a TypeError ('unhashable type')
+    with pytest.raises(InvalidRequestError, match=r"slo must be an SLO class name .*got dict"):
+        engine.add_request("hello", slo={"ttft": 0.25, "tbt": 0.1})
+    assert not engine.scheduler.requests
 
 
 def test_duplicate_request_id(engine):
@@ -293,3 +297,82 @@ def test_cli_serve_port_in_use_fails_before_loading(tmp_path, capsys):
     assert rc == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"laser: error: cannot listen on 127.0.0.1:{port}: Address already in use"], err
+
+
+def test_sampling_params_of_the_wrong_type_is_rejected_and_enqueues_nothing(engine):
+    """A dict (vLLM-style keyword bag) or a list where one ``SamplingParams`` belongs was
+    enqueued and failed only in the next step (``AttributeError: 'dict' object has no
+    attribute 'stop'``), left in the engine: every later ``generate`` failed the same way."""
+    llm = LLM.__new__(LLM)
+    llm.engine = engine
+    for bad in ({"max_tokens": 3}, [SamplingParams(max_tokens=2)], 16):
+        with pytest.raises(InvalidRequestError, match="sampling_params must be a SamplingParams"):
+            engine.add_request("hi", bad)
+        assert not engine.scheduler.requests
+    with pytest.raises(InvalidRequestError, match="sampling_params must be a SamplingParams"):
+        llm.chat([[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]],
+                 [SamplingParams(max_tokens=2)] * 2)
+    assert not engine.scheduler.requests
+    outs = llm.generate(["good one"], SamplingParams(max_tokens=2, temperature=0))
+    assert len(outs) == 1 and outs[0].finish_reason == "length"
+
+
+def test_non_string_stop_is_rejected_and_enqueues_nothing(engine):
+    """``SamplingParams(stop=[5])`` passes its own checks; the engine enqueued the request and
+    then raised TypeError building its stop-string matcher, leaving it in the scheduler (every
+    later ``generate`` ran, and failed on, it again)."""
+    with pytest.raises(InvalidRequestError, match="stop strings must be strings"):
+        engine.add_request("hi", SamplingParams(max_tokens=2, stop=[5]))
+    assert not engine.scheduler.requests and not engine.has_unfinished()
+    engine.check_integrity(expect_empty=True)
+
+
+def test_llm_chat_with_a_string_says_what_it_wants(engine):
+    """``LLM.chat("hi")`` took the string as a list of conversations and ran one request per
+    character ('h', 'i'); it is an error naming the expected shape."""
+    llm = LLM.__new__(LLM)
+    llm.engine = engine
+    for bad in ("hi", {"role": "user", "content": "hi"}):
+        with pytest.raises(InvalidRequestError, match="list of .*role.*content"):
+            llm.chat(bad, SamplingParams(max_tokens=2))
+    assert not engine.scheduler.requests
+
+
+def test_run_online_with_a_bad_request_leaves_nothing_behind(engine):
+    """``laser.online.run_online`` raised for a malformed request in the stream (here an empty
+    prompt arriving second) but left the requests it had already released in the engine: they
+    ran on, unseen, inside the next run (stealing its steps and skewing its timings). It now
+    aborts them before it raises, as ``LLM.generate`` does."""
+    from laser.online import TimedRequest, run_online
+
+    sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    stream = [TimedRequest(0.0, "hello there " * 4, sp, "chat"), TimedRequest(0.02, "", sp, "chat"),
+              TimedRequest(0.04, "ok", sp, "chat")]
+    with pytest.raises(InvalidRequestError, match="empty"):
+        run_online(engine, stream)
+    assert not engine.has_unfinished() and not engine.scheduler.requests
+    engine.check_integrity(expect_empty=True)
+    (out,) = run_online(engine, [TimedRequest(0.0, "again", SamplingParams(max_tokens=3, temperature=0), "chat")])
+    assert len(out.output_token_ids) == 3
+
+
+def test_unreadable_slo_config_and_bad_port_are_clear_errors(tmp_path, capsys):
+    """``--slo-config`` naming a missing or non-JSON file ended in a FileNotFoundError /
+    JSONDecodeError traceback, and ``laser serve --port 70000`` in an OverflowError from
+    ``bind()`` after the model had loaded; now a ValueError naming the file (``laser: error:``)
+    and a usage error."""
+    from laser.slo import SLOClasses
+
+    with pytest.raises(ValueError, match=r"--slo-config .*missing\.json"):
+        SLOClasses.load(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match=r"--slo-config .*bad\.json.*not JSON"):
+        SLOClasses.load(bad)
+    bad.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"--slo-config .*bad\.json.*JSON object"):
+        SLOClasses.load(bad)
+    for port in ("70000", "-1", "http"):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["serve", "--port", port])
+        assert e.value.code == 2 and "argument --port" in capsys.readouterr().err

@@ -578,3 +578,103 @@ def test_comparison_ratio_edges_unbounded_best_and_below_range():
     assert not re.search(r"\d\.\d\dx", line), line
     pol["laser"] = {"goodput_rps": 3.0}
     assert {r["policy"]: r for r in report.comparison_rows(pol)}["laser"]["ratio"] == 2.0
+
+
+def test_base_url_client_says_why_requests_fail(tiny_llama, caplog):
+    """``laser bench --base-url`` against a wrong ``--endpoint`` / ``--served-model-name`` or an
+    unreachable server: the client collected each failure's HTTP status and body but printed
+    none of them (a run read 'attainment 0.000 ... 2 unfinished'; an unreachable URL was an
+    httpx traceback). The warm-up now stops with the server's answer, a run logs how many
+    requests failed and why, and an unreachable server is an error naming the URL."""
+    import logging
+    import socket
+
+    from laser.async_engine import AsyncEngine
+    from laser.config import CacheConfig
+    from laser.engine import Engine
+    from laser.server.app import build_app
+    from laser.server.cli import LiveServer
+
+    engine = Engine(str(tiny_llama), policy="sarathi", dtype="float32", cache=CacheConfig(num_blocks=64),
+                    max_model_len=128)
+    srv = LiveServer(build_app(AsyncEngine(engine), served_model_names=["tiny"]))
+    try:
+        wrong = ClientTarget(srv.url, endpoint="/v1/nothing", label="wrong")
+        with pytest.raises(ValueError, match=r"warm-up request .*/v1/nothing.* HTTP 404"):
+            wrong.warmup()
+        nope = ClientTarget(srv.url, model="nope", label="nope")
+        with caplog.at_level(logging.WARNING, logger="laser.bench.client"):
+            out = nope.run(_small_workload()[:2], paper_slos(100.0), timeout_s=30)
+        assert not any(r.finished for r in out.records)
+        msg = " ".join(r.getMessage() for r in caplog.records)
+        assert "2 of 2 requests failed" in msg and "HTTP 404" in msg and "model_not_found" in msg, msg
+        ok = ClientTarget(srv.url, label="ok")
+        ok.warmup()  # a served model and endpoint: no error
+    finally:
+        srv.stop()
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ValueError, match=f"cannot reach .*127.0.0.1:{port}"):
+        ClientTarget(f"http://127.0.0.1:{port}").resolve_model()
+    with pytest.raises(ValueError, match="cannot reach"):
+        ClientTarget("notaurl").resolve_model()
+
+
+@pytest.mark.parametrize("flag,value", [("--num-prompts", "0"), ("--num-prompts", "-2"), ("--max-concurrency", "0"),
+                                        ("--max-concurrency", "-1"), ("--attainment-target", "2"),
+                                        ("--attainment-target", "0")])
+def test_bench_count_flags_out_of_range_are_usage_errors(flag, value, capsys):
+    """``--num-prompts 0`` ran the default 100 prompts and ``-2`` an empty run (a table of
+    dashes); ``--max-concurrency 0`` meant no limit and ``-1`` failed after the warm-up with
+    'Semaphore initial value must be >= 0'; ``--attainment-target 2`` could never be met. Each
+    is now refused by the parser, naming the flag."""
+    from laser import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--sim", flag, value])
+    assert e.value.code == 2
+    assert f"argument {flag}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["plan", "--rate", "10", "--sim-model", "nope"], "argument --sim-model: unknown model shape 'nope'"),
+    (["plan", "--rate", "10", "--sim-hardware", "nope"], "argument --sim-hardware: unknown hardware 'nope'"),
+    (["bench", "--sim", "--cluster", "8P8D", "--sim-model", "nope"], "argument --sim-model: unknown model shape"),
+    (["bench", "--sim", "--sim-latency", "analytic", "--sim-hardware", "tpu"],
+     "argument --sim-hardware: unknown hardware 'tpu'"),
+])
+def test_unknown_sim_model_or_hardware_is_a_usage_error(argv, needle, capsys):
+    """An unknown ``--sim-model`` / ``--sim-hardware`` ended ``laser plan`` and ``laser bench``
+    in a KeyError traceback; it is a usage error that lists the known names."""
+    from laser import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and needle in err and "known:" in err, err
+
+
+def test_sim_hardware_aliases_work_without_cluster():
+    """``--sim-hardware a100`` (README's spelling, accepted with ``--cluster`` and by ``laser
+    plan``) was a KeyError for ``laser bench --sim --sim-latency analytic``: the alias table
+    lived in the cluster simulator only. The flag now resolves aliases to the table's name."""
+    from laser.bench.args import sim_hardware_name
+
+    assert sim_hardware_name("a100") == "a100-80gb" and sim_hardware_name("H100") == "h100-sxm"
+    assert sim_hardware_name("cpu-2core") == "cpu-2core"
+    from laser.latency import AnalyticLatencyModel, ModelShape
+
+    AnalyticLatencyModel(ModelShape.preset("smollm2-135m"), sim_hardware_name("a100"))
+
+
+@pytest.mark.parametrize("flag,value", [("--requests", "0"), ("--requests", "-5"), ("--attainment-target", "5")])
+def test_plan_out_of_range_flags_are_usage_errors(flag, value, capsys):
+    """``laser plan --requests 0`` simulated empty probes up to 64 instances and concluded 'no
+    cluster of up to 64 instances reaches 90%'; ``--attainment-target 5`` 'no cluster ...
+    reaches 500%'. Both are usage errors naming the flag."""
+    from laser import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["plan", "--rate", "10", flag, value])
+    assert e.value.code == 2 and f"argument {flag}" in capsys.readouterr().err

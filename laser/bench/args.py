@@ -46,6 +46,40 @@ def parse_extra_body(s: str) -> dict:
     return v
 
 
+def fraction(s: str) -> float:
+    """argparse type: a number in (0, 1] (a fraction of requests)."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {s!r}") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {s}")
+    return v
+
+
+def sim_hardware_name(s: str) -> str:
+    """argparse type of ``--sim-hardware``: the ``laser.latency.HARDWARE`` entry a name or alias
+    (``a100``, ``h100``) denotes. Raises ArgumentTypeError listing the known names."""
+    from laser.latency import HARDWARE
+    from laser.sim.cluster import hardware_name
+
+    name = hardware_name(s)
+    if name not in HARDWARE:
+        raise argparse.ArgumentTypeError(f"unknown hardware {s!r}; known: {', '.join(sorted(HARDWARE))} "
+                                         "(aliases a100, h100)")
+    return name
+
+
+def sim_model_name(s: str) -> str:
+    """argparse type of ``--sim-model``: a ``laser.latency.MODEL_SHAPES`` entry (any case).
+    Raises ArgumentTypeError listing the known names."""
+    from laser.latency import MODEL_SHAPES
+
+    if s.lower() not in MODEL_SHAPES:
+        raise argparse.ArgumentTypeError(f"unknown model shape {s!r}; known: {', '.join(sorted(MODEL_SHAPES))}")
+    return s.lower()
+
+
 def _floats(s: str) -> list[float]:
     return [float(x) for x in s.split(",") if x.strip()]
 
@@ -55,7 +89,7 @@ def register(subparsers) -> None:
     from laser.bench.best import DEFAULT_BEST_BASELINE, DEFAULT_BEST_BUDGETS
     from laser.bench.goodput import DEFAULT_MAX_DOUBLINGS
     from laser.bench.calibrate import DEFAULT_TBT_MULTIPLE, DEFAULT_TTFT_MULTIPLE
-    from laser.cli import add_engine_args
+    from laser.cli import add_engine_args, positive_int
 
     p = subparsers.add_parser(
         "bench", help="multi-SLO serving benchmark: SLO attainment and goodput per policy",
@@ -83,7 +117,7 @@ def register(subparsers) -> None:
     w = p.add_argument_group("workload")
     w.add_argument("--mix", type=parse_mix, default=(1.0, 1.0, 1.0),
                    help="chat:code:summarization ratios (default 1:1:1)")
-    w.add_argument("--num-prompts", type=int, default=None, help="requests per run (default 100; a trace: all rows)")
+    w.add_argument("--num-prompts", type=positive_int, default=None, help="requests per run (default 100; a trace: all rows)")
     w.add_argument("--length-scale", type=float, default=1.0,
                    help="multiply prompt and output lengths (default %(default)s)")
     w.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default %(default)s)")
@@ -114,7 +148,7 @@ def register(subparsers) -> None:
                    help="wall seconds after which the goodput search starts no probe; a policy that has not "
                         "failed a probe by then is reported as '>=' with the cap (default: 3600; sim 900)")
     a.add_argument("--full-grid", action="store_true", help="run every grid rate even after two failures in a row")
-    a.add_argument("--attainment-target", type=float, default=0.9,
+    a.add_argument("--attainment-target", type=fraction, default=0.9,
                    help="fraction of requests meeting their SLO at which a rate counts as goodput "
                         "(default %(default)s, as the paper)")
     a.add_argument("--probe-timeout", type=float, default=None,
@@ -145,7 +179,7 @@ def register(subparsers) -> None:
                    help="/v1/completions or /v1/chat/completions (default %(default)s)")
     t.add_argument("--served-model-name", default=None, help="'model' field (default: the server's first model)")
     t.add_argument("--api-key", default=None, help="Bearer token sent to --base-url (default: none)")
-    t.add_argument("--max-concurrency", type=int, default=None,
+    t.add_argument("--max-concurrency", type=positive_int, default=None,
                    help="requests in flight at most against --base-url (default: no limit)")
     t.add_argument("--label", default=None, help="name of the server in outputs (default 'server')")
     t.add_argument("--extra-body", type=parse_extra_body, default=None,
@@ -155,7 +189,7 @@ def register(subparsers) -> None:
     t.add_argument("--sim-latency", choices=["auto", "profile", "analytic"], default="auto",
                    help="simulator clock: profile (--latency-profile's fitted profile, or this setup's), analytic "
                         "(roofline estimate), auto (default: profile when one can be made, else analytic)")
-    t.add_argument("--sim-hardware", default="cpu-2core",
+    t.add_argument("--sim-hardware", type=sim_hardware_name, default="cpu-2core",
                    help="hardware table entry for --sim-latency analytic and --cluster (default %(default)s; with "
                         "--cluster a100)")
     b = p.add_argument_group("background batch job (cold tier, issue 14)")
@@ -175,7 +209,7 @@ def register(subparsers) -> None:
     c.add_argument("--controller", default=None,
                    help="comma list of controllers (laser, distserve, colocated, colocated-laser, round_robin); "
                         "default laser,distserve,colocated")
-    c.add_argument("--sim-model", default="qwen2.5-14b",
+    c.add_argument("--sim-model", type=sim_model_name, default="qwen2.5-14b",
                    help="paper-scale model shape (qwen2.5-14b/32b, llama-3-70b; default %(default)s)")
     c.add_argument("--sim-tp", type=int, default=None, help="GPUs per instance (default as in the paper: 1/2/4)")
     c.add_argument("--msg-delay-ms", type=float, default=1.0,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import time
 
@@ -14,6 +15,7 @@ from laser.metrics import RequestRecord
 from laser.request import SLO
 from laser.slo import SLOClasses
 
+log = logging.getLogger(__name__)
 
 
 class ClientTarget(Target):
@@ -72,8 +74,13 @@ class ClientTarget(Target):
 
         if self.model is None:
             h = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-            r = httpx.get(self.base_url + "/v1/models", headers=h, timeout=30)
-            r.raise_for_status()
+            url = self.base_url + "/v1/models"
+            try:
+                r = httpx.get(url, headers=h, timeout=30)
+            except httpx.HTTPError as e:
+                raise ValueError(f"cannot reach the server at {url}: {type(e).__name__}: {e}") from None
+            if r.status_code != 200:
+                raise ValueError(f"GET {url} answered HTTP {r.status_code}: {r.text[:300]}")
             self.model = r.json()["data"][0]["id"]
         return self.model
 
@@ -150,13 +157,29 @@ class ClientTarget(Target):
         return records, stopped
 
     def run(self, requests, slos, timeout_s=None, progress=False, stop_below=None) -> RunOutput:
+        """Send ``requests`` at their arrival times; failed requests count as unfinished, and
+        their number and first distinct errors (HTTP status and body) are logged as a warning.
+        Raises ValueError when the server cannot be reached (see :meth:`resolve_model`)."""
         self.resolve_model()
+        requests = list(requests)
+        seen = len(self.errors)
         t_start = time.perf_counter()
-        records, stopped = asyncio.run(self._run(list(requests), slos, timeout_s, progress, stop_below))
+        records, stopped = asyncio.run(self._run(requests, slos, timeout_s, progress, stop_below))
+        failed = self.errors[seen:]
+        if failed:
+            first = list(dict.fromkeys(failed))[:3]
+            log.warning("[%s] %d of %d requests failed (%s%s): %s", self.label, len(failed), len(requests),
+                        self.base_url, self.endpoint, " | ".join(first))
         return RunOutput(records, _summary_duration(records), time.perf_counter() - t_start, stopped)
 
     def warmup(self) -> None:
+        """One short request. Raises ValueError with the server's answer when it fails (a wrong
+        ``--endpoint`` or ``--served-model-name``, a missing ``--api-key``)."""
         wr = WorkloadRequest("best_effort", "Warm up the server with a short prompt, please.", 12, 4, 0.0)
+        seen = len(self.errors)
         self.run([wr], SLOClasses({}), timeout_s=120)
+        if len(self.errors) > seen:
+            raise ValueError(f"the warm-up request to {self.base_url}{self.endpoint} (model {self.model!r}) failed: "
+                             f"{self.errors[seen]}")
 
 

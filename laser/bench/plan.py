@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from laser.bench.cluster import TABLE1
 from laser.metrics import record_from_request
 from laser.request import SLO, Request, SamplingParams
-from laser.bench.args import parse_mix  # noqa: F401 - the planner's --mix (and its callers')
+# parse_mix: the planner's --mix (and its callers')
+from laser.bench.args import fraction, parse_mix, sim_hardware_name, sim_model_name  # noqa: F401
 
 #: Paper Table 1 SLOs per class: (TTFT s, TBT s).
 TABLE1_SLO = {"chat": (0.25, 0.1), "code": (0.125, 0.05), "summarization": (2.0, 0.2)}
@@ -186,6 +187,8 @@ class CapacityPlanner:
 
 
 def register(sub) -> None:
+    from laser.cli import positive_int
+
     p = sub.add_parser("plan", help="capacity planner: smallest P:D split keeping --attainment-target "
                                     "(default 90%%) SLO attainment (SIMULATED)")
     p.add_argument("--rate", type=float, required=True, help="arrival rate (req/s)")
@@ -193,9 +196,9 @@ def register(sub) -> None:
                    help="chat:code:summarization weights (ShareGPT:HumanEval:LongBench; default %(default)s)")
     p.add_argument("--controller", default="laser",
                    help="controller (laser, distserve, colocated, colocated-laser, round_robin; default %(default)s)")
-    p.add_argument("--sim-model", default="qwen2.5-14b",
+    p.add_argument("--sim-model", type=sim_model_name, default="qwen2.5-14b",
                    help="paper-scale model shape (qwen2.5-14b/32b, llama-3-70b; default %(default)s)")
-    p.add_argument("--sim-hardware", default="a100", help="hardware table entry (a100, h100, ...; default %(default)s)")
+    p.add_argument("--sim-hardware", type=sim_hardware_name, default="a100", help="hardware table entry (a100, h100, ...; default %(default)s)")
     p.add_argument("--latency-profile", default=None,
                    help="plan for our own instances from a fitted latency profile (JSON) instead of --sim-model "
                         "(default: none)")
@@ -205,8 +208,8 @@ def register(sub) -> None:
                    help="KV transfer size, bytes per token per layer (with --latency-profile; default %(default)s)")
     p.add_argument("--slo-scale", type=float, default=1.0,
                    help="multiply Table 1's TTFT and TBT targets (default %(default)s)")
-    p.add_argument("--requests", type=int, default=300, help="simulated requests per probe (default %(default)s)")
-    p.add_argument("--attainment-target", type=float, default=0.9,
+    p.add_argument("--requests", type=positive_int, default=300, help="simulated requests per probe (default %(default)s)")
+    p.add_argument("--attainment-target", type=fraction, default=0.9,
                    help="SLO attainment the plan must reach (default %(default)s, as the paper)")
     p.add_argument("--max-instances", type=int, default=64,
                    help="largest cluster searched, instances (default %(default)s)")

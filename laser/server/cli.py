@@ -13,7 +13,7 @@ log = logging.getLogger("laser.server")
 def register(subparsers) -> None:
     """Add the ``serve`` subcommand (called by ``laser.cli.main``)."""
     from ..async_engine import ON_INFEASIBLE
-    from ..cli import add_engine_args
+    from ..cli import add_engine_args, tcp_port
 
     p = subparsers.add_parser(
         "serve",
@@ -24,7 +24,7 @@ def register(subparsers) -> None:
                    help="instance role (default %(default)s; prefill/decode instances are started with "
                         "--prefill-instances/--decode-instances behind the global controller)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default %(default)s)")
+    p.add_argument("--port", type=tcp_port, default=8000, help="TCP port to listen on (default %(default)s)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="names accepted in the 'model' field (default: the model's name)")
     p.add_argument("--api-key", default=os.environ.get("LASER_API_KEY"),

@@ -125,7 +125,7 @@ def paper_config(model: str = "qwen2.5-14b", hardware: str = "a100-80gb", tp: in
     ``mem_fraction`` of the instance's GPU memory minus the bf16 weights."""
     from ..latency import HARDWARE, AnalyticLatencyModel, ModelShape
 
-    hw = HARDWARE[_hardware_name(hardware)]
+    hw = HARDWARE[hardware_name(hardware)]
     shape = ModelShape.preset(model)
     tp = tp or {"qwen2.5-14b": 1, "qwen2.5-32b": 2, "llama-3-70b": 4}.get(model.lower(), 1)
     lm = AnalyticLatencyModel(shape, hw, tp=tp)
@@ -139,7 +139,8 @@ def paper_config(model: str = "qwen2.5-14b", hardware: str = "a100-80gb", tp: in
                          intra_node_bw=hw.link_bw, block_size=block, **overrides)
 
 
-def _hardware_name(name: str) -> str:
+def hardware_name(name: str) -> str:
+    """The ``laser.latency.HARDWARE`` key of a hardware name or alias (``a100``, ``h100``), lower case."""
     aliases = {"a100": "a100-80gb", "h100": "h100-sxm"}
     return aliases.get(name.lower(), name.lower())
 
