@@ -208,8 +208,6 @@ class Engine(ModelInstance):
         if not isinstance(sp, SamplingParams):
             raise InvalidRequestError(f"sampling_params must be a SamplingParams (or None), got "
                                       f"{type(sp).__name__}: {sp!r:.80}")
-        if not all(isinstance(s, str) for s in sp.stop):
-            raise InvalidRequestError(f"stop strings must be strings, got {list(sp.stop)!r:.80}")
         ids = self.encode_prompt(prompt)
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(

@@ -88,23 +88,42 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
+        """Normalise ``stop``/``stop_token_ids`` to tuples and check every field.
+
+        Raises:
+            InvalidRequestError: a field of the wrong type (a bool is not a number here) or
+                out of range; the message names the field and what it wants.
+        """
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+
+        def integer(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def number(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        if not integer(self.max_tokens) or self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not (0 < self.top_p <= 1):
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not (number(self.temperature) and self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise InvalidRequestError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not (number(self.top_p) and 0 < self.top_p <= 1):
+            raise InvalidRequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not integer(self.top_k) or self.top_k < 0:
             raise InvalidRequestError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if self.seed is not None and not (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64):
+        if self.seed is not None and not (integer(self.seed) and -(2**63) <= self.seed < 2**64):
             raise InvalidRequestError(f"seed must be an integer in [-2^63, 2^64), got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequestError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        if any(not isinstance(s, str) for s in self.stop):
+            raise InvalidRequestError(f"stop must be a string or a list of strings, got {list(self.stop)!r}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty")
+        if any(not integer(t) or t < 0 for t in self.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)!r}")
 
     @property
     def greedy(self) -> bool:

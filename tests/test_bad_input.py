@@ -83,6 +83,19 @@ def test_prompt_longer_than_context(engine):
         (dict(top_k=-1), "top_k"),
         (dict(top_k=2.5), "top_k"),
         (dict(stop=("",)), "stop strings"),
+        # wrong types are InvalidRequestError too (not a TypeError from a comparison), and a
+        # bool is not a number: found by a new-user pass
+        (dict(stop=[5]), "stop must be a string or a list of strings"),
+        (dict(stop_token_ids=["a"]), "stop_token_ids"),
+        (dict(stop_token_ids=[1.5]), "stop_token_ids"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+        (dict(temperature="0.5"), "temperature"),
+        (dict(top_p=None), "top_p"),
+        (dict(max_tokens=True), "max_tokens"),
+        (dict(temperature=True), "temperature"),
+        (dict(top_k=False), "top_k"),
+        (dict(seed=True), "seed"),
+        (dict(ignore_eos="no"), "ignore_eos"),
     ],
 )
 def test_bad_sampling_params(kwargs, match):
@@ -94,6 +107,7 @@ def test_good_sampling_params_edges():
     """The boundaries of the valid ranges are accepted (so the checks above are not blanket)."""
     SamplingParams(max_tokens=1, temperature=0.0, top_p=1.0, top_k=0)
     SamplingParams(temperature=2.0, top_p=1e-6, top_k=1, stop="x")
+    SamplingParams(temperature=1, top_p=1, stop=["a", "b"], stop_token_ids=[0, 2], ignore_eos=True, seed=0)
 
 
 @pytest.mark.parametrize("bad", [-1, "vocab"], ids=["negative", "vocab_size"])
@@ -318,10 +332,10 @@ def test_sampling_params_of_the_wrong_type_is_rejected_and_enqueues_nothing(engi
 
 
 def test_non_string_stop_is_rejected_and_enqueues_nothing(engine):
-    """``SamplingParams(stop=[5])`` passes its own checks; the engine enqueued the request and
-    then raised TypeError building its stop-string matcher, leaving it in the scheduler (every
-    later ``generate`` ran, and failed on, it again)."""
-    with pytest.raises(InvalidRequestError, match="stop strings must be strings"):
+    """``SamplingParams(stop=[5])`` used to pass its own checks; the engine enqueued the request
+    and then raised TypeError building its stop-string matcher, leaving it in the scheduler
+    (every later ``generate`` ran, and failed on, it again). SamplingParams refuses it now."""
+    with pytest.raises(InvalidRequestError, match="stop must be a string or a list of strings"):
         engine.add_request("hi", SamplingParams(max_tokens=2, stop=[5]))
     assert not engine.scheduler.requests and not engine.has_unfinished()
     engine.check_integrity(expect_empty=True)
