@@ -157,3 +157,34 @@ def test_t_g_is_released_once_no_decoding_request_has_an_slo_left():
     assert s.t_g == CODE.tbt  # one code stream alone fits 50 ms (48 ms)
     for r in (late_chat, on_time):
         assert not r.ttft_missed if r is on_time else r.ttft_missed
+
+
+def test_a_released_decode_instance_does_not_ask_to_migrate_for_an_slo():
+    """With every decoding request's SLO lost, T_g is released (inf) and the plans are at full
+    depth, so the last iteration runs over the tightest target. The controller's migration
+    trigger (``migration_victim``) read that as a TBT level given up (a feasible target under
+    T_g = inf) and moved lost requests to other decode instances for an SLO nobody can get (three
+    such moves in the tight-2P2D-laser-2000 cluster scenario, none before the release rule).
+    Only a memory shortfall moves a request off a released instance."""
+    from laser.block_manager import BlockManager
+    from laser.instance.state import migration_victim
+    from laser.intermediate_cache import IntermediateCache
+    from laser.request import Phase
+    from laser.scheduler.laser import LaserScheduler
+
+    s = LaserScheduler(SchedulerConfig(policy="laser", role="decode"), N, BlockManager(N, 4096, 16),
+                       IntermediateCache(4096), LM)
+    lost = [decoding(CHAT, 0.3, "chat"), decoding(CODE, 0.2, "code"), decoding(CHAT, 0.4, "chat2")]
+    for r in lost:
+        r.phase = Phase.DECODE
+        s.running.append(r)
+    s._replan(lost)
+    assert s.t_g == float("inf")
+    s.last_iteration_s = 0.07  # three decodes at full depth: over code's 50 ms (and that is fine)
+    assert migration_victim(s, LM, N) is None
+    on_time = decoding(CODE, 0.1, "code-ok")  # one SLO to keep: T_g is held again, the trigger as before
+    on_time.phase = Phase.DECODE
+    s.running.append(on_time)
+    s._replan(lost + [on_time])
+    assert s.t_g < float("inf")
+
