@@ -79,19 +79,23 @@ def test_a_machine_slower_than_its_profile_breaks_tbt_unless_laser_calibrates():
     iteration to 90 % of the code class's 0.2 s TBT in the profile's time and breaks it in
     most iterations once best-effort prefills share them; calibrated online (the factor learnt
     from the simulated steps, as a real instance learns it from wall time) it holds the target
-    after a warm-up of a few steps."""
+    after a warm-up of a few steps. A 64-token stream's SLO is lost at its second gap over
+    target, and Laser then stops holding T_g for it (nothing left to keep): the warm-up here is
+    2 steps (the default 8 cost every stream two gaps -- on a server the factor is learnt from
+    the traffic before), and the streams are judged on their SLO."""
     import numpy as np
 
     from laser.config import SchedulerConfig
     from laser.latency import ScaledLatencyModel
+    from laser.metrics import record_from_request
     from laser.request import SLO, Request
     from laser.sim import SimInstance
 
     lm = SimpleLatencyModel(num_layers=30, per_layer=1.0e-3, per_token=3.6e-5, per_context=2e-8)
     code, best = SLO(ttft=0.5, tbt=0.2, name="code"), SLO(name="best_effort")
 
-    def late_gaps(slowdown: float, calibrate: bool) -> tuple[int, list[float]]:
-        plan_lm = CalibratedLatencyModel(lm) if calibrate else lm
+    def late_gaps(slowdown: float, calibrate: bool) -> tuple[int, list[float], int]:
+        plan_lm = CalibratedLatencyModel(lm, min_steps=2) if calibrate else lm
         sim = SimInstance("laser", 30, plan_lm, SchedulerConfig(policy="laser"),
                           machine_model=ScaledLatencyModel(lm, slowdown))
         sp = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
@@ -104,14 +108,14 @@ def test_a_machine_slower_than_its_profile_breaks_tbt_unless_laser_calibrates():
         when = [t for r in codes for t, g in zip(r.token_times[1:], np.diff(r.token_times)) if g > code.tbt]
         if calibrate:
             assert plan_lm.factor == pytest.approx(slowdown)
-        return len(when), when
+        return len(when), when, sum(record_from_request(r).slo_met for r in codes)
 
     for slowdown in (1.3, 1.6):
-        plain, _ = late_gaps(slowdown, False)
-        calibrated, when = late_gaps(slowdown, True)
-        assert plain > 80, plain  # of 252 gaps
-        assert calibrated < 25 and max(when) < 2.0, (calibrated, when)  # only while it learns (runs ~10 s)
-    assert late_gaps(1.0, True)[0] == late_gaps(1.0, False)[0] == 0  # an exact profile: nothing changes
+        plain, _, plain_met = late_gaps(slowdown, False)
+        calibrated, when, calibrated_met = late_gaps(slowdown, True)
+        assert plain > 30 and plain_met == 0, (plain, plain_met)  # of 252 gaps
+        assert calibrated <= 4 and max(when) < 1.0 and calibrated_met >= 3, (calibrated, when, calibrated_met)
+    assert late_gaps(1.0, True)[:2] == late_gaps(1.0, False)[:2] == (0, [])  # an exact profile: nothing changes
 
 
 def test_timing_spread_is_the_high_quantile_over_the_factor_with_a_prior():
