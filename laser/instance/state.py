@@ -60,7 +60,7 @@ def decode_increment(instance_id: int, sched, latency_model, num_layers: int, in
         return LatencyIncrement(instance_id, info.req_id, math.inf, reason="memory",
                                 num_requests=n_req, used_blocks=used)
     plans = getattr(sched, "plans", {})
-    factor = sched.tg_margin if hasattr(sched, "tg_margin") else 1.0
+    factor = sched.planning_margin() if hasattr(sched, "planning_margin") else 1.0  # what its Alg. 1 plans to
     me = DecodeCandidate(info.req_id, info.prompt_len + 1, _slo(info.ttft, info.tbt))
     inc = latency_increment(latency_model, num_layers, getattr(sched, "iteration", 0), decoding + cands, plans, me,
                             factor, getattr(sched, "decode_memo", None))
