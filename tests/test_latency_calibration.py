@@ -79,19 +79,23 @@ def test_a_machine_slower_than_its_profile_breaks_tbt_unless_laser_calibrates():
     iteration to 90 % of the code class's 0.2 s TBT in the profile's time and breaks it in
     most iterations once best-effort prefills share them; calibrated online (the factor learnt
     from the simulated steps, as a real instance learns it from wall time) it holds the target
-    after a warm-up of a few steps."""
+    after a warm-up of a few steps. A 64-token stream's SLO is lost at its second gap over
+    target, and Laser then stops holding T_g for it (nothing left to keep): the warm-up here is
+    2 steps (the default 8 cost every stream two gaps -- on a server the factor is learnt from
+    the traffic before), and the streams are judged on their SLO."""
     import numpy as np
 
     from laser.config import SchedulerConfig
     from laser.latency import ScaledLatencyModel
+    from laser.metrics import record_from_request
     from laser.request import SLO, Request
     from laser.sim import SimInstance
 
     lm = SimpleLatencyModel(num_layers=30, per_layer=1.0e-3, per_token=3.6e-5, per_context=2e-8)
     code, best = SLO(ttft=0.5, tbt=0.2, name="code"), SLO(name="best_effort")
 
-    def late_gaps(slowdown: float, calibrate: bool) -> tuple[int, list[float]]:
-        plan_lm = CalibratedLatencyModel(lm) if calibrate else lm
+    def late_gaps(slowdown: float, calibrate: bool) -> tuple[int, list[float], int]:
+        plan_lm = CalibratedLatencyModel(lm, min_steps=2) if calibrate else lm
         sim = SimInstance("laser", 30, plan_lm, SchedulerConfig(policy="laser"),
                           machine_model=ScaledLatencyModel(lm, slowdown))
         sp = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
@@ -104,14 +108,14 @@ def test_a_machine_slower_than_its_profile_breaks_tbt_unless_laser_calibrates():
         when = [t for r in codes for t, g in zip(r.token_times[1:], np.diff(r.token_times)) if g > code.tbt]
         if calibrate:
             assert plan_lm.factor == pytest.approx(slowdown)
-        return len(when), when
+        return len(when), when, sum(record_from_request(r).slo_met for r in codes)
 
     for slowdown in (1.3, 1.6):
-        plain, _ = late_gaps(slowdown, False)
-        calibrated, when = late_gaps(slowdown, True)
-        assert plain > 80, plain  # of 252 gaps
-        assert calibrated < 25 and max(when) < 2.0, (calibrated, when)  # only while it learns (runs ~10 s)
-    assert late_gaps(1.0, True)[0] == late_gaps(1.0, False)[0] == 0  # an exact profile: nothing changes
+        plain, _, plain_met = late_gaps(slowdown, False)
+        calibrated, when, calibrated_met = late_gaps(slowdown, True)
+        assert plain > 30 and plain_met == 0, (plain, plain_met)  # of 252 gaps
+        assert calibrated <= 4 and max(when) < 1.0 and calibrated_met >= 3, (calibrated, when, calibrated_met)
+    assert late_gaps(1.0, True)[:2] == late_gaps(1.0, False)[:2] == (0, [])  # an exact profile: nothing changes
 
 
 def test_timing_spread_is_the_high_quantile_over_the_factor_with_a_prior():
@@ -178,3 +182,48 @@ def test_laser_widens_its_margins_on_a_machine_whose_steps_jitter():
         assert fixed >= 5, fixed  # of 252 gaps
         assert widened == 0, widened
         assert end_widened < 1.1 * end_fixed
+
+
+def test_alg1_plans_decode_iterations_to_the_margin_widened_by_the_timing_spread():
+    """Simulated: the jittery machine of the test above (one step in ten 12-30 % over), decode
+    only -- a code stream (0.1 s TBT) and ten chat streams (0.4 s) that Alg. 1 cuts to fit
+    T_g. The spread divided the prefill budget's margin only; Alg. 1 still planned the decode
+    iterations to 90 % of T_g, so every slow step broke the code stream's gap (11-28 of 299
+    gaps over, its SLO lost), as it does on a decode instance, where there is no prefill
+    budget at all. Its plans follow the widened margin too: no gap over, every SLO met."""
+    import random
+
+    import numpy as np
+
+    from laser.block_manager import BlockManager
+    from laser.config import SchedulerConfig
+    from laser.intermediate_cache import IntermediateCache
+    from laser.latency import ScaledLatencyModel
+    from laser.metrics import record_from_request
+    from laser.request import SLO, Request
+    from laser.scheduler.laser import LaserScheduler
+    from laser.sim import SimInstance
+
+    lm = SimpleLatencyModel(num_layers=30, per_layer=1.0e-3, per_token=3.6e-4, per_context=2e-8)
+    code, chat = SLO(ttft=5.0, tbt=0.1, name="code"), SLO(ttft=5.0, tbt=0.4, name="chat")
+    machine = ScaledLatencyModel(lm, 1.0)
+    rng = random.Random(7)
+
+    def jitter():
+        machine.factor = rng.uniform(1.12, 1.3) if rng.random() < 0.1 else rng.uniform(0.95, 1.02)
+
+    plan_lm = CalibratedLatencyModel(lm)
+    sim = SimInstance("laser", 30, plan_lm, SchedulerConfig(policy="laser"), machine_model=machine)
+    sp = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+    streams = [Request([7] * 16, sp, code, arrival_time=0.0, req_id="code")]
+    streams += [Request([7] * 16, sp, chat, arrival_time=0.0, req_id=f"chat{k}") for k in range(10)]
+    for r in streams:
+        sim.submit(r)
+    sim.run(max_steps=2_000_000, before_step=jitter)
+    sim.check_integrity(expect_empty=True)
+    assert plan_lm.timing_spread() > 1.1
+    assert int((np.diff(streams[0].token_times) > code.tbt).sum()) == 0
+    assert all(record_from_request(r).slo_met for r in streams)
+    decode = LaserScheduler(SchedulerConfig(policy="laser", role="decode"), 30, BlockManager(30, 64, 16),
+                            IntermediateCache(1024), plan_lm)
+    assert decode.plan_target_factor() == pytest.approx(decode.tg_margin / plan_lm.timing_spread())

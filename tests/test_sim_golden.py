@@ -106,7 +106,7 @@ GOLDEN = {
     "small-2P2D-distserve": "9697e0b63f128459",
     "small-2P2D-laser": "d39aa6f8875ac45c",
     "small-3M-colocated": "a31f6d6f730862f5",
-    "tight-2P2D-laser-2000": "072b6ba0e7bb3de7",
+    "tight-2P2D-laser-2000": "1cd4dd3fcbb42442",
     "tight-2P2D-laser-800": "6d9987270beb6adf",
 }
 

@@ -60,7 +60,7 @@ def decode_increment(instance_id: int, sched, latency_model, num_layers: int, in
         return LatencyIncrement(instance_id, info.req_id, math.inf, reason="memory",
                                 num_requests=n_req, used_blocks=used)
     plans = getattr(sched, "plans", {})
-    factor = sched.tg_margin if hasattr(sched, "tg_margin") else 1.0
+    factor = sched.planning_margin() if hasattr(sched, "planning_margin") else 1.0  # what its Alg. 1 plans to
     me = DecodeCandidate(info.req_id, info.prompt_len + 1, _slo(info.ttft, info.tbt))
     inc = latency_increment(latency_model, num_layers, getattr(sched, "iteration", 0), decoding + cands, plans, me,
                             factor, getattr(sched, "decode_memo", None))
@@ -111,8 +111,10 @@ def migration_victim(sched, latency_model, num_layers: int,
     slo = t_g != math.inf and last is not None and last > t_g  # cheap pre-check of the T_g trigger
     memo = getattr(sched, "decode_memo", None)
     # (a level given up: a request with a tighter target than T_g, reachable alone; the scan is
-    # skipped while T_g holds the tightest target on the instance)
-    given_up = (not slo and last is not None
+    # skipped while T_g holds the tightest target on the instance, and while T_g is inf: no
+    # target at all, none reachable, or no decoding request with an SLO left (the scheduler
+    # released T_g; moving a lost request saves nobody))
+    given_up = (not slo and last is not None and t_g != math.inf
                 and any(r.slo.tbt is not None and r.slo.tbt < t_g and last > r.slo.tbt for r in sched.running)
                 and level_given_up(latency_model, sched.decoding(), t_g, memo))
     slo = slo or given_up

@@ -359,7 +359,7 @@ class LaserScheduler(LaserPrefill, Scheduler):
             # priced alone the decode batch is weight-bound and no plan was ever reduced)
             _, rate = self._prefill_demand(self.clock())
             self.plans, self.t_g, _ = exec_plan(self.lm, self.num_layers, self.iteration, decoding, self.plans,
-                                                self.tg_margin, self.decode_memo, rate,
+                                                self.planning_margin(), self.decode_memo, rate,
                                                 self.config.max_num_batched_tokens)
         else:
             self.plans, self.t_g, _ = exec_plan(self.lm, self.num_layers, self.iteration, decoding, self.plans,
@@ -377,15 +377,22 @@ class LaserScheduler(LaserPrefill, Scheduler):
         (the offline case of issue 16: a batch submitted at once misses every first token)."""
         return all(r.slo.tbt is None or r.ttft_missed or r.p99_tbt_broken or r.tbt_infeasible for r in decoding)
 
+    def planning_margin(self) -> float:
+        """Fraction of T_g that iterations are planned to: ``tg_margin`` over the latency model's
+        measured :meth:`~laser.latency.LatencyModel.timing_spread` (1.0 in the simulator), so
+        that a step running over its prediction in the worst few percent of steps still fits
+        T_g -- for Alg. 1's decode plans as for the prefill budget (:meth:`_iteration_limit`)."""
+        return self.tg_margin / self.lm.timing_spread()
+
     def plan_target_factor(self) -> float:
         """Fraction of T_g that the controller's Alg. 1 prices (``instance/state.py``) plan
-        decode iterations to: ``tg_margin``, less the share of each iteration that the pending
+        decode iterations to: :meth:`planning_margin`, less the share of each iteration that the pending
         prefills need to meet their deadlines on a mixed instance
         (:meth:`_prefill_share_needed`, at most ``max_prefill_share``). The scheduler's own
         replans on a mixed instance price the merged iteration instead (:meth:`_replan`)."""
         if self.config.role != "mixed":
-            return self.tg_margin
-        return self.tg_margin * (1.0 - min(self.max_prefill_share, self._prefill_share_needed(self.clock())))
+            return self.planning_margin()
+        return self.planning_margin() * (1.0 - min(self.max_prefill_share, self._prefill_share_needed(self.clock())))
 
     def _iteration_limit(self, now: float, decode_time: float) -> float:
         """Seconds this iteration may take so that every decoding request still gets its
@@ -401,7 +408,7 @@ class LaserScheduler(LaserPrefill, Scheduler):
         already (its share, even without the margin, is below ``decode_time``, this
         iteration's decode seconds) do not limit it; one that makes it only without the
         margin gets an iteration of decode work alone."""
-        margin = self.tg_margin / self.lm.timing_spread()  # a jittery machine: a wider margin
+        margin = self.planning_margin()  # a jittery machine: a wider margin
         limit = self.t_g * margin
         n = self.num_layers
         for r in self._tg_held():
