@@ -63,7 +63,8 @@ def run(name: str, policy: str, args, slos: SLOClasses, profile: str | None) -> 
         sc["stream"] = sc["stream"][:-1] + [(2.0, args.long_prompt, "summarization", 8)]
     cache = CacheConfig(num_blocks=sc["kv_tokens"] // 16, block_size=16) if sc["kv_tokens"] else CacheConfig()
     eng = Engine(None, policy=policy, dtype=args.dtype, cache=cache, slo_classes=slos,
-                 scheduler=SchedulerConfig(policy=policy, **sc["config"]), latency_profile=profile)
+                 scheduler=SchedulerConfig(policy=policy, **sc["config"]), latency_profile=profile,
+                 jitter_margin=args.jitter_margin)
     stream = [TimedRequest(t, ids(n, k), sp(m), cls, req_id=f"{name}-{cls}-{k}")
               for k, (t, n, cls, m) in enumerate(sc["stream"])]
     reqs = run_online(eng, stream, timeout_s=args.timeout)
@@ -91,6 +92,8 @@ def main() -> None:
     ap.add_argument("--long-prompt", type=int, default=2000,
                     help="prompt tokens of the long scenario's summarization request (the issue's 2,000 need "
                          "~2.2 s alone on its CPU; pick the length that takes as long alone on a slower one)")
+    ap.add_argument("--jitter-margin", action="store_true",
+                    help="Laser's margins divided by the measured timing spread (as `laser serve --jitter-margin`)")
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--json")
     args = ap.parse_args()

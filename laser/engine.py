@@ -82,6 +82,10 @@ class Engine(ModelInstance):
         latency_calibration: plan with the loaded (or estimated) model scaled by how the
             machine runs now (:class:`~laser.latency.calibrated.CalibratedLatencyModel`,
             default True); a ``latency_model`` given here is used as it is.
+        jitter_margin: with the calibration, divide Laser's planning margins by the measured
+            timing spread of the steps (:meth:`CalibratedLatencyModel.timing_spread
+            <laser.latency.calibrated.CalibratedLatencyModel.timing_spread>`, its 98th percentile
+            over the factor): fewer TBT misses on a jittery machine, less prefill per iteration.
         clock: time source in seconds (monotonic by default).
         seed: seed of the shared sampling generator.
     Raises:

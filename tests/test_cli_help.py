@@ -46,7 +46,7 @@ def test_profile_help_says_what_latency_profile_does_there():
     lp = next(a for a in p._actions if a.dest == "latency_profile")
     assert "--output" in lp.help and "used as is" not in lp.help
     hidden = {a.dest for a in p._actions if a.help == argparse.SUPPRESS}
-    assert {"policy", "latency_calibration"} <= hidden  # measure nothing different
+    assert {"policy", "latency_calibration", "jitter_margin"} <= hidden  # measure nothing different
     assert p.parse_args(["--latency-profile", "x.json"]).latency_profile == "x.json"  # still accepted
 
 

@@ -122,6 +122,10 @@ def test_timing_spread_is_the_high_quantile_over_the_factor_with_a_prior():
     m = CalibratedLatencyModel(LM, window=50, quantile=0.8, min_steps=4, spread_quantile=0.98, max_spread=1.5,
                                prior_spread=1.1)
     assert LM.timing_spread() == 1.0  # a model that is the clock (the simulator's) has no spread
+    off = CalibratedLatencyModel(LM, min_steps=1)  # the default: fixed margins (spread not measured)
+    for r in (1.0, 1.0, 1.5):
+        off.observe(1.0, r)
+    assert off.timing_spread() == 1.0
     assert m.timing_spread() == 1.1  # nothing measured yet: the prior
     for r in [1.0] * 45 + [1.25] * 5:  # 10 % of the steps 25 % over
         m.observe(1.0, r)
@@ -136,7 +140,7 @@ def test_timing_spread_is_the_high_quantile_over_the_factor_with_a_prior():
     for kw in (dict(spread_quantile=0.5), dict(spread_quantile=1.1), dict(prior_spread=0.9),
                dict(prior_spread=2.0), dict(max_spread=0.9)):
         with pytest.raises(ValueError):
-            CalibratedLatencyModel(LM, **kw)
+            CalibratedLatencyModel(LM, **{"spread_quantile": 0.98, **kw})
 
 
 def test_laser_widens_its_margins_on_a_machine_whose_steps_jitter():
@@ -177,8 +181,8 @@ def test_laser_widens_its_margins_on_a_machine_whose_steps_jitter():
         return over, max(r.token_times[-1] for r in bests)
 
     for seed in (7, 8):
-        fixed, end_fixed = run(CalibratedLatencyModel(lm, max_spread=1.0, prior_spread=1.0), seed)
-        widened, end_widened = run(CalibratedLatencyModel(lm), seed)
+        fixed, end_fixed = run(CalibratedLatencyModel(lm), seed)  # the default
+        widened, end_widened = run(CalibratedLatencyModel(lm, spread_quantile=0.98), seed)  # --jitter-margin
         assert fixed >= 5, fixed  # of 252 gaps
         assert widened == 0, widened
         assert end_widened < 1.1 * end_fixed
@@ -212,7 +216,7 @@ def test_alg1_plans_decode_iterations_to_the_margin_widened_by_the_timing_spread
     def jitter():
         machine.factor = rng.uniform(1.12, 1.3) if rng.random() < 0.1 else rng.uniform(0.95, 1.02)
 
-    plan_lm = CalibratedLatencyModel(lm)
+    plan_lm = CalibratedLatencyModel(lm, spread_quantile=0.98)  # --jitter-margin
     sim = SimInstance("laser", 30, plan_lm, SchedulerConfig(policy="laser"), machine_model=machine)
     sp = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
     streams = [Request([7] * 16, sp, code, arrival_time=0.0, req_id="code")]

@@ -52,6 +52,7 @@ class ModelInstance:
         max_model_len: int | None = None,
         extra_eos_ids: tuple[int, ...] = (),
         latency_calibration: bool = True,
+        jitter_margin: bool = False,
     ):
         path = resolve_model(model)
         self.model_path = path
@@ -73,7 +74,7 @@ class ModelInstance:
         if latency_model is None:
             latency_model = self._load_latency_model(latency_profile)
             if latency_calibration:
-                latency_model = CalibratedLatencyModel(latency_model)
+                latency_model = CalibratedLatencyModel(latency_model, spread_quantile=0.98 if jitter_margin else None)
         self.latency_model = latency_model
         self.clock = clock
         self.max_model_len = resolve_max_model_len(

@@ -14,7 +14,10 @@ cover are what :meth:`CalibratedLatencyModel.timing_spread` measures: the ``spre
 ratio over the factor, by which the scheduler divides its planning margins -- a request with
 16 tokens may not have a single gap over its TBT target (its P99 is its worst gap), and a
 host that runs 20 % of its steps 10-20 % over the calibrated prediction (seen on a VM: a
-0.36 s plan for a 0.4 s TBT ran 0.43 s) breaks a fixed 10 % margin. It starts at 1.0, moves
+0.36 s plan for a 0.4 s TBT ran 0.43 s) breaks a fixed 10 % margin. It is opt-in
+(``spread_quantile``; ``laser serve --jitter-margin``): a wider margin leaves prefill less of
+every iteration, and on a mixed workload that costs more TTFT misses than the TBT misses it
+saves (docs/benchmarks.md, "Margins that follow the machine's timing spread"). It starts at 1.0, moves
 only after ``min_steps`` observations, and stays in ``[lo, hi]``. Steps that a stop cut
 short are not observed (their prediction was for the whole plan). The simulator never uses
 it unless asked (``SimInstance(latency_model=CalibratedLatencyModel(m),
@@ -87,7 +90,9 @@ class CalibratedLatencyModel(ScaledLatencyModel):
         min_steps: observations before the factor leaves 1.0.
         lo, hi: bounds of the factor.
         spread_quantile, max_spread, prior_spread: :meth:`timing_spread`'s quantile of the
-            ratios, its upper bound, and its value before ``min_steps`` observations.
+            ratios (None, the default: no spread, margins stay fixed; 0.98 is what
+            ``--jitter-margin`` sets), its upper bound, and its value before ``min_steps``
+            observations.
     Raises:
         ValueError: for a window or min_steps below 1, a quantile outside (0, 1], bounds
             that do not satisfy ``0 < lo <= 1 <= hi``, a spread quantile below the quantile
@@ -95,16 +100,17 @@ class CalibratedLatencyModel(ScaledLatencyModel):
     """
 
     def __init__(self, inner: LatencyModel, window: int = 64, quantile: float = 0.8, min_steps: int = 8,
-                 lo: float = 0.5, hi: float = 4.0, spread_quantile: float = 0.98, max_spread: float = 1.5,
+                 lo: float = 0.5, hi: float = 4.0, spread_quantile: float | None = None, max_spread: float = 1.5,
                  prior_spread: float = 1.1):
         if window < 1 or min_steps < 1 or not 0.0 < quantile <= 1.0 or not 0.0 < lo <= 1.0 <= hi:
             raise ValueError("need window >= 1, min_steps >= 1, 0 < quantile <= 1 and 0 < lo <= 1 <= hi")
-        if not quantile <= spread_quantile <= 1.0 or not 1.0 <= prior_spread <= max_spread:
+        if spread_quantile is not None and (not quantile <= spread_quantile <= 1.0
+                                            or not 1.0 <= prior_spread <= max_spread):
             raise ValueError("need quantile <= spread_quantile <= 1 and 1 <= prior_spread <= max_spread")
         super().__init__(inner, 1.0)
         self.quantile, self.min_steps, self.lo, self.hi = quantile, min_steps, lo, hi
         self.spread_quantile, self.max_spread = spread_quantile, max_spread
-        self._spread = prior_spread
+        self._spread = prior_spread if spread_quantile is not None else 1.0
         self.ratios: deque[float] = deque(maxlen=window)
         self.observed = 0  # steps observed in all
 
@@ -118,12 +124,14 @@ class CalibratedLatencyModel(ScaledLatencyModel):
         self.observed += 1
         if len(self.ratios) >= self.min_steps:
             self.factor = min(self.hi, max(self.lo, self.ratio_quantile(self.quantile)))
-            self._spread = min(self.max_spread, max(1.0, self.ratio_quantile(self.spread_quantile) / self.factor))
+            if self.spread_quantile is not None:
+                self._spread = min(self.max_spread, max(1.0, self.ratio_quantile(self.spread_quantile) / self.factor))
 
     def timing_spread(self) -> float:
         """``spread_quantile`` of the remembered measured / predicted ratios over :attr:`factor`,
         within ``[1, max_spread]``: how far over its calibrated prediction a step runs in the
-        worst ``1 - spread_quantile`` of steps. ``prior_spread`` until ``min_steps``
+        worst ``1 - spread_quantile`` of steps; always 1.0 without a ``spread_quantile`` (the
+        default: the fixed margins). ``prior_spread`` until ``min_steps``
         observations: what a quiet 2-vCPU VM showed (AVX2 EPYC, fp32; 68 steps of the
         KV-pressure scenario: measured / predicted P95 1.12, P80 1.04, max 1.37)."""
         return self._spread
