@@ -42,7 +42,7 @@ def test_the_factor_is_the_quantile_of_recent_ratios_within_bounds():
 
 def test_bad_parameters_are_refused():
     for kw in (dict(window=0), dict(min_steps=0), dict(quantile=0.0), dict(quantile=1.5), dict(lo=1.5),
-               dict(hi=0.9)):
+               dict(hi=0.9), dict(window=4, min_steps=8)):
         with pytest.raises(ValueError):
             CalibratedLatencyModel(LM, **kw)
 

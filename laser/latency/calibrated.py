@@ -94,7 +94,7 @@ class CalibratedLatencyModel(ScaledLatencyModel):
             ``--jitter-margin`` sets), its upper bound, and its value before ``min_steps``
             observations.
     Raises:
-        ValueError: for a window or min_steps below 1, a quantile outside (0, 1], bounds
+        ValueError: for a window or min_steps below 1, min_steps above the window, a quantile outside (0, 1], bounds
             that do not satisfy ``0 < lo <= 1 <= hi``, a spread quantile below the quantile
             or above 1, or a prior spread outside ``[1, max_spread]``.
     """
@@ -104,6 +104,8 @@ class CalibratedLatencyModel(ScaledLatencyModel):
                  prior_spread: float = 1.1):
         if window < 1 or min_steps < 1 or not 0.0 < quantile <= 1.0 or not 0.0 < lo <= 1.0 <= hi:
             raise ValueError("need window >= 1, min_steps >= 1, 0 < quantile <= 1 and 0 < lo <= 1 <= hi")
+        if min_steps > window:  # the window would never hold min_steps ratios: the factor would never move
+            raise ValueError(f"need min_steps <= window, got min_steps={min_steps} > window={window}")
         if spread_quantile is not None and (not quantile <= spread_quantile <= 1.0
                                             or not 1.0 <= prior_spread <= max_spread):
             raise ValueError("need quantile <= spread_quantile <= 1 and 1 <= prior_spread <= max_spread")
