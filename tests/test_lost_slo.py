@@ -218,3 +218,38 @@ def test_one_gap_over_target_does_not_give_up_a_request_whose_p99_can_still_hold
     assert slo_met(stream), sorted(np.diff(stream.token_times))[-3:]
     stream.num_tbt_misses = 2  # two gaps over: the P99 is over, whatever the gaps
     assert stream.p99_tbt_broken
+
+
+def test_t_g_is_released_in_the_step_after_the_last_savable_request_loses_its_p99():
+    """A code stream (64 tokens: its P99 TBT is lost at its second gap over 0.2 s) decodes beside
+    best-effort prefills on a machine 1.6x slower than the profile Laser plans with (no
+    calibration): its gaps run over, and once its P99 is broken nothing is left to keep. The
+    next step already plans with T_g released (before: T_g was held until some other event --
+    an arrival, a finish -- made Laser replan)."""
+    from laser.latency import ScaledLatencyModel
+
+    lm = SimpleLatencyModel(num_layers=N, per_layer=1.0e-3, per_token=3.6e-5, per_context=2e-8)
+    code = SLO(ttft=0.5, tbt=0.2, name="code")
+    sim = SimInstance("laser", N, lm, SchedulerConfig(policy="laser"), machine_model=ScaledLatencyModel(lm, 1.6))
+    stream = req(64, 0.0, code, 64, "code")
+    sim.submit(stream)
+    for k in range(3):
+        sim.submit(req(3000, 0.3, SLO(name="best_effort"), 4, f"b{k}"))
+    sched = sim.scheduler
+    broken_at = None
+    for _ in range(100_000):
+        if not sim.has_unfinished() and sim.next_event() == float("inf"):
+            break
+        sim._release()
+        if not sim.has_unfinished():
+            sim.clock.t = sim.next_event()
+            continue
+        plan = sim.begin_step()
+        if broken_at is not None and stream.phase.name == "DECODE":
+            assert sched.t_g == float("inf"), "T_g still held after the stream's P99 broke"
+            break
+        if plan:
+            sim.finish_step(plan)
+        if broken_at is None and stream.p99_tbt_broken:
+            broken_at = stream.num_output_tokens
+    assert broken_at is not None and broken_at < 64, "the scenario must break the stream's P99 mid-stream"

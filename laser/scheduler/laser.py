@@ -69,6 +69,7 @@ class LaserScheduler(LaserPrefill, Scheduler):
         self.decode_memo = DecodeMemo(self.lm)  # Alg. 1 / Alg. 2 prices (this scheduler's and its increments')
         self.iteration = 0
         self._given_up: set[str] = set()  # ids of prefills Moore-Hodgson's rule gave up (until they finish)
+        self._p99_lost: set[str] = set()  # ids of decoding requests seen with their P99 TBT broken
         self.replan_needed = False
         self.num_replans = 0
         self.num_steady_steps = 0  # steps built by _steady_decode_plan
@@ -167,6 +168,7 @@ class LaserScheduler(LaserPrefill, Scheduler):
 
     def on_finish(self, req: Request) -> None:
         self._given_up.discard(req.req_id)
+        self._p99_lost.discard(req.req_id)
         if self.plans.pop(req.req_id, None) is not None or req.phase == Phase.DECODE:
             self.replan_needed = True
 
@@ -303,6 +305,9 @@ class LaserScheduler(LaserPrefill, Scheduler):
         for req in out:
             if req.num_output_tokens == 1 and req.req_id not in self.plans:
                 self.replan_needed = True  # a new decode request
+            elif req.num_tbt_misses and req.req_id not in self._p99_lost and req.p99_tbt_broken:
+                self._p99_lost.add(req.req_id)
+                self.replan_needed = True  # it has nothing left to keep: T_g may be released
         return out
 
     # -- decode (§6.2) -------------------------------------------------------------------------
