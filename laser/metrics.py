@@ -24,9 +24,7 @@ from typing import Iterable
 
 import numpy as np
 
-# Slack for float comparisons against SLO targets: a TTFT computed as 1.25 - 1.0 may come
-# out a few ulps above 0.25. One nanosecond is far below any measurable latency.
-SLO_EPS = 1e-9
+from .request import SLO_EPS  # the one tolerance of "within its target" (laser.request)
 
 # Percentile interpolation used for every P50/P99 here: numpy's default "linear" method
 # (the value at fractional rank q·(n−1), interpolated between neighbours). Same as

@@ -30,7 +30,7 @@ from ..block_manager import BlockManager
 from ..config import SchedulerConfig
 from ..intermediate_cache import IntermediateCache
 from ..plan import StepPlan, Work
-from ..request import Phase, Request
+from ..request import SLO_EPS, Phase, Request
 
 
 class Scheduler(ABC):
@@ -328,7 +328,7 @@ class Scheduler(ABC):
                 if w.sample:
                     req.output_token_ids.append(sampled[w.req_id])
                     times, tbt = req.token_times, req.slo.tbt
-                    if times and tbt is not None and now - times[-1] > tbt:
+                    if times and tbt is not None and now - times[-1] > tbt + SLO_EPS:  # (as laser.metrics)
                         req.num_tbt_misses += 1
                     times.append(now)
                     req.phase = Phase.DECODE
