@@ -119,7 +119,8 @@ class LatencyModel:
         """How much longer than predicted a step may run in the worst few percent of steps
         (dimensionless, >= 1): planning margins are divided by it. 1.0 for a model whose
         predictions are the clock itself (the simulator's); a model calibrated on a real
-        machine measures it (:meth:`~laser.latency.calibrated.CalibratedLatencyModel.timing_spread`)."""
+        machine measures it when asked to (``--jitter-margin``:
+        :meth:`~laser.latency.calibrated.CalibratedLatencyModel.timing_spread`)."""
         return 1.0
 
     # -- primitives (override) --------------------------------------------------------

@@ -384,7 +384,7 @@ class LaserScheduler(LaserPrefill, Scheduler):
 
     def planning_margin(self) -> float:
         """Fraction of T_g that iterations are planned to: ``tg_margin`` over the latency model's
-        measured :meth:`~laser.latency.LatencyModel.timing_spread` (1.0 in the simulator), so
+        measured :meth:`~laser.latency.LatencyModel.timing_spread` (1.0 unless ``--jitter-margin``), so
         that a step running over its prediction in the worst few percent of steps still fits
         T_g -- for Alg. 1's decode plans as for the prefill budget (:meth:`_iteration_limit`)."""
         return self.tg_margin / self.lm.timing_spread()
@@ -401,8 +401,7 @@ class LaserScheduler(LaserPrefill, Scheduler):
 
     def _iteration_limit(self, now: float, decode_time: float) -> float:
         """Seconds this iteration may take so that every decoding request still gets its
-        token within its TBT target: ``tg_margin * T_g`` (the margin divided by the latency
-        model's measured :meth:`~laser.latency.LatencyModel.timing_spread` on a real machine), or less when a request's current
+        token within its TBT target: :meth:`planning_margin` ``* T_g``, or less when a request's current
         token gap is already partly spent -- request r with ``g`` iterations left before its
         token (waiting for its next group's turn in Alg. 1's cycle, then its remaining groups) and ``s`` seconds left of its gap may take ``(s - (1 -
         tg_margin) * TBT_r) / g`` (its TBT slack spread over its remaining iterations).

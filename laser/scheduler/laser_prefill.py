@@ -26,8 +26,8 @@ class LaserPrefill:
     #: first token to at most this fraction of its target (as ``tg_margin`` for T_g): the
     #: merge plans to the model's prediction, and a step that runs 10-15 % over it must not
     #: turn a deadline planned to the last millisecond into a miss. The request itself is
-    #: admitted when it meets its full deadline. On a real machine the margin is divided by
-    #: the latency model's measured ``timing_spread()`` (steps that run over their prediction).
+    #: admitted when it meets its full deadline. With ``--jitter-margin`` the margin is divided
+    #: by the latency model's measured ``timing_spread()`` (steps that run over their prediction).
     ttft_margin = 0.9
     #: Smallest prefill chunk worth a layer call (tokens).
     min_chunk = 16
