@@ -80,6 +80,13 @@ def sim_model_name(s: str) -> str:
     return s.lower()
 
 
+def add_sim_model_arg(p) -> None:
+    """``--sim-model`` (a paper-scale model shape, :func:`sim_model_name`), as ``laser bench``
+    and ``laser plan`` take it."""
+    p.add_argument("--sim-model", type=sim_model_name, default="qwen2.5-14b",
+                   help="paper-scale model shape (qwen2.5-14b/32b, llama-3-70b; default %(default)s)")
+
+
 def _floats(s: str) -> list[float]:
     return [float(x) for x in s.split(",") if x.strip()]
 
@@ -209,8 +216,7 @@ def register(subparsers) -> None:
     c.add_argument("--controller", default=None,
                    help="comma list of controllers (laser, distserve, colocated, colocated-laser, round_robin); "
                         "default laser,distserve,colocated")
-    c.add_argument("--sim-model", type=sim_model_name, default="qwen2.5-14b",
-                   help="paper-scale model shape (qwen2.5-14b/32b, llama-3-70b; default %(default)s)")
+    add_sim_model_arg(c)
     c.add_argument("--sim-tp", type=int, default=None, help="GPUs per instance (default as in the paper: 1/2/4)")
     c.add_argument("--msg-delay-ms", type=float, default=1.0,
                    help="controller<->instance message delay, ms (default %(default)s)")

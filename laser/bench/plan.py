@@ -27,7 +27,7 @@ from laser.bench.cluster import TABLE1
 from laser.metrics import record_from_request
 from laser.request import SLO, Request, SamplingParams
 # parse_mix: the planner's --mix (and its callers')
-from laser.bench.args import fraction, parse_mix, sim_hardware_name, sim_model_name  # noqa: F401
+from laser.bench.args import add_sim_model_arg, fraction, parse_mix, sim_hardware_name
 
 #: Paper Table 1 SLOs per class: (TTFT s, TBT s).
 TABLE1_SLO = {"chat": (0.25, 0.1), "code": (0.125, 0.05), "summarization": (2.0, 0.2)}
@@ -196,8 +196,7 @@ def register(sub) -> None:
                    help="chat:code:summarization weights (ShareGPT:HumanEval:LongBench; default %(default)s)")
     p.add_argument("--controller", default="laser",
                    help="controller (laser, distserve, colocated, colocated-laser, round_robin; default %(default)s)")
-    p.add_argument("--sim-model", type=sim_model_name, default="qwen2.5-14b",
-                   help="paper-scale model shape (qwen2.5-14b/32b, llama-3-70b; default %(default)s)")
+    add_sim_model_arg(p)
     p.add_argument("--sim-hardware", type=sim_hardware_name, default="a100", help="hardware table entry (a100, h100, ...; default %(default)s)")
     p.add_argument("--latency-profile", default=None,
                    help="plan for our own instances from a fitted latency profile (JSON) instead of --sim-model "
