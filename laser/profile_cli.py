@@ -196,14 +196,9 @@ def cmd_profile(args) -> int:
           + (f", {100 * m['clean_fraction']:.0f}% of timed calls clean" if "clean_fraction" in m else "")
           + (f", {100 * m['disturbed_fraction']:.0f}% disturbed (reference calls re-timed up to "
              f"{100 * m.get('max_reference_drift', 0):.0f}% over their best)" if "disturbed_fraction" in m else ""))
-    # A profile measured now was warned about where it was measured (the profiler's log);
-    # one loaded from its file was measured in an earlier run: say it here, once.
+    # A profile measured now was warned about where it was measured (the profiler's log), one
+    # loaded from its file where it was loaded (``load_or_create``): not again here.
     warned = not loaded and disturbed_enough_to_warn(m)
-    if loaded and (m.get("disturbed_fraction", 0) > 0.1 or m.get("dropped_disturbed")):
-        print(f"[laser] warning: {100 * m['disturbed_fraction']:.0f}% of the loaded profile's timed calls ran while "
-              "the machine was slower (another process competing for memory bandwidth or cores)"
-              + (f"; {m['dropped_disturbed']} samples dropped" if m.get("dropped_disturbed") else "")
-              + "; re-run `laser profile` on a quiet machine", file=sys.stderr)
     for line in summary_lines(lm):
         print(line)
     if not args.evaluate:

@@ -335,6 +335,23 @@ def machine_ratio(model: FittedLatencyModel, runner: ModelRunner, repeats: int =
     return float(np.exp(np.mean(logs)))
 
 
+def _warn_if_measured_busy(model: FittedLatencyModel, path) -> None:
+    """Log a warning when a loaded profile says it was measured on a busy machine
+    (:func:`disturbed_enough_to_warn`, or samples dropped as disturbed): every engine start that
+    loads it plans with it, and a profile cached while another job held the CPU (11 % of its
+    timed calls clean on this project's VM) mispredicts steps by up to 1.7x."""
+    m = model.metadata.get("measurement") or {}
+    keys = {"clean_fraction", "disturbed_fraction", "unsettled_cases", "cases"}
+    if not ((keys <= m.keys() and disturbed_enough_to_warn(m)) or m.get("dropped_disturbed")):
+        return
+    log.warning("the loaded profile %s was measured while the machine was busy: %.0f%% of its timed calls clean, "
+                "%.0f%% disturbed (another process competing for memory bandwidth or cores)%s%s; its predictions, "
+                "and SLO planning with them, may be off: re-run `laser profile` on a quiet machine", path,
+                100 * m.get("clean_fraction", 1.0), 100 * m.get("disturbed_fraction", 0.0),
+                f", {m['unsettled_cases']} of {m['cases']} samples unsettled" if keys <= m.keys() else "",
+                f", {m['dropped_disturbed']} samples dropped" if m.get("dropped_disturbed") else "")
+
+
 def load_or_create(engine_or_model_runner, path: str | os.PathLike | None = None, create: bool = True, *,
                    progress: bool | None = None, grid: ProfileGrid | None = None,
                    budget_s: float = 40.0) -> FittedLatencyModel:
@@ -359,6 +376,7 @@ def load_or_create(engine_or_model_runner, path: str | os.PathLike | None = None
     try:
         model = FittedLatencyModel.load(path, **expect)
         log.info("latency profile loaded from %s", path)
+        _warn_if_measured_busy(model, path)
         if not create:
             return model
         ratio = machine_ratio(model, runner)
