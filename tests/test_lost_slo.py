@@ -271,3 +271,22 @@ def test_t_g_is_released_in_the_step_after_the_last_savable_request_loses_its_p9
         if broken_at is None and stream.p99_tbt_broken:
             broken_at = stream.num_output_tokens
     assert broken_at is not None and broken_at < 64, "the scenario must break the stream's P99 mid-stream"
+
+
+def test_a_relaxed_request_gets_the_iterations_its_target_allows_when_t_g_holds():
+    """Alg. 1's ``L = ceil(N*T_g/TBT_r)`` gave a chat stream (120 ms, 2.4 x the code's 50 ms)
+    13 of 30 layers: 3 iterations per token, 3 x 47.2 = 142 ms, though T_g held (47.2 ms). It
+    gets 15 layers, 2 iterations (94 ms); and a target under 2 x T_g (70 ms) is not cut at all
+    (2 iterations of T_g would break it every token). Whole ratios keep the paper's number."""
+    lm = SimpleLatencyModel(num_layers=N, per_layer=1.2e-3, per_token=2e-4)
+    chat = SLO(ttft=0.25, tbt=0.12, name="chat")
+    reqs = [DecodeCandidate("code0", 17, CODE), DecodeCandidate("chat0", 17, chat), DecodeCandidate("chat1", 17, chat)]
+    plans, t_g, load = exec_plan(lm, N, 0, reqs, {})
+    assert t_g == CODE.tbt and load.predict() <= t_g
+    for r in reqs[1:]:
+        assert plans[r.req_id].layers < N and plans[r.req_id].groups(N) * load.predict() <= chat.tbt
+    from laser.scheduler.decode_plan import relaxed_layers  # (after: the check above fails before it)
+
+    assert relaxed_layers(N, 0.05, 0.07) == N
+    assert [relaxed_layers(48, 0.05, t) for t in (0.1, 0.15, 0.2)] == [24, 16, 12]  # as ceil(N*T_g/TBT_r)
+    assert [relaxed_layers(N, 0.05, t) for t in (0.1, 0.2, 0.12)] == [15, 8, 15]

@@ -104,3 +104,19 @@ def test_victim_is_the_request_with_fewest_blocks_that_covers_the_shortfall():
 def test_no_trigger_with_room_and_met_tbt():
     inst = _decode_instance(1000, [100, 200, 300], tbt=1.0)
     assert migration_victim(inst.scheduler, LM, N) is None
+
+
+def test_slo_trigger_prices_a_request_adopted_since_the_last_replan():
+    """A decode request adopted between two steps has no Alg. 1 plan yet (the next step's
+    replan gives it one, at full depth). The SLO trigger priced the instance's plans with it
+    and raised KeyError out of the cluster's migration pass (a 1P1D cluster of summarization
+    streams, AVX2 profile); it is priced at full depth, as Alg. 1 would start it."""
+    inst = _decode_instance(1000, [100, 200, 300], tbt=0.01)
+    sched = inst.scheduler
+    assert not sched.plans  # adopted, not planned yet
+    sched.t_g, sched.last_iteration_s = 0.01, 0.02  # the last iteration ran over T_g
+    v = migration_victim(sched, LM, N)  # the three at full depth: 0.85 ms, within T_g, no move
+    assert v is None
+    sched.t_g = 0.0008  # predicted over it: the victim search runs (Alg. 1 holds the rest to 10 ms)
+    v = migration_victim(sched, LM, N)
+    assert v is not None and v[1] == "slo" and v[0].req_id == "d0"  # two left fit their 10 ms

@@ -250,13 +250,18 @@ def exec_plan(lm: LatencyModel, num_layers: int, iteration: int, decoding: list,
     silent). Alg. 1 plans
     iterations to ``T_g * target_factor`` seconds:
     while too slow, the most relaxed full-depth request drops to ``ceil(N*T_g/SLO_r)``
-    layers per iteration, its first group in the coming iteration
+    layers per iteration (rounded so that its ``ceil(N/L)`` iterations of T_g fit its target:
+    :func:`relaxed_layers`), its first group in the coming iteration
     (:meth:`_LayerLoad.best_offset`); while there is headroom, the strictest reduced request
     is restored to ``L = N`` (reverted and stop if that breaks the target). ``prefill_rate`` (tokens/s, a mixed instance's pending prefill demand):
     every iteration is priced with ``prefill_rate * T_g * target_factor`` prefill tokens
     (rounded up to a multiple of ``PREFILL_QUANTUM``, at most ``max_prefill_tokens``) merged
     into its layer calls (:class:`_LayerLoad`'s ``background``), so Alg. 1 cuts decode
-    layers exactly when the merged iteration would not fit. Returns ``(plans, T_g, load)``;
+    layers exactly when the merged iteration would not fit. When the decode work alone stays
+    over T_g after the relax loop (T_g cannot be held), each reduced request whose token gap
+    ``ceil(N/L) * iteration`` would break ``target_factor`` times its own TBT target gets fewer,
+    longer groups until it fits (:func:`_keep_reduced_within`; our rule, Alg. 1 assumes
+    iterations of T_g). Returns ``(plans, T_g, load)``;
     ``load`` (None when no request has a TBT
     target) prices the returned plans (:meth:`_LayerLoad.predict`, seconds). Pure: the
     input ``plans`` dict is not changed. ``memo``: the caller's :class:`DecodeMemo` of ``lm``
@@ -307,8 +312,7 @@ def _relax_and_restore(load: "_LayerLoad", plans: dict[str, DecodePlan], decodin
         if load.predict() <= target:
             break
         slo = r.slo.tbt_or_inf
-        # (1e-9: N*T_g/SLO_r = 48*0.05/0.1 is 24.000000000000004 in floating point, not 25 layers)
-        L = 1 if slo == math.inf else max(1, math.ceil(n * t_g / slo - 1e-9))  # best effort: 1 layer
+        L = 1 if slo == math.inf else relaxed_layers(n, t_g, slo)  # best effort: 1 layer
         if L >= n:
             continue
         load.remove(plans[r.req_id])
@@ -330,8 +334,21 @@ def _relax_and_restore(load: "_LayerLoad", plans: dict[str, DecodePlan], decodin
         plans[r.req_id] = DecodePlan(n, 0)
 
 
+def relaxed_layers(n: int, t_g: float, tbt: float) -> int:
+    """Layers per iteration Alg. 1's relax loop gives a request with TBT target ``tbt`` (seconds)
+    when iterations are held to ``t_g`` seconds: ``ceil(N / K)`` with ``K = floor(tbt / t_g)``,
+    the most iterations of T_g its token may take. The paper writes ``ceil(N*T_g/TBT_r)``
+    (PPoPP'26 §6.2.2), the same number when ``TBT_r / T_g`` is whole, but a token takes ``ceil(N/L)``
+    whole iterations: for TBT_r = 2.4 T_g on 30 layers its 13 layers made 3 iterations per token
+    (3 x 47 = 142 ms against 120 ms with T_g held), and 1 < TBT_r/T_g < 2 made 2 iterations
+    against a target under 2 T_g (every token late); ``N`` (no cut) when ``K`` is 1. Our rule."""
+    # (1e-9: 0.1 / 0.05 must be 2 iterations, whatever the floating point does)
+    k = max(1, math.floor(tbt / t_g + 1e-9))
+    return ceil_div(n, k)
+
+
 def _keep_reduced_within(load: "_LayerLoad", plans: dict[str, DecodePlan], decoding: list, n: int,
-                         target_factor: float) -> None:
+                         target_factor: float) -> bool:
     """When the iteration stays over T_g after Alg. 1's relax loop (T_g cannot be held:
     its requests plus every looser one at its fewest layers still take longer), a reduced
     request's token takes ``ceil(N/L)`` of these longer iterations, not of T_g ones, and can
