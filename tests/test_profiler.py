@@ -430,3 +430,19 @@ def test_a_cached_profile_measured_on_a_busy_machine_is_flagged_when_loaded(engi
     with caplog.at_level(logging.WARNING, logger="laser.profiler"):
         profiler.load_or_create(engine, path, create=False)
     assert "busy" not in caplog.text
+
+
+def test_a_busy_profile_that_is_re_made_as_stale_is_not_warned_about(engine, fitted, tmp_path, caplog, monkeypatch):
+    """The warning is about the profile the engine plans with: one found stale at start is
+    re-made at once, so advice to re-run `laser profile` on it would be about a discarded file."""
+    fitted.metadata = {**fitted.metadata, "measurement": {**fitted.metadata.get("measurement", {}),
+                                                          "clean_fraction": 0.11, "disturbed_fraction": 0.03,
+                                                          "unsettled_cases": 250, "cases": 251}}
+    path = fitted.save(tmp_path / "busy.json")
+    monkeypatch.setattr(profiler.pipeline, "profile", lambda *a, **k: fitted)
+    for ratio, warned in ((2.3, False), (1.0, True)):
+        monkeypatch.setattr(profiler.pipeline, "machine_ratio", lambda model, runner, r=ratio: r)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="laser.profiler"):
+            profiler.load_or_create(engine, path)
+        assert ("measured while the machine was busy" in caplog.text) == warned, (ratio, caplog.text)

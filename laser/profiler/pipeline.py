@@ -378,12 +378,13 @@ def load_or_create(engine_or_model_runner, path: str | os.PathLike | None = None
     try:
         model = FittedLatencyModel.load(path, **expect)
         log.info("latency profile loaded from %s", path)
-        _warn_if_measured_busy(model, path)
         if not create:
+            _warn_if_measured_busy(model, path)
             return model
         ratio = machine_ratio(model, runner)
         if 1 / STALE_RATIO <= ratio <= STALE_RATIO:
             log.info("latency profile matches this machine now (reference calls at %.2fx its predictions)", ratio)
+            _warn_if_measured_busy(model, path)  # (kept: a stale one is re-made below, nothing to warn of)
             return model
         log.warning("the latency profile in %s predicts this machine %.2fx %s than it runs its reference calls "
                     "now (a profile made on a busier or quieter machine): SLO planning would be wrong -- "
