@@ -668,11 +668,17 @@ def test_sim_hardware_aliases_work_without_cluster():
     AnalyticLatencyModel(ModelShape.preset("smollm2-135m"), sim_hardware_name("a100"))
 
 
-@pytest.mark.parametrize("flag,value", [("--requests", "0"), ("--requests", "-5"), ("--attainment-target", "5")])
+@pytest.mark.parametrize("flag,value", [("--requests", "0"), ("--requests", "-5"), ("--attainment-target", "5"),
+                                        ("--slo-scale", "0"), ("--slo-scale", "-1"), ("--num-blocks", "0"),
+                                        ("--kv-bytes-per-token-layer", "-5"), ("--max-instances", "0")])
 def test_plan_out_of_range_flags_are_usage_errors(flag, value, capsys):
     """``laser plan --requests 0`` simulated empty probes up to 64 instances and concluded 'no
     cluster of up to 64 instances reaches 90%'; ``--attainment-target 5`` 'no cluster ...
-    reaches 500%'. Both are usage errors naming the flag."""
+    reaches 500%'. ``--slo-scale 0`` printed the plan's banner, then failed in the first probe
+    with 'SLO ttft must be a positive number of seconds, got 0.0' (naming no flag);
+    ``--num-blocks 0`` likewise ('num_layers, num_blocks and block_size must be positive');
+    ``--kv-bytes-per-token-layer -5`` simulated KV transfers of negative size; ``--max-instances
+    0`` planned 2 instances. Each is a usage error naming the flag."""
     from laser import cli
 
     with pytest.raises(SystemExit) as e:
