@@ -45,6 +45,17 @@ def positive_float(s: str) -> float:
     return v
 
 
+def non_negative_float(s: str) -> float:
+    """argparse type: a finite number >= 0."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {s!r}") from None
+    if not (v >= 0 and v != float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {s}")
+    return v
+
+
 def add_engine_args(p: argparse.ArgumentParser, policy_default: str = "laser") -> None:
     """Flags shared by every command that builds an engine."""
     p.add_argument("--model", default=None,

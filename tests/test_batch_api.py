@@ -315,3 +315,35 @@ def test_sigkill_mid_batch_then_restart(tiny_llama, tmp_path):
     finally:
         proc.kill()
         proc.wait(10)
+
+
+@pytest.mark.parametrize("body,tokens", [
+    ({"prompt": "Hi", "max_tokens": 4}, 4),
+    ({"prompt": "Hi", "max_tokens": None}, 16),  # null: the endpoint's default, not the rest of the context
+    ({"prompt": "Hi"}, 16),
+    ({"prompt": ["Hi", "Yo"], "max_tokens": 4, "n": 2}, 16),  # 2 prompts x n 2
+    ({"prompt": "Hi", "max_tokens": 0}, 0),  # rejected at once by the endpoint
+    ({"prompt": "Hi", "max_tokens": 1000}, 0),  # past the context: rejected
+    ({"prompt": "Hi", "max_tokens": 4, "n": 0}, 0),
+    ({"max_tokens": 4}, 0),  # no prompt
+])
+def test_work_estimate_prices_lines_as_the_endpoint_runs_them(body, tokens):
+    """A job of one good 2-token line beside one line with ``max_tokens: 0`` (which the endpoint
+    rejects at once) was refused as ``window_infeasible`` for a 10-minute window on SmolLM2: the
+    estimate priced the bad line at the rest of the context (8191 decode tokens, 1737 s). Also
+    ``max_tokens: null`` (the endpoint generates 16) and ``max_tokens`` past the context. Lines
+    are now priced as the endpoint resolves them; a line it rejects costs no decode."""
+    from laser.batch.jobs import max_tokens_of
+
+    assert max_tokens_of(body, "/v1/completions", prompt_tokens=10, max_model_len=256) == tokens
+
+
+def test_work_estimate_of_chat_lines():
+    from laser.batch.jobs import max_tokens_of
+
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert max_tokens_of({"messages": msgs}, "/v1/chat/completions", 10, 256) == 246  # the rest of the context
+    assert max_tokens_of({"messages": msgs, "max_completion_tokens": 3, "max_tokens": 9},
+                         "/v1/chat/completions", 10, 256) == 3
+    assert max_tokens_of({"messages": msgs, "max_tokens": 0}, "/v1/chat/completions", 10, 256) == 0
+    assert max_tokens_of({"messages": []}, "/v1/chat/completions", 10, 256) == 0

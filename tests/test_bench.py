@@ -668,13 +668,76 @@ def test_sim_hardware_aliases_work_without_cluster():
     AnalyticLatencyModel(ModelShape.preset("smollm2-135m"), sim_hardware_name("a100"))
 
 
-@pytest.mark.parametrize("flag,value", [("--requests", "0"), ("--requests", "-5"), ("--attainment-target", "5")])
+@pytest.mark.parametrize("flag,value", [("--requests", "0"), ("--requests", "-5"), ("--attainment-target", "5"),
+                                        ("--slo-scale", "0"), ("--slo-scale", "-1"), ("--num-blocks", "0"),
+                                        ("--kv-bytes-per-token-layer", "-5"), ("--max-instances", "0")])
 def test_plan_out_of_range_flags_are_usage_errors(flag, value, capsys):
     """``laser plan --requests 0`` simulated empty probes up to 64 instances and concluded 'no
     cluster of up to 64 instances reaches 90%'; ``--attainment-target 5`` 'no cluster ...
-    reaches 500%'. Both are usage errors naming the flag."""
+    reaches 500%'. ``--slo-scale 0`` printed the plan's banner, then failed in the first probe
+    with 'SLO ttft must be a positive number of seconds, got 0.0' (naming no flag);
+    ``--num-blocks 0`` likewise ('num_layers, num_blocks and block_size must be positive');
+    ``--kv-bytes-per-token-layer -5`` simulated KV transfers of negative size; ``--max-instances
+    0`` planned 2 instances. Each is a usage error naming the flag."""
     from laser import cli
 
     with pytest.raises(SystemExit) as e:
         cli.main(["plan", "--rate", "10", flag, value])
     assert e.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--cluster", "2P2D", "--request-rate", "2", "--sweep-slo-scale"], "--sweep-slo-scale needs the goodput search"),
+    (["--cluster", "2P2D", "--request-rate", "2", "--sweep-cluster"], "--sweep-cluster needs the goodput search"),
+    (["--request-rate", "2", "--sweep-mix"], "--sweep-mix needs the goodput search"),
+    (["--sweep-cluster"], "--sweep-cluster needs --cluster"),
+    (["--request-rate", "2", "--controller", "laser"], "--controller applies to a simulated cluster only"),
+    (["--request-rate", "2", "--sim-tp", "2"], "--sim-tp applies to a simulated cluster only"),
+    (["--cluster", "2P2D", "--sweep-cluster", "abc"], "--sweep-cluster wants a comma list of positive numbers"),
+    (["--cluster", "2P2D", "--sweep-slo-scale", "0,1"], "--sweep-slo-scale wants a comma list of positive numbers"),
+    (["--cluster", "2P2D", "--sweep-mix", "1:1:1,1:1"], "bad mix '1:1'"),
+])
+def test_bench_flags_it_would_ignore_are_errors(argv, needle, capsys):
+    """``laser bench --sim --cluster 2P2D --request-rate 2 --sweep-slo-scale`` (or
+    ``--sweep-cluster``, ``--sweep-mix``) ran the one rate and silently dropped the sweep;
+    ``--sweep-cluster`` without ``--cluster`` and ``--controller`` / ``--sim-tp`` without a
+    cluster were ignored too; ``--sweep-cluster abc`` failed with 'could not convert string to
+    float' only after the whole goodput search. Each is refused before anything runs."""
+    from laser import cli
+
+    assert cli.main(["bench", "--sim", *argv]) == 2
+    assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag,value", [("--msg-delay-ms", "-5"), ("--sim-tp", "0"), ("--batch-concurrency", "0"),
+                                        ("--batch-requests", "0"), ("--batch-repeats", "0")])
+def test_bench_cluster_and_batch_flags_out_of_range_are_usage_errors(flag, value, capsys):
+    """``--msg-delay-ms -5`` simulated negative controller<->instance delays (attainment and
+    TTFT improved); ``--sim-tp 0`` silently became the paper's TP; ``--batch-concurrency 0`` ran a
+    benchmark whose job never started a request ('job 0/5 done (5 failed)'); ``--batch-requests
+    0`` silently meant no job. Each is a usage error naming the flag."""
+    from laser import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--sim", flag, value])
+    assert e.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
+
+
+def test_explicit_sim_hardware_is_kept_for_a_cluster():
+    """``--sim-hardware cpu-2core`` with ``--cluster`` was silently replaced by a100 (the flag's
+    default was cpu-2core, so an explicit value could not be told from none): now it is kept
+    (and qwen2.5-14b does not fit there); without the flag a cluster runs on a100."""
+    import argparse
+
+    from laser.bench.cluster import build_cluster_targets
+
+    a = argparse.Namespace(cluster="1P1D", sim_model="qwen2.5-14b", sim_tp=None, msg_delay_ms=1.0,
+                           controller="laser", sim_hardware="h100-sxm")
+    _, cfg = build_cluster_targets(a)
+    assert cfg.latency_model.hardware.name == "h100-sxm"
+    a.sim_hardware = None
+    _, cfg = build_cluster_targets(a)
+    assert cfg.latency_model.hardware.name == "a100-80gb"
+    a.sim_hardware = "cpu-2core"
+    with pytest.raises(ValueError, match="does not fit 1 x cpu-2core"):
+        build_cluster_targets(a)

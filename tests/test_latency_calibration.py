@@ -231,3 +231,25 @@ def test_alg1_plans_decode_iterations_to_the_margin_widened_by_the_timing_spread
     decode = LaserScheduler(SchedulerConfig(policy="laser", role="decode"), 30, BlockManager(30, 64, 16),
                             IntermediateCache(1024), plan_lm)
     assert decode.plan_target_factor() == pytest.approx(decode.tg_margin / plan_lm.timing_spread())
+
+
+def test_cluster_instances_take_the_calibration_flags(tiny_llama):
+    """``laser serve --prefill-instances 1 --decode-instances 1 --no-latency-calibration`` (or
+    ``--jitter-margin``) started instances that calibrated with fixed margins all the same:
+    ``start_cluster`` never passed the two flags on. Each instance now plans as they say."""
+    from laser.cluster_engine import start_cluster
+
+    kw = dict(model=str(tiny_llama), dtype="float32", cache=CacheConfig(kv_cache_gib=0.01), use_ray=False)
+    plain = start_cluster("laser", 1, 1, latency_calibration=False, **kw)
+    assert not any(isinstance(h.worker.mi.latency_model, CalibratedLatencyModel) for h in plain.handles.values())
+    jitter = start_cluster("laser", 1, 1, jitter_margin=True, **kw)
+    assert all(h.worker.mi.latency_model.spread_quantile == 0.98 for h in jitter.handles.values())
+
+
+def test_jitter_margin_without_calibration_is_refused(tiny_llama):
+    """``laser serve --jitter-margin --no-latency-calibration`` served with fixed margins: the
+    spread the flag divides the margins by is measured by the calibration it turned off."""
+    from laser.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--jitter-margin needs the online latency calibration"):
+        Engine(str(tiny_llama), dtype="float32", latency_calibration=False, jitter_margin=True)

@@ -51,3 +51,15 @@ def test_workload_follows_mix_and_scale():
 def test_bad_mix_is_rejected(bad):
     with pytest.raises(ValueError):
         parse_mix(bad)
+
+
+@pytest.mark.parametrize("controller,max_instances,rate", [("laser", 1, 40.0), ("colocated", 2, 4000.0)])
+def test_plan_never_probes_more_than_max_instances(controller, max_instances, rate):
+    """``laser plan --max-instances 1`` (a disaggregated controller needs 2) and ``--rate 200
+    --max-instances 4`` (the prefill work alone keeps 23 instances busy) probed and answered
+    clusters of 2 and 23 instances ('plan: 18P5D (23 instances ...)'). No cluster larger than
+    ``max_instances`` is probed; there is no plan."""
+    planner = CapacityPlanner(controller, config(), requests=30, max_instances=max_instances, log=lambda *_: None)
+    plan = planner.plan(rate, (1, 1, 1))
+    assert plan.best is None
+    assert all(p.total <= max_instances for p in plan.probes)

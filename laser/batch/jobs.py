@@ -105,14 +105,30 @@ def prompt_of(body: dict, endpoint: str):
 
 
 def max_tokens_of(body: dict, endpoint: str, prompt_tokens: int, max_model_len: int) -> int:
-    """The body's output-token budget as the server resolves it (completions default 16; chat
-    default: the rest of the context), times ``n``."""
-    rest = max(1, max_model_len - prompt_tokens)
-    if endpoint == "/v1/completions":
-        mt = body.get("max_tokens", 16)
-    else:
-        mt = body.get("max_completion_tokens") or body.get("max_tokens")
-    if not isinstance(mt, int) or mt < 1:
+    """The body's output-token budget as the server resolves it (completions: ``max_tokens``,
+    default 16, also when null; chat: ``max_completion_tokens`` or ``max_tokens``, default the
+    rest of the context), times ``n`` and, for completions, the number of prompts (tokens; each
+    prompt priced at ``prompt_tokens``, the first one's length). 0 for a body the endpoint
+    rejects before it generates anything -- a field out of range (``max_tokens: 0``, ``n: 0``) or
+    ``max_tokens`` past the context (``prompt_tokens`` of ``max_model_len``): such a line costs the
+    job no decode time, so it must not make the job's window look infeasible."""
+    from pydantic import ValidationError
+
+    from laser.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    try:
+        if endpoint == "/v1/completions":
+            req = CompletionRequest.model_validate(body)
+            mt = 16 if req.max_tokens is None else req.max_tokens
+            p = req.prompt
+            choices = req.n * (len(p) if isinstance(p, list) and p and not isinstance(p[0], int) else 1)
+        else:
+            req = ChatCompletionRequest.model_validate(body)
+            mt = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+            choices = req.n
+    except ValidationError:
+        return 0
+    rest = max_model_len - prompt_tokens
+    if mt is None:
         mt = rest
-    n = body.get("n", 1)
-    return min(mt, rest) * (n if isinstance(n, int) and 1 <= n <= 16 else 1)
+    return mt * choices if 1 <= mt <= rest else 0

@@ -96,7 +96,7 @@ def register(subparsers) -> None:
     from laser.bench.best import DEFAULT_BEST_BASELINE, DEFAULT_BEST_BUDGETS
     from laser.bench.goodput import DEFAULT_MAX_DOUBLINGS
     from laser.bench.calibrate import DEFAULT_TBT_MULTIPLE, DEFAULT_TTFT_MULTIPLE
-    from laser.cli import add_engine_args, positive_int
+    from laser.cli import add_engine_args, non_negative_float, positive_int
 
     p = subparsers.add_parser(
         "bench", help="multi-SLO serving benchmark: SLO attainment and goodput per policy",
@@ -196,18 +196,18 @@ def register(subparsers) -> None:
     t.add_argument("--sim-latency", choices=["auto", "profile", "analytic"], default="auto",
                    help="simulator clock: profile (--latency-profile's fitted profile, or this setup's), analytic "
                         "(roofline estimate), auto (default: profile when one can be made, else analytic)")
-    t.add_argument("--sim-hardware", type=sim_hardware_name, default="cpu-2core",
-                   help="hardware table entry for --sim-latency analytic and --cluster (default %(default)s; with "
+    t.add_argument("--sim-hardware", type=sim_hardware_name, default=None,
+                   help="hardware table entry for --sim-latency analytic and --cluster (default cpu-2core; with "
                         "--cluster a100)")
     b = p.add_argument_group("background batch job (cold tier, issue 14)")
-    b.add_argument("--batch-requests", type=int, default=None,
+    b.add_argument("--batch-requests", type=positive_int, default=None,
                    help="run each target at --request-rate alone and beside a batch job of this many requests "
                         "(default: no batch job)")
     b.add_argument("--batch-window", type=_rate, default=600.0,
                    help="the job's completion window, seconds (default %(default)s)")
-    b.add_argument("--batch-concurrency", type=int, default=8,
+    b.add_argument("--batch-concurrency", type=positive_int, default=8,
                    help="job requests in flight at most (engine/sim; default %(default)s)")
-    b.add_argument("--batch-repeats", type=int, default=1,
+    b.add_argument("--batch-repeats", type=positive_int, default=1,
                    help="alone/with-job pairs per target, alternating (default %(default)s)")
     c = p.add_argument_group("simulated cluster (global controller, SIMULATED)")
     c.add_argument("--cluster", default=None,
@@ -217,8 +217,8 @@ def register(subparsers) -> None:
                    help="comma list of controllers (laser, distserve, colocated, colocated-laser, round_robin); "
                         "default laser,distserve,colocated")
     add_sim_model_arg(c)
-    c.add_argument("--sim-tp", type=int, default=None, help="GPUs per instance (default as in the paper: 1/2/4)")
-    c.add_argument("--msg-delay-ms", type=float, default=1.0,
+    c.add_argument("--sim-tp", type=positive_int, default=None, help="GPUs per instance (default as in the paper: 1/2/4)")
+    c.add_argument("--msg-delay-ms", type=non_negative_float, default=1.0,
                    help="controller<->instance message delay, ms (default %(default)s)")
     c.add_argument("--sweep-cluster", nargs="?", const="2,4,8,12,16", default=None,
                    help="goodput per cluster size in GPUs (default list 2,4,8,12,16), P:D split in half (default: off)")

@@ -138,7 +138,7 @@ def _sim_setup(args):
                 lm = None
     if lm is None:
         shape = ModelShape.from_hf_config(mc.hf_config.to_dict())
-        lm = AnalyticLatencyModel(shape, args.sim_hardware)
+        lm = AnalyticLatencyModel(shape, args.sim_hardware or "cpu-2core")
     dtype = resolve_dtype(args.dtype)
     dbytes = 2 if str(dtype).endswith("bfloat16") else 4
     cache = CacheConfig(block_size=args.block_size, kv_cache_gib=args.kv_cache_gib)
@@ -273,7 +273,7 @@ def _default_lm(args):
         shape = ModelShape.from_hf_config(load_config(resolve_model(args.model)).hf_config.to_dict())
     except Exception:  # noqa: BLE001 - e.g. a remote server's model we do not have
         shape = ModelShape.preset("smollm2-135m")
-    return AnalyticLatencyModel(shape, args.sim_hardware)
+    return AnalyticLatencyModel(shape, args.sim_hardware or "cpu-2core")
 
 
 def _rate_range(args, targets, requests, slos, lm, mode, n_layers_blocks=None):
@@ -311,6 +311,38 @@ def with_best_baseline(specs, searching: bool, auto: bool = True):
 # -------------------------------------------------------------------------------------- run
 
 
+def check_flags(args, search: bool) -> None:
+    """Refuse flags this run would otherwise ignore, and malformed sweep lists, before anything
+    runs. ``search``: whether the goodput search runs (no ``--request-rate``, no plain trace
+    replay). Raises ValueError naming the flag."""
+    cluster = getattr(args, "cluster", None)
+    sweeps = {"--sweep-slo-scale": args.sweep_slo_scale, "--sweep-mix": args.sweep_mix,
+              "--sweep-cluster": args.sweep_cluster}
+    for flag, value in sweeps.items():
+        if value is not None and not search:
+            raise ValueError(f"{flag} needs the goodput search (not --request-rate / a plain trace replay)")
+    if args.sweep_cluster is not None and not cluster:
+        raise ValueError("--sweep-cluster needs --cluster (the cluster it resizes)")
+    if not cluster:
+        for flag, value in (("--controller", args.controller), ("--sim-tp", args.sim_tp)):
+            if value is not None:
+                raise ValueError(f"{flag} applies to a simulated cluster only: add --sim --cluster (e.g. 2P2D)")
+    for flag in ("--sweep-slo-scale", "--sweep-cluster"):
+        if sweeps[flag] is None:
+            continue
+        try:
+            values = _floats(sweeps[flag])
+        except ValueError:
+            values = []
+        if not values or not all(v > 0 for v in values):
+            raise ValueError(f"{flag} wants a comma list of positive numbers, got {sweeps[flag]!r}")
+    if args.sweep_mix is not None:
+        for m in args.sweep_mix.split(","):
+            parse_mix(m.strip())  # MixError (a ValueError) naming the bad mix
+
+
+
+
 def cmd_bench(args) -> int:
     from laser.bench import report
     from laser.bench.runner import Benchmark, probe_at, reference_rate
@@ -321,6 +353,7 @@ def cmd_bench(args) -> int:
     if args.base_url and args.sim:
         raise ValueError("--base-url and --sim are exclusive")
     search = args.goodput or (args.request_rate is None and args.trace is None)
+    check_flags(args, search)
     if args.batch_requests and (search or getattr(args, "cluster", None)):
         raise ValueError("--batch-requests needs --request-rate (one rate, no goodput search) and no --cluster")
     shown = parse_policies(args.policy or DEFAULT_POLICIES)
@@ -338,7 +371,7 @@ def cmd_bench(args) -> int:
     tag = f" {report.SIM_TAG}" if simulated else ""
     if simulated and getattr(args, "cluster", None):
         print(f"SIMULATED cluster {args.cluster}: controllers {', '.join(targets)} over simulated instances of "
-              f"{args.sim_model} ({type(lm).__name__}: an estimate; virtual time, not measured).")
+              f"{args.sim_model} on {lm.hardware.name} ({type(lm).__name__}: an estimate; virtual time, not measured).")
     elif simulated:
         print(f"SIMULATED run: policies on SimInstance, clock = {type(lm).__name__} (virtual time, not measured).")
     requests, trace_times, wl_desc = build_workload(args, tokenizer, max_len)

@@ -105,7 +105,7 @@ def build_cluster_targets(args) -> tuple[dict, object]:
     from laser.sim.cluster import ClusterSpec, paper_config
 
     spec = ClusterSpec.parse(args.cluster)
-    hw = args.sim_hardware if args.sim_hardware != "cpu-2core" else "a100"
+    hw = args.sim_hardware or "a100"
     cfg = paper_config(args.sim_model, hw, tp=args.sim_tp, msg_delay_s=args.msg_delay_ms / 1e3)
     names = [x.strip() for x in (args.controller or "laser,distserve,colocated").split(",") if x.strip()]
     if len(set(names)) != len(names) or not names:

@@ -156,12 +156,20 @@ class CapacityPlanner:
         return min(passing, key=lambda p: (-p.attainment, p.prefill)) if passing else best
 
     def plan(self, rate: float, mix) -> Plan:
-        """The smallest passing cluster at ``rate`` (``best`` None when none up to ``max_instances``)."""
+        """The smallest passing cluster at ``rate`` (``best`` None when none up to ``max_instances``,
+        also when the controller's smallest cluster -- 2 instances for a disaggregated one -- or
+        the instances the prefill work alone keeps busy are more than ``max_instances``: no
+        larger cluster is probed)."""
         plan = Plan(rate, self.target)
         lm = self.config.latency_model
         w = [x / sum(mix) for x in mix]
         busy = rate * sum(wi * lm.predict_prefill(round(TABLE1[c][0])) for wi, c in zip(w, CLASS_ORDER))
         lo = max(1 if not self.cls.disaggregated else 2, math.ceil(busy))  # prefill alone needs this many
+        if lo > self.max_instances:
+            self.log(f"-- no cluster searched: {self.controller} needs at least {lo} instances at {rate:g} req/s "
+                     f"(prefill work, one prefill and one decode instance for a disaggregated controller), "
+                     f"more than the {self.max_instances} allowed")
+            return plan
         results: dict[int, Probe] = {}
 
         def ok(t: int) -> bool:
@@ -187,7 +195,7 @@ class CapacityPlanner:
 
 
 def register(sub) -> None:
-    from laser.cli import positive_int
+    from laser.cli import positive_float, positive_int
 
     p = sub.add_parser("plan", help="capacity planner: smallest P:D split keeping --attainment-target "
                                     "(default 90%%) SLO attainment (SIMULATED)")
@@ -201,16 +209,16 @@ def register(sub) -> None:
     p.add_argument("--latency-profile", default=None,
                    help="plan for our own instances from a fitted latency profile (JSON) instead of --sim-model "
                         "(default: none)")
-    p.add_argument("--num-blocks", type=int, default=4096,
+    p.add_argument("--num-blocks", type=positive_int, default=4096,
                    help="KV blocks per layer per instance (with --latency-profile; default %(default)s)")
-    p.add_argument("--kv-bytes-per-token-layer", type=int, default=4096,
+    p.add_argument("--kv-bytes-per-token-layer", type=positive_int, default=4096,
                    help="KV transfer size, bytes per token per layer (with --latency-profile; default %(default)s)")
-    p.add_argument("--slo-scale", type=float, default=1.0,
+    p.add_argument("--slo-scale", type=positive_float, default=1.0,
                    help="multiply Table 1's TTFT and TBT targets (default %(default)s)")
     p.add_argument("--requests", type=positive_int, default=300, help="simulated requests per probe (default %(default)s)")
     p.add_argument("--attainment-target", type=fraction, default=0.9,
                    help="SLO attainment the plan must reach (default %(default)s, as the paper)")
-    p.add_argument("--max-instances", type=int, default=64,
+    p.add_argument("--max-instances", type=positive_int, default=64,
                    help="largest cluster searched, instances (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default %(default)s)")
     p.set_defaults(func=cmd_plan)

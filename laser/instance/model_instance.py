@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from ..config import CacheConfig, SchedulerConfig, resolve_max_model_len
+from ..config import CacheConfig, ConfigError, SchedulerConfig, resolve_max_model_len
 from ..intermediate_cache import IntermediateCache
 from ..kv_cache import KVCache
 from ..latency import CalibratedLatencyModel
@@ -34,8 +34,10 @@ class ModelInstance:
     tokenizer's, which a front end knows).
 
     Raises:
-        ModelLoadError: the model path is unusable. ConfigError: bad config values.
-        LatencyProfileError: ``latency_profile`` names an unusable profile file.
+        ModelLoadError: the model path is unusable. ConfigError: bad config values, or
+        ``jitter_margin`` without ``latency_calibration`` (the spread it divides the margins by
+        is measured by the calibration). LatencyProfileError: ``latency_profile`` names an
+        unusable profile file.
     """
 
     def __init__(
@@ -54,6 +56,9 @@ class ModelInstance:
         latency_calibration: bool = True,
         jitter_margin: bool = False,
     ):
+        if jitter_margin and not latency_calibration:
+            raise ConfigError("--jitter-margin needs the online latency calibration (it divides the margins by the "
+                              "spread the calibration measures): drop --no-latency-calibration or --jitter-margin")
         path = resolve_model(model)
         self.model_path = path
         self.model_name = "smollm2" if model is None else str(model)

@@ -13,7 +13,7 @@ log = logging.getLogger("laser.server")
 def register(subparsers) -> None:
     """Add the ``serve`` subcommand (called by ``laser.cli.main``)."""
     from ..async_engine import ON_INFEASIBLE
-    from ..cli import add_engine_args, tcp_port
+    from ..cli import add_engine_args, non_negative_float, tcp_port
 
     p = subparsers.add_parser(
         "serve",
@@ -36,7 +36,7 @@ def register(subparsers) -> None:
                    help="accepted requests without a first token, at most; more get 429 (default %(default)s)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length limit, tokens (default: the model's, capped to the KV pool)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+    p.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0,
                    help="on SIGINT/SIGTERM, seconds in-flight requests may finish before they are aborted "
                         "(default %(default)s)")
     p.add_argument("--data-dir", default=None,
@@ -101,7 +101,8 @@ def build_cluster(args):
                          latency_profile=args.latency_profile, max_model_len=args.max_model_len,
                          threads_per_instance=args.threads_per_instance, ray_address=args.ray_address,
                          call_timeout_s=args.call_timeout, step_timeout_s=args.step_timeout,
-                         max_restarts=args.instance_restarts)
+                         max_restarts=args.instance_restarts, latency_calibration=args.latency_calibration,
+                         jitter_margin=args.jitter_margin)
 
 
 def port_unavailable(host: str, port: int) -> str | None:
