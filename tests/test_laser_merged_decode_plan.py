@@ -131,7 +131,7 @@ def test_prefill_that_no_time_can_save_does_not_break_t_g():
     the AVX2 profile, for a chat prompt that was late anyway)."""
     sim = SimInstance("laser", N, LM, SchedulerConfig(policy="laser"), num_blocks=15000)
     sched = sim.scheduler
-    sched._prefill_share_needed = lambda now: 1.5
-    assert sched._prefill_need(0.0, 0.02) == 0.0
-    sched._prefill_share_needed = lambda now: 0.5
-    assert sched._prefill_need(0.0, 0.02) == 0.02  # p / (0.02 + p) = 0.5
+    sched._prefill_demand = lambda now: (1.5, 0.0, 0.3)
+    assert sched._prefill_need(0.0, 0.02) == (0.0, 0.0)
+    sched._prefill_demand = lambda now: (0.5, 0.0, 0.3)
+    assert sched._prefill_need(0.0, 0.02) == (0.02, 0.3)  # p / (0.02 + p) = 0.5; the whole prefill 0.3 s

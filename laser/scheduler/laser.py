@@ -203,9 +203,12 @@ class LaserScheduler(LaserPrefill, Scheduler):
             # its target within its P99 allowance (the plan breaks T_g knowingly).
             decode_time = cost.total
             budget = max(0.0, self._iteration_limit(now, decode_time) - decode_time)
-            need = self._prefill_need(now, decode_time)
+            need, whole = self._prefill_need(now, decode_time)
             if need > budget and self._p99_allowance_left():
-                budget = need
+                # one knowing break: the prefills up to the deadline that needs it complete in
+                # this iteration (the gap over target is spent once; at T_g's pace after it,
+                # the share ``need`` alone left them late)
+                budget = max(need, whole)
             self.prefill_rate = (budget / (decode_time + budget) if math.isfinite(budget) and decode_time + budget > 0
                                  else 1.0)
         elif self.config.role != "prefill" and not self.plans:
@@ -362,7 +365,7 @@ class LaserScheduler(LaserPrefill, Scheduler):
             # into its layer calls, to tg_margin * T_g: a decode token costs what it adds to
             # them (on a GPU, a prefill token's compute once the call is compute-bound, where
             # priced alone the decode batch is weight-bound and no plan was ever reduced)
-            _, rate = self._prefill_demand(self.clock())
+            _, rate, _ = self._prefill_demand(self.clock())
             self.plans, self.t_g, _ = exec_plan(self.lm, self.num_layers, self.iteration, decoding, self.plans,
                                                 self.planning_margin(), self.decode_memo, rate,
                                                 self.config.max_num_batched_tokens)

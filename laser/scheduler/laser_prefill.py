@@ -43,7 +43,7 @@ class LaserPrefill:
         meet its queue deadline (:meth:`_prefill_demand`'s first half)."""
         return self._prefill_demand(now)[0]
 
-    def _prefill_demand(self, now: float) -> tuple[float, float]:
+    def _prefill_demand(self, now: float) -> tuple[float, float, float]:
         """What the pending prefills need to meet their queue deadlines, in prefill order
         (:meth:`_prefill_key`: EDF, the given-up ones behind the urgent savable ones): ``(f,
         rate)``. ``f = max_k W_k / (D_k - now)`` is the fraction of the time from now that
@@ -56,19 +56,21 @@ class LaserPrefill:
         pending request up to the k-th, the given-up ones included (they are served, and
         their work comes first), over all of them; a deadline inside the coming iteration
         counts as one iteration away (no plan serves it sooner). Requests past their deadline,
-        and those given up under overload, have no D_k (nothing can save them). ``(0, 0)``
+        and those given up under overload, have no D_k (nothing can save them). ``(0, 0, 0)``
         with nothing pending. Alg. 1 on a mixed instance prices its iterations with ``rate``
-        (:meth:`_replan`)."""
+        (:meth:`_replan`). Returns ``(f, rate, whole)``: ``whole`` is the W_k that sets ``f``
+        (seconds; 0 when ``f`` is 0) -- what one iteration must carry to complete those
+        prefills at once (:meth:`_prefill_need`)."""
         cands = [r for r in self.running if r.phase != Phase.DECODE] + list(self.waiting)
         if self.config.role == "decode":
             cands = [r for r in cands if r.output_token_ids]
         if not cands:
-            return 0.0, 0.0
+            return 0.0, 0.0, 0.0
         key = self._prefill_key(now)
         cands.sort(key=key)
         n = self.num_layers
         work = PlanCost(self.lm, n, [])
-        f = rate = 0.0
+        f = rate = whole = 0.0
         tokens = 0.0
         # (a deadline within the coming iteration is not served sooner by any plan: the rate
         # looks at least one iteration ahead)
@@ -90,9 +92,9 @@ class LaserPrefill:
             slack = r.arrival_time + ttft - now
             if slack > 0 and not given_up:
                 rate = max(rate, tokens / max(slack, floor))
-                if priced and work.works:
-                    f = max(f, work.total / slack)
-        return f, rate
+                if priced and work.works and work.total / slack > f:
+                    f, whole = work.total / slack, work.total
+        return f, rate, whole
 
     def _prefill_key(self, now: float):
         """Prefill order: EDF (``queue_key``), except for the prefills given up under overload,
@@ -118,6 +120,11 @@ class LaserPrefill:
                        key=self.queue_key)
         hopeless: set[int] = set()
         rate = max(self.prefill_rate, self.min_prefill_rate)
+        if self.plans and math.isfinite(self.t_g) and self._p99_allowance_left():
+            # a deadline may break T_g knowingly (schedule(): one iteration that completes the
+            # urgent prefill); judged at the share T_g leaves, a 190-token chat beside one code
+            # stream was given up and missed, where the break met both SLOs
+            rate = 1.0
         kept: list[tuple[Request, Work]] = []  # the savable prefills so far, in EDF order
         ahead = PlanCost(self.lm, self.num_layers, [])  # ``kept``, merged in one pass
         for r in cands[: self.max_need_candidates]:
@@ -176,17 +183,19 @@ class LaserPrefill:
         return (r.slo.ttft is not None and not r.demoted and not r.boosted
                 and ((r.num_computed_tokens == 0 and not r.in_flight) or r.req_id in self._given_up))
 
-    def _prefill_need(self, now: float, decode_time: float) -> float:
+    def _prefill_need(self, now: float, decode_time: float) -> tuple[float, float]:
         """Seconds of prefill per iteration the pending prefills need (an iteration of
         ``decode_time`` seconds of decode work plus p of prefill gives prefill the share
         p / (decode_time + p) >= f, :meth:`_prefill_share_needed`). 0 when ``f >= 1``: a
         prefill that misses its deadline even with the whole machine from now on is not saved
         by breaking the decode requests' T_g (an unbounded iteration that spent their P99
-        allowance for nobody)."""
-        f = self._prefill_share_needed(now)
+        allowance for nobody). Returns ``(need, whole)``: ``whole`` (seconds) is the prefill
+        that completes the requests setting ``f`` in one iteration (:meth:`_prefill_demand`),
+        what a knowing break of T_g gives (:meth:`schedule`)."""
+        f, _, whole = self._prefill_demand(now)
         if f <= 0.0 or f >= 1.0:
-            return 0.0
-        return decode_time * f / (1.0 - f)
+            return 0.0, 0.0
+        return decode_time * f / (1.0 - f), whole
 
     # -- prefill (§6.1) ---------------------------------------------------------------------------
     #: Stop looking for more prefill work after this many candidates did not fit in time...
