@@ -12,7 +12,7 @@ import numpy as np
 from laser.config import SchedulerConfig
 from laser.latency import AnalyticLatencyModel, SimpleLatencyModel
 from laser.request import SLO, Request, SamplingParams
-from laser.scheduler.decode_plan import DecodeCandidate, DecodePlan, _LayerLoad, exec_plan
+from laser.scheduler.decode_plan import DecodeCandidate, exec_plan
 from laser.sim import SimInstance
 
 LM = AnalyticLatencyModel("qwen2.5-14b", "a100-80gb")
@@ -119,7 +119,7 @@ def test_alg1_prices_a_mixed_context_batch_at_its_real_contexts():
     priced 144 ms, so T_g broke and no plan was reduced)."""
     lm = _QuadraticAttention(num_layers=30, per_layer=1e-4, per_token=1e-5)
     dec = [DecodeCandidate(f"r{i}", 100, CHAT) for i in range(6)] + [DecodeCandidate("long", 3000, SUMM)]
-    load = _LayerLoad(lm, 30, 0, dec, {r.req_id: DecodePlan(30, 0) for r in dec})  # (Alg. 1's pricing, no plan cut)
+    _, _, load = exec_plan(lm, 30, 0, dec, {}, 1e9)  # (no plan reduced: the price of the batch as it is)
     real = lm.predict_decode_iteration([r.num_tokens for r in dec])
     assert abs(load.predict() - real) <= 0.01 * real, (load.predict(), real)
 

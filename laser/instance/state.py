@@ -97,7 +97,7 @@ def migration_victim(sched, latency_model, num_layers: int,
       that still cover the shortfall (else the one holding the most).
     * ``slo``: T_g is finite, the last decode iteration took longer than T_g and Alg. 1's plans
       (:meth:`LaserScheduler.predict_decode`) predict an iteration over T_g; or Alg. 1 gave up
-      a tighter TBT level it could not hold (:func:`level_given_up`), and the last
+      a tighter TBT level that its own requests overload (:func:`level_given_up`), and the last
       iteration took longer than that level. Victim: among the ``MIGRATION_TRIES`` requests with the fewest
       blocks, the first whose departure lets Alg. 1 (:func:`exec_plan`) reach its T_g without
       giving a level up; else none (moving one would not help).

@@ -245,10 +245,9 @@ def exec_plan(lm: LatencyModel, num_layers: int, iteration: int, decoding: list,
     ``decoding``: requests (or :class:`DecodeCandidate`) with ``req_id``, ``num_tokens``,
     ``slo``; a request without a plan in ``plans`` is new (``L = N, O = 0``). T_g is the
     tightest TBT target that can be met at all: not out of reach alone (:func:`tbt_infeasible`),
-    and not one that Alg. 1's plan cannot hold -- the decode work still takes longer than it once
-    every looser request is relaxed (e.g. its own requests alone at full depth overload the
-    iteration): then the next looser target is T_g, and the requests at the given-up target run
-    at full depth (our rule, the paper is silent). Alg. 1 plans
+    and not one whose requests alone at full depth already take longer than it (overload: the
+    next looser target is T_g, and those requests run at full depth; our rule, the paper is
+    silent). Alg. 1 plans
     iterations to ``T_g * target_factor`` seconds:
     while too slow, the most relaxed full-depth request drops to ``ceil(N*T_g/SLO_r)``
     layers per iteration (rounded so that its ``ceil(N/L)`` iterations of T_g fit its target:
@@ -258,7 +257,11 @@ def exec_plan(lm: LatencyModel, num_layers: int, iteration: int, decoding: list,
     every iteration is priced with ``prefill_rate * T_g * target_factor`` prefill tokens
     (rounded up to a multiple of ``PREFILL_QUANTUM``, at most ``max_prefill_tokens``) merged
     into its layer calls (:class:`_LayerLoad`'s ``background``), so Alg. 1 cuts decode
-    layers exactly when the merged iteration would not fit. Returns ``(plans, T_g, load)``;
+    layers exactly when the merged iteration would not fit. When the decode work alone stays
+    over T_g after the relax loop (T_g cannot be held), each reduced request whose token gap
+    ``ceil(N/L) * iteration`` would break ``target_factor`` times its own TBT target gets fewer,
+    longer groups until it fits (:func:`_keep_reduced_within`; our rule, Alg. 1 assumes
+    iterations of T_g). Returns ``(plans, T_g, load)``;
     ``load`` (None when no request has a TBT
     target) prices the returned plans (:meth:`_LayerLoad.predict`, seconds). Pure: the
     input ``plans`` dict is not changed. ``memo``: the caller's :class:`DecodeMemo` of ``lm``
@@ -283,15 +286,15 @@ def exec_plan(lm: LatencyModel, num_layers: int, iteration: int, decoding: list,
         load = _LayerLoad(lm, n, iteration, decoding, plans, memo, background)
         _relax_and_restore(load, plans, decoding, n, t_g, target)
         # (judged on the decode work alone: the priced prefill gives way to the TBT gaps)
-        if (load if not background else _LayerLoad(lm, n, iteration, decoding, plans, memo)).predict() <= t_g:
+        bare = load if not background else _LayerLoad(lm, n, iteration, decoding, plans, memo)
+        if bare.predict() > t_g and _keep_reduced_within(bare, plans, decoding, n, target_factor) and background:
+            load = _LayerLoad(lm, n, iteration, decoding, plans, memo, background)
+        if load.predict() <= t_g or not _overloaded(lm, n, iteration, decoding, t_g, floor, memo):
             return plans, t_g, load
-        # T_g cannot be held: with every looser request relaxed the decode work still takes
-        # longer, so the requests at T_g (and tighter) miss whatever is cut for them, and the
-        # requests cut for it take ceil(N/L) of these longer iterations per token -- they
-        # miss their own targets for nobody (the offline case of issue 16: summarization streams
-        # cut to 8 of 30 layers for a code stream's 50 ms took 4 x 58 = 235 ms per token
-        # against 200 ms). The requests at T_g run at full depth and T_g comes from the next
-        # looser target (else the whole instance is held to an iteration nobody gets).
+        # Overload: the requests at T_g (and tighter) alone, at full depth, already take longer
+        # than T_g, so every one of them misses whatever is cut for them; they run at full
+        # depth and T_g comes from the next looser target (else the whole instance is held to
+        # an iteration nobody gets).
         floor = t_g
 
 
@@ -344,6 +347,46 @@ def relaxed_layers(n: int, t_g: float, tbt: float) -> int:
     return ceil_div(n, k)
 
 
+def _keep_reduced_within(load: "_LayerLoad", plans: dict[str, DecodePlan], decoding: list, n: int,
+                         target_factor: float) -> bool:
+    """When the iteration stays over T_g after Alg. 1's relax loop (T_g cannot be held:
+    its requests plus every looser one at its fewest layers still take longer), a reduced
+    request's token takes ``ceil(N/L)`` of these longer iterations, not of T_g ones, and can
+    miss its own target though it was cut for T_g's. Give each reduced request whose gap
+    ``ceil(N/L) * iteration`` exceeds ``target_factor * TBT_r`` the layers per iteration that
+    bring it back within (fewer, longer groups; full depth at most), strictest first, until
+    none is over: the requests at T_g miss either way, the looser ones need not (issue 16's
+    offline case: summarization streams cut to 8 of 30 layers for a lost code stream's 50 ms
+    took 4 x 58 ms = 235 ms per token against 200 ms). Our rule; Alg. 1 assumes iterations of T_g.
+    ``load`` and ``plans`` change in place; returns whether a plan changed."""
+    changed = False
+    for _ in range(n):
+        it = load.predict()
+        over = sorted((r for r in decoding if plans[r.req_id].layers < n
+                       and plans[r.req_id].groups(n) * it > target_factor * r.slo.tbt_or_inf),
+                      key=lambda r: r.slo.tbt_or_inf)
+        if not over:
+            return changed
+        changed = True
+        for r in over:
+            old = plans[r.req_id]
+            k = max(1, min(old.groups(n) - 1, math.floor(target_factor * r.slo.tbt / it)))
+            layers = ceil_div(n, k)
+            load.remove(old)
+            plans[r.req_id] = load.best_offset(layers) if layers < n else DecodePlan(n, 0)
+            load.add(plans[r.req_id])
+    return changed
+
+
+def _overloaded(lm: LatencyModel, n: int, iteration: int, decoding: list, t_g: float, floor: float,
+                memo: DecodeMemo | None) -> bool:
+    """Whether the requests whose targets set T_g (TBT in (``floor``, ``t_g``]), decoding alone at
+    full depth, take longer than ``t_g`` seconds per iteration."""
+    tight = [r for r in decoding if r.slo.tbt is not None and floor < r.slo.tbt <= t_g]
+    full = {r.req_id: DecodePlan(n, 0) for r in tight}
+    return _LayerLoad(lm, n, iteration, tight, full, memo).predict() > t_g
+
+
 def _tightest_feasible_tbt(lm: LatencyModel, decoding: list, memo: DecodeMemo | None, floor: float = 0.0) -> float:
     """``min(r.slo.tbt_or_inf for r in decoding if not tbt_infeasible(lm, r, memo))`` over targets
     above ``floor`` (inf if none), seconds: the memo's table read in line (this runs once per
@@ -368,8 +411,8 @@ def _tightest_feasible_tbt(lm: LatencyModel, decoding: list, memo: DecodeMemo | 
 
 def level_given_up(lm: LatencyModel, decoding: list, t_g: float, memo: DecodeMemo | None = None) -> bool:
     """Whether ``t_g`` (seconds; :func:`exec_plan`'s T_g for ``decoding``) is looser than the
-    tightest TBT target of ``decoding`` reachable alone: Alg. 1 gave a level up because its plan
-    could not hold it, so the strictest TBT that could be met breaks (Alg. 2 line
+    tightest TBT target of ``decoding`` reachable alone: Alg. 1 gave a level up because its own
+    requests overload the iteration, so the strictest TBT that could be met breaks (Alg. 2 line
     7's condition, PPoPP'26 §7.2.1, and the migration trigger's, CONTROLLER.md D9)."""
     return _tightest_feasible_tbt(lm, decoding, memo) < t_g
 
@@ -408,7 +451,7 @@ def latency_increment(lm: LatencyModel, num_layers: int, iteration: int, decodin
     with ``candidate`` added gives ``(L*, O*, Iter*, T_g*)``. If ``Iter* > T_g*`` (times
     ``target_factor``, the fraction the scheduler plans to), or the candidate's own TBT target
     is out of reach even alone here (:func:`tbt_infeasible`), or Alg. 1 met ``T_g*`` only by
-    giving up a tighter level it could not hold (:func:`level_given_up`: the
+    giving up a tighter level that its own requests overload (:func:`level_given_up`: the
     strictest TBT breaks, so the paper's ``Iter* > T_g*`` over the tightest target holds), the
     answer is inf; else
     ``sum_{r in R*} Iter*·ceil(N/L*_r) - sum_{r in R} Iter·ceil(N/L_r)`` seconds (each

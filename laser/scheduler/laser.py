@@ -447,7 +447,7 @@ class LaserScheduler(LaserPrefill, Scheduler):
 
     def _tg_held(self):
         """The decoding requests whose TBT target T_g holds: a target at or above T_g (below it,
-        Alg. 1 gave the level up: its plan could not hold it) and reachable alone
+        Alg. 1 gave the level up: its own requests overload the iteration) and reachable alone
         (not ``tbt_infeasible``). None while T_g is inf."""
         t_g = self.t_g
         for r in self.running:
