@@ -337,13 +337,14 @@ def machine_ratio(model: FittedLatencyModel, runner: ModelRunner, repeats: int =
 
 def _warn_if_measured_busy(model: FittedLatencyModel, path) -> None:
     """Log a warning when a loaded profile says it was measured on a busy machine: under half
-    of its timed calls clean, over 10 % disturbed, or samples dropped as disturbed. Every engine
+    of its timed calls clean, over a quarter disturbed, or samples dropped as disturbed (this
+    project's VM, quiet, measures 82-84 % clean and 6-14 % disturbed: not warned). Every engine
     start that loads it plans with it, and a profile cached while another job held the CPU (11 %
     of its timed calls clean on this project's VM) mispredicted steps by 0.58-1.33x. (Unsettled
     samples alone do not warn here: on a VM whose timing jitters by itself most are.)"""
     m = model.metadata.get("measurement") or {}
     keys = {"clean_fraction", "disturbed_fraction", "unsettled_cases", "cases"}
-    if not (m.get("clean_fraction", 1.0) < 0.5 or m.get("disturbed_fraction", 0.0) > 0.1
+    if not (m.get("clean_fraction", 1.0) < 0.5 or m.get("disturbed_fraction", 0.0) > 0.25
             or m.get("dropped_disturbed")):
         return
     log.warning("the loaded profile %s was measured while the machine was busy: %.0f%% of its timed calls clean, "
