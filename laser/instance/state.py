@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from ..request import SLO, Request
-from ..scheduler.decode_plan import DecodeCandidate, DecodePlan, exec_plan, latency_increment, level_given_up
+from ..scheduler.decode_plan import DecodeCandidate, exec_plan, latency_increment, level_given_up
 from .messages import InstanceReport, LatencyIncrement, MigrationCandidate, PrefillQueueEntry, RequestInfo
 
 #: Free KV blocks kept in reserve by the decode memory check (CONTROLLER.md D3, as DistServe's 5 %).
@@ -126,9 +126,7 @@ def migration_victim(sched, latency_model, num_layers: int,
     held = bm.num_held
     growth = sum(1 for r in decoding if bm.blocks_needed(r.num_tokens + 1) > held(r.req_id, 0))
     short = growth - bm.min_free()
-    # (a request adopted since the last replan has no plan yet: Alg. 1 starts it at full depth)
-    plans = {r.req_id: sched.plans.get(r.req_id, DecodePlan(num_layers, 0)) for r in decoding}
-    if short <= 0 and not (given_up or (slo and sched.predict_decode(decoding, plans) > t_g)):
+    if short <= 0 and not (given_up or (slo and sched.predict_decode(decoding) > t_g)):
         return None
     movable = sorted((r for r in decoding if r.next_layer == 0), key=lambda r: (held(r.req_id, 0), r.req_id))
     if not movable:

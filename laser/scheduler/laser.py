@@ -456,6 +456,10 @@ class LaserScheduler(LaserPrefill, Scheduler):
                 yield r
 
     def predict_decode(self, decoding: list[Request], plans: dict[str, DecodePlan] | None = None) -> float:
-        """Worst predicted decode-only iteration time over the next iterations under ``plans``."""
-        plans = plans if plans is not None else self.plans
-        return _LayerLoad(self.lm, self.num_layers, self.iteration, decoding, plans, self.decode_memo).predict()
+        """Worst predicted decode-only iteration time over the next iterations under ``plans``
+        (default: this scheduler's), seconds. A request without a plan -- adopted since the last
+        replan -- is priced at full depth, as Alg. 1 starts it."""
+        given = plans if plans is not None else self.plans
+        n = self.num_layers
+        plans = {r.req_id: given.get(r.req_id, DecodePlan(n, 0)) for r in decoding}
+        return _LayerLoad(self.lm, n, self.iteration, decoding, plans, self.decode_memo).predict()

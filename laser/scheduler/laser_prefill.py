@@ -46,7 +46,7 @@ class LaserPrefill:
     def _prefill_demand(self, now: float) -> tuple[float, float, float]:
         """What the pending prefills need to meet their queue deadlines, in prefill order
         (:meth:`_prefill_key`: EDF, the given-up ones behind the urgent savable ones): ``(f,
-        rate)``. ``f = max_k W_k / (D_k - now)`` is the fraction of the time from now that
+        rate, whole)``. ``f = max_k W_k / (D_k - now)`` is the fraction of the time from now that
         prefill must get, W_k the predicted time of the first k savable requests' remaining
         prefill run as one merged pass (PlanCost: on a GPU their layer calls share the weight
         reads, so k short prompts cost about one; on a CPU about their sum; the first
