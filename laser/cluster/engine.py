@@ -3,9 +3,9 @@
 :class:`ClusterEngine` has the methods :class:`~laser.frontend.async_engine.AsyncEngine` calls on an
 :class:`~laser.frontend.engine.Engine` (``add_request``, ``abort``, ``step``, ``has_unfinished``,
 ``check_integrity``, ``clock``, tokenizer, SLO classes ...), so the same OpenAI server serves
-a cluster. It keeps what a client needs -- tokenizer, detokenizer, stop strings
-(:class:`~laser.frontend.detokenizer.OutputText`), each request's tokens and token times -- and sends
-only token ids to the instances (:class:`~laser.cluster.handles.InstanceHandle`: in process
+a cluster. It keeps what a client needs -- the input and output paths
+(:mod:`laser.frontend.inputs`, :mod:`laser.frontend.outputs`: validation, detokenization, stop
+strings), each request's tokens and token times -- and sends only token ids to the instances (:class:`~laser.cluster.handles.InstanceHandle`: in process
 or Ray actors).
 
 Per request (PPoPP'26 §7, CONTROLLER.md D1): the controller routes it at arrival (prefill
@@ -37,8 +37,8 @@ from typing import Callable
 
 from ..controller.base import Controller
 from .handles import Call, InstanceFailure, InstanceHandle
-from ..frontend.detokenizer import OutputText
-from ..frontend.engine import RequestOutput
+from ..frontend.inputs import InputProcessor
+from ..frontend.outputs import OutputProcessor, RequestOutput
 from ..instance.messages import RequestInfo
 from ..core.request import SLO, InvalidRequestError, Phase, Request, SamplingParams
 
@@ -54,7 +54,6 @@ class _Tracked:
     """The front end's copy of one request: what was streamed, and where it is."""
 
     req: Request  # prompt, sampling params, SLO, arrival; output_token_ids/token_times as streamed
-    text: OutputText
     info: RequestInfo
     owner: int  # instance that holds it now (its prefill instance until adopted)
     decode: int | None = None  # decode instance chosen (reserved) or holding it
@@ -120,6 +119,8 @@ class ClusterEngine:
         self.model_name = model_name
         self.slo_classes = slo_classes
         self.max_model_len = min(h.describe["max_model_len"] for h in handles)
+        self.inputs = InputProcessor(tokenizer, model_config.vocab_size, self.max_model_len, slo_classes)
+        self.outputs = OutputProcessor(tokenizer)
         entry = next((h for h in handles if h.role != "decode"), handles[0])
         self.latency_model = entry.latency_model
         self.clock = clock
@@ -170,32 +171,27 @@ class ClusterEngine:
         return True
 
     # -- requests ----------------------------------------------------------------------------------------
-    def add_request(self, prompt: list[int], sampling_params: SamplingParams | None = None,
+    def add_request(self, prompt: str | list[int] | list[dict], sampling_params: SamplingParams | None = None,
                     slo: SLO | str | None = None, req_id: str | None = None,
                     arrival_time: float | None = None) -> Request:
-        """Validate, route and send a request (token ids). Raises InvalidRequestError (nothing
-        is sent) or ClusterError (no live instance can take it)."""
-        if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) for t in prompt):
-            raise InvalidRequestError("a cluster takes prompts as non-empty token id lists")
-        bad = [t for t in prompt if not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token id {bad[0]} out of range [0, {self.model_config.vocab_size})")
-        if len(prompt) >= self.max_model_len:
-            raise InvalidRequestError(f"prompt has {len(prompt)} tokens; this model's context is "
-                                      f"{self.max_model_len} tokens")
-        if req_id is not None and req_id in self.requests:
-            raise InvalidRequestError(f"request id {req_id!r} is already in use")
-        sp = sampling_params or SamplingParams()
-        slo_obj = slo if isinstance(slo, SLO) else self.slo_classes.get(slo)
-        req = Request(prompt_token_ids=list(prompt), sampling_params=sp, slo=slo_obj,
-                      arrival_time=self.clock() if arrival_time is None else arrival_time, req_id=req_id or "")
-        info = self._info(req)
-        t = _Tracked(req, OutputText(self.tokenizer, req.prompt_token_ids, sp.stop), info, owner=-1)
+        """Validate (:meth:`InputProcessor.process`), route and send a request. Raises
+        InvalidRequestError (nothing is sent) or ClusterError (no live instance can take it)."""
+        return self.add_processed(self.inputs.process(prompt, sampling_params, slo, req_id, arrival_time,
+                                                      self.clock, self.requests.__contains__))
+
+    def add_processed(self, req: Request) -> Request:
+        """Route and send a request the input path built. Raises InvalidRequestError (its id is
+        in use) or ClusterError (no live instance can take it); nothing is kept then."""
+        if req.req_id in self.requests:
+            raise InvalidRequestError(f"request id {req.req_id!r} is already in use")
+        t = _Tracked(req, self._info(req), owner=-1)
         self.requests[req.req_id] = t
+        self.outputs.add_request(req)
         try:
             self._dispatch(t)
         except BaseException:
             del self.requests[req.req_id]
+            self.outputs.abort(req.req_id)
             raise
         return req
 
@@ -275,6 +271,7 @@ class ClusterEngine:
         if t is None:
             return False
         self._recovering.pop(req_id, None)
+        self.outputs.abort(req_id)
         if req_id in self._pending:
             self._pending.remove(req_id)
         self._release_everywhere(t)
@@ -356,13 +353,13 @@ class ClusterEngine:
             req.token_times.append(now)
             if rid in self._recovering:
                 self.stats.recovery_seconds.append(now - self._recovering.pop(rid))
-            if t.text.add(token) and reason is None:
-                reason = "stop"  # a stop string: the instance still has it
+            out, stop = self.outputs.process(req, token, reason, handed_off)
+            if stop:  # a stop string: the instance still has it
                 try:
                     self.handles[iid].abort(rid)
                 except InstanceFailure as e:
                     self._fail_instance(e.instance_id, e)
-                handed_off = False
+            reason, handed_off = out.finish_reason, out.handed_off
             finished = reason is not None
             if finished:
                 req.finish_reason = reason
@@ -372,11 +369,7 @@ class ClusterEngine:
                 self.controller.on_finish(req.slo.name, req.num_output_tokens, now, req.slo.tbt_or_inf)
             elif handed_off:
                 self._pending.append(rid)
-            outs.append(RequestOutput(
-                req_id=rid, prompt=None, prompt_token_ids=req.prompt_token_ids, text=t.text.visible(finished),
-                token_ids=list(req.output_token_ids), delta_text=t.text.delta(finished), new_token_ids=[token],
-                finished=finished, finish_reason=reason, slo=req.slo, request=req, arrival_time=req.arrival_time,
-                token_times=tuple(req.token_times)))
+            outs.append(out)
         return outs
 
     def _release_reservation(self, t: _Tracked) -> None:
@@ -630,13 +623,10 @@ class ClusterEngine:
     def _give_up(self, t: _Tracked, why: str) -> None:
         """``t`` cannot be served any more: its stream ends with ``finish_reason="abort"``."""
         log.error("request %s lost: %s", t.req.req_id, why)
+        out = self.outputs.final(t.req, "abort")
         self.abort(t.req.req_id)
         t.req.finish_reason = "abort"
-        self._lost_outputs.append(RequestOutput(
-            req_id=t.req.req_id, prompt=None, prompt_token_ids=t.req.prompt_token_ids, text=t.text.visible(True),
-            token_ids=list(t.req.output_token_ids), delta_text=t.text.delta(True), new_token_ids=[], finished=True,
-            finish_reason="abort", slo=t.req.slo, request=t.req, arrival_time=t.req.arrival_time,
-            token_times=tuple(t.req.token_times)))
+        self._lost_outputs.append(out)
 
     # -- checks ------------------------------------------------------------------------------------------
     def check_integrity(self, expect_empty: bool = False) -> None:

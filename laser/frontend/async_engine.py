@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import copy
 import logging
 import threading
 import time
@@ -37,7 +36,8 @@ from .admission import (  # noqa: F401 - the admission errors and decision are p
     SLOInfeasibleError,
     snapshot_of,
 )
-from ..core.request import SLO, InvalidRequestError, SamplingParams
+from .outputs import aborted_output
+from ..core.request import SLO, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -59,32 +59,10 @@ def predicted_prefill_seconds(engine, num_prompt_tokens: int) -> float | None:
     return lm.predict_prefill(num_prompt_tokens)
 
 
-class _Encoder:
-    """Prompt encoding off the engine thread: the engine's own logic on a private tokenizer copy
-    (a Rust tokenizer must not be used from two threads at once)."""
-
-    def __init__(self, engine):
-        from .engine import Engine
-
-        self.tokenizer = copy.deepcopy(engine.tokenizer)
-        self.model_config = engine.model_config
-        self._encode = Engine.encode_prompt
-        self._template = Engine.apply_chat_template
-
-    def apply_chat_template(self, messages):
-        return self._template(self, messages)
-
-    def encode_prompt(self, prompt):
-        return self._encode(self, prompt)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids)
-
-
 class RequestStream:
     """One submitted request, seen from the event loop.
 
-    Its outputs (:class:`~laser.frontend.engine.RequestOutput`) go to ``queue``, which several streams
+    Its outputs (:class:`~laser.frontend.outputs.RequestOutput`) go to ``queue``, which several streams
     may share (``n > 1``, batched prompts); a failure arrives as a :class:`StreamError`.
     """
 
@@ -146,7 +124,7 @@ class AsyncEngine:
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self.slo_classes = engine.slo_classes
-        self.encoder = _Encoder(engine)
+        self.inputs = engine.inputs.copy()  # the input path on the tokenizer thread's own tokenizer
         # -- shared between threads (deque append/popleft are atomic) --
         self._cmds: collections.deque = collections.deque()  # run between steps
         self._adds: collections.deque = collections.deque()  # arrivals: also at layer boundaries
@@ -249,11 +227,11 @@ class AsyncEngine:
     async def encode(self, prompt: str | list[int] | list[dict]) -> list[int]:
         """Token ids of a prompt (text, ids, or chat messages). Raises InvalidRequestError."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tok_pool, self.encoder.encode_prompt, prompt)
+        return await loop.run_in_executor(self._tok_pool, self.inputs.encode_prompt, prompt)
 
     async def decode(self, ids: list[int]) -> str:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tok_pool, self.encoder.decode, ids)
+        return await loop.run_in_executor(self._tok_pool, self.inputs.tokenizer.decode, ids)
 
     def predict_ttft(self, num_prompt_tokens: int) -> float | None:
         return predicted_prefill_seconds(self.engine, num_prompt_tokens)
@@ -380,9 +358,8 @@ class AsyncEngine:
     ) -> AsyncIterator:
         """Encode, admit, add, and yield the request's outputs; aborts it if the caller stops early."""
         ids = await self.encode(prompt)
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(f"prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens")
-        slo_obj = slo if isinstance(slo, SLO) else self.slo_classes.get(slo)
+        self.inputs.check_length(ids)
+        slo_obj = self.inputs.resolve_slo(slo)
         (adm,) = self.admit([len(ids)], slo_obj)
         stream = await self.add_request(ids, sampling_params or SamplingParams(), adm)
         try:
@@ -425,26 +402,9 @@ class AsyncEngine:
 
     def _finish_aborted(self, s: RequestStream) -> None:
         """End a stream whose request the engine aborted (shutdown): a final ``abort`` output."""
-        from .engine import RequestOutput
-
         self._streams.pop(s.req_id, None)
         self._mark_done(s)
-        last = s.last
-        out = RequestOutput(
-            req_id=s.req_id,
-            prompt=None,
-            prompt_token_ids=s.prompt_token_ids,
-            text=last.text if last else "",
-            token_ids=list(last.token_ids) if last else [],
-            delta_text="",
-            new_token_ids=[],
-            finished=True,
-            finish_reason="abort",
-            slo=s.admission.slo,
-            request=last.request if last else None,
-            arrival_time=last.arrival_time if last else 0.0,
-            token_times=last.token_times if last else (),
-        )
+        out = aborted_output(s.req_id, s.prompt_token_ids, s.admission.slo, s.last)
         for fn in self.listeners:
             try:
                 fn(s, out)

@@ -9,7 +9,8 @@ exports its KV layer by layer (:class:`~laser.frontend.engine.Handoff`); the dec
 from __future__ import annotations
 
 from ..core.block_manager import OutOfBlocksError
-from .engine import Engine, RequestOutput
+from .engine import Engine
+from .outputs import RequestOutput
 
 
 class DisaggregatedPair:

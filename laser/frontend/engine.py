@@ -2,21 +2,22 @@
 
 The core (:mod:`laser.instance.core`) is the instance a controller talks to: token ids in,
 token events out; scheduler + model runner + finish rule + hand-off. The engine adds what a
-client needs: the model and tokenizer, prompt encoding and validation (a malformed request
-is rejected with a clear error and everyone else keeps being served), detokenization, stop
-strings and their hold-back (:class:`laser.frontend.detokenizer.OutputText`), and
-:class:`RequestOutput` s. ``step()`` = ``core.step()`` -> text.
+client needs: the model and tokenizer, the input path (:mod:`laser.frontend.inputs`: a
+malformed request is rejected with a clear error and everyone else keeps being served) and the
+output path (:mod:`laser.frontend.outputs`: detokenization, stop strings and their hold-back,
+:class:`RequestOutput` s). ``step()`` = ``core.step()`` -> outputs; a stop string stops the
+request on the core.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass, field
 from typing import Callable
 
 from ..core.config import SchedulerConfig
-from .detokenizer import OutputText
+from .inputs import InputProcessor
+from .outputs import OutputProcessor, RequestOutput
 from ..core.intermediate_cache import IntermediateCache
 from ..model.loader import load_config, load_tokenizer, resolve_model
 from ..instance.core import Handoff, make_scheduler
@@ -25,42 +26,6 @@ from ..core.request import SLO, InvalidRequestError, Request, SamplingParams
 from ..core.slo import SLOClasses
 
 log = logging.getLogger(__name__)
-
-
-def check_text(text: str, where: str) -> None:
-    """Raise InvalidRequestError when ``text`` is not valid Unicode text: an unpaired UTF-16
-    surrogate (JSON's ``"\\ud800"`` decodes to one) cannot be UTF-8 encoded, and the
-    tokenizer raises a TypeError on it."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InvalidRequestError(f"{where} is not valid Unicode text (an unpaired surrogate "
-                                  f"{text[e.start]!r} at character {e.start})") from None
-
-
-@dataclass
-class RequestOutput:
-    """Progress of one request after a step (cumulative text and tokens, plus the delta)."""
-
-    req_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    delta_text: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    slo: SLO
-    # The engine's live request: only the thread that steps the engine may read it (in-process
-    # drivers such as ``LLM``); other threads use the copies below.
-    request: Request = field(repr=False, default=None)
-    # Prefill role: the request continues on a decode instance (see Engine.handoffs).
-    handed_off: bool = False
-    # Copies taken when the output was made (safe to read from any thread): the request's arrival
-    # time and the time of every output token so far (seconds, engine clock).
-    arrival_time: float = 0.0
-    token_times: tuple[float, ...] = ()
 
 
 class Engine(ModelInstance):
@@ -100,8 +65,9 @@ class Engine(ModelInstance):
         eos = () if self.tokenizer.eos_token_id is None else (self.tokenizer.eos_token_id,)
         super().__init__(model, extra_eos_ids=eos, **kwargs)
         self.slo_classes = slo_classes or SLOClasses.load()
-        self._text: dict[str, OutputText] = {}
-        self.core.on_token = lambda req: self._text[req.req_id].add(req.output_token_ids[-1])
+        self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
+                                     self.slo_classes)
+        self.outputs = OutputProcessor(self.tokenizer)
 
     # -- the core's state, read through (the core owns it) ------------------------------------------------
     @property
@@ -165,38 +131,12 @@ class Engine(ModelInstance):
 
     # -- requests ----------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int] | list[dict]) -> list[int]:
-        """Token ids of a prompt: text, token ids, or chat messages (chat template applied)."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty")
-            check_text(prompt, "prompt")
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            return self.apply_chat_template(prompt)
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            bad = [t for t in prompt if not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise InvalidRequestError(f"token id {bad[0]} out of range [0, {self.model_config.vocab_size})")
-            return list(prompt)
-        raise InvalidRequestError("prompt must be a non-empty string, token id list or message list")
+        """Token ids of a prompt: text, token ids, or chat messages (:mod:`laser.frontend.inputs`)."""
+        return self.inputs.encode_prompt(prompt)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        if not messages:
-            raise InvalidRequestError("messages are empty")
-        for i, m in enumerate(messages):
-            for k, v in m.items():
-                if isinstance(v, str):
-                    check_text(v, f"messages[{i}].{k}")
-        if self.tokenizer.chat_template is None:
-            text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
-            return self.tokenizer.encode(text)
-        try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except Exception as e:  # noqa: BLE001 - template errors are the caller's input
-            raise InvalidRequestError(f"cannot apply chat template: {e}") from e
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
+        """Token ids of a conversation (:meth:`InputProcessor.apply_chat_template`)."""
+        return self.inputs.apply_chat_template(messages)
 
     def add_request(
         self,
@@ -206,39 +146,23 @@ class Engine(ModelInstance):
         req_id: str | None = None,
         arrival_time: float | None = None,
     ) -> Request:
-        """Validate and enqueue a request. Raises InvalidRequestError (nothing is enqueued),
-        also for ``sampling_params`` that is not a :class:`SamplingParams` (a dict, a list)."""
-        sp = SamplingParams() if sampling_params is None else sampling_params
-        if not isinstance(sp, SamplingParams):
-            raise InvalidRequestError(f"sampling_params must be a SamplingParams (or None), got "
-                                      f"{type(sp).__name__}: {sp!r:.80}")
-        ids = self.encode_prompt(prompt)
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens"
-            )
-        if isinstance(slo, SLO):
-            slo_obj = slo
-        else:
-            slo_obj = self.slo_classes.get(slo)
-        if req_id is not None and req_id in self.scheduler.requests:
-            raise InvalidRequestError(f"request id {req_id!r} is already in use")
-        req = Request(
-            prompt_token_ids=ids,
-            sampling_params=sp,
-            slo=slo_obj,
-            arrival_time=self.clock() if arrival_time is None else arrival_time,
-            req_id=req_id or "",
-            prompt=prompt if isinstance(prompt, str) else None,
-        )
-        text = OutputText(self.tokenizer, ids, sp.stop)  # before enqueueing: nothing is left if it raises
+        """Validate (:meth:`InputProcessor.process`) and enqueue a request. Raises
+        InvalidRequestError (nothing is enqueued)."""
+        return self.add_processed(self.inputs.process(prompt, sampling_params, slo, req_id, arrival_time,
+                                                      self.clock, self.scheduler.requests.__contains__))
+
+    def add_processed(self, req: Request) -> Request:
+        """Enqueue a request the input path built (:meth:`InputProcessor.process`). Raises
+        InvalidRequestError when its id is in use (nothing is enqueued)."""
+        if req.req_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {req.req_id!r} is already in use")
         self.core.add_request(req)
-        self._text[req.req_id] = text
+        self.outputs.add_request(req)
         return req
 
     def abort(self, req_id: str) -> bool:
         """Abort a request, freeing its KV and paused state. False when unknown/finished."""
-        self._text.pop(req_id, None)
+        self.outputs.abort(req_id)
         return self.core.abort(req_id) is not None
 
     def has_unfinished(self) -> bool:
@@ -246,31 +170,14 @@ class Engine(ModelInstance):
 
     # -- the loop ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One scheduling step of the core; returns outputs of the requests that progressed."""
+        """One scheduling step of the core; returns outputs of the requests that progressed. A
+        request whose text matched a stop string is stopped on the core (its hand-off dropped)."""
         outs = []
         for ev in self.core.step():
-            req = ev.request
-            text = self._text[req.req_id]
-            reason = ev.finish_reason
-            finished = reason is not None
-            if finished or ev.handed_off:
-                del self._text[req.req_id]
-            outs.append(RequestOutput(
-                req_id=req.req_id,
-                prompt=req.prompt,
-                prompt_token_ids=req.prompt_token_ids,
-                text=text.visible(finished),
-                token_ids=list(req.output_token_ids),
-                delta_text=text.delta(finished),
-                new_token_ids=[ev.token],
-                finished=finished,
-                finish_reason=reason,
-                handed_off=ev.handed_off,
-                slo=req.slo,
-                request=req,
-                arrival_time=req.arrival_time,
-                token_times=tuple(req.token_times),
-            ))
+            out, stop = self.outputs.process(ev.request, ev.token, ev.finish_reason, ev.handed_off)
+            if stop:
+                self.core.stop(ev.request)
+            outs.append(out)
         return outs
 
     # -- prefill -> decode hand-off ----------------------------------------------------------------------
@@ -280,8 +187,7 @@ class Engine(ModelInstance):
         Raises OutOfBlocksError (nothing kept) when the KV pool cannot hold it.
         """
         req = self.core.adopt(h)
-        self._text[req.req_id] = OutputText(self.tokenizer, req.prompt_token_ids, req.sampling_params.stop,
-                                            req.output_token_ids)
+        self.outputs.add_request(req)
         return req
 
     def check_integrity(self, expect_empty: bool = False) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .engine import Engine, RequestOutput
+from .engine import Engine
+from .outputs import RequestOutput
 from ..core.request import SLO, InvalidRequestError, SamplingParams
 
 

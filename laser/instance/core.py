@@ -124,8 +124,6 @@ class InstanceCore:
         # driver add requests that arrive while a step runs.
         self.arrival_hook: Callable[[], None] | None = None
         self.handoffs: list[Handoff] = []  # prefill role: requests that left after their first token
-        # The front end's view of each new token (detokenize; True = a stop string matched).
-        self.on_token: Callable[[Request], bool] | None = None
 
     @property
     def step_observer(self) -> Callable[[StepPlan, float], None] | None:
@@ -150,22 +148,31 @@ class InstanceCore:
         return req
 
     def finish(self, req: Request, reason: str) -> None:
-        """End ``req`` now (the front end matched a stop string: ``reason="stop"``)."""
+        """End ``req`` now (``reason``: ``stop``, ``length`` or ``handoff``)."""
         self.scheduler.finish(req, reason, self.clock())
         self.executor.release(req.req_id)
+
+    def stop(self, req: Request) -> None:
+        """The front end matched a stop string in ``req``'s text: end it as ``stop``, also when it
+        was just handed off (its hand-off is dropped from :attr:`handoffs`)."""
+        for i, h in enumerate(self.handoffs):
+            if h.request is req:
+                del self.handoffs[i]
+                req.finish_reason = "stop"
+                return
+        self.finish(req, "stop")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def finish_reason(self, req: Request) -> str | None:
         """The finished-request rule (one owner), for ``req``'s newest token: ``stop`` on EOS
-        (unless ``ignore_eos``), a stop token id or a stop string (the front end's
-        :attr:`on_token` sees the token first and says whether its text matched one);
-        ``length`` at ``max_tokens`` or the context limit; else None."""
+        (unless ``ignore_eos``) or a stop token id; ``length`` at ``max_tokens`` or the context
+        limit; else None. The instance judges token ids only: a stop *string* is the front
+        end's (:mod:`laser.frontend.outputs`), which then calls :meth:`stop`."""
         sp = req.sampling_params
         tok = req.output_token_ids[-1]
-        matched = self.on_token(req) if self.on_token is not None else False
-        if matched or (not sp.ignore_eos and tok in self.eos_ids) or tok in sp.stop_token_ids:
+        if (not sp.ignore_eos and tok in self.eos_ids) or tok in sp.stop_token_ids:
             return "stop"
         if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"

@@ -27,6 +27,7 @@ from ..frontend.async_engine import (
     StreamError,
 )
 from ..core.request import SLO, InvalidRequestError, SamplingParams
+from ..frontend.inputs import ContextLengthError
 from .errors import APIError, error_body
 from .metrics import ServerMetrics, slo_outcome
 from .protocol import MAX_STOP, CompletionRequest, unsupported_chat_fields
@@ -267,12 +268,12 @@ class Generation:
             msg = str(e)
             msg = "the " + msg if msg.startswith("prompt ") else msg
             raise APIError(400, f"{param}: {msg}", "invalid_value", param) from None
-        if not ids:
-            raise APIError(400, f"{param}: the prompt encodes to zero tokens", "invalid_value", param)
-        limit = self.ae.max_model_len
-        if len(ids) >= limit:
-            raise APIError(400, f"{param}: the prompt has {len(ids)} tokens; this model's context is {limit} tokens "
-                                "(prompt plus at least one generated token)", "context_length_exceeded", param)
+        try:
+            self.ae.inputs.check_length(ids)  # the input path's rule (laser.frontend.inputs)
+        except ContextLengthError as e:
+            raise APIError(400, f"{param}: the {e}", "context_length_exceeded", param) from None
+        except InvalidRequestError as e:
+            raise APIError(400, f"{param}: the {e}", "invalid_value", param) from None
         return ids
 
     def max_tokens_for(self, requested: int | None, prompt_len: int, default: int | None) -> int:

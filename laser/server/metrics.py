@@ -34,7 +34,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 def slo_outcome(req) -> tuple[bool, bool]:
     """(TTFT met, P99 TBT met) of a finished request, by :class:`laser.core.metrics.RequestRecord`'s rule.
     ``req``: anything with ``req_id``, ``slo``, ``arrival_time`` and ``token_times`` (a
-    :class:`~laser.frontend.engine.RequestOutput` on the server side)."""
+    :class:`~laser.frontend.outputs.RequestOutput` on the server side)."""
     from ..core.metrics import SLO_EPS, RequestRecord
 
     rec = RequestRecord(

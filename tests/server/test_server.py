@@ -79,7 +79,7 @@ def test_completion(live, client):
     assert r.object == "text_completion" and len(r.choices) == 1
     c = r.choices[0]
     assert c.finish_reason == "length" and c.text
-    tok = live.app.state.async_engine.encoder.tokenizer
+    tok = live.app.state.async_engine.inputs.tokenizer
     assert r.usage.prompt_tokens == len(tok.encode("The capital of France is"))
     assert r.usage.completion_tokens == 8 and r.usage.total_tokens == r.usage.prompt_tokens + 8
     assert r.model_extra["slo"]["slo_class"] == "best_effort"
@@ -175,8 +175,8 @@ def test_split_utf8_characters_stream_exactly(live, client):
     streamed pieces add up to the exact text."""
     ae = live.app.state.async_engine
     text = "日本語 🙂 é — ünï"
-    script = ae.encoder.tokenizer.encode(text)
-    tok = ae.encoder.tokenizer
+    script = ae.inputs.tokenizer.encode(text)
+    tok = ae.inputs.tokenizer
     assert sum("\ufffd" in tok.decode([i]) for i in script) >= 4  # really split characters
     inner = live.call(ae.run_in_engine(lambda e: e.runner.sampler))
     live.call(ae.run_in_engine(lambda e: setattr(e.runner, "sampler", _ScriptedSampler(inner, script))))

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from laser.core.config import CacheConfig
-from laser.frontend.detokenizer import IncrementalDetokenizer, find_stop
+from laser.frontend.outputs import IncrementalDetokenizer, find_stop
 from laser.frontend.engine import Engine
 from laser.model.loader import load_tokenizer
 from laser.core.request import SamplingParams

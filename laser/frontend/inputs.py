@@ -1,0 +1,136 @@
+"""The one input path: a client's prompt, sampling parameters and SLO become a validated
+:class:`~laser.core.request.Request` here, once, for every front end (in process, the asyncio
+server, a cluster, offline ``LLM``).
+
+A malformed request is rejected with :class:`~laser.core.request.InvalidRequestError` naming
+what is wrong, and nothing is enqueued anywhere. The instance behind the front end sees only
+token ids that passed these checks. The model is vLLM v1's ``Processor.process_inputs``
+(``vllm/v1/engine/processor.py``): inputs are validated and tokenized off the engine core,
+which then only adds the request.
+
+Thread-safety: a Rust tokenizer must not be used from two threads at once, so a server gives
+its tokenizer thread its own :class:`InputProcessor` over a copy (:meth:`InputProcessor.copy`).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+from ..core.request import SLO, InvalidRequestError, Request, SamplingParams
+
+
+def check_text(text: str, where: str) -> None:
+    """Raise InvalidRequestError when ``text`` is not valid Unicode text: an unpaired UTF-16
+    surrogate (JSON's ``"\\ud800"`` decodes to one) cannot be UTF-8 encoded, and the
+    tokenizer raises a TypeError on it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(f"{where} is not valid Unicode text (an unpaired surrogate "
+                                  f"{text[e.start]!r} at character {e.start})") from None
+
+
+class ContextLengthError(InvalidRequestError):
+    """The prompt does not leave room for one generated token in the model's context."""
+
+
+class InputProcessor:
+    """Tokenizes and validates requests for one served model.
+
+    Args:
+        tokenizer: the model's HF tokenizer (used for text and chat messages only).
+        vocab_size: token ids must lie in ``[0, vocab_size)``.
+        max_model_len: context length in tokens; a prompt must be shorter.
+        slo_classes: the SLO class table that resolves a class name (``None``: the default class).
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, slo_classes):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.slo_classes = slo_classes
+
+    def copy(self) -> "InputProcessor":
+        """A processor over a private copy of the tokenizer (for another thread)."""
+        return InputProcessor(copy.deepcopy(self.tokenizer), self.vocab_size, self.max_model_len, self.slo_classes)
+
+    # -- prompts ---------------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | list[int] | list[dict]) -> list[int]:
+        """Token ids of a prompt: text, token ids, or chat messages (chat template applied).
+        Raises InvalidRequestError (empty, not Unicode, ids out of the vocabulary, bad messages)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            check_text(prompt, "prompt")
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            return self.apply_chat_template(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"token id {bad[0]} out of range [0, {self.vocab_size})")
+            return list(prompt)
+        raise InvalidRequestError("prompt must be a non-empty string, token id list or message list")
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation, with the generation prompt appended (a model without a
+        template gets ``role: content`` lines). Raises InvalidRequestError."""
+        if not messages:
+            raise InvalidRequestError("messages are empty")
+        for i, m in enumerate(messages):
+            for k, v in m.items():
+                if isinstance(v, str):
+                    check_text(v, f"messages[{i}].{k}")
+        if self.tokenizer.chat_template is None:
+            text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
+            return self.tokenizer.encode(text)
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # noqa: BLE001 - template errors are the caller's input
+            raise InvalidRequestError(f"cannot apply chat template: {e}") from e
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def check_length(self, ids: list[int]) -> None:
+        """Raise :class:`ContextLengthError` unless the prompt leaves room for one generated token
+        (and InvalidRequestError when it is empty)."""
+        if not ids:
+            raise InvalidRequestError("prompt is empty: it encodes to zero tokens")
+        if len(ids) >= self.max_model_len:
+            raise ContextLengthError(f"prompt has {len(ids)} tokens; this model's context is "
+                                     f"{self.max_model_len} tokens (prompt plus at least one generated token)")
+
+    def tokenize(self, prompt: str | list[int] | list[dict]) -> list[int]:
+        """:meth:`encode_prompt` then :meth:`check_length`: the ids of a servable prompt."""
+        ids = self.encode_prompt(prompt)
+        self.check_length(ids)
+        return ids
+
+    # -- requests --------------------------------------------------------------------------------
+    def resolve_slo(self, slo: SLO | str | None) -> SLO:
+        """An SLO, a class name of the table, or None (the default class). Raises InvalidRequestError."""
+        return slo if isinstance(slo, SLO) else self.slo_classes.get(slo)
+
+    def process(self, prompt: str | list[int] | list[dict], sampling_params: SamplingParams | None,
+                slo: SLO | str | None, req_id: str | None, arrival_time: float | None,
+                clock: Callable[[], float], in_use: Callable[[str], Any] = lambda rid: False) -> Request:
+        """The validated :class:`Request` of a client's request (nothing is enqueued).
+
+        ``prompt``: text, token ids, or chat messages; ``arrival_time``: seconds on ``clock``
+        (default: now); ``in_use(req_id)``: whether that id is taken already. Raises
+        InvalidRequestError (a :class:`ContextLengthError` for a prompt too long), also for
+        ``sampling_params`` that is not a :class:`SamplingParams` (a dict, a list).
+        """
+        sp = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(sp, SamplingParams):
+            raise InvalidRequestError(f"sampling_params must be a SamplingParams (or None), got "
+                                      f"{type(sp).__name__}: {sp!r:.80}")
+        ids = self.tokenize(prompt)
+        slo_obj = self.resolve_slo(slo)
+        if req_id is not None and in_use(req_id):
+            raise InvalidRequestError(f"request id {req_id!r} is already in use")
+        return Request(prompt_token_ids=ids, sampling_params=sp, slo=slo_obj,
+                       arrival_time=clock() if arrival_time is None else arrival_time,
+                       req_id=req_id or "", prompt=prompt if isinstance(prompt, str) else None)

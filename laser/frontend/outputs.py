@@ -1,0 +1,202 @@
+"""The one output path: token ids -> text, stop strings, :class:`RequestOutput`.
+
+Every front end (the in-process :class:`~laser.frontend.engine.Engine`, the cluster's
+:class:`~laser.cluster.engine.ClusterEngine`, the asyncio server, offline ``LLM``) turns the
+token events of its instances into client outputs through one :class:`OutputProcessor`. The
+instances judge token ids only (EOS, stop token ids, ``max_tokens``, context); a stop *string*
+is judged here, and the front end then stops the request on its instance. The model is vLLM
+v1's ``OutputProcessor`` (``vllm/v1/engine/output_processor.py``).
+
+Detokenization is incremental: a short window of recent tokens is decoded each step instead of
+the whole output, and text that ends in an incomplete UTF-8 sequence (U+FFFD) is held back
+until the next token completes it (the prefix/read-offset scheme of vLLM's
+``detokenize_incrementally`` and TGI).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..core.request import SLO, Request
+
+
+class IncrementalDetokenizer:
+    """Per-request detokenizer state. ``text`` is the output decoded so far."""
+
+    __slots__ = ("tokenizer", "ids", "prefix_offset", "read_offset", "text", "skip_ids")
+
+    def __init__(self, tokenizer, prompt_ids: list[int]):
+        self.tokenizer = tokenizer
+        # Start with a few prompt tokens as context so leading spaces decode right.
+        self.ids = list(prompt_ids[-6:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+        self.skip_ids = set(getattr(tokenizer, "all_special_ids", ()) or ())
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the newly completed text (may be empty)."""
+        if token_id in self.skip_ids:
+            return ""
+        self.ids.append(token_id)
+        dec = self.tokenizer.decode
+        prefix = dec(self.ids[self.prefix_offset : self.read_offset])
+        full = dec(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix) :]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            self.text += delta
+            return delta
+        return ""
+
+
+def find_stop(text: str, stops: tuple[str, ...], new_len: int) -> int | None:
+    """Index in ``text`` where the earliest stop string starts, searching only where the
+    last ``new_len`` characters could complete one; None if none matched."""
+    best = None
+    for s in stops:
+        start = max(0, len(text) - new_len - len(s) + 1)
+        i = text.find(s, start)
+        if i != -1 and (best is None or i < best):
+            best = i
+    return best
+
+
+class OutputText:
+    """A request's output text as the client sees it: incremental detokenization, stop strings,
+    and the hold-back that keeps streamed deltas consistent (the one owner of that rule).
+
+    Text that could still turn out to be the start of a stop string (its length - 1
+    characters) is held back until the request finishes, so the streamed deltas always add up
+    to the final, cut text.
+    """
+
+    __slots__ = ("detok", "stop", "hold", "sent")
+
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = (),
+                 output_ids: list[int] = ()):
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        for t in output_ids:  # a request continuing here (hand-off): its text so far was sent
+            self.detok.add(t)
+        self.sent = max(0, len(self.detok.text) - self.hold)
+
+    @property
+    def text(self) -> str:
+        return self.detok.text
+
+    def add(self, token_id: int) -> bool:
+        """Append a token. True when a stop string matched (the text is cut before it)."""
+        delta = self.detok.add(token_id)
+        if self.stop and delta:
+            cut = find_stop(self.detok.text, self.stop, len(delta))
+            if cut is not None:
+                self.detok.text = self.detok.text[:cut]
+                return True
+        return False
+
+    def visible(self, finished: bool) -> str:
+        """The text a client may see now (all of it once finished)."""
+        t = self.detok.text
+        return t if finished else t[: max(0, len(t) - self.hold)]
+
+    def delta(self, finished: bool) -> str:
+        """Visible text not streamed yet; marks it streamed."""
+        t = self.visible(finished)
+        d = t[self.sent :]
+        self.sent = max(self.sent, len(t))
+        return d
+
+
+@dataclass
+class RequestOutput:
+    """Progress of one request after a step (cumulative text and tokens, plus the delta)."""
+
+    req_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    delta_text: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    slo: SLO
+    # The front end's request: only the thread that steps the engine may read it (in-process
+    # drivers such as ``LLM``); other threads use the copies below.
+    request: Request = field(repr=False, default=None)
+    # Prefill role: the request continues on a decode instance (see Engine.handoffs).
+    handed_off: bool = False
+    # Copies taken when the output was made (safe to read from any thread): the request's arrival
+    # time and the time of every output token so far (seconds, engine clock).
+    arrival_time: float = 0.0
+    token_times: tuple[float, ...] = ()
+
+
+def aborted_output(req_id: str, prompt_token_ids: list[int], slo: SLO, last: RequestOutput | None) -> RequestOutput:
+    """The final ``finish_reason="abort"`` output of a request that ends without a new token
+    (server shutdown), from its ``last`` output (None: it had none)."""
+    return RequestOutput(
+        req_id=req_id, prompt=None, prompt_token_ids=prompt_token_ids, text=last.text if last else "",
+        token_ids=list(last.token_ids) if last else [], delta_text="", new_token_ids=[], finished=True,
+        finish_reason="abort", slo=slo, request=last.request if last else None,
+        arrival_time=last.arrival_time if last else 0.0, token_times=last.token_times if last else ())
+
+
+class OutputProcessor:
+    """Turns the token events of a front end's requests into :class:`RequestOutput` s.
+
+    Holds one :class:`OutputText` per request between :meth:`add_request` and its last output.
+    Not thread-safe: used by the thread that steps the instances.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._text: dict[str, OutputText] = {}
+
+    def add_request(self, req: Request) -> None:
+        """Track ``req`` (its tokens so far count as streamed already: a request continuing
+        here after a hand-off)."""
+        self._text[req.req_id] = OutputText(self.tokenizer, req.prompt_token_ids, req.sampling_params.stop,
+                                            req.output_token_ids)
+
+    def abort(self, req_id: str) -> None:
+        """Forget a request (no output)."""
+        self._text.pop(req_id, None)
+
+    def process(self, req: Request, token: int, finish_reason: str | None,
+                handed_off: bool = False) -> tuple[RequestOutput, bool]:
+        """The output of ``req`` after it got ``token`` (already appended to
+        ``req.output_token_ids``), with the instance's ``finish_reason`` (EOS, stop id, length;
+        None: running) and whether the instance handed it off after this token.
+
+        Returns ``(output, stop)``: ``stop`` is True when a stop string matched while the
+        instance still holds the request (running, or in its hand-off outbox): the caller must
+        stop it there. A stop string ends the request as ``stop`` whatever the instance said
+        (vLLM's output processor does the same), and cuts its text before the string.
+        """
+        text = self._text[req.req_id]
+        matched = text.add(token)
+        stop = matched and finish_reason is None
+        if matched:
+            finish_reason, handed_off = "stop", False
+        finished = finish_reason is not None
+        if finished or handed_off:
+            del self._text[req.req_id]
+        return RequestOutput(
+            req_id=req.req_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+            text=text.visible(finished), token_ids=list(req.output_token_ids), delta_text=text.delta(finished),
+            new_token_ids=[token], finished=finished, finish_reason=finish_reason, slo=req.slo, request=req,
+            handed_off=handed_off, arrival_time=req.arrival_time, token_times=tuple(req.token_times)), stop
+
+    def final(self, req: Request, reason: str) -> RequestOutput:
+        """The last output of a tracked request that ends without a new token (``reason``,
+        e.g. ``abort`` when no instance can serve it any more); it is forgotten."""
+        text = self._text.pop(req.req_id)
+        return RequestOutput(
+            req_id=req.req_id, prompt=None, prompt_token_ids=req.prompt_token_ids, text=text.visible(True),
+            token_ids=list(req.output_token_ids), delta_text=text.delta(True), new_token_ids=[], finished=True,
+            finish_reason=reason, slo=req.slo, request=req, arrival_time=req.arrival_time,
+            token_times=tuple(req.token_times))
