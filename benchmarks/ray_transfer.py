@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from laser.cluster.engine import start_cluster
+from laser.cluster.launch import start_cluster
 from laser.core.request import SamplingParams
 
 

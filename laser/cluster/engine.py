@@ -24,74 +24,32 @@ by a live prefill instance is re-sent to another decode instance, anything else 
 re-prefilled from prompt + the tokens generated so far (kept here, so no token is streamed
 twice) with its original arrival time and deadline. Greedy requests continue identically; a
 seeded sampled request that is re-prefilled restarts its generator from the seed.
+
+The jobs live in their own modules: hand-offs and migrations (:mod:`.transfers`), failure
+recovery (:mod:`.recovery`), the records (:mod:`.state`), starting a cluster (:mod:`.launch`).
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
-import logging
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 from ..controller.base import Controller
-from .handles import Call, InstanceFailure, InstanceHandle
+from ..core.request import SLO, InvalidRequestError, Phase, Request, SamplingParams
 from ..frontend.inputs import InputProcessor
 from ..frontend.outputs import OutputProcessor, RequestOutput
 from ..instance.messages import RequestInfo
-from ..core.request import SLO, InvalidRequestError, Phase, Request, SamplingParams
+from .handles import Call, InstanceFailure, InstanceHandle
+from .recovery import Recovery
+from .state import ClusterError, ClusterStats, Tracked
+from .transfers import Transfers
 
-log = logging.getLogger(__name__)
-
-
-class ClusterError(RuntimeError):
-    """The cluster cannot serve: no live instance of a role it needs."""
-
-
-@dataclass(eq=False)  # compared by identity (membership of ``_transfers``)
-class _Tracked:
-    """The front end's copy of one request: what was streamed, and where it is."""
-
-    req: Request  # prompt, sampling params, SLO, arrival; output_token_ids/token_times as streamed
-    info: RequestInfo
-    owner: int  # instance that holds it now (its prefill instance until adopted)
-    decode: int | None = None  # decode instance chosen (reserved) or holding it
-    transfer: "_Transfer | None" = None
-    restarts: int = 0
+__all__ = ["ClusterEngine", "ClusterError", "ClusterStats"]
 
 
-@dataclass
-class _Transfer:
-    src: int
-    dst: int
-    take: Call
-    adopt: Call
-    migration: bool = False  # a decode -> decode move (else the prefill -> decode hand-off)
-
-
-@dataclass
-class ClusterStats:
-    """Counters of the cluster front end (exported by the server's ``/metrics``)."""
-
-    transfers: int = 0
-    transfer_bytes: int = 0
-    transfer_seconds: list[float] = field(default_factory=list)  # per hand-off, send -> written
-    transfer_layers: int = 0  # layers per hand-off (the model's)
-    streamed_transfers: int = 0  # hand-offs whose KV was streamed layer by layer during prefill
-    handoff_seconds: list[float] = field(default_factory=list)  # per hand-off, prefill end -> adopted
-    resends: int = 0  # hand-offs re-sent to another decode instance
-    migrations: int = 0  # decode -> decode moves started (KV and sampler state, CONTROLLER.md D9)
-    migration_seconds: list[float] = field(default_factory=list)  # per completed move, send -> adopted
-    recoveries: int = 0  # requests re-prefilled after their instance failed
-    recovery_seconds: list[float] = field(default_factory=list)  # failure -> next token
-    instance_failures: int = 0
-    rejoins: int = 0  # dead instances that answered again (restarted by Ray) and rejoined, empty
-    routes: int = 0
-    route_seconds: float = 0.0
-
-
-class ClusterEngine:
+class ClusterEngine(Transfers, Recovery):
     """Engine-like front end over ``handles`` driven by ``controller``.
 
     Args:
@@ -125,13 +83,13 @@ class ClusterEngine:
         self.latency_model = entry.latency_model
         self.clock = clock
         self.step_timeout_s = step_timeout_s
-        self.requests: dict[str, _Tracked] = {}
+        self.requests: dict[str, Tracked] = {}
         self.stats = ClusterStats()
         self._steps: dict[int, Call] = {}  # instance id -> its step in flight
         self._busy: set[int] = set()  # instances with work (as of their last step)
         self._work_sent: collections.Counter = collections.Counter()  # instance id -> work given so far
         self._step_gen: dict[int, int] = {}  # instance id -> _work_sent when its step in flight started
-        self._transfers: list[_Tracked] = []
+        self._transfers: list[Tracked] = []
         self._pending: list[str] = []  # handed off, waiting for a decode instance
         self._confirms: list[Call] = []  # "confirm" calls (prefill side drops a delivered hand-off) in flight
         self._recovering: dict[str, float] = {}  # req id -> time its instance failed
@@ -184,7 +142,7 @@ class ClusterEngine:
         in use) or ClusterError (no live instance can take it); nothing is kept then."""
         if req.req_id in self.requests:
             raise InvalidRequestError(f"request id {req.req_id!r} is already in use")
-        t = _Tracked(req, self._info(req), owner=-1)
+        t = Tracked(req, self._info(req), owner=-1)
         self.requests[req.req_id] = t
         self.outputs.add_request(req)
         try:
@@ -209,7 +167,7 @@ class ClusterEngine:
             r.phase = Phase.PREFILL
         return r
 
-    def _dispatch(self, t: _Tracked) -> None:
+    def _dispatch(self, t: Tracked) -> None:
         """Route ``t`` (controller) and send it to its prefill instance, marking dead whatever
         fails to answer on the way and routing again (what the failed try left on a live
         instance is dropped there). Raises ClusterError when no live instance takes it."""
@@ -247,7 +205,7 @@ class ClusterEngine:
                 except InstanceFailure as e:
                     self._fail_instance(e.instance_id, e)
 
-    def _send(self, t: _Tracked, prefill: int, decode: int | None) -> None:
+    def _send(self, t: Tracked, prefill: int, decode: int | None) -> None:
         """Give ``t`` to its prefill instance; with a decode instance chosen already (and
         ``stream_kv``), that one expects its KV layer by layer, straight from the prefill instance."""
         req = self._copy_for_instance(t.req)
@@ -277,7 +235,7 @@ class ClusterEngine:
         self._release_everywhere(t)
         return True
 
-    def _release_everywhere(self, t: _Tracked) -> None:
+    def _release_everywhere(self, t: Tracked) -> None:
         self._drop_on_live(t.req.req_id, {t.owner, t.decode, t.transfer.src if t.transfer else None})
         if t in self._transfers:
             self._transfers.remove(t)
@@ -372,262 +330,9 @@ class ClusterEngine:
             outs.append(out)
         return outs
 
-    def _release_reservation(self, t: _Tracked) -> None:
+    def _release_reservation(self, t: Tracked) -> None:
         """Cancel ``t``'s reservation on its decode instance, and any KV streamed there."""
         self._drop_on_live(t.req.req_id, {t.decode})
-
-    # -- prefill -> decode hand-off ---------------------------------------------------------------------
-    def _start_transfers(self) -> None:
-        while self._pending:
-            rid = self._pending.pop(0)
-            t = self.requests.get(rid)
-            if t is None:
-                continue
-            src = self.handles[t.owner]
-            try:
-                d = self.controller.at_handoff(self._info(t.req), t.decode, self.clock())
-            except InstanceFailure as e:
-                self._pending.insert(0, rid)
-                self._fail_instance(e.instance_id, e)
-                continue
-            if self.stream_kv and t.decode is not None and d != t.decode:
-                self._release_reservation(t)  # the layers streamed there go unused
-            self._transfer(t, src, d)
-
-    def _transfer(self, t: _Tracked, src: InstanceHandle, d: int, migration: bool = False) -> None:
-        """Move ``t`` from ``src``'s outbox to decode instance ``d`` (instance to instance)."""
-        rid = t.req.req_id
-        t.decode = d
-        take = src.submit("take_handoff", rid, d)
-        # the attempt number fences the adoption: a stale one (of an attempt given up on) is refused
-        t.transfer = _Transfer(src.instance_id, d, take, self.handles[d].submit("adopt", take, t.restarts), migration)
-        self._transfers.append(t)
-
-    def _maybe_migrate(self, iid: int) -> None:
-        """Between two steps of decode instance ``iid``: the controller's D9 move, if any (only
-        with another live decode instance to go to). The request leaves ``iid``'s scheduler into
-        its outbox and travels like a hand-off; it streams again once adopted."""
-        if sum(h.alive and h.role == "decode" for h in self.handles.values()) < 2:
-            return
-        try:
-            m = self.controller.plan_migration(self.handles[iid], self.clock())
-            if m is None:
-                return
-            cand, d = m
-            t = self.requests.get(cand.info.req_id)
-            if t is None or t.owner != iid or t.transfer is not None:
-                self.handles[d].release(cand.info.req_id)
-                return
-            self.handles[iid].call("migrate_out", t.req.req_id)
-        except InstanceFailure as e:
-            self._fail_instance(e.instance_id, e)
-            return
-        except KeyError:  # finished or moved meanwhile
-            return
-        self.stats.migrations += 1
-        self._transfer(t, self.handles[iid], d, migration=True)
-
-    def _poll_transfers(self) -> None:
-        for t in list(self._transfers):
-            tr = t.transfer
-            if tr is None or t not in self._transfers:
-                continue  # moved on while an earlier transfer's failure was handled
-            if not tr.adopt.future.done():
-                if time.monotonic() - tr.adopt.started > self.step_timeout_s:
-                    if tr.take.future.done():
-                        self._fail_instance(tr.dst, "hand-off not adopted in time", timed_out=True)
-                    else:  # the adoption waits for its argument: the prefill side is stuck
-                        self._fail_instance(tr.src, "hand-off not sent in time", timed_out=True)
-                continue
-            self._transfers.remove(t)
-            rid = t.req.req_id
-            src, dst = self.handles[tr.src], self.handles[tr.dst]
-            try:
-                src.result(tr.take)
-            except InstanceFailure as e:  # the prefill instance died holding the KV: re-prefill
-                self._fail_instance(tr.src, e)
-                continue
-            except KeyError as e:
-                self._lost_handoff(t, tr, e)
-                continue
-            try:
-                m = dst.result(tr.adopt)
-            except InstanceFailure as e:  # decode side died: the prefill instance still holds it
-                self._fail_instance(tr.dst, e)
-                continue
-            except KeyError as e:
-                self._lost_handoff(t, tr, e)
-                continue
-            t.transfer = None
-            t.owner = tr.dst
-            self._mark_busy(tr.dst)
-            if tr.migration:
-                self.stats.migration_seconds.append(m["seconds"])
-            else:
-                self.stats.transfers += 1
-                self.stats.transfer_bytes += m["bytes"]
-                self.stats.transfer_seconds.append(m["seconds"])
-                self.stats.transfer_layers = m["layers"]
-                self.stats.streamed_transfers += m["streamed"]
-                self.stats.handoff_seconds.append(m["after_prefill_s"])
-            # the prefill side drops its copy when it next can (a layer boundary); nothing waits
-            # for the answer: a prefill instance that fails now has nothing of this request left to lose
-            self._confirms.append(src.submit("confirm", rid))
-
-    def _poll_confirms(self, wait: bool = False) -> None:
-        """Collect the answers of the ``confirm`` calls sent (all of them when ``wait``); one that
-        failed marks its prefill instance dead."""
-        for c in list(self._confirms):
-            if not c.handle.alive:
-                self._confirms.remove(c)
-                continue
-            if not (wait or c.future.done()):
-                continue
-            self._confirms.remove(c)
-            try:
-                c.handle.result(c, timeout=c.handle.call_timeout_s if wait else 0.0)
-            except InstanceFailure as e:
-                self._fail_instance(e.instance_id, e)
-
-    def _lost_handoff(self, t: _Tracked, tr: _Transfer, e: KeyError) -> None:
-        """A hand-off one side no longer knows (aborted there): nothing when ``t`` is gone or moved
-        on; else re-prefill it, so it is never left waiting for a transfer that will not come."""
-        if self.requests.get(t.req.req_id) is t and t.transfer is tr:
-            log.warning("hand-off of %s lost (%s); re-prefilling it", t.req.req_id, e)
-            t.transfer = None
-            self._resume(t, self.clock())
-
-    # -- failures ---------------------------------------------------------------------------------------
-    def _fail_instance(self, iid: int, why: "str | InstanceFailure", timed_out: bool = False) -> None:
-        """Mark ``iid`` dead, re-attach the controller to the live instances and move every
-        request it held (re-send a hand-off still held by a live prefill instance, else
-        re-prefill prompt + output elsewhere). An instance that only missed a timeout
-        (``timed_out``, or an :class:`InstanceFailure` that says so: a straggler, perhaps alive)
-        or that its host restarts (Ray ``max_restarts``) is pinged until it answers and then
-        rejoins empty (:meth:`_probe_dead`); a restart is counted only for a death."""
-        timed_out = timed_out or getattr(why, "timed_out", False)
-        h = self.handles[iid]
-        if not h.alive:
-            return
-        log.warning("instance %d (%s) marked dead: %s", iid, h.role, why)
-        h.alive = False
-        self.stats.instance_failures += 1
-        if h.restarts_left > 0 or timed_out:  # it may answer again: probe until it does
-            if not timed_out:
-                h.restarts_left -= 1
-            now_m = time.monotonic()
-            self._probes[iid] = [now_m, now_m + self.rejoin_probe_s, None]
-        self._steps.pop(iid, None)
-        self._step_gen.pop(iid, None)
-        self._busy.discard(iid)
-        live = [x for x in self.handles.values() if x.alive]
-        try:
-            self._require_roles()
-            self.controller.attach(live)
-        except (ClusterError, ValueError) as e:
-            log.error("cluster cannot serve any more: %s", e)
-            self._stranded.add(iid)  # its requests move when an instance rejoins
-            return
-        self._move_requests_of(iid)
-
-    def _move_requests_of(self, iid: int) -> None:
-        """Resume elsewhere every request dead instance ``iid`` held (see :meth:`_fail_instance`)."""
-        now = self.clock()
-        for t in list(self.requests.values()):
-            if t.req.req_id in self._dispatching:
-                continue  # its _dispatch routes it again
-            tr = t.transfer
-            if tr is not None and iid in (tr.src, tr.dst):
-                if t in self._transfers:  # (_poll_transfers takes it out before reading its answers)
-                    self._transfers.remove(t)
-                t.transfer = None
-                if tr.src != iid:  # the decode side died: the prefill instance still holds the KV
-                    self.stats.resends += 1
-                    t.decode = None
-                    self._pending.append(t.req.req_id)
-                    continue
-                self._resume(t, now)
-            elif t.owner == iid:
-                if t.req.req_id in self._pending:
-                    self._pending.remove(t.req.req_id)
-                self._resume(t, now)
-            elif t.decode == iid:
-                t.decode = None  # chosen at arrival; re-chosen at the hand-off
-
-    def _probe_dead(self) -> None:
-        """Ping dead instances that may come back; one that answers is reset (emptied: a restarted
-        actor is empty, one that had only missed a timeout is not) and rejoins the controller."""
-        now = time.monotonic()
-        for iid, probe in list(self._probes.items()):
-            failed_at, next_at, ping = probe
-            h = self.handles[iid]
-            if ping is None:
-                if now - failed_at > self.rejoin_timeout_s:
-                    log.error("instance %d did not come back within %.0f s", iid, self.rejoin_timeout_s)
-                    del self._probes[iid]
-                elif now >= next_at:
-                    probe[2] = h.submit("ping")
-                continue
-            if not ping.future.done():
-                continue
-            probe[2] = None
-            try:
-                h.result(ping)
-                dropped = h.call("reset")
-            except InstanceFailure:
-                probe[1] = time.monotonic() + self.rejoin_probe_s
-                continue
-            del self._probes[iid]
-            h.alive = True
-            self.stats.rejoins += 1
-            log.warning("instance %d (%s) rejoined after %.1f s (dropped %d stale requests)", iid, h.role,
-                        now - failed_at, dropped)
-            if self.can_serve():
-                self.controller.attach([x for x in self.handles.values() if x.alive])
-                for dead in sorted(self._stranded):
-                    self._move_requests_of(dead)
-                self._stranded.clear()
-                parked, self._parked = self._parked, []
-                for rid in parked:
-                    if rid in self.requests:
-                        self._resume(self.requests[rid], self._recovering.get(rid, self.clock()))
-        if not self._probes:  # nothing can come back: what still waits is lost
-            dead = self._stranded
-            for t in list(self.requests.values()):
-                tr = t.transfer
-                if (t.req.req_id in self._parked or t.owner in dead
-                        or (tr is not None and {tr.src, tr.dst} & dead)):
-                    self._give_up(t, "no live instance of a needed role")
-            self._parked.clear()
-            self._stranded.clear()
-
-    def _resume(self, t: _Tracked, failed_at: float) -> None:
-        """Re-prefill ``t`` (prompt + streamed tokens) on a live instance, original deadline kept."""
-        self.stats.recoveries += 1
-        t.restarts += 1
-        # drop what live instances still hold of it, and refuse a late adoption of the old attempt
-        self._drop_on_live(t.req.req_id, {t.owner, t.decode}, t.restarts)
-        if self.requests.get(t.req.req_id) is not t:
-            return  # (an instance failed on the way and moved it already)
-        self._recovering.setdefault(t.req.req_id, failed_at)
-        t.info = self._info(t.req)
-        try:
-            self._dispatch(t)
-        except ClusterError as e:
-            if self._probes:  # an instance may come back: it waits for that
-                t.owner, t.decode = -1, None
-                self._parked.append(t.req.req_id)
-            else:
-                self._give_up(t, str(e))
-
-    def _give_up(self, t: _Tracked, why: str) -> None:
-        """``t`` cannot be served any more: its stream ends with ``finish_reason="abort"``."""
-        log.error("request %s lost: %s", t.req.req_id, why)
-        out = self.outputs.final(t.req, "abort")
-        self.abort(t.req.req_id)
-        t.req.finish_reason = "abort"
-        self._lost_outputs.append(out)
-
     # -- checks ------------------------------------------------------------------------------------------
     def check_integrity(self, expect_empty: bool = False) -> None:
         """Every live instance's KV pool, intermediate cache and scheduler (and, when idle, no
@@ -662,61 +367,3 @@ class ClusterEngine:
             outs.extend(self.step())
         return outs
 
-
-def instance_roles(prefill: int, decode: int, mixed: int) -> list[tuple[int, str]]:
-    """``(instance_id, role)`` of a cluster of ``prefill`` + ``decode`` + ``mixed`` instances."""
-    roles = ["prefill"] * prefill + ["decode"] * decode + ["mixed"] * mixed
-    return list(enumerate(roles))
-
-
-def start_cluster(controller: str | Controller, prefill: int = 0, decode: int = 0, mixed: int = 0, *,
-                  model: str | None = None, dtype: str = "auto", cache=None, scheduler=None, slo_classes=None,
-                  latency_profile: str | None = None, max_model_len: int | None = None, seed: int = 0,
-                  threads_per_instance: int | None = None, use_ray: bool = True, ray_address: str | None = None,
-                  call_timeout_s: float = 5.0, step_timeout_s: float = 60.0,
-                  stream_kv: bool = True, max_restarts: int = 0, latency_calibration: bool = True,
-                  jitter_margin: bool = False) -> ClusterEngine:
-    """Start the instances (Ray actors, or in process with ``use_ray=False``) and the front end.
-    ``latency_calibration``, ``jitter_margin``: each instance's, as :class:`~laser.frontend.engine.Engine`'s.
-
-    The instances run the controller's ``instance_policy`` scheduler; ``scheduler`` gives the
-    other scheduler knobs. With Ray, a local cluster is started with one CPU per instance
-    thread unless Ray is already up or ``ray_address`` names one to join; ``max_restarts``: times
-    Ray restarts a dead instance actor (it rejoins empty; in process: ignored).
-    Raises ValueError (bad layout for the controller, or a controller whose roles run different
-    policies: simulator only) or InstanceFailure (an actor did not start).
-    """
-    import dataclasses
-
-    from ..core.config import SchedulerConfig
-    from ..controller import get_controller
-    from ..model.loader import load_config, load_tokenizer, resolve_model
-    from ..core.slo import SLOClasses
-
-    ctrl = get_controller(controller)() if isinstance(controller, str) else controller
-    if any(ctrl.policy_for(r) != ctrl.instance_policy for r in ("prefill", "decode", "mixed")):
-        raise ValueError("per-role instance policies (the ablation options) run on the simulator only")
-    specs = instance_roles(prefill, decode, mixed)
-    if not specs:
-        raise ValueError("a cluster needs at least one instance")
-    path = resolve_model(model)
-    tokenizer = load_tokenizer(path)
-    sched = dataclasses.replace(scheduler or SchedulerConfig(), policy=ctrl.instance_policy)
-    kwargs = dict(model=model, policy=ctrl.instance_policy, dtype=dtype, cache=cache, scheduler=sched,
-                  latency_profile=latency_profile, seed=seed, max_model_len=max_model_len,
-                  latency_calibration=latency_calibration, jitter_margin=jitter_margin,
-                  extra_eos_ids=() if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,))
-    if use_ray:
-        from . import ray_actors
-
-        ray_actors.init_local_ray(len(specs) * (threads_per_instance or 1), ray_address)
-        handles = ray_actors.start_instances(specs, kwargs, threads_per_instance, call_timeout_s,
-                                             max_restarts=max_restarts)
-    else:
-        from .handles import LocalHandle
-        from ..instance.worker import InstanceWorker
-
-        handles = [LocalHandle(InstanceWorker(i, role, kwargs, threads_per_instance), call_timeout_s)
-                   for i, role in specs]
-    return ClusterEngine(handles, ctrl, tokenizer, load_config(path), "smollm2" if model is None else str(model),
-                         slo_classes or SLOClasses.load(), step_timeout_s=step_timeout_s, stream_kv=stream_kv)

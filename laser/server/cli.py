@@ -90,7 +90,7 @@ def _warmup(engine) -> None:
 def build_cluster(args):
     """A :class:`~laser.cluster.engine.ClusterEngine` over Ray instance actors from the CLI flags."""
     from ..cli import engine_configs
-    from ..cluster.engine import start_cluster
+    from ..cluster.launch import start_cluster
 
     if min(args.prefill_instances, args.decode_instances, args.mixed_instances) < 0:
         raise SystemExit("laser: error: instance counts must be >= 0")

@@ -13,7 +13,8 @@ import random
 
 import pytest
 
-from laser.cluster.engine import ClusterEngine, start_cluster
+from laser.cluster.engine import ClusterEngine
+from laser.cluster.launch import start_cluster
 from laser.core.config import CacheConfig, SchedulerConfig
 from laser.controller import get_controller
 from laser.controller.laser import LaserController

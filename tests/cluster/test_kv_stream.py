@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from laser.cluster.engine import start_cluster
+from laser.cluster.launch import start_cluster
 from laser.core.config import CacheConfig, SchedulerConfig
 from laser.frontend.engine import Engine
 from laser.instance.kv_stream import InboundKV

@@ -237,7 +237,7 @@ def test_cluster_instances_take_the_calibration_flags(tiny_llama):
     """``laser serve --prefill-instances 1 --decode-instances 1 --no-latency-calibration`` (or
     ``--jitter-margin``) started instances that calibrated with fixed margins all the same:
     ``start_cluster`` never passed the two flags on. Each instance now plans as they say."""
-    from laser.cluster.engine import start_cluster
+    from laser.cluster.launch import start_cluster
 
     kw = dict(model=str(tiny_llama), dtype="float32", cache=CacheConfig(kv_cache_gib=0.01), use_ray=False)
     plain = start_cluster("laser", 1, 1, latency_calibration=False, **kw)

@@ -173,7 +173,7 @@ def test_laser_least_loaded_assignment_always_takes_the_fallback():
 
 
 def test_laser_ablation_options_reject_bad_values_and_real_cluster_refuses_them():
-    from laser.cluster.engine import start_cluster
+    from laser.cluster.launch import start_cluster
     from laser.controller.laser import LaserController
 
     with pytest.raises(ValueError, match="unknown policy"):

@@ -1,0 +1,56 @@
+"""The cluster front end's records: its copy of each request and of each transfer, its counters.
+Torch-free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..core.request import Request
+from ..instance.messages import RequestInfo
+from .handles import Call
+
+
+class ClusterError(RuntimeError):
+    """The cluster cannot serve: no live instance of a role it needs."""
+
+
+@dataclass(eq=False)  # compared by identity (membership of ``_transfers``)
+class Tracked:
+    """The front end's copy of one request: what was streamed, and where it is."""
+
+    req: Request  # prompt, sampling params, SLO, arrival; output_token_ids/token_times as streamed
+    info: RequestInfo
+    owner: int  # instance that holds it now (its prefill instance until adopted)
+    decode: int | None = None  # decode instance chosen (reserved) or holding it
+    transfer: "Transfer | None" = None
+    restarts: int = 0
+
+
+@dataclass
+class Transfer:
+    src: int
+    dst: int
+    take: Call
+    adopt: Call
+    migration: bool = False  # a decode -> decode move (else the prefill -> decode hand-off)
+
+
+@dataclass
+class ClusterStats:
+    """Counters of the cluster front end (exported by the server's ``/metrics``)."""
+
+    transfers: int = 0
+    transfer_bytes: int = 0
+    transfer_seconds: list[float] = field(default_factory=list)  # per hand-off, send -> written
+    transfer_layers: int = 0  # layers per hand-off (the model's)
+    streamed_transfers: int = 0  # hand-offs whose KV was streamed layer by layer during prefill
+    handoff_seconds: list[float] = field(default_factory=list)  # per hand-off, prefill end -> adopted
+    resends: int = 0  # hand-offs re-sent to another decode instance
+    migrations: int = 0  # decode -> decode moves started (KV and sampler state, CONTROLLER.md D9)
+    migration_seconds: list[float] = field(default_factory=list)  # per completed move, send -> adopted
+    recoveries: int = 0  # requests re-prefilled after their instance failed
+    recovery_seconds: list[float] = field(default_factory=list)  # failure -> next token
+    instance_failures: int = 0
+    rejoins: int = 0  # dead instances that answered again (restarted by Ray) and rejoined, empty
+    routes: int = 0
+    route_seconds: float = 0.0

@@ -1,0 +1,142 @@
+"""Prefill -> decode hand-offs and decode -> decode migrations, seen from the cluster front end.
+
+The KV moves instance to instance (``take_handoff`` on the sender feeds ``adopt`` on the
+receiver); the front end starts each move, polls its answers and tells the sender to drop its
+copy once the receiver holds it (CONTROLLER.md D1, D9).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from .handles import InstanceFailure, InstanceHandle
+from .state import Tracked, Transfer
+
+log = logging.getLogger(__name__)
+
+
+class Transfers:
+    """The hand-off and migration steps of :class:`~laser.cluster.engine.ClusterEngine`, which
+    owns the state they use (``requests``, ``handles``, ``controller``, ``_pending``,
+    ``_transfers``, ``_confirms``, ``stats``) and calls them from its step."""
+
+    def _start_transfers(self) -> None:
+        while self._pending:
+            rid = self._pending.pop(0)
+            t = self.requests.get(rid)
+            if t is None:
+                continue
+            src = self.handles[t.owner]
+            try:
+                d = self.controller.at_handoff(self._info(t.req), t.decode, self.clock())
+            except InstanceFailure as e:
+                self._pending.insert(0, rid)
+                self._fail_instance(e.instance_id, e)
+                continue
+            if self.stream_kv and t.decode is not None and d != t.decode:
+                self._release_reservation(t)  # the layers streamed there go unused
+            self._transfer(t, src, d)
+
+    def _transfer(self, t: Tracked, src: InstanceHandle, d: int, migration: bool = False) -> None:
+        """Move ``t`` from ``src``'s outbox to decode instance ``d`` (instance to instance)."""
+        rid = t.req.req_id
+        t.decode = d
+        take = src.submit("take_handoff", rid, d)
+        # the attempt number fences the adoption: a stale one (of an attempt given up on) is refused
+        t.transfer = Transfer(src.instance_id, d, take, self.handles[d].submit("adopt", take, t.restarts), migration)
+        self._transfers.append(t)
+
+    def _maybe_migrate(self, iid: int) -> None:
+        """Between two steps of decode instance ``iid``: the controller's D9 move, if any (only
+        with another live decode instance to go to). The request leaves ``iid``'s scheduler into
+        its outbox and travels like a hand-off; it streams again once adopted."""
+        if sum(h.alive and h.role == "decode" for h in self.handles.values()) < 2:
+            return
+        try:
+            m = self.controller.plan_migration(self.handles[iid], self.clock())
+            if m is None:
+                return
+            cand, d = m
+            t = self.requests.get(cand.info.req_id)
+            if t is None or t.owner != iid or t.transfer is not None:
+                self.handles[d].release(cand.info.req_id)
+                return
+            self.handles[iid].call("migrate_out", t.req.req_id)
+        except InstanceFailure as e:
+            self._fail_instance(e.instance_id, e)
+            return
+        except KeyError:  # finished or moved meanwhile
+            return
+        self.stats.migrations += 1
+        self._transfer(t, self.handles[iid], d, migration=True)
+
+    def _poll_transfers(self) -> None:
+        for t in list(self._transfers):
+            tr = t.transfer
+            if tr is None or t not in self._transfers:
+                continue  # moved on while an earlier transfer's failure was handled
+            if not tr.adopt.future.done():
+                if time.monotonic() - tr.adopt.started > self.step_timeout_s:
+                    if tr.take.future.done():
+                        self._fail_instance(tr.dst, "hand-off not adopted in time", timed_out=True)
+                    else:  # the adoption waits for its argument: the prefill side is stuck
+                        self._fail_instance(tr.src, "hand-off not sent in time", timed_out=True)
+                continue
+            self._transfers.remove(t)
+            rid = t.req.req_id
+            src, dst = self.handles[tr.src], self.handles[tr.dst]
+            try:
+                src.result(tr.take)
+            except InstanceFailure as e:  # the prefill instance died holding the KV: re-prefill
+                self._fail_instance(tr.src, e)
+                continue
+            except KeyError as e:
+                self._lost_handoff(t, tr, e)
+                continue
+            try:
+                m = dst.result(tr.adopt)
+            except InstanceFailure as e:  # decode side died: the prefill instance still holds it
+                self._fail_instance(tr.dst, e)
+                continue
+            except KeyError as e:
+                self._lost_handoff(t, tr, e)
+                continue
+            t.transfer = None
+            t.owner = tr.dst
+            self._mark_busy(tr.dst)
+            if tr.migration:
+                self.stats.migration_seconds.append(m["seconds"])
+            else:
+                self.stats.transfers += 1
+                self.stats.transfer_bytes += m["bytes"]
+                self.stats.transfer_seconds.append(m["seconds"])
+                self.stats.transfer_layers = m["layers"]
+                self.stats.streamed_transfers += m["streamed"]
+                self.stats.handoff_seconds.append(m["after_prefill_s"])
+            # the prefill side drops its copy when it next can (a layer boundary); nothing waits
+            # for the answer: a prefill instance that fails now has nothing of this request left to lose
+            self._confirms.append(src.submit("confirm", rid))
+
+    def _poll_confirms(self, wait: bool = False) -> None:
+        """Collect the answers of the ``confirm`` calls sent (all of them when ``wait``); one that
+        failed marks its prefill instance dead."""
+        for c in list(self._confirms):
+            if not c.handle.alive:
+                self._confirms.remove(c)
+                continue
+            if not (wait or c.future.done()):
+                continue
+            self._confirms.remove(c)
+            try:
+                c.handle.result(c, timeout=c.handle.call_timeout_s if wait else 0.0)
+            except InstanceFailure as e:
+                self._fail_instance(e.instance_id, e)
+
+    def _lost_handoff(self, t: Tracked, tr: Transfer, e: KeyError) -> None:
+        """A hand-off one side no longer knows (aborted there): nothing when ``t`` is gone or moved
+        on; else re-prefill it, so it is never left waiting for a transfer that will not come."""
+        if self.requests.get(t.req.req_id) is t and t.transfer is tr:
+            log.warning("hand-off of %s lost (%s); re-prefilling it", t.req.req_id, e)
+            t.transfer = None
+            self._resume(t, self.clock())
