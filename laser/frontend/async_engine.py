@@ -10,6 +10,10 @@ Two threads share nothing but a command queue and one callback per step:
   tokenizer, decides admission (bounded queue, TTFT feasibility), queues commands, and reads
   each request's outputs from an ``asyncio.Queue``. Nothing it does waits on a step.
 
+The engine thread's half lives in :mod:`laser.frontend.engine_thread`; the admission decision
+in :mod:`laser.frontend.admission`; the input and output paths in :mod:`laser.frontend.inputs`
+and :mod:`laser.frontend.outputs`.
+
 Commands run *between* steps, so the engine is never touched from two threads. An abort
 issued while a step runs takes effect right after it; the scheduler skips outputs of
 requests that are gone.
@@ -34,8 +38,8 @@ from .admission import (  # noqa: F401 - the admission errors and decision are p
     QueueAwareAdmission,
     QueueFullError,
     SLOInfeasibleError,
-    snapshot_of,
 )
+from .engine_thread import EngineThread
 from .outputs import aborted_output
 from ..core.request import SLO, SamplingParams
 
@@ -87,7 +91,7 @@ class StreamError:
     error: BaseException
 
 
-class AsyncEngine:
+class AsyncEngine(EngineThread):
     """Runs an :class:`~laser.frontend.engine.Engine` in a background thread for an asyncio server.
 
     Args:
@@ -431,122 +435,6 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # loop closed: nobody is listening any more
             pass
-
-    # -- the engine thread ------------------------------------------------------------------------------
-    def _run_queue(self, q: collections.deque) -> None:
-        while q:
-            fn, fut = q.popleft()
-            if q is self._adds:
-                self._num_adds_run += 1
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn(self.engine))
-            except BaseException as e:  # noqa: BLE001 - the caller gets the exception
-                fut.set_exception(e)
-
-    def _arrivals(self) -> None:
-        """Engine's arrival hook (every layer boundary): add requests that arrived. Costs one
-        deque truth test when nothing arrived."""
-        if self._adds:
-            self._run_queue(self._adds)
-
-    def _run_commands(self) -> None:
-        # Adds first: an abort queued after its add must find the request.
-        self._run_queue(self._adds)
-        self._run_queue(self._cmds)
-
-    def _run(self) -> None:
-        eng = self.engine
-        if hasattr(eng, "arrival_hook"):
-            eng.arrival_hook = self._arrivals
-        idle_checked = False
-        while not self._stop_requested:
-            self._wake.clear()  # before reading commands: a later set() is never lost
-            self._run_commands()
-            if self._stop_requested:
-                break
-            if not eng.has_unfinished():
-                if not idle_checked:
-                    self._publish(0.0)
-                if self.check_integrity_when_idle and not idle_checked:
-                    idle_checked = True
-                    try:
-                        eng.check_integrity(expect_empty=True)
-                    except Exception:  # noqa: BLE001
-                        log.exception("integrity check failed while idle")
-                self._wake.wait(self.idle_wait_s)
-                continue
-            idle_checked = False
-            t0 = time.perf_counter()
-            try:
-                outs = eng.step()
-            except Exception as e:  # noqa: BLE001 - keep serving everyone we can
-                log.exception("engine step failed; aborting the requests in flight")
-                self.num_step_errors += 1
-                self._fail_all(EngineStepError(f"engine step failed: {type(e).__name__}: {e}"))
-                continue
-            self.num_steps += 1
-            self._publish(time.perf_counter() - t0)
-            if outs:
-                self._post(self._on_outputs, outs)
-            elif time.perf_counter() - t0 < 1e-4:
-                # Nothing was planned (e.g. waiting on memory): do not spin.
-                self._wake.wait(0.001)
-        self._abort_everything()
-
-    def _publish(self, step_s: float) -> None:
-        """Engine thread: publish the scheduler snapshot (admission, metrics) after a step."""
-        make = getattr(self.engine, "admission_snapshot", None)  # a cluster front end has its own
-        try:
-            if make is not None:
-                snap = make(self.engine.clock(), self._num_adds_run, step_s)
-                if snap is None:
-                    return
-            else:
-                snap = snapshot_of(self.engine.scheduler, self.engine.clock(), self._num_adds_run, step_s)
-        except Exception:  # noqa: BLE001 - observability must never stop serving
-            if not getattr(self, "_snapshot_failed", False):
-                self._snapshot_failed = True
-                log.exception("cannot snapshot the scheduler; admission sees no queue")
-            return
-        self.queue_admission.publish(snap)
-
-    def _fail_all(self, error: BaseException) -> None:
-        eng = self.engine
-        ids = list(eng.scheduler.requests)
-        try:
-            for rid in ids:
-                eng.abort(rid)
-            eng.check_integrity()
-        except Exception as e:  # noqa: BLE001
-            log.exception("engine state is broken; refusing new requests")
-            self.dead = e
-        self._post(self._on_failed, ids, error)
-
-    def _abort_requests(self) -> None:
-        eng = self.engine
-        ids = list(eng.scheduler.requests)
-        try:
-            for rid in ids:
-                eng.abort(rid)
-            eng.check_integrity(expect_empty=True)
-        except Exception:  # noqa: BLE001
-            log.exception("aborting every request left the engine inconsistent")
-        self._post(self._on_aborted, ids)
-
-    def _abort_everything(self) -> None:
-        self._run_commands_cancelled()
-        self._abort_requests()
-
-    def _run_commands_cancelled(self) -> None:
-        if hasattr(self.engine, "arrival_hook"):
-            self.engine.arrival_hook = None
-        for q in (self._adds, self._cmds):
-            while q:
-                _, fut = q.popleft()
-                if fut.set_running_or_notify_cancel():
-                    fut.set_exception(EngineStoppedError("engine stopped"))
 
     # -- statistics (read from the event loop; approximate, never blocks the engine) -----------------------
     def class_counts(self) -> tuple[dict[str, int], dict[str, int]]:

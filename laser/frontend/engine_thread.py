@@ -1,0 +1,139 @@
+"""The engine thread of :class:`~laser.frontend.async_engine.AsyncEngine`: it owns the engine.
+
+Its loop: run the queued commands (adds first, then aborts and anything else) -> ``engine.step()``
+-> hand the step's outputs to the event loop with one ``loop.call_soon_threadsafe``; arrivals are
+also added at every layer boundary (the engine's arrival hook). With nothing to run it waits on
+an event and checks the allocators' integrity once. After every step it publishes the
+scheduler snapshot that admission reads.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+
+from .admission import EngineStepError, EngineStoppedError, snapshot_of
+
+log = logging.getLogger("laser.frontend.async_engine")
+
+
+class EngineThread:
+    """The engine-thread half of :class:`~laser.frontend.async_engine.AsyncEngine`, which owns
+    the state these methods use (``engine``, ``_adds``, ``_cmds``, ``_wake``, ``_stop_requested``,
+    ``queue_admission``) and starts :meth:`_run` in its thread; only that thread calls them."""
+
+    def _run_queue(self, q: collections.deque) -> None:
+        while q:
+            fn, fut = q.popleft()
+            if q is self._adds:
+                self._num_adds_run += 1
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(self.engine))
+            except BaseException as e:  # noqa: BLE001 - the caller gets the exception
+                fut.set_exception(e)
+
+    def _arrivals(self) -> None:
+        """Engine's arrival hook (every layer boundary): add requests that arrived. Costs one
+        deque truth test when nothing arrived."""
+        if self._adds:
+            self._run_queue(self._adds)
+
+    def _run_commands(self) -> None:
+        # Adds first: an abort queued after its add must find the request.
+        self._run_queue(self._adds)
+        self._run_queue(self._cmds)
+
+    def _run(self) -> None:
+        eng = self.engine
+        if hasattr(eng, "arrival_hook"):
+            eng.arrival_hook = self._arrivals
+        idle_checked = False
+        while not self._stop_requested:
+            self._wake.clear()  # before reading commands: a later set() is never lost
+            self._run_commands()
+            if self._stop_requested:
+                break
+            if not eng.has_unfinished():
+                if not idle_checked:
+                    self._publish(0.0)
+                if self.check_integrity_when_idle and not idle_checked:
+                    idle_checked = True
+                    try:
+                        eng.check_integrity(expect_empty=True)
+                    except Exception:  # noqa: BLE001
+                        log.exception("integrity check failed while idle")
+                self._wake.wait(self.idle_wait_s)
+                continue
+            idle_checked = False
+            t0 = time.perf_counter()
+            try:
+                outs = eng.step()
+            except Exception as e:  # noqa: BLE001 - keep serving everyone we can
+                log.exception("engine step failed; aborting the requests in flight")
+                self.num_step_errors += 1
+                self._fail_all(EngineStepError(f"engine step failed: {type(e).__name__}: {e}"))
+                continue
+            self.num_steps += 1
+            self._publish(time.perf_counter() - t0)
+            if outs:
+                self._post(self._on_outputs, outs)
+            elif time.perf_counter() - t0 < 1e-4:
+                # Nothing was planned (e.g. waiting on memory): do not spin.
+                self._wake.wait(0.001)
+        self._abort_everything()
+
+    def _publish(self, step_s: float) -> None:
+        """Engine thread: publish the scheduler snapshot (admission, metrics) after a step."""
+        make = getattr(self.engine, "admission_snapshot", None)  # a cluster front end has its own
+        try:
+            if make is not None:
+                snap = make(self.engine.clock(), self._num_adds_run, step_s)
+                if snap is None:
+                    return
+            else:
+                snap = snapshot_of(self.engine.scheduler, self.engine.clock(), self._num_adds_run, step_s)
+        except Exception:  # noqa: BLE001 - observability must never stop serving
+            if not getattr(self, "_snapshot_failed", False):
+                self._snapshot_failed = True
+                log.exception("cannot snapshot the scheduler; admission sees no queue")
+            return
+        self.queue_admission.publish(snap)
+
+    def _fail_all(self, error: BaseException) -> None:
+        eng = self.engine
+        ids = list(eng.scheduler.requests)
+        try:
+            for rid in ids:
+                eng.abort(rid)
+            eng.check_integrity()
+        except Exception as e:  # noqa: BLE001
+            log.exception("engine state is broken; refusing new requests")
+            self.dead = e
+        self._post(self._on_failed, ids, error)
+
+    def _abort_requests(self) -> None:
+        eng = self.engine
+        ids = list(eng.scheduler.requests)
+        try:
+            for rid in ids:
+                eng.abort(rid)
+            eng.check_integrity(expect_empty=True)
+        except Exception:  # noqa: BLE001
+            log.exception("aborting every request left the engine inconsistent")
+        self._post(self._on_aborted, ids)
+
+    def _abort_everything(self) -> None:
+        self._run_commands_cancelled()
+        self._abort_requests()
+
+    def _run_commands_cancelled(self) -> None:
+        if hasattr(self.engine, "arrival_hook"):
+            self.engine.arrival_hook = None
+        for q in (self._adds, self._cmds):
+            while q:
+                _, fut = q.popleft()
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(EngineStoppedError("engine stopped"))
