@@ -122,30 +122,13 @@ def snapshot_of(sched, now: float, num_adds: int = 0, last_step_s: float = 0.0) 
         left = r.num_tokens - r.num_computed_tokens
         if left > 0:
             queue.append(QueueEntry(sched.queue_key(r), left, r.num_tokens, r.slo.tbt, r.slo.name))
-    cfg = sched.config
-    icache = sched.icache
-    counters = {
-        "preemptions": dict(getattr(sched, "preemptions", {})),
-        "recomputes": dict(getattr(sched, "recomputes", {})),
-        "recomputed_tokens": dict(getattr(sched, "recomputed_tokens", {})),
-        "icache_tokens": icache.used_tokens,
-        "icache_capacity": icache.capacity_tokens,
-        "icache_evictions": icache.num_evictions,
-        "layer_stops": getattr(sched, "num_step_preemptions", 0),
-        # the online calibration factor of the model the scheduler plans with (1.0 without one)
-        "latency_calibration": float(getattr(getattr(sched, "latency_model", None), "factor", 1.0)),
-        # ... and the spread of its slow steps that divides Laser's planning margins (1.0 without one)
-        "latency_timing_spread": float(sched.latency_model.timing_spread()
-                                       if hasattr(getattr(sched, "latency_model", None), "timing_spread") else 1.0),
-        "running": dict(running),
-        "waiting": dict(waiting),
-    }
+    rep = sched.report()
+    counters = dict(rep.counters, running=dict(running), waiting=dict(waiting))
     return SchedulerSnapshot(
-        time=now, busy=bool(sched.requests), last_step_s=last_step_s, queue=tuple(queue),
-        decode_contexts=tuple(dec_ctx), decode_tbts=tuple(dec_tbt), policy=sched.name,
-        queue_order=cfg.queue_order, best_effort_deadline_s=cfg.best_effort_deadline_s,
-        prefill_share=getattr(sched, "max_prefill_share", None) if sched.name == "laser" else None,
-        tg_margin=getattr(sched, "tg_margin", 1.0), chunk_tokens=cfg.max_num_batched_tokens,
+        time=now, busy=rep.busy, last_step_s=last_step_s, queue=tuple(queue),
+        decode_contexts=tuple(dec_ctx), decode_tbts=tuple(dec_tbt), policy=rep.policy,
+        queue_order=rep.queue_order, best_effort_deadline_s=rep.best_effort_deadline_s,
+        prefill_share=rep.prefill_share, tg_margin=rep.tg_margin, chunk_tokens=rep.chunk_tokens,
         num_adds=num_adds, counters=counters,
     )
 

@@ -29,6 +29,7 @@ def build_report(instance_id: int, role: str, sched, icache, now: float, busy_un
         queue.append(PrefillQueueEntry(r.req_id, r.ttft_deadline, r.num_tokens - r.num_computed_tokens,
                                        r.num_prompt_tokens, r.demoted or r.slo.ttft is None))
     decoding = sched.decoding()
+    planning = sched.report()
     bm = sched.bm
     free = bm.min_free() - sum(bm.blocks_needed(r.num_computed_tokens) for r in adopting)
     return InstanceReport(
@@ -36,7 +37,7 @@ def build_report(instance_id: int, role: str, sched, icache, now: float, busy_un
         num_decoding=len(decoding) + len(adopting), num_reserved=num_reserved,
         sum_context=sum(r.num_tokens for r in decoding) + sum(r.num_tokens for r in adopting),
         free_blocks=free, total_blocks=bm.num_blocks, block_size=bm.block_size,
-        t_g=getattr(sched, "t_g", math.inf), iteration_s=getattr(sched, "last_iteration_s", None),
+        t_g=planning.t_g, iteration_s=planning.last_iteration_s,
         icache_used=icache.used_tokens, icache_capacity=icache.capacity_tokens)
 
 
@@ -59,11 +60,10 @@ def decode_increment(instance_id: int, sched, latency_model, num_layers: int, in
     if bm.min_free() - promised - need < MEMORY_RESERVE * bm.num_blocks:
         return LatencyIncrement(instance_id, info.req_id, math.inf, reason="memory",
                                 num_requests=n_req, used_blocks=used)
-    plans = getattr(sched, "plans", {})
-    factor = sched.planning_margin() if hasattr(sched, "planning_margin") else 1.0  # what its Alg. 1 plans to
+    rep = sched.report()  # its Alg. 1 state: plans, iteration, the margin it plans to, its price memo
     me = DecodeCandidate(info.req_id, info.prompt_len + 1, _slo(info.ttft, info.tbt))
-    inc = latency_increment(latency_model, num_layers, getattr(sched, "iteration", 0), decoding + cands, plans, me,
-                            factor, getattr(sched, "decode_memo", None))
+    inc = latency_increment(latency_model, num_layers, rep.iteration, decoding + cands, rep.plans, me,
+                            rep.planning_margin, rep.decode_memo)
     return LatencyIncrement(instance_id, info.req_id, inc.value, inc.iter_before, inc.iter_after,
                             "ok" if inc.value != math.inf else "slo", n_req, used)
 
@@ -106,10 +106,9 @@ def migration_victim(sched, latency_model, num_layers: int,
     of the token in flight) are not chosen. Changes nothing.
     """
     bm = sched.bm
-    t_g = getattr(sched, "t_g", math.inf)
-    last = getattr(sched, "last_iteration_s", None)
+    rep = sched.report()
+    t_g, last, memo = rep.t_g, rep.last_iteration_s, rep.decode_memo
     slo = t_g != math.inf and last is not None and last > t_g  # cheap pre-check of the T_g trigger
-    memo = getattr(sched, "decode_memo", None)
     # (a level given up: a request with a tighter target than T_g, reachable alone; the scan is
     # skipped while T_g holds the tightest target on the instance, and while T_g is inf: no
     # target at all, none reachable, or no decoding request with an SLO left (the scheduler
@@ -137,7 +136,7 @@ def migration_victim(sched, latency_model, num_layers: int,
     factor = sched.plan_target_factor()
     for r in movable[:MIGRATION_TRIES]:
         rest = [x for x in decoding if x is not r]
-        _, t_g2, load = exec_plan(latency_model, num_layers, sched.iteration, rest, sched.plans, factor, memo)
+        _, t_g2, load = exec_plan(latency_model, num_layers, rep.iteration, rest, rep.plans, factor, memo)
         if not level_given_up(latency_model, rest, t_g2, memo) and (load is None or load.predict() <= t_g2):
             return r, "slo"
     return None

@@ -289,7 +289,7 @@ class InstanceWorker:
             events = []
             if self.core.has_unfinished():
                 # the report's busy_until: the step runs about as long as the last one
-                self._busy_until = self.core.clock() + (getattr(self.core.scheduler, "last_iteration_s", None) or 0.0)
+                self._busy_until = self.core.clock() + (self.core.scheduler.report().last_iteration_s or 0.0)
                 for ev in self.core.step():
                     events.append((ev.request.req_id, ev.token, ev.finish_reason, ev.handed_off))
                     if ev.finish_reason is not None:

@@ -24,6 +24,7 @@ import math
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Callable
 
 from ..core.block_manager import BlockManager
@@ -31,6 +32,41 @@ from ..core.config import SchedulerConfig
 from ..core.intermediate_cache import IntermediateCache
 from ..core.plan import StepPlan, Work
 from ..core.request import SLO_EPS, Phase, Request
+
+
+@dataclass(frozen=True)
+class SchedulerReport:
+    """What is read of a scheduler outside the scheduler package (admission, the instance
+    reports, Alg. 2 increments, the server's metrics): one picture, taken by
+    :meth:`Scheduler.report` on the thread that owns the scheduler.
+
+    Attributes:
+        policy: scheduler name. queue_order: ``edf`` or ``fcfs``. best_effort_deadline_s: EDF
+        deadline of best effort (seconds). chunk_tokens: token budget of one iteration.
+        busy: it holds unfinished requests. prefill_share: the share of T_g Laser's Alg. 1 leaves
+        to prefill under deadline pressure (None for iteration-level policies). tg_margin: the
+        planning margin on T_g (1.0 without one). t_g: tightest TBT target it plans decode to
+        (seconds; inf: none). last_iteration_s: last measured decode iteration (None: none yet).
+        iteration: Alg. 1's iteration counter (0 without layer-level decode). plans: Alg. 1's
+        decode plans by request id (live; read on the owning thread). planning_margin: the
+        fraction of T_g Alg. 1 plans to. decode_memo: Alg. 1's price memo (None without one).
+        counters: observability copies (see :func:`laser.frontend.admission.snapshot_of`).
+    """
+
+    policy: str
+    queue_order: str
+    best_effort_deadline_s: float
+    chunk_tokens: int
+    busy: bool
+    prefill_share: float | None = None
+    tg_margin: float = 1.0
+    t_g: float = math.inf
+    last_iteration_s: float | None = None
+    iteration: int = 0
+    plans: dict = field(default_factory=dict, compare=False)
+    planning_margin: float = 1.0
+    decode_memo: object = field(default=None, compare=False)
+    counters: dict = field(default_factory=dict, compare=False)
 
 
 class Scheduler(ABC):
@@ -387,6 +423,37 @@ class Scheduler(ABC):
         if expect_empty and self.requests:
             raise AssertionError(f"unfinished requests remain: {list(self.requests)[:10]}")
 
+
+    # -- the one picture read outside the scheduler package ----------------------------------------
+    def report(self) -> SchedulerReport:
+        """The :class:`SchedulerReport` of this scheduler now (call on the thread that owns it).
+        Admission, the instance reports and the metrics read this, never its attributes."""
+        cfg = self.config
+        lm = self.latency_model
+        icache = self.icache
+        planning = self.planning_report()
+        counters = {
+            "preemptions": dict(self.preemptions),
+            "recomputes": dict(self.recomputes),
+            "recomputed_tokens": dict(self.recomputed_tokens),
+            "icache_tokens": icache.used_tokens,
+            "icache_capacity": icache.capacity_tokens,
+            "icache_evictions": icache.num_evictions,
+            "layer_stops": planning.pop("layer_stops", 0),
+            # the online calibration factor of the model the scheduler plans with (1.0 without one)
+            "latency_calibration": float(getattr(lm, "factor", 1.0)),
+            # ... and the spread of its slow steps that divides Laser's planning margins (1.0 without one)
+            "latency_timing_spread": float(lm.timing_spread() if hasattr(lm, "timing_spread") else 1.0),
+        }
+        return SchedulerReport(policy=self.name, queue_order=cfg.queue_order,
+                               best_effort_deadline_s=cfg.best_effort_deadline_s,
+                               chunk_tokens=cfg.max_num_batched_tokens, busy=bool(self.requests),
+                               counters=counters, **planning)
+
+    def planning_report(self) -> dict:
+        """A policy's own :class:`SchedulerReport` fields (layer-level decode planning), by name;
+        ``layer_stops``: its stops at a layer boundary. None for iteration-level policies."""
+        return {}
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)

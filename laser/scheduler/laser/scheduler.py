@@ -463,3 +463,10 @@ class LaserScheduler(LaserPrefill, Scheduler):
         n = self.num_layers
         plans = {r.req_id: given.get(r.req_id, DecodePlan(n, 0)) for r in decoding}
         return _LayerLoad(self.lm, n, self.iteration, decoding, plans, self.decode_memo).predict()
+
+    def planning_report(self) -> dict:
+        """Alg. 1's state for :meth:`Scheduler.report` (T_g, its margin, the plans, the memo)."""
+        return dict(prefill_share=self.max_prefill_share, tg_margin=self.tg_margin, t_g=self.t_g,
+                    last_iteration_s=self.last_iteration_s, iteration=self.iteration, plans=self.plans,
+                    planning_margin=self.planning_margin(), decode_memo=self.decode_memo,
+                    layer_stops=self.num_step_preemptions)
