@@ -177,6 +177,8 @@ class Engine(ModelInstance):
             out, stop = self.outputs.process(ev.request, ev.token, ev.finish_reason, ev.handed_off)
             if stop:
                 self.core.stop(ev.request)
+            elif out.handed_off:  # the decode instance's engine streams it on (accept_handoff)
+                self.outputs.abort(ev.request.req_id)
             outs.append(out)
         return outs
 

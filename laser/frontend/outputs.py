@@ -170,7 +170,8 @@ class OutputProcessor:
                 handed_off: bool = False) -> tuple[RequestOutput, bool]:
         """The output of ``req`` after it got ``token`` (already appended to
         ``req.output_token_ids``), with the instance's ``finish_reason`` (EOS, stop id, length;
-        None: running) and whether the instance handed it off after this token.
+        None: running) and whether the instance handed it off after this token. A finished
+        request is forgotten; a handed-off one is kept (a cluster front end streams it on).
 
         Returns ``(output, stop)``: ``stop`` is True when a stop string matched while the
         instance still holds the request (running, or in its hand-off outbox): the caller must
@@ -183,7 +184,7 @@ class OutputProcessor:
         if matched:
             finish_reason, handed_off = "stop", False
         finished = finish_reason is not None
-        if finished or handed_off:
+        if finished:
             del self._text[req.req_id]
         return RequestOutput(
             req_id=req.req_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
