@@ -149,3 +149,47 @@ def test_engine_cuts_text_exactly_before_stop_string(engine):
         completed = engine.tokenizer.decode(req.output_token_ids[:n], skip_special_tokens=True)
         before = engine.tokenizer.decode(req.output_token_ids[: n - 1], skip_special_tokens=True)
         assert stop in completed and stop not in before
+
+
+def _req(tok, stop: tuple[str, ...], max_tokens: int = 64):
+    from laser.core.request import Request
+
+    return Request(prompt_token_ids=tok.encode("Say:"), sampling_params=SamplingParams(max_tokens=max_tokens, stop=stop))
+
+
+def _feed(proc, req, ids, last_reason=None, last_handed_off=False):
+    """Feed ``ids`` one by one as an instance would (token appended, then processed)."""
+    for i, t in enumerate(ids):
+        req.output_token_ids.append(t)
+        last = i == len(ids) - 1
+        out, stop = proc.process(req, t, last_reason if last else None, last_handed_off and last)
+    return out, stop
+
+
+def test_output_processor_judges_stop_strings_for_every_front_end(tok):
+    """The one output path (issue 27 item 1): a stop string ends a request as ``stop`` and tells
+    the caller to stop it on its instance only while the instance still holds it; it wins over
+    the instance's ``length`` on the same token (the cluster front end used to say ``length``);
+    a request handed off on that token is not handed off; a handed-off one stays tracked."""
+    from laser.frontend.outputs import OutputProcessor
+
+    ids = tok.encode(" hello world and more")
+    proc = OutputProcessor(tok)
+    r = _req(tok, (" world",))
+    proc.add_request(r)
+    out, stop = _feed(proc, r, ids[:2])  # " hello", " world"
+    assert (out.finished, out.finish_reason, stop, out.text) == (True, "stop", True, " hello")
+    r = _req(tok, (" world",))
+    proc.add_request(r)
+    out, stop = _feed(proc, r, ids[:2], last_reason="length")
+    assert (out.finish_reason, stop, out.text) == ("stop", False, " hello")
+    r = _req(tok, (" world",))
+    proc.add_request(r)
+    out, stop = _feed(proc, r, ids[:2], last_handed_off=True)
+    assert (out.finish_reason, out.handed_off, stop) == ("stop", False, True)
+    r = _req(tok, ("zzz",))
+    proc.add_request(r)
+    out, stop = _feed(proc, r, ids[:1], last_handed_off=True)
+    assert out.handed_off and not out.finished and not stop
+    out, _ = _feed(proc, r, ids[1:2], last_reason="length")  # still tracked after the hand-off
+    assert out.finished and out.text == " hello world"
