@@ -265,18 +265,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_sigterm_drains_short_and_aborts_long(tiny_llama):
+# The "long" stream must not be able to finish inside --shutdown-timeout on ANY machine: its length is
+# bounded only by a context of LONG_CONTEXT tokens (a tiny model decodes a few thousand tokens/s on a
+# fast CPU, and each step slows as the context grows), not by a max_tokens a fast CPU gets through in
+# 2 s (a 1,000-token stream did, on a faster CPU: finish reason `length`, not `abort`).
+LONG_CONTEXT = 131072
+
+
+@pytest.fixture(scope="module")
+def long_context_llama(tmp_path_factory, smollm2_dir):
+    """The tiny llama with a 131,072-position context (its RoPE table is 8 MiB)."""
+    from conftest import make_tiny_model
+
+    d = tmp_path_factory.mktemp("tiny-llama-long")
+    make_tiny_model("llama", d, smollm2_dir, max_position_embeddings=LONG_CONTEXT)
+    return d
+
+
+def test_sigterm_drains_short_and_aborts_long(long_context_llama):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "laser.cli", "serve", "--model", str(tiny_llama), "--policy", "sarathi",
-         "--dtype", "float32", "--kv-cache-gib", "0.02", "--max-model-len", "1024", "--port", str(port),
+        [sys.executable, "-m", "laser.cli", "serve", "--model", str(long_context_llama), "--policy", "sarathi",
+         "--dtype", "float32", "--kv-cache-gib", "0.13", "--max-model-len", str(LONG_CONTEXT), "--port", str(port),
          "--shutdown-timeout", "2", "--threads", "1", "--log-level", "warning"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
-        deadline = time.monotonic() + 90
+        # a hang guard, not a speed bound: a first start profiles the latency model (tens of
+        # seconds on a quiet machine, minutes on a busy one)
+        deadline = time.monotonic() + 600
         while True:
             assert proc.poll() is None, proc.stdout.read()
             try:
@@ -300,7 +319,7 @@ def test_sigterm_drains_short_and_aborts_long(tiny_llama):
                             started.wait()
             results[name] = events
 
-        threads = [threading.Thread(target=stream, args=("short", 12)), threading.Thread(target=stream, args=("long", 1000))]
+        threads = [threading.Thread(target=stream, args=("short", 12)), threading.Thread(target=stream, args=("long", LONG_CONTEXT - 16))]
         for t in threads:
             t.start()
         started.wait(timeout=60)
