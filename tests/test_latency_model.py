@@ -272,14 +272,27 @@ def test_max_tokens_within_is_the_largest_fitting_chunk(model):
 
 
 def test_predict_layer_is_fast(model):
+    """Pricing a layer step is pure-Python arithmetic of the order of a few passes over its
+    lengths: measured against exactly such passes in the same run (a ratio, so it holds on a
+    CPU of any speed; a hot path that went through numpy or re-sorted/grouped every call would
+    cost hundreds of them)."""
     decode = LayerStep(3, (1,) * 32, tuple(range(100, 132)))
     mixed = LayerStep(3, (1,) * 16 + (256,), tuple(range(100, 116)) + (300,))
-    for step in (decode, mixed):
+
+    def passes(step):  # four C-speed passes over the batch
+        q, c = step.query_lens, step.context_lens
+        return sum(q) + sum(c) + max(c) + len(c)
+
+    def per_call(fn, step, n=5000):
         t0 = time.perf_counter()
-        for _ in range(10_000):
-            model.predict_layer(step)
-        per_call = (time.perf_counter() - t0) / 10_000
-        assert per_call < 50e-6, per_call
+        for _ in range(n):
+            fn(step)
+        return (time.perf_counter() - t0) / n
+
+    for step in (decode, mixed):
+        # interleaved, best of 5: a busy neighbour slows both sides alike
+        ratio = min(per_call(model.predict_layer, step) / per_call(passes, step) for _ in range(5))
+        assert ratio < 40, ratio
 
 
 def test_simple_model_exact_numbers():
