@@ -36,7 +36,8 @@ from .timing import Bench, Case, planned_calls, progress_bar
 log = logging.getLogger(__name__)
 
 # Bump when what is measured, or how, changes: older profile files are then re-made.
-PROFILER_VERSION = 5  # 4: layer matmuls in per-row-count layouts (laser.model.llama.Linear); 5: typical (median) times
+PROFILER_VERSION = 6  # 4: layer matmuls in per-row-count layouts (laser.model.llama.Linear); 5: typical (median) times;
+# 6: skewed decode batches (padded gather), executor-path label in the key
 # Candidate segment widths for the stateless / LM-head fits. On CPUs a single row runs a
 # matrix-vector kernel (one decode token: ~25% cheaper than two), so widths down to 1
 # are offered; cross-validation picks one.
