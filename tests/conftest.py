@@ -76,15 +76,16 @@ def smollm2_dir():
     return resolve_model(None)
 
 
-def make_tiny_model(kind: str, path, tokenizer_dir, seed: int = 0, init_std: float = 0.2):
+def make_tiny_model(kind: str, path, tokenizer_dir, seed: int = 0, init_std: float = 0.2, **overrides):
     """Write a random-weight HF checkpoint of ``kind`` into ``path`` (with SmolLM2's tokenizer).
 
     A large init std gives well-separated logits, so greedy argmax is not decided by
-    float rounding (batch-invariance tests compare tokens, not bits).
+    float rounding (batch-invariance tests compare tokens, not bits). ``overrides`` replace
+    entries of ``TINY_CONFIGS[kind]`` (e.g. ``max_position_embeddings`` for a long context).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    cfg_kwargs = dict(TINY_CONFIGS[kind])
+    cfg_kwargs = {**TINY_CONFIGS[kind], **overrides}
     model_type = cfg_kwargs.pop("model_type")
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     cfg = AutoConfig.for_model(

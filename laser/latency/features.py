@@ -41,11 +41,15 @@ DEFAULT_MAX_GATHER_BYTES = 16 << 20
 # A batch with both decode and prefill entries also scatters the groups' outputs into one
 # tensor; that costs tens of microseconds (measured: 55 us for 300 rows), so it has no
 # term of its own -- a free constant for it absorbed fit noise instead (0.5 ms per layer).
-# Candidate feature sets, simplest first; the fit picks one by CV (``laser.latency.fitting``).
+# Candidate feature sets, simplest first; the fit picks one by CV (``laser.latency.fitting``;
+# which sets are candidates is the fit's ``form``).
 
 ATTENTION_FEATURES = ("d_groups", "d_seqs", "d_ctx", "d_pad", "c_const", "c_tokens", "c_square",
                       "m_const", "m_tokens", "m_ctx", "m_pad")
 ATTENTION_FEATURE_SETS = {
+    # decode entries priced by the padded gather the runner does (each group reads and attends
+    # over |g| · max_g c positions: B · C_max, not Σc), prefill entries by the paper's line
+    "padded": ("d_groups", "d_seqs", "d_pad", "c_const", "c_tokens", "m_const", "m_tokens", "m_ctx"),
     # the paper's α·n + β·Σc + γ, for decode and prefill entries separately
     "linear": ("d_groups", "d_seqs", "d_ctx", "c_const", "c_tokens", "m_const", "m_tokens", "m_ctx"),
     # what the kernels compute: padded decode groups, causal / padded prefill score matrices

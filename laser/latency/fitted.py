@@ -209,10 +209,13 @@ class FittedLatencyModel(LatencyModel):
         return fit(samples, num_layers=num_layers, metadata=metadata, widths=widths, folds=folds)
 
     def refit(self, widths: Sequence[int] | None = None, folds: int = 5) -> "FittedLatencyModel":
-        """A new model fitted from this one's stored samples (same metadata)."""
-        from .fitting import fit
+        """A new model fitted from this one's stored samples (same metadata, same form when the
+        fit report names one)."""
+        from .fitting import DEFAULT_FORM, FORMS, fit
 
-        return fit(self.samples, num_layers=self.num_layers, metadata=self.metadata, widths=widths, folds=folds)
+        form = self.report.get("form")
+        return fit(self.samples, num_layers=self.num_layers, metadata=self.metadata, widths=widths, folds=folds,
+                   form=form if form in FORMS else DEFAULT_FORM)
 
     # -- file -------------------------------------------------------------------------
     def to_dict(self) -> dict:

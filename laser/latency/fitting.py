@@ -238,8 +238,24 @@ def _fit_attention_set(x: np.ndarray, y: np.ndarray, names: Sequence[str], scale
     return AttentionModel("", {f: float(c / s) for f, c, s in zip(names, coef, scale)})
 
 
+# Model forms :func:`fit` can fit (benchmarks/latency_refit.py compares them on the same timings):
+# ``sets``: the attention feature sets offered to cross-validation, simplest first;
+# ``small_counts``: stateless / LM-head counts 1..K that keep their measured value.
+#   "paper": the paper's line (β·Σc for decode) or, when CV finds it better, the kernel terms;
+#   "padded": first the decode entries priced by the padded gather the runner really does
+#             (B · C_max per group), then the two above;
+#   "padded-small16": "padded", and every count up to 16 (decode batches) keeps its measured
+#             value (with two threads, small matmuls do not follow a line: OpenMP fork/join).
+FORMS = {
+    "paper": {"sets": ("linear", "kernel"), "small_counts": SMALL_COUNT_EXACT},
+    "padded": {"sets": ("padded", "linear", "kernel"), "small_counts": SMALL_COUNT_EXACT},
+    "padded-small16": {"sets": ("padded", "linear", "kernel"), "small_counts": 16},
+}
+DEFAULT_FORM = "padded"
+
+
 def _fit_attention(samples: Sequence[AttentionSample], folds: int, max_positions: int = 0,
-                   stateless=None) -> tuple[AttentionModel, dict]:
+                   stateless=None, sets: Sequence[str] = FORMS[DEFAULT_FORM]["sets"]) -> tuple[AttentionModel, dict]:
     """Attention coefficients by NNLS on the feature set chosen by ``folds``-fold CV
     (with fewer than ``2 · folds`` samples: the ``linear`` set, without CV).
 
@@ -256,7 +272,7 @@ def _fit_attention(samples: Sequence[AttentionSample], folds: int, max_positions
     scale_y = y.copy()
     if stateless is not None:
         scale_y += np.array([stateless(sum(s.query_lens)) for s in samples], dtype=np.float64)
-    order = list(ATTENTION_FEATURE_SETS)
+    order = list(sets)
     cv = {}
     if len(y) >= 2 * max(folds, 2):
         errs = {}
@@ -269,7 +285,7 @@ def _fit_attention(samples: Sequence[AttentionSample], folds: int, max_positions
         chosen = _select(errs, order)
         cv = {str(k): float(np.mean(v)) for k, v in errs.items()}
     else:
-        chosen = "linear"
+        chosen = order[0]
     mdl = _fit_attention_set(x, y, ATTENTION_FEATURE_SETS[chosen], scale_y)
     mdl.feature_set = chosen
     mdl.max_gather_positions = max(0, int(max_positions))
@@ -279,15 +295,15 @@ def _fit_attention(samples: Sequence[AttentionSample], folds: int, max_positions
 
 
 def fit(samples: Iterable[Sample], *, num_layers: int, metadata: dict | None = None,
-        widths: Sequence[int] | None = None, folds: int = 5, small_counts: int = SMALL_COUNT_EXACT,
-        max_gather_positions: int | None = None) -> FittedLatencyModel:
+        widths: Sequence[int] | None = None, folds: int = 5, small_counts: int | None = None,
+        max_gather_positions: int | None = None, form: str = DEFAULT_FORM) -> FittedLatencyModel:
     """Fit a :class:`FittedLatencyModel` from profile samples.
 
     Stateless and LM-head times: piecewise-linear, segment width chosen by ``folds``-fold
     CV among ``widths`` (``None``: ``DEFAULT_WIDTHS``) and a plain line; counts ``1 .. K``
-    sampled consecutively (``K <= small_counts``) keep their measured medians (stateless:
+    sampled consecutively (``K <= small_counts``; None: the form's) keep their measured medians (stateless:
     made non-decreasing; the head need not be). Attention: NNLS on the feature set chosen
-    by CV, decode entries grouped as the runner splits them (``max_gather_positions``;
+    by CV among the candidates of ``form`` (see :data:`FORMS`), decode entries grouped as the runner splits them (``max_gather_positions``;
     ``None``: from ``metadata``, see :func:`gather_positions_from_metadata`), errors
     relative to the whole layer call (attention + stateless, see :func:`_fit_attention`).
     Embedding: a line. Whole-layer composition (per-call overhead and a scale on
@@ -297,8 +313,12 @@ def fit(samples: Iterable[Sample], *, num_layers: int, metadata: dict | None = N
     given, plus ``created`` and ``laser_version`` if absent. Raises ``TypeError`` for a
     non-sample, ``ValueError`` for an invalid sample or ``num_layers < 1``.
     """
+    if form not in FORMS:
+        raise ValueError(f"unknown model form {form!r}; one of {sorted(FORMS)}")
     samples = list(samples)
     widths = DEFAULT_WIDTHS if widths is None else widths
+    if small_counts is None:
+        small_counts = FORMS[form]["small_counts"]
     kinds: dict[type, list] = {t: [] for t in SAMPLE_TYPES}
     for s in samples:
         if type(s) not in kinds:
@@ -318,7 +338,7 @@ def fit(samples: Iterable[Sample], *, num_layers: int, metadata: dict | None = N
     if max_gather_positions is None:
         max_gather_positions = gather_positions_from_metadata(metadata)
     attention, at_rep = _fit_attention(kinds[AttentionSample], folds, max_gather_positions,
-                                       stateless if st else None)
+                                       stateless if st else None, FORMS[form]["sets"])
     hd = kinds[HeadSample]
     head, hd_rep = _fit_count_function([s.n_rows for s in hd], [s.seconds for s in hd], widths, folds,
                                        exact=small_counts, monotone=False)
@@ -338,6 +358,7 @@ def fit(samples: Iterable[Sample], *, num_layers: int, metadata: dict | None = N
         "head": {**hd_rep, "error": in_sample(head, [s.n_rows for s in hd], [s.seconds for s in hd])},
         "embed": {"error": in_sample(embed, [s.n_tokens for s in em], [s.seconds for s in em])},
         "missing": [TYPE_KIND[t] for t in (StatelessSample, AttentionSample, EmbedSample, HeadSample) if not kinds[t]],
+        "form": form,
     }
     if layer:
         model_layer = [stateless(sum(s.query_lens)) + scale * attention(s.query_lens, s.context_lens) + overhead

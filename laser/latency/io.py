@@ -137,14 +137,16 @@ def _slug(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", str(s)).strip("_") or "x"
 
 
-def default_profile_path(model_id: str, dtype: str, hardware: str, threads: int) -> Path:
-    """``$LASER_CACHE_DIR/profiles/<model>__<dtype>__<hardware>__t<threads>.json``
-    (default cache dir ``~/.cache/laser``). Long hardware strings are shortened with a hash."""
+def default_profile_path(model_id: str, dtype: str, hardware: str, threads: int, executor: str = "eager") -> Path:
+    """``$LASER_CACHE_DIR/profiles/<model>__<dtype>__<hardware>__t<threads>[__<executor>].json``
+    (default cache dir ``~/.cache/laser``; the executor-path label is left out for ``"eager"``).
+    Long hardware strings are shortened with a hash."""
     root = os.environ.get("LASER_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "laser")
     hw = _slug(hardware)
     if len(hw) > 40:
         hw = hw[:32] + "-" + hashlib.sha1(hardware.encode()).hexdigest()[:7]
-    name = f"{_slug(model_id)}__{_slug(dtype)}__{hw}__t{int(threads)}.json"
+    path = "" if executor in (None, "", "eager") else f"__{_slug(executor)}"
+    name = f"{_slug(model_id)}__{_slug(dtype)}__{hw}__t{int(threads)}{path}.json"
     return Path(root) / "profiles" / name
 
 

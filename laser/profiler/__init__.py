@@ -43,6 +43,7 @@ from .pipeline import (
     default_grid,
     default_path,
     dtype_name,
+    executor_path_of,
     load_or_create,
     model_name_of,
     pool_tokens,
@@ -57,7 +58,7 @@ from .timing import Bench, Case, planned_calls
 __all__ = [
     "CASE_KINDS", "GREEDY", "PROFILER_VERSION", "PROFILE_WIDTHS", "Bench", "Case", "EvalSet", "ExecutorCalls",
     "PlanReplay", "PlanSnapshot", "ProfileGrid", "accuracy", "collect_samples", "default_grid", "default_path",
-    "dtype_name", "evaluate", "fit_to_pool", "format_report", "load_or_create", "model_name_of", "planned_calls",
+    "dtype_name", "evaluate", "executor_path_of", "fit_to_pool", "format_report", "load_or_create", "model_name_of", "planned_calls",
     "policy_snapshots", "pool_tokens", "profile", "profile_and_evaluate", "profile_metadata", "random_layer_batches",
     "robust_fit", "score", "shape_signature", "summarize", "synthetic_stream",
 ]

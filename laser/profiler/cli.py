@@ -168,7 +168,8 @@ def cmd_profile(args) -> int:
         loaded = before is not None and os.path.exists(path) and os.path.getmtime(path) == before
     else:
         print(f"[laser] profiling {profiler.model_name_of(engine)} ({profiler.dtype_name(engine.dtype)}, "
-              f"{profiler.profile_metadata(engine)['threads']} threads)"
+              f"{profiler.profile_metadata(engine)['threads']} threads, "
+              f"{profiler.executor_path_of(engine)} executor)"
               + (" and measuring a held-out test set, interleaved" if args.evaluate else "") + " ...",
               file=sys.stderr)
         if args.evaluate:

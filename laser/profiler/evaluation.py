@@ -332,7 +332,8 @@ def format_report(rep: dict, warn_busy: bool = True) -> str:
         return f"  {name:<22} {pct(s['mean_accuracy'])}  {pct(s['p10_accuracy'])}  {s['n']:4d}"
 
     su = rep["setup"]
-    lines = [f"Latency model accuracy: {su.get('model_name') or su['model_id']} {su['dtype']}, {su['threads']} threads, {su['hardware']}"
+    lines = [f"Latency model accuracy: {su.get('model_name') or su['model_id']} {su['dtype']}, {su['threads']} threads, "
+             f"{su.get('executor', 'eager')} executor, {su['hardware']}"
              + (" (test set measured interleaved with the profile)"
                 if rep.get("measurement", {}).get("interleaved_with_profile") else ""),
              "  accuracy = 1 - |pred - actual| / actual",

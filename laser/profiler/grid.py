@@ -85,11 +85,15 @@ class ProfileGrid:
                 continue
             for mc in (64, 512, 2048):
                 attn.append(decode(b, min(mc, ctx_cap)))
-        for b in (3, 8, 16, 32, 48, 64):  # skewed: a few long contexts among short ones
+        # skewed: a few long contexts among short ones (the runner pads a decode group to its
+        # longest context, so B · C_max and Σc part only on such batches: without them the fit
+        # cannot tell the padded gather from the paper's β·Σc)
+        for b, frac in ((2, 0.5), (3, 0.3), (4, 0.25), (6, 0.3), (8, 0.1), (8, 0.3), (12, 0.3), (16, 0.06),
+                        (16, 0.3), (24, 0.3), (32, 0.06), (32, 0.3), (48, 0.3), (64, 0.06), (64, 0.3)):
             if b > max_batch:
                 continue
-            nlong = 1 + b // 16
-            long = rng.integers(max(2, ctx_cap // 2), ctx_cap + 1, nlong)
+            nlong = max(1, round(frac * b))
+            long = rng.integers(max(2, ctx_cap // 4), ctx_cap + 1, nlong)
             short = rng.integers(2, max(3, min(512, ctx_cap)), b - nlong)
             attn.append(clip_batch([1] * b, [int(x) for x in (*long, *short)]))
         for q in (16, 32, 64, 128, 256, 512, 1024, 2048):
@@ -122,6 +126,12 @@ class ProfileGrid:
         for b, mc in ((8, 1024), (16, 2048), (48, 2048), (64, 1024)):
             if b <= max_batch:
                 layer.append(decode(b, min(mc, ctx_cap)))
+        for b in (4, 16, 32):  # skewed decode layer steps (see the attention grid)
+            if b <= max_batch:
+                nlong = max(1, round(0.3 * b))
+                long = rng.integers(max(2, ctx_cap // 4), ctx_cap + 1, nlong)
+                short = rng.integers(2, max(3, min(512, ctx_cap)), b - nlong)
+                layer.append(clip_batch([1] * b, [int(x) for x in (*long, *short)]))
         for q in (16, 64, 256):
             q = min(q, max_tokens)
             layer.append(clip_batch([q], [min(q, ctx_cap)]))

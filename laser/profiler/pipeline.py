@@ -1,6 +1,7 @@
 """The profile pipeline: time the grid on the real runner, fit, keep one profile file per setup.
 
-``load_or_create`` keeps one profile file per (model shape, dtype, hardware, threads);
+``load_or_create`` keeps one profile file per (model shape, dtype, hardware, threads, executor
+path: :func:`executor_path_of`);
 ``profile`` measures and fits; ``collect_samples`` only measures (see :mod:`.timing`
 for how, :mod:`.calls` for what).
 """
@@ -35,7 +36,8 @@ from .timing import Bench, Case, planned_calls, progress_bar
 log = logging.getLogger(__name__)
 
 # Bump when what is measured, or how, changes: older profile files are then re-made.
-PROFILER_VERSION = 5  # 4: layer matmuls in per-row-count layouts (laser.model.llama.Linear); 5: typical (median) times
+PROFILER_VERSION = 6  # 4: layer matmuls in per-row-count layouts (laser.model.llama.Linear); 5: typical (median) times;
+# 6: skewed decode batches (padded gather), executor-path label in the key
 # Candidate segment widths for the stateless / LM-head fits. On CPUs a single row runs a
 # matrix-vector kernel (one decode token: ~25% cheaper than two), so widths down to 1
 # are offered; cross-validation picks one.
@@ -77,11 +79,23 @@ def model_name_of(obj) -> str:
     return shape_signature(runner_of(obj).model.config)
 
 
+def executor_path_of(obj) -> str:
+    """The label of the code path that runs the layers (what a profile is measured on): the
+    runner's, else the model's ``executor_path`` attribute (e.g. ``"compiled"``, ``"int8"``,
+    ``"compiled-int4"``), else ``"eager"`` (the plain PyTorch modules). A different path is a
+    different machine to the latency model: it gets its own profile file and evaluation."""
+    runner = runner_of(obj)
+    label = getattr(runner, "executor_path", None) or getattr(runner.model, "executor_path", None)
+    return str(label or "eager")
+
+
 def profile_metadata(obj, threads: int | None = None) -> dict:
     """What a profile is keyed by and checked against when loaded.
 
     ``model_id`` (the file key) is the model *shape*: latency depends on it, not on the
-    weights, so an Engine and its bare ModelRunner find the same file.
+    weights, so an Engine and its bare ModelRunner find the same file. ``threads`` (torch
+    intra-op threads) and ``executor`` (:func:`executor_path_of`) are part of the key: a profile
+    measured with one thread, or on the eager path, does not price two threads or compiled code.
     """
     runner = runner_of(obj)
     shape = shape_signature(runner.model.config)
@@ -92,6 +106,7 @@ def profile_metadata(obj, threads: int | None = None) -> dict:
         "dtype": dtype_name(runner.model.dtype),
         "hardware": cpu_hardware_string(),
         "threads": int(threads or torch.get_num_threads()),
+        "executor": executor_path_of(runner),
         "profiler_version": PROFILER_VERSION,
     }
 
@@ -309,7 +324,7 @@ def profile(obj, path: str | os.PathLike | None = None, *, grid: ProfileGrid | N
 
 def default_path(obj, threads: int | None = None) -> Path:
     m = profile_metadata(obj, threads)
-    return default_profile_path(m["model_id"], m["dtype"], m["hardware"], m["threads"])
+    return default_profile_path(m["model_id"], m["dtype"], m["hardware"], m["threads"], m["executor"])
 
 
 #: A cached profile whose predictions of the reference calls are off by more than this factor
@@ -359,7 +374,7 @@ def load_or_create(engine_or_model_runner, path: str | os.PathLike | None = None
                    progress: bool | None = None, grid: ProfileGrid | None = None,
                    budget_s: float = 40.0) -> FittedLatencyModel:
     """The fitted latency model of this engine's setup: loaded from ``path`` (default:
-    :func:`default_profile_path` of model, dtype, hardware and threads) when present and
+    :func:`default_profile_path` of model, dtype, hardware, threads and executor path) when present and
     made for the same setup; otherwise profiled now and saved there.
 
     A missing, unreadable, corrupt or mismatching file is logged (why, and that a new
@@ -373,8 +388,8 @@ def load_or_create(engine_or_model_runner, path: str | os.PathLike | None = None
     runner = runner_of(obj)
     meta = profile_metadata(obj)
     path = Path(path) if path is not None else default_profile_path(
-        meta["model_id"], meta["dtype"], meta["hardware"], meta["threads"])
-    expect = {k: meta[k] for k in ("shape", "dtype", "hardware", "threads", "profiler_version")}
+        meta["model_id"], meta["dtype"], meta["hardware"], meta["threads"], meta["executor"])
+    expect = {k: meta[k] for k in ("shape", "dtype", "hardware", "threads", "executor", "profiler_version")}
     expect["num_layers"] = runner.num_layers
     try:
         model = FittedLatencyModel.load(path, **expect)

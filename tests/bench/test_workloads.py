@@ -1,7 +1,6 @@
 import importlib.util
 import subprocess
 import sys
-import time
 from collections import Counter
 
 import numpy as np
@@ -58,10 +57,8 @@ def test_first_chat_pair():
 
 
 @needs_sharegpt
-def test_sharegpt_count_and_speed():
-    t = time.perf_counter()
-    chats = wl.load_sharegpt.__wrapped__()
-    assert time.perf_counter() - t < 10.0
+def test_sharegpt_count():
+    chats = wl.load_sharegpt.__wrapped__()  # (its speed is no unit-test matter: no wall-clock bound)
     # 17,671 complete conversations in the cut-off file; 17,349 have a human->gpt pair.
     assert 17_000 <= len(chats) <= 17_671
     assert all(c.prompt.strip() and c.reply.strip() for c in chats)

@@ -126,6 +126,21 @@ def test_default_profile_path_is_keyed_by_setup(engine, tmp_path, monkeypatch):
     assert profiler.default_path(engine.runner) == p
 
 
+def test_profile_is_keyed_by_executor_path(engine, fitted, tmp_path, monkeypatch):
+    """A compiled or quantized executor is another machine to the latency model: its own file,
+    and a profile of the eager path is not loaded for it (issue 26 item 3)."""
+    monkeypatch.setenv("LASER_CACHE_DIR", str(tmp_path))
+    eager = profiler.default_path(engine)
+    assert profiler.executor_path_of(engine) == "eager" and profiler.profile_metadata(engine)["executor"] == "eager"
+    fitted.save(eager)
+    monkeypatch.setattr(engine.runner, "executor_path", "compiled-int8", raising=False)
+    assert profiler.executor_path_of(engine) == "compiled-int8"
+    other = profiler.default_path(engine)
+    assert other != eager and other.name.endswith("__compiled-int8.json")
+    with pytest.raises(LatencyProfileError, match="executor"):
+        profiler.load_or_create(engine, eager, create=False)
+
+
 def test_engine_start_loads_the_profile(tiny_llama, fitted, tmp_path, monkeypatch):
     from laser.frontend.engine import Engine
 

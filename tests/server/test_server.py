@@ -41,6 +41,30 @@ def live(tiny_llama):
     srv.stop()
 
 
+def slow_steps(engine: Engine, delay_s: float) -> Engine:
+    """``engine`` with every step at least ``delay_s`` longer: a request of n tokens then takes
+    at least n x ``delay_s`` on ANY machine (a test that needs a request still in flight must
+    not depend on the CPU being slow)."""
+    step = engine.step
+
+    def slow_step():
+        time.sleep(delay_s)
+        return step()
+
+    engine.step = slow_step
+    return engine
+
+
+@pytest.fixture(scope="module")
+def slow_live(tiny_llama):
+    """A server whose engine steps take >= 20 ms each: 200 tokens take >= 4 s."""
+    engine = Engine(str(tiny_llama), policy=POLICY, dtype="float32", cache=CacheConfig(num_blocks=256),
+                    max_model_len=MAX_MODEL_LEN)
+    srv = LiveServer(build_app(AsyncEngine(slow_steps(engine, 0.02)), served_model_names=["tiny"]))
+    yield srv
+    srv.stop()
+
+
 @pytest.fixture(scope="module")
 def client(live):
     return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=60)
@@ -408,49 +432,47 @@ def test_concurrent_streams_get_their_own_tokens(live, client):
     engine_idle_and_clean(live)
 
 
-def test_disconnect_mid_stream_frees_every_block(live):
-    ae = live.app.state.async_engine
+def _aborted(live) -> float:
+    """The server's count of aborted best_effort requests (0 before the first)."""
+    import re
+
+    m = re.search(r'^laser:request_aborted_total\{model_name="tiny",slo_class="best_effort"\} (\S+)$',
+                  httpx.get(live.url + "/metrics").text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_disconnect_mid_stream_frees_every_block(slow_live):
+    live = slow_live
     body = {"model": "tiny", "prompt": "A long story:", "max_tokens": 200, "temperature": 0, "ignore_eos": True,
             "stream": True}
-    t0 = time.monotonic()
-    # The tiny model can outrun the client (the server streams ahead of what is read): a try
-    # in which the request had already finished when we looked proves nothing; try again.
-    for _ in range(5):
-        with httpx.Client(timeout=30) as h:
-            with h.stream("POST", live.url + "/v1/completions", json=body) as r:
-                assert r.status_code == 200
-                events = []
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        events.append(line)
-                        if len(events) == 3:
-                            break
-                usage = live.call(ae.run_in_engine(lambda e: e.kv_cache.block_manager.usage()))
-        engine_idle_and_clean(live)
-        if usage > 0:
-            break
-    assert usage > 0, "the request always finished before the client disconnected"
+    before = _aborted(live)
+    # the 200 tokens take >= 4 s (slow_live): the request is in flight when the client leaves
+    with httpx.Client(timeout=60) as h:
+        with h.stream("POST", live.url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            events = []
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(line)
+                    if len(events) == 3:
+                        break
+    engine_idle_and_clean(live, timeout=120)
     # aborted, not run to completion
-    r = httpx.get(live.url + "/metrics").text
-    assert 'laser:request_aborted_total{model_name="tiny",slo_class="best_effort"}' in r
-    assert time.monotonic() - t0 < 60
+    assert _aborted(live) == before + 1
 
 
-def test_disconnect_blocking_request_frees_every_block(live):
+def test_disconnect_blocking_request_frees_every_block(slow_live):
+    live = slow_live
     body = {"model": "tiny", "prompt": "A long story:", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
     ae = live.app.state.async_engine
-    for _ in range(5):  # (a try in which 200 tokens beat the read timeout proves nothing)
-        try:
-            httpx.post(live.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.1))
-        except httpx.ReadTimeout:
-            break
-    else:
-        pytest.fail("the request always finished within the read timeout")
-    deadline = time.monotonic() + 10
+    # the 200 tokens take >= 4 s (slow_live): the 0.1 s read timeout always fires first
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(live.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.1))
+    deadline = time.monotonic() + 120  # a hang guard
     while ae.num_in_flight and time.monotonic() < deadline:
         time.sleep(0.02)
     assert ae.num_in_flight == 0
-    engine_idle_and_clean(live)
+    engine_idle_and_clean(live, timeout=120)
 
 
 # -- metrics ----------------------------------------------------------------------------------------------

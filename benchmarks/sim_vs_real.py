@@ -1,0 +1,162 @@
+"""Simulator vs real engine: SLO attainment per class on the same arrivals (REAL engine + SIMULATED).
+
+The simulator prices every step with the engine's own latency profile (the one its policies
+plan with) and takes it as exact. This benchmark checks that assumption end to end:
+
+1. build the engine as ``laser bench`` does (``--latency-profile auto``: the cached profile of
+   this model, dtype, hardware, threads and executor path, measured on first use), the workload
+   (``laser.bench.workloads``: the multi-SLO mix) and the SLO targets (``laser bench``'s
+   calibration: by default scaled to the engine's measured isolated latencies);
+2. find the simulated knee -- the goodput of the policy in the simulator (``SimTarget`` on the
+   engine's profile; ``laser.bench.goodput.search_goodput``: the highest rate at which >= 90 %
+   of requests meet their SLO);
+3. run the real engine in process (``EngineTarget``: ``laser.online.run_online``, arrivals
+   released at layer boundaries in real time) and the simulator at the knee and at 0.8x of it
+   (``--fractions``), on the same arrivals (one ``Benchmark``: common random numbers);
+4. print the attainment per class side by side (sim, real, real - sim), and mean TTFT.
+
+Target (issue "the real engine behaves like the simulator"): real within 5 points of sim per
+class at both rates. The real runs are measurements: on a busy machine they are slower than the
+profile says (the online calibration, on by default, scales the plans to the machine as it runs).
+
+Usage (a few minutes on two cores):
+    python benchmarks/sim_vs_real.py [--policy laser] [--num-prompts 40] [--length-scale 0.15]
+        [--mix 2:1:1] [--seed 7] [--threads 1] [--fractions 1,0.8] [--json out.json] [-- laser bench flags]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def bench_args(argv: list[str]):
+    """``laser bench`` flags parsed by its own parser (one owner of their defaults)."""
+    from laser.bench.args import register
+
+    p = argparse.ArgumentParser(prog="laser")
+    register(p.add_subparsers(dest="cmd"))
+    return p.parse_args(["bench", *argv])
+
+
+def sim_target(args, policy: str, lm, engine):
+    """The policy on a :class:`SimTarget` priced by ``lm``, sized like ``engine`` (KV blocks,
+    block size, intermediate cache, scheduler flags)."""
+    from laser.bench.cli import _sched_config
+    from laser.bench.runner import SimTarget
+
+    bm = engine.kv_cache.block_manager
+    return SimTarget(policy, lm, engine.model_config.num_layers, _sched_config(args, policy), num_blocks=bm.num_blocks,
+                     block_size=bm.block_size, icache_tokens=args.intermediate_cache_tokens, label="sim")
+
+
+def class_table(sim, real) -> list[str]:
+    """Rows: class, sim attainment, real attainment, difference (points), mean TTFT sim/real."""
+    rows = []
+    classes = sorted(set(sim.summary.per_class) | set(real.summary.per_class))
+    for c in [*classes, "all"]:
+        s = sim.summary.overall if c == "all" else sim.summary.per_class.get(c)
+        r = real.summary.overall if c == "all" else real.summary.per_class.get(c)
+        sa = (s.attainment if s else None)
+        ra = (r.attainment if r else None)
+        d = "" if sa is None or ra is None else f"{100 * (ra - sa):+6.1f}"
+        st = getattr(s, "ttft_mean", None)
+        rt = getattr(r, "ttft_mean", None)
+        rows.append(f"  {c:<16} {'' if sa is None else f'{sa:6.3f}':>6} {'' if ra is None else f'{ra:6.3f}':>6} "
+                    f"{d:>7}   {'' if st is None else f'{st * 1e3:7.0f}':>7} {'' if rt is None else f'{rt * 1e3:7.0f}':>7}"
+                    f"  {getattr(r, 'count', '')}")
+    return rows
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = []
+    if "--" in argv:
+        k = argv.index("--")
+        argv, extra = argv[:k], argv[k + 1:]
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--policy", default="laser")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--num-prompts", type=int, default=40)
+    ap.add_argument("--length-scale", type=float, default=0.15)
+    ap.add_argument("--mix", default="2:1:1")
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--slo-base", choices=["paper", "measured"], default="measured")
+    ap.add_argument("--fractions", default="1,0.8", help="rates to run, as fractions of the simulated knee")
+    ap.add_argument("--grid", type=int, default=8, help="goodput search grid points (simulated)")
+    ap.add_argument("--bisect", type=int, default=6, help="goodput search bisection steps (simulated)")
+    ap.add_argument("--probe-timeout", type=float, default=120.0,
+                    help="seconds a real run may go on after its last arrival (unfinished: misses)")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+
+    from laser.bench.cli import build_targets, build_workload, calibrate_slos, parse_policies
+    from laser.bench.runner import Benchmark, saturation_rate
+
+    t0 = time.perf_counter()
+    flags = ["--policy", a.policy, "--num-prompts", str(a.num_prompts), "--length-scale", str(a.length_scale),
+             "--mix", a.mix, "--seed", str(a.seed), "--threads", str(a.threads), "--dtype", a.dtype,
+             "--slo-base", a.slo_base, *(["--model", a.model] if a.model else []), *extra]
+    args = bench_args(flags)
+    specs = parse_policies(a.policy)
+    targets, tokenizer, max_len, lm, mode = build_targets(args, specs)
+    real = targets[specs[0][0]]
+    engine = real.engine
+    profile = getattr(lm, "inner", lm)  # the fitted profile, not the engine's online calibration of it
+    sim = sim_target(args, a.policy, profile, engine)
+    requests, _, wl_desc = build_workload(args, tokenizer, max_len)
+    real.warmup()
+    cal = calibrate_slos(args, {"real": real}, requests, tokenizer)
+    slos = cal.slo_classes()
+    meta = getattr(profile, "metadata", {}) or {}
+    print(f"engine: {getattr(engine, 'model_name', '?')} {a.dtype}, {a.threads} threads, profile of "
+          f"{meta.get('created', '?')} ({meta.get('executor', 'eager')} executor, "
+          f"{100 * (meta.get('measurement') or {}).get('clean_fraction', float('nan')):.0f}% of its timings clean)")
+    print(f"workload: {wl_desc}")
+    print(cal.format())
+
+    sims = Benchmark({"sim": sim}, requests, slos, seed=a.seed)
+    cap = saturation_rate(sim, requests, slos)
+    gp = sims.goodput(0.1 * cap, cap, a.grid, a.bisect)["sim"]
+    knee = gp.goodput_rps
+    print(f"simulated knee (goodput of {a.policy} at 90% attainment): {knee:.3f} req/s [SIMULATED]")
+    if not knee:
+        print("no simulated rate passed: nothing to compare")
+        return 1
+
+    both = Benchmark({"sim": sim, "real": real}, requests, slos, seed=a.seed, probe_timeout_s=a.probe_timeout)
+    fractions = [float(x) for x in a.fractions.split(",")]
+    out = {"command": "python benchmarks/sim_vs_real.py " + " ".join(sys.argv[1:]), "workload": wl_desc,
+           "slo": cal.to_dict(), "knee_rps": knee, "profile": {k: meta.get(k) for k in
+                                                              ("created", "threads", "executor", "hardware")},
+           "runs": []}
+    lines = []
+    for f in fractions:
+        rate = knee * f
+        sp = both.probe("sim", rate, early_stop=False)
+        rp = both.probe("real", rate, early_stop=False)
+        lines.append(f"rate {rate:.3f} req/s ({f:g}x knee): attainment per class   [sim = SIMULATED, real = measured; "
+                     f"real run {rp.wall_s:.0f} s]")
+        lines.append(f"  {'class':<16} {'sim':>6} {'real':>6} {'pts':>7}   {'TTFT ms':>7} {'(real)':>7}  n")
+        lines += class_table(sp, rp)
+        out["runs"].append({"fraction": f, "rate_rps": rate,
+                            "sim": {"overall": sp.attainment, "per_class": sp.class_attainment()},
+                            "real": {"overall": rp.attainment, "per_class": rp.class_attainment(),
+                                     "wall_s": rp.wall_s, "unfinished": rp.unfinished}})
+    print("\n".join(lines))
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    print(f"total wall time {out['wall_s']:.0f} s")
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
