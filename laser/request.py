@@ -220,8 +220,18 @@ class Request:
     @property
     def tbt_miss_allowance(self) -> int:
         """Token gaps over the TBT target this request may take and still meet its P99 TBT:
-        ``floor((g - 1) / 100)`` for ``g`` gaps, ``g`` from ``max_tokens`` (an upper bound)."""
-        return (self.sampling_params.max_tokens - 2) // 100
+        ``floor((g - 1) / 100)`` for ``g`` gaps (then every miss ranks above the linear P99's
+        upper rank, :mod:`laser.metrics`), ``g`` the fewest gaps it will have: ``max_tokens - 1``
+        when it cannot stop earlier (``ignore_eos``, no stop strings or stop tokens), else the gaps
+        it has once its next token is out. ``max_tokens`` alone is an upper bound the judge need
+        not count (a chat request whose ``max_tokens`` defaults to the rest of an 8k context was
+        let miss up to 80 gaps, then ended at EOS after 60 tokens: its P99 was its largest gap)."""
+        sp = self.sampling_params
+        if sp.ignore_eos and not sp.stop and not sp.stop_token_ids:
+            gaps = sp.max_tokens - 1
+        else:
+            gaps = min(len(self.output_token_ids), sp.max_tokens - 1)
+        return max(0, gaps - 1) // 100
 
     @property
     def ttft_missed(self) -> bool:
