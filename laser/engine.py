@@ -61,6 +61,8 @@ class RequestOutput:
     # time and the time of every output token so far (seconds, engine clock).
     arrival_time: float = 0.0
     token_times: tuple[float, ...] = ()
+    # Copied when it finishes: :attr:`laser.request.Request.miss_causes` (why it may have missed).
+    miss_causes: tuple[str, ...] = ()
 
 
 class Engine(ModelInstance):
@@ -270,6 +272,7 @@ class Engine(ModelInstance):
                 request=req,
                 arrival_time=req.arrival_time,
                 token_times=tuple(req.token_times),
+                miss_causes=req.miss_causes if finished else (),
             ))
         return outs
 

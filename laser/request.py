@@ -176,6 +176,18 @@ class Request:
     # fallback when no prefill instance can meet its TTFT, PPoPP'26 §7.1). Its SLO is
     # still what it is judged against.
     demoted: bool = False
+    # Laser's overload triage gave up its prefill at some point (its TTFT was judged out of
+    # reach beside the savable prompts): served anyway; kept for the record (why it missed).
+    given_up: bool = False
+
+    @property
+    def miss_causes(self) -> tuple[str, ...]:
+        """What the scheduler knows of why this request may miss its SLO: ``given_up`` (Laser's
+        overload triage put its prefill behind the savable ones), ``preempted`` (its KV was freed
+        and recomputed), ``demoted`` (served best effort by the cluster controller),
+        ``tbt_infeasible`` (its TBT target is out of reach even alone). Empty: none of those."""
+        return tuple(c for c, on in (("given_up", self.given_up), ("preempted", self.num_preemptions > 0),
+                                     ("demoted", self.demoted), ("tbt_infeasible", self.tbt_infeasible)) if on)
 
     def __post_init__(self):
         if not self.req_id:

@@ -268,3 +268,5 @@ def test_burst_of_long_and_short_prompts_serves_the_chats_it_gives_up_in_the_roo
     assert sum(ttft(r) <= SUMM.ttft for r in longs) >= 8, [round(ttft(r), 2) for r in longs]
     late = sorted(round(ttft(r), 2) for r in chats if ttft(r) > 5.0)
     assert len(late) <= 2, late
+    # why they missed is on record (laser:slo_missed_cause_total{cause="given_up"})
+    assert all("given_up" in r.miss_causes for r in chats if ttft(r) > CHAT.ttft)

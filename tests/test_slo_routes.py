@@ -49,3 +49,18 @@ def test_same_targets_reach_the_scheduler_alike_by_every_route_and_way(live):
             (slo,) = set(seen.values())
             got[(route, way)] = (slo.ttft, slo.tbt, slo.tier)
     assert set(got.values()) == {(0.5, 0.2, "hot")}, got
+
+
+def test_metrics_say_why_a_request_missed(tiny_llama):
+    """``laser:slo_missed_cause_total`` names what the server knows of a miss: here admission
+    predicted a first token (~0.4 s by the slow latency model) far over the 0.01 ms target."""
+    from laser.latency import SimpleLatencyModel
+
+    eng = Engine(str(tiny_llama), policy="sarathi", dtype="float32", cache=CacheConfig(num_blocks=256),
+                 max_model_len=256, latency_model=SimpleLatencyModel(num_layers=4, per_layer=0.1))
+    with LiveServer(build_app(AsyncEngine(eng), served_model_names=["tiny"])) as srv:
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "ttft_slo_ms": 0.01},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["slo"]["slo_met"] is False
+        text = httpx.get(srv.url + "/metrics").text
+    assert 'laser:slo_missed_cause_total{cause="predicted_infeasible",model_name="tiny",slo_class="custom"} 1.0' in text

@@ -146,6 +146,7 @@ class LaserPrefill:
                            key=lambda qx: (qx[1].num_tokens, self.queue_key(qx[0])))
                 hopeless.add(id(drop[0]))
                 self._given_up.add(drop[0].req_id)
+                drop[0].given_up = True
                 if drop[0] is r:
                     break
                 kept = [qx for qx in kept if qx[0] is not drop[0]]
