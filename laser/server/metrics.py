@@ -311,7 +311,7 @@ class _SchedulerCollector:
              "--no-latency-calibration keeps it at 1).", c.get("latency_calibration")),
             (GaugeMetricFamily, "laser:latency_model_timing_spread", "How far the slowest steps run over the "
              "calibrated prediction (98th / 80th percentile of measured / predicted step time) that Laser divides "
-             "its planning margins by with --jitter-margin (1 without it).", c.get("latency_timing_spread")),
+             "its planning margins by (1 with --no-jitter-margin).", c.get("latency_timing_spread")),
         ]
         for family, name, doc, value in singles:
             if value is None:  # (not reported by this engine)
