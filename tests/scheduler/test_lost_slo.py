@@ -299,7 +299,7 @@ def test_the_p99_allowance_the_scheduler_spends_is_the_one_the_judge_counts(igno
     ``max_tokens`` defaults to the rest of an 8k context was let miss 79 gaps, then ended at EOS
     after a few dozen tokens, where the judge's P99 is its largest gap. Whatever length a stream
     ends at, spending every miss the scheduler allows leaves the judged P99 within the target."""
-    from laser.metrics import record_from_request
+    from laser.core.metrics import record_from_request
 
     tbt = 0.2
     for n_out in (2, 16, 60, 101, 102, 103, 250, 400):

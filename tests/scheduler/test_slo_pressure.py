@@ -281,7 +281,7 @@ def _interactive_beside_background(seed: int, jitter_margin) -> dict[str, tuple[
 
     from laser.instance.model_instance import planning_model
     from laser.latency import ScaledLatencyModel
-    from laser.metrics import record_from_request
+    from laser.core.metrics import record_from_request
 
     rng, jr = random.Random(seed), random.Random(seed + 100)
     reqs = []

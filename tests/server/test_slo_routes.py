@@ -7,12 +7,12 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from laser.async_engine import AsyncEngine
-from laser.config import CacheConfig
-from laser.engine import Engine
+from laser.frontend.async_engine import AsyncEngine
+from laser.core.config import CacheConfig
+from laser.frontend.engine import Engine
 from laser.server.app import build_app
 from laser.server.cli import LiveServer
-from laser.slo import SLOClasses
+from laser.core.slo import SLOClasses
 
 
 @pytest.fixture(scope="module")
