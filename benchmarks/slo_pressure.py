@@ -92,8 +92,8 @@ def main() -> None:
     ap.add_argument("--long-prompt", type=int, default=2000,
                     help="prompt tokens of the long scenario's summarization request (the issue's 2,000 need "
                          "~2.2 s alone on its CPU; pick the length that takes as long alone on a slower one)")
-    ap.add_argument("--jitter-margin", action="store_true",
-                    help="Laser's margins divided by the measured timing spread (as `laser serve --jitter-margin`)")
+    ap.add_argument("--jitter-margin", action=argparse.BooleanOptionalAction, default=None,
+                    help="Laser's margins divided by the measured timing spread (as `laser serve`: on by default)")
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--json")
     args = ap.parse_args()

@@ -91,11 +91,11 @@ def add_engine_args(p: argparse.ArgumentParser, policy_default: str = "laser") -
     p.add_argument("--no-latency-calibration", dest="latency_calibration", action="store_false",
                    help="plan with the profile's predictions as they are (default: scaled by how the "
                         "machine runs now, measured over the last steps; laser.latency.calibrated)")
-    p.add_argument("--jitter-margin", action="store_true",
+    p.add_argument("--jitter-margin", action=argparse.BooleanOptionalAction, default=None,
                    help="with the calibration, divide Laser's planning margins (0.9 of T_g and of TTFT "
                         "targets) by the measured spread of slow steps (98th / 80th percentile of measured / "
                         "predicted step time, at most 1.5): fewer TBT misses on a jittery machine, less prefill "
-                        "per iteration (default: fixed margins)")
+                        "per iteration (default: on with the calibration; --no-jitter-margin: fixed margins)")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch intra-op threads (default: the number of physical cores)")
 
@@ -150,7 +150,7 @@ def build_engine(args, **overrides):
         slo_classes=slo,
         latency_profile=args.latency_profile,
         latency_calibration=getattr(args, "latency_calibration", True),
-        jitter_margin=getattr(args, "jitter_margin", False),
+        jitter_margin=getattr(args, "jitter_margin", None),
         **overrides,
     )
 

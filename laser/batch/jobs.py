@@ -17,11 +17,17 @@ class InputFileError(ValueError):
     """The file is not UTF-8 JSONL with at least one JSON object line."""
 
 
+def decode_jsonl(data: bytes) -> str:
+    """The text of an upload: UTF-8, without a leading byte-order mark (editors on Windows write
+    one; it is not part of the first line). Raises UnicodeDecodeError."""
+    return data.decode("utf-8-sig")
+
+
 def check_jsonl(data: bytes) -> int:
     """Number of non-blank lines of an upload. Raises InputFileError when it is not UTF-8, is
     empty, or has no line that is a JSON object."""
     try:
-        text = data.decode("utf-8")
+        text = decode_jsonl(data)
     except UnicodeDecodeError as e:
         raise InputFileError(f"the file is not UTF-8 text (byte {e.start}); expected JSONL") from None
     lines = [ln for ln in text.splitlines() if ln.strip()]
@@ -47,7 +53,7 @@ def parse_lines(data: bytes, endpoint: str) -> list[dict]:
     yet set): valid lines ``pending`` with their body, bad ones ``failed`` with an error record.
     Line numbers are 1-based lines of the file; blank lines are skipped."""
     rows, seen = [], set()
-    for i, raw in enumerate(data.decode("utf-8").splitlines(), 1):
+    for i, raw in enumerate(decode_jsonl(data).splitlines(), 1):
         if not raw.strip():
             continue
         cid, err, body = None, None, None

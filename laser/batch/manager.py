@@ -48,6 +48,13 @@ log = logging.getLogger(__name__)
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 DONE = ("completed", "failed", "expired", "cancelled")
 RETRY_STATUS = (429, 499, 503)  # transient: the line stays pending and runs again
+# error-file code and message of a line a job ended without running, by the job's final status
+UNRUN = {
+    "expired": ("batch_expired", "this request could not be executed before the completion window expired"),
+    "cancelled": ("batch_cancelled", "this request was not executed: the batch was cancelled"),
+    "failed": ("batch_failed", "this request was not executed: the batch failed"),
+    "completed": ("batch_failed", "this request was not executed"),  # not reached: a completed job ran every line
+}
 
 
 class BatchError(Exception):
@@ -134,7 +141,8 @@ class BatchManager:
         self._task = asyncio.ensure_future(self._loop())
 
     async def stop(self) -> None:
-        """Cancel the lines in flight (they stay pending in the store) and the dispatcher."""
+        """Cancel the lines in flight (they stay pending in the store) and the dispatcher; close
+        the store (another server may then take its data directory)."""
         tasks = [t for j in self.jobs.values() for t in j.inflight.values()]
         if self._task is not None:
             tasks.append(self._task)
@@ -142,6 +150,7 @@ class BatchManager:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.client.aclose()
+        self.store.close()
 
     def _load(self, obj: dict) -> _Job:
         ext = obj.get("laser") or {}
@@ -247,9 +256,17 @@ class BatchManager:
                 "last_id": objs[-1]["id"] if objs else None, "has_more": more}
 
     def cancel(self, bid: str) -> dict:
-        """Cancel a job: lines in flight are aborted, the rest never run. Raises BatchError 404/400."""
+        """Cancel a job: lines in flight are aborted, the rest never run; once the aborted lines
+        are back, every line not completed is recorded as failed (``batch_cancelled``, in the error
+        file) and the job is ``cancelled``. Cancelling a job already ``cancelling`` or
+        ``cancelled`` answers the job as it is (a retried cancel is not an error).
+
+        Raises BatchError: 404 unknown batch; 400 a job that ended otherwise (completed, failed,
+        expired)."""
         obj = self.batch_object(bid)
-        if obj["status"] in DONE or obj["status"] == "cancelling":
+        if obj["status"] in ("cancelling", "cancelled"):
+            return obj
+        if obj["status"] in DONE:
             raise BatchError(400, f"batch {bid!r} is {obj['status']}; only a batch in progress can be cancelled",
                              "batch_not_cancellable", "batch_id")
         self.store.update_batch(bid, status="cancelling", cancelling_at=int(time.time()))
@@ -377,16 +394,18 @@ class BatchManager:
         for t in job.inflight.values():
             t.cancel()
         job.cancelling = True  # in-flight lines are not put back
-        for row in self.store.pending(job.id):
-            self.store.finish_request(job.id, row["line"], "failed", error_record(
-                row["custom_id"], "batch_expired", "this request could not be executed before the completion "
-                                                   "window expired"))
         job.pending.clear()
         self._finalize(job.id, "expired")
 
     def _finalize(self, bid: str, status: str) -> None:
-        """Write the output and error files from the stored results and close the job."""
+        """Write the output and error files from the stored results and close the job. A line
+        still pending (never run, or aborted in flight) is first recorded as failed with the code
+        of how the job ended (``batch_expired``, ``batch_cancelled``, ``batch_failed``), as OpenAI
+        lists the unrun requests of an expired batch in its error file: every line is counted
+        once, in ``completed`` or ``failed``."""
         now = int(time.time())
+        for row in self.store.pending(bid):
+            self.store.finish_request(bid, row["line"], "failed", error_record(row["custom_id"], *UNRUN[status]))
         obj = self.store.batch(bid)
         if status in ("completed", "failed"):
             obj = self.store.update_batch(bid, status="finalizing", finalizing_at=now)

@@ -18,7 +18,7 @@ def start_cluster(controller: str | Controller, prefill: int = 0, decode: int = 
                   threads_per_instance: int | None = None, use_ray: bool = True, ray_address: str | None = None,
                   call_timeout_s: float = 5.0, step_timeout_s: float = 60.0,
                   stream_kv: bool = True, max_restarts: int = 0, latency_calibration: bool = True,
-                  jitter_margin: bool = False) -> ClusterEngine:
+                  jitter_margin: bool | None = None) -> ClusterEngine:
     """Start the instances (Ray actors, or in process with ``use_ray=False``) and the front end.
     ``latency_calibration``, ``jitter_margin``: each instance's, as :class:`~laser.frontend.engine.Engine`'s.
 

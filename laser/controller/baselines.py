@@ -40,7 +40,12 @@ class DistServeController(_LeastLoaded):
     load_key = staticmethod(prefill_load_key)
 
     def at_handoff(self, info: RequestInfo, chosen: int | None, now: float) -> int:
-        return least_loaded_decode(self.decode).instance_id
+        """The decode instance with the fewest KV blocks in use, then requests; the choice is
+        reserved there until the hand-off is adopted, so the next hand-offs of a wave count it
+        (a real instance adopts asynchronously: its report does not show the request yet)."""
+        d = least_loaded_decode(self.decode)
+        d.reserve(info)
+        return d.instance_id
 
 
 @register

@@ -3,7 +3,8 @@
 Prefill selection (§7.1): for each prefill instance, simulate its EDF queue with the
 request inserted (:func:`edf_finish_times`) from its last report; an instance is
 feasible when every deadline that held without the newcomer still holds; take the
-feasible instance with the largest minimum slack, else the one with the fewest queued
+feasible instance with the largest minimum slack (ties, such as +inf when nothing has a TTFT
+target: the fewest queued prefill tokens), else the one with the fewest queued
 prefill tokens, where the request is served best effort (queued after every request with
 a deadline, so the admitted ones keep theirs).
 
@@ -154,17 +155,22 @@ class LaserController(Controller):
     # -- prefill (§7.1) -------------------------------------------------------------------------
     def select_prefill(self, info: RequestInfo, now: float) -> tuple[int, bool]:
         """(instance id, demoted): the feasible instance with the largest slack, else the one
-        with the fewest pending prefill tokens (demoted to best effort)."""
-        best, best_slack = None, -math.inf
+        with the fewest pending prefill tokens (demoted to best effort).
+
+        Equal slacks -- every instance's is +inf when no queued request and not ``info`` has a TTFT
+        target -- go to the instance with the fewest pending prefill tokens (its report counts
+        the requests just sent there): a burst of best-effort requests spreads over the prefill
+        instances instead of all landing on the first one (issue 28: 19 vs 0 of 24)."""
+        best, best_key = None, None
         fallback, fb_key = None, None
         for p in self.prefill:
             rep = p.report()
             s = prefill_slack(rep, p.latency_model, p.num_layers, info, now)
-            if s >= 0 and s > best_slack:
-                best, best_slack = p.instance_id, s
-            key = prefill_load_key(rep)
-            if fb_key is None or key < fb_key:
-                fallback, fb_key = p.instance_id, key
+            load = prefill_load_key(rep)
+            if s >= 0 and (best_key is None or (-s, load) < best_key):
+                best, best_key = p.instance_id, (-s, load)
+            if fb_key is None or load < fb_key:
+                fallback, fb_key = p.instance_id, load
         if best is not None:
             return best, False
         self.num_demoted += info.ttft is not None

@@ -176,6 +176,18 @@ class Request:
     # fallback when no prefill instance can meet its TTFT, PPoPP'26 §7.1). Its SLO is
     # still what it is judged against.
     demoted: bool = False
+    # Laser's overload triage gave up its prefill at some point (its TTFT was judged out of
+    # reach beside the savable prompts): served anyway; kept for the record (why it missed).
+    given_up: bool = False
+
+    @property
+    def miss_causes(self) -> tuple[str, ...]:
+        """What the scheduler knows of why this request may miss its SLO: ``given_up`` (Laser's
+        overload triage put its prefill behind the savable ones), ``preempted`` (its KV was freed
+        and recomputed), ``demoted`` (served best effort by the cluster controller),
+        ``tbt_infeasible`` (its TBT target is out of reach even alone). Empty: none of those."""
+        return tuple(c for c, on in (("given_up", self.given_up), ("preempted", self.num_preemptions > 0),
+                                     ("demoted", self.demoted), ("tbt_infeasible", self.tbt_infeasible)) if on)
 
     def __post_init__(self):
         if not self.req_id:
@@ -220,8 +232,18 @@ class Request:
     @property
     def tbt_miss_allowance(self) -> int:
         """Token gaps over the TBT target this request may take and still meet its P99 TBT:
-        ``floor((g - 1) / 100)`` for ``g`` gaps, ``g`` from ``max_tokens`` (an upper bound)."""
-        return (self.sampling_params.max_tokens - 2) // 100
+        ``floor((g - 1) / 100)`` for ``g`` gaps (then every miss ranks above the linear P99's
+        upper rank, :mod:`laser.metrics`), ``g`` the fewest gaps it will have: ``max_tokens - 1``
+        when it cannot stop earlier (``ignore_eos``, no stop strings or stop tokens), else the gaps
+        it has once its next token is out. ``max_tokens`` alone is an upper bound the judge need
+        not count (a chat request whose ``max_tokens`` defaults to the rest of an 8k context was
+        let miss up to 80 gaps, then ended at EOS after 60 tokens: its P99 was its largest gap)."""
+        sp = self.sampling_params
+        if sp.ignore_eos and not sp.stop and not sp.stop_token_ids:
+            gaps = sp.max_tokens - 1
+        else:
+            gaps = min(len(self.output_token_ids), sp.max_tokens - 1)
+        return max(0, gaps - 1) // 100
 
     @property
     def ttft_missed(self) -> bool:

@@ -104,6 +104,11 @@ class SLOClasses:
                 demotable: bool | None = None) -> SLO:
         """Class targets, overridden by explicit per-request targets (seconds) and demotability.
 
+        Targets on a ``best_effort``-tier class (the default class, when none is named) make the
+        request ``hot``: it has per-request targets, and must be treated as the class with the
+        same targets is, by every route (issue 28: ``ttft_slo_ms``/``tbt_slo_ms`` alone were
+        served as best-effort tier, which batch work does not yield to).
+
         Raises InvalidRequestError for an unknown class, or ``demotable`` on a class that is not hot.
         """
         base = self.get(name)
@@ -115,7 +120,7 @@ class SLOClasses:
             ttft=ttft if ttft is not None else base.ttft,
             tbt=tbt if tbt is not None else base.tbt,
             name=base.name if name or (ttft is None and tbt is None) else "custom",
-            tier=base.tier,
+            tier="hot" if base.tier == "best_effort" and (ttft is not None or tbt is not None) else base.tier,
             demotable=base.demotable if demotable is None else bool(demotable),
         )
 

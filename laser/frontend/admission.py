@@ -297,7 +297,8 @@ class Admission:
     demoted: bool  # served under another class than ``requested`` (see ``demoted_to``)
     entry: QueueEntry | None = None  # its place in the queue, for the next admissions
     # the tier it was demoted to: "warm" (a demotable hot request under predicted pressure) or
-    # "best_effort" (``requested`` infeasible, ``on_infeasible == "demote"``); None if not demoted
+    # "best_effort" (``requested`` infeasible, ``on_infeasible == "demote"``) or "cold" (a Batch API
+    # line whose body names another class: served in the batch tier); None if not demoted
     demoted_to: str | None = None
 
     @property

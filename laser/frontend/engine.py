@@ -51,6 +51,8 @@ class Engine(ModelInstance):
             timing spread of the steps (:meth:`CalibratedLatencyModel.timing_spread
             <laser.latency.calibrated.CalibratedLatencyModel.timing_spread>`, its 98th percentile
             over the factor): fewer TBT misses on a jittery machine, less prefill per iteration.
+            None (default): on with the calibration; False: fixed margins
+            (:func:`laser.instance.model_instance.planning_model`).
         clock: time source in seconds (monotonic by default).
         seed: seed of the shared sampling generator.
     Raises:

@@ -133,6 +133,8 @@ class RequestOutput:
     # time and the time of every output token so far (seconds, engine clock).
     arrival_time: float = 0.0
     token_times: tuple[float, ...] = ()
+    # Copied when it finishes: :attr:`laser.core.request.Request.miss_causes` (why it may have missed).
+    miss_causes: tuple[str, ...] = ()
 
 
 def aborted_output(req_id: str, prompt_token_ids: list[int], slo: SLO, last: RequestOutput | None) -> RequestOutput:
@@ -190,7 +192,8 @@ class OutputProcessor:
             req_id=req.req_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
             text=text.visible(finished), token_ids=list(req.output_token_ids), delta_text=text.delta(finished),
             new_token_ids=[token], finished=finished, finish_reason=finish_reason, slo=req.slo, request=req,
-            handed_off=handed_off, arrival_time=req.arrival_time, token_times=tuple(req.token_times)), stop
+            handed_off=handed_off, arrival_time=req.arrival_time, token_times=tuple(req.token_times),
+            miss_causes=req.miss_causes if finished else ()), stop
 
     def final(self, req: Request, reason: str) -> RequestOutput:
         """The last output of a tracked request that ends without a new token (``reason``,
@@ -200,4 +203,4 @@ class OutputProcessor:
             req_id=req.req_id, prompt=None, prompt_token_ids=req.prompt_token_ids, text=text.visible(True),
             token_ids=list(req.output_token_ids), delta_text=text.delta(True), new_token_ids=[], finished=True,
             finish_reason=reason, slo=req.slo, request=req, arrival_time=req.arrival_time,
-            token_times=tuple(req.token_times))
+            token_times=tuple(req.token_times), miss_causes=req.miss_causes)

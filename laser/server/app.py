@@ -145,6 +145,7 @@ def build_app(
     data_dir: str | os.PathLike | None = None,
     batch_concurrency: int = 8,
     batch_accept_infeasible: bool = False,
+    batch_store=None,
 ) -> FastAPI:
     """The OpenAI-compatible app over ``async_engine`` (started/stopped by the app's lifespan).
 
@@ -154,7 +155,11 @@ def build_app(
         metrics: collectors (default: new ones in a private registry).
         drain_timeout_s: at app shutdown, let in-flight requests finish this long before aborting.
         data_dir: where the Batch API keeps its SQLite store and files (``/v1/files``,
-            ``/v1/batches``); None: no Batch API (those routes answer 404).
+            ``/v1/batches``); None: no Batch API (those routes answer 404). Raises
+            :class:`laser.store.DataDirInUseError` when another process serves from it.
+        batch_store: an open :class:`laser.store.BatchStore` to use instead of opening ``data_dir``
+            (``laser serve`` opens it before building the engine, so a second server on the same
+            directory is refused at once).
         batch_concurrency: batch lines in flight at most (:class:`laser.batch.manager.BatchManager`).
         batch_accept_infeasible: accept, with a warning, batch jobs predicted to miss their window.
     """
@@ -246,12 +251,12 @@ def build_app(
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     app.include_router(openai_routes.router(srv))
-    if data_dir is not None:
+    if data_dir is not None or batch_store is not None:
         from ..batch.manager import BatchError, BatchManager
         from ..store import BatchStore
         from . import batches as batch_routes
 
-        mgr = BatchManager(BatchStore(data_dir), ae, srv, app, metrics.registry, names[0],
+        mgr = BatchManager(batch_store if batch_store is not None else BatchStore(data_dir), ae, srv, app, metrics.registry, names[0],
                            concurrency=batch_concurrency, accept_infeasible=batch_accept_infeasible, api_key=api_key)
         app.state.batches = mgr
 

@@ -41,7 +41,8 @@ def register(subparsers) -> None:
                         "(default %(default)s)")
     p.add_argument("--data-dir", default=None,
                    help="Batch API store: SQLite jobs and results plus files (default: "
-                        "$LASER_CACHE_DIR/batches, else ~/.cache/laser/batches)")
+                        "$LASER_CACHE_DIR/batches, else ~/.cache/laser/batches); one server per directory: "
+                        "a second one started on it is refused")
     p.add_argument("--batch-concurrency", type=int, default=8,
                    help="Batch API lines in flight at most (cold tier; default %(default)s)")
     p.add_argument("--batch-accept-infeasible", action="store_true",
@@ -139,6 +140,18 @@ def cmd_serve(args) -> int:
     if busy is not None:
         print(f"laser: error: cannot listen on {args.host}:{args.port}: {busy}", file=sys.stderr)
         return 2
+    data_dir = args.data_dir
+    if data_dir is None:
+        from ..model.loader import cache_dir
+
+        data_dir = cache_dir() / "batches"
+    from ..store import BatchStore, DataDirInUseError
+
+    try:  # before the engine: a second server on the same data dir is refused at once
+        store = BatchStore(data_dir)
+    except DataDirInUseError as e:
+        print(f"laser: error: --data-dir: {e}", file=sys.stderr)
+        return 2
     if args.prefill_instances or args.decode_instances or args.mixed_instances:
         engine = build_cluster(args)
     else:
@@ -146,12 +159,7 @@ def cmd_serve(args) -> int:
     if not args.no_warmup:
         _warmup(engine)
     ae = AsyncEngine(engine, max_waiting=args.max_waiting, on_infeasible=args.on_infeasible)
-    data_dir = args.data_dir
-    if data_dir is None:
-        from ..model.loader import cache_dir
-
-        data_dir = cache_dir() / "batches"
-    app = build_app(ae, served_model_names=args.served_model_name, api_key=args.api_key, data_dir=data_dir,
+    app = build_app(ae, served_model_names=args.served_model_name, api_key=args.api_key, batch_store=store,
                     batch_concurrency=args.batch_concurrency, batch_accept_infeasible=args.batch_accept_infeasible)
     config = uvicorn.Config(
         app,

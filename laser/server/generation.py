@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -146,14 +147,29 @@ class Generation:
                         "model_not_found", "model")
 
     def resolve_slo(self, body, h_class: str | None, h_ttft: str | None, h_tbt: str | None,
-                    headers=None) -> SLO:
+                    headers=None) -> tuple[SLO, SLO | None]:
+        """(the SLO a request is served under, the one it asked for when that differs, else None).
+
+        A line of a Batch API job (``BATCH_SLO_HEADER``) is served under its job's cold SLO; when
+        its body names a class or targets of its own (``slo_class: "chat"``), that is what it asked
+        for, checked like any request's, and the response reports both.
+
+        Raises APIError: 400 for an unknown class, bad targets or headers, an unknown batch token.
+        """
         headers = headers or {}
         token = headers.get(BATCH_SLO_HEADER)
         if token is not None:  # a line of a Batch API job, sent by laser.batch (cold SLO with its EDF key)
             slo = self.batch_slos.pop(token, None)
             if slo is None:
                 raise APIError(400, f"header {BATCH_SLO_HEADER}: unknown token", "invalid_slo", BATCH_SLO_HEADER)
-            return slo
+            asked = None
+            if any(getattr(body, f) is not None for f in ("slo_class", "ttft_slo_ms", "tbt_slo_ms", "slo_demotable")):
+                asked = self._requested_slo(body, None, None, None, {})
+            return slo, (asked if asked is not None and asked.name != slo.name else None)
+        return self._requested_slo(body, h_class, h_ttft, h_tbt, headers), None
+
+    def _requested_slo(self, body, h_class: str | None, h_ttft: str | None, h_tbt: str | None, headers) -> SLO:
+        """The SLO a request names by its body fields, else its headers, else the default class."""
         name = body.slo_class
         if name is not None and not name.strip():
             raise APIError(400, "slo_class must be a non-empty SLO class name", "invalid_slo", "slo_class")
@@ -230,15 +246,16 @@ class Generation:
         return stop
 
     def validate(self, body, h_class: str | None, h_ttft: str | None, h_tbt: str | None, headers=None):
-        """Checks shared by both generation endpoints: (arrival time, model name, SLO, stop strings).
+        """Checks shared by both generation endpoints: (arrival time, model name, SLO served,
+        stop strings, SLO asked for when it differs -- see :meth:`resolve_slo` -- else None).
 
         Raises APIError: 404 for an unknown model; 400 for an unsupported parameter, a bad SLO or stop list.
         """
         arrival = self.ae.engine.clock()
         model = self.check_model(body.model)
         self.check_unsupported(body)
-        slo = self.resolve_slo(body, h_class, h_ttft, h_tbt, headers)
-        return arrival, model, slo, self.stop_strings(body)
+        slo, asked = self.resolve_slo(body, h_class, h_ttft, h_tbt, headers)
+        return arrival, model, slo, self.stop_strings(body), asked
 
     def sampling_params(self, body, max_tokens: int, stop: tuple[str, ...]) -> SamplingParams:
         temperature = 1.0 if body.temperature is None else body.temperature
@@ -287,10 +304,16 @@ class Generation:
         return requested
 
     # -- running --------------------------------------------------------------------------------------
-    def start(self, subs: list[Sub], slo: SLO, arrival: float) -> tuple[asyncio.Queue, dict[str, str]]:
-        """Admission control, then queue every choice for the engine (one event-loop turn)."""
+    def start(self, subs: list[Sub], slo: SLO, arrival: float,
+              asked: SLO | None = None) -> tuple[asyncio.Queue, dict[str, str]]:
+        """Admission control, then queue every choice for the engine (one event-loop turn).
+        ``asked``: the SLO the client named when it is served under ``slo`` regardless (a Batch
+        API line naming a class: served in the batch tier, reported as demoted to ``cold``)."""
         try:
             adms = self.ae.admit([len(s.ids) for s in subs], slo, arrival)
+            if asked is not None:
+                adms = [dataclasses.replace(a, requested=asked, demoted=True, demoted_to=a.demoted_to or slo.tier)
+                        for a in adms]
         except QueueFullError as e:
             self.metrics.reject("queue_full", slo.name)
             raise APIError(429, str(e), "queue_full", headers={"retry-after": "1"}) from None
@@ -309,17 +332,18 @@ class Generation:
         a0 = adms[0]
         headers = {"x-slo-class": a0.slo.name}
         if a0.demoted:
-            # "warm": a demotable hot request under pressure; "true": infeasible, served as best_effort
-            headers["x-slo-demoted"] = "warm" if a0.demoted_to == "warm" else "true"
+            # "warm": a demotable hot request under pressure; "true": infeasible, served as best_effort;
+            # "cold": a Batch API line naming another class, served in the batch tier
+            headers["x-slo-demoted"] = "true" if a0.demoted_to == "best_effort" else a0.demoted_to
             headers["x-slo-requested-class"] = a0.requested.name
         preds = [a.predicted_ttft for a in adms if a.predicted_ttft is not None]
         if preds:
             headers["x-laser-predicted-ttft-ms"] = f"{max(preds) * 1e3:.1f}"
         return q, headers
 
-    async def launch(self, subs: list[Sub], slo: SLO, arrival: float, id_prefix: str):
+    async def launch(self, subs: list[Sub], slo: SLO, arrival: float, id_prefix: str, asked: SLO | None = None):
         """:meth:`start`, then wait until the engine has every choice: (queue, headers, id, created)."""
-        q, headers = self.start(subs, slo, arrival)
+        q, headers = self.start(subs, slo, arrival, asked)
         rid = f"{id_prefix}-{uuid.uuid4().hex}"
         headers["x-request-id"] = rid
         try:

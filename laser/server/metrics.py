@@ -82,6 +82,12 @@ class ServerMetrics:
                                    cls, registry=r)
         self.tbt_missed = Counter("laser:slo_tbt_missed", "Finished requests whose P99 TBT missed the target.",
                                   cls, registry=r)
+        self.miss_cause = Counter(
+            "laser:slo_missed_cause", "Finished requests that missed their SLO, by what the server knows of why "
+            "(one count per cause that applies): given_up (overload triage served its prefill behind the savable "
+            "ones), preempted (KV freed and recomputed), demoted (served in another class than it asked for), "
+            "predicted_infeasible (admission predicted its TTFT over the target), tbt_infeasible (its TBT target "
+            "is out of reach even alone), unexplained (none of those).", cls + ["cause"], registry=r)
         self.aborted = Counter("laser:request_aborted", "Requests aborted (client gone, shutdown, engine error).",
                                cls, registry=r)
         self.demoted = Counter("laser:request_demoted", "Demotions by requested class: demotable hot requests "
@@ -140,6 +146,8 @@ class ServerMetrics:
                     self.attained.labels(m, cls).inc()
                 else:
                     self.missed.labels(m, cls).inc()
+                    for cause in miss_causes(stream, out):
+                        self.miss_cause.labels(m, cls, cause).inc()
                     if not ttft_ok:
                         self.ttft_missed.labels(m, cls).inc()
                     if not tbt_ok:
@@ -169,6 +177,21 @@ class ServerMetrics:
     def render(self) -> bytes:
         self.refresh()
         return generate_latest(self.registry)
+
+
+def miss_causes(stream, out) -> tuple[str, ...]:
+    """Why a finished request that missed its SLO may have: the engine's causes
+    (:attr:`laser.request.Request.miss_causes`, copied into the output) plus the admission's
+    (``demoted``, ``predicted_infeasible``: the TTFT predicted at admission was over the target it
+    asked for); ``("unexplained",)`` when none applies."""
+    causes = list(getattr(out, "miss_causes", ()))
+    a = getattr(stream, "admission", None)
+    if a is not None:
+        if a.demoted and "demoted" not in causes:
+            causes.append("demoted")
+        if a.predicted_ttft is not None and a.requested.ttft is not None and a.predicted_ttft > a.requested.ttft:
+            causes.append("predicted_infeasible")
+    return tuple(causes) or ("unexplained",)
 
 
 class _ClusterCollector:
@@ -288,7 +311,7 @@ class _SchedulerCollector:
              "--no-latency-calibration keeps it at 1).", c.get("latency_calibration")),
             (GaugeMetricFamily, "laser:latency_model_timing_spread", "How far the slowest steps run over the "
              "calibrated prediction (98th / 80th percentile of measured / predicted step time) that Laser divides "
-             "its planning margins by with --jitter-margin (1 without it).", c.get("latency_timing_spread")),
+             "its planning margins by (1 with --no-jitter-margin).", c.get("latency_timing_spread")),
         ]
         for family, name, doc, value in singles:
             if value is None:  # (not reported by this engine)

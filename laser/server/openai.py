@@ -74,7 +74,7 @@ def router(srv: Generation) -> APIRouter:
 
     @router.post("/v1/completions", responses=errors)
     async def completions(body: CompletionRequest, request: Request, h: SLOHeaders = Depends()):
-        arrival, model, slo, stop = srv.validate(body, h.x_slo_class, h.x_slo_ttft_ms, h.x_slo_tbt_ms,
+        arrival, model, slo, stop, asked = srv.validate(body, h.x_slo_class, h.x_slo_ttft_ms, h.x_slo_tbt_ms,
                                                  request.headers)
         p = body.prompt
         if isinstance(p, str):
@@ -101,7 +101,7 @@ def router(srv: Generation) -> APIRouter:
             for s in subs:
                 if s.prompt_text is None:
                     s.prompt_text = await ae.decode(s.ids)
-        q, headers, rid, created = await srv.launch(subs, slo, arrival, "cmpl")
+        q, headers, rid, created = await srv.launch(subs, slo, arrival, "cmpl", asked)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return EventStream(stream_completion(srv, q, subs, rid, created, model, body.echo, include_usage, body.n,
@@ -112,7 +112,7 @@ def router(srv: Generation) -> APIRouter:
 
     @router.post("/v1/chat/completions", responses=errors)
     async def chat_completions(body: ChatCompletionRequest, request: Request, h: SLOHeaders = Depends()):
-        arrival, model, slo, stop = srv.validate(body, h.x_slo_class, h.x_slo_ttft_ms, h.x_slo_tbt_ms,
+        arrival, model, slo, stop, asked = srv.validate(body, h.x_slo_class, h.x_slo_ttft_ms, h.x_slo_tbt_ms,
                                                  request.headers)
         messages = []
         for i, m in enumerate(body.messages):
@@ -134,7 +134,7 @@ def router(srv: Generation) -> APIRouter:
         mt = srv.max_tokens_for(requested, len(ids), None)
         sp = srv.sampling_params(body, mt, stop)
         subs = [Sub(i, ids, None, dataclasses.replace(sp, seed=choice_seed(sp.seed, i))) for i in range(body.n)]
-        q, headers, rid, created = await srv.launch(subs, slo, arrival, "chatcmpl")
+        q, headers, rid, created = await srv.launch(subs, slo, arrival, "chatcmpl", asked)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return EventStream(stream_chat(srv, q, subs, rid, created, model, include_usage, body.n,

@@ -8,10 +8,17 @@ output/error files are written only when a job is finalized, from the rows in li
 server killed at any point (SIGKILL included) loses at most the requests in flight, which are
 still ``pending`` and run again after a restart; no line can appear twice in an output file.
 One connection, guarded by a lock (calls come from the event loop; each is a few rows).
+
+One process per data directory: the store holds an exclusive ``flock`` on ``data_dir/laser.lock``
+for its lifetime (released by the kernel when the process dies, SIGKILL included), so a second
+server started on the same directory is refused (:class:`DataDirInUseError`) instead of running
+the same batch lines again.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import sqlite3
@@ -40,6 +47,33 @@ CREATE INDEX IF NOT EXISTS requests_state ON requests (batch_id, state);
 """
 
 STATES = ("pending", "completed", "failed")
+LOCK_FILE = "laser.lock"
+
+
+class DataDirInUseError(RuntimeError):
+    """Another live process holds the data directory (its store's lock file)."""
+
+
+def _lock_dir(path: Path) -> int:
+    """Take the exclusive lock of ``path`` (created if missing) and write our pid into it; return
+    the open descriptor (closing it releases the lock). Raises DataDirInUseError when another open
+    file description holds it -- another process, or another store of this one."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        try:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        finally:
+            os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise DataDirInUseError(
+                f"data directory {str(path.parent)!r} is in use by another laser server (pid {holder}); "
+                "one server per --data-dir: stop it, or give this one another --data-dir") from None
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 class BatchStore:
@@ -48,7 +82,11 @@ class BatchStore:
     Batch objects are stored whole as JSON (the OpenAI ``batch`` object without
     ``request_counts``, which :meth:`counts` derives from the request rows).
 
+    The directory is this store's alone while it is open (an exclusive lock on ``laser.lock``,
+    released by :meth:`close` or the process's end).
+
     Raises:
+        DataDirInUseError: another process (or another open store) holds ``data_dir``.
         sqlite3.DatabaseError: the database file is corrupt or not a database.
     """
 
@@ -56,17 +94,29 @@ class BatchStore:
         self.dir = Path(data_dir)
         self.files_dir = self.dir / "files"
         self.files_dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.dir / "laser.sqlite3"
-        self._lock = threading.Lock()
-        self.db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self.db.row_factory = sqlite3.Row
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")  # durable against a killed process
-        self.db.executescript(SCHEMA)
+        self._lock_fd: int | None = _lock_dir(self.dir / LOCK_FILE)
+        try:
+            self.path = self.dir / "laser.sqlite3"
+            self._lock = threading.Lock()
+            self.db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            self.db.row_factory = sqlite3.Row
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=NORMAL")  # durable against a killed process
+            self.db.executescript(SCHEMA)
+        except BaseException:
+            self._unlock()
+            raise
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
 
     def close(self) -> None:
+        """Close the database and release the data directory."""
         with self._lock:
             self.db.close()
+        self._unlock()
 
     def _tx(self, sql_params: list[tuple[str, tuple]]) -> None:
         with self._lock:

@@ -349,3 +349,123 @@ def test_work_estimate_of_chat_lines():
                          "/v1/chat/completions", 10, 256) == 3
     assert max_tokens_of({"messages": msgs, "max_tokens": 0}, "/v1/chat/completions", 10, 256) == 0
     assert max_tokens_of({"messages": []}, "/v1/chat/completions", 10, 256) == 0
+
+
+# -- issue 28: byte-order mark, a line naming a class, cancel accounting, one server per data dir -----------
+
+
+def test_byte_order_mark_keeps_the_first_line(client):
+    """A file saved with a UTF-8 byte-order mark lost its first line (``invalid JSON``)."""
+    from laser.batch.jobs import check_jsonl, parse_lines
+
+    data = b"\xef\xbb\xbf" + _jsonl([_line("bom-0", "Hi"), _line("bom-1", "Yo")])
+    assert check_jsonl(data) == 2
+    assert [r["state"] for r in parse_lines(data, "/v1/completions")] == ["pending", "pending"]
+    f = client.files.create(file=("bom.jsonl", io.BytesIO(data)), purpose="batch")
+    b = _wait(client, client.batches.create(input_file_id=f.id, endpoint="/v1/completions",
+                                            completion_window="1h").id)
+    assert (b.status, b.request_counts.completed, b.request_counts.failed) == ("completed", 2, 0)
+
+
+def test_line_naming_a_class_reports_what_it_asked_and_got(client):
+    """A batch line naming ``slo_class: chat`` runs in the batch tier; its response said it asked
+    for ``batch`` and was not demoted. It now says what was asked and what was served, as an
+    interactive response does; an unknown class is the endpoint's 400, in the error file."""
+    lines = [_line("asks-chat", "Hi", slo_class="chat"),
+             _line("asks-custom", "Hi", ttft_slo_ms=500, tbt_slo_ms=200),
+             _line("asks-nothing", "Hi"),
+             _line("asks-batch", "Hi", slo_class="batch"),
+             _line("asks-unknown", "Hi", slo_class="gold"),
+             _line("chat-route", "Hi", url="/v1/chat/completions", slo_class="code")]
+    f = client.files.create(file=("cls.jsonl", io.BytesIO(_jsonl(lines[:5]))), purpose="batch")
+    b = _wait(client, client.batches.create(input_file_id=f.id, endpoint="/v1/completions",
+                                            completion_window="1h").id)
+    assert (b.request_counts.completed, b.request_counts.failed) == (4, 1)
+    out = {r["custom_id"]: r["response"]["body"]["slo"]
+           for r in map(json.loads, client.files.content(b.output_file_id).text.splitlines())}
+    assert out["asks-chat"] == {**out["asks-chat"], "slo_class": "batch", "requested_slo_class": "chat",
+                                "demoted": True, "demoted_to": "cold"}
+    assert out["asks-custom"]["requested_slo_class"] == "custom" and out["asks-custom"]["demoted_to"] == "cold"
+    for cid in ("asks-nothing", "asks-batch"):
+        assert out[cid]["requested_slo_class"] == "batch" and out[cid]["demoted"] is False
+    err = json.loads(client.files.content(b.error_file_id).text)
+    assert err["custom_id"] == "asks-unknown" and err["response"]["status_code"] == 400
+    assert "gold" in err["response"]["body"]["error"]["message"]
+    f = client.files.create(file=("cls2.jsonl", io.BytesIO(_jsonl(lines[5:]))), purpose="batch")
+    b = _wait(client, client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                            completion_window="1h").id)
+    slo = json.loads(client.files.content(b.output_file_id).text)["response"]["body"]["slo"]
+    assert (slo["requested_slo_class"], slo["slo_class"], slo["demoted_to"]) == ("code", "batch", "cold")
+
+
+def _accounted(c, b):
+    """Every line of an ended batch once, in the output or the error file; returns the error records."""
+    n = b.request_counts
+    assert n.completed + n.failed == n.total, n
+    out = c.files.content(b.output_file_id).text.splitlines() if b.output_file_id else []
+    errs = [json.loads(x) for x in c.files.content(b.error_file_id).text.splitlines()] if b.error_file_id else []
+    ids = [json.loads(x)["custom_id"] for x in out] + [e["custom_id"] for e in errs]
+    assert len(out) == n.completed and len(errs) == n.failed and len(set(ids)) == len(ids) == n.total
+    return errs
+
+
+def test_cancel_accounts_for_every_line_and_a_repeat_answers(client):
+    """After a cancel, ``request_counts`` left lines in neither completed nor failed, and a second
+    cancel 10 ms later was a 400. Unrun lines are now ``batch_cancelled`` records in the error
+    file, and a repeated cancel answers with the batch as it is."""
+    lines = [_line(f"x{i}", "Count slowly", max_tokens=40) for i in range(30)]
+    f = client.files.create(file=("x.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="1h")
+    first = client.batches.cancel(b.id)
+    again = client.batches.cancel(b.id)
+    assert first.status in ("cancelling", "cancelled") and again.status in ("cancelling", "cancelled")
+    b = _wait(client, b.id)
+    assert b.status == "cancelled" and b.request_counts.total == 30 and b.request_counts.completed < 30
+    errs = _accounted(client, b)
+    assert errs and all(e["error"]["code"] == "batch_cancelled" and e["response"] is None for e in errs)
+    assert client.batches.cancel(b.id).status == "cancelled"  # once cancelled: the batch as it is
+
+
+def test_one_server_per_data_dir_and_cancel_survives_a_kill(tiny_llama, tmp_path):
+    """Two ``laser serve`` on one ``--data-dir`` both ran the same batch (82 executions for 60
+    lines): the second is now refused at once. A cancel followed at once by SIGKILL leaves every
+    line accounted for after the restart (the lock dies with the process)."""
+    from laser.store import BatchStore, DataDirInUseError
+
+    port = _free_port()
+    proc = _serve(tiny_llama, tmp_path, port)
+    try:
+        second = subprocess.run(
+            [sys.executable, "-m", "laser.cli", "serve", "--model", str(tiny_llama), "--port", str(_free_port()),
+             "--data-dir", str(tmp_path), "--no-warmup"],
+            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2 and "in use by another laser server" in second.stderr
+        assert f"pid {proc.pid}" in second.stderr
+        with pytest.raises(DataDirInUseError):
+            BatchStore(tmp_path)
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
+        lines = [_line(f"job-{i}", f"Document {i} says", max_tokens=24) for i in range(12)]
+        f = c.files.create(file=("k.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
+        b = c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="1h")
+        while c.batches.retrieve(b.id).request_counts.completed < 1:
+            time.sleep(0.02)
+        assert c.batches.cancel(b.id).status in ("cancelling", "cancelled")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        proc = _serve(tiny_llama, tmp_path, port)
+        b = _wait(c, b.id)
+        assert b.status == "cancelled" and b.request_counts.total == 12
+        assert all(e["error"]["code"] == "batch_cancelled" for e in _accounted(c, b))
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_store_lock_is_released_on_close(tmp_path):
+    from laser.store import BatchStore, DataDirInUseError
+
+    s = BatchStore(tmp_path)
+    with pytest.raises(DataDirInUseError, match="in use"):
+        BatchStore(tmp_path)
+    s.close()
+    BatchStore(tmp_path).close()

@@ -208,3 +208,43 @@ def test_group_sizes_follow_lambda_over_mu():
     assert m[0.2] > m[0.05] and sum(m.values()) == 8
     members = sorted(i for g in gm.groups.values() for i in g.members)
     assert members == list(range(8))  # every instance in exactly one group
+
+
+# -- a burst over several instances (issue 28 item 7) -------------------------------------------------
+
+
+def _burst(ctl, prefills, n: int, ttft: float | None) -> list[int]:
+    """Route ``n`` requests arriving together, sending each to its prefill instance as the front end
+    does; the number each prefill instance got."""
+    got = {p.instance_id: 0 for p in prefills}
+    for k in range(n):
+        i = info(f"b{k}", prompt=200, ttft=ttft, tbt=None)
+        route = ctl.route(i, 0.0)
+        ctl.instances[route.prefill].add_request(
+            Request([1] * i.prompt_len, SamplingParams(max_tokens=4, ignore_eos=True), SLO(ttft=ttft),
+                    req_id=i.req_id), at=0.0)
+        got[route.prefill] += 1
+    return sorted(got.values())
+
+
+@pytest.mark.parametrize("ttft", [None, 30.0])
+def test_burst_spreads_over_prefill_instances(ttft):
+    """24 requests at once on 2P1D: one prefill instance queued 19 and the other none -- without
+    a TTFT deadline every instance ties on slack (+inf) and the first won every time. Ties now go
+    to the fewest pending prefill tokens, which count the requests just sent."""
+    prefills = [prefill_instance(0, []), prefill_instance(1, [])]
+    ctl = get_controller("laser")()
+    ctl.attach(prefills + [decode_instance(2, [])])
+    assert _burst(ctl, prefills, 24, ttft) == [12, 12]
+
+
+def test_distserve_handoffs_of_a_wave_spread_over_decode_instances():
+    """Hand-offs decided back to back (a wave of prefills ending together) all went to the same
+    decode instance: its report did not show the ones on their way. The choice is reserved there
+    until adopted, so the next choice counts it."""
+    prefill = SimClusterInstance(100, "prefill", "vllm", LM, 1024)
+    decodes = [decode_instance(0, []), decode_instance(1, [])]
+    ctl = get_controller("distserve")()
+    ctl.attach([prefill] + decodes)
+    picks = [ctl.at_handoff(info(f"h{k}", tbt=None), None, 0.0) for k in range(6)]
+    assert sorted(picks.count(d) for d in (0, 1)) == [3, 3]

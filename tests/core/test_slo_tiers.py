@@ -84,3 +84,15 @@ def test_input_lines():
     assert check_jsonl(f"{ok}\nnot json\n".encode()) == 2
     with pytest.raises(InputFileError):
         check_jsonl(b"\n\n")
+
+
+def test_custom_targets_are_hot_like_the_class_they_equal():
+    """``ttft_slo_ms``/``tbt_slo_ms`` without a class were served in the default class's tier
+    (``best_effort``), so batch work did not yield to them as it does to a class with the same
+    targets (issue 28, item 2)."""
+    t = SLOClasses({"code": {"ttft": 0.5, "tbt": 0.2}})
+    custom = t.resolve(None, 0.5, 0.2)
+    assert (custom.ttft, custom.tbt, custom.tier) == (0.5, 0.2, "hot") and custom.name == "custom"
+    assert t.resolve(None, None, 0.2).tier == "hot"
+    assert t.resolve(None).tier == "best_effort"  # no targets: the default class as it is
+    assert t.resolve("code", 0.4).tier == "hot"

@@ -6,6 +6,7 @@ waiting one iteration each. Simulated (virtual time, :class:`~laser.latency.Simp
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from laser.core.config import SchedulerConfig
 from laser.latency import SimpleLatencyModel
@@ -290,3 +291,30 @@ def test_a_relaxed_request_gets_the_iterations_its_target_allows_when_t_g_holds(
     assert relaxed_layers(N, 0.05, 0.07) == N
     assert [relaxed_layers(48, 0.05, t) for t in (0.1, 0.15, 0.2)] == [24, 16, 12]  # as ceil(N*T_g/TBT_r)
     assert [relaxed_layers(N, 0.05, t) for t in (0.1, 0.2, 0.12)] == [15, 8, 15]
+
+
+@pytest.mark.parametrize("ignore_eos,stop", [(False, ()), (True, ("\n",)), (True, ())])
+def test_the_p99_allowance_the_scheduler_spends_is_the_one_the_judge_counts(ignore_eos, stop):
+    """The allowance came from ``max_tokens``, an upper bound of the gaps: a chat stream whose
+    ``max_tokens`` defaults to the rest of an 8k context was let miss 79 gaps, then ended at EOS
+    after a few dozen tokens, where the judge's P99 is its largest gap. Whatever length a stream
+    ends at, spending every miss the scheduler allows leaves the judged P99 within the target."""
+    from laser.core.metrics import record_from_request
+
+    tbt = 0.2
+    for n_out in (2, 16, 60, 101, 102, 103, 250, 400):
+        max_tokens = n_out if ignore_eos and not stop else 8000
+        r = Request([1] * 8, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, stop=stop),
+                    SLO(ttft=1.0, tbt=tbt, name="chat"), arrival_time=0.0)
+        t = 0.1
+        r.output_token_ids, r.token_times = [0], [t]
+        while len(r.output_token_ids) < n_out:  # the next gap: a miss when the allowance has room
+            miss = r.num_tbt_misses + 1 <= r.tbt_miss_allowance
+            r.num_tbt_misses += miss
+            t += 2 * tbt if miss else 0.5 * tbt
+            r.output_token_ids.append(0)
+            r.token_times.append(t)
+        r.finish_reason = "stop"
+        rec = record_from_request(r)
+        assert rec.p99_tbt <= tbt, (n_out, r.num_tbt_misses)
+        assert r.num_tbt_misses == (n_out - 2) // 100  # and it may spend all the judge allows

@@ -247,3 +247,80 @@ def test_a_prompt_saved_only_by_a_knowing_break_of_t_g_is_not_given_up():
     assert reqs[1].token_times[0] - reqs[1].arrival_time <= chat.ttft
     assert reqs[0].num_tbt_misses <= reqs[0].tbt_miss_allowance
     assert all(record_from_request(r).slo_met for r in reqs)
+
+
+def test_burst_of_long_and_short_prompts_serves_the_chats_it_gives_up_in_the_room_left():
+    """Issue 28, item 1: 16 long summarization prompts (1,500 tokens, 8 s) and 16 short chats
+    (200 tokens, 1 s; ~0.12 s to prefill here) interleaved within 0.32 s. Not every chat can
+    make 1 s: triage gives up the ones that cannot, and served every one of them after every
+    long prompt with a deadline to keep (seven chats at 8.2-8.7 s). A given-up chat now runs at
+    its EDF place wherever the long prompts' slack allows -- no long prompt that kept its
+    deadline loses it, and only the chats that fit nowhere wait for the long prompts."""
+    lm = SimpleLatencyModel(num_layers=N, per_layer=1.0e-3, per_token=1.5e-5, per_context=2e-8)
+    reqs = []
+    for k in range(16):
+        reqs.append(req(1500, 0.02 * k, SUMM, 64, f"long{k}"))
+        reqs.append(req(200, 0.02 * k + 0.01, CHAT, 64, f"chat{k}"))
+    run("laser", reqs, lm, num_blocks=8192)
+    chats, longs = reqs[1::2], reqs[0::2]
+    met = [ttft(r) <= CHAT.ttft for r in chats]
+    assert sum(met) >= 9 and all(met[:8]), [round(ttft(r), 2) for r in chats]
+    assert sum(ttft(r) <= SUMM.ttft for r in longs) >= 8, [round(ttft(r), 2) for r in longs]
+    late = sorted(round(ttft(r), 2) for r in chats if ttft(r) > 5.0)
+    assert len(late) <= 2, late
+    # why they missed is on record (laser:slo_missed_cause_total{cause="given_up"})
+    assert all("given_up" in r.miss_causes for r in chats if ttft(r) > CHAT.ttft)
+
+
+def _interactive_beside_background(seed: int, jitter_margin) -> dict[str, tuple[int, int]]:
+    """Poisson chat (0.5/s, 200-token prompts) and code (0.25/s, 100) arrivals for 60 s beside a
+    closed loop of 12 best-effort requests (512-token prompts, 128 tokens), on a machine where one
+    step in ten runs 25 % over the profile; the engine's planning model
+    (:func:`laser.instance.model_instance.planning_model`). (met, count) per class."""
+    import random
+
+    from laser.instance.model_instance import planning_model
+    from laser.latency import ScaledLatencyModel
+    from laser.core.metrics import record_from_request
+
+    rng, jr = random.Random(seed), random.Random(seed + 100)
+    reqs = []
+    for cls, rate, prompt in ((CHAT, 0.5, 200), (CODE, 0.25, 100)):
+        t = rng.expovariate(rate)
+        while t <= 60.0:
+            reqs.append(req(prompt, t, cls, 64, f"{cls.name}{len(reqs)}"))
+            t += rng.expovariate(rate)
+    machine = ScaledLatencyModel(LM, 1.0)
+    sim = SimInstance("laser", N, planning_model(LM, True, jitter_margin), SchedulerConfig(policy="laser"),
+                      num_blocks=8192, machine_model=machine, record_plans=False)
+    for r in reqs:
+        sim.submit(r)
+    background: list[Request] = []
+
+    def before_step():
+        machine.factor = 1.25 if jr.random() < 0.1 else jr.uniform(0.97, 1.05)
+        live = sum(b.finish_time is None for b in background)
+        while live < 12 and sim.clock.t < 60.0:
+            b = req(512, sim.clock.t, BEST, 128, f"be{len(background)}")
+            background.append(b)
+            sim.add_request(b)
+            live += 1
+
+    sim.run(max_steps=5_000_000, before_step=before_step)
+    sim.check_integrity(expect_empty=True)
+    return {c.name: (sum(record_from_request(r).slo_met for r in reqs if r.slo is c),
+                     sum(r.slo is c for r in reqs)) for c in (CHAT, CODE)}
+
+
+def test_interactive_work_beside_background_load_keeps_its_targets_on_a_jittery_machine():
+    """Issue 28, item 3: 12 best-effort streams in a closed loop beside Poisson chat and code
+    arrivals; the real server measured chat 0.84, code 0.64. With the fixed 10 % margins the
+    simulated jittery machine gives about that (chat 0.83, code 0.57 over three seeds): every slow
+    step breaks the gaps planned to 0.9 T_g. The margins now cover the measured spread of step
+    times by default (``planning_model``), and each class keeps >= 0.9."""
+    met = {"chat": [0, 0], "code": [0, 0]}
+    for seed in (1, 2, 3):
+        for name, (ok, n) in _interactive_beside_background(seed, None).items():
+            met[name][0] += ok
+            met[name][1] += n
+    assert all(ok >= 0.9 * n for ok, n in met.values()), met

@@ -104,10 +104,10 @@ GOLDEN = {
     "migration-memory": "28523728201b4296",
     "paper-2P2D-laser": "eeb06b97c60be7ce",
     "small-2P2D-distserve": "9697e0b63f128459",
-    "small-2P2D-laser": "d39aa6f8875ac45c",
+    "small-2P2D-laser": "61799cc73e869d91",
     "small-3M-colocated": "a31f6d6f730862f5",
     "tight-2P2D-laser-2000": "1cd4dd3fcbb42442",
-    "tight-2P2D-laser-800": "6d9987270beb6adf",
+    "tight-2P2D-laser-800": "2550e374f14973e0",
 }
 
 
