@@ -190,7 +190,7 @@ class ClusterEngine:
         req = Request(prompt_token_ids=list(prompt), sampling_params=sp, slo=slo_obj,
                       arrival_time=self.clock() if arrival_time is None else arrival_time, req_id=req_id or "")
         info = self._info(req)
-        t = _Tracked(req, OutputText(self.tokenizer, req.prompt_token_ids, sp.stop), info, owner=-1)
+        t = _Tracked(req, OutputText(self.tokenizer, req.prompt_token_ids, sp.stop, min_tokens=sp.min_tokens), info, owner=-1)
         self.requests[req.req_id] = t
         try:
             self._dispatch(t)

@@ -61,13 +61,16 @@ class OutputText:
     to the final, cut text.
     """
 
-    __slots__ = ("detok", "stop", "hold", "sent")
+    __slots__ = ("detok", "stop", "hold", "sent", "min_tokens", "num_tokens")
 
     def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = (),
-                 output_ids: list[int] = ()):
+                 output_ids: list[int] = (), min_tokens: int = 0):
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
+        # stop strings are matched only once more than min_tokens tokens are out (as vLLM)
+        self.min_tokens = min_tokens
+        self.num_tokens = len(output_ids)
         for t in output_ids:  # a request continuing here (hand-off): its text so far was sent
             self.detok.add(t)
         self.sent = max(0, len(self.detok.text) - self.hold)
@@ -79,7 +82,8 @@ class OutputText:
     def add(self, token_id: int) -> bool:
         """Append a token. True when a stop string matched (the text is cut before it)."""
         delta = self.detok.add(token_id)
-        if self.stop and delta:
+        self.num_tokens += 1
+        if self.stop and delta and self.num_tokens > self.min_tokens:
             cut = find_stop(self.detok.text, self.stop, len(delta))
             if cut is not None:
                 self.detok.text = self.detok.text[:cut]

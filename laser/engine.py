@@ -61,6 +61,22 @@ class RequestOutput:
     # time and the time of every output token so far (seconds, engine clock).
     arrival_time: float = 0.0
     token_times: tuple[float, ...] = ()
+    # SamplingParams.logprobs: one TokenLogprob per output token so far (None when not asked).
+    logprobs: list | None = None
+    # SamplingParams.prompt_logprobs: per prompt position, None at position 0 (None when not asked).
+    prompt_logprobs: list | None = None
+
+
+def logprob_fields(req: Request) -> dict:
+    """The ``logprobs`` / ``prompt_logprobs`` fields of a :class:`RequestOutput` of ``req``:
+    copies of what the request asked for, nothing when it asked for none."""
+    sp = req.sampling_params
+    out = {}
+    if sp.logprobs is not None:
+        out["logprobs"] = list(req.output_logprobs)
+    if sp.prompt_logprobs is not None and req.prompt_logprobs is not None:
+        out["prompt_logprobs"] = list(req.prompt_logprobs)
+    return out
 
 
 class Engine(ModelInstance):
@@ -212,6 +228,7 @@ class Engine(ModelInstance):
         if not isinstance(sp, SamplingParams):
             raise InvalidRequestError(f"sampling_params must be a SamplingParams (or None), got "
                                       f"{type(sp).__name__}: {sp!r:.80}")
+        sp.check_vocab(self.model_config.vocab_size)
         ids = self.encode_prompt(prompt)
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
@@ -231,7 +248,7 @@ class Engine(ModelInstance):
             req_id=req_id or "",
             prompt=prompt if isinstance(prompt, str) else None,
         )
-        text = OutputText(self.tokenizer, ids, sp.stop)  # before enqueueing: nothing is left if it raises
+        text = OutputText(self.tokenizer, ids, sp.stop, min_tokens=sp.min_tokens)  # before enqueueing: nothing is left if it raises
         self.core.add_request(req)
         self._text[req.req_id] = text
         return req
@@ -270,6 +287,7 @@ class Engine(ModelInstance):
                 request=req,
                 arrival_time=req.arrival_time,
                 token_times=tuple(req.token_times),
+                **logprob_fields(req),
             ))
         return outs
 
@@ -281,7 +299,7 @@ class Engine(ModelInstance):
         """
         req = self.core.adopt(h)
         self._text[req.req_id] = OutputText(self.tokenizer, req.prompt_token_ids, req.sampling_params.stop,
-                                            req.output_token_ids)
+                                            req.output_token_ids, req.sampling_params.min_tokens)
         return req
 
     def check_integrity(self, expect_empty: bool = False) -> None:
