@@ -202,7 +202,10 @@ class ModelRunner:
             return
         logits = self.model.compute_logits(hidden[torch.tensor([r for _, r in want])])
         reqs = [requests[w.req_id] for w, _ in want]
-        toks = self.sampler.sample(logits, reqs, res.logprobs)
+        if any(r.sampling_params.logprobs is not None for r in reqs):
+            toks = self.sampler.sample(logits, reqs, res.logprobs)
+        else:
+            toks = self.sampler.sample(logits, reqs)
         for k, (w, _) in enumerate(want):
             if w.sample:
                 res.sampled[w.req_id] = toks[k]

@@ -411,3 +411,96 @@ def test_bad_controls_are_400_naming_the_field(live, path, body, param):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
     assert param in r.json()["error"]["message"]
+
+
+# -- penalties and logprobs survive layer pauses, preemption and the prefill -> decode hand-off ----------
+
+
+class _Clock:
+    """Advances a fixed amount per reading (deterministic SLO decisions, as test_invariance)."""
+
+    def __init__(self, tick: float = 2e-4):
+        self.t = 0.0
+        self.tick = tick
+
+    def __call__(self) -> float:
+        self.t += self.tick
+        return self.t
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama):
+    return [Engine(str(tiny_llama), policy="vllm", dtype="float32") for _ in range(3)]
+
+
+@pytest.mark.parametrize("disaggregated", [False, True])
+def test_controls_and_logprobs_survive_pauses_preemption_and_handoff(engines, disaggregated):
+    """Requests with penalties, a bias, min_tokens, logprobs and prompt logprobs under Laser with a
+    16-token budget, a 1-3 token intermediate cache (pauses, evictions, preemption) and, on a
+    prefill/decode pair, the hand-off: each gets exactly the tokens it gets alone, and the same
+    token and prompt logprobs (fp32 rounding of other batch shapes aside)."""
+    from laser.disagg import DisaggregatedPair
+    from laser.latency import SimpleLatencyModel
+    from laser.request import SLO
+
+    summ, code, chat = (SLO(ttft=0.03, tbt=0.012, name="summarization"), SLO(ttft=0.002, tbt=0.0044, name="code"),
+                        SLO(ttft=0.004, tbt=0.006, name="chat"))
+    load = [([7] * 40, 8, summ, 0), ([9] * 30, 6, code, 3), ([11] * 5, 10, summ, 0), ([13] * 5, 10, chat, 0),
+            ([15] * 5, 10, SLO(), 0), ([17] * 24, 5, chat, 9)]
+
+    def params(n):
+        return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logit_bias={300: 8.0}, min_tokens=2,
+                              frequency_penalty=1.2, presence_penalty=0.8, repetition_penalty=1.4, logprobs=2,
+                              prompt_logprobs=1)
+
+    ref, a, b = engines
+    solo = []
+    for prompt, n, _, _ in load:
+        ref.reconfigure(SchedulerConfig(policy="vllm", max_num_batched_tokens=4096), None, clock=_Clock())
+        r = ref.add_request(list(prompt), params(n))
+        while ref.has_unfinished():
+            ref.step()
+        solo.append(r)
+    lm = SimpleLatencyModel(num_layers=4, per_layer=1e-3, per_token=2e-5, per_context=1e-6)
+    clock = _Clock()
+    if disaggregated:
+        a.reconfigure(SchedulerConfig(policy="laser", role="prefill", max_num_batched_tokens=16), lm, 3, clock)
+        b.reconfigure(SchedulerConfig(policy="laser", role="decode", max_num_batched_tokens=16), lm, 3, clock)
+        target = DisaggregatedPair(a, b)
+    else:
+        a.reconfigure(SchedulerConfig(policy="laser", max_num_batched_tokens=16), lm, 1, clock)
+        target = a
+    pending = sorted(enumerate(load), key=lambda x: x[1][3])
+    added, count = {}, [0]
+
+    def hook():
+        count[0] += 1
+        while pending and pending[0][1][3] <= count[0]:
+            i, (prompt, n, slo, _) = pending.pop(0)
+            added[i] = target.add_request(list(prompt), params(n), slo)
+
+    for e in (a, b):
+        e.arrival_hook = hook
+    try:
+        while pending or target.has_unfinished():
+            if not target.has_unfinished():
+                hook()
+                continue
+            target.step()
+    finally:
+        for e in (a, b):
+            e.arrival_hook = None
+    resolve = getattr(target, "resolve", lambda r: r)
+    for i, want in enumerate(solo):
+        got = resolve(added[i])
+        assert got.output_token_ids == want.output_token_ids, i
+        assert 300 in want.output_token_ids
+        assert len(got.output_logprobs) == len(want.output_logprobs) == len(want.output_token_ids)
+        for g, w in zip(got.output_logprobs, want.output_logprobs):
+            assert g.logprob == pytest.approx(w.logprob, abs=1e-4) and [t for t, _ in g.top] == [t for t, _ in w.top]
+        assert got.prompt_logprobs[0] is None and None not in got.prompt_logprobs[1:]
+        np.testing.assert_allclose([e.logprob for e in got.prompt_logprobs[1:]],
+                                   [e.logprob for e in want.prompt_logprobs[1:]], atol=1e-4)
+    stats = (a.icache.num_evictions + getattr(a.scheduler, "num_step_preemptions", 0),
+             len(getattr(target, "adopted", ())))
+    assert stats[0] > 0 and (stats[1] > 0 or not disaggregated), stats
