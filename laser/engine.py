@@ -116,6 +116,10 @@ class Engine(ModelInstance):
         eos = () if self.tokenizer.eos_token_id is None else (self.tokenizer.eos_token_id,)
         super().__init__(model, extra_eos_ids=eos, **kwargs)
         self.slo_classes = slo_classes or SLOClasses.load()
+        from .structured import GrammarBackend
+
+        self.grammars = self.runner.sampler.grammars = GrammarBackend(self.tokenizer, self.model_config.vocab_size,
+                                                                      self.core.eos_ids)
         self._text: dict[str, OutputText] = {}
         self.core.on_token = lambda req: self._text[req.req_id].add(req.output_token_ids[-1])
 
@@ -229,6 +233,10 @@ class Engine(ModelInstance):
             raise InvalidRequestError(f"sampling_params must be a SamplingParams (or None), got "
                                       f"{type(sp).__name__}: {sp!r:.80}")
         sp.check_vocab(self.model_config.vocab_size)
+        if sp.structured_output is not None:
+            err = self.grammars.validate(*sp.structured_output)
+            if err is not None:
+                raise InvalidRequestError(f"structured_output: {err}")
         ids = self.encode_prompt(prompt)
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(

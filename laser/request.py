@@ -99,6 +99,9 @@ class SamplingParams:
     probability below ``min_p`` x the top token's are dropped), top-k, top-p. Greedy requests
     take the argmax after the penalties and the bias (as vLLM).
 
+    ``structured_output`` (kind, spec): a grammar (:mod:`laser.structured`) masks every token
+    it does not allow, before the rest of the processing; once it is complete only EOS is left.
+
     ``logprobs`` (0..20, None = off): the log-probability of each generated token and the
     ``logprobs`` most likely tokens' ones; ``prompt_logprobs`` (0..20): the same for every
     prompt token but the first. Both are the model's raw log-probabilities (log-softmax of
@@ -121,6 +124,9 @@ class SamplingParams:
     min_p: float = 0.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Structured output: (kind, spec), kind "json" (a JSON schema as JSON text), "regex" or
+    # "lark" (laser.structured); None: free text.
+    structured_output: tuple[str, str] | None = None
 
     def __post_init__(self):
         """Normalise ``stop``/``stop_token_ids`` to tuples and check every field.
@@ -188,13 +194,19 @@ class SamplingParams:
             v = getattr(self, f)
             if v is not None and not (integer(v) and 0 <= v <= MAX_LOGPROBS):
                 raise InvalidRequestError(f"{f} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
+        so = self.structured_output
+        if so is not None:
+            if not (isinstance(so, tuple) and len(so) == 2 and so[0] in ("json", "regex", "lark")
+                    and isinstance(so[1], str)):
+                raise InvalidRequestError(f"structured_output must be (kind, spec) with kind json, regex or lark, "
+                                          f"got {so!r:.80}")
 
     @property
     def processes_logits(self) -> bool:
         """Whether the logits are changed before sampling (bias, min_tokens or a penalty):
         False for a request without these fields, which then takes no extra work."""
         return bool(self.logit_bias or self.min_tokens or self.presence_penalty or self.frequency_penalty
-                    or self.repetition_penalty != 1.0)
+                    or self.repetition_penalty != 1.0 or self.structured_output is not None)
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise InvalidRequestError (naming ``logit_bias``) for a biased token id outside

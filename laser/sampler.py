@@ -1,4 +1,4 @@
-"""Token sampling: logits processing (bias, min_tokens, penalties), greedy, temperature, min-p,
+"""Token sampling: logits processing (grammar mask, bias, min_tokens, penalties), greedy, temperature, min-p,
 top-k, top-p, per-request seeds, and the raw log-probabilities a request asks for.
 
 A seeded request owns a ``torch.Generator`` (created on its first sample, dropped when it
@@ -55,9 +55,14 @@ class Sampler:
         self._shared = torch.Generator().manual_seed(seed)
         self._gens: dict[str, torch.Generator] = {}
         self.eos_ids = frozenset(eos_ids)
+        # Structured output's masks (laser.structured.GrammarBackend; set by a front end that
+        # has the tokenizer). None: a structured request is an error here.
+        self.grammars = None
 
     def release(self, req_id: str) -> None:
         self._gens.pop(req_id, None)
+        if self.grammars is not None:
+            self.grammars.release(req_id)
 
     def export_state(self, req_id: str) -> bytes | None:
         """The seeded request's generator state (``torch.Generator.get_state`` as bytes), or
@@ -85,6 +90,10 @@ class Sampler:
         """
         sp = req.sampling_params
         V = row.shape[0]
+        if sp.structured_output is not None:
+            if self.grammars is None:
+                raise RuntimeError("structured output needs a grammar backend (laser.structured) on this sampler")
+            row = self.grammars.mask(row, req)
         if sp.logit_bias:
             ids = torch.tensor([t for t, _ in sp.logit_bias], dtype=torch.long)
             row.index_add_(0, ids, torch.tensor([b for _, b in sp.logit_bias], dtype=row.dtype))
@@ -92,7 +101,11 @@ class Sampler:
             stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_ids)
             ids = [t for t in stop if t < V]
             if ids:
-                row[torch.tensor(ids, dtype=torch.long)] = float("-inf")
+                idx = torch.tensor(ids, dtype=torch.long)
+                kept = row[idx].clone()
+                row[idx] = float("-inf")
+                if sp.structured_output is not None and not torch.isfinite(row).any():
+                    row[idx] = kept  # a complete grammar allows only EOS: the grammar wins
         rp, fp, pp = sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty
         if rp != 1.0 or fp or pp:
             counts = torch.bincount(torch.tensor(req.output_token_ids, dtype=torch.long), minlength=V)[:V]

@@ -31,6 +31,7 @@ from ..async_engine import (
 from ..request import SLO, InvalidRequestError, SamplingParams
 from .errors import APIError, error_body
 from .metrics import ServerMetrics, slo_outcome
+from ..structured import choice_grammar
 from .protocol import MAX_STOP, CompletionRequest, unsupported_chat_fields
 
 log = logging.getLogger(__name__)
@@ -270,8 +271,6 @@ class Generation:
             tool = unsupported_chat_fields(body)
             if tool is not None:
                 bad(*tool)
-            if body.response_format is not None and body.response_format.type != "text":
-                bad("response_format", f"response_format type {body.response_format.type!r}")
 
     @staticmethod
     def stop_strings(body) -> tuple[str, ...]:
@@ -296,7 +295,65 @@ class Generation:
         slo = self.resolve_slo(body, h_class, h_ttft, h_tbt, headers)
         return arrival, model, slo, self.stop_strings(body)
 
-    def sampling_params(self, body, max_tokens: int, stop: tuple[str, ...]) -> SamplingParams:
+    async def structured_output(self, body) -> tuple[str, str] | None:
+        """The (kind, spec) of the request's structured-output constraint (``response_format``
+        json_object / json_schema, vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+        ``guided_grammar`` / ``structured_outputs``; at most one), compiled once against the
+        tokenizer in a helper thread (the first one builds llguidance's tokenizer). None: free text.
+
+        Raises:
+            APIError: 400 naming the field: two constraints, a schema or regex that does not
+            compile, ``json_schema`` without a schema; a cluster (no grammar backend yet).
+        """
+        found: list[tuple[str, tuple[str, str]]] = []
+
+        def as_json(v) -> str:
+            return v if isinstance(v, str) else json.dumps(v)
+
+        rf = body.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", ("json", '{"type": "object"}')))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise APIError(400, "response_format: type json_schema needs json_schema.schema", "invalid_value",
+                               "response_format")
+            found.append(("response_format", ("json", as_json(rf.json_schema.schema_))))
+        so = body.structured_outputs
+        for field, v, kind in (("guided_json", body.guided_json, "json"), ("guided_regex", body.guided_regex, "regex"),
+                               ("guided_choice", body.guided_choice, "choice"),
+                               ("guided_grammar", body.guided_grammar, "lark"),
+                               ("structured_outputs", so and so.json_, "json"),
+                               ("structured_outputs", so and so.regex, "regex"),
+                               ("structured_outputs", so and so.choice, "choice"),
+                               ("structured_outputs", so and so.grammar, "lark")):
+            if v is None:
+                continue
+            if kind == "json":
+                found.append((field, ("json", as_json(v))))
+            elif kind == "choice":
+                if not v or any(not c for c in v):
+                    raise APIError(400, f"{field}: the choices must be non-empty strings", "invalid_value", field)
+                found.append((field, ("lark", choice_grammar(v))))
+            else:
+                found.append((field, (kind, v)))
+        if not found:
+            return None
+        if len(found) > 1:
+            names = ", ".join(f for f, _ in found)
+            raise APIError(400, f"{found[1][0]}: give one structured output constraint, got {names}",
+                           "invalid_value", found[1][0])
+        field, spec = found[0]
+        backend = getattr(self.ae.engine, "grammars", None)
+        if backend is None:
+            raise APIError(400, f"{field}: structured output is not supported by a cluster yet", "unsupported_parameter",
+                           field)
+        err = await asyncio.get_running_loop().run_in_executor(None, backend.validate, *spec)
+        if err is not None:
+            raise APIError(400, f"{field}: {err}", "invalid_value", field)
+        return spec
+
+    def sampling_params(self, body, max_tokens: int, stop: tuple[str, ...],
+                        structured: tuple[str, str] | None = None) -> SamplingParams:
         """The engine's :class:`SamplingParams` of ``body``. Raises APIError: 400 naming the
         field (a bad ``logit_bias`` key, ``min_tokens`` above ``max_tokens``, ...)."""
         temperature = 1.0 if body.temperature is None else body.temperature
@@ -336,6 +393,7 @@ class Generation:
                 min_p=body.min_p or 0.0,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
+                structured_output=structured,
             )
             sp.check_vocab(self.ae.engine.model_config.vocab_size)
             return sp

@@ -131,12 +131,13 @@ def router(srv: Generation) -> APIRouter:
         if body.n > 1 and len(prompts) * body.n > MAX_CHOICES:  # a prompt list alone has no cap (as vLLM)
             raise APIError(400, f"at most {MAX_CHOICES} choices per request (prompts x n) when n > 1, got "
                                 f"{len(prompts)} x {body.n}", "invalid_value", "n")
+        structured = await srv.structured_output(body)
         subs: list[Sub] = []
         for i, pr in enumerate(prompts):
             param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
             ids = await srv.encode(pr, param)
             mt = srv.max_tokens_for(body.max_tokens, len(ids), 16)
-            sp = srv.sampling_params(body, mt, stop)
+            sp = srv.sampling_params(body, mt, stop, structured)
             text = pr if isinstance(pr, str) else None
             for j in range(body.n):  # each choice its own reproducible stream (vLLM: seed + j)
                 subs.append(Sub(len(subs), ids, text, dataclasses.replace(sp, seed=choice_seed(sp.seed, j))))
@@ -165,10 +166,11 @@ def router(srv: Generation) -> APIRouter:
     async def chat_completions(body: ChatCompletionRequest, request: Request, h: SLOHeaders = Depends()):
         arrival, model, slo, stop = srv.validate(body, h.x_slo_class, h.x_slo_ttft_ms, h.x_slo_tbt_ms,
                                                  request.headers)
+        structured = await srv.structured_output(body)
         ids = await srv.encode(chat_messages(body.messages), "messages")
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         mt = srv.max_tokens_for(requested, len(ids), None)
-        sp = srv.sampling_params(body, mt, stop)
+        sp = srv.sampling_params(body, mt, stop, structured)
         subs = [Sub(i, ids, None, dataclasses.replace(sp, seed=choice_seed(sp.seed, i))) for i in range(body.n)]
         q, headers, rid, created = await srv.launch(subs, slo, arrival, "chatcmpl")
         if body.stream:

@@ -30,6 +30,27 @@ class StreamOptions(_Request):
                                          "chunk (that choice's prompt and completion tokens so far)")
 
 
+class JSONSchemaFormat(_Request):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(_Request):
+    """vLLM's ``structured_outputs`` (one of its fields)."""
+
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class _Common(_Request):
     """Sampling, streaming and SLO fields shared by both endpoints."""
 
@@ -62,6 +83,15 @@ class _Common(_Request):
     tbt_slo_ms: float | None = Field(None, gt=0, description="time-between-tokens (P99) target, ms")
     slo_demotable: bool | None = Field(None, description="a hot request that may be served as warm under "
                                        "pressure (also header x-slo-demotable; default: the class's setting)")
+    # -- structured output (one of these; docs/server.md)
+    response_format: ResponseFormat | None = Field(None, description="json_object or json_schema constrain the "
+                                                   "output (grammar mask)")
+    guided_json: dict | str | None = Field(None, description="vLLM extension: a JSON schema the output follows")
+    guided_regex: str | None = Field(None, description="vLLM extension: a regex the output matches")
+    guided_choice: list[str] | None = Field(None, min_length=1, description="vLLM extension: the output is one of these")
+    guided_grammar: str | None = Field(None, description="vLLM extension: a Lark grammar the output follows")
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM extension: json, regex, choice "
+                                                         "or grammar (one)")
 
 
 class CompletionRequest(_Common):
@@ -88,10 +118,6 @@ class ChatMessage(_Request):
     name: str | None = None
 
 
-class ResponseFormat(_Request):
-    type: str = "text"
-
-
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
@@ -103,7 +129,6 @@ class ChatCompletionRequest(_Common):
     tool_choice: Any = Field(None, description="not supported (only none/auto without tools)")
     functions: list[Any] | None = Field(None, description="legacy; not supported")
     function_call: Any = Field(None, description="legacy; not supported (only none/auto)")
-    response_format: ResponseFormat | None = Field(None, description="only type=text is supported")
 
 
 class TokenizeRequest(_Request):
