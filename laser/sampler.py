@@ -8,10 +8,10 @@ one generator. Semantics and order follow vLLM's ``SamplingParams`` and v1 sampl
 penalties (``apply_penalties``), then greedy argmax -- or temperature, min-p, top-k, top-p and
 a draw.
 
-The penalties' token counts are recomputed from the request's own tokens at each sample
-(``Request.output_token_ids``: every generated token, including those a re-prefill
-replayed), so they need no state of their own: preemption, layer pauses, hand-off and
-fail-over keep them exact. A request without any of these fields takes none of this work.
+The penalties' token counts follow the request's own tokens (``Request.output_token_ids``:
+every generated token, including those a re-prefill replayed): a per-request cache advanced by
+the new tokens at each sample and rebuilt from the request when missing, so nothing needs to
+travel with the request: preemption, layer pauses, hand-off and fail-over keep them exact. A request without any of these fields takes none of this work.
 """
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ class Sampler:
     def __init__(self, seed: int = 0, eos_ids=()):
         self._shared = torch.Generator().manual_seed(seed)
         self._gens: dict[str, torch.Generator] = {}
+        # req id -> [output counts [V] f32, seen in prompt or output [V] bool, tokens counted]
+        self._pen: dict[str, list] = {}
         self.eos_ids = frozenset(eos_ids)
         # Structured output's masks (laser.structured.GrammarBackend; set by a front end that
         # has the tokenizer). None: a structured request is an error here.
@@ -61,6 +63,7 @@ class Sampler:
 
     def release(self, req_id: str) -> None:
         self._gens.pop(req_id, None)
+        self._pen.pop(req_id, None)
         if self.grammars is not None:
             self.grammars.release(req_id)
 
@@ -108,19 +111,33 @@ class Sampler:
                     row[idx] = kept  # a complete grammar allows only EOS: the grammar wins
         rp, fp, pp = sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty
         if rp != 1.0 or fp or pp:
-            counts = torch.bincount(torch.tensor(req.output_token_ids, dtype=torch.long), minlength=V)[:V]
-            seen = counts > 0
+            counts, seen_any = self._counts(req, V)
             if rp != 1.0:  # prompt and output tokens (vLLM: prompt_mask | output_mask)
-                prompt = torch.tensor(req.prompt_token_ids, dtype=torch.long)
-                seen_any = seen.clone()
-                seen_any[prompt[prompt < V]] = True
                 scale = torch.where(seen_any, torch.tensor(rp, dtype=row.dtype), torch.tensor(1.0, dtype=row.dtype))
                 row = torch.where(row > 0, row / scale, row * scale)
             if fp:
-                row -= fp * counts.to(row.dtype)
+                row -= fp * counts
             if pp:
-                row -= pp * seen.to(row.dtype)
+                row -= pp * (counts > 0).to(row.dtype)
         return row
+
+    def _counts(self, req: Request, V: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output token counts [V] float32, seen in prompt or output [V] bool) of ``req``: a cache
+        advanced by the tokens generated since the last call, rebuilt from the request's own
+        tokens when missing (a hand-off, a re-prefill) -- the request's tokens are the truth."""
+        out = req.output_token_ids
+        st = self._pen.get(req.req_id)
+        if st is None or st[2] > len(out) or st[0].shape[0] != V:
+            seen = torch.zeros(V, dtype=torch.bool)
+            prompt = torch.tensor(req.prompt_token_ids, dtype=torch.long)
+            seen[prompt[prompt < V]] = True
+            st = self._pen[req.req_id] = [torch.zeros(V, dtype=torch.float32), seen, 0]
+        if st[2] < len(out):
+            new = torch.tensor(out[st[2]:], dtype=torch.long)
+            st[0].index_put_((new,), torch.ones(len(new)), accumulate=True)
+            st[1][new] = True
+            st[2] = len(out)
+        return st[0], st[1]
 
     def sample(self, logits: torch.Tensor, reqs: list[Request],
                logprobs: dict[str, TokenLogprob] | None = None) -> list[int]:

@@ -433,12 +433,17 @@ def engines(tiny_llama):
     return [Engine(str(tiny_llama), policy="vllm", dtype="float32") for _ in range(3)]
 
 
-@pytest.mark.parametrize("disaggregated", [False, True])
-def test_controls_and_logprobs_survive_pauses_preemption_and_handoff(engines, disaggregated):
-    """Requests with penalties, a bias, min_tokens, logprobs and prompt logprobs under Laser with a
-    16-token budget, a 1-3 token intermediate cache (pauses, evictions, preemption) and, on a
-    prefill/decode pair, the hand-off: each gets exactly the tokens it gets alone, and the same
-    token and prompt logprobs (fp32 rounding of other batch shapes aside)."""
+GRAMMAR = {"type": "object", "properties": {"ok": {"type": "boolean"}, "c": {"enum": ["red", "green"]},
+                                          "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+           "required": ["c", "n", "ok"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("disaggregated,structured", [(False, False), (True, False), (True, True)])
+def test_controls_and_logprobs_survive_pauses_preemption_and_handoff(engines, disaggregated, structured):
+    """Requests with penalties, a bias, min_tokens, logprobs and prompt logprobs (or a JSON schema)
+    under Laser with a 16-token budget, a 1-3 token intermediate cache (pauses, evictions,
+    preemption) and, on a prefill/decode pair, the hand-off: each gets exactly the tokens it gets
+    alone, and the same token and prompt logprobs (fp32 rounding of other batch shapes aside)."""
     from laser.disagg import DisaggregatedPair
     from laser.latency import SimpleLatencyModel
     from laser.request import SLO
@@ -449,6 +454,9 @@ def test_controls_and_logprobs_survive_pauses_preemption_and_handoff(engines, di
             ([15] * 5, 10, SLO(), 0), ([17] * 24, 5, chat, 9)]
 
     def params(n):
+        if structured:
+            return SamplingParams(max_tokens=n + 20, temperature=0, structured_output=("json", json.dumps(GRAMMAR)),
+                                  logprobs=1, prompt_logprobs=0)
         return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logit_bias={300: 8.0}, min_tokens=2,
                               frequency_penalty=1.2, presence_penalty=0.8, repetition_penalty=1.4, logprobs=2,
                               prompt_logprobs=1)
@@ -494,7 +502,13 @@ def test_controls_and_logprobs_survive_pauses_preemption_and_handoff(engines, di
     for i, want in enumerate(solo):
         got = resolve(added[i])
         assert got.output_token_ids == want.output_token_ids, i
-        assert 300 in want.output_token_ids
+        if structured:
+            import jsonschema
+
+            assert want.finish_reason == "stop"
+            jsonschema.validate(json.loads(ref.tokenizer.decode(want.output_token_ids[:-1])), GRAMMAR)
+        else:
+            assert 300 in want.output_token_ids
         assert len(got.output_logprobs) == len(want.output_logprobs) == len(want.output_token_ids)
         for g, w in zip(got.output_logprobs, want.output_logprobs):
             assert g.logprob == pytest.approx(w.logprob, abs=1e-4) and [t for t, _ in g.top] == [t for t, _ in w.top]
@@ -504,3 +518,92 @@ def test_controls_and_logprobs_survive_pauses_preemption_and_handoff(engines, di
     stats = (a.icache.num_evictions + getattr(a.scheduler, "num_step_preemptions", 0),
              len(getattr(target, "adopted", ())))
     assert stats[0] > 0 and (stats[1] > 0 or not disaggregated), stats
+
+
+# -- structured output ---------------------------------------------------------------------------------
+
+
+def random_schema(rng, depth: int = 0) -> dict:
+    """A bounded random JSON schema: an object of booleans, enums, bounded integers, short strings,
+    short enum arrays and (at depth 0) one nested object; every property required."""
+    props = {}
+    for i in range(rng.randint(1, 3)):
+        kind = rng.choice(["boolean", "enum", "integer", "string", "array"] + (["object"] if depth == 0 else []))
+        if kind == "enum":
+            p = {"enum": rng.sample(["red", "green", "blue", "a b", "x\"y", "é"], rng.randint(1, 3))}
+        elif kind == "integer":
+            lo = rng.randint(-50, 50)
+            p = {"type": "integer", "minimum": lo, "maximum": lo + rng.randint(0, 60)}
+        elif kind == "string":
+            p = {"type": "string", "maxLength": rng.randint(0, 4)}
+        elif kind == "array":
+            p = {"type": "array", "items": {"enum": ["u", "v"]}, "maxItems": rng.randint(0, 3)}
+        elif kind == "object":
+            p = random_schema(rng, depth + 1)
+        else:
+            p = {"type": "boolean"}
+        props[f"k{i}"] = p
+    return {"type": "object", "properties": props, "required": sorted(props), "additionalProperties": False}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_json_schema_output_always_validates(client, seed):
+    """Random bounded schemas, chat (response_format json_schema) and completions (guided_json,
+    streamed), greedy and sampled: the output always parses and validates."""
+    import random
+
+    import jsonschema
+
+    schema = random_schema(random.Random(seed))
+    r = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Give me JSON."}], max_tokens=120, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    text, reason = "", None
+    for ch in client.completions.create(model="tiny", prompt="JSON:", max_tokens=120, temperature=1.0, seed=seed,
+                                        stream=True, extra_body={"guided_json": schema}):
+        for c in ch.choices:
+            text += c.text
+            reason = c.finish_reason or reason
+    assert reason == "stop", text
+    jsonschema.validate(json.loads(text), schema)
+
+
+def test_choice_regex_grammar_and_json_object(client):
+    msgs = [{"role": "user", "content": "hi"}]
+    for seed in range(3):
+        r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=20, temperature=1.0, seed=seed,
+                                           extra_body={"guided_choice": ["yes", "no", "maybe so"]})
+        assert r.choices[0].message.content in ("yes", "no", "maybe so") and r.choices[0].finish_reason == "stop"
+        r = client.completions.create(model="tiny", prompt="id:", max_tokens=20, temperature=1.0, seed=seed,
+                                      extra_body={"structured_outputs": {"regex": "[a-c]{2}-[0-9]{3}"}})
+        import re
+
+        assert re.fullmatch("[a-c]{2}-[0-9]{3}", r.choices[0].text), r.choices[0].text
+        r = client.completions.create(model="tiny", prompt="x", max_tokens=20, temperature=1.0, seed=seed,
+                                      extra_body={"guided_grammar": 'start: "a" ("b" | "c")*  "d"'})
+        assert re.fullmatch("a[bc]*d", r.choices[0].text) or r.choices[0].finish_reason == "length"
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=60, temperature=0,
+                                       response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict) and r.choices[0].finish_reason == "stop"
+
+
+STRUCTURED_BAD = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"guided_regex": "[a-"}, "guided_regex"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
+    ({"structured_outputs": {"regex": "a+"}, "response_format": {"type": "json_object"}}, "structured_outputs"),
+]
+
+
+@pytest.mark.parametrize("extra,param", STRUCTURED_BAD, ids=[p + str(i) for i, (_, p) in enumerate(STRUCTURED_BAD)])
+def test_bad_structured_output_is_400_naming_the_field(live, extra, param):
+    r = httpx.post(live.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
