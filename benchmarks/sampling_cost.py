@@ -26,9 +26,9 @@ import time
 import torch
 
 from laser.model.loader import load_tokenizer, resolve_model
-from laser.request import Request, SamplingParams
-from laser.sampler import Sampler
-from laser.structured import GrammarBackend
+from laser.core.request import Request, SamplingParams
+from laser.model.sampler import Sampler
+from laser.model.structured import GrammarBackend
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 400},
                                            "tags": {"type": "array", "items": {"type": "string"}}},

@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from ..async_engine import (
+from ..frontend.async_engine import (
     AsyncEngine,
     EngineStepError,
     EngineStoppedError,
@@ -28,10 +28,10 @@ from ..async_engine import (
     SLOInfeasibleError,
     StreamError,
 )
-from ..request import SLO, InvalidRequestError, SamplingParams
+from ..core.request import SLO, InvalidRequestError, SamplingParams
 from .errors import APIError, error_body
 from .metrics import ServerMetrics, slo_outcome
-from ..structured import choice_grammar
+from ..model.structured import choice_grammar
 from .protocol import MAX_STOP, CompletionRequest, unsupported_chat_fields
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from typing import Callable
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..request import InvalidRequestError
+from ..core.request import InvalidRequestError
 from .errors import APIError
 from .generation import EventStream, Generation, Sub, stream_chat, stream_completion, token_ids_fields
 from .protocol import (

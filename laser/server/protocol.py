@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from ..request import MAX_LOGPROBS
+from ..core.request import MAX_LOGPROBS
 
 # torch.Generator.manual_seed accepts [-2**63, 2**64 - 1].
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
