@@ -2,7 +2,8 @@
 
 Times :meth:`laser.sampler.Sampler.sample` on rows of the embedded SmolLM2's vocabulary
 (49152) at batch 1 and 32, interleaved round by round so a busy machine disturbs every variant
-alike, and prints the median time per step and its ratio to plain greedy sampling:
+alike, and prints the best (min) time per step, its ratio to plain greedy sampling, and the
+median:
 
 * ``plain``: greedy, no controls (the path every request without these fields takes);
 * ``penalties``: presence + frequency + repetition penalties over a 2000-token context;
@@ -58,7 +59,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, V, (2000,), generator=g).tolist()
     print(f"llguidance tokenizer built in {build_s:.2f} s (once per engine)")
-    print(f"{'batch':>5} {'variant':>10} {'ms/step':>9} {'x plain':>8}")
+    print(f"{'batch':>5} {'variant':>10} {'min ms':>9} {'x plain':>8} {'median ms':>10}")
     for batch in (1, 32):
         reqs = {name: [Request(prompt, SamplingParams(max_tokens=4096, temperature=0.0, **kw)) for _ in range(batch)]
                 for name, kw in variants.items()}
@@ -73,10 +74,9 @@ def main() -> None:
                 if name == "grammar":  # the grammar's sampled token, so the matcher advances
                     for r, tk in zip(rs, toks):
                         r.output_token_ids.append(tk)
-        base = statistics.median(times["plain"])
-        for name, ts in times.items():
-            m = statistics.median(ts)
-            print(f"{batch:>5} {name:>10} {m * 1e3:>9.3f} {m / base:>8.2f}")
+        base = min(times["plain"])
+        for name, ts in times.items():  # min: a busy machine only adds time; the median shows how much
+            print(f"{batch:>5} {name:>10} {min(ts) * 1e3:>9.3f} {min(ts) / base:>8.2f} {statistics.median(ts) * 1e3:>10.3f}")
 
 
 if __name__ == "__main__":
