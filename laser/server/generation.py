@@ -375,6 +375,9 @@ class Generation:
         else:
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
             prompt_logprobs = None
+        if logprobs is not None and not getattr(self.ae.engine, "serves_logprobs", True):
+            raise APIError(400, "logprobs: log-probabilities are not supported by a cluster yet",
+                           "unsupported_parameter", "logprobs")
         try:
             sp = SamplingParams(
                 max_tokens=max_tokens,

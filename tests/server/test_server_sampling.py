@@ -607,3 +607,35 @@ def test_bad_structured_output_is_400_naming_the_field(live, extra, param):
     r = httpx.post(live.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], **extra})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+def test_a_cluster_serves_the_controls_and_refuses_logprobs_and_grammars_by_name(tiny_llama):
+    """Through a cluster front end (one in-process instance): min_tokens and the bias work in the
+    instance's sampler; logprobs and structured output (not carried by the instances' token
+    events / no tokenizer there yet) are a 400 naming the field, never a 500."""
+    from laser.cluster.engine import ClusterEngine
+    from laser.cluster.handles import LocalHandle
+    from laser.controller import get_controller
+    from laser.core.slo import SLOClasses
+    from laser.instance.worker import InstanceWorker
+    from laser.model.loader import load_config, load_tokenizer
+
+    kw = dict(model=str(tiny_llama), policy="sarathi", dtype="float32",
+              scheduler=SchedulerConfig(policy="sarathi", max_num_batched_tokens=CHUNK))
+    tok = load_tokenizer(str(tiny_llama))
+    cl = ClusterEngine([LocalHandle(InstanceWorker(0, "mixed", kw))], get_controller("colocated")(), tok,
+                       load_config(str(tiny_llama)), "tiny", SLOClasses.load())
+    srv = LiveServer(build_app(AsyncEngine(cl), served_model_names=["tiny"]))
+    try:
+        eos = tok.eos_token_id
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 20, "min_tokens": 5,
+                                                          "logit_bias": {str(eos): 100}, "return_token_ids": True},
+                       timeout=120).json()
+        ids = r["choices"][0]["token_ids"]
+        assert len(ids) == 6 and ids[-1] == eos and r["choices"][0]["finish_reason"] == "stop"
+        for body, param in [({"prompt": "x", "logprobs": 1}, "logprobs"),
+                            ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format")]:
+            r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    finally:
+        srv.stop()
