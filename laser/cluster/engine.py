@@ -63,6 +63,10 @@ class ClusterEngine(Transfers, Recovery):
             chunk (False: all layers at the hand-off).
     """
 
+    #: Token events from the instances carry no log-probabilities yet: the server answers a
+    #: request for them with a 400 (laser.server.generation).
+    serves_logprobs = False
+
     def __init__(self, handles: list[InstanceHandle], controller: Controller, tokenizer, model_config,
                  model_name: str, slo_classes, step_timeout_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic, stream_kv: bool = True):

@@ -155,6 +155,11 @@ class StepResult:
     sampled: dict[str, int] = field(default_factory=dict)
     # req_id -> [V] float32 logits tensor (torch executor, only with ``return_logits``).
     logits: dict = field(default_factory=dict)
+    # req_id -> the sampled token's raw TokenLogprob (requests with SamplingParams.logprobs).
+    logprobs: dict = field(default_factory=dict)
+    # req_id -> (first prompt position, [TokenLogprob per position]) of the prompt tokens a
+    # prefill chunk that finished the last layer predicts (SamplingParams.prompt_logprobs).
+    prompt_logprobs: dict = field(default_factory=dict)
     # Seconds of model compute: layer calls, embedding, LM head and sampling (the rest of a
     # step's execution is switching: composition changes at layer boundaries, stop checks).
     compute_seconds: float = 0.0

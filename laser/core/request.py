@@ -15,6 +15,7 @@ import enum
 import itertools
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 class Phase(enum.Enum):
@@ -74,6 +75,9 @@ class SLO:
 
 BEST_EFFORT = SLO()
 
+#: Most log-probabilities per token a request may ask for (vLLM's default ``max_logprobs``).
+MAX_LOGPROBS = 20
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -82,6 +86,26 @@ class SamplingParams:
     ``temperature < 1e-5`` is greedy. ``top_k <= 0`` disables top-k; ``top_p == 1`` disables
     top-p. ``seed`` gives the request its own generator, so a seeded request samples the
     same tokens whatever it is batched with.
+
+    Logits processing (vLLM's order and formulas, ``vllm/v1/sample/sampler.py``): ``logit_bias``
+    (token id -> value added to its logit, in [-100, 100]) and ``min_tokens`` (EOS -- unless
+    ``ignore_eos`` -- and ``stop_token_ids`` masked while fewer than ``min_tokens`` tokens are
+    generated; stop strings are matched only past ``min_tokens`` tokens), then the penalties:
+    ``repetition_penalty`` (> 0, 1 = off; a logit of a token seen in the prompt *or* the output
+    is divided by it when positive, multiplied when not), ``frequency_penalty`` (in [-2, 2];
+    minus penalty x the token's count in the output) and ``presence_penalty`` (in [-2, 2]; minus
+    penalty once the token is in the output). The output counts every generated token,
+    including those replayed by a re-prefill. Then temperature, ``min_p`` (in [0, 1]; tokens of
+    probability below ``min_p`` x the top token's are dropped), top-k, top-p. Greedy requests
+    take the argmax after the penalties and the bias (as vLLM).
+
+    ``structured_output`` (kind, spec): a grammar (:mod:`laser.model.structured`) masks every token
+    it does not allow, before the rest of the processing; once it is complete only EOS is left.
+
+    ``logprobs`` (0..20, None = off): the log-probability of each generated token and the
+    ``logprobs`` most likely tokens' ones; ``prompt_logprobs`` (0..20): the same for every
+    prompt token but the first. Both are the model's raw log-probabilities (log-softmax of
+    the fp32 logits before any processing above, vLLM's default ``raw_logprobs``).
     """
 
     max_tokens: int = 16
@@ -92,6 +116,17 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); a dict is accepted
+    min_tokens: int = 0
+    min_p: float = 0.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # Structured output: (kind, spec), kind "json" (a JSON schema as JSON text), "regex" or
+    # "lark" (laser.model.structured); None: free text.
+    structured_output: tuple[str, str] | None = None
 
     def __post_init__(self):
         """Normalise ``stop``/``stop_token_ids`` to tuples and check every field.
@@ -105,6 +140,13 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        bias = self.logit_bias or ()
+        if isinstance(bias, dict):
+            bias = bias.items()
+        try:
+            object.__setattr__(self, "logit_bias", tuple(sorted((k, v) for k, v in bias)))
+        except (TypeError, ValueError):
+            raise InvalidRequestError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r:.80}") from None
 
         def integer(v) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
@@ -130,11 +172,61 @@ class SamplingParams:
             raise InvalidRequestError("stop strings must be non-empty")
         if any(not integer(t) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)!r}")
+        for f in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, f)
+            if not (number(v) and -2 <= v <= 2):
+                raise InvalidRequestError(f"{f} must be a number in [-2, 2], got {v!r}")
+        rp = self.repetition_penalty
+        if not (number(rp) and 0 < rp and math.isfinite(rp)):
+            raise InvalidRequestError(f"repetition_penalty must be a number > 0, got {rp!r}")
+        for t, b in self.logit_bias:
+            if not integer(t) or t < 0:
+                raise InvalidRequestError(f"logit_bias: keys must be token ids (non-negative integers), got {t!r}")
+            if not (number(b) and -100 <= b <= 100):
+                raise InvalidRequestError(f"logit_bias: the bias of token {t} must be a number in [-100, 100], "
+                                          f"got {b!r}")
+        if not integer(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                                      f"got {self.min_tokens!r}")
+        if not (number(self.min_p) and 0 <= self.min_p <= 1):
+            raise InvalidRequestError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        for f in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, f)
+            if v is not None and not (integer(v) and 0 <= v <= MAX_LOGPROBS):
+                raise InvalidRequestError(f"{f} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
+        so = self.structured_output
+        if so is not None:
+            if not (isinstance(so, tuple) and len(so) == 2 and so[0] in ("json", "regex", "lark")
+                    and isinstance(so[1], str)):
+                raise InvalidRequestError(f"structured_output must be (kind, spec) with kind json, regex or lark, "
+                                          f"got {so!r:.80}")
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the logits are changed before sampling (bias, min_tokens or a penalty):
+        False for a request without these fields, which then takes no extra work."""
+        return bool(self.logit_bias or self.min_tokens or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.structured_output is not None)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise InvalidRequestError (naming ``logit_bias``) for a biased token id outside
+        ``[0, vocab_size)``."""
+        for t, _ in self.logit_bias:
+            if t >= vocab_size:
+                raise InvalidRequestError(f"logit_bias: token id {t} out of range [0, {vocab_size})")
 
     @property
     def greedy(self) -> bool:
         """Temperatures below 1e-5 are greedy (as vLLM): dividing logits by ~0 overflows."""
         return self.temperature < 1e-5
+
+
+class TokenLogprob(NamedTuple):
+    """A token's raw log-probability (natural log, fp32 logits' log-softmax) and the ``top``
+    most likely tokens at its position as (token id, logprob), most likely first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 _ids = itertools.count()
@@ -179,6 +271,11 @@ class Request:
     # Laser's overload triage gave up its prefill at some point (its TTFT was judged out of
     # reach beside the savable prompts): served anyway; kept for the record (why it missed).
     given_up: bool = False
+    # SamplingParams.logprobs: one TokenLogprob per output token (appended with the token).
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: one entry per prompt position (None at position 0,
+    # which nothing predicts); filled chunk by chunk as the prefill reaches the last layer.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def miss_causes(self) -> tuple[str, ...]:

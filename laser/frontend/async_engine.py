@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
@@ -232,6 +233,17 @@ class AsyncEngine(EngineThread):
         """Token ids of a prompt (text, ids, or chat messages). Raises InvalidRequestError."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tok_pool, self.inputs.encode_prompt, prompt)
+
+    async def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of plain ``text`` as the tokenizer makes them (vLLM's ``/tokenize``; with
+        ``add_special_tokens`` True it is the prompt encoding). Raises InvalidRequestError for
+        text that is not valid Unicode."""
+        from .inputs import check_text
+
+        check_text(text, "prompt")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._tok_pool, functools.partial(self.inputs.tokenizer.encode, text, add_special_tokens=add_special_tokens))
 
     async def decode(self, ids: list[int]) -> str:
         loop = asyncio.get_running_loop()

@@ -67,8 +67,12 @@ class Engine(ModelInstance):
         eos = () if self.tokenizer.eos_token_id is None else (self.tokenizer.eos_token_id,)
         super().__init__(model, extra_eos_ids=eos, **kwargs)
         self.slo_classes = slo_classes or SLOClasses.load()
+        from ..model.structured import GrammarBackend
+
+        self.grammars = self.runner.sampler.grammars = GrammarBackend(self.tokenizer, self.model_config.vocab_size,
+                                                                      self.core.eos_ids)
         self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
-                                     self.slo_classes)
+                                     self.slo_classes, self.grammars)
         self.outputs = OutputProcessor(self.tokenizer)
 
     # -- the core's state, read through (the core owns it) ------------------------------------------------

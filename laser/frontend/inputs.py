@@ -43,17 +43,21 @@ class InputProcessor:
         vocab_size: token ids must lie in ``[0, vocab_size)``.
         max_model_len: context length in tokens; a prompt must be shorter.
         slo_classes: the SLO class table that resolves a class name (``None``: the default class).
+        grammars: the :class:`~laser.model.structured.GrammarBackend` that checks a request's
+            structured output (``None``: structured output is refused, e.g. on a cluster).
     """
 
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, slo_classes):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, slo_classes, grammars=None):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.slo_classes = slo_classes
+        self.grammars = grammars
 
     def copy(self) -> "InputProcessor":
         """A processor over a private copy of the tokenizer (for another thread)."""
-        return InputProcessor(copy.deepcopy(self.tokenizer), self.vocab_size, self.max_model_len, self.slo_classes)
+        return InputProcessor(copy.deepcopy(self.tokenizer), self.vocab_size, self.max_model_len, self.slo_classes,
+                              self.grammars)
 
     # -- prompts ---------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int] | list[dict]) -> list[int]:
@@ -127,6 +131,14 @@ class InputProcessor:
         if not isinstance(sp, SamplingParams):
             raise InvalidRequestError(f"sampling_params must be a SamplingParams (or None), got "
                                       f"{type(sp).__name__}: {sp!r:.80}")
+        sp.check_vocab(self.vocab_size)
+        if sp.structured_output is not None:
+            if self.grammars is None:
+                raise InvalidRequestError("structured_output: guided decoding is not served by this front end "
+                                          "(a cluster's instances have no grammar backend)")
+            err = self.grammars.validate(*sp.structured_output)
+            if err is not None:
+                raise InvalidRequestError(f"structured_output: {err}")
         ids = self.tokenize(prompt)
         slo_obj = self.resolve_slo(slo)
         if req_id is not None and in_use(req_id):

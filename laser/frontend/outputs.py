@@ -72,13 +72,16 @@ class OutputText:
     to the final, cut text.
     """
 
-    __slots__ = ("detok", "stop", "hold", "sent")
+    __slots__ = ("detok", "stop", "hold", "sent", "min_tokens", "num_tokens")
 
     def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = (),
-                 output_ids: list[int] = ()):
+                 output_ids: list[int] = (), min_tokens: int = 0):
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
+        # stop strings are matched only once more than min_tokens tokens are out (as vLLM)
+        self.min_tokens = min_tokens
+        self.num_tokens = len(output_ids)
         for t in output_ids:  # a request continuing here (hand-off): its text so far was sent
             self.detok.add(t)
         self.sent = max(0, len(self.detok.text) - self.hold)
@@ -90,7 +93,8 @@ class OutputText:
     def add(self, token_id: int) -> bool:
         """Append a token. True when a stop string matched (the text is cut before it)."""
         delta = self.detok.add(token_id)
-        if self.stop and delta:
+        self.num_tokens += 1
+        if self.stop and delta and self.num_tokens > self.min_tokens:
             cut = find_stop(self.detok.text, self.stop, len(delta))
             if cut is not None:
                 self.detok.text = self.detok.text[:cut]
@@ -135,6 +139,22 @@ class RequestOutput:
     token_times: tuple[float, ...] = ()
     # Copied when it finishes: :attr:`laser.core.request.Request.miss_causes` (why it may have missed).
     miss_causes: tuple[str, ...] = ()
+    # SamplingParams.logprobs: one TokenLogprob per output token so far (None when not asked).
+    logprobs: list | None = None
+    # SamplingParams.prompt_logprobs: per prompt position, None at position 0 (None when not asked).
+    prompt_logprobs: list | None = None
+
+
+def logprob_fields(req: Request) -> dict:
+    """The ``logprobs`` / ``prompt_logprobs`` fields of a :class:`RequestOutput` of ``req``:
+    copies of what the request asked for, nothing when it asked for none."""
+    sp = req.sampling_params
+    out = {}
+    if sp.logprobs is not None:
+        out["logprobs"] = list(req.output_logprobs)
+    if sp.prompt_logprobs is not None and req.prompt_logprobs is not None:
+        out["prompt_logprobs"] = list(req.prompt_logprobs)
+    return out
 
 
 def aborted_output(req_id: str, prompt_token_ids: list[int], slo: SLO, last: RequestOutput | None) -> RequestOutput:
@@ -162,7 +182,7 @@ class OutputProcessor:
         """Track ``req`` (its tokens so far count as streamed already: a request continuing
         here after a hand-off)."""
         self._text[req.req_id] = OutputText(self.tokenizer, req.prompt_token_ids, req.sampling_params.stop,
-                                            req.output_token_ids)
+                                            req.output_token_ids, req.sampling_params.min_tokens)
 
     def abort(self, req_id: str) -> None:
         """Forget a request (no output)."""
@@ -193,7 +213,7 @@ class OutputProcessor:
             text=text.visible(finished), token_ids=list(req.output_token_ids), delta_text=text.delta(finished),
             new_token_ids=[token], finished=finished, finish_reason=finish_reason, slo=req.slo, request=req,
             handed_off=handed_off, arrival_time=req.arrival_time, token_times=tuple(req.token_times),
-            miss_causes=req.miss_causes if finished else ()), stop
+            miss_causes=req.miss_causes if finished else (), **logprob_fields(req)), stop
 
     def final(self, req: Request, reason: str) -> RequestOutput:
         """The last output of a tracked request that ends without a new token (``reason``,
@@ -203,4 +223,4 @@ class OutputProcessor:
             req_id=req.req_id, prompt=None, prompt_token_ids=req.prompt_token_ids, text=text.visible(True),
             token_ids=list(req.output_token_ids), delta_text=text.delta(True), new_token_ids=[], finished=True,
             finish_reason=reason, slo=req.slo, request=req, arrival_time=req.arrival_time,
-            token_times=tuple(req.token_times), miss_causes=req.miss_causes)
+            token_times=tuple(req.token_times), miss_causes=req.miss_causes, **logprob_fields(req))

@@ -207,7 +207,12 @@ class InstanceCore:
             observe(plan, now - c1)  # the instance's clock: wall time, or virtual in the simulator
         events = []
         hands_off = self.role == "prefill"
+        if result.prompt_logprobs:
+            self._keep_prompt_logprobs(result.prompt_logprobs)
         for req in self.scheduler.update(plan, result.stopped_layer, result.sampled, now):
+            lp = result.logprobs.get(req.req_id)
+            if lp is not None:
+                req.output_logprobs.append(lp)
             reason = self.finish_reason(req)
             ev = TokenEvent(req, req.output_token_ids[-1], reason)
             if reason is not None:
@@ -223,6 +228,17 @@ class InstanceCore:
         st.compute_s += result.compute_seconds
         st.layer_calls += result.num_layer_calls
         return events
+
+    def _keep_prompt_logprobs(self, chunks: dict) -> None:
+        """Store each prefill chunk's prompt log-probabilities on its request, by position (a
+        chunk recomputed after a preemption overwrites its own positions)."""
+        for rid, (start, entries) in chunks.items():
+            req = self.scheduler.requests.get(rid)
+            if req is None:
+                continue
+            if req.prompt_logprobs is None:
+                req.prompt_logprobs = [None] * req.num_prompt_tokens
+            req.prompt_logprobs[start:start + len(entries)] = entries
 
     def _stop_at(self, layer: int) -> bool:
         if self.arrival_hook is not None:
@@ -252,6 +268,8 @@ class InstanceCore:
         )
         req.output_token_ids = list(src.output_token_ids)
         req.token_times = list(src.token_times)
+        req.output_logprobs = list(src.output_logprobs)
+        req.prompt_logprobs = None if src.prompt_logprobs is None else list(src.prompt_logprobs)
         req.num_computed_tokens = src.num_computed_tokens
         req.num_tbt_misses = src.num_tbt_misses
         req.tbt_infeasible = src.tbt_infeasible

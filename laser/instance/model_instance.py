@@ -96,7 +96,8 @@ class ModelInstance:
         self.cache_config = cache or CacheConfig()
         self.kv_cache = KVCache(self.model_config, self.cache_config, self.dtype)
         self.icache = IntermediateCache(self.cache_config.intermediate_cache_tokens)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.icache, Sampler(seed))
+        eos_ids = set(self.model_config.eos_token_ids) | set(extra_eos_ids)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.icache, Sampler(seed, eos_ids))
         sched_cfg = scheduler or SchedulerConfig(policy=policy)
         if scheduler is not None and policy != sched_cfg.policy:
             sched_cfg = SchedulerConfig(**{**sched_cfg.__dict__, "policy": policy})
@@ -110,7 +111,6 @@ class ModelInstance:
         self.max_model_len = resolve_max_model_len(
             max_model_len, self.model_config.max_position, self.kv_cache.num_blocks * self.cache_config.block_size
         )
-        eos_ids = set(self.model_config.eos_token_ids) | set(extra_eos_ids)
         sched = make_scheduler(sched_cfg, self.model_config.num_layers, self.kv_cache.block_manager,
                                self.icache, self.latency_model, clock)
         self.core = InstanceCore(sched, self.runner, clock, eos_ids=eos_ids, max_model_len=self.max_model_len)

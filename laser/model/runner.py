@@ -26,7 +26,7 @@ from .llama import AttnGroup, AttnMetadata, LlamaModel
 from ..core.walk import walk
 from ..core.plan import StepPlan, StepResult, Work
 from ..core.request import Request
-from .sampler import Sampler
+from .sampler import Sampler, logprob_entries
 
 
 class ModelRunner:
@@ -193,17 +193,38 @@ class ModelRunner:
         if layer < self.num_layers:
             self.park(active, active, layer)
             return
-        want = [(w, b - 1) for w, (a, b) in zip(active, self._rows(active)) if w.sample or return_logits]
+        rows = self._rows(active)
+        for w, (a, b) in zip(active, rows):
+            if requests[w.req_id].sampling_params.prompt_logprobs is not None:
+                self._prompt_logprobs(w, hidden[a:b], requests[w.req_id], res)
+        want = [(w, b - 1) for w, (a, b) in zip(active, rows) if w.sample or return_logits]
         if not want:
             return
         logits = self.model.compute_logits(hidden[torch.tensor([r for _, r in want])])
         reqs = [requests[w.req_id] for w, _ in want]
-        toks = self.sampler.sample(logits, reqs)
+        if any(r.sampling_params.logprobs is not None for r in reqs):
+            toks = self.sampler.sample(logits, reqs, res.logprobs)
+        else:
+            toks = self.sampler.sample(logits, reqs)
         for k, (w, _) in enumerate(want):
             if w.sample:
                 res.sampled[w.req_id] = toks[k]
             if return_logits:
                 res.logits[w.req_id] = logits[k]
+
+    def _prompt_logprobs(self, w: Work, hidden: torch.Tensor, req: Request, res: StepResult) -> None:
+        """Raw log-probabilities of the prompt tokens ``w``'s rows predict (``hidden``: its
+        [num_tokens, H] rows at the last layer): row at position p gives token p + 1's, for
+        p + 1 inside the prompt. Chunk by chunk, as each prefill chunk finishes the last layer
+        (vLLM computes them the same way, per chunk); a decode row predicts none."""
+        end = min(w.context_len, req.num_prompt_tokens - 1)
+        n = end - w.token_start
+        if n <= 0:
+            return
+        logits = self.model.compute_logits(hidden[:n])
+        targets = torch.tensor(req.prompt_token_ids[w.token_start + 1:end + 1], dtype=torch.long)
+        res.prompt_logprobs[w.req_id] = (w.token_start + 1, logprob_entries(logits, targets,
+                                                                            req.sampling_params.prompt_logprobs))
 
     # -- attention metadata ----------------------------------------------------------------------
     #: Largest padded K (or V) gather of one decode group, bytes (see

@@ -1,29 +1,76 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+"""Token sampling: logits processing (grammar mask, bias, min_tokens, penalties), greedy, temperature, min-p,
+top-k, top-p, per-request seeds, and the raw log-probabilities a request asks for.
 
 A seeded request owns a ``torch.Generator`` (created on its first sample, dropped when it
 finishes), so its draws do not depend on what it is batched with. Unseeded requests share
-one generator. Semantics follow vLLM's ``SamplingParams``.
+one generator. Semantics and order follow vLLM's ``SamplingParams`` and v1 sampler
+(``vllm/v1/sample/sampler.py``): raw logprobs, then logit bias and min_tokens, then the
+penalties (``apply_penalties``), then greedy argmax -- or temperature, min-p, top-k, top-p and
+a draw.
+
+The penalties' token counts follow the request's own tokens (``Request.output_token_ids``:
+every generated token, including those a re-prefill replayed): a per-request cache advanced by
+the new tokens at each sample and rebuilt from the request when missing, so nothing needs to
+travel with the request: preemption, layer pauses, hand-off and fail-over keep them exact. A request without any of these fields takes none of this work.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..core.request import Request
+from ..core.request import Request, TokenLogprob
+
+# Rows of prompt log-probabilities computed at once (bounds the [rows, V] fp32 temporaries).
+LOGPROB_ROWS = 256
+
+
+def logprob_entries(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list[TokenLogprob]:
+    """Raw log-probabilities of ``targets`` under ``logits``.
+
+    Args:
+        logits: [T, V] float32 (raw model logits, one row per position).
+        targets: [T] int64, the token whose log-probability each row gives.
+        k: how many most likely tokens to list per row (0: none).
+    Returns:
+        T :class:`~laser.request.TokenLogprob` (natural log; top ``k`` most likely first).
+    """
+    out: list[TokenLogprob] = []
+    for a in range(0, logits.shape[0], LOGPROB_ROWS):
+        lp = logits[a:a + LOGPROB_ROWS].float().log_softmax(-1)
+        tgt = lp.gather(1, targets[a:a + LOGPROB_ROWS, None]).squeeze(1).tolist()
+        if k > 0:
+            vals, idx = torch.topk(lp, min(k, lp.shape[1]), dim=-1)
+            tops = [tuple(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+        else:
+            tops = [()] * len(tgt)
+        out.extend(TokenLogprob(t, top) for t, top in zip(tgt, tops))
+    return out
 
 
 class Sampler:
-    def __init__(self, seed: int = 0):
+    """Samples one token per row. ``eos_ids``: the ids ``min_tokens`` masks (with each
+    request's ``stop_token_ids``) until enough tokens are generated."""
+
+    def __init__(self, seed: int = 0, eos_ids=()):
         self._shared = torch.Generator().manual_seed(seed)
         self._gens: dict[str, torch.Generator] = {}
+        # req id -> [output counts [V] f32, seen in prompt or output [V] bool, tokens counted]
+        self._pen: dict[str, list] = {}
+        self.eos_ids = frozenset(eos_ids)
+        # Structured output's masks (laser.model.structured.GrammarBackend; set by a front end that
+        # has the tokenizer). None: a structured request is an error here.
+        self.grammars = None
 
     def release(self, req_id: str) -> None:
         self._gens.pop(req_id, None)
+        self._pen.pop(req_id, None)
+        if self.grammars is not None:
+            self.grammars.release(req_id)
 
     def export_state(self, req_id: str) -> bytes | None:
         """The seeded request's generator state (``torch.Generator.get_state`` as bytes), or
         None when it has drawn nothing yet / is unseeded (a fresh generator from the seed is
-        then exact)."""
+        then exact). The penalties need no state (they count the request's own tokens)."""
         g = self._gens.get(req_id)
         return None if g is None else g.get_state().numpy().tobytes()
 
@@ -34,14 +81,88 @@ class Sampler:
             g.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
             self._gens[req_id] = g
 
-    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
-        """logits [R, V] float32 (row r belongs to reqs[r]) -> R token ids."""
+    def process_logits(self, row: torch.Tensor, req: Request) -> torch.Tensor:
+        """``req``'s logit bias, min_tokens mask and penalties applied to one row (vLLM's order
+        and formulas: ``LogitBiasLogitsProcessor``, ``MinTokensLogitsProcessor``,
+        ``apply_penalties``).
+
+        Args:
+            row: [V] float32 logits of ``req``'s next token; modified in place and returned
+                (the caller passes a copy).
+            req: the request; ``output_token_ids`` are the tokens generated so far.
+        """
+        sp = req.sampling_params
+        V = row.shape[0]
+        if sp.structured_output is not None:
+            if self.grammars is None:
+                raise RuntimeError("structured output needs a grammar backend (laser.model.structured) on this sampler")
+            row = self.grammars.mask(row, req)
+        if sp.logit_bias:
+            ids = torch.tensor([t for t, _ in sp.logit_bias], dtype=torch.long)
+            row.index_add_(0, ids, torch.tensor([b for _, b in sp.logit_bias], dtype=row.dtype))
+        if sp.min_tokens and req.num_output_tokens < sp.min_tokens:
+            stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_ids)
+            ids = [t for t in stop if t < V]
+            if ids:
+                idx = torch.tensor(ids, dtype=torch.long)
+                kept = row[idx].clone()
+                row[idx] = float("-inf")
+                if sp.structured_output is not None and not torch.isfinite(row).any():
+                    row[idx] = kept  # a complete grammar allows only EOS: the grammar wins
+        rp, fp, pp = sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty
+        if rp != 1.0 or fp or pp:
+            counts, seen_any = self._counts(req, V)
+            if rp != 1.0:  # prompt and output tokens (vLLM: prompt_mask | output_mask)
+                scale = torch.where(seen_any, torch.tensor(rp, dtype=row.dtype), torch.tensor(1.0, dtype=row.dtype))
+                row = torch.where(row > 0, row / scale, row * scale)
+            if fp:
+                row -= fp * counts
+            if pp:
+                row -= pp * (counts > 0).to(row.dtype)
+        return row
+
+    def _counts(self, req: Request, V: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output token counts [V] float32, seen in prompt or output [V] bool) of ``req``: a cache
+        advanced by the tokens generated since the last call, rebuilt from the request's own
+        tokens when missing (a hand-off, a re-prefill) -- the request's tokens are the truth."""
+        out = req.output_token_ids
+        st = self._pen.get(req.req_id)
+        if st is None or st[2] > len(out) or st[0].shape[0] != V:
+            seen = torch.zeros(V, dtype=torch.bool)
+            prompt = torch.tensor(req.prompt_token_ids, dtype=torch.long)
+            seen[prompt[prompt < V]] = True
+            st = self._pen[req.req_id] = [torch.zeros(V, dtype=torch.float32), seen, 0]
+        if st[2] < len(out):
+            new = torch.tensor(out[st[2]:], dtype=torch.long)
+            st[0].index_put_((new,), torch.ones(len(new)), accumulate=True)
+            st[1][new] = True
+            st[2] = len(out)
+        return st[0], st[1]
+
+    def sample(self, logits: torch.Tensor, reqs: list[Request],
+               logprobs: dict[str, TokenLogprob] | None = None) -> list[int]:
+        """logits [R, V] float32 (row r belongs to reqs[r]) -> R token ids.
+
+        ``logprobs``: when given, filled with req id -> the sampled token's raw
+        :class:`~laser.request.TokenLogprob` (top ``logprobs`` tokens) for every request that asks
+        for logprobs (``SamplingParams.logprobs`` not None)."""
+        want_lp = [r for r, req in enumerate(reqs) if req.sampling_params.logprobs is not None] \
+            if logprobs is not None else []
+        raw = logits[want_lp] if want_lp else None  # advanced indexing: a copy of the raw rows
+        proc = [r for r, req in enumerate(reqs) if req.sampling_params.processes_logits]
+        if proc:
+            logits = logits.clone()
+            for r in proc:
+                logits[r] = self.process_logits(logits[r], reqs[r])
         out = logits.argmax(dim=-1).tolist()
         for r, req in enumerate(reqs):
             sp = req.sampling_params
             if sp.greedy:
                 continue
             row = logits[r] / sp.temperature
+            if sp.min_p > 0:
+                probs = row.softmax(-1)
+                row = row.masked_fill(probs < sp.min_p * probs.max(), float("-inf"))
             if sp.top_k > 0 and sp.top_k < row.shape[0]:
                 kth = torch.topk(row, sp.top_k).values[-1]
                 row = row.masked_fill(row < kth, float("-inf"))
@@ -59,6 +180,9 @@ class Sampler:
                 row = torch.full_like(row, float("-inf")).scatter(0, idx, sorted_logits)
             gen = self._generator(req)
             out[r] = int(torch.multinomial(row.softmax(-1), 1, generator=gen))
+        for k, r in enumerate(want_lp):
+            sp = reqs[r].sampling_params
+            logprobs[reqs[r].req_id] = logprob_entries(raw[k:k + 1], torch.tensor([out[r]]), sp.logprobs)[0]
         return out
 
     def _generator(self, req: Request) -> torch.Generator:

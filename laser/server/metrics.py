@@ -8,6 +8,10 @@ predicted-slack histogram. Every per-request series is labelled ``model_name`` a
 
 Observations happen on the event loop when outputs are delivered (never on the engine
 thread); the gauges are read from the engine when ``/metrics`` is scraped.
+
+Beside them, the ``vllm:`` names a load-aware gateway reads (the Gateway API inference
+extension, llm-d's scheduler): the same series summed over SLO classes, labelled
+``model_name`` only, made at scrape time from ours (:class:`_VllmCollector`; one observation each).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import math
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 # vLLM's buckets, with finer low ends for CPU-sized latencies.
@@ -102,6 +106,7 @@ class ServerMetrics:
                                   "rejected_unavailable).", cls + ["outcome"], registry=r)
         r.register(_SchedulerCollector(self))
         r.register(_ClusterCollector(self))
+        r.register(_VllmCollector(self))
         self._classes_seen: set[str] = set()
 
     # -- observations (event loop) ------------------------------------------------------------------------
@@ -319,3 +324,47 @@ class _SchedulerCollector:
             f = family(name, doc, labels=["model_name"])
             f.add_metric([m], value)
             yield f
+
+
+class _VllmCollector:
+    """vLLM's metric names (``vllm:num_requests_waiting``, ``vllm:time_to_first_token_seconds``,
+    ...) over our series: each family of ours summed over ``slo_class`` at scrape time, same
+    buckets and other labels (``model_name``, ``le``, ``finished_reason``)."""
+
+    # (vLLM name, our collector attribute, type)
+    FAMILIES = (
+        ("num_requests_running", "running", "gauge"),
+        ("num_requests_waiting", "waiting", "gauge"),
+        ("kv_cache_usage_perc", "kv_usage", "gauge"),
+        ("time_to_first_token_seconds", "ttft", "histogram"),
+        ("inter_token_latency_seconds", "itl", "histogram"),
+        ("e2e_request_latency_seconds", "e2e", "histogram"),
+        ("prompt_tokens", "prompt_tokens", "counter"),
+        ("generation_tokens", "generation_tokens", "counter"),
+        ("request_success", "success", "counter"),
+    )
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        for name, attr, kind in self.FAMILIES:
+            ours = getattr(self.metrics, attr)
+            summed: dict[tuple, float] = {}
+            doc = ""
+            for fam in ours.collect():
+                doc = fam.documentation
+                for smp in fam.samples:
+                    suffix = smp.name[len(fam.name):]
+                    if suffix == "_created":
+                        continue
+                    labels = {k: v for k, v in smp.labels.items() if k != "slo_class"}
+                    key = (suffix, tuple(labels.items()))
+                    summed[key] = summed.get(key, 0.0) + smp.value
+            out = Metric(f"vllm:{name}", doc, kind)
+            for (suffix, labels), v in summed.items():
+                out.add_sample(f"vllm:{name}{suffix}", dict(labels), v)
+            yield out

@@ -9,15 +9,19 @@ from typing import Callable
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, Response
 
+from ..core.request import InvalidRequestError
 from .errors import APIError
 from .generation import EventStream, Generation, Sub, stream_chat, stream_completion, token_ids_fields
 from .protocol import (
     MAX_CHOICES,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
+    DetokenizeRequest,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
     choice_seed,
 )
 
@@ -32,11 +36,50 @@ ERRORS = {
 @dataclasses.dataclass
 class SLOHeaders:
     """The SLO request headers of both generation routes (``x-slo-class``, ``x-slo-ttft-ms``,
-    ``x-slo-tbt-ms``; a body field of the same meaning wins, see docs/server.md)."""
+    ``x-slo-tbt-ms``, and ``x-slo-tpot-ms`` -- llm-d's name of the TBT target, read when
+    ``x-slo-tbt-ms`` is absent; a body field of the same meaning wins, see docs/server.md)."""
 
     x_slo_class: str | None = Header(None)
     x_slo_ttft_ms: str | None = Header(None)
     x_slo_tbt_ms: str | None = Header(None)
+    x_slo_tpot_ms: str | None = Header(None)
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict]:
+    """The chat template's input of a request's ``messages`` (text parts joined by newlines).
+    Raises APIError: 400 for a non-text content part."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise APIError(400, f"messages[{i}].content[{j}]: only text content parts are supported "
+                                        f"(got type {part.type!r})", "unsupported_parameter", "messages")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        msg = {"role": m.role, "content": content or ""}
+        if m.name:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+def tokenizer_info(tokenizer, max_model_len: int) -> dict:
+    """vLLM's ``/tokenizer_info``: the tokenizer's class, its JSON-representable init settings,
+    special tokens, chat template and the served context length (what lm-eval's remote
+    tokenizer reads: ``eos_token``, ``bos_token``, ``pad_token``, ``chat_template``)."""
+    info = {"tokenizer_class": type(tokenizer).__name__}
+    for k, v in getattr(tokenizer, "init_kwargs", {}).items():
+        if isinstance(v, (str, int, float, bool)) or v is None:
+            info[k] = v
+        elif hasattr(v, "content"):  # AddedToken
+            info[k] = v.content
+    for k in ("eos_token", "bos_token", "pad_token", "unk_token"):
+        info[k] = getattr(tokenizer, k, None)
+    info.update(chat_template=tokenizer.chat_template, model_max_length=max_model_len, vocab_size=len(tokenizer))
+    return info
 
 
 def router(srv: Generation) -> APIRouter:
@@ -85,15 +128,16 @@ def router(srv: Generation) -> APIRouter:
             prompts = [p]
         else:
             prompts = list(p)
-        if len(prompts) * body.n > MAX_CHOICES:
-            raise APIError(400, f"at most {MAX_CHOICES} choices per request (prompts x n), got "
+        if body.n > 1 and len(prompts) * body.n > MAX_CHOICES:  # a prompt list alone has no cap (as vLLM)
+            raise APIError(400, f"at most {MAX_CHOICES} choices per request (prompts x n) when n > 1, got "
                                 f"{len(prompts)} x {body.n}", "invalid_value", "n")
+        structured = await srv.structured_output(body)
         subs: list[Sub] = []
         for i, pr in enumerate(prompts):
             param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
             ids = await srv.encode(pr, param)
             mt = srv.max_tokens_for(body.max_tokens, len(ids), 16)
-            sp = srv.sampling_params(body, mt, stop)
+            sp = srv.sampling_params(body, mt, stop, structured)
             text = pr if isinstance(pr, str) else None
             for j in range(body.n):  # each choice its own reproducible stream (vLLM: seed + j)
                 subs.append(Sub(len(subs), ids, text, dataclasses.replace(sp, seed=choice_seed(sp.seed, j))))
@@ -103,55 +147,89 @@ def router(srv: Generation) -> APIRouter:
                     s.prompt_text = await ae.decode(s.ids)
         q, headers, rid, created = await srv.launch(subs, slo, arrival, "cmpl", asked)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return EventStream(stream_completion(srv, q, subs, rid, created, model, body.echo, include_usage, body.n,
-                                                 body.return_token_ids), lambda: srv.abort(subs), headers)
+            return EventStream(stream_completion(srv, q, subs, rid, created, model, body), lambda: srv.abort(subs),
+                               headers)
+
+        def content(s: Sub) -> dict:
+            text = (s.prompt_text if body.echo else "") + s.final.text
+            if body.logprobs is None:
+                return {"text": text}
+            ids, entries = list(s.final.token_ids), list(s.final.logprobs)
+            if body.echo:
+                ids, entries = list(s.ids) + ids, list(s.final.prompt_logprobs or [None] * len(s.ids)) + entries
+            return {"text": text, "logprobs": srv.token_texts.completion(ids, entries, 0)}
+
         return await answer(request, body, subs, q, headers, {"id": rid, "object": "text_completion",
-                                                               "created": created, "model": model},
-                            lambda s: {"text": (s.prompt_text if body.echo else "") + s.final.text})
+                                                               "created": created, "model": model}, content)
 
     @router.post("/v1/chat/completions", responses=errors)
     async def chat_completions(body: ChatCompletionRequest, request: Request, h: SLOHeaders = Depends()):
         arrival, model, slo, stop, asked = srv.validate(body, h.x_slo_class, h.x_slo_ttft_ms, h.x_slo_tbt_ms,
                                                  request.headers)
-        messages = []
-        for i, m in enumerate(body.messages):
-            content = m.content
-            if isinstance(content, list):
-                texts = []
-                for j, part in enumerate(content):
-                    if part.type != "text" or part.text is None:
-                        raise APIError(400, f"messages[{i}].content[{j}]: only text content parts are supported "
-                                            f"(got type {part.type!r})", "unsupported_parameter", "messages")
-                    texts.append(part.text)
-                content = "\n".join(texts)
-            msg = {"role": m.role, "content": content or ""}
-            if m.name:
-                msg["name"] = m.name
-            messages.append(msg)
-        ids = await srv.encode(messages, "messages")
+        structured = await srv.structured_output(body)
+        ids = await srv.encode(chat_messages(body.messages), "messages")
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         mt = srv.max_tokens_for(requested, len(ids), None)
-        sp = srv.sampling_params(body, mt, stop)
+        sp = srv.sampling_params(body, mt, stop, structured)
         subs = [Sub(i, ids, None, dataclasses.replace(sp, seed=choice_seed(sp.seed, i))) for i in range(body.n)]
         q, headers, rid, created = await srv.launch(subs, slo, arrival, "chatcmpl", asked)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return EventStream(stream_chat(srv, q, subs, rid, created, model, include_usage, body.n,
-                                           body.return_token_ids), lambda: srv.abort(subs), headers)
+            return EventStream(stream_chat(srv, q, subs, rid, created, model, body), lambda: srv.abort(subs), headers)
+
+        def content(s: Sub) -> dict:
+            out = {"message": {"role": "assistant", "content": s.final.text}}
+            if body.logprobs:
+                out["logprobs"] = {"content": srv.token_texts.chat(s.final.token_ids, s.final.logprobs)}
+            return out
+
         return await answer(request, body, subs, q, headers, {"id": rid, "object": "chat.completion",
-                                                               "created": created, "model": model},
-                            lambda s: {"message": {"role": "assistant", "content": s.final.text}})
+                                                               "created": created, "model": model}, content)
+
+    info = tokenizer_info(ae.encoder.tokenizer, ae.max_model_len)
+
+    @router.get("/tokenizer_info")
+    async def get_tokenizer_info():
+        """vLLM's tokenizer description (lm-eval's remote tokenizer probes it)."""
+        return info
+
+    @router.post("/tokenize", responses=errors)
+    async def tokenize(body: TokenizeRequest):
+        """vLLM's ``/tokenize``: ``count``, ``max_model_len``, ``tokens`` (and ``token_strs``)."""
+        srv.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "prompt: give exactly one of prompt and messages", "invalid_value", "prompt")
+        if body.messages is not None:
+            if not body.add_generation_prompt:
+                raise APIError(400, "add_generation_prompt: only true is supported (the server's chat encoding)",
+                               "unsupported_parameter", "add_generation_prompt")
+            ids = await srv.encode(chat_messages(body.messages), "messages")
+        else:
+            try:
+                ids = await ae.encode_text(body.prompt, body.add_special_tokens)
+            except InvalidRequestError as e:
+                raise APIError(400, str(e), "invalid_value", "prompt") from None
+        strs = srv.token_texts.pieces(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": ae.max_model_len, "tokens": ids, "token_strs": strs}
+
+    @router.post("/detokenize", responses=errors)
+    async def detokenize(body: DetokenizeRequest):
+        """vLLM's ``/detokenize``: ``{"prompt": text}`` of token ids."""
+        srv.check_model(body.model)
+        vocab = ae.engine.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"tokens: token id {bad[0]} out of range [0, {vocab})", "invalid_value", "tokens")
+        return {"prompt": await ae.decode(body.tokens)}
 
     async def answer(request: Request, body, subs: list[Sub], q, headers: dict, head: dict,
                      content: Callable[[Sub], dict]) -> Response:
         """The non-streaming answer of both generation routes, once every choice has finished:
         ``head`` (id, object, created, model), the choices (``content(sub)``: the ``text`` or
-        ``message`` field), ``usage`` and ``slo``; 499 (no body) when the client went away."""
+        ``message`` field, and ``logprobs`` when asked), ``usage`` and ``slo``; 499 (no body) when the client went away."""
         if not await srv.run_blocking(request, subs, q):
             return Response(status_code=499)
         srv.check_finished(subs)
-        choices = [{"index": s.index, **content(s), "logprobs": None, "finish_reason": s.final.finish_reason,
+        choices = [{"index": s.index, "logprobs": None, **content(s), "finish_reason": s.final.finish_reason,
                     **token_ids_fields(s, body.return_token_ids)} for s in subs]
         return JSONResponse({**head, "choices": choices, "usage": srv.usage(subs, body.n), "slo": srv.slo_info(subs)},
                             headers=headers)

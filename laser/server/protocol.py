@@ -1,8 +1,8 @@
 """OpenAI-compatible request and response models (pydantic), plus Laser's SLO extension fields.
 
 Requests ignore unknown fields (as vLLM does). Fields OpenAI defines but Laser does not
-implement are accepted only at their neutral value (e.g. ``presence_penalty=0``); anything
-else is a 400 that names the field, never a silent no-op.
+implement are accepted only at their neutral value (e.g. ``tools=[]``); anything else is a 400
+that names the field, never a silent no-op.
 """
 
 from __future__ import annotations
@@ -12,10 +12,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from ..core.request import MAX_LOGPROBS
+
 # torch.Generator.manual_seed accepts [-2**63, 2**64 - 1].
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 MAX_STOP = 16
-MAX_CHOICES = 16  # n x number of prompts
+MAX_CHOICES = 16  # n x number of prompts when n > 1 (a list of prompts with n = 1 has no cap)
 
 
 class _Request(BaseModel):
@@ -24,6 +26,29 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="vLLM extension: with include_usage, usage on every "
+                                         "chunk (that choice's prompt and completion tokens so far)")
+
+
+class JSONSchemaFormat(_Request):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(_Request):
+    """vLLM's ``structured_outputs`` (one of its fields)."""
+
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class _Common(_Request):
@@ -42,15 +67,31 @@ class _Common(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    presence_penalty: float | None = Field(None, description="only 0 is supported")
-    frequency_penalty: float | None = Field(None, description="only 0 is supported")
-    logit_bias: dict[str, float] | None = Field(None, description="not supported (must be empty)")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="minus this once a token is in the output")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2,
+                                            description="minus this times the token's count in the output")
+    repetition_penalty: float | None = Field(None, gt=0, description="vLLM extension: logits of tokens in the "
+                                             "prompt or output divided (positive) / multiplied (negative) by it")
+    logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias in [-100, 100]")
+    min_tokens: int | None = Field(None, ge=0, description="vLLM extension: EOS and stop tokens/strings ignored "
+                                   "until this many tokens are generated")
+    min_p: float | None = Field(None, ge=0, le=1, description="vLLM extension: drop tokens below min_p x the top "
+                                "token's probability")
     # -- Laser extension: per-request SLO (also as headers x-slo-class / x-slo-ttft-ms / x-slo-tbt-ms)
     slo_class: str | None = Field(None, description="SLO class name from the server's SLO config")
     ttft_slo_ms: float | None = Field(None, gt=0, description="time-to-first-token target, ms")
     tbt_slo_ms: float | None = Field(None, gt=0, description="time-between-tokens (P99) target, ms")
     slo_demotable: bool | None = Field(None, description="a hot request that may be served as warm under "
                                        "pressure (also header x-slo-demotable; default: the class's setting)")
+    # -- structured output (one of these; docs/server.md)
+    response_format: ResponseFormat | None = Field(None, description="json_object or json_schema constrain the "
+                                                   "output (grammar mask)")
+    guided_json: dict | str | None = Field(None, description="vLLM extension: a JSON schema the output follows")
+    guided_regex: str | None = Field(None, description="vLLM extension: a regex the output matches")
+    guided_choice: list[str] | None = Field(None, min_length=1, description="vLLM extension: the output is one of these")
+    guided_grammar: str | None = Field(None, description="vLLM extension: a Lark grammar the output follows")
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM extension: json, regex, choice "
+                                                         "or grammar (one)")
 
 
 class CompletionRequest(_Common):
@@ -60,7 +101,8 @@ class CompletionRequest(_Common):
     )
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
-    logprobs: int | None = Field(None, description="not supported")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="log-probabilities of each token and "
+                                 "of this many most likely ones (the prompt's too with echo)")
     suffix: str | None = Field(None, description="not supported")
     best_of: int | None = Field(None, description="only 1 is supported")
 
@@ -76,21 +118,34 @@ class ChatMessage(_Request):
     name: str | None = None
 
 
-class ResponseFormat(_Request):
-    type: str = "text"
-
-
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
     max_completion_tokens: int | None = Field(None, ge=1, description="alias of max_tokens (newer clients)")
-    logprobs: bool | None = Field(None, description="not supported")
-    top_logprobs: int | None = Field(None, description="not supported")
+    logprobs: bool | None = Field(None, description="log-probability of each output token")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="with logprobs: this many most "
+                                     "likely tokens at each position")
     tools: list[Any] | None = Field(None, description="not supported")
     tool_choice: Any = Field(None, description="not supported (only none/auto without tools)")
     functions: list[Any] | None = Field(None, description="legacy; not supported")
     function_call: Any = Field(None, description="legacy; not supported (only none/auto)")
-    response_format: ResponseFormat | None = Field(None, description="only type=text is supported")
+
+
+class TokenizeRequest(_Request):
+    """vLLM's ``/tokenize``: a text ``prompt``, or chat ``messages`` (the chat template applied,
+    as ``/v1/chat/completions`` does)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = Field(True, description="text prompts: add the tokenizer's special tokens")
+    add_generation_prompt: bool = Field(True, description="messages: only true (the server's chat encoding)")
+    return_token_strs: bool = Field(False, description="also the token strings (convert_ids_to_tokens)")
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[StrictInt]
 
 
 # -- responses ------------------------------------------------------------------------------------
@@ -119,7 +174,7 @@ class SLOInfo(BaseModel):
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: dict | None = None  # tokens, token_logprobs, top_logprobs, text_offset (OpenAI's legacy shape)
     finish_reason: str | None = None
 
 
@@ -141,7 +196,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: dict | None = None  # {"content": [{token, logprob, bytes, top_logprobs}]}
     finish_reason: str | None = None
 
 

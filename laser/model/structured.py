@@ -1,0 +1,129 @@
+"""Structured output: a grammar (JSON schema, regex or Lark) as a logits mask in the sampler.
+
+Uses llguidance (Microsoft's grammar engine, the one behind vLLM's ``guidance`` backend and
+llama.cpp's ``--llguidance``): a Rust library with no Python dependencies, installable on any
+CPU next to a pinned torch. One :class:`GrammarBackend` per engine holds the tokenizer in
+llguidance's form (built on first use: a few seconds for a 49k vocabulary) and one matcher per
+structured request.
+
+A request's grammar state is its matcher after consuming the request's generated tokens.
+It is rebuilt by replaying ``Request.output_token_ids`` whenever the matcher is missing or
+behind (a hand-off, a fail-over's re-prefill, a preemption): the state always follows the
+tokens, so nothing needs to travel with the request and nothing can drift.
+
+The grammar mask runs before the other logits processing (vLLM applies the bitmask before its
+sampler too). Once the grammar is complete, only EOS is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+
+import torch
+
+log = logging.getLogger(__name__)
+
+#: The kinds of ``SamplingParams.structured_output``: (kind, spec).
+KINDS = ("json", "regex", "lark")
+
+
+def grammar_text(kind: str, spec: str) -> str:
+    """llguidance's grammar of a (kind, spec) pair. Raises ValueError for a JSON schema that is
+    not JSON or an unknown kind."""
+    from llguidance import LLMatcher
+
+    if kind == "json":
+        # compact separators (", " and ": "), no free whitespace between tokens: a model cannot
+        # loop on whitespace (vLLM's ``disable_any_whitespace``); llguidance's default is flexible
+        return LLMatcher.grammar_from_json_schema(json.loads(spec), defaults={"whitespace_flexible": False})
+    if kind == "regex":
+        return LLMatcher.grammar_from_regex(spec)
+    if kind == "lark":
+        return LLMatcher.grammar_from_lark(spec)
+    raise ValueError(f"unknown structured output kind {kind!r} (one of {KINDS})")
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """A Lark grammar matching exactly one of ``choices`` (vLLM's ``guided_choice``)."""
+    return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class GrammarBackend:
+    """Grammar masks of one engine's structured requests.
+
+    Args:
+        tokenizer: the engine's Hugging Face tokenizer (a fast one).
+        vocab_size: the model's vocabulary (logits row length, >= the tokenizer's).
+        eos_ids: ids that end a request (allowed once the grammar is complete).
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids=()):
+        self._hf = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_ids = sorted(eos_ids)
+        self._tok = None
+        self._lock = threading.Lock()
+        self._state: dict[str, list] = {}  # req id -> [matcher, tokens consumed]
+
+    @property
+    def ll_tokenizer(self):
+        """The tokenizer in llguidance's form (built once, thread-safe)."""
+        with self._lock:
+            if self._tok is None:
+                import llguidance.hf
+
+                eos = self._hf.eos_token_id if self._hf.eos_token_id is not None else (self.eos_ids or [None])[0]
+                self._tok = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size, eos_token=eos)
+            return self._tok
+
+    def validate(self, kind: str, spec: str) -> str | None:
+        """None when (kind, spec) compiles against this tokenizer, else the grammar's error."""
+        from llguidance import LLMatcher
+
+        try:
+            err = LLMatcher.validate_grammar(grammar_text(kind, spec), self.ll_tokenizer)
+        except (ValueError, TypeError) as e:
+            return str(e)
+        return err or None
+
+    def release(self, req_id: str) -> None:
+        self._state.pop(req_id, None)
+
+    def _matcher(self, req):
+        from llguidance import LLMatcher
+
+        out = req.output_token_ids
+        st = self._state.get(req.req_id)
+        if st is None or st[1] > len(out):
+            kind, spec = req.sampling_params.structured_output
+            st = self._state[req.req_id] = [LLMatcher(self.ll_tokenizer, grammar_text(kind, spec)), 0]
+        m = st[0]
+        if st[1] < len(out):  # replay: tokens generated since (or before a hand-off / re-prefill)
+            new = out[st[1]:]
+            if not m.is_stopped():
+                m.consume_tokens(new)
+            st[1] = len(out)
+        return m
+
+    def mask(self, row: torch.Tensor, req) -> torch.Tensor:
+        """Set the logits of tokens the grammar does not allow next to -inf (``row``: [V]
+        float32, modified in place and returned). Once the grammar is complete only EOS stays;
+        a matcher in error (never expected) masks nothing and logs it."""
+        import llguidance.torch as lt
+
+        m = self._matcher(req)
+        if m.is_error():
+            log.error("grammar of %s in error: %s", req.req_id, m.get_error())
+            return row
+        if m.is_stopped():
+            keep = torch.full_like(row, float("-inf"))
+            ids = torch.tensor([t for t in self.eos_ids if t < row.shape[0]], dtype=torch.long)
+            keep[ids] = row[ids]
+            row.copy_(keep)
+            return row
+        bits = lt.allocate_token_bitmask(1, self.ll_tokenizer.vocab_size)
+        lt.fill_next_token_bitmask(m, bits, 0)
+        lt.apply_token_bitmask_inplace(row.view(1, -1), bits)
+        return row
