@@ -179,7 +179,7 @@ class Generation:
         self.ae = ae
         self.metrics = metrics
         self.names = served_model_names
-        self.token_texts = TokenTexts(ae.encoder.tokenizer)
+        self.token_texts = TokenTexts(ae.inputs.tokenizer)
         # one-use tokens (BATCH_SLO_HEADER) -> the cold SLO of a Batch API line (laser.batch)
         self.batch_slos: dict[str, SLO] = {}
 

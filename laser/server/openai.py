@@ -185,7 +185,7 @@ def router(srv: Generation) -> APIRouter:
         return await answer(request, body, subs, q, headers, {"id": rid, "object": "chat.completion",
                                                                "created": created, "model": model}, content)
 
-    info = tokenizer_info(ae.encoder.tokenizer, ae.max_model_len)
+    info = tokenizer_info(ae.inputs.tokenizer, ae.max_model_len)
 
     @router.get("/tokenizer_info")
     async def get_tokenizer_info():
