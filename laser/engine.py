@@ -88,12 +88,14 @@ class Engine(ModelInstance):
             over the factor): fewer TBT misses on a jittery machine, less prefill per iteration.
         clock: time source in seconds (monotonic by default).
         seed: seed of the shared sampling generator.
+        speculative: a :class:`laser.spec.SpeculativeConfig` to decode greedy requests
+            self-speculatively from trained early exits (policies ``vllm``/``sarathi``).
     Raises:
         ModelLoadError: the model path is unusable. ConfigError: bad config values.
         LatencyProfileError: ``latency_profile`` names an unusable profile file.
     """
 
-    def __init__(self, model: str | None = None, slo_classes: SLOClasses | None = None, **kwargs):
+    def __init__(self, model: str | None = None, slo_classes: SLOClasses | None = None, speculative=None, **kwargs):
         path = resolve_model(model)
         load_config(path)  # a bad config is reported as such, before the tokenizer trips over it
         self.tokenizer = load_tokenizer(path)
@@ -102,6 +104,12 @@ class Engine(ModelInstance):
         self.slo_classes = slo_classes or SLOClasses.load()
         self._text: dict[str, OutputText] = {}
         self.core.on_token = lambda req: self._text[req.req_id].add(req.output_token_ids[-1])
+        # Self-speculative decoding (laser.spec): the executor that drafts and verifies, or None.
+        self.speculator = None
+        if speculative is not None:
+            from .spec import enable_self_speculation
+
+            self.speculator = enable_self_speculation(self, speculative)
 
     # -- the core's state, read through (the core owns it) ------------------------------------------------
     @property
@@ -148,6 +156,10 @@ class Engine(ModelInstance):
         plans with (default: the engine's); ``intermediate_cache_tokens``: a fresh intermediate
         cache of that capacity; ``clock``: a new time source. Raises AssertionError unless idle."""
         self.check_integrity(expect_empty=True)
+        if self.speculator is not None:
+            from .spec.self_spec import check_policy
+
+            check_policy(scheduler.policy)
         self.core.handoffs.clear()
         if latency_model is not None:
             self.latency_model = latency_model
@@ -262,7 +274,7 @@ class Engine(ModelInstance):
                 text=text.visible(finished),
                 token_ids=list(req.output_token_ids),
                 delta_text=text.delta(finished),
-                new_token_ids=[ev.token],
+                new_token_ids=req.output_token_ids[-ev.num_tokens:],
                 finished=finished,
                 finish_reason=reason,
                 handed_off=ev.handed_off,

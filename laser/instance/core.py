@@ -73,6 +73,8 @@ class TokenEvent:
     token: int
     finish_reason: str | None  # stop | length | None (running)
     handed_off: bool = False  # prefill role: left for a decode instance after this token
+    # tokens the request got in this step, ``token`` the last of them (> 1: a self-speculative step)
+    num_tokens: int = 1
 
 
 @dataclass
@@ -200,9 +202,17 @@ class InstanceCore:
             observe(plan, now - c1)  # the instance's clock: wall time, or virtual in the simulator
         events = []
         hands_off = self.role == "prefill"
+        extra = result.extra_tokens
         for req in self.scheduler.update(plan, result.stopped_layer, result.sampled, now):
             reason = self.finish_reason(req)
-            ev = TokenEvent(req, req.output_token_ids[-1], reason)
+            got = 1
+            for tok in extra.get(req.req_id, ()) if reason is None else ():
+                self.scheduler.append_token(req, tok, now)
+                got += 1
+                reason = self.finish_reason(req)
+                if reason is not None:
+                    break
+            ev = TokenEvent(req, req.output_token_ids[-1], reason, num_tokens=got)
             if reason is not None:
                 self.finish(req, reason)
             elif hands_off:
