@@ -109,7 +109,7 @@ class Engine(ModelInstance):
         if speculative is not None:
             from .spec import enable_self_speculation
 
-            self.speculator = enable_self_speculation(self, speculative)
+            enable_self_speculation(self, speculative)
 
     # -- the core's state, read through (the core owns it) ------------------------------------------------
     @property

@@ -14,6 +14,7 @@ from laser.model.exits import ExitHeads, exits_path, model_key, train_exits
 from laser.request import SamplingParams
 from laser.spec import SpeculativeConfig, enable_self_speculation
 
+SMALL = CacheConfig(num_blocks=128)  # 2,048 tokens: a small pool is quick to allocate
 PROMPTS = [[5, 17, 300, 42, 9], [77, 3, 1000, 2048, 11, 12, 13, 14, 15, 16, 17, 18, 19], [401, 402],
            list(range(100, 140))]
 
@@ -50,18 +51,17 @@ def _run(engine, prompts, sps):
 
 @pytest.fixture(scope="module")
 def ref(tiny_llama):
-    return Engine(str(tiny_llama), policy="vllm", dtype="float32", latency_calibration=False)
+    return Engine(str(tiny_llama), policy="vllm", dtype="float32", cache=SMALL, latency_calibration=False)
 
 
 @pytest.fixture(scope="module")
 def spec_engine(tiny_llama):
-    e = Engine(str(tiny_llama), policy="vllm", dtype="float32", latency_calibration=False)
-    return e
+    return Engine(str(tiny_llama), policy="vllm", dtype="float32", cache=SMALL, latency_calibration=False)
 
 
 def _speculate(engine, depth, g, heads=None):
     heads = heads or _all_vocab_heads(engine, depth)
-    engine.core.executor = engine.runner  # a fresh speculator each time
+    engine.core.executor, engine.speculator = engine.runner, None  # a fresh speculator each time
     return enable_self_speculation(engine, SpeculativeConfig("self", depth, g), heads=heads)
 
 
@@ -83,7 +83,7 @@ def test_every_draft_accepted_when_the_tail_is_identity(tiny_llama, tmp_path, re
     """Layers 2..3 of the copy are the identity: the exit after layer 2 is the full model, every
     draft is accepted and each step emits g + 1 tokens (the bonus token included)."""
     d = _tail_scaled_model(tiny_llama, tmp_path / "ident", 0.0, 2)
-    plain = Engine(str(d), policy="vllm", dtype="float32", latency_calibration=False)
+    plain = Engine(str(d), policy="vllm", dtype="float32", cache=SMALL, latency_calibration=False)
     sps = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (25, 13, 9, 31)]
     want = _run(plain, PROMPTS, sps)
     spec = _speculate(plain, 2, 3)
@@ -99,7 +99,7 @@ def test_partial_acceptance_and_stop_token_inside_a_run(tiny_llama, tmp_path):
     """A slightly perturbed tail: drafts are partly accepted (0 < acceptance < 1); a stop token id
     that the output reaches inside an accepted run ends the request there, as without drafts."""
     d = _tail_scaled_model(tiny_llama, tmp_path / "near", 0.05, 2)
-    e = Engine(str(d), policy="vllm", dtype="float32", latency_calibration=False)
+    e = Engine(str(d), policy="vllm", dtype="float32", cache=SMALL, latency_calibration=False)
     sps = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True) for _ in PROMPTS]
     want = _run(e, PROMPTS, sps)
     stop = want[1][20]
@@ -116,9 +116,9 @@ def test_partial_acceptance_and_stop_token_inside_a_run(tiny_llama, tmp_path):
 def test_small_kv_pool_fallback_and_preemption(tiny_llama, ref):
     """A pool too small for every request's drafts: drafts shrink or fall back to plain decoding,
     requests are preempted and recomputed, and the output is still the plain one."""
-    sps = [SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True) for _ in range(6)]
-    prompts = [PROMPTS[i % 4] + [i + 1] for i in range(6)]
-    cache = CacheConfig(block_size=4, num_blocks=40)
+    sps = [SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True) for _ in range(4)]
+    prompts = [PROMPTS[i] + [i + 1] for i in range(4)]
+    cache = CacheConfig(block_size=4, num_blocks=24)
     e = Engine(str(tiny_llama), policy="sarathi", dtype="float32", cache=cache, latency_calibration=False)
     want = _run(e, prompts, sps)
     pre0 = e.scheduler.num_preemptions
@@ -144,11 +144,12 @@ def test_sampled_requests_decode_normally(ref, spec_engine):
 
 def test_unsupported_setups_are_refused(tiny_llama, spec_engine, tmp_path, monkeypatch):
     spec_engine.set_policy("vllm")
+    _speculate(spec_engine, 2, 2)
     with pytest.raises(ConfigError, match="--policy vllm or sarathi"):
         spec_engine.set_policy("laser")
     monkeypatch.setenv("LASER_CACHE_DIR", str(tmp_path))
     with pytest.raises(ConfigError, match="laser train-exits"):
-        Engine(str(tiny_llama), policy="vllm", dtype="float32", latency_calibration=False,
+        Engine(str(tiny_llama), policy="vllm", dtype="float32", cache=SMALL, latency_calibration=False,
                speculative=SpeculativeConfig())
     with pytest.raises(ConfigError, match="no trained exit after layer 3"):
         _speculate(spec_engine, 3, 2, heads=_all_vocab_heads(spec_engine, 2))
@@ -158,10 +159,10 @@ def test_train_exits_saves_and_loads(spec_engine, tiny_llama, tmp_path, monkeypa
     """Training lowers the distillation loss below the untrained exit's; the file is found
     beside the model cache by --speculative self and refused for another model."""
     monkeypatch.setenv("LASER_CACHE_DIR", str(tmp_path))
-    spec_engine.core.executor = spec_engine.runner
+    spec_engine.core.executor, spec_engine.speculator = spec_engine.runner, None
     spec_engine.set_policy("vllm")
-    train = [PROMPTS[0], PROMPTS[1], PROMPTS[3]]
-    heads = train_exits(spec_engine, [1, 2], gen_tokens=12, vocab_size=512, rank=16, epochs=6, batch=16, lr=1e-2,
+    train = [PROMPTS[0], PROMPTS[1]]
+    heads = train_exits(spec_engine, [1, 2], gen_tokens=8, vocab_size=256, rank=8, epochs=4, batch=16, lr=1e-2,
                         progress=False, prompts=(train, [PROMPTS[2]]))
     rep = heads.report
     assert set(rep["depths"]) == {1, 2}
@@ -170,8 +171,7 @@ def test_train_exits_saves_and_loads(spec_engine, tiny_llama, tmp_path, monkeypa
         assert r["distill_loss"] < r["untrained_loss"]
     path = exits_path(spec_engine.model_path)
     heads.save(path, model_key(spec_engine.model_path))
-    e = Engine(str(tiny_llama), policy="vllm", dtype="float32", latency_calibration=False,
-               speculative=SpeculativeConfig("self", 2, 2))
-    assert e.speculator.k == 2 and e.speculator.heads.vocab.numel() == 512
+    spec = enable_self_speculation(spec_engine, SpeculativeConfig("self", 2, 2))  # found by the model's key
+    assert spec.k == 2 and spec.heads.vocab.numel() == 256
     with pytest.raises(ValueError, match="trained for"):
         ExitHeads.load(path, "another-model")

@@ -17,9 +17,10 @@ and exit-query reuse). For a decoding request with tokens ``t_0..t_{n-1}`` (KV o
 
 Every emitted token is the full model's argmax given the tokens before it, so greedy output
 equals plain decoding (fp32; the same tolerance as chunked prefill vs. decode). Rejected
-positions' KV stays in the request's blocks beyond its context: never attended to, overwritten
-by the next step's writes (the next step writes from position ``n-1+a+1`` on); the few extra
-blocks a draft grew stay with the request until it finishes (the scheduler frees them).
+positions' KV lies beyond the request's context: never attended to, overwritten by the next
+step's writes (from position ``n+a`` on); blocks grown only for rejected drafts are released
+after the verify pass (:meth:`laser.block_manager.BlockManager.trim`). Drafts only take blocks
+that are free: when the pool is short the draft is shortened, down to plain decoding.
 
 Integration: :class:`SelfSpeculator` is the instance's executor. It takes a scheduler's plan,
 runs every *eligible* work speculatively -- a decode token through all layers of a greedy
@@ -203,6 +204,8 @@ class SelfSpeculator:
             res.sampled[w.req_id] = v[0]
             if a:
                 res.extra_tokens[w.req_id] = v[1 : a + 1]
+            # the blocks grown for rejected drafts go back (the request now has n + a + 1 tokens)
+            runner.bm.trim(w.req_id, w.token_start + a + 2)
             st.steps += 1
             st.drafted += g
             st.accepted += a
@@ -234,7 +237,8 @@ def load_exits(model_dir: Path, path: str | None = None):
 
 def enable_self_speculation(instance, config: SpeculativeConfig, heads=None) -> SelfSpeculator:
     """Make ``instance`` (a :class:`laser.instance.model_instance.ModelInstance`) decode greedy
-    requests self-speculatively. ``heads``: exits to use (default: :func:`load_exits`).
+    requests self-speculatively (its core's executor and ``instance.speculator`` become the
+    returned :class:`SelfSpeculator`). ``heads``: exits to use (default: :func:`load_exits`).
     Raises ConfigError: unknown method, unsupported policy or role, no exits."""
     if config.method != "self":
         raise ConfigError(f"unknown speculative method {config.method!r}; the one implemented is 'self'")
@@ -246,6 +250,6 @@ def enable_self_speculation(instance, config: SpeculativeConfig, heads=None) -> 
     k = config.exit_layer or rec.get("exit_layer") or heads.depths[len(heads.depths) // 2]
     g = config.draft_tokens or rec.get("draft_tokens") or 3
     spec = SelfSpeculator(instance.runner, heads, int(k), int(g), instance.max_model_len)
-    instance.core.executor = spec
+    instance.core.executor = instance.speculator = spec
     log.info("self-speculative decoding: exit after layer %d, %d draft tokens", k, g)
     return spec
