@@ -28,7 +28,7 @@ import time
 
 def _decode(engine, prompts, max_tokens):
     """Greedy-generate; returns (token lists, decode seconds, decode tokens)."""
-    from laser.request import SamplingParams
+    from laser.core.request import SamplingParams
 
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     reqs = [engine.add_request(p, sp) for p in prompts]
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from laser.engine import Engine
+    from laser.frontend.engine import Engine
     from laser.model.exits import format_report, training_prompts
     from laser.spec.self_spec import SelfSpeculator, load_exits
 

@@ -148,7 +148,7 @@ class ExitHeads:
 def collect_hidden(runner, token_ids: list[int], depths: list[int]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
     """Run one sequence through the model (a prefill on ``runner``'s KV pool, freed after) and
     return ({k: hidden after k layers [T, H] float32}, hidden after the last layer [T, H])."""
-    from ..plan import Work
+    from ..core.plan import Work
 
     model, bm = runner.model, runner.bm
     N, T = model.config.num_layers, len(token_ids)
@@ -196,7 +196,7 @@ def training_prompts(tokenizer, count: int, offset: int = 0, max_prompt_tokens: 
 
 def greedy_continuations(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Each prompt followed by the model's own greedy continuation (``max_tokens`` at most)."""
-    from ..request import SamplingParams
+    from ..core.request import SamplingParams
 
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     reqs = [engine.add_request(p, sp) for p in prompts]
@@ -348,7 +348,7 @@ def train_exits(engine, depths: list[int] | None = None, num_prompts: int = 24, 
                 vocab_size: int = 4096, rank: int = 256, epochs: int = 12, batch: int = 256, lr: float = 2e-3,
                 eval_prompts: int = 8, seed: int = 0, progress: bool = True,
                 prompts: tuple[list[list[int]], list[list[int]]] | None = None) -> ExitHeads:
-    """Train exits for ``engine``'s model (an :class:`laser.engine.Engine` in float32 is best)
+    """Train exits for ``engine``'s model (an :class:`laser.frontend.engine.Engine` in float32 is best)
     at ``depths`` (default every 5th layer). Generates greedy continuations of ``num_prompts``
     dataset prompts (``gen_tokens`` each), distils each exit for ``epochs`` passes, then
     measures agreement on ``eval_prompts`` held-out prompts. Returns the trained, bound exits

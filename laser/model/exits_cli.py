@@ -34,7 +34,7 @@ def register(subparsers) -> None:
 
 def cmd_train_exits(args) -> int:
     from ..cli import set_threads
-    from ..engine import Engine
+    from ..frontend.engine import Engine
     from .exits import exits_path, format_report, model_key, train_exits
 
     set_threads(args.threads)

@@ -19,7 +19,7 @@ Every emitted token is the full model's argmax given the tokens before it, so gr
 equals plain decoding (fp32; the same tolerance as chunked prefill vs. decode). Rejected
 positions' KV lies beyond the request's context: never attended to, overwritten by the next
 step's writes (from position ``n+a`` on); blocks grown only for rejected drafts are released
-after the verify pass (:meth:`laser.block_manager.BlockManager.trim`). Drafts only take blocks
+after the verify pass (:meth:`laser.core.block_manager.BlockManager.trim`). Drafts only take blocks
 that are free: when the pool is short the draft is shortened, down to plain decoding.
 
 Integration: :class:`SelfSpeculator` is the instance's executor. It takes a scheduler's plan,
@@ -39,8 +39,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigError
-from ..plan import StepPlan, StepResult, Work
+from ..core.config import ConfigError
+from ..core.plan import StepPlan, StepResult, Work
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class SelfSpeculator:
     """An instance executor that decodes greedy requests self-speculatively (see the module doc).
 
     Args:
-        runner: the instance's :class:`laser.model_runner.ModelRunner` (every other executor
+        runner: the instance's :class:`laser.model.runner.ModelRunner` (every other executor
             call is passed to it).
         heads: trained exits with an exit at ``exit_layer`` (bound here to the runner's model).
         exit_layer: ``k``, layers run before the exit (1..N-1).
