@@ -98,6 +98,16 @@ def add_engine_args(p: argparse.ArgumentParser, policy_default: str = "laser") -
                         "per iteration (default: on with the calibration; --no-jitter-margin: fixed margins)")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch intra-op threads (default: the number of physical cores)")
+    s = p.add_argument_group("speculative decoding (greedy requests; policies vllm and sarathi)")
+    s.add_argument("--speculative", default=None, choices=["self"],
+                   help="'self': draft with the first layers and a trained exit head, verify with the rest "
+                        "(lossless; exits from `laser train-exits`)")
+    s.add_argument("--speculative-exit-layer", type=positive_int, default=None,
+                   help="layers run before the draft exit (default: the one recommended when trained)")
+    s.add_argument("--speculative-draft-tokens", type=positive_int, default=None,
+                   help="tokens drafted per step (default: the one recommended when trained)")
+    s.add_argument("--speculative-exits", default=None,
+                   help="exit heads file (default: the model's, beside the model cache)")
 
 
 def set_threads(threads: int | None) -> int:
@@ -151,8 +161,19 @@ def build_engine(args, **overrides):
         latency_profile=args.latency_profile,
         latency_calibration=getattr(args, "latency_calibration", True),
         jitter_margin=getattr(args, "jitter_margin", None),
+        speculative=speculative_config(args),
         **overrides,
     )
+
+
+def speculative_config(args):
+    """The :class:`laser.spec.SpeculativeConfig` of ``--speculative`` flags, None without them."""
+    if getattr(args, "speculative", None) is None:
+        return None
+    from .spec import SpeculativeConfig
+
+    return SpeculativeConfig(args.speculative, args.speculative_exit_layer, args.speculative_draft_tokens,
+                             args.speculative_exits)
 
 
 def cmd_generate(args) -> int:
@@ -207,7 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.set_defaults(func=cmd_generate)
 
-    for name, module in (("serve", "server.cli"), ("profile", "profiler.cli"), ("bench", "bench.args"), ("plan", "bench.plan")):
+    for name, module in (("serve", "server.cli"), ("profile", "profiler.cli"), ("bench", "bench.args"), ("plan", "bench.plan"),
+                         ("train-exits", "model.exits_cli")):
         try:
             mod = __import__(f"laser.{module}", fromlist=["register"])
         except ImportError:

@@ -237,6 +237,29 @@ class BlockManager:
         if not any(rb.count):
             del self._reqs[req_id]
 
+    def trim(self, req_id: str, num_tokens: int) -> None:
+        """Release ``req_id``'s blocks beyond those covering ``num_tokens`` tokens, at every layer
+        (a self-speculative step's rejected draft positions; laser.spec). Keeps the same-blocks-
+        at-every-layer fast path of a uniform request."""
+        rb = self._reqs.get(req_id)
+        if rb is None:
+            return
+        need = self.blocks_needed(num_tokens)
+        if max(rb.count) <= need:
+            return
+        for layer in range(self.num_layers):
+            if rb.count[layer] <= need:
+                continue
+            ov = rb.overrides.get(layer)
+            for bid in (ov if ov is not None else rb.canon)[need : rb.count[layer]]:
+                self._give(layer, bid)
+            if ov is not None:
+                del ov[need:]
+            rb.count[layer] = need
+        del rb.canon[need:]  # no layer holds more than ``need`` blocks now
+        if not need:
+            del self._reqs[req_id]
+
     def free(self, req_id: str) -> None:
         """Release everything ``req_id`` holds (finish or abort). Idempotent."""
         rb = self._reqs.get(req_id)

@@ -153,6 +153,9 @@ class StepResult:
     stopped_layer: int
     # req_id -> sampled token for works that finished the last layer with ``sample``.
     sampled: dict[str, int] = field(default_factory=dict)
+    # req_id -> tokens after the ``sampled`` one, in order: a self-speculative step's accepted
+    # tokens (laser.spec). The finish rule sees each in turn; the ones after a finish are dropped.
+    extra_tokens: dict[str, list[int]] = field(default_factory=dict)
     # req_id -> [V] float32 logits tensor (torch executor, only with ``return_logits``).
     logits: dict = field(default_factory=dict)
     # req_id -> the sampled token's raw TokenLogprob (requests with SamplingParams.logprobs).

@@ -55,12 +55,14 @@ class Engine(ModelInstance):
             (:func:`laser.instance.model_instance.planning_model`).
         clock: time source in seconds (monotonic by default).
         seed: seed of the shared sampling generator.
+        speculative: a :class:`laser.spec.SpeculativeConfig` to decode greedy requests
+            self-speculatively from trained early exits (policies ``vllm``/``sarathi``).
     Raises:
         ModelLoadError: the model path is unusable. ConfigError: bad config values.
         LatencyProfileError: ``latency_profile`` names an unusable profile file.
     """
 
-    def __init__(self, model: str | None = None, slo_classes: SLOClasses | None = None, **kwargs):
+    def __init__(self, model: str | None = None, slo_classes: SLOClasses | None = None, speculative=None, **kwargs):
         path = resolve_model(model)
         load_config(path)  # a bad config is reported as such, before the tokenizer trips over it
         self.tokenizer = load_tokenizer(path)
@@ -74,6 +76,12 @@ class Engine(ModelInstance):
         self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
                                      self.slo_classes, self.grammars)
         self.outputs = OutputProcessor(self.tokenizer)
+        # Self-speculative decoding (laser.spec): the executor that drafts and verifies, or None.
+        self.speculator = None
+        if speculative is not None:
+            from ..spec import enable_self_speculation
+
+            enable_self_speculation(self, speculative)
 
     # -- the core's state, read through (the core owns it) ------------------------------------------------
     @property
@@ -120,6 +128,10 @@ class Engine(ModelInstance):
         plans with (default: the engine's); ``intermediate_cache_tokens``: a fresh intermediate
         cache of that capacity; ``clock``: a new time source. Raises AssertionError unless idle."""
         self.check_integrity(expect_empty=True)
+        if self.speculator is not None:
+            from ..spec.self_spec import check_policy
+
+            check_policy(scheduler.policy)
         self.core.handoffs.clear()
         if latency_model is not None:
             self.latency_model = latency_model
@@ -180,7 +192,8 @@ class Engine(ModelInstance):
         request whose text matched a stop string is stopped on the core (its hand-off dropped)."""
         outs = []
         for ev in self.core.step():
-            out, stop = self.outputs.process(ev.request, ev.token, ev.finish_reason, ev.handed_off)
+            out, stop = self.outputs.process(ev.request, ev.token, ev.finish_reason, ev.handed_off,
+                                               num_tokens=ev.num_tokens)
             if stop:
                 self.core.stop(ev.request)
             elif out.handed_off:  # the decode instance's engine streams it on (accept_handoff)

@@ -189,7 +189,7 @@ class OutputProcessor:
         self._text.pop(req_id, None)
 
     def process(self, req: Request, token: int, finish_reason: str | None,
-                handed_off: bool = False) -> tuple[RequestOutput, bool]:
+                handed_off: bool = False, num_tokens: int = 1) -> tuple[RequestOutput, bool]:
         """The output of ``req`` after it got ``token`` (already appended to
         ``req.output_token_ids``), with the instance's ``finish_reason`` (EOS, stop id, length;
         None: running) and whether the instance handed it off after this token. A finished
@@ -201,7 +201,14 @@ class OutputProcessor:
         (vLLM's output processor does the same), and cuts its text before the string.
         """
         text = self._text[req.req_id]
-        matched = text.add(token)
+        # ``num_tokens`` > 1: the step gave several tokens (self-speculative decoding), the last
+        # of them ``token``; each is judged in turn and a stop string ends the run there.
+        new = req.output_token_ids[-num_tokens:] if num_tokens > 1 else [token]
+        matched = False
+        for k, t in enumerate(new):
+            if text.add(t):
+                matched, new = True, new[:k + 1]
+                break
         stop = matched and finish_reason is None
         if matched:
             finish_reason, handed_off = "stop", False
@@ -211,7 +218,7 @@ class OutputProcessor:
         return RequestOutput(
             req_id=req.req_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
             text=text.visible(finished), token_ids=list(req.output_token_ids), delta_text=text.delta(finished),
-            new_token_ids=[token], finished=finished, finish_reason=finish_reason, slo=req.slo, request=req,
+            new_token_ids=new, finished=finished, finish_reason=finish_reason, slo=req.slo, request=req,
             handed_off=handed_off, arrival_time=req.arrival_time, token_times=tuple(req.token_times),
             miss_causes=req.miss_causes if finished else (), **logprob_fields(req)), stop
 

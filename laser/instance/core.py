@@ -73,6 +73,8 @@ class TokenEvent:
     token: int
     finish_reason: str | None  # stop | length | None (running)
     handed_off: bool = False  # prefill role: left for a decode instance after this token
+    # tokens the request got in this step, ``token`` the last of them (> 1: a self-speculative step)
+    num_tokens: int = 1
 
 
 @dataclass
@@ -209,12 +211,20 @@ class InstanceCore:
         hands_off = self.role == "prefill"
         if result.prompt_logprobs:
             self._keep_prompt_logprobs(result.prompt_logprobs)
+        extra = result.extra_tokens
         for req in self.scheduler.update(plan, result.stopped_layer, result.sampled, now):
             lp = result.logprobs.get(req.req_id)
             if lp is not None:
                 req.output_logprobs.append(lp)
             reason = self.finish_reason(req)
-            ev = TokenEvent(req, req.output_token_ids[-1], reason)
+            got = 1
+            for tok in extra.get(req.req_id, ()) if reason is None else ():
+                self.scheduler.append_token(req, tok, now)
+                got += 1
+                reason = self.finish_reason(req)
+                if reason is not None:
+                    break
+            ev = TokenEvent(req, req.output_token_ids[-1], reason, num_tokens=got)
             if reason is not None:
                 self.finish(req, reason)
             elif hands_off:

@@ -227,6 +227,13 @@ class ModelRunner:
                                                                             req.sampling_params.prompt_logprobs))
 
     # -- attention metadata ----------------------------------------------------------------------
+    def build_metadata(self, active: list[Work], layers: range) -> AttnMetadata:
+        """Attention metadata for ``active`` (rows in this order: each work's ``num_tokens``
+        rows, contiguous), valid for every layer in ``layers``: for callers that run layers
+        themselves (self-speculative drafting, exit training). The works' KV blocks must be
+        allocated."""
+        return self._build_metadata(active, layers)
+
     #: Largest padded K (or V) gather of one decode group, bytes (see
     #: :data:`laser.latency.features.DEFAULT_MAX_GATHER_BYTES`).
     max_gather_bytes = DEFAULT_MAX_GATHER_BYTES

@@ -376,6 +376,14 @@ class Scheduler(ABC):
         self.enforce_icache_capacity()
         return out
 
+    def append_token(self, req: Request, token: int, now: float) -> None:
+        """Record one more decoded token of ``req`` in the step :meth:`update` just recorded
+        (a self-speculative step emits several; laser.spec): its input position is computed
+        (its KV written by the step), the token is ``req``'s newest, produced at ``now``."""
+        req.num_computed_tokens += 1
+        req.output_token_ids.append(token)
+        req.token_times.append(now)
+
     def strictness(self, req: Request) -> float:
         """Smaller = stricter. Decode-phase requests by TBT target, others by TTFT target."""
         if req.phase == Phase.DECODE:

@@ -95,6 +95,9 @@ def build_cluster(args):
 
     if min(args.prefill_instances, args.decode_instances, args.mixed_instances) < 0:
         raise SystemExit("laser: error: instance counts must be >= 0")
+    if getattr(args, "speculative", None):
+        raise SystemExit("laser: error: --speculative runs in a single-process server (no --*-instances): Ray "
+                         "instances send one token per step")
     name = args.controller or ("colocated" if args.mixed_instances else "laser")
     cache, sched, slo = engine_configs(args)
     return start_cluster(name, args.prefill_instances, args.decode_instances, args.mixed_instances,

@@ -89,6 +89,22 @@ class BlockManagerMachine(RuleBasedStateMachine):
             if key != (req, layer) and key in after:
                 assert after[key] == old, key
 
+    @rule(req=st.sampled_from(REQ_IDS), num_tokens=st.integers(0, NUM_BLOCKS * BLOCK_SIZE))
+    def trim(self, req, num_tokens):
+        """Release the blocks beyond ``num_tokens`` tokens at every layer (rejected drafts)."""
+        before = self.snapshot()
+        self.bm.trim(req, num_tokens)
+        need = ceil_div(num_tokens, BLOCK_SIZE)
+        for l in range(NUM_LAYERS):
+            if self.model_held(req, l) > need:
+                self.held[(req, l)] = need
+            if self.held.get((req, l)) == 0:
+                del self.held[(req, l)]
+        after = self.snapshot()
+        for key, old in before.items():  # what is kept stays in place
+            if key in after:
+                assert after[key] == old[: len(after[key])], key
+
     @rule(req=st.sampled_from(REQ_IDS))
     def finish(self, req):
         self.bm.free(req)
