@@ -83,9 +83,7 @@ class SpecStats:
 def speculable(sp) -> bool:
     """Whether a request with sampling params ``sp`` can be decoded self-speculatively: greedy,
     with no logit processing that verification would have to repeat."""
-    return sp.greedy and all(getattr(sp, name, default) in (default, None) for name, default in
-                             (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-                              ("logprobs", None), ("logit_bias", None)))
+    return sp.greedy and not sp.processes_logits and sp.logprobs is None
 
 
 class SelfSpeculator:
