@@ -89,7 +89,7 @@ def profile_metadata(obj, threads: int | None = None) -> dict:
         "model_id": shape,
         "model_name": model_name_of(obj),
         "shape": shape,
-        "dtype": dtype_name(runner.model.dtype),
+        "dtype": runner.model.weights_tag,  # float32, float32-int4, ...: the executor's weight format
         "hardware": cpu_hardware_string(),
         "threads": int(threads or torch.get_num_threads()),
         "profiler_version": PROFILER_VERSION,
