@@ -139,6 +139,15 @@ def test_auto_keeps_a_hf_checkpoint_dense(engines):
     assert engines["int8"].model.weight_bytes() < engines["none"].model.weight_bytes() / 3
 
 
+def test_latency_profile_is_keyed_by_the_weight_format(engines):
+    """A quantized executor has other step times: its cached latency profile is another file."""
+    from laser.profiler import profile_metadata
+
+    dense, q4 = profile_metadata(engines["none"]), profile_metadata(engines["int4"])
+    assert q4["model_id"] == dense["model_id"] + "-int4" and q4["shape"] == dense["shape"]
+    assert q4["dtype"] == dense["dtype"] == "float32"
+
+
 def prefill_logits(model, ids: list[int]) -> torch.Tensor:
     """[T, V] logits of one sequence through the per-layer API (causal, no cached context)."""
     from laser.model.llama import AttnGroup, AttnMetadata

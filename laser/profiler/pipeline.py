@@ -81,15 +81,17 @@ def profile_metadata(obj, threads: int | None = None) -> dict:
     """What a profile is keyed by and checked against when loaded.
 
     ``model_id`` (the file key) is the model *shape*: latency depends on it, not on the
-    weights, so an Engine and its bare ModelRunner find the same file.
+    weights, so an Engine and its bare ModelRunner find the same file -- plus the format of
+    quantized weights (``-int4``, ``-int4-int8``: laser.model.quant), which changes every matmul.
     """
     runner = runner_of(obj)
     shape = shape_signature(runner.model.config)
+    kinds = getattr(runner.model, "quant_kinds", [])
     return {
-        "model_id": shape,
+        "model_id": "-".join([shape, *kinds]),
         "model_name": model_name_of(obj),
         "shape": shape,
-        "dtype": runner.model.weights_tag,  # float32, float32-int4, ...: the executor's weight format
+        "dtype": dtype_name(runner.model.dtype),
         "hardware": cpu_hardware_string(),
         "threads": int(threads or torch.get_num_threads()),
         "profiler_version": PROFILER_VERSION,
