@@ -30,10 +30,10 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 
 from laser.bench.workloads import _first_chat_pair, _package_file, iter_json_array, load_humaneval  # noqa: E402
-from laser.config import CacheConfig, SchedulerConfig  # noqa: E402
-from laser.engine import Engine  # noqa: E402
+from laser.core.config import CacheConfig, SchedulerConfig  # noqa: E402
+from laser.frontend.engine import Engine  # noqa: E402
 from laser.model.llama import AttnGroup, AttnMetadata, LlamaModel  # noqa: E402
-from laser.request import SamplingParams  # noqa: E402
+from laser.core.request import SamplingParams  # noqa: E402
 
 
 def sequence_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
