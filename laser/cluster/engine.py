@@ -680,7 +680,8 @@ def instance_roles(prefill: int, decode: int, mixed: int) -> list[tuple[int, str
 
 
 def start_cluster(controller: str | Controller, prefill: int = 0, decode: int = 0, mixed: int = 0, *,
-                  model: str | None = None, dtype: str = "auto", quantization: str = "auto", cache=None, scheduler=None, slo_classes=None,
+                  model: str | None = None, dtype: str = "auto", quantization: str = "auto", cache=None, scheduler=None,
+                  slo_classes=None,
                   latency_profile: str | None = None, max_model_len: int | None = None, seed: int = 0,
                   threads_per_instance: int | None = None, use_ray: bool = True, ray_address: str | None = None,
                   call_timeout_s: float = 5.0, step_timeout_s: float = 60.0,
@@ -713,7 +714,8 @@ def start_cluster(controller: str | Controller, prefill: int = 0, decode: int = 
     path = resolve_model(model)
     tokenizer = load_tokenizer(path)
     sched = dataclasses.replace(scheduler or SchedulerConfig(), policy=ctrl.instance_policy)
-    kwargs = dict(model=model, policy=ctrl.instance_policy, dtype=dtype, quantization=quantization, cache=cache, scheduler=sched,
+    kwargs = dict(model=model, policy=ctrl.instance_policy, dtype=dtype, quantization=quantization, cache=cache,
+                  scheduler=sched,
                   latency_profile=latency_profile, seed=seed, max_model_len=max_model_len,
                   latency_calibration=latency_calibration, jitter_margin=jitter_margin,
                   extra_eos_ids=() if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,))
