@@ -13,7 +13,13 @@ Measures, interleaved in one run (so both see the same machine state):
 Prints our/HF ratios. Targets (issue 15): decode >= 1.5x HF at batch 1 and 32, prefill
 >= 1.3x at 512 tokens (bf16 on an AMX CPU, fp32 on an AVX2-only one).
 
-    python benchmarks/engine_speed.py [--dtype float32] [--repeats 5] [--json out.json]
+``--quantizations none,int8,int4,auto`` runs one Laser engine per weight format of the
+embedded GGUF (``auto``: the file's own, Q4_1 layers as int4 and the Q8_0 head as int8),
+interleaved with each other and HF; the bandwidth limit of each counts the bytes its decode
+step actually reads (quantized weights at their packed size). Issue 26's target: batch-1
+decode >= 70 % of that limit.
+
+    python benchmarks/engine_speed.py [--dtype float32] [--repeats 5] [--quantizations none,int4] [--json out.json]
 """
 
 from __future__ import annotations
@@ -153,54 +159,74 @@ def main() -> None:
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--prefill-lens", default="512")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--quantizations", default="none",
+                    help="comma-separated Laser weight formats to run side by side (none, int8, int4, auto)")
+    ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     path = resolve_model(None)
-    engine = Engine(
-        str(path), policy="vllm", dtype=dtype,
-        scheduler=SchedulerConfig(policy="vllm", max_num_batched_tokens=4096),
-        cache=CacheConfig(kv_cache_gib=1.0),
-    )
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    print(f"{cpu_kind()}; {args.dtype}; {torch.get_num_threads()} torch threads", flush=True)
+    quants = args.quantizations.split(",")
+    engines = {
+        q: Engine(
+            str(path) if q == "none" else None, policy="vllm", dtype=dtype, quantization=q,
+            scheduler=SchedulerConfig(policy="vllm", max_num_batched_tokens=4096),
+            cache=CacheConfig(kv_cache_gib=0.25),  # 5.8k SmolLM2 tokens: the largest case needs 2.6k
+        )
+        for q in quants
+    }
+    engine = engines[quants[0]]
+    hf = None if args.no_hf else AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    print(f"{cpu_kind()}; {args.dtype}; {torch.get_num_threads()} torch threads; laser weights "
+          + ", ".join(f"{q}: {e.model.weights_tag}" for q, e in engines.items()), flush=True)
     rows = []
     cases = [("decode", int(b)) for b in args.batches.split(",")] + [("prefill", int(n)) for n in args.prefill_lens.split(",")]
-    # warm-up both
-    ours_decode(engine, 2, 16, 4)
-    hf_decode(hf, 2, 16, 4)
+    # warm-up all
+    for e in engines.values():
+        ours_decode(e, 2, 16, 4)
+    if hf is not None:
+        hf_decode(hf, 2, 16, 4)
     bandwidths, peaks = [], []
+    nan = float("nan")
     for kind, x in cases:
-        ours, theirs = [], []
+        ours, theirs = {q: [] for q in quants}, []
         for _ in range(args.repeats):
+            for q, e in engines.items():
+                ours[q].append(ours_decode(e, x, args.prompt_len, args.new_tokens) if kind == "decode"
+                               else ours_prefill(e, x))
             if kind == "decode":
-                ours.append(ours_decode(engine, x, args.prompt_len, args.new_tokens))
-                theirs.append(hf_decode(hf, x, args.prompt_len, args.new_tokens))
+                if hf is not None:
+                    theirs.append(hf_decode(hf, x, args.prompt_len, args.new_tokens))
                 if x == 1:
                     bandwidths.append(read_bandwidth())
             else:
-                ours.append(ours_prefill(engine, x))
-                theirs.append(hf_prefill(hf, x))
+                if hf is not None:
+                    theirs.append(hf_prefill(hf, x))
                 peaks.append(matmul_peak(dtype))
-        o, h = statistics.median(ours), statistics.median(theirs)
-        rows.append({"kind": kind, "size": x, "laser_tok_s": o, "hf_tok_s": h, "ratio": o / h,
-                     "laser_all": ours, "hf_all": theirs})
+        h = statistics.median(theirs) if theirs else nan
         label = f"batch {x}" if kind == "decode" else f"{x} tokens"
-        print(f"{kind:8s} {label:12s} laser {o:9.1f} tok/s   HF {h:9.1f} tok/s   ratio {o / h:5.2f}x", flush=True)
+        for q in quants:
+            o = statistics.median(ours[q])
+            rows.append({"kind": kind, "size": x, "quantization": q, "laser_tok_s": o, "hf_tok_s": h, "ratio": o / h,
+                         "vs_none": o / statistics.median(ours["none"]) if "none" in ours else nan,
+                         "laser_all": ours[q], "hf_all": theirs})
+            print(f"{kind:8s} {label:12s} laser[{q}] {o:9.1f} tok/s   HF {h:9.1f} tok/s   ratio {o / h:5.2f}x   "
+                  f"vs laser[none] {rows[-1]['vs_none']:5.2f}x", flush=True)
     bw = None
     if bandwidths:
         bw = statistics.median(bandwidths)
-        step = decode_step_bytes(engine, args.prompt_len + args.new_tokens // 2)
-        limit = bw / step
-        b1 = next(r for r in rows if r["kind"] == "decode" and r["size"] == 1)
-        print(f"memory read bandwidth {bw / 1e9:.1f} GB/s (median; max {max(bandwidths) / 1e9:.1f}); "
-              f"{step / 1e6:.0f} MB read per batch-1 step -> limit {limit:.1f} tok/s; "
-              f"laser reaches {b1['laser_tok_s'] / limit:.0%}, HF {b1['hf_tok_s'] / limit:.0%}")
-        rows.append({"kind": "bandwidth", "read_gb_s": bw / 1e9, "all_gb_s": [b / 1e9 for b in bandwidths],
-                     "step_mb": step / 1e6, "limit_tok_s": limit,
-                     "laser_fraction": b1["laser_tok_s"] / limit, "hf_fraction": b1["hf_tok_s"] / limit})
+        print(f"memory read bandwidth {bw / 1e9:.1f} GB/s (median; max {max(bandwidths) / 1e9:.1f})")
+        for q, e in engines.items():
+            step = decode_step_bytes(e, args.prompt_len + args.new_tokens // 2)
+            limit = bw / step
+            b1 = next(r for r in rows if r["kind"] == "decode" and r["size"] == 1 and r["quantization"] == q)
+            print(f"  laser[{q}]: {step / 1e6:.0f} MB read per batch-1 step -> limit {limit:.1f} tok/s; "
+                  f"laser reaches {b1['laser_tok_s'] / limit:.0%}, HF (dense) {b1['hf_tok_s'] * step / bw:.0%} of its own")
+            rows.append({"kind": "bandwidth", "quantization": q, "read_gb_s": bw / 1e9,
+                         "all_gb_s": [b / 1e9 for b in bandwidths], "step_mb": step / 1e6, "limit_tok_s": limit,
+                         "laser_fraction": b1["laser_tok_s"] / limit})
     if peaks:
         peak = statistics.median(peaks)
         print(f"matmul peak {peak / 1e9:.1f} GFLOP/s (median of {len(peaks)}; max {max(peaks) / 1e9:.1f}; "
@@ -211,11 +237,12 @@ def main() -> None:
             r.update({"flops_per_token": per_tok, "compute_limit_tok_s": limit,
                       "laser_compute_fraction": r["laser_tok_s"] / limit, "hf_compute_fraction": r["hf_tok_s"] / limit,
                       "max_ratio_at_peak": limit / r["hf_tok_s"]})
-            print(f"prefill {r['size']} tokens: {per_tok / 1e6:.0f} MFLOP per token -> compute limit {limit:.0f} tok/s; "
+            print(f"prefill[{r['quantization']}] {r['size']} tokens: {per_tok / 1e6:.0f} MFLOP per token -> compute limit {limit:.0f} tok/s; "
                   f"laser reaches {r['laser_compute_fraction']:.0%}, HF {r['hf_compute_fraction']:.0%}; "
                   f"at the peak laser/HF could be at most {r['max_ratio_at_peak']:.2f}x")
         rows.append({"kind": "matmul_peak", "gflop_s": peak / 1e9, "all_gflop_s": [p / 1e9 for p in peaks]})
-    engine.check_integrity(expect_empty=True)
+    for e in engines.values():
+        e.check_integrity(expect_empty=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cpu": cpu_kind(), "dtype": args.dtype, "threads": torch.get_num_threads(), "rows": rows}, f, indent=2)

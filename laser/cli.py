@@ -63,6 +63,10 @@ def add_engine_args(p: argparse.ArgumentParser, policy_default: str = "laser") -
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="compute dtype (default auto: bfloat16 only on CPUs with native bf16 matmuls, "
                         "else float32)")
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                   help="weight format of the linear layers (default auto: a GGUF file in its own quantization "
+                        "-- 4-bit tensors int4, 5-8 bit int8, through torch's weight-only kernels --, a HF "
+                        "checkpoint dense; none: dequantized to --dtype; int8 / int4: quantized at load)")
     p.add_argument("--policy", default=policy_default,
                    help="scheduling policy: vllm, sarathi, laser (default %(default)s)")
     p.add_argument("--queue-order", default="edf", choices=["edf", "fcfs"],
@@ -155,6 +159,7 @@ def build_engine(args, **overrides):
         model=args.model,
         policy=args.policy,
         dtype=args.dtype,
+        quantization=args.quantization,
         cache=cache,
         scheduler=sched,
         slo_classes=slo,
@@ -204,7 +209,7 @@ def cmd_generate(args) -> int:
     n = req.num_output_tokens
     print(
         f"[laser] {n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s), TTFT {req.token_times[0] - req.arrival_time:.3f} s, "
-        f"model load {load_s:.1f} s, policy {engine.scheduler.name}, dtype {str(engine.dtype).removeprefix('torch.')}",
+        f"model load {load_s:.1f} s, policy {engine.scheduler.name}, weights {engine.model.weights_tag}",
         file=sys.stderr,
     )
     return 0 if text is not None else 1

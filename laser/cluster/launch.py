@@ -13,14 +13,14 @@ def instance_roles(prefill: int, decode: int, mixed: int) -> list[tuple[int, str
 
 
 def start_cluster(controller: str | Controller, prefill: int = 0, decode: int = 0, mixed: int = 0, *,
-                  model: str | None = None, dtype: str = "auto", cache=None, scheduler=None, slo_classes=None,
+                  model: str | None = None, dtype: str = "auto", quantization: str = "auto", cache=None, scheduler=None, slo_classes=None,
                   latency_profile: str | None = None, max_model_len: int | None = None, seed: int = 0,
                   threads_per_instance: int | None = None, use_ray: bool = True, ray_address: str | None = None,
                   call_timeout_s: float = 5.0, step_timeout_s: float = 60.0,
                   stream_kv: bool = True, max_restarts: int = 0, latency_calibration: bool = True,
                   jitter_margin: bool | None = None) -> ClusterEngine:
     """Start the instances (Ray actors, or in process with ``use_ray=False``) and the front end.
-    ``latency_calibration``, ``jitter_margin``: each instance's, as :class:`~laser.frontend.engine.Engine`'s.
+    ``dtype``, ``quantization``, ``latency_calibration``, ``jitter_margin``: each instance's, as :class:`~laser.frontend.engine.Engine`'s.
 
     The instances run the controller's ``instance_policy`` scheduler; ``scheduler`` gives the
     other scheduler knobs. With Ray, a local cluster is started with one CPU per instance
@@ -45,7 +45,7 @@ def start_cluster(controller: str | Controller, prefill: int = 0, decode: int = 
     path = resolve_model(model)
     tokenizer = load_tokenizer(path)
     sched = dataclasses.replace(scheduler or SchedulerConfig(), policy=ctrl.instance_policy)
-    kwargs = dict(model=model, policy=ctrl.instance_policy, dtype=dtype, cache=cache, scheduler=sched,
+    kwargs = dict(model=model, policy=ctrl.instance_policy, dtype=dtype, quantization=quantization, cache=cache, scheduler=sched,
                   latency_profile=latency_profile, seed=seed, max_model_len=max_model_len,
                   latency_calibration=latency_calibration, jitter_margin=jitter_margin,
                   extra_eos_ids=() if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,))

@@ -35,6 +35,9 @@ class Engine(ModelInstance):
         model: HF checkpoint dir, GGUF file, or None for the embedded SmolLM2.
         policy: scheduling policy name (``vllm``, ``sarathi``, ``laser``).
         dtype: ``auto`` (fp32 unless the CPU has native bf16), ``float32`` or ``bfloat16``.
+        quantization: weight format of the linear layers: ``auto`` (a GGUF file in its own
+            quantization, a HF checkpoint dense), ``none`` (dense in ``dtype``), ``int8``
+            (per channel) or ``int4`` (group 32); see :mod:`laser.model.quant`.
         cache: KV/intermediate cache sizing. scheduler: scheduler config (policy overrides its name).
         slo_classes: SLO class table (the shipped one by default).
         (other keyword arguments: :class:`laser.instance.model_instance.ModelInstance`'s)

@@ -12,7 +12,7 @@ from ..core.request import SLO, InvalidRequestError, SamplingParams
 class LLM:
     """Batch generation over one in-process :class:`~laser.frontend.engine.Engine`.
 
-    Keyword arguments are passed to :class:`Engine` (``dtype``, ``cache``, ``scheduler``, ...).
+    Keyword arguments are passed to :class:`Engine` (``dtype``, ``quantization``, ``cache``, ``scheduler``, ...).
     """
 
     def __init__(self, model: str | None = None, policy: str = "laser", **engine_kwargs):

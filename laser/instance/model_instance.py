@@ -20,7 +20,8 @@ from ..core.intermediate_cache import IntermediateCache
 from ..model.kv_cache import KVCache
 from ..latency import CalibratedLatencyModel
 from ..model.llama import LlamaModel
-from ..model.loader import load_config, load_weights, resolve_dtype, resolve_model
+from ..model.loader import (load_config, load_quantized, load_weights, resolve_dtype, resolve_model,
+                            resolve_quantization)
 from ..model.runner import ModelRunner
 from ..model.sampler import Sampler
 from .core import InstanceCore, make_scheduler
@@ -73,6 +74,7 @@ class ModelInstance:
         model: str | None = None,
         policy: str = "laser",
         dtype: str | torch.dtype = "auto",
+        quantization: str = "auto",
         cache: CacheConfig | None = None,
         scheduler: SchedulerConfig | None = None,
         latency_model=None,
@@ -90,9 +92,18 @@ class ModelInstance:
         self.model_name = "smollm2" if model is None else str(model)
         self.model_config = load_config(path)
         self.dtype = resolve_dtype(dtype)
+        self.quantization = resolve_quantization(quantization, model)
         weights = load_weights(path)
-        self.model = LlamaModel(self.model_config, weights, self.dtype)
-        del weights
+        quant = load_quantized(model, self.model_config, weights, self.quantization)
+        self.model = LlamaModel(self.model_config, weights, self.dtype, quant)
+        if quant:
+            kinds = {}
+            for qw in quant.values():
+                kinds.setdefault(qw.source if "->" in qw.source else f"{qw.source}->{qw.kind}", []).append(qw)
+            log.info("weights served quantized (torch weight-only kernels, bf16 activations): %s; %.1f MB read per "
+                     "step", ", ".join(f"{len(v)} {k}" for k, v in sorted(kinds.items())),
+                     self.model.weight_bytes() / 1e6)
+        del weights, quant
         self.cache_config = cache or CacheConfig()
         self.kv_cache = KVCache(self.model_config, self.cache_config, self.dtype)
         self.icache = IntermediateCache(self.cache_config.intermediate_cache_tokens)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.config import ModelConfig
+from .quant import QuantLinear, concat
 
 
 @dataclass
@@ -123,16 +124,21 @@ class LlamaModel:
         config: model shape.
         weights: HF-named state dict (``model.layers.{i}.self_attn.q_proj.weight``, ...).
         dtype: compute dtype (float32 or bfloat16).
-        kv: the KV pool tensor ``[num_layers, 2, num_slots, kv_heads, head_dim]``; set later
-            with :meth:`bind_kv_cache` when None.
+        quant: HF name -> :class:`~laser.model.quant.QWeight` for the linear weights served
+            quantized (:func:`laser.model.loader.load_quantized`); those run through
+            :class:`~laser.model.quant.QuantLinear`, the others through :class:`Linear`.
+            None or empty: every weight dense in ``dtype``.
     Raises:
         KeyError: a required weight is missing (message names it).
     """
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                 quant: dict | None = None):
         self.config = config
         self.dtype = dtype
         c = config
+        quant = quant or {}
+        self.quant_kinds = sorted({q.kind for q in quant.values()})
 
         def w(name: str) -> torch.Tensor:
             if name not in weights:
@@ -145,30 +151,36 @@ class LlamaModel:
             self.lm_head_w = self.embed_w
         else:
             self.lm_head_w = w("lm_head.weight")
+        def linear(names: list[str], bias: torch.Tensor | None = None):
+            """One (fused) matmul over the weights ``names`` stacked by output rows."""
+            if all(n in quant for n in names):
+                return QuantLinear(concat([quant[n] for n in names]), bias)
+            return Linear(torch.cat([w(n) for n in names]) if len(names) > 1 else w(names[0]), bias)
+
         self.layers: list[_Layer] = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             L = _Layer()
             L.ln1 = w(p + "input_layernorm.weight")
             L.ln2 = w(p + "post_attention_layernorm.weight")
-            L.qkv = Linear(
-                torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
-                           w(p + "self_attn.v_proj.weight")]),
-                torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if c.qkv_bias else None,
-            )
+            L.qkv = linear([p + f"self_attn.{n}_proj.weight" for n in "qkv"],
+                           torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if c.qkv_bias else None)
             L.q_norm = w(p + "self_attn.q_norm.weight") if c.qk_norm else None
             L.k_norm = w(p + "self_attn.k_norm.weight") if c.qk_norm else None
-            L.o = Linear(w(p + "self_attn.o_proj.weight"))
-            L.gate_up = Linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]))
-            L.down = Linear(w(p + "mlp.down_proj.weight"))
+            L.o = linear([p + "self_attn.o_proj.weight"])
+            L.gate_up = linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+            L.down = linear([p + "mlp.down_proj.weight"])
             self.layers.append(L)
         # LM head layouts: the plain [V, H] weight is read with a dot product per vocabulary
         # row (and, for M > 1, packed anew by MKL on every call: a full copy of the head).
         # One row reads the transposed copy [H, V] as an axpy stream; more rows use a oneDNN
         # copy packed once at load. Measured on a 2-core AVX2 CPU (fp32, 49k x 576 head):
         # 2.3-3x faster at 1 row, 1.7-2.2x at 2-32 rows. Costs two more copies of the head.
-        self.lm_head_t = self.lm_head_w.t().contiguous()  # [H, V]
-        self.lm_head_packed = _pack_for_onednn(self.lm_head_w, batch_hint=32)
+        # A quantized head (``quant["lm_head.weight"]``) runs through QuantLinear instead.
+        self.lm_head_q = QuantLinear(quant["lm_head.weight"]) if "lm_head.weight" in quant else None
+        if self.lm_head_q is None:
+            self.lm_head_t = self.lm_head_w.t().contiguous()  # [H, V]
+            self.lm_head_packed = _pack_for_onednn(self.lm_head_w, batch_hint=32)
         self.kv: torch.Tensor | None = None
         self._init_rope()
 
@@ -313,7 +325,9 @@ class LlamaModel:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, H] last-position hidden states -> [R, V] float32 logits (final norm + LM head)."""
         x = self._norm(hidden, self.norm_w)
-        if x.shape[0] == 1:
+        if self.lm_head_q is not None:
+            logits = self.lm_head_q(x)
+        elif x.shape[0] == 1:
             logits = torch.mm(x, self.lm_head_t)
         elif self.lm_head_packed is not None:
             logits = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.lm_head_packed, None, "none", [], "")
@@ -323,8 +337,20 @@ class LlamaModel:
 
     # -- cost estimates ------------------------------------------------------------------------
     def weight_bytes(self) -> int:
-        n = sum(t.numel() for L in self.layers for t in (L.qkv, L.o, L.gate_up, L.down))
-        return (n + self.lm_head_w.numel()) * self.lm_head_w.element_size()
+        """Bytes of weights one full forward step reads (layers' matmuls + LM head; quantized
+        weights at their packed size)."""
+        es = self.lm_head_w.element_size()
+        mats = [m for L in self.layers for m in (L.qkv, L.o, L.gate_up, L.down)]
+        mats.append(self.lm_head_q if self.lm_head_q is not None else None)
+        n = sum(m.nbytes() if isinstance(m, QuantLinear) else m.numel() * es for m in mats if m is not None)
+        return n + (0 if self.lm_head_q is not None else self.lm_head_w.numel() * es)
+
+    @property
+    def weights_tag(self) -> str:
+        """The executor's weight format, e.g. ``float32`` or ``float32-int4`` (what latency depends
+        on beyond the shape: a latency profile is keyed by it)."""
+        name = str(self.dtype).removeprefix("torch.")
+        return "-".join([name, *self.quant_kinds])
 
 
 def _pack_for_onednn(w: torch.Tensor, batch_hint: int) -> torch.Tensor | None:

@@ -79,7 +79,7 @@ def _engine(args):
                         intermediate_cache_tokens=args.intermediate_cache_tokens)
     # The profile measures the executor: the policy does not matter, and no profile is loaded
     # (the placeholder latency model is never used for planning here).
-    return Engine(model=args.model, policy="vllm", dtype=args.dtype, cache=cache,
+    return Engine(model=args.model, policy="vllm", dtype=args.dtype, quantization=args.quantization, cache=cache,
                   scheduler=SchedulerConfig(policy="vllm"), latency_model=SimpleLatencyModel(num_layers=1))
 
 

@@ -93,14 +93,17 @@ def profile_metadata(obj, threads: int | None = None) -> dict:
     """What a profile is keyed by and checked against when loaded.
 
     ``model_id`` (the file key) is the model *shape*: latency depends on it, not on the
-    weights, so an Engine and its bare ModelRunner find the same file. ``threads`` (torch
-    intra-op threads) and ``executor`` (:func:`executor_path_of`) are part of the key: a profile
-    measured with one thread, or on the eager path, does not price two threads or compiled code.
+    weights, so an Engine and its bare ModelRunner find the same file -- plus the format of
+    quantized weights (``-int4``, ``-int4-int8``: laser.model.quant), which changes every matmul.
+    ``threads`` (torch intra-op threads) and ``executor`` (:func:`executor_path_of`) are part of
+    the key: a profile measured with one thread, or on the eager path, does not price two
+    threads or compiled code.
     """
     runner = runner_of(obj)
     shape = shape_signature(runner.model.config)
+    kinds = getattr(runner.model, "quant_kinds", [])
     return {
-        "model_id": shape,
+        "model_id": "-".join([shape, *kinds]),
         "model_name": model_name_of(obj),
         "shape": shape,
         "dtype": dtype_name(runner.model.dtype),

@@ -101,7 +101,8 @@ def build_cluster(args):
     name = args.controller or ("colocated" if args.mixed_instances else "laser")
     cache, sched, slo = engine_configs(args)
     return start_cluster(name, args.prefill_instances, args.decode_instances, args.mixed_instances,
-                         model=args.model, dtype=args.dtype, cache=cache, scheduler=sched, slo_classes=slo,
+                         model=args.model, dtype=args.dtype, quantization=args.quantization, cache=cache,
+                         scheduler=sched, slo_classes=slo,
                          latency_profile=args.latency_profile, max_model_len=args.max_model_len,
                          threads_per_instance=args.threads_per_instance, ray_address=args.ray_address,
                          call_timeout_s=args.call_timeout, step_timeout_s=args.step_timeout,

