@@ -176,6 +176,12 @@ class Request:
     # fallback when no prefill instance can meet its TTFT, PPoPP'26 §7.1). Its SLO is
     # still what it is judged against.
     demoted: bool = False
+    # Prompt tokens whose KV came from the prefix cache at its first admission (OpenAI's
+    # ``usage.prompt_tokens_details.cached_tokens``); a re-admission after preemption that
+    # re-finds its own blocks does not count.
+    num_cached_tokens: int = 0
+    # Hashes of its full blocks so far (laser.block_manager.hash_blocks; grows with the tokens).
+    block_hashes: list = field(default_factory=list, repr=False)
 
     def __post_init__(self):
         if not self.req_id:

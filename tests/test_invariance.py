@@ -39,8 +39,10 @@ def reconfigure(engine: Engine, policy: str, role: str, budget: int, icache_toke
 
 @pytest.fixture(scope="module")
 def engines(tiny_llama):
-    mk = lambda: Engine(str(tiny_llama), policy="vllm", dtype="float32")  # noqa: E731
-    return {"ref": mk(), "a": mk(), "b": mk()}
+    mk = lambda **kw: Engine(str(tiny_llama), policy="vllm", dtype="float32", **kw)  # noqa: E731
+    # the reference never reads a cached prefix; the engines under test keep theirs across
+    # examples (on by default), so prompts repeated or sharing blocks hit it
+    return {"ref": mk(enable_prefix_caching=False), "a": mk(), "b": mk()}
 
 
 REF_CACHE: dict = {}

@@ -8,6 +8,7 @@ token events out) both build on it, so one place says how an instance is assembl
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -55,6 +56,7 @@ class ModelInstance:
         extra_eos_ids: tuple[int, ...] = (),
         latency_calibration: bool = True,
         jitter_margin: bool = False,
+        enable_prefix_caching: bool | None = None,
     ):
         if jitter_margin and not latency_calibration:
             raise ConfigError("--jitter-margin needs the online latency calibration (it divides the margins by the "
@@ -68,7 +70,10 @@ class ModelInstance:
         self.model = LlamaModel(self.model_config, weights, self.dtype)
         del weights
         self.cache_config = cache or CacheConfig()
-        self.kv_cache = KVCache(self.model_config, self.cache_config, self.dtype)
+        if enable_prefix_caching is not None:
+            self.cache_config = dataclasses.replace(self.cache_config, enable_prefix_caching=enable_prefix_caching)
+        # the KV depends on the weights (path and file: a GGUF's quantization) and the dtype
+        self.kv_cache = KVCache(self.model_config, self.cache_config, self.dtype, cache_salt=str(path))
         self.icache = IntermediateCache(self.cache_config.intermediate_cache_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, self.icache, Sampler(seed))
         sched_cfg = scheduler or SchedulerConfig(policy=policy)
