@@ -61,6 +61,8 @@ class RequestOutput:
     # time and the time of every output token so far (seconds, engine clock).
     arrival_time: float = 0.0
     token_times: tuple[float, ...] = ()
+    # Prompt tokens whose KV came from the prefix cache (``usage.prompt_tokens_details.cached_tokens``).
+    num_cached_tokens: int = 0
 
 
 class Engine(ModelInstance):
@@ -272,6 +274,7 @@ class Engine(ModelInstance):
                 request=req,
                 arrival_time=req.arrival_time,
                 token_times=tuple(req.token_times),
+                num_cached_tokens=req.num_cached_tokens,
             ))
         return outs
 

@@ -338,3 +338,27 @@ def test_caching_off_publishes_nothing():
     assert bm.num_cached_blocks == 0 and bm.cached_prefix_blocks(h, 8) == 0
     bm.free("a")
     bm.check_integrity(expect_empty=True)
+
+
+@pytest.mark.parametrize("policy", ["vllm", "sarathi", "laser"])
+def test_queue_is_priced_by_tokens_left_to_compute(cached_engine, policy):
+    """A waiting request with a cached prefix is priced by the tokens it still has to compute:
+    in the admission snapshot's queue, and by Laser's slack (``prefill_alone``)."""
+    from laser.admission import snapshot_of
+
+    bm = cached_engine.kv_cache.block_manager
+    bm.reset_prefix_cache()
+    run(cached_engine, [BASE], 2, policy, lm=LM)
+    cached_engine.reconfigure(SchedulerConfig(policy=policy), LM, clock=FakeClock())
+    sched = cached_engine.scheduler
+    prompt = BASE[: 4 * BS] + [5, 6, 7]
+    r = cached_engine.add_request(prompt, SamplingParams(max_tokens=2, **GREEDY), SLO(ttft=1.0, tbt=0.5))
+    assert r.num_computed_tokens == 4 * BS  # found on arrival, before any step
+    (entry,) = snapshot_of(sched, 0.0).queue
+    assert entry.prefill_tokens == 3 and entry.context_len == len(prompt)
+    if policy == "laser":
+        assert sched.prefill_alone(r) == LM.predict_prefill(3, context_start=4 * BS)
+    while cached_engine.has_unfinished():
+        cached_engine.step()
+    assert r.num_cached_tokens == 4 * BS
+    cached_engine.check_integrity(expect_empty=True)

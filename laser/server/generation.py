@@ -289,7 +289,8 @@ class Generation:
     def start(self, subs: list[Sub], slo: SLO, arrival: float) -> tuple[asyncio.Queue, dict[str, str]]:
         """Admission control, then queue every choice for the engine (one event-loop turn)."""
         try:
-            adms = self.ae.admit([len(s.ids) for s in subs], slo, arrival)
+            adms = self.ae.admit([len(s.ids) for s in subs], slo, arrival,
+                                 cached=[self.ae.cached_prompt_tokens(s.ids) for s in subs])
         except QueueFullError as e:
             self.metrics.reject("queue_full", slo.name)
             raise APIError(429, str(e), "queue_full", headers={"retry-after": "1"}) from None
@@ -402,9 +403,14 @@ class Generation:
 
     @staticmethod
     def usage(subs: list[Sub], n: int) -> dict:
+        """OpenAI's ``usage``: tokens of the prompt (once per prompt, not per choice), of the
+        completions, and ``prompt_tokens_details.cached_tokens``: prompt tokens read from the
+        prefix cache instead of computed."""
         prompt = sum(len(s.ids) for s in subs[::n])
+        cached = sum(s.final.num_cached_tokens if s.final is not None else 0 for s in subs[::n])
         completion = sum(len(s.final.token_ids) if s.final is not None else 0 for s in subs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 
