@@ -96,12 +96,14 @@ class BlockManager:
         num_blocks: blocks per layer pool.
         block_size: tokens per block.
         enable_prefix_caching: publish computed full blocks and let new requests attach them
-            (see the module docstring). Off: nothing is ever cached or shared.
+            (see the module docstring). Off: nothing is ever cached or shared. An engine turns it
+            on by default (``CacheConfig.enable_prefix_caching``); the simulator only when asked,
+            since its requests carry dummy token ids unless the workload gives real ones.
         cache_salt: what changes the KV besides the tokens (model id, dtype, quantization), the
             root of every hash chain (:func:`prefix_root`).
     """
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
                  cache_salt: str = ""):
         if num_layers <= 0 or num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_layers, num_blocks and block_size must be positive")
@@ -129,6 +131,7 @@ class BlockManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self.num_evictions = 0  # published blocks evicted for reuse (total)
         self.cache_version = 0  # grows whenever a block is published or evicted
+        self._summary: tuple | None = None  # (cache_version, limit) -> summary()
 
     # -- queries ----------------------------------------------------------------------
     def blocks_needed(self, num_tokens: int) -> int:
@@ -174,17 +177,26 @@ class BlockManager:
         """Published blocks no request holds (counted as free)."""
         return len(self._evictable)
 
-    def summary(self, limit: int = 4096) -> frozenset[bytes]:
-        """Hashes of up to ``limit`` cached blocks, the most recently used first: what an instance
-        report carries for cache-aware routing (a bounded set; a prefix's head blocks are the
-        most recently released of their chain)."""
-        held = [h for b, h in self._hash_of.items() if self._ref[b] > 0]
-        out = held[:limit]
-        for b in reversed(self._evictable):
-            if len(out) >= limit:
-                break
-            out.append(self._hash_of[b])
-        return frozenset(out)
+    #: Most block hashes an instance report carries (:meth:`summary`): 64 KiB of 16-byte digests.
+    SUMMARY_LIMIT = 4096
+
+    def summary(self, limit: int | None = None) -> frozenset[bytes]:
+        """Hashes of the cached blocks (held or evictable), at most ``limit`` (default
+        :attr:`SUMMARY_LIMIT`): over it, the held ones and then the most recently released
+        (the last to be evicted). What an instance report carries for cache-aware routing;
+        rebuilt only when a block was published or evicted since the last call."""
+        limit = self.SUMMARY_LIMIT if limit is None else limit
+        memo = self._summary
+        if memo is not None and memo[0] == (self.cache_version, limit):
+            return memo[1]
+        if len(self._hash_of) <= limit:
+            out = frozenset(self._by_hash)
+        else:
+            held = [h for b, h in self._hash_of.items() if self._ref[b] > 0][:limit]
+            rest = (self._hash_of[b] for b in reversed(self._evictable))
+            out = frozenset(held + [h for h, _ in zip(rest, range(limit - len(held)))])
+        self._summary = ((self.cache_version, limit), out)
+        return out
 
     def usage(self) -> float:
         """Fraction of all blocks (over all layers) in use."""

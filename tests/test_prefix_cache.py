@@ -235,7 +235,7 @@ def _hashes(bm: BlockManager, tokens: list[int]) -> list[bytes]:
 
 
 def test_hash_chain_names_the_whole_prefix_and_the_salt():
-    a, b = BlockManager(2, 8, 4), BlockManager(2, 8, 4, cache_salt="other model")
+    a, b = BlockManager(2, 8, 4, enable_prefix_caching=True), BlockManager(2, 8, 4, enable_prefix_caching=True, cache_salt="other model")
     t = list(range(12))
     h = _hashes(a, t)
     assert len(h) == 3 and len(set(h)) == 3
@@ -246,7 +246,7 @@ def test_hash_chain_names_the_whole_prefix_and_the_salt():
 
 
 def test_publish_attach_release_evict_and_integrity():
-    bm = BlockManager(3, 6, 4)
+    bm = BlockManager(3, 6, 4, enable_prefix_caching=True)
     t = list(range(10))
     h = _hashes(bm, t)
     bm.allocate("a", 10)
@@ -278,7 +278,7 @@ def test_publish_attach_release_evict_and_integrity():
 
 
 def test_blocks_in_use_are_never_evicted():
-    bm = BlockManager(2, 4, 4)
+    bm = BlockManager(2, 4, 4, enable_prefix_caching=True)
     h = _hashes(bm, list(range(8)))
     bm.allocate("a", 8)
     bm.cache_blocks("a", h, 8)
@@ -295,7 +295,7 @@ def test_blocks_in_use_are_never_evicted():
 def test_per_layer_blocks_stay_private():
     """A request holding different ids at some layer, or one that released a layer, publishes
     nothing: a shared block holds the same id, written, at every layer."""
-    bm = BlockManager(2, 3, 4)
+    bm = BlockManager(2, 3, 4, enable_prefix_caching=True)
     h = _hashes(bm, list(range(8)))
     bm.allocate("z", 4)
     bm.allocate("a", 8, range(0, 1))
@@ -315,7 +315,7 @@ def test_per_layer_blocks_stay_private():
 
 
 def test_integrity_catches_refcount_and_hash_map_corruption():
-    bm = BlockManager(2, 4, 4)
+    bm = BlockManager(2, 4, 4, enable_prefix_caching=True)
     h = _hashes(bm, list(range(8)))
     bm.allocate("a", 8)
     bm.cache_blocks("a", h, 8)
