@@ -118,6 +118,8 @@ class ClusterConfig:
     # Model each instance's prefix cache (the engine's block manager) and route by the cache
     # summaries in the reports (requests must carry real token ids: hits where they share them).
     enable_prefix_caching: bool = False
+    # ... with the controller told each prompt's block hashes (False: prefix-blind routing)
+    cache_aware_routing: bool = True
 
 
 def paper_config(model: str = "qwen2.5-14b", hardware: str = "a100-80gb", tp: int | None = None,
@@ -247,7 +249,7 @@ class ClusterSim:
                 done[req.req_id] = 1
                 return
             hashes = ()
-            if self.config.enable_prefix_caching:  # what the front end sends the controller
+            if self.config.enable_prefix_caching and self.config.cache_aware_routing:  # the front end's hashes
                 bm = inst[0].scheduler.bm
                 hashes = tuple(bm.block_hashes(req.block_hashes, req.prompt_token_ids))
             info = RequestInfo(req.req_id, req.arrival_time, req.num_prompt_tokens, req.slo.ttft, req.slo.tbt,
