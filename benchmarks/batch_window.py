@@ -9,7 +9,7 @@ What it does, against a real ``laser serve`` of the embedded default model (Smol
    :func:`laser.bench.workloads.sample_mix` + :mod:`laser.bench.arrivals`) at ``--rate`` req/s
    for ``--duration`` s through :class:`laser.bench.client.ClientTarget` (streaming, timed
    client-side); hot SLO attainment by the paper's rule (finished, TTFT <= target and P99 TBT <=
-   target: :attr:`laser.metrics.RequestRecord.slo_met`) and mean TTFT;
+   target: :attr:`laser.core.metrics.RequestRecord.slo_met`) and mean TTFT;
 3. **phase B (with the job)**: uploads a ``--batch-requests``-line JSONL of
    ``/v1/chat/completions`` bodies (short summarisation prompts, ``--job-max-tokens`` output
    tokens each) with ``client.files.create(purpose="batch")`` and creates the batch with
@@ -62,8 +62,8 @@ from laser.bench.batchjob import ClientJob, batch_job_requests
 from laser.bench.client import ClientTarget
 from laser.bench.serve_proc import Server, free_port
 from laser.bench.workloads import HFTokenizer, WorkloadRequest, sample_mix
-from laser.metrics import RequestRecord, summarize
-from laser.slo import SLOClasses
+from laser.core.metrics import RequestRecord, summarize
+from laser.core.slo import SLOClasses
 
 ENDPOINT = "/v1/chat/completions"
 INTERACTIVE_MIX = (1, 1, 0)  # chat : code : summarization -- the hot classes only

@@ -29,10 +29,10 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from laser.config import CacheConfig, SchedulerConfig  # noqa: E402
-from laser.engine import Engine  # noqa: E402
+from laser.core.config import CacheConfig, SchedulerConfig  # noqa: E402
+from laser.frontend.engine import Engine  # noqa: E402
 from laser.model.loader import resolve_model  # noqa: E402
-from laser.request import SamplingParams  # noqa: E402
+from laser.core.request import SamplingParams  # noqa: E402
 
 
 def prompts(batch: int, length: int) -> list[list[int]]:

@@ -3,12 +3,12 @@
 Runs the embedded model (SmolLM2-135M) on this CPU with one policy, planning with a latency
 profile (default: the shipped AVX2 profile the simulator grids use), and times every complete
 step and its parts with ``time.perf_counter`` around the executor's own hooks
-(:class:`laser.model_runner.ModelRunner`): the layer calls (``forward_layer``), the batch
+(:class:`laser.model.runner.ModelRunner`): the layer calls (``forward_layer``), the batch
 composition (``compose``: attention metadata, once per constant-composition segment), the
 embedding (``join``) and the LM head + sampling (``finish``). Each is set beside the profile's
 prediction of the same work (``layer_time`` per call, ``embed_time``, ``head_time``; the model
 has no composition term). Two workloads: ``--rate R`` releases ``--requests`` requests with
-Poisson arrivals through :func:`laser.online.run_online` (steps as a server sees them: small and
+Poisson arrivals through :func:`laser.frontend.online.run_online` (steps as a server sees them: small and
 varied), without it they all arrive at once (large batched steps). Greedy sampling, classes
 code / chat / summarization in turn (TBT 0.2 / 0.4 / 0.8 s).
 
@@ -151,11 +151,11 @@ def main(argv=None) -> int:
 
     from laser.cli import set_threads
     from laser.profiler.pipeline import cpu_hardware_string
-    from laser.config import CacheConfig
-    from laser.engine import Engine
+    from laser.core.config import CacheConfig
+    from laser.frontend.engine import Engine
     from laser.latency import FittedLatencyModel
-    from laser.online import TimedRequest, run_online
-    from laser.request import SLO, SamplingParams
+    from laser.frontend.online import TimedRequest, run_online
+    from laser.core.request import SLO, SamplingParams
 
     from laser.latency import LatencyProfileError
     from laser.scheduler import POLICIES

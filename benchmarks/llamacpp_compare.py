@@ -87,7 +87,7 @@ def decode_rate(base_url: str, batch: int, max_tokens: int, extra_body: dict | N
     each body); also returns how many of them finished. See :func:`steady_decode_rate`."""
     from laser.bench.client import ClientTarget
     from laser.bench.workloads import WorkloadRequest
-    from laser.slo import SLOClasses
+    from laser.core.slo import SLOClasses
 
     tgt = ClientTarget(base_url, label=f"decode-b{batch}", extra_body=extra_body)
     reqs = [WorkloadRequest("best_effort", DECODE_PROMPT, 0, max_tokens, 0.0) for _ in range(batch)]

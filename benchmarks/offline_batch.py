@@ -3,7 +3,7 @@
 24 short prompts x 32 output tokens (``ignore_eos``), SLO classes chat / code / summarization
 round-robin, all submitted at once, the paper's unscaled targets (the shipped classes). Prints,
 per policy, the wall time of the batch, the engine steps, and per class how many requests met
-their TTFT and their whole SLO (``laser.metrics``: finished, TTFT and P99 TBT within target). Each policy gets a fresh engine and a 2-prompt warm-up first.
+their TTFT and their whole SLO (``laser.core.metrics``: finished, TTFT and P99 TBT within target). Each policy gets a fresh engine and a 2-prompt warm-up first.
 
 Usage: python benchmarks/offline_batch.py [--threads 1] [--policies vllm,sarathi,laser] [--model PATH]
        [--prompts 24] [--max-tokens 32] [--repeats 1]
@@ -24,8 +24,8 @@ def run(policy: str, prompts: list[str], max_tokens: int, model: str | None = No
     """One batch on a fresh engine of ``model`` (default: the embedded SmolLM2); returns
     ``wall_s`` (seconds), ``steps`` and per-class ``ttft_met`` / ``slo_met`` counts."""
     from laser import LLM
-    from laser.metrics import SLO_EPS, record_from_request
-    from laser.request import SamplingParams
+    from laser.core.metrics import SLO_EPS, record_from_request
+    from laser.core.request import SamplingParams
 
     llm = LLM(model=model, policy=policy)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up

@@ -44,7 +44,7 @@ import time
 from laser.bench.plan import attainment, parse_mix, table1_requests
 from laser.bench.runner import tbt_token_budget
 from laser.controller import get_controller
-from laser.metrics import record_from_request
+from laser.core.metrics import record_from_request
 from laser.sim.cluster import ClusterSim, ClusterSpec, paper_config
 
 

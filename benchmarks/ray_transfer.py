@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from laser.cluster_engine import start_cluster
-from laser.request import SamplingParams
+from laser.cluster.engine import start_cluster
+from laser.core.request import SamplingParams
 
 
 def one(cl, prompt: list[int], req_id: str, stream: bool) -> dict:

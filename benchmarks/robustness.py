@@ -44,8 +44,8 @@ from laser.bench.best import DEFAULT_BEST_BUDGETS, expand_best, resolve_best
 from laser.bench.calibrate import calibrate, class_mean_prompt_lens, measure_isolated, paper_targets
 from laser.bench.runner import Benchmark, SimTarget, probe_at, saturation_rate
 from laser.bench.workloads import WorkloadRequest, WorkloadSampler, sample_mix
-from laser.config import SchedulerConfig
-from laser.slo import SLOClasses
+from laser.core.config import SchedulerConfig
+from laser.core.slo import SLOClasses
 
 HERE = Path(__file__).resolve().parent
 MIXES = ("1:1:1", "2:1:1", "4:2:1", "1:2:1", "1:1:2", "2:1:4")

@@ -39,7 +39,7 @@ from robustness import hardware_kinds, slo_table  # noqa: E402  (script director
 
 from laser.bench.runner import Benchmark, EngineTarget, SimTarget
 from laser.bench.workloads import sample_mix
-from laser.config import SchedulerConfig
+from laser.core.config import SchedulerConfig
 from laser.latency import CalibratedLatencyModel
 
 
@@ -122,8 +122,8 @@ def main(argv=None) -> int:
 
     from laser.bench.workloads import HFTokenizer
     from laser.cli import set_threads
-    from laser.config import CacheConfig
-    from laser.engine import Engine
+    from laser.core.config import CacheConfig
+    from laser.frontend.engine import Engine
 
     grid = json.loads(Path(args.grid_json).read_text())
     rows = grid["kinds"].get(args.kind, {}).get("points")

@@ -18,11 +18,11 @@ import random
 
 import torch
 
-from laser.config import SchedulerConfig
-from laser.engine import Engine
-from laser.online import TimedRequest, run_online
-from laser.request import SamplingParams
-from laser.slo import SLOClasses
+from laser.core.config import SchedulerConfig
+from laser.frontend.engine import Engine
+from laser.frontend.online import TimedRequest, run_online
+from laser.core.request import SamplingParams
+from laser.core.slo import SLOClasses
 
 
 def workload(n: int, rate: float, seed: int) -> list[TimedRequest]:

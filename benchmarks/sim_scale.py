@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from laser.request import SLO, Request, SamplingParams
+from laser.core.request import SLO, Request, SamplingParams
 from laser.sim.cluster import ClusterSim, ClusterSpec, paper_config
 
 CLASSES = [("chat", 350.9, 187.9, 0.25, 0.1), ("code", 201.5, 105.2, 0.125, 0.05),

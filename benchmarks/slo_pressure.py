@@ -1,6 +1,6 @@
 """Tight SLOs under pressure on the real engine: the timed scenarios of the issue "Keep tight SLOs
 under pressure", replayed in real time on an in-process engine (arrivals released at layer
-boundaries, as the server delivers them; ``laser.online.run_online``).
+boundaries, as the server delivers them; ``laser.frontend.online.run_online``).
 
 Scenarios (SLO classes at ``--slo-scale 4``: chat 1.0 s / 0.4 s, code 0.5 s / 0.2 s,
 summarization 8 s / 0.8 s TTFT / TBT):
@@ -26,11 +26,11 @@ import platform
 import numpy as np
 import torch
 
-from laser.config import CacheConfig, SchedulerConfig
-from laser.engine import Engine
-from laser.online import TimedRequest, run_online
-from laser.request import SamplingParams
-from laser.slo import SLOClasses
+from laser.core.config import CacheConfig, SchedulerConfig
+from laser.frontend.engine import Engine
+from laser.frontend.online import TimedRequest, run_online
+from laser.core.request import SamplingParams
+from laser.core.slo import SLOClasses
 
 
 def ids(n: int, seed: int) -> list[int]:

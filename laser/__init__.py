@@ -7,11 +7,11 @@ __all__ = ["LLM", "SamplingParams", "SLO", "__version__"]
 
 def __getattr__(name):  # lazy: importing laser must not import torch (schedulers are torch-free)
     if name == "LLM":
-        from .llm import LLM
+        from .frontend.llm import LLM
 
         return LLM
     if name in ("SamplingParams", "SLO"):
-        from . import request
+        from .core import request
 
         return getattr(request, name)
     raise AttributeError(name)

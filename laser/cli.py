@@ -120,8 +120,8 @@ def set_threads(threads: int | None) -> int:
 
 def engine_configs(args, role: str = "mixed"):
     """(CacheConfig, SchedulerConfig, SLOClasses) from parsed CLI flags."""
-    from .config import CacheConfig, SchedulerConfig
-    from .slo import SLOClasses
+    from .core.config import CacheConfig, SchedulerConfig
+    from .core.slo import SLOClasses
 
     cache = CacheConfig(
         block_size=args.block_size,
@@ -141,7 +141,7 @@ def engine_configs(args, role: str = "mixed"):
 
 def build_engine(args, **overrides):
     """An :class:`Engine` from parsed CLI flags."""
-    from .engine import Engine
+    from .frontend.engine import Engine
 
     set_threads(args.threads)
     cache, sched, slo = engine_configs(args, overrides.pop("role", getattr(args, "role", "mixed")))
@@ -160,7 +160,7 @@ def build_engine(args, **overrides):
 
 
 def cmd_generate(args) -> int:
-    from .request import SamplingParams
+    from .core.request import SamplingParams
 
     t0 = time.perf_counter()
     engine = build_engine(args)
@@ -211,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.set_defaults(func=cmd_generate)
 
-    for name, module in (("serve", "server.cli"), ("profile", "profile_cli"), ("bench", "bench.args"), ("plan", "bench.plan")):
+    for name, module in (("serve", "server.cli"), ("profile", "profiler.cli"), ("bench", "bench.args"), ("plan", "bench.plan")):
         try:
             mod = __import__(f"laser.{module}", fromlist=["register"])
         except ImportError:
@@ -224,10 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from .config import ConfigError
+    from .core.config import ConfigError
     from .latency import LatencyProfileError
     from .model.loader import ModelLoadError
-    from .request import InvalidRequestError
+    from .core.request import InvalidRequestError
 
     try:
         return args.func(args)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from laser.config import SchedulerConfig
-from laser.request import Request
+from laser.core.config import SchedulerConfig
+from laser.core.request import Request
 from laser.sim import SimInstance
 
 

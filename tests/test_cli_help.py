@@ -69,7 +69,7 @@ def test_flags_in_the_docs_exist(doc):
 
 
 def test_docs_list_every_shipped_slo_class_with_its_targets():
-    from laser.slo import SLOClasses
+    from laser.core.slo import SLOClasses
 
     slo = SLOClasses.load()
     readme, server = (ROOT / "README.md").read_text(), (ROOT / "docs/server.md").read_text()

@@ -11,11 +11,11 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from laser.config import SchedulerConfig
-from laser.disagg import DisaggregatedPair
-from laser.engine import Engine
+from laser.core.config import SchedulerConfig
+from laser.frontend.disagg import DisaggregatedPair
+from laser.frontend.engine import Engine
 from laser.latency import SimpleLatencyModel
-from laser.request import SLO, SamplingParams
+from laser.core.request import SLO, SamplingParams
 
 
 class FakeClock:

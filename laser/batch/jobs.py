@@ -83,7 +83,7 @@ def parse_lines(data: bytes, endpoint: str) -> list[dict]:
 
 
 def prompt_of(body: dict, endpoint: str):
-    """What :meth:`laser.async_engine.AsyncEngine.encode` takes for a body (for the work estimate):
+    """What :meth:`laser.frontend.async_engine.AsyncEngine.encode` takes for a body (for the work estimate):
     the prompt (first one of a list) or the chat messages with text parts joined; None if absent."""
     if endpoint == "/v1/completions":
         p = body.get("prompt")

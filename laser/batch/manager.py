@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client import Counter, Gauge
 
-from ..request import SLO
+from ..core.request import SLO
 from ..store import BatchStore
 from .estimate import (cold_key, is_urgent, job_concurrency, job_seconds, may_start, parse_window, progress_share,
                        request_seconds, start_by)

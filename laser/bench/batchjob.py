@@ -39,7 +39,7 @@ from typing import Callable, Sequence
 from laser.batch.estimate import (cold_key, is_urgent, job_concurrency, job_seconds, may_start, progress_share,
                                   request_seconds)
 from laser.bench.workloads import WorkloadRequest
-from laser.request import SLO
+from laser.core.request import SLO
 
 DEFAULT_CONCURRENCY = 8  # the server's --batch-concurrency default
 DEFAULT_MAX_WAITING = 256  # the server's --max-waiting default
@@ -327,7 +327,7 @@ def run_pair(target, workload: Sequence[WorkloadRequest], slos, job_requests: Se
     """``target`` on ``workload`` alone, then with the job (``repeats`` times, alternating, so a
     noisy machine shifts both alike); returns the json of both runs and the job. Raises
     ValueError for a target that cannot run a job (disaggregated)."""
-    from laser.metrics import summarize
+    from laser.core.metrics import summarize
 
     runs: dict[str, list] = {"alone": [], "with_job": []}
     jobs = []

@@ -49,8 +49,8 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from laser.bench.workloads import WORKLOADS, WorkloadRequest
-from laser.metrics import RequestRecord
-from laser.slo import SLOClasses
+from laser.core.metrics import RequestRecord
+from laser.core.slo import SLOClasses
 
 DEFAULT_TBT_MULTIPLE = 4.0
 DEFAULT_TTFT_MULTIPLE = 2.0

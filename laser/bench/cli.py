@@ -113,7 +113,7 @@ def _planning_model(engine):
 
 def _sim_setup(args):
     """(latency model, num_layers, num_blocks, max_model_len, tokenizer) for --sim."""
-    from laser.config import CacheConfig
+    from laser.core.config import CacheConfig
     from laser.latency import AnalyticLatencyModel, FittedLatencyModel, ModelShape
     from laser.model.loader import load_config, resolve_dtype, resolve_model
 
@@ -148,7 +148,7 @@ def _sim_setup(args):
 
 
 def _sched_config(args, policy: str):
-    from laser.config import SchedulerConfig
+    from laser.core.config import SchedulerConfig
 
     return SchedulerConfig(policy=policy, queue_order=args.queue_order, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens)
@@ -180,7 +180,7 @@ def build_targets(args, specs):
                                        disaggregated=args.disaggregated, label=label)
         return targets, _tokenizer(args), max_len, lm, "sim"
     from laser.cli import build_engine
-    from laser.disagg import DisaggregatedPair
+    from laser.frontend.disagg import DisaggregatedPair
 
     first = specs[0][1]
     pair = None
@@ -243,7 +243,7 @@ def build_workload(args, tokenizer, max_model_len, mix=None):
 def calibrate_slos(args, targets, requests, tokenizer):
     from laser.bench.calibrate import calibrate, class_mean_prompt_lens, measure_isolated, paper_targets
     from laser.bench.workloads import WorkloadRequest, WorkloadSampler
-    from laser.slo import SLOClasses
+    from laser.core.slo import SLOClasses
 
     import numpy as np
 

@@ -11,9 +11,9 @@ import time
 from laser.bench.client_timing import ChunkTokenTimer
 from laser.bench.runner import MissCounter, RunOutput, Target, _request_bar, _slo_for, _summary_duration
 from laser.bench.workloads import WorkloadRequest
-from laser.metrics import RequestRecord
-from laser.request import SLO
-from laser.slo import SLOClasses
+from laser.core.metrics import RequestRecord
+from laser.core.request import SLO
+from laser.core.slo import SLOClasses
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from typing import Sequence
 
 from laser.bench.runner import RunOutput, Target, _slo_for, _summary_duration, tbt_token_budget
 from laser.bench.workloads import WorkloadRequest
-from laser.metrics import record_from_request
-from laser.request import Request, SamplingParams
+from laser.core.metrics import record_from_request
+from laser.core.request import Request, SamplingParams
 
 #: Paper Table 1: class -> (mean input tokens, mean output tokens).
 TABLE1 = {"chat": (350.9, 187.9), "code": (201.5, 105.2), "summarization": (2084.5, 95.7)}

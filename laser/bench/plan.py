@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass, field
 
 from laser.bench.cluster import TABLE1
-from laser.metrics import record_from_request
-from laser.request import SLO, Request, SamplingParams
+from laser.core.metrics import record_from_request
+from laser.core.request import SLO, Request, SamplingParams
 # parse_mix: the planner's --mix (and its callers')
 from laser.bench.args import add_sim_model_arg, fraction, parse_mix, sim_hardware_name
 

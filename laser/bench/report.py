@@ -17,7 +17,7 @@ import numpy as np
 
 from laser.bench.goodput import NO_GOODPUT_JSON, GoodputResult, display_goodput_json
 from laser.bench.workloads import WORKLOADS
-from laser.metrics import PERCENTILE_METHOD, RequestRecord, RunSummary
+from laser.core.metrics import PERCENTILE_METHOD, RequestRecord, RunSummary
 
 WIDTH = 50
 SIM_TAG = "[SIMULATED]"

@@ -1,10 +1,10 @@
 """Benchmark drivers and the goodput search.
 
 Three kinds of target serve a timed list of :class:`~laser.bench.workloads.WorkloadRequest`
-and return one :class:`~laser.metrics.RequestRecord` per request:
+and return one :class:`~laser.core.metrics.RequestRecord` per request:
 
-* :class:`EngineTarget` — an in-process :class:`~laser.engine.Engine` (or a prefill+decode
-  :class:`~laser.disagg.DisaggregatedPair`) driven by :func:`laser.online.run_online`:
+* :class:`EngineTarget` — an in-process :class:`~laser.frontend.engine.Engine` (or a prefill+decode
+  :class:`~laser.frontend.disagg.DisaggregatedPair`) driven by :func:`laser.frontend.online.run_online`:
   arrivals are released at layer boundaries, in real time. Several targets share one
   loaded engine: each run installs a fresh scheduler of its policy (nothing else of the
   engine changes) and checks ``check_integrity(expect_empty=True)`` before and after.
@@ -35,9 +35,9 @@ import numpy as np
 from laser.bench.arrivals import arrival_times
 from laser.bench.goodput import DEFAULT_MAX_DOUBLINGS, GoodputResult, search_goodput
 from laser.bench.workloads import WorkloadRequest
-from laser.metrics import RequestRecord, RunSummary, record_from_request, summarize
-from laser.request import SLO, Request, SamplingParams
-from laser.slo import SLOClasses
+from laser.core.metrics import RequestRecord, RunSummary, record_from_request, summarize
+from laser.core.request import SLO, Request, SamplingParams
+from laser.core.slo import SLOClasses
 
 
 def missing_record(i: int, wr: WorkloadRequest, slo: SLO, t0: float) -> RequestRecord:
@@ -180,7 +180,7 @@ class EngineTarget(Target):
         """(See :meth:`Target.run`.) ``background``: a
         :class:`~laser.bench.batchjob.JobDispatcher` whose requests run beside ``requests``
         (single engine only); the run lasts until it has none left (or ``timeout_s``)."""
-        from laser.online import TimedRequest, run_online
+        from laser.frontend.online import TimedRequest, run_online
 
         for e in self.engines:
             e.set_policy(self.policy, self.lm, **self.overrides)
@@ -341,7 +341,7 @@ class SimTarget(Target):
     def __init__(self, policy: str, latency_model, num_layers: int | None = None, config=None,
                  num_blocks: int = 4096, block_size: int = 16, icache_tokens: int = 16384,
                  disaggregated: bool = False, decode_icache_tokens: int = 2048, label: str | None = None):
-        from laser.config import SchedulerConfig
+        from laser.core.config import SchedulerConfig
 
         self.policy = policy
         self.lm = latency_model
@@ -457,7 +457,7 @@ def tbt_token_budget(lm, tbt: float, num_layers: int | None = None, decode_batch
     ``multiple``, at least ``multiple``) whose iteration - a prefill chunk plus
     ``decode_batch`` decode tokens at ``decode_context`` - the latency model ``lm``
     predicts within ``tbt`` seconds (the tightest TBT target)."""
-    from laser.plan import StepPlan, Work
+    from laser.core.plan import StepPlan, Work
 
     n = num_layers or lm.num_layers
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..plan import Work
+from .plan import Work
 
 
 class PlanCost:

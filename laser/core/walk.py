@@ -1,7 +1,7 @@
 """The one layer-by-layer plan walker: every layer-boundary rule of a step lives here.
 
-A :class:`~laser.plan.StepPlan` runs layer ``j`` for every work with
-``layer_start <= j < layer_end``. The torch executor (:class:`laser.model_runner.ModelRunner`)
+A :class:`~laser.core.plan.StepPlan` runs layer ``j`` for every work with
+``layer_start <= j < layer_end``. The torch executor (:class:`laser.model.runner.ModelRunner`)
 and the simulated one (:class:`laser.sim.instance.SimExecutor`) differ only in what a layer
 call *is* (tensor maths vs. a latency-model prediction); which works run where, when a stop
 pauses what, which works park in the intermediate cache and which resume from it is decided
@@ -12,9 +12,9 @@ Rules, at each boundary ``j`` (in this order):
 1. Works whose ``layer_end == j`` leave the batch (parked at ``j`` when ``j < N``).
 2. ``stop_at(j)`` is asked (not at the first layer, and never again once it said True). A
    stop pauses every prefill work at ``j``; decode works run on to their ``layer_end``
-   (:meth:`~laser.plan.Work.reached`). With nothing left to run, the step ends.
+   (:meth:`~laser.core.plan.Work.reached`). With nothing left to run, the step ends.
 3. Works whose ``layer_start == j`` join (embedded at 0, restored from the intermediate cache
-   otherwise) -- after a stop, only those that :meth:`~laser.plan.Work.reached` still lets run.
+   otherwise) -- after a stop, only those that :meth:`~laser.core.plan.Work.reached` still lets run.
 4. The layer runs for the active works (a gap between works runs nothing).
 
 At the end, works still active either finish the last layer (sampled) or park at it.
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Callable, Protocol, Sequence
 
-from ..plan import StepPlan, Work
+from .plan import StepPlan, Work
 
 
 class LayerExecutor(Protocol):

@@ -5,14 +5,14 @@ without any front-end work: no tokenizer, detokenizer, stop strings or SSE. It o
 
 * the scheduler (torch-free; its clock injected at construction),
 * an executor that runs a plan by the walker's rules (:mod:`laser.core.walk`): the torch
-  model runner (:class:`laser.model_runner.ModelRunner`) or the latency-model one
+  model runner (:class:`laser.model.runner.ModelRunner`) or the latency-model one
   (:class:`laser.sim.instance.SimExecutor`),
 * the finished-request rule (:meth:`finish_reason`: EOS, stop token ids, ``max_tokens``, context),
 * the prefill -> decode hand-off (:meth:`export` on a prefill instance, :meth:`adopt` on a
   decode one).
 
 ``step()`` = schedule -> execute -> update (nano-vllm ``llm_engine.py``); the front end
-(:class:`laser.engine.Engine`) turns its :class:`TokenEvent` s into text. The same core is the
+(:class:`laser.frontend.engine.Engine`) turns its :class:`TokenEvent` s into text. The same core is the
 body of a simulated instance and, next, of a Ray actor.
 """
 
@@ -21,9 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from ..config import SchedulerConfig
-from ..plan import StepPlan, StepResult
-from ..request import Phase, Request
+from ..core.config import SchedulerConfig
+from ..core.plan import StepPlan, StepResult
+from ..core.request import Phase, Request
 from ..scheduler import Scheduler, get_policy
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from ..request import Request
+from ..core.request import Request
 from .messages import InstanceReport, LatencyIncrement, MigrationCandidate, RequestInfo
 
 ROLES = ("prefill", "decode", "mixed")

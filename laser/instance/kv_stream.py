@@ -2,7 +2,7 @@
 
 The decode instance is chosen at a request's arrival (Alg. 2); the prefill instance then
 sends each layer's K/V as soon as the request's final prefill chunk has written it
-(:attr:`laser.model_runner.ModelRunner.kv_streams`), so most of the transfer overlaps the rest
+(:attr:`laser.model.runner.ModelRunner.kv_streams`), so most of the transfer overlaps the rest
 of the prefill. Here the pieces arrive on any actor thread (:meth:`InboundKV.receive` only
 queues them), and the instance's stepping thread writes them into KV blocks it allocates for
 the request, between steps and at layer boundaries (:meth:`InboundKV.drain`). When the
@@ -51,7 +51,7 @@ class InboundKV:
     """The streams a decode instance expects and the layers it has received.
 
     Args:
-        kv_cache: the instance's :class:`~laser.kv_cache.KVCache` (allocation goes through its
+        kv_cache: the instance's :class:`~laser.model.kv_cache.KVCache` (allocation goes through its
             block manager). num_layers: layers of the model.
     """
 
@@ -76,7 +76,7 @@ class InboundKV:
         now (a full pool leaves it unwritten until the hand-off); drop stale or unexpected ones."""
         import torch
 
-        from ..block_manager import OutOfBlocksError
+        from ..core.block_manager import OutOfBlocksError
 
         while self._inbox:
             rid, key, layer, k, v = self._inbox.popleft()
@@ -104,7 +104,7 @@ class InboundKV:
 
     def kv_for_adopt(self, req_id: str) -> list:
         """Per layer: None where the layer is already in this instance's blocks, else (K, V)
-        (see :meth:`laser.model_runner.ModelRunner.import_kv`). Raises KeyError when no stream."""
+        (see :meth:`laser.model.runner.ModelRunner.import_kv`). Raises KeyError when no stream."""
         s = self.streams[req_id]
         return [None if layer in s.written else s.pieces[layer] for layer in range(self.num_layers)]
 

@@ -1,7 +1,7 @@
 """A real instance's parts without any front end: model, KV pool, intermediate cache, model
 runner, latency model, scheduler and the :class:`~laser.instance.core.InstanceCore` over them.
 
-:class:`laser.engine.Engine` (the in-process front end: tokenizer, stop strings) and
+:class:`laser.frontend.engine.Engine` (the in-process front end: tokenizer, stop strings) and
 :class:`laser.instance.worker.InstanceWorker` (the body of a Ray instance actor: token ids in,
 token events out) both build on it, so one place says how an instance is assembled.
 """
@@ -16,21 +16,21 @@ from typing import Callable
 
 import torch
 
-from ..config import CacheConfig, ConfigError, SchedulerConfig, resolve_max_model_len
-from ..intermediate_cache import IntermediateCache
-from ..kv_cache import KVCache
+from ..core.config import CacheConfig, ConfigError, SchedulerConfig, resolve_max_model_len
+from ..core.intermediate_cache import IntermediateCache
+from ..model.kv_cache import KVCache
 from ..latency import CalibratedLatencyModel
 from ..model.llama import LlamaModel
 from ..model.loader import load_config, load_weights, resolve_dtype, resolve_model
-from ..model_runner import ModelRunner
-from ..sampler import Sampler
+from ..model.runner import ModelRunner
+from ..model.sampler import Sampler
 from .core import InstanceCore, make_scheduler
 
 log = logging.getLogger(__name__)
 
 
 class ModelInstance:
-    """Model + KV pool + scheduler + core of one instance (see :class:`laser.engine.Engine` for
+    """Model + KV pool + scheduler + core of one instance (see :class:`laser.frontend.engine.Engine` for
     the arguments). ``extra_eos_ids``: end-of-sequence ids beyond the model config's (the
     tokenizer's, which a front end knows).
 

@@ -2,9 +2,9 @@
 pool, scheduler, :class:`~laser.instance.core.InstanceCore`), token ids in, token events out.
 
 It has no tokenizer, detokenizer or stop strings: the front end
-(:class:`laser.cluster_engine.ClusterEngine`) keeps those. It runs in the front-end process
-(:class:`laser.controller.handles.LocalHandle`) or as a Ray actor
-(:mod:`laser.controller.ray_actors`), where several calls may arrive while a step runs:
+(:class:`laser.cluster.engine.ClusterEngine`) keeps those. It runs in the front-end process
+(:class:`laser.cluster.handles.LocalHandle`) or as a Ray actor
+(:mod:`laser.cluster.ray_actors`), where several calls may arrive while a step runs:
 
 * ``step`` runs one scheduling step and holds the instance's lock for it;
 * the controller's questions and arrivals (``add_request``, ``report``,
@@ -33,8 +33,8 @@ import dataclasses
 import threading
 import time
 
-from ..block_manager import OutOfBlocksError
-from ..request import Request
+from ..core.block_manager import OutOfBlocksError
+from ..core.request import Request
 from .core import Handoff
 from .kv_stream import InboundKV
 from .messages import InstanceReport, LatencyIncrement, RequestInfo
@@ -56,7 +56,7 @@ class InstanceWorker:
     def __init__(self, instance_id: int, role: str, engine_kwargs: dict, threads: int | None = None):
         import torch
 
-        from ..config import SchedulerConfig
+        from ..core.config import SchedulerConfig
 
         if threads:
             torch.set_num_threads(threads)

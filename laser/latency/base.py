@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from laser.plan import LayerStep, StepPlan
+from laser.core.plan import LayerStep, StepPlan
 
 
 class LatencyProfileError(Exception):
@@ -36,7 +36,7 @@ class AttentionSample:
     """One layer's attention core (KV-cache write + attention kernel) for a batch.
 
     Entry k has ``query_lens[k]`` new tokens attending to ``context_lens[k]`` tokens
-    (cached context plus itself), as in :class:`laser.plan.LayerStep`.
+    (cached context plus itself), as in :class:`laser.core.plan.LayerStep`.
     """
 
     query_lens: tuple[int, ...]

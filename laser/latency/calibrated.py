@@ -143,6 +143,6 @@ class CalibratedLatencyModel(ScaledLatencyModel):
         return _quantile(self.ratios, q) if self.ratios else 1.0
 
     def observe_step(self, plan, measured_s: float) -> None:
-        """Observe a step that ran ``plan`` (a :class:`~laser.plan.StepPlan`) to completion."""
+        """Observe a step that ran ``plan`` (a :class:`~laser.core.plan.StepPlan`) to completion."""
         if plan.works:
             self.observe(self.inner.predict_iteration(plan), measured_s)

@@ -1,0 +1,2 @@
+"""The model and its executor: everything that imports torch (Llama layers, loader, model runner,
+KV cache, sampler)."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..config import ModelConfig
+from ..core.config import ModelConfig
 
 
 @dataclass

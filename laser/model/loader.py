@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigError, ModelConfig
+from ..core.config import ConfigError, ModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The calls the profiler times: the executor's own code on the engine's weights and KV pool.
 
 :class:`ExecutorCalls` builds, for a size or a batch, a zero-argument call of one piece of
-what :class:`~laser.model_runner.ModelRunner` runs. Each calls the model's own functions,
+what :class:`~laser.model.runner.ModelRunner` runs. Each calls the model's own functions,
 so a change of the layer kernel is profiled as it is:
 
 * **stateless** ``n``: :meth:`LlamaModel.qkv` + :meth:`LlamaModel.finish_layer` (RMSNorms,
@@ -23,10 +23,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..model_runner import ModelRunner
-from ..plan import Work
-from ..request import Request, SamplingParams
-from ..sampler import Sampler
+from ..model.runner import ModelRunner
+from ..core.plan import Work
+from ..core.request import Request, SamplingParams
+from ..model.sampler import Sampler
 
 # Request ids of the profiler's fake works and requests (never an engine's).
 _REQ_PREFIX = "__profile"

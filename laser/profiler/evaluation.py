@@ -18,8 +18,8 @@ import torch
 
 from ..latency import FittedLatencyModel, LatencyModel
 from ..latency.fitting import fit
-from ..model_runner import ModelRunner
-from ..plan import StepPlan, Work
+from ..model.runner import ModelRunner
+from ..core.plan import StepPlan, Work
 from .calls import ExecutorCalls
 from .grid import ProfileGrid, fit_to_pool
 from .pipeline import (

@@ -27,7 +27,7 @@ from ..latency import (
     default_profile_path,
 )
 from ..latency.fitting import fit
-from ..model_runner import ModelRunner
+from ..model.runner import ModelRunner
 from .calls import ExecutorCalls
 from .grid import ProfileGrid, fit_to_pool
 from .timing import Bench, Case, planned_calls, progress_bar

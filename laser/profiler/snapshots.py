@@ -14,13 +14,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..config import SchedulerConfig
-from ..intermediate_cache import IntermediateCache
+from ..core.config import SchedulerConfig
+from ..core.intermediate_cache import IntermediateCache
 from ..latency import LatencyModel
-from ..model_runner import ModelRunner
-from ..plan import StepPlan, Work
-from ..request import SLO, Request, SamplingParams
-from ..sampler import Sampler
+from ..model.runner import ModelRunner
+from ..core.plan import StepPlan, Work
+from ..core.request import SLO, Request, SamplingParams
+from ..model.sampler import Sampler
 from .calls import _REQ_PREFIX
 
 

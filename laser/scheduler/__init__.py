@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .base import Scheduler
 from .sarathi import SarathiScheduler
-from .laser import LaserScheduler
+from .laser.scheduler import LaserScheduler
 from .vllm import VLLMScheduler
 
 POLICIES: dict[str, type[Scheduler]] = {}

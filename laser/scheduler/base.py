@@ -1,7 +1,7 @@
 """The scheduler interface every policy implements, and the bookkeeping they share.
 
 A scheduler is torch-free. It owns the request queues and decides, each step, which
-requests run which layers on which tokens (:class:`~laser.plan.StepPlan`). It also
+requests run which layers on which tokens (:class:`~laser.core.plan.StepPlan`). It also
 owns allocation decisions: it allocates KV blocks in the block manager for the works
 it plans, and keeps the intermediate cache within capacity.
 
@@ -14,7 +14,7 @@ Contract (one engine step)::
 ``stop_at(j)`` is asked at layer boundaries; a policy that returns True pauses every
 in-flight prefill work at layer j (its hidden states go to the intermediate cache) so the
 next ``schedule`` can put more urgent work first (Laser §6.1); decode tokens run on to the
-end of their layer range (:meth:`~laser.plan.Work.reached`). Iteration-level policies
+end of their layer range (:meth:`~laser.core.plan.Work.reached`). Iteration-level policies
 never stop.
 """
 
@@ -26,11 +26,11 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from typing import Callable
 
-from ..block_manager import BlockManager
-from ..config import SchedulerConfig
-from ..intermediate_cache import IntermediateCache
-from ..plan import StepPlan, Work
-from ..request import SLO_EPS, Phase, Request
+from ..core.block_manager import BlockManager
+from ..core.config import SchedulerConfig
+from ..core.intermediate_cache import IntermediateCache
+from ..core.plan import StepPlan, Work
+from ..core.request import SLO_EPS, Phase, Request
 
 
 class Scheduler(ABC):
@@ -359,7 +359,7 @@ class Scheduler(ABC):
         """Record progress of every work; return requests that got a new token.
 
         A work that reached the last layer completes its tokens; one that stopped
-        earlier (``stopped_layer``, see :meth:`~laser.plan.Work.reached`) or ends before the
+        earlier (``stopped_layer``, see :meth:`~laser.core.plan.Work.reached`) or ends before the
         last layer stays in flight at the layer it reached.
         """
         n = self.num_layers
@@ -382,7 +382,7 @@ class Scheduler(ABC):
                 if w.sample:
                     req.output_token_ids.append(sampled[w.req_id])
                     times, tbt = req.token_times, req.slo.tbt
-                    if times and tbt is not None and now - times[-1] > tbt + SLO_EPS:  # (as laser.metrics)
+                    if times and tbt is not None and now - times[-1] > tbt + SLO_EPS:  # (as laser.core.metrics)
                         req.num_tbt_misses += 1
                     times.append(now)
                     req.phase = Phase.DECODE

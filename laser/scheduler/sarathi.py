@@ -5,7 +5,7 @@ Agrawal et al., OSDI'24; vLLM v1's default scheduler behaves the same way.
 
 from __future__ import annotations
 
-from ..plan import StepPlan
+from ..core.plan import StepPlan
 from .base import Scheduler
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..plan import StepPlan
+from ..core.plan import StepPlan
 from .base import Scheduler
 
 

@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
-from ..async_engine import AsyncEngine, EngineStepError
+from ..frontend.async_engine import AsyncEngine, EngineStepError
 from . import openai as openai_routes
 from .errors import APIError, error_response, format_validation
 from .generation import Generation

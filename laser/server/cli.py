@@ -12,7 +12,7 @@ log = logging.getLogger("laser.server")
 
 def register(subparsers) -> None:
     """Add the ``serve`` subcommand (called by ``laser.cli.main``)."""
-    from ..async_engine import ON_INFEASIBLE
+    from ..frontend.async_engine import ON_INFEASIBLE
     from ..cli import add_engine_args, non_negative_float, tcp_port
 
     p = subparsers.add_parser(
@@ -76,7 +76,7 @@ def register(subparsers) -> None:
 
 def _warmup(engine) -> None:
     """One short request through every layer, so the first client does not pay for lazy init."""
-    from ..request import SamplingParams
+    from ..core.request import SamplingParams
 
     ids = engine.tokenizer.encode("Hello")[:8] or [0]
     req = engine.add_request(ids, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
@@ -88,9 +88,9 @@ def _warmup(engine) -> None:
 
 
 def build_cluster(args):
-    """A :class:`~laser.cluster_engine.ClusterEngine` over Ray instance actors from the CLI flags."""
+    """A :class:`~laser.cluster.engine.ClusterEngine` over Ray instance actors from the CLI flags."""
     from ..cli import engine_configs
-    from ..cluster_engine import start_cluster
+    from ..cluster.engine import start_cluster
 
     if min(args.prefill_instances, args.decode_instances, args.mixed_instances) < 0:
         raise SystemExit("laser: error: instance counts must be >= 0")
@@ -128,7 +128,7 @@ def port_unavailable(host: str, port: int) -> str | None:
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from ..async_engine import AsyncEngine
+    from ..frontend.async_engine import AsyncEngine
     from ..cli import build_engine
     from .app import build_app
 

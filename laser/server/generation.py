@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from ..async_engine import (
+from ..frontend.async_engine import (
     AsyncEngine,
     EngineStepError,
     EngineStoppedError,
@@ -26,7 +26,7 @@ from ..async_engine import (
     SLOInfeasibleError,
     StreamError,
 )
-from ..request import SLO, InvalidRequestError, SamplingParams
+from ..core.request import SLO, InvalidRequestError, SamplingParams
 from .errors import APIError, error_body
 from .metrics import ServerMetrics, slo_outcome
 from .protocol import MAX_STOP, CompletionRequest, unsupported_chat_fields

@@ -32,10 +32,10 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 def slo_outcome(req) -> tuple[bool, bool]:
-    """(TTFT met, P99 TBT met) of a finished request, by :class:`laser.metrics.RequestRecord`'s rule.
+    """(TTFT met, P99 TBT met) of a finished request, by :class:`laser.core.metrics.RequestRecord`'s rule.
     ``req``: anything with ``req_id``, ``slo``, ``arrival_time`` and ``token_times`` (a
-    :class:`~laser.engine.RequestOutput` on the server side)."""
-    from ..metrics import SLO_EPS, RequestRecord
+    :class:`~laser.frontend.engine.RequestOutput` on the server side)."""
+    from ..core.metrics import SLO_EPS, RequestRecord
 
     rec = RequestRecord(
         req_id=req.req_id, slo_class=req.slo.name, ttft_slo=req.slo.ttft, tbt_slo=req.slo.tbt,
@@ -116,7 +116,7 @@ class ServerMetrics:
             self.slack.labels(self.model_name, admission.requested.name).observe(slack)
 
     def on_output(self, stream, out) -> None:
-        """Listener of :class:`~laser.async_engine.AsyncEngine`: one call per delivered output."""
+        """Listener of :class:`~laser.frontend.async_engine.AsyncEngine`: one call per delivered output."""
         req = out  # the output's own copies (the live Request belongs to the engine thread)
         cls = out.slo.name
         self._classes_seen.add(cls)
@@ -172,7 +172,7 @@ class ServerMetrics:
 
 
 class _ClusterCollector:
-    """A cluster front end's counters (:class:`laser.cluster_engine.ClusterStats`) and each
+    """A cluster front end's counters (:class:`laser.cluster.engine.ClusterStats`) and each
     instance's liveness, read when scraped (plain counters; racy reads are harmless)."""
 
     def __init__(self, metrics: "ServerMetrics"):
@@ -247,7 +247,7 @@ class _ClusterCollector:
 
 class _SchedulerCollector:
     """Scheduler counters from the snapshot the engine thread publishes after each step
-    (:meth:`laser.async_engine.AsyncEngine.counters`): never reads live engine state."""
+    (:meth:`laser.frontend.async_engine.AsyncEngine.counters`): never reads live engine state."""
 
     def __init__(self, metrics: ServerMetrics):
         self.metrics = metrics

@@ -42,10 +42,10 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from ..config import SchedulerConfig
+from ..core.config import SchedulerConfig
 from ..controller import Controller, get_controller
 from ..instance.messages import RequestInfo
-from ..request import Request
+from ..core.request import Request
 from .cluster_instance import SimClusterInstance
 from .events import EventQueue
 

@@ -21,13 +21,13 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from ..config import SchedulerConfig
-from ..block_manager import OutOfBlocksError
+from ..core.config import SchedulerConfig
+from ..core.block_manager import OutOfBlocksError
 from ..instance.core import Handoff
 from ..instance.interface import ROLES, Instance
 from ..instance.messages import InstanceReport, LatencyIncrement, MigrationCandidate, RequestInfo
 from ..instance.state import build_report, decode_increment, migration_candidate
-from ..request import Request
+from ..core.request import Request
 from .instance import SimInstance
 
 

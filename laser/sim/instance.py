@@ -23,13 +23,13 @@ from itertools import repeat
 from operator import add
 from typing import Callable
 
-from ..block_manager import BlockManager, OutOfBlocksError
-from ..config import SchedulerConfig
+from ..core.block_manager import BlockManager, OutOfBlocksError
+from ..core.config import SchedulerConfig
 from ..core.walk import walk
 from ..instance.core import Handoff, InstanceCore, make_scheduler
-from ..intermediate_cache import IntermediateCache
-from ..plan import LayerStep, StepPlan, StepResult
-from ..request import Request
+from ..core.intermediate_cache import IntermediateCache
+from ..core.plan import LayerStep, StepPlan, StepResult
+from ..core.request import Request
 
 
 class VirtualClock:

@@ -1,0 +1,152 @@
+"""Instances as Ray actors: the only module of Laser that imports Ray.
+
+Each instance is one actor (the paper's system runs on Ray, one instance per actor as in
+DistServe's ``ParaWorker`` and Llumnix's ``Llumlet``, CONTROLLER.md C1) whose body is an
+:class:`~laser.instance.worker.InstanceWorker`: one real model, KV pool and scheduler. The
+actor is threaded (``max_concurrency``) so the controller's questions are answered at the
+next layer boundary of a running step instead of after it. :class:`RayHandle` is the
+controller's handle (every call with a timeout; a dead actor or a missed timeout raises
+:class:`~laser.cluster.handles.InstanceFailure`). KV hand-offs go actor to actor through
+Ray's object store (``adopt.remote(take_handoff.remote(id))``), never through the front end.
+"""
+
+from __future__ import annotations
+
+import time
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+
+from .handles import Call, InstanceFailure, InstanceHandle
+
+#: Ray's object store of a local cluster, bytes (hand-offs pass through it).
+OBJECT_STORE_BYTES = 300 << 20
+
+_ACTOR_CLASS = None
+
+
+def init_local_ray(num_cpus: int, address: str | None = None) -> None:
+    """Start a local Ray cluster (no dashboard, a small object store) or join ``address``.
+    A no-op when Ray is already initialised."""
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    else:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES,
+                 log_to_driver=False)
+
+
+def shutdown() -> None:
+    ray.shutdown()
+
+
+def _actor_class():
+    global _ACTOR_CLASS
+    if _ACTOR_CLASS is None:
+        from ..instance.worker import InstanceWorker
+
+        # 4 threads: a step, plus the controller's questions answered at layer boundaries
+        _ACTOR_CLASS = ray.remote(max_concurrency=4)(InstanceWorker)
+    return _ACTOR_CLASS
+
+
+def start_instances(specs: list[tuple[int, str]], engine_kwargs: dict, threads: int | None = None,
+                    call_timeout_s: float = 5.0, start_timeout_s: float = 300.0,
+                    max_restarts: int = 0) -> list["RayHandle"]:
+    """Start one actor per ``(instance_id, role)`` and wait until each has loaded its model.
+    ``max_restarts``: times Ray restarts a dead actor (it reloads the model, empty, and the
+    front end lets it rejoin). Raises InstanceFailure when one fails to start within
+    ``start_timeout_s``."""
+    cls = _actor_class()
+    actors = [cls.options(num_cpus=threads or 1, max_restarts=max_restarts).remote(i, role, engine_kwargs, threads)
+              for i, role in specs]
+    handles = []
+    for (i, _), a in zip(specs, actors):
+        try:
+            desc = ray.get(a.describe.remote(), timeout=start_timeout_s)
+        except (GetTimeoutError, RayActorError) as e:
+            raise InstanceFailure(i, f"did not start: {e}") from e
+        h = RayHandle(a, desc, call_timeout_s)
+        h.restarts_left = max_restarts
+        handles.append(h)
+    return handles
+
+
+class RayHandle(InstanceHandle):
+    """The controller's handle on an instance actor."""
+
+    def __init__(self, actor, describe: dict, call_timeout_s: float = 5.0):
+        super().__init__(describe, call_timeout_s)
+        self.actor = actor
+
+    def _get(self, ref, timeout: float | None):
+        """``ray.get`` of one of this instance's calls. Raises InstanceFailure for a missed
+        timeout (``timed_out``), a dead actor, and every other failure of Ray itself (the memory
+        monitor killed the worker -- ``OutOfMemoryError`` --, a crashed worker, a lost object,
+        a dead node); the instance's own exceptions (bad input) pass through unchanged."""
+        try:
+            return ray.get(ref, timeout=timeout)
+        except GetTimeoutError as e:
+            raise InstanceFailure(self.instance_id, f"no answer within {timeout:.3g} s", timed_out=True) from e
+        except RayActorError as e:
+            raise InstanceFailure(self.instance_id, f"actor died: {type(e).__name__}") from e
+        except RayTaskError as e:
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, RayError):  # an argument's producer died (hand-off source)
+                raise InstanceFailure(self.instance_id, f"dependency lost: {type(cause).__name__}") from e
+            # the instance's own exception, as it raised it: its message, not Ray's wrapper (whose
+            # text carries the remote traceback, ANSI colours, pid, IP and actor id into an HTTP error)
+            raise (cause if isinstance(cause, Exception) else e.as_instanceof_cause()) from None
+        except RayError as e:  # OutOfMemoryError, WorkerCrashedError, ObjectLostError, NodeDiedError, ...
+            raise InstanceFailure(self.instance_id, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}") from e
+
+    def call(self, method: str, *args, timeout: float | None = None):
+        ref = getattr(self.actor, method).remote(*args)
+        return self._get(ref, self.call_timeout_s if timeout is None else timeout)
+
+    def submit(self, method: str, *args) -> Call:
+        args = tuple(a.ref if isinstance(a, Call) else a for a in args)
+        ref = getattr(self.actor, method).remote(*args)
+        return Call(ref.future(), ref, self, method, time.monotonic())
+
+    def result(self, call: Call, timeout: float | None = 0.0):
+        return self._get(call.ref, timeout)
+
+    def kill(self, restart: bool = False) -> None:
+        ray.kill(self.actor, no_restart=not restart)
+
+    def kv_sink(self) -> "RayKVSink":
+        return RayKVSink(self.actor)
+
+
+class RayKVSink:
+    """Streams a request's layers to an instance actor: one fire-and-forget actor call per
+    layer, its K/V as numpy arrays (Ray moves them through the object store and the receiver
+    reads them without a copy). Runs inside the prefill actor; a dead receiver is ignored (the
+    front end re-sends the whole KV to another decode instance at the hand-off)."""
+
+    _sender = None  # one thread per process submits the calls, off the prefill's layer loop
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def send(self, req_id, key, layer, k, v) -> None:
+        import torch
+
+        if k.dtype != torch.bfloat16:  # numpy has no bfloat16: those go as tensors
+            k, v = k.numpy(), v.numpy()
+        if RayKVSink._sender is None:
+            import concurrent.futures
+
+            RayKVSink._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-stream")
+        RayKVSink._sender.submit(self._submit, req_id, key, layer, k, v)
+
+    def _submit(self, req_id, key, layer, k, v) -> None:
+        try:
+            self.actor.receive_kv_layer.remote(req_id, key, layer, k, v)
+        except RayActorError:
+            pass
+
+    def __getstate__(self):
+        return {"actor": self.actor}

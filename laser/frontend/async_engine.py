@@ -1,0 +1,623 @@
+"""Serving wrapper: the engine loop runs in its own thread; asyncio callers submit, stream, abort.
+
+Two threads share nothing but a command queue and one callback per step:
+
+* **engine thread** owns the :class:`~laser.frontend.engine.Engine` exclusively. Its loop: run the
+  queued commands (add, abort, anything else) -> ``engine.step()`` -> hand the step's
+  outputs to the event loop with *one* ``loop.call_soon_threadsafe``. With nothing to run it
+  waits on an event (no busy spin) and checks the allocators' integrity once.
+* **event-loop thread** (the HTTP server) tokenizes in a helper thread with its own copy of the
+  tokenizer, decides admission (bounded queue, TTFT feasibility), queues commands, and reads
+  each request's outputs from an ``asyncio.Queue``. Nothing it does waits on a step.
+
+Commands run *between* steps, so the engine is never touched from two threads. An abort
+issued while a step runs takes effect right after it; the scheduler skips outputs of
+requests that are gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import copy
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+from .admission import (  # noqa: F401 - the admission errors and decision are part of this module's API
+    Admission,
+    EngineStepError,
+    EngineStoppedError,
+    QueueAwareAdmission,
+    QueueFullError,
+    SLOInfeasibleError,
+    snapshot_of,
+)
+from ..core.request import SLO, InvalidRequestError, SamplingParams
+
+log = logging.getLogger(__name__)
+
+ON_INFEASIBLE = ("queue", "reject", "demote")
+
+
+def predicted_prefill_seconds(engine, num_prompt_tokens: int) -> float | None:
+    """Predicted prefill time (seconds) of a prompt run alone, right now; None without a model.
+
+    The one place admission control asks the latency model; switch here when the engine grows
+    a better predictor.
+    """
+    f = getattr(engine, "predict_prefill_seconds", None)
+    if f is not None:
+        return f(num_prompt_tokens)
+    lm = getattr(engine, "latency_model", None)
+    if lm is None:
+        return None
+    return lm.predict_prefill(num_prompt_tokens)
+
+
+class _Encoder:
+    """Prompt encoding off the engine thread: the engine's own logic on a private tokenizer copy
+    (a Rust tokenizer must not be used from two threads at once)."""
+
+    def __init__(self, engine):
+        from .engine import Engine
+
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self.model_config = engine.model_config
+        self._encode = Engine.encode_prompt
+        self._template = Engine.apply_chat_template
+
+    def apply_chat_template(self, messages):
+        return self._template(self, messages)
+
+    def encode_prompt(self, prompt):
+        return self._encode(self, prompt)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+
+class RequestStream:
+    """One submitted request, seen from the event loop.
+
+    Its outputs (:class:`~laser.frontend.engine.RequestOutput`) go to ``queue``, which several streams
+    may share (``n > 1``, batched prompts); a failure arrives as a :class:`StreamError`.
+    """
+
+    __slots__ = ("req_id", "prompt_token_ids", "admission", "queue", "last", "first_token_seen", "done", "added")
+
+    def __init__(self, req_id: str, prompt_token_ids: list[int], admission: Admission, queue: asyncio.Queue):
+        self.req_id = req_id
+        self.prompt_token_ids = prompt_token_ids
+        self.admission = admission
+        self.queue = queue
+        self.last = None  # latest RequestOutput
+        self.first_token_seen = False
+        self.done = False
+        self.added: asyncio.Future | None = None  # resolves when the engine has the request
+
+
+@dataclass
+class StreamError:
+    """Queue item: the request failed (engine error, shutdown without output)."""
+
+    req_id: str
+    error: BaseException
+
+
+class AsyncEngine:
+    """Runs an :class:`~laser.frontend.engine.Engine` in a background thread for an asyncio server.
+
+    Args:
+        engine: the engine; from :meth:`start` on only the engine thread touches it.
+        max_waiting: accepted requests that have not produced a first token, at most; more
+            get :class:`QueueFullError` (the bounded queue).
+        on_infeasible: when the predicted TTFT misses the target even if the request ran
+            next: ``queue`` (serve anyway), ``reject`` (:class:`SLOInfeasibleError`) or
+            ``demote`` (serve as ``best_effort``). Independently, a demotable hot request is
+            served as its warm class when the TTFT predicted behind the waiting hot and warm
+            prompts misses its target (issue 14).
+        idle_wait_s: longest idle sleep of the engine thread (it wakes at once on a command).
+        check_integrity_when_idle: run ``engine.check_integrity(expect_empty=True)`` whenever
+            the engine goes idle (errors are logged).
+    """
+
+    def __init__(
+        self,
+        engine,
+        max_waiting: int = 256,
+        on_infeasible: str = "queue",
+        idle_wait_s: float = 1.0,
+        check_integrity_when_idle: bool = True,
+    ):
+        if on_infeasible not in ON_INFEASIBLE:
+            raise ValueError(f"on_infeasible must be one of {ON_INFEASIBLE}, got {on_infeasible!r}")
+        if max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.on_infeasible = on_infeasible
+        self.idle_wait_s = idle_wait_s
+        self.check_integrity_when_idle = check_integrity_when_idle
+        self.model_name = engine.model_name
+        self.max_model_len = engine.max_model_len
+        self.slo_classes = engine.slo_classes
+        self.encoder = _Encoder(engine)
+        # -- shared between threads (deque append/popleft are atomic) --
+        self._cmds: collections.deque = collections.deque()  # run between steps
+        self._adds: collections.deque = collections.deque()  # arrivals: also at layer boundaries
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stop_requested = False
+        self.dead: BaseException | None = None  # set when the engine can no longer serve
+        self.num_steps = 0
+        self.num_step_errors = 0
+        self._num_adds_run = 0  # engine thread: add commands taken (in submission order)
+        # Snapshot published by the engine thread + requests admitted since (event loop).
+        self.queue_admission = QueueAwareAdmission(getattr(engine, "latency_model", None))
+        self._num_submitted = 0
+        # -- event-loop side only --
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._tok_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="laser-tokenizer")
+        self.num_queued = 0  # accepted, no first token yet (bounded by max_waiting)
+        self.draining = False
+        self.listeners: list[Callable[[RequestStream, Any], None]] = []  # (stream, output) on each output
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the engine thread, delivering outputs to ``loop`` (default: the running loop)."""
+        if self._thread is not None:
+            return
+        self._loop = loop or asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="laser-engine", daemon=True)
+        self._thread.start()
+
+    def begin_drain(self) -> None:
+        """Refuse new requests (:class:`EngineStoppedError`); in-flight ones keep going."""
+        self.draining = True
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    async def shutdown(self, drain_timeout: float = 0.0) -> None:
+        """Stop taking requests, let in-flight ones finish for up to ``drain_timeout`` seconds,
+        abort the rest (their streams end with ``finish_reason="abort"``), stop the thread."""
+        self.begin_drain()
+        deadline = time.monotonic() + max(0.0, drain_timeout)
+        while self._streams and time.monotonic() < deadline and self.running:
+            await asyncio.sleep(0.05)
+        self._stop_requested = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30.0)
+        # Outputs posted by the thread's last act run now; anything left gets its abort.
+        await asyncio.sleep(0)
+        for s in list(self._streams.values()):
+            self._finish_aborted(s)
+        self._tok_pool.shutdown(wait=False)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Synchronous stop (no draining) for use outside the event loop."""
+        self.draining = True
+        self._stop_requested = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._tok_pool.shutdown(wait=False)
+
+    # -- commands -----------------------------------------------------------------------------------
+    def _submit(self, fn: Callable, arrival: bool = False) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        (self._adds if arrival else self._cmds).append((fn, fut))
+        self._wake.set()
+        return fut
+
+    async def run_in_engine(self, fn: Callable[[Any], Any]) -> Any:
+        """Run ``fn(engine)`` on the engine thread between two steps; return its result."""
+        if not self.running:
+            raise EngineStoppedError("engine is not running")
+        return await asyncio.wrap_future(self._submit(fn))
+
+    async def check_integrity(self, expect_empty: bool = False) -> None:
+        """``engine.check_integrity`` on the engine thread (raises AssertionError on corruption)."""
+        await self.run_in_engine(lambda e: e.check_integrity(expect_empty=expect_empty))
+
+    def abort(self, req_id: str) -> None:
+        """Abort a request (idempotent): its KV and paused state are freed after the current step."""
+        s = self._streams.pop(req_id, None)
+        if s is not None:
+            self._mark_done(s)
+        if self.running:
+            self._submit(lambda e: e.abort(req_id))
+
+    def abort_all(self) -> None:
+        """Abort every request now (their streams end with ``finish_reason="abort"``)."""
+        if self.running:
+            self._submit(lambda e: self._abort_requests())
+
+    # -- requests -----------------------------------------------------------------------------------
+    async def encode(self, prompt: str | list[int] | list[dict]) -> list[int]:
+        """Token ids of a prompt (text, ids, or chat messages). Raises InvalidRequestError."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tok_pool, self.encoder.encode_prompt, prompt)
+
+    async def decode(self, ids: list[int]) -> str:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tok_pool, self.encoder.decode, ids)
+
+    def predict_ttft(self, num_prompt_tokens: int) -> float | None:
+        return predicted_prefill_seconds(self.engine, num_prompt_tokens)
+
+    def cached_prompt_tokens(self, ids: list[int]) -> int:
+        """Tokens of prompt ``ids`` the engine's prefix cache holds now, as the scheduler will
+        find them (whole blocks, the last token always computed); 0 without a local cache (a
+        cluster front end: its controller routes by the instances' summaries). Read off the
+        engine thread -- single dict reads of the block manager's hash map: an estimate for
+        admission, exact unless a block is published or evicted meanwhile."""
+        kv = getattr(self.engine, "kv_cache", None)
+        if kv is None or not kv.block_manager.enable_prefix_caching or len(ids) < 2:
+            return 0
+        bm = kv.block_manager
+        return bm.cached_prefix_blocks(bm.block_hashes([], ids), len(ids) - 1) * bm.block_size
+
+    def admit(self, prompt_lens: list[int], slo: SLO, arrival: float | None = None,
+              cached: list[int] | None = None) -> list[Admission]:
+        """Admission control for requests about to be added (one per prompt length; ``cached``:
+        the tokens of each prompt the prefix cache holds, :meth:`cached_prompt_tokens`, priced as
+        computed already).
+
+        The predicted TTFT (:func:`laser.frontend.admission.predict_ttft`) counts, from ``arrival``
+        (engine clock; default now), the rest of the running step and the prefill of every
+        request ahead in the queue order — from the snapshot the engine thread published
+        after its last step plus the requests admitted since — so it needs no engine step.
+
+        Raises EngineStoppedError (draining/dead), QueueFullError (bounded queue full) or
+        SLOInfeasibleError (``on_infeasible == "reject"``). Call :meth:`submit` for each in the
+        same event-loop turn (no ``await`` in between), or the queue bound may be overrun.
+        """
+        if self.draining or self.dead is not None or self._stop_requested:
+            raise EngineStoppedError(
+                "server is shutting down" if self.dead is None else f"engine failed: {self.dead}"
+            )
+        if self.num_queued + len(prompt_lens) > self.max_waiting:
+            raise QueueFullError(
+                f"too many waiting requests ({self.num_queued} waiting, limit {self.max_waiting}); retry later"
+            )
+        qa = self.queue_admission
+        now = self.engine.clock()
+        arrival = now if arrival is None else arrival
+        view = qa.view(now)
+        out = []
+        warm = self.slo_classes.demotion_target(slo)
+        for i, n in enumerate(prompt_lens):
+            c = cached[i] if cached else 0
+            entry = qa.entry(n, arrival, slo.ttft, slo.tbt, slo.name, now, cached=c)
+            pred = None
+            if slo.ttft is not None and qa.latency_model is not None:
+                pred = qa.predict(entry, now, arrival, view)
+            if warm is not None and pred is not None and pred > slo.ttft:
+                # pressure: the target is missed behind the queue ahead -> served as warm
+                entry = qa.entry(n, arrival, warm.ttft, warm.tbt, warm.name, now, cached=c)
+                view = qa.with_entry(view, entry)
+                out.append(Admission(warm, slo, pred, True, entry, "warm"))
+                continue
+            if pred is not None and pred > slo.ttft:
+                if self.on_infeasible == "reject":
+                    raise SLOInfeasibleError(pred, slo, sum(e.key <= entry.key for e in view.queue))
+                if self.on_infeasible == "demote":
+                    be = self.slo_classes.get("best_effort")
+                    entry = qa.entry(n, arrival, be.ttft, be.tbt, be.name, now, cached=c)
+                    view = qa.with_entry(view, entry)
+                    out.append(Admission(be, slo, pred, True, entry, "best_effort"))
+                    continue
+            view = qa.with_entry(view, entry)  # the next prompt of this call queues behind it
+            out.append(Admission(slo, slo, pred, False, entry))
+        return out
+
+    def queued_interactive_tokens(self) -> int:
+        """Prompt tokens of accepted hot and warm requests without a first token (event loop)."""
+        return sum(len(s.prompt_token_ids) for s in self._streams.values()
+                   if not s.first_token_seen and s.admission.slo.tier in ("hot", "warm"))
+
+    def queued_of_tier(self, tier: str) -> int:
+        """Accepted requests of SLO tier ``tier`` without a first token (event loop)."""
+        return sum(1 for s in self._streams.values() if not s.first_token_seen and s.admission.slo.tier == tier)
+
+    def submit(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        admission: Admission,
+        queue: asyncio.Queue | None = None,
+        req_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> RequestStream:
+        """Queue an admitted request for the engine without waiting; ``stream.added`` resolves
+        once the engine has it (or raises InvalidRequestError / EngineStoppedError).
+
+        Its outputs go to ``queue`` (a new one if None). The engine sees it at its next layer
+        boundary, so a layer-level policy may react mid-step. ``arrival_time`` (engine clock;
+        default: now) is when the client's request arrived: tokenization and queueing count
+        toward its TTFT. Synchronous, so :meth:`admit` + ``submit`` in one event-loop turn keep
+        the waiting queue bounded exactly.
+        """
+        if not self.running or self._stop_requested:
+            raise EngineStoppedError("engine is not running")
+        req_id = req_id or f"req-{uuid.uuid4().hex}"
+        arrival = self.engine.clock() if arrival_time is None else arrival_time
+        stream = RequestStream(req_id, prompt_token_ids, admission, queue or asyncio.Queue())
+        self._streams[req_id] = stream
+        self.num_queued += 1
+        self._num_submitted += 1  # the engine thread counts adds in this same order
+        if admission.entry is not None:
+            self.queue_admission.admitted(self._num_submitted, admission.entry)
+        fut = self._submit(
+            lambda e: e.add_request(
+                prompt_token_ids, sampling_params, admission.slo, req_id=req_id, arrival_time=arrival
+            ).arrival_time,
+            arrival=True,
+        )
+        stream.added = asyncio.wrap_future(fut)
+        stream.added.add_done_callback(lambda f, s=stream: self._on_added(s, f))
+        return stream
+
+    def _on_added(self, s: RequestStream, fut: asyncio.Future) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            if self._streams.get(s.req_id) is s:
+                del self._streams[s.req_id]
+            self._mark_done(s)
+
+    async def add_request(self, *args, **kwargs) -> RequestStream:
+        """:meth:`submit`, then wait until the engine has the request. If the caller is
+        cancelled meanwhile the request is aborted."""
+        stream = self.submit(*args, **kwargs)
+        try:
+            await asyncio.shield(stream.added)
+        except asyncio.CancelledError:
+            self.abort(stream.req_id)  # queued after the add: frees whatever the add allocated
+            raise
+        return stream
+
+    async def generate(
+        self,
+        prompt: str | list[int] | list[dict],
+        sampling_params: SamplingParams | None = None,
+        slo: SLO | str | None = None,
+    ) -> AsyncIterator:
+        """Encode, admit, add, and yield the request's outputs; aborts it if the caller stops early."""
+        ids = await self.encode(prompt)
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(f"prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens")
+        slo_obj = slo if isinstance(slo, SLO) else self.slo_classes.get(slo)
+        (adm,) = self.admit([len(ids)], slo_obj, cached=[self.cached_prompt_tokens(ids)])
+        stream = await self.add_request(ids, sampling_params or SamplingParams(), adm)
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, StreamError):
+                    raise item.error
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if not stream.done:
+                self.abort(stream.req_id)
+
+    # -- event-loop side of delivery -------------------------------------------------------------------
+    def _mark_done(self, s: RequestStream) -> None:
+        if not s.done:
+            s.done = True
+            if not s.first_token_seen:
+                self.num_queued -= 1
+
+    def _on_outputs(self, outs: list) -> None:
+        for out in outs:
+            s = self._streams.get(out.req_id)
+            if s is None:  # aborted by the client in the meantime
+                continue
+            if not s.first_token_seen:
+                s.first_token_seen = True
+                self.num_queued -= 1
+            s.last = out
+            if out.finished or getattr(out, "handed_off", False):
+                del self._streams[out.req_id]
+                s.done = True
+            for fn in self.listeners:
+                try:
+                    fn(s, out)
+                except Exception:  # noqa: BLE001 - metrics must never break serving
+                    log.exception("output listener failed")
+            s.queue.put_nowait(out)
+
+    def _finish_aborted(self, s: RequestStream) -> None:
+        """End a stream whose request the engine aborted (shutdown): a final ``abort`` output."""
+        from .engine import RequestOutput
+
+        self._streams.pop(s.req_id, None)
+        self._mark_done(s)
+        last = s.last
+        out = RequestOutput(
+            req_id=s.req_id,
+            prompt=None,
+            prompt_token_ids=s.prompt_token_ids,
+            text=last.text if last else "",
+            token_ids=list(last.token_ids) if last else [],
+            delta_text="",
+            new_token_ids=[],
+            finished=True,
+            finish_reason="abort",
+            slo=s.admission.slo,
+            request=last.request if last else None,
+            arrival_time=last.arrival_time if last else 0.0,
+            token_times=last.token_times if last else (),
+        )
+        for fn in self.listeners:
+            try:
+                fn(s, out)
+            except Exception:  # noqa: BLE001
+                log.exception("output listener failed")
+        s.queue.put_nowait(out)
+
+    def _on_aborted(self, req_ids: list[str]) -> None:
+        for rid in req_ids:
+            s = self._streams.get(rid)
+            if s is not None:
+                self._finish_aborted(s)
+
+    def _on_failed(self, req_ids: list[str], error: BaseException) -> None:
+        for rid in req_ids:
+            s = self._streams.pop(rid, None)
+            if s is not None:
+                self._mark_done(s)
+                s.queue.put_nowait(StreamError(rid, error))
+
+    def _post(self, fn: Callable, *args) -> None:
+        """Engine thread -> event loop."""
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # loop closed: nobody is listening any more
+            pass
+
+    # -- the engine thread ------------------------------------------------------------------------------
+    def _run_queue(self, q: collections.deque) -> None:
+        while q:
+            fn, fut = q.popleft()
+            if q is self._adds:
+                self._num_adds_run += 1
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(self.engine))
+            except BaseException as e:  # noqa: BLE001 - the caller gets the exception
+                fut.set_exception(e)
+
+    def _arrivals(self) -> None:
+        """Engine's arrival hook (every layer boundary): add requests that arrived. Costs one
+        deque truth test when nothing arrived."""
+        if self._adds:
+            self._run_queue(self._adds)
+
+    def _run_commands(self) -> None:
+        # Adds first: an abort queued after its add must find the request.
+        self._run_queue(self._adds)
+        self._run_queue(self._cmds)
+
+    def _run(self) -> None:
+        eng = self.engine
+        if hasattr(eng, "arrival_hook"):
+            eng.arrival_hook = self._arrivals
+        idle_checked = False
+        while not self._stop_requested:
+            self._wake.clear()  # before reading commands: a later set() is never lost
+            self._run_commands()
+            if self._stop_requested:
+                break
+            if not eng.has_unfinished():
+                if not idle_checked:
+                    self._publish(0.0)
+                if self.check_integrity_when_idle and not idle_checked:
+                    idle_checked = True
+                    try:
+                        eng.check_integrity(expect_empty=True)
+                    except Exception:  # noqa: BLE001
+                        log.exception("integrity check failed while idle")
+                self._wake.wait(self.idle_wait_s)
+                continue
+            idle_checked = False
+            t0 = time.perf_counter()
+            try:
+                outs = eng.step()
+            except Exception as e:  # noqa: BLE001 - keep serving everyone we can
+                log.exception("engine step failed; aborting the requests in flight")
+                self.num_step_errors += 1
+                self._fail_all(EngineStepError(f"engine step failed: {type(e).__name__}: {e}"))
+                continue
+            self.num_steps += 1
+            self._publish(time.perf_counter() - t0)
+            if outs:
+                self._post(self._on_outputs, outs)
+            elif time.perf_counter() - t0 < 1e-4:
+                # Nothing was planned (e.g. waiting on memory): do not spin.
+                self._wake.wait(0.001)
+        self._abort_everything()
+
+    def _publish(self, step_s: float) -> None:
+        """Engine thread: publish the scheduler snapshot (admission, metrics) after a step."""
+        make = getattr(self.engine, "admission_snapshot", None)  # a cluster front end has its own
+        try:
+            if make is not None:
+                snap = make(self.engine.clock(), self._num_adds_run, step_s)
+                if snap is None:
+                    return
+            else:
+                snap = snapshot_of(self.engine.scheduler, self.engine.clock(), self._num_adds_run, step_s)
+        except Exception:  # noqa: BLE001 - observability must never stop serving
+            if not getattr(self, "_snapshot_failed", False):
+                self._snapshot_failed = True
+                log.exception("cannot snapshot the scheduler; admission sees no queue")
+            return
+        self.queue_admission.publish(snap)
+
+    def _fail_all(self, error: BaseException) -> None:
+        eng = self.engine
+        ids = list(eng.scheduler.requests)
+        try:
+            for rid in ids:
+                eng.abort(rid)
+            eng.check_integrity()
+        except Exception as e:  # noqa: BLE001
+            log.exception("engine state is broken; refusing new requests")
+            self.dead = e
+        self._post(self._on_failed, ids, error)
+
+    def _abort_requests(self) -> None:
+        eng = self.engine
+        ids = list(eng.scheduler.requests)
+        try:
+            for rid in ids:
+                eng.abort(rid)
+            eng.check_integrity(expect_empty=True)
+        except Exception:  # noqa: BLE001
+            log.exception("aborting every request left the engine inconsistent")
+        self._post(self._on_aborted, ids)
+
+    def _abort_everything(self) -> None:
+        self._run_commands_cancelled()
+        self._abort_requests()
+
+    def _run_commands_cancelled(self) -> None:
+        if hasattr(self.engine, "arrival_hook"):
+            self.engine.arrival_hook = None
+        for q in (self._adds, self._cmds):
+            while q:
+                _, fut = q.popleft()
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(EngineStoppedError("engine stopped"))
+
+    # -- statistics (read from the event loop; approximate, never blocks the engine) -----------------------
+    def class_counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(running, waiting) request counts per SLO class, as of the last published snapshot."""
+        c = self.counters()
+        return dict(c.get("running", {})), dict(c.get("waiting", {}))
+
+    def counters(self) -> dict:
+        """The scheduler's observability counters as of the last step (see
+        :func:`laser.frontend.admission.snapshot_of`); empty before the first step."""
+        snap = self.queue_admission.snapshot
+        return snap.counters if snap is not None else {}
+
+    def kv_cache_usage(self) -> float:
+        try:
+            return float(self.engine.kv_cache.block_manager.usage())
+        except Exception:  # noqa: BLE001 - racy read during a mutation
+            return float("nan")

@@ -1,0 +1,81 @@
+"""Offline API, vLLM-style: ``LLM(model=..., policy=...).generate(prompts, sampling_params, slo=...)``."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .engine import Engine, RequestOutput
+from ..core.request import SLO, InvalidRequestError, SamplingParams
+
+
+class LLM:
+    """Batch generation over one in-process :class:`~laser.frontend.engine.Engine`.
+
+    Keyword arguments are passed to :class:`Engine` (``dtype``, ``cache``, ``scheduler``, ...).
+    """
+
+    def __init__(self, model: str | None = None, policy: str = "laser", **engine_kwargs):
+        self.engine = Engine(model=model, policy=policy, **engine_kwargs)
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        slo: SLO | str | Sequence[SLO | str] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; returns final outputs in prompt order.
+
+        ``sampling_params`` and ``slo`` may be one value for all prompts or one per prompt.
+        Raises InvalidRequestError for a malformed prompt (before anything runs).
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        n = len(prompts)
+        sps = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * n
+        slos = slo if isinstance(slo, (list, tuple)) else [slo] * n
+        if len(sps) != n or len(slos) != n:
+            raise ValueError("need one sampling_params / slo per prompt, or a single one")
+        return self._run(self._add(zip(prompts, sps, slos)), use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None, slo=None):
+        """Generate replies to one conversation or a list of them (chat template applied).
+        Raises InvalidRequestError for a malformed conversation (before anything runs), also
+        for ``messages`` that is not a list (a plain prompt string: use :meth:`generate`)."""
+        if not isinstance(messages, (list, tuple)):
+            raise InvalidRequestError(
+                "messages must be a list of {'role': ..., 'content': ...} dicts (one conversation) or a list of "
+                f"such lists, got {type(messages).__name__}" + (" (for a plain prompt use LLM.generate)"
+                                                                if isinstance(messages, str) else ""))
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self._run(self._add((c, sampling_params, slo) for c in convs), False)
+
+    def _add(self, items) -> list[str]:
+        """Enqueue every (prompt, sampling_params, slo); all or none: when one is rejected
+        (InvalidRequestError), the ones enqueued before it are aborted, then it raises."""
+        ids: list[str] = []
+        try:
+            for p, sp, s in items:
+                ids.append(self.engine.add_request(p, sp, s).req_id)
+        except BaseException:
+            for i in ids:
+                self.engine.abort(i)
+            raise
+        return ids
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="generating")
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.req_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [final[i] for i in ids]

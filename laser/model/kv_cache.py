@@ -1,0 +1,70 @@
+"""Paged K/V tensors, written and read through flat slot indices.
+
+Layout: one preallocated tensor ``[num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim]``.
+Slot ``s`` of a layer is token ``s % block_size`` of block ``s // block_size``. Block ids
+come from :class:`laser.core.block_manager.BlockManager`, which owns all allocation state;
+this class owns only the tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.block_manager import BlockManager
+from ..core.config import CacheConfig, ModelConfig
+
+
+class KVCache:
+    """The paged K/V pool of one instance.
+
+    Args:
+        model: model shape (layers, kv heads, head dim).
+        cache: sizing; ``cache.blocks_per_layer`` decides the pool size.
+        dtype: K/V dtype (the model's dtype).
+        cache_salt: what else changes the KV (model id, quantization): with ``dtype``, the root
+            of the prefix cache's block hashes (:func:`laser.block_manager.prefix_root`).
+    """
+
+    def __init__(self, model: ModelConfig, cache: CacheConfig, dtype: torch.dtype, cache_salt: str = ""):
+        self.block_size = cache.block_size
+        self.num_blocks = cache.blocks_per_layer(model, torch.finfo(dtype).bits // 8)
+        self.num_layers = model.num_layers
+        self.kv = torch.zeros(
+            model.num_layers, 2, self.num_blocks * self.block_size, model.num_kv_heads, model.head_dim, dtype=dtype
+        )
+        self.block_manager = BlockManager(model.num_layers, self.num_blocks, self.block_size,
+                                          enable_prefix_caching=cache.enable_prefix_caching,
+                                          cache_salt=f"{cache_salt}|{dtype}")
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
+        """Flat slot indices [end - start] (int64) of token positions ``start..end-1`` for a block table."""
+        pos = torch.arange(start, end)
+        blocks = torch.tensor(table, dtype=torch.long)[pos // self.block_size]
+        return blocks * self.block_size + pos % self.block_size
+
+    def export_layer(self, req_id: str, layer: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy one layer of one request's KV: (K, V), each ``[num_tokens, kv_heads, head_dim]``.
+
+        Used for per-layer KV migration (prefill instance -> decode instance).
+        """
+        s = self.slots(self.block_manager.table(req_id, layer), 0, num_tokens)
+        return self.kv[layer, 0, s].clone(), self.kv[layer, 1, s].clone()
+
+    def import_layer(self, req_id: str, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Allocate ``req_id``'s blocks at ``layer`` and write K/V ``[num_tokens, kv_heads, head_dim]``.
+
+        Raises OutOfBlocksError (nothing allocated) when the layer's pool is full.
+        """
+        self.block_manager.allocate(req_id, k.shape[0], range(layer, layer + 1))
+        self.write_layer(req_id, layer, k, v)
+
+    def write_layer(self, req_id: str, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K/V ``[num_tokens, kv_heads, head_dim]`` of positions ``0..num_tokens-1`` into
+        the blocks ``req_id`` already holds at ``layer`` (a re-sent layer overwrites in place)."""
+        s = self.slots(self.block_manager.table(req_id, layer), 0, k.shape[0])
+        self.kv[layer, 0, s] = k.to(self.kv.dtype)
+        self.kv[layer, 1, s] = v.to(self.kv.dtype)

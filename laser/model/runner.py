@@ -1,0 +1,309 @@
+"""Executes a :class:`~laser.core.plan.StepPlan` layer by layer on the model: the torch executor of
+the plan walker (:mod:`laser.core.walk`, which owns every layer-boundary rule).
+
+For layer j the runner runs, in one batched call, every work with
+``layer_start <= j < layer_end``. The batch *composition* changes only at layers where
+a work starts or ends; only there does the runner touch Python-level per-request state:
+it parks leaving works' hidden states in the intermediate cache, embeds or restores
+joining works, concatenates the residual stream and builds :class:`AttnMetadata` once
+for every layer the composition runs.
+
+Rows of the residual stream are ordered decode works first, then prefill works; each
+work's rows are contiguous.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from ..core.intermediate_cache import IntermediateCache
+from .kv_cache import KVCache
+from ..latency.features import DEFAULT_MAX_GATHER_BYTES, decode_slices, max_gather_positions
+from .llama import AttnGroup, AttnMetadata, LlamaModel
+from ..core.walk import walk
+from ..core.plan import StepPlan, StepResult, Work
+from ..core.request import Request
+from .sampler import Sampler
+
+
+class ModelRunner:
+    """Owns the model, the KV cache tensor and the intermediate cache payloads."""
+
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, icache: IntermediateCache, sampler: Sampler | None = None):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.bm = kv_cache.block_manager
+        self.icache = icache
+        self.sampler = sampler or Sampler()
+        self.num_layers = model.config.num_layers
+        model.bind_kv_cache(kv_cache.kv)
+        self._group_size = model.config.num_heads // model.config.num_kv_heads
+        # Per-layer KV streaming (prefill role, issue 13): req id -> send(layer, K, V), called as
+        # soon as the request's final prefill chunk has written a layer; the sent copies are kept
+        # here until the hand-off exports them (:meth:`export_kv`), so no layer is copied twice.
+        self.kv_streams: dict[str, Callable[[int, torch.Tensor, torch.Tensor], None]] = {}
+        self._streamed: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        plan: StepPlan,
+        requests: dict[str, Request],
+        stop_at: Callable[[int], bool] | None = None,
+        return_logits: bool = False,
+    ) -> StepResult:
+        """Run ``plan`` by the layer-boundary rules of :func:`laser.core.walk.walk` (``stop_at(j)``
+        pauses prefill work at boundary j; decode works run on to their ``layer_end``).
+
+        Preconditions: the scheduler allocated KV blocks for every work's tokens at every
+        layer it runs, and works with ``layer_start > 0`` have their hidden state in the
+        intermediate cache. Postconditions: works that stopped before the last layer have
+        their hidden state in the intermediate cache.
+        """
+        self._requests = requests
+        self._return_logits = return_logits
+        self._hidden = None
+        self._meta = None
+        self._res = res = StepResult(stopped_layer=0)
+        res.stopped_layer = walk(plan, self, stop_at)
+        self._hidden = self._meta = self._requests = None
+        return res
+
+    # -- the instance core's executor hooks (laser.instance.core.Executor) ---------------------------
+    def export_kv(self, req: Request) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (K, V) of ``req``'s computed tokens, each ``[T, kv_heads, head_dim]``.
+
+        Layers already streamed (:attr:`kv_streams`) are the copies sent then; any layer not
+        streamed yet is copied now and, when ``req`` has a stream, sent too, so its receiver
+        always ends up with every layer. The stream ends here."""
+        n = req.num_computed_tokens
+        have = self._streamed.pop(req.req_id, {})
+        send = self.kv_streams.pop(req.req_id, None)
+        out = []
+        for layer in range(self.num_layers):
+            kv = have.get(layer)
+            if kv is None or kv[0].shape[0] != n:
+                kv = self.kv_cache.export_layer(req.req_id, layer, n)
+                if send is not None:
+                    send(layer, *kv)
+            out.append(kv)
+        return out
+
+    def import_kv(self, req: Request, kv: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Allocate ``req``'s blocks layer by layer and write its K/V; a ``None`` entry is a layer
+        already written here (streamed in). Raises OutOfBlocksError when the pool cannot hold it
+        (then nothing of ``req`` is kept, streamed layers included)."""
+        try:
+            for layer, piece in enumerate(kv):
+                if piece is not None:
+                    self.kv_cache.import_layer(req.req_id, layer, *piece)
+        except Exception:
+            self.bm.free(req.req_id)
+            raise
+
+    def release(self, req_id: str) -> None:
+        self.sampler.release(req_id)
+        self.kv_streams.pop(req_id, None)
+        self._streamed.pop(req_id, None)
+
+    def export_sampler_state(self, req_id: str) -> bytes | None:
+        return self.sampler.export_state(req_id)
+
+    def import_sampler_state(self, req_id: str, state: bytes | None) -> None:
+        self.sampler.import_state(req_id, state)
+
+    # -- the walker's executor hooks (laser.core.walk.LayerExecutor) --------------------------------
+    def park(self, active, leaving, layer):
+        """Move ``leaving`` works' rows to the intermediate cache (paused at ``layer``)."""
+        leave_ids = {id(w) for w in leaving}
+        keep, parts = [], []
+        hidden = self._hidden
+        for w, (a, b) in zip(active, self._rows(active)):
+            if id(w) in leave_ids:
+                if layer < self.num_layers:
+                    self.icache.put(w.req_id, hidden[a:b].clone(), w.num_tokens)
+            else:
+                keep.append(w)
+                parts.append(hidden[a:b])
+        self._hidden = None if not keep else (torch.cat(parts) if len(parts) > 1 else parts[0])
+        return keep
+
+    def join(self, active, joining):
+        hidden = self._hidden
+        entries = [(w, hidden[a:b]) for w, (a, b) in zip(active, self._rows(active))]
+        embed_works = [w for w in joining if w.layer_start == 0]
+        if embed_works:
+            ids = []
+            for w in embed_works:
+                ids.extend(self._requests[w.req_id].all_token_ids[w.token_start : w.token_start + w.num_tokens])
+            t0 = time.perf_counter()
+            emb = self.model.embed(torch.tensor(ids, dtype=torch.long))
+            self._res.compute_seconds += time.perf_counter() - t0
+            r = 0
+            for w in embed_works:
+                entries.append((w, emb[r : r + w.num_tokens]))
+                r += w.num_tokens
+        for w in joining:
+            if w.layer_start > 0:
+                entries.append((w, self.icache.pop(w.req_id)))
+        # decode works first (by context length, so padded decode groups waste little), then prefill
+        entries.sort(key=lambda e: (e[0].num_tokens > 1, e[0].context_len if e[0].num_tokens == 1 else 0))
+        self._hidden = torch.cat([h for _, h in entries]) if len(entries) > 1 else entries[0][1]
+        return [w for w, _ in entries]
+
+    def compose(self, active, layers):
+        self._meta = self._build_metadata(active, layers)
+
+    def run_layer(self, layer, active):
+        tl = time.perf_counter()
+        self._hidden = self.model.forward_layer(layer, self._hidden, self._meta)
+        self._res.compute_seconds += time.perf_counter() - tl
+        self._res.num_layer_calls += 1
+        if self.kv_streams:
+            self._stream_layer(layer, active)
+
+    def _stream_layer(self, layer: int, active: list[Work]) -> None:
+        """Layer ``layer`` of every active work is written: send it for each streamed request
+        whose final prefill chunk this is (its KV at this layer is now complete)."""
+        for w in active:
+            send = self.kv_streams.get(w.req_id)
+            if send is not None and w.context_len == self._requests[w.req_id].num_tokens:
+                kv = self.kv_cache.export_layer(w.req_id, layer, w.context_len)
+                self._streamed.setdefault(w.req_id, {})[layer] = kv
+                send(layer, *kv)
+
+    def finish(self, active, layer):
+        t0 = time.perf_counter()
+        self._finish(active, self._hidden, layer, self._requests, self._res, self._return_logits)
+        self._res.compute_seconds += time.perf_counter() - t0
+
+    # -- composition helpers -------------------------------------------------------------------
+    def _rows(self, active: list[Work]) -> list[tuple[int, int]]:
+        out, r = [], 0
+        for w in active:
+            out.append((r, r + w.num_tokens))
+            r += w.num_tokens
+        return out
+
+    def _finish(self, active, hidden, layer, requests, res: StepResult, return_logits: bool) -> None:
+        """Works at their last layer: park (layer < N) or sample from the last position."""
+        if layer < self.num_layers:
+            self.park(active, active, layer)
+            return
+        want = [(w, b - 1) for w, (a, b) in zip(active, self._rows(active)) if w.sample or return_logits]
+        if not want:
+            return
+        logits = self.model.compute_logits(hidden[torch.tensor([r for _, r in want])])
+        reqs = [requests[w.req_id] for w, _ in want]
+        toks = self.sampler.sample(logits, reqs)
+        for k, (w, _) in enumerate(want):
+            if w.sample:
+                res.sampled[w.req_id] = toks[k]
+            if return_logits:
+                res.logits[w.req_id] = logits[k]
+
+    # -- attention metadata ----------------------------------------------------------------------
+    #: Largest padded K (or V) gather of one decode group, bytes (see
+    #: :data:`laser.latency.features.DEFAULT_MAX_GATHER_BYTES`).
+    max_gather_bytes = DEFAULT_MAX_GATHER_BYTES
+
+    def _split_decode(self, active: list[Work], dec: list[int]) -> list[list[int]]:
+        """Split decode rows (sorted by context) into consecutive groups whose padded gather
+        fits: the rule the latency model prices (:func:`laser.latency.features.decode_slices`)."""
+        cfg = self.model.config
+        limit = max_gather_positions(cfg.num_kv_heads, cfg.head_dim, self.kv_cache.kv.element_size(),
+                                     self.max_gather_bytes)
+        return [dec[a:b] for a, b in decode_slices([active[i].context_len for i in dec], limit)]
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """Bool mask (True = attend) -> additive mask in the model dtype (0 / -inf).
+
+        SDPA on CPU adds a float mask directly; a bool one is converted on every call.
+        """
+        m = torch.zeros(allowed.shape, dtype=self.model.dtype)
+        return m.masked_fill_(~allowed, float("-inf"))
+
+    def _build_metadata(self, active: list[Work], layers: range) -> AttnMetadata:
+        """Metadata for ``active`` (rows in order) valid for every layer in ``layers``."""
+        bs = self.bm.block_size
+        pos = torch.cat([torch.arange(w.token_start, w.context_len) for w in active])
+        override_layers = sorted(
+            {l for w in active for l in self.bm.overridden_layers(w.req_id) if l in layers}
+        )
+        dec = [i for i, w in enumerate(active) if w.num_tokens == 1]
+        pf = [i for i, w in enumerate(active) if w.num_tokens > 1]
+        rows = self._rows(active)
+
+        def tables(layer):
+            if layer is None:
+                return [self.bm.canonical_table(w.req_id) for w in active]
+            return [self.bm.table(w.req_id, layer) for w in active]
+
+        def kv_indices(tbls, idxs):
+            ctx = torch.tensor([active[i].context_len for i in idxs])
+            C = int(ctx.max())
+            nb = -(-C // bs)
+            tbl = torch.tensor([(tbls[i] + [0] * nb)[:nb] for i in idxs], dtype=torch.long)
+            p = torch.arange(C)
+            kvi = tbl[:, p // bs] * bs + p % bs  # [B, C]
+            valid = p[None, :] < ctx[:, None]
+            return torch.where(valid, kvi, torch.zeros_like(kvi)), valid
+
+        def slot_map(tbls):
+            parts = []
+            for w, t in zip(active, tbls):
+                p = torch.arange(w.token_start, w.context_len)
+                parts.append(torch.tensor(t, dtype=torch.long)[p // bs] * bs + p % bs)
+            return torch.cat(parts)
+
+        groups: list[AttnGroup] = []
+        canon = tables(None)
+        g = self._group_size
+        for part in self._split_decode(active, dec):
+            kvi, valid = kv_indices(canon, part)
+            layer_kvi = {l: kv_indices(tables(l), part)[0] for l in override_layers}
+            q_index = torch.tensor([rows[i][0] for i in part]).view(-1, 1)
+            groups.append(
+                AttnGroup(q_index, kvi, self._additive(valid[:, None, None, :]), None, None, layer_kvi,
+                          q_start=rows[part[0]][0])  # decode rows of a part are consecutive
+            )
+        if pf:
+            kvi, valid = kv_indices(canon, pf)
+            layer_kvi = {l: kv_indices(tables(l), pf)[0] for l in override_layers}
+            qlens = [active[i].num_tokens for i in pf]
+            Q = max(qlens)
+            qi = torch.arange(Q)
+            starts = torch.tensor([rows[i][0] for i in pf])
+            ql = torch.tensor(qlens)
+            q_index = starts[:, None] + torch.minimum(qi[None, :], ql[:, None] - 1)  # [B, Q]
+            qpos = torch.tensor([active[i].token_start for i in pf])[:, None] + qi[None, :]  # [B, Q]
+            B = len(pf)
+            # one sequence without cached context: a causal kernel on its own K/V, no mask
+            self_causal = B == 1 and active[pf[0]].token_start == 0
+            mask = None
+            if not self_causal:
+                C = kvi.shape[1]
+                allowed = torch.arange(C)[None, None, :] <= qpos[:, :, None]  # [B, Q, C]
+                mask = allowed & valid[:, None, :]
+                mask = self._additive(mask[:, None].expand(B, g, Q, C).reshape(B, 1, g * Q, C))
+            if all(q == Q for q in qlens):
+                out_valid = out_rows = None
+                q_start = rows[pf[0]][0]  # prefill rows are consecutive and unpadded
+            else:
+                q_start = None
+                real = qi[None, :] < ql[:, None]  # [B, Q]
+                out_valid = real.view(-1).nonzero().squeeze(1)
+                out_rows = q_index.view(-1)[out_valid]
+            groups.append(
+                AttnGroup(q_index, kvi, mask, out_valid, out_rows, layer_kvi, causal=self_causal, q_start=q_start)
+            )
+        return AttnMetadata(
+            cos=self.model.rope_cos[pos],
+            sin=self.model.rope_sin[pos],
+            slot_mapping=slot_map(canon),
+            layer_slot_mapping={l: slot_map(tables(l)) for l in override_layers},
+            groups=groups,
+        )

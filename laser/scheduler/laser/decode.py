@@ -1,0 +1,482 @@
+"""Layer-level decode plans (PPoPP'26 §6.2): the (L, O) plan of a request, the per-layer load
+model Alg. 1 prices plans with, Alg. 1 itself and Alg. 2's ``LatencyIncrement`` as pure
+functions. The Laser scheduler (:mod:`laser.scheduler.laser.scheduler`) and the controller's instances
+(:mod:`laser.instance.state`) share them; neither copies the other. Torch-free.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+from ...latency import LatencyModel
+from ...core.request import SLO
+from ..base import ceil_div
+
+
+@dataclass(slots=True)
+class DecodePlan:
+    """Alg. 1 plan of one decode request: L layers per iteration, offset O."""
+
+    layers: int  # L
+    offset: int  # O
+
+    def groups(self, n: int) -> int:
+        return ceil_div(n, self.layers)
+
+
+class DecodeMemo:
+    """Prices that Alg. 1 and Alg. 2 ask for again and again, memoised for one latency model
+    (``lm``; deterministic, so a memoised price is the same number): one decode layer of
+    ``c`` requests at mean context ``ctx`` (seconds) and :func:`tbt_infeasible` per (context,
+    TBT target). A :class:`~laser.latency.ScaledLatencyModel` (a real instance's online
+    calibration) changes its factor in place: its inner model's prices are memoised and
+    scaled by the factor of the moment. Owned by a Laser scheduler and shared by its replans
+    and its instance's ``LatencyIncrement`` answers; cleared when it holds more than
+    ``MAX_ENTRIES`` prices."""
+
+    MAX_ENTRIES = 1 << 18
+
+    def __init__(self, lm: LatencyModel):
+        from laser.latency import ScaledLatencyModel
+
+        self.lm = lm
+        self._scaled = lm if isinstance(lm, ScaledLatencyModel) else None
+        self._base = lm.inner if self._scaled is not None else lm  # what the memo prices
+        self.layers: dict[tuple[int, int], float] = {}
+        self.single: dict[int, float] = {}  # decode iteration of one request at a context, unscaled
+
+    @property
+    def factor(self) -> float:
+        """The scale of the memoised prices now (1.0 unless ``lm`` is a scaled model)."""
+        return self._scaled.factor if self._scaled is not None else 1.0
+
+    def layer_time(self, c: int, ctx: int, background: int = 0) -> float:
+        """One layer call of ``c`` decode tokens at context ``ctx`` each, beside a prefill
+        chunk of ``background`` tokens (seconds; see :class:`_LayerLoad`)."""
+        key = (c, ctx, background)
+        t = self.layers.get(key)
+        if t is None:
+            if len(self.layers) > self.MAX_ENTRIES:
+                self.layers.clear()
+            t = self.layers[key] = _layer_price(self._base, c, ctx, background)
+        return t if self._scaled is None else t * self._scaled.factor
+
+    def tbt_infeasible(self, num_tokens: int, tbt: float) -> bool:
+        """True when one decode iteration of a request at context ``num_tokens`` alone takes
+        longer than ``tbt``."""
+        t = self.single.get(num_tokens)
+        if t is None:
+            if len(self.single) > self.MAX_ENTRIES:
+                self.single.clear()
+            t = self.single[num_tokens] = self._base.predict_decode_iteration((num_tokens,))
+        return (t if self._scaled is None else t * self._scaled.factor) > tbt
+
+
+def _layer_price(lm: LatencyModel, c: int, ctx: int, background: int) -> float:
+    """One layer call of ``c`` decode tokens at context ``ctx`` plus one prefill chunk of
+    ``background`` tokens (a fresh chunk: context = its length), seconds; 0 when empty."""
+    if background > 0:
+        return lm.layer_time((1,) * c + (background,), (ctx,) * c + (background,))
+    return lm.layer_time((1,) * c, (ctx,) * c) if c else 0.0
+
+
+def _memo_for(lm: LatencyModel, memo: "DecodeMemo | None") -> "DecodeMemo | None":
+    return memo if memo is not None and memo.lm is lm else None
+
+
+class _LayerLoad:
+    """Decode requests per layer over the next ``HORIZON`` iterations, for Alg. 1.
+
+    Layer j of iteration (now + h) runs ``full + partial[h][j]`` decode requests: ``full``
+    counts full-depth requests, ``partial`` the reduced ones (L < N). A layer's time is
+    priced by the latency model for that many decode tokens at the batch's mean context
+    (memoised), so trying an offset costs O(HORIZON·L), not a re-simulation. Exact for K in
+    {1, 2, 3, 4, 6, 12}; an approximation of the worst iteration otherwise.
+
+    ``background``: prefill tokens that ride every layer call of the iteration beside the
+    decode tokens (a mixed instance whose pending prefills need that many per iteration):
+    the iteration is then priced as the merged layer calls, so a decode token costs what it
+    adds to them -- on a GPU, nearly nothing while the call is bound by its weight read, and
+    a prefill token's compute once the prefill makes it compute-bound (priced alone, a
+    decode batch is weight-bound there, and cutting its layers looks like it saves nothing).
+    """
+
+    HORIZON = 12
+
+    def __init__(self, lm: LatencyModel, num_layers: int, iteration: int, reqs: list, plans: dict[str, DecodePlan],
+                 shared: DecodeMemo | None = None, background: int = 0):
+        self.n = num_layers
+        self.it0 = iteration
+        ctx = round(sum(r.num_tokens for r in reqs) / max(1, len(reqs)))
+        shared = _memo_for(lm, shared)
+        # The mean context prices the batch as the model would its real contexts only if the
+        # model is linear in them; a fitted model need not be (one long summarization stream
+        # among short ones cost 272 ms where the mean priced 144 ms, and T_g broke unseen):
+        # every price is scaled by the whole batch's real / mean-context price.
+        fix = 1.0
+        if len(reqs) > 1 and any(r.num_tokens != ctx for r in reqs):
+            mean_t = lm.layer_time((1,) * len(reqs), (ctx,) * len(reqs))
+            if mean_t > 0:
+                fix = lm.layer_time((1,) * len(reqs), tuple(r.num_tokens for r in reqs)) / mean_t
+        if shared is not None:
+            def layer(c: int, _t=shared.layer_time) -> float:
+                return _t(c, ctx, background) * fix
+        else:
+            memo: dict[int, float] = {}
+
+            def layer(c: int) -> float:
+                t = memo.get(c)
+                if t is None:
+                    t = memo[c] = _layer_price(lm, c, ctx, background) * fix
+                return t
+
+        self.ctx = ctx
+        self.shared = shared
+        self.layer = layer
+        self.const = lm.embed_time(len(reqs)) + lm.head_time(len(reqs))
+        self.full = 0
+        self.num_partial = 0  # requests with L < N (0: every row of ``partial`` is zero)
+        self._partial: list[list[int]] | None = None  # built when first needed (``partial``)
+        self.times: list[float] | None = None  # per iteration; None = recompute
+        self._row_memo: dict[tuple, float] = {}  # (full, row) -> that iteration's layer time
+        n = self.n
+        for r in reqs:
+            p = plans[r.req_id]
+            if p.layers >= n:
+                self.full += 1  # (what ``add`` does for a full-depth plan, in line)
+            else:
+                self.add(p)
+
+    @property
+    def partial(self) -> list[list[int]]:
+        """Reduced requests per layer (``[HORIZON][N]`` counts), all zero until one is added."""
+        rows = self._partial
+        if rows is None:
+            rows = self._partial = [[0] * self.n for _ in range(self.HORIZON)]
+        return rows
+
+    def _span(self, p: DecodePlan, h: int) -> tuple[int, int]:
+        k = p.groups(self.n)
+        g = (self.it0 + h - p.offset - 1) % k + 1  # the group that runs in this iteration
+        return (g - 1) * p.layers, min(self.n, g * p.layers)
+
+    def _times(self) -> list[float]:
+        if self.times is None:
+            f, lt, memo = self.full, self.layer, self._row_memo
+            if not self.num_partial:
+                # every row is zero: one row's time, the same ``sum`` of N equal layer times
+                # as the general case (one latency-model lookup instead of N)
+                t = sum(itertools.repeat(lt(f), self.n))
+                self.times = [t] * self.HORIZON
+                return self.times
+            times = []
+            for row in self.partial:  # rows repeat (every request full depth: all zero)
+                key = (f, tuple(row))
+                t = memo.get(key)
+                if t is None:
+                    t = memo[key] = sum(lt(f + c) for c in row)
+                times.append(t)
+            self.times = times
+        return self.times
+
+    def _delta(self, p: DecodePlan, h: int, d: int) -> float:
+        a, b = self._span(p, h)
+        row, lt, f = self.partial[h], self.layer, self.full
+        return sum(lt(f + row[j] + d) - lt(f + row[j]) for j in range(a, b))
+
+    def add(self, p: DecodePlan, d: int = 1) -> None:
+        if p.layers >= self.n:
+            self.full += d
+            self.times = None
+            return
+        self.num_partial += d
+        times = self.times
+        for h in range(self.HORIZON):
+            if times is not None:
+                times[h] += self._delta(p, h, d)
+            a, b = self._span(p, h)
+            row = self.partial[h]
+            for j in range(a, b):
+                row[j] += d
+
+    def remove(self, p: DecodePlan) -> None:
+        self.add(p, -1)
+
+    def predict(self) -> float:
+        return max(self._times()) + self.const
+
+    def best_offset(self, L: int) -> DecodePlan:
+        """Offset of a new plan with L layers: the one whose first group runs in the coming
+        iteration (``it0``). A request is relaxed right after its token (full-depth requests
+        get one every iteration), so its gap in progress then takes exactly K = ceil(N/L)
+        iterations; any other offset makes it wait up to K - 1 more, and the gap breaks its
+        TBT target unless every iteration before it shrinks (the scheduler's TBT-slack
+        bound: 30 ms iterations instead of 45 on the A100 grid). Alg. 1 chose the offset
+        that balances the layer load; requests relaxed at the same moment with the same K now
+        run the same group together, which loads every iteration with one group of each."""
+        return DecodePlan(L, (self.it0 - 1) % ceil_div(self.n, L))
+
+
+# -- Alg. 1 and Alg. 2 lines 1-9 as pure functions (the scheduler and the controller's
+# LatencyIncrement share them; neither copies the other) -----------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeCandidate:
+    """A request about to join a decode instance, as Alg. 1 sees it: ``num_tokens`` is its
+    context (prompt + the first token), ``slo`` its targets (only ``slo.tbt`` is used)."""
+
+    req_id: str
+    num_tokens: int
+    slo: SLO
+
+
+#: Granularity (tokens) of the prefill chunk :func:`exec_plan` prices iterations with.
+PREFILL_QUANTUM = 16
+
+
+def exec_plan(lm: LatencyModel, num_layers: int, iteration: int, decoding: list, plans: dict[str, DecodePlan],
+              target_factor: float = 1.0, memo: DecodeMemo | None = None, prefill_rate: float = 0.0,
+              max_prefill_tokens: int = 0) -> tuple[dict[str, DecodePlan], float, "_LayerLoad | None"]:
+    """Algorithm 1 (PPoPP'26 §6.2.2), ``ExecPlan(N, R, L, O, R*)``: plans for ``decoding``.
+
+    ``decoding``: requests (or :class:`DecodeCandidate`) with ``req_id``, ``num_tokens``,
+    ``slo``; a request without a plan in ``plans`` is new (``L = N, O = 0``). T_g is the
+    tightest TBT target that can be met at all: not out of reach alone (:func:`tbt_infeasible`),
+    and not one whose requests alone at full depth already take longer than it (overload: the
+    next looser target is T_g, and those requests run at full depth; our rule, the paper is
+    silent). Alg. 1 plans
+    iterations to ``T_g * target_factor`` seconds:
+    while too slow, the most relaxed full-depth request drops to ``ceil(N*T_g/SLO_r)``
+    layers per iteration (rounded so that its ``ceil(N/L)`` iterations of T_g fit its target:
+    :func:`relaxed_layers`), its first group in the coming iteration
+    (:meth:`_LayerLoad.best_offset`); while there is headroom, the strictest reduced request
+    is restored to ``L = N`` (reverted and stop if that breaks the target). ``prefill_rate`` (tokens/s, a mixed instance's pending prefill demand):
+    every iteration is priced with ``prefill_rate * T_g * target_factor`` prefill tokens
+    (rounded up to a multiple of ``PREFILL_QUANTUM``, at most ``max_prefill_tokens``) merged
+    into its layer calls (:class:`_LayerLoad`'s ``background``), so Alg. 1 cuts decode
+    layers exactly when the merged iteration would not fit. When the decode work alone stays
+    over T_g after the relax loop (T_g cannot be held), each reduced request whose token gap
+    ``ceil(N/L) * iteration`` would break ``target_factor`` times its own TBT target gets fewer,
+    longer groups until it fits (:func:`_keep_reduced_within`; our rule, Alg. 1 assumes
+    iterations of T_g). Returns ``(plans, T_g, load)``;
+    ``load`` (None when no request has a TBT
+    target) prices the returned plans (:meth:`_LayerLoad.predict`, seconds). Pure: the
+    input ``plans`` dict is not changed. ``memo``: the caller's :class:`DecodeMemo` of ``lm``
+    (the same answer, faster).
+    """
+    n = num_layers
+    given = plans
+    floor = 0.0
+    while True:
+        plans = {r.req_id: given.get(r.req_id, DecodePlan(n, 0)) for r in decoding}
+        # A TBT target that even an iteration of this request alone misses cannot be met by
+        # cutting iterations for it: it runs at full depth, as fast as possible, and T_g comes
+        # from the targets that can be met (Laser would otherwise halve throughput for nobody).
+        t_g = _tightest_feasible_tbt(lm, decoding, memo, floor)
+        if t_g == math.inf:
+            return {rid: DecodePlan(n, 0) for rid in plans}, t_g, None
+        target = t_g * target_factor
+        background = 0
+        if prefill_rate > 0 and max_prefill_tokens > 0:
+            q = PREFILL_QUANTUM
+            background = min(max_prefill_tokens, q * math.ceil(prefill_rate * target / q))
+        load = _LayerLoad(lm, n, iteration, decoding, plans, memo, background)
+        _relax_and_restore(load, plans, decoding, n, t_g, target)
+        # (judged on the decode work alone: the priced prefill gives way to the TBT gaps)
+        bare = load if not background else _LayerLoad(lm, n, iteration, decoding, plans, memo)
+        if bare.predict() > t_g and _keep_reduced_within(bare, plans, decoding, n, target_factor) and background:
+            load = _LayerLoad(lm, n, iteration, decoding, plans, memo, background)
+        if load.predict() <= t_g or not _overloaded(lm, n, iteration, decoding, t_g, floor, memo):
+            return plans, t_g, load
+        # Overload: the requests at T_g (and tighter) alone, at full depth, already take longer
+        # than T_g, so every one of them misses whatever is cut for them; they run at full
+        # depth and T_g comes from the next looser target (else the whole instance is held to
+        # an iteration nobody gets).
+        floor = t_g
+
+
+def _relax_and_restore(load: "_LayerLoad", plans: dict[str, DecodePlan], decoding: list, n: int, t_g: float,
+                       target: float) -> None:
+    """Alg. 1's two loops on ``load`` and ``plans`` (both changed in place): relax the most
+    relaxed full-depth requests while the iteration is over ``target`` seconds, then restore
+    the strictest reduced ones while it stays under."""
+    # relax: the most relaxed full-depth request first
+    relaxable = () if load.predict() <= target else sorted(  # (the loop would stop at once)
+        (r for r in decoding if plans[r.req_id].layers >= n and r.slo.tbt_or_inf > t_g),
+        key=lambda r: -r.slo.tbt_or_inf,
+    )
+    for r in relaxable:
+        if load.predict() <= target:
+            break
+        slo = r.slo.tbt_or_inf
+        L = 1 if slo == math.inf else relaxed_layers(n, t_g, slo)  # best effort: 1 layer
+        if L >= n:
+            continue
+        load.remove(plans[r.req_id])
+        plans[r.req_id] = load.best_offset(L)
+        load.add(plans[r.req_id])
+    # restore: the strictest reduced request first; revert (and stop) if it breaks the target
+    reduced = sorted((r for r in decoding if plans[r.req_id].layers < n),
+                     key=lambda r: r.slo.tbt_or_inf) if load.num_partial else ()
+    for r in reduced:
+        if load.predict() >= target:
+            break
+        old = plans[r.req_id]
+        load.remove(old)
+        load.add(DecodePlan(n, 0))
+        if load.predict() > target:
+            load.remove(DecodePlan(n, 0))
+            load.add(old)
+            break
+        plans[r.req_id] = DecodePlan(n, 0)
+
+
+def relaxed_layers(n: int, t_g: float, tbt: float) -> int:
+    """Layers per iteration Alg. 1's relax loop gives a request with TBT target ``tbt`` (seconds)
+    when iterations are held to ``t_g`` seconds: ``ceil(N / K)`` with ``K = floor(tbt / t_g)``,
+    the most iterations of T_g its token may take. The paper writes ``ceil(N*T_g/TBT_r)``
+    (PPoPP'26 §6.2.2), the same number when ``TBT_r / T_g`` is whole, but a token takes ``ceil(N/L)``
+    whole iterations: for TBT_r = 2.4 T_g on 30 layers its 13 layers made 3 iterations per token
+    (3 x 47 = 142 ms against 120 ms with T_g held), and 1 < TBT_r/T_g < 2 made 2 iterations
+    against a target under 2 T_g (every token late); ``N`` (no cut) when ``K`` is 1. Our rule."""
+    # (1e-9: 0.1 / 0.05 must be 2 iterations, whatever the floating point does)
+    k = max(1, math.floor(tbt / t_g + 1e-9))
+    return ceil_div(n, k)
+
+
+def _keep_reduced_within(load: "_LayerLoad", plans: dict[str, DecodePlan], decoding: list, n: int,
+                         target_factor: float) -> bool:
+    """When the iteration stays over T_g after Alg. 1's relax loop (T_g cannot be held:
+    its requests plus every looser one at its fewest layers still take longer), a reduced
+    request's token takes ``ceil(N/L)`` of these longer iterations, not of T_g ones, and can
+    miss its own target though it was cut for T_g's. Give each reduced request whose gap
+    ``ceil(N/L) * iteration`` exceeds ``target_factor * TBT_r`` the layers per iteration that
+    bring it back within (fewer, longer groups; full depth at most), strictest first, until
+    none is over: the requests at T_g miss either way, the looser ones need not (issue 16's
+    offline case: summarization streams cut to 8 of 30 layers for a lost code stream's 50 ms
+    took 4 x 58 ms = 235 ms per token against 200 ms). Our rule; Alg. 1 assumes iterations of T_g.
+    ``load`` and ``plans`` change in place; returns whether a plan changed."""
+    changed = False
+    for _ in range(n):
+        it = load.predict()
+        over = sorted((r for r in decoding if plans[r.req_id].layers < n
+                       and plans[r.req_id].groups(n) * it > target_factor * r.slo.tbt_or_inf),
+                      key=lambda r: r.slo.tbt_or_inf)
+        if not over:
+            return changed
+        changed = True
+        for r in over:
+            old = plans[r.req_id]
+            k = max(1, min(old.groups(n) - 1, math.floor(target_factor * r.slo.tbt / it)))
+            layers = ceil_div(n, k)
+            load.remove(old)
+            plans[r.req_id] = load.best_offset(layers) if layers < n else DecodePlan(n, 0)
+            load.add(plans[r.req_id])
+    return changed
+
+
+def _overloaded(lm: LatencyModel, n: int, iteration: int, decoding: list, t_g: float, floor: float,
+                memo: DecodeMemo | None) -> bool:
+    """Whether the requests whose targets set T_g (TBT in (``floor``, ``t_g``]), decoding alone at
+    full depth, take longer than ``t_g`` seconds per iteration."""
+    tight = [r for r in decoding if r.slo.tbt is not None and floor < r.slo.tbt <= t_g]
+    full = {r.req_id: DecodePlan(n, 0) for r in tight}
+    return _LayerLoad(lm, n, iteration, tight, full, memo).predict() > t_g
+
+
+def _tightest_feasible_tbt(lm: LatencyModel, decoding: list, memo: DecodeMemo | None, floor: float = 0.0) -> float:
+    """``min(r.slo.tbt_or_inf for r in decoding if not tbt_infeasible(lm, r, memo))`` over targets
+    above ``floor`` (inf if none), seconds: the memo's table read in line (this runs once per
+    request per Alg. 1 call)."""
+    memo = _memo_for(lm, memo)
+    if memo is None:
+        return min((r.slo.tbt_or_inf for r in decoding if r.slo.tbt_or_inf > floor and not tbt_infeasible(lm, r)),
+                   default=math.inf)
+    table, ask = memo.single, memo.tbt_infeasible
+    scale = memo.factor
+    t_g = math.inf
+    for r in decoding:
+        tbt = r.slo.tbt
+        if tbt is None or tbt >= t_g or tbt <= floor:
+            continue  # (cannot lower the minimum, or given up; its feasibility does not matter)
+        t = table.get(r.num_tokens)
+        bad = ask(r.num_tokens, tbt) if t is None else t * scale > tbt
+        if not bad:
+            t_g = tbt
+    return t_g
+
+
+def level_given_up(lm: LatencyModel, decoding: list, t_g: float, memo: DecodeMemo | None = None) -> bool:
+    """Whether ``t_g`` (seconds; :func:`exec_plan`'s T_g for ``decoding``) is looser than the
+    tightest TBT target of ``decoding`` reachable alone: Alg. 1 gave a level up because its own
+    requests overload the iteration, so the strictest TBT that could be met breaks (Alg. 2 line
+    7's condition, PPoPP'26 §7.2.1, and the migration trigger's, CONTROLLER.md D9)."""
+    return _tightest_feasible_tbt(lm, decoding, memo) < t_g
+
+
+def tbt_infeasible(lm: LatencyModel, r, memo: DecodeMemo | None = None) -> bool:
+    """Whether ``r``'s TBT target is missed even by a decode iteration of ``r`` alone
+    (every layer, its context; seconds from the latency model). ``memo``: a
+    :class:`DecodeMemo` of ``lm`` (memoised per context and target)."""
+    tbt = r.slo.tbt
+    if tbt is None:
+        return False
+    memo = _memo_for(lm, memo)
+    if memo is not None:
+        return memo.tbt_infeasible(r.num_tokens, tbt)
+    return lm.predict_decode_iteration((r.num_tokens,)) > tbt
+
+
+@dataclass(frozen=True, slots=True)
+class Increment:
+    """Answer of :func:`latency_increment`: ``value`` (seconds of aggregate TBT, inf when
+    the strictest TBT would break), ``iter_before``/``iter_after`` (predicted worst
+    iteration, seconds), ``t_g_after`` (tightest TBT with the candidate, seconds)."""
+
+    value: float
+    iter_before: float
+    iter_after: float
+    t_g_after: float
+
+
+def latency_increment(lm: LatencyModel, num_layers: int, iteration: int, decoding: list,
+                      plans: dict[str, DecodePlan], candidate, target_factor: float = 1.0,
+                      memo: DecodeMemo | None = None) -> Increment:
+    """``LatencyIncrement(r*, d)``, Algorithm 2 lines 1-9 (PPoPP'26 §7.2.1), on copies.
+
+    ``Iter`` = predicted worst iteration of the current plans; Alg. 1 (:func:`exec_plan`)
+    with ``candidate`` added gives ``(L*, O*, Iter*, T_g*)``. If ``Iter* > T_g*`` (times
+    ``target_factor``, the fraction the scheduler plans to), or the candidate's own TBT target
+    is out of reach even alone here (:func:`tbt_infeasible`), or Alg. 1 met ``T_g*`` only by
+    giving up a tighter level that its own requests overload (:func:`level_given_up`: the
+    strictest TBT breaks, so the paper's ``Iter* > T_g*`` over the tightest target holds), the
+    answer is inf; else
+    ``sum_{r in R*} Iter*·ceil(N/L*_r) - sum_{r in R} Iter·ceil(N/L_r)`` seconds (each
+    request's TBT is its iteration time times its iterations per token). Memory is the
+    instance's check, not this function's. ``memo``: a :class:`DecodeMemo` of ``lm``.
+    """
+    n = num_layers
+    cur = {r.req_id: plans.get(r.req_id, DecodePlan(n, 0)) for r in decoding}
+    if decoding:
+        it = _LayerLoad(lm, n, iteration, decoding, cur, memo).predict()
+        before = _aggregate_tbt(it, cur.values(), n)
+    else:
+        it = before = 0.0
+    reqs = list(decoding) + [candidate]
+    new, t_g, load = exec_plan(lm, n, iteration, reqs, cur, target_factor, memo)
+    it_star = (load if load is not None else _LayerLoad(lm, n, iteration, reqs, new, memo)).predict()
+    if (it_star > t_g * target_factor or tbt_infeasible(lm, candidate, memo)
+            or level_given_up(lm, reqs, t_g, memo)):
+        return Increment(math.inf, it, it_star, t_g)
+    after = _aggregate_tbt(it_star, new.values(), n)
+    return Increment(after - before, it, it_star, t_g)
+
+
+def _aggregate_tbt(it: float, plans, n: int) -> float:
+    """``sum_r it * ceil(N / L_r)`` over ``plans`` (seconds): each request's TBT is the iteration
+    time ``it`` times its iterations per token (the same terms, summed in the same order, as
+    ``sum(it * p.groups(n) for p in plans)``; a full-depth term is ``it`` itself)."""
+    return sum([it if p.layers >= n else it * -(-n // p.layers) for p in plans])

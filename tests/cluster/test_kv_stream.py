@@ -1,0 +1,89 @@
+"""Per-layer KV streaming (issue 13) on an in-process 1P1D cluster: the same instance workers as
+the Ray actors, driven through local handles, so it runs without Ray.
+
+Greedy fp32 output must not depend on whether the KV was streamed layer by layer during the
+final prefill chunk or sent at the hand-off.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from laser.cluster.engine import start_cluster
+from laser.core.config import CacheConfig, SchedulerConfig
+from laser.frontend.engine import Engine
+from laser.instance.kv_stream import InboundKV
+from laser.model.kv_cache import KVCache
+from laser.model.loader import load_config
+from laser.core.request import SamplingParams
+
+SCHED = SchedulerConfig(max_num_batched_tokens=32)
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def _run(cl, prompts):
+    for i, p in enumerate(prompts):
+        cl.add_request(p, GREEDY, slo=("chat", "code", None)[i % 3], req_id=str(i))
+    # done at its first token, on the prefill instance: what was streamed for it is dropped
+    cl.add_request(prompts[0], SamplingParams(max_tokens=1, temperature=0.0), slo="chat", req_id="one")
+    done = {o.req_id: o.token_ids for o in cl.drain(120) if o.finished}
+    assert len(done.pop("one")) == 1
+    return done
+
+
+def test_streamed_and_sent_kv_give_single_engine_output(tiny_llama):
+    prompts = [[(5 + 3 * i + j) % 500 + 3 for j in range(9 * (i + 1))] for i in range(4)]
+    single = Engine(model=str(tiny_llama), dtype="float32", scheduler=SCHED)
+    for i, p in enumerate(prompts):
+        single.add_request(p, GREEDY, req_id=str(i))
+    ref = {}
+    while single.has_unfinished():
+        ref.update({o.req_id: o.token_ids for o in single.step() if o.finished})
+    kw = dict(model=str(tiny_llama), dtype="float32", scheduler=SCHED, use_ray=False)
+    for stream in (True, False):
+        cl = start_cluster("laser", 1, 1, stream_kv=stream, **kw)
+        assert _run(cl, prompts) == ref
+        assert cl.stats.transfers == 4 and cl.stats.streamed_transfers == (4 if stream else 0)
+        assert len(cl.stats.handoff_seconds) == 4
+        cl.check_integrity(expect_empty=True)
+        if stream:
+            _check_gauges(cl)
+
+
+def _check_gauges(cl):
+    """/metrics' cluster collector: per-instance gauges from the instances' last reports."""
+    from types import SimpleNamespace
+
+    from laser.server.metrics import _ClusterCollector
+
+    fams = {f.name: f for f in _ClusterCollector(SimpleNamespace(async_engine=SimpleNamespace(engine=cl),
+                                                                 model_name="tiny")).collect()}
+    roles = {s.labels["instance"]: s.labels["role"] for s in fams["laser:instance_queue_length"].samples}
+    assert roles == {"0": "prefill", "1": "decode"}
+    assert all(s.value == 0 for s in fams["laser:instance_kv_cache_usage_perc"].samples)  # idle: all freed
+    assert [s.value for s in fams["laser:kv_transfers_streamed"].samples] == [4]
+    assert "laser:instance_t_g_seconds" in fams and "laser:instance_iteration_seconds" in fams
+
+
+def test_stale_stream_pieces_are_dropped(tiny_llama):
+    """Pieces of an abandoned attempt (old key) never reach the KV pool; a re-sent layer is
+    overwritten in place; a dropped stream frees the blocks written for it."""
+    cfg = load_config(str(tiny_llama))
+    kv = KVCache(cfg, CacheConfig(num_blocks=8, block_size=4), torch.float32)
+    inb = InboundKV(kv, cfg.num_layers)
+    shape = (6, cfg.num_kv_heads, cfg.head_dim)
+    piece = [(torch.randn(shape), torch.randn(shape)) for _ in range(cfg.num_layers)]
+    inb.expect("r", (1, 0))
+    inb.receive("r", (0, 0), 0, *piece[0])  # the lost attempt's layer: dropped
+    inb.drain()
+    assert kv.block_manager.num_free(0) == 8 and not inb.complete("r")
+    for layer in reversed(range(cfg.num_layers)):  # any order
+        inb.receive("r", (1, 0), layer, *piece[layer])
+    inb.receive("r", (1, 0), 1, piece[1][0] * 2, piece[1][1])  # re-sent: overwrites, no new blocks
+    inb.drain()
+    assert inb.complete("r") and inb.kv_for_adopt("r") == [None] * cfg.num_layers
+    assert torch.equal(kv.export_layer("r", 1, 6)[0], piece[1][0] * 2)
+    assert torch.equal(kv.export_layer("r", 0, 6)[1], piece[0][1])
+    assert kv.block_manager.num_free(1) == 8 - 2
+    assert inb.drop("r") and not inb.pending()
+    kv.block_manager.check_integrity(expect_empty=True)

@@ -1,0 +1,249 @@
+"""Tight SLOs when resources run short (issue "Keep tight SLOs under pressure"), on the simulated
+executor with a latency model sized like SmolLM2 on one CPU core: a code or chat request keeps
+its targets at the running cap, under KV pressure and beside a long prefill; a target that no
+schedule can meet stops costing everyone else throughput."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from laser.core.config import SchedulerConfig
+from laser.latency import SimpleLatencyModel
+from laser.core.request import SLO, Request, SamplingParams
+from laser.sim import SimInstance
+from simutil import run_sim
+
+N = 30
+# ~1.2 ms per decode layer call at batch 4 (36 ms per iteration), a 2,000-token prefill alone
+# ~2.2 s: the shape of SmolLM2 in fp32 on one core.
+LM = SimpleLatencyModel(num_layers=N, per_layer=1.0e-3, per_token=3.6e-5, per_context=2e-8)
+
+# the shipped classes at --slo-scale 4 (seconds)
+CHAT = SLO(ttft=1.0, tbt=0.4, name="chat")
+CODE = SLO(ttft=0.5, tbt=0.2, name="code")
+SUMM = SLO(ttft=8.0, tbt=0.8, name="summarization")
+BEST = SLO(name="best_effort")
+
+
+def req(prompt: int, arrival: float, slo: SLO, max_tokens: int, name: str = "") -> Request:
+    return Request([7] * prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), slo,
+                   arrival_time=arrival, req_id=name or "")
+
+
+def ttft(r: Request) -> float:
+    return r.token_times[0] - r.arrival_time
+
+
+def p99_tbt(r: Request) -> float:
+    gaps = np.diff(r.token_times)
+    return float(np.percentile(gaps, 99)) if len(gaps) else 0.0
+
+
+def run(policy: str, reqs: list[Request], lm=LM, num_blocks: int = 4096, **cfg) -> SimInstance:
+    return run_sim(policy, reqs, lm, N, config=SchedulerConfig(**cfg), record_plans=False, num_blocks=num_blocks)
+
+
+@pytest.mark.parametrize("policy", ["laser", "sarathi", "vllm"])
+def test_strict_request_preempts_looser_one_at_the_running_cap(policy):
+    """--max-num-seqs 4: four best-effort streams hold every slot; a code request arriving at
+    t=1 s used to wait ~14 s for all of them to finish. It must get its first token within its
+    0.5 s target, the least strict running request paying (recomputed later, all tokens kept)."""
+    bes = [req(64, 0.0, BEST, 128, f"be{k}") for k in range(4)]
+    code = req(32, 1.0, CODE, 16, "code")
+    sim = run(policy, bes + [code], max_num_seqs=4)
+    assert ttft(code) <= CODE.ttft, ttft(code)
+    assert sim.scheduler.preemptions[("running_cap", "best_effort")] >= 1
+    assert all(r.num_preemptions <= 1 for r in bes)
+
+
+@pytest.mark.parametrize("policy", ["laser", "sarathi", "vllm"])
+def test_running_cap_holds_in_every_step_after_a_preemption(policy):
+    """The victim of a running-cap preemption has output tokens, so it waits in the PREFILL
+    phase: it must still count against ``max_num_seqs``. Laser used to re-admit it in the very
+    step its preemption made room for (five running with a cap of four), its recompute of
+    prompt + outputs riding in the code request's first step (code TTFT 0.38 s instead of
+    ~0.19 s on the shipped AVX2 profile; 0.58 s on the real engine against 0.5 s)."""
+    bes = [req(64, 0.0, BEST, 128, f"be{k}") for k in range(4)]
+    code = req(32, 1.0, CODE, 16, "code")
+    sim = SimInstance(policy, N, LM, SchedulerConfig(max_num_seqs=4), num_blocks=4096)
+    for r in bes + [code]:
+        sim.submit(r)
+    most = []
+
+    def check():
+        most.append(len(sim.scheduler.running))
+    sim.run(max_steps=2_000_000, before_step=check)
+    assert max(most) <= 4, max(most)
+    sim.check_integrity(expect_empty=True)
+    alone = LM.predict_prefill(32) + LM.predict_decode_iteration([100] * 4)
+    assert ttft(code) <= alone, (ttft(code), alone)
+
+
+def test_equal_classes_never_preempt_each_other_at_the_cap():
+    """Only a strictly stricter class takes a slot: same-class requests wait their turn (no
+    back-and-forth recomputation)."""
+    reqs = [req(64, 0.01 * k, CHAT, 64, f"c{k}") for k in range(6)]
+    sim = run("laser", reqs, max_num_seqs=4)
+    assert sim.scheduler.num_preemptions == 0
+
+
+@pytest.mark.parametrize("policy", ["laser", "sarathi"])
+def test_kv_goes_to_the_strictest_deadlines(policy):
+    """A KV pool of 4,096 tokens held by eight 600-token best-effort requests: four 32-token
+    chat requests arriving at 0.3 s still meet TTFT 1.0 s and P99 TBT 0.4 s; the victims are
+    best-effort requests (never a chat one), each preempted a bounded number of times, and
+    every request completes."""
+    bes = [req(600, 0.0, BEST, 128, f"be{k}") for k in range(8)]
+    chats = [req(32, 0.3, CHAT, 16, f"chat{k}") for k in range(4)]
+    sim = run(policy, bes + chats, num_blocks=256)  # 256 blocks x 16 tokens
+    for c in chats:
+        assert ttft(c) <= CHAT.ttft, (c.req_id, ttft(c))
+        assert c.num_preemptions == 0
+        if policy == "laser":  # (Sarathi's 512-token chunks of the recomputed prompts alone take 0.6 s)
+            assert p99_tbt(c) <= CHAT.tbt, (c.req_id, p99_tbt(c))
+    assert sum(r.num_preemptions for r in bes) >= 1
+    assert max(r.num_preemptions for r in bes) <= 3
+
+
+@pytest.mark.parametrize("arrival", [0.1, 0.7])
+def test_work_merged_after_a_tight_request_leaves_its_ttft_margin(arrival):
+    """Chat requests arriving during a best-effort prefill under KV pressure: the best-effort
+    work merged into their steps is sized so that their first tokens come within
+    ``ttft_margin`` of the TTFT target, not at its last millisecond (a real step running 10 %
+    over its prediction then still meets it); best-effort work still rides in those steps."""
+    bes = [req(600, 0.0, BEST, 128, f"be{k}") for k in range(8)]
+    chats = [req(32, arrival, CHAT, 16, f"chat{k}") for k in range(4)]
+    sim = SimInstance("laser", N, LM, SchedulerConfig(), num_blocks=256, record_plans=True)
+    for r in bes + chats:
+        sim.submit(r)
+    sim.run(max_steps=2_000_000)
+    sim.check_integrity(expect_empty=True)
+    for c in chats:  # (with no margin they come at 1.000 s, the last millisecond of the target)
+        assert ttft(c) <= 0.9 * CHAT.ttft + 1e-9, (c.req_id, ttft(c))
+    mixed = any(any(w.req_id.startswith("chat") and w.num_tokens > 1 for w in p.works)
+                and any(w.req_id.startswith("be") for w in p.works) for p in sim.stats.plans)
+    assert mixed, "no best-effort work was merged beside the chat prefills"
+
+
+def test_long_prefill_meets_its_deadline_beside_tight_decodes():
+    """Four code streams decoding; at t=2 s a 2,000-token summarization request (2.2 s alone,
+    8 s target). The prefill time per iteration follows its deadline: the long request meets
+    its TTFT and the code streams keep P99 TBT under 0.2 s (it used to take 9 s with a fixed
+    prefill share)."""
+    codes = [req(64, 0.0, CODE, 128, f"code{k}") for k in range(4)]
+    long_ = req(2000, 2.0, SUMM, 8, "long")
+    run("laser", codes + [long_])
+    assert ttft(long_) <= SUMM.ttft, ttft(long_)
+    for c in codes:
+        assert p99_tbt(c) <= CODE.tbt, (c.req_id, p99_tbt(c))
+
+
+def test_decode_plans_hold_tg_when_tight_decodes_fill_the_iteration():
+    """When tight-TBT decodes alone fill an iteration, queued prefills must not be added on top
+    (a fixed 30% prefill share used to break T_g for all ten streams): every code stream meets
+    its P99 TBT while any of them can still meet its SLO. The prefills' deadlines cannot all be
+    met too, and the streams (64 tokens: no P99 allowance to spend) are ten requests against
+    three: the prefills get the headroom and finish late, knowingly. Seven of the ten code
+    prompts get their first token late (0.63 s, and 8-12 s: the target is 0.5 s); once only those
+    decode, no SLO is left to keep, T_g is released and the last summarization prefill gets
+    the iterations (its TTFT 15.1 -> 11.8 s; the late streams' gaps 0.18 -> 0.34 s)."""
+    lm = SimpleLatencyModel(num_layers=N, per_layer=5.0e-3, per_token=4e-5)  # 10 decodes ~ 0.16 s
+    codes = [req(64, 0.0, CODE, 64, f"code{k}") for k in range(10)]
+    summs = [req(400, 0.5 + 0.1 * k, SUMM, 4, f"s{k}") for k in range(3)]
+    run("laser", codes + summs, lm=lm)
+    on_time = [c for c in codes if not c.ttft_missed]
+    assert len(on_time) == 3
+    for c in on_time:
+        assert p99_tbt(c) <= CODE.tbt, (c.req_id, p99_tbt(c))
+        assert c.num_tbt_misses == 0
+    assert summs[2].token_times[0] - summs[2].arrival_time < 12.0
+
+
+def test_unreachable_tbt_does_not_cost_throughput():
+    """A code target (50 ms TBT) that even one request alone misses on this machine: Laser
+    serves it as fast as it can, marks it, and no longer cuts everyone's iterations toward it
+    (24 prompts x 32 tokens: 115 steps and 7.6 s before, vs Sarathi's 32 steps and 2.6 s;
+    now 46 steps and 3.4 s -- the rest is Laser prefilling in deadline order, for TTFT)."""
+    lm = SimpleLatencyModel(num_layers=N, per_layer=2.0e-3, per_token=2e-5)  # alone: 60 ms/iteration
+    classes = [SLO(ttft=0.25, tbt=0.1, name="chat"), SLO(ttft=0.125, tbt=0.05, name="code"),
+               SLO(ttft=2.0, tbt=0.2, name="summarization")]
+
+    def work():
+        return [req(16, 0.0, classes[k % 3], 32, f"r{k}") for k in range(24)]
+
+    laser_reqs, sarathi_reqs = work(), work()
+    laser = run("laser", laser_reqs, lm=lm)
+    sarathi = run("sarathi", sarathi_reqs, lm=lm)
+    assert all(r.tbt_infeasible for r in laser_reqs if r.slo.name == "code")
+    assert not any(r.tbt_infeasible for r in laser_reqs if r.slo.name != "code")
+    laser_end = max(r.finish_time for r in laser_reqs)
+    sarathi_end = max(r.finish_time for r in sarathi_reqs)
+    assert laser_end <= 1.4 * sarathi_end, (laser_end, sarathi_end)
+
+
+@pytest.mark.parametrize("policy", ["laser", "sarathi", "vllm"])
+def test_preempted_request_resumes_with_identical_output(tiny_llama, policy):
+    """On the real engine (fp32, greedy): requests preempted at the running cap and under KV
+    pressure for a stricter class produce exactly the tokens they produce alone."""
+    from laser.core.config import CacheConfig
+    from laser.frontend.engine import Engine
+
+    clock = [0.0]
+
+    def tick():
+        clock[0] += 1e-3
+        return clock[0]
+
+    eng = Engine(str(tiny_llama), policy=policy, dtype="float32", clock=tick,
+                 scheduler=SchedulerConfig(policy=policy, max_num_seqs=2, max_num_batched_tokens=64),
+                 cache=CacheConfig(num_blocks=12, block_size=8), latency_model=LM)
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [list(range(3, 3 + 30)), list(range(50, 50 + 25)), list(range(90, 90 + 20))]
+
+    def alone(p):
+        r = eng.add_request(p, sp, BEST)
+        while eng.has_unfinished():
+            eng.step()
+        return r.output_token_ids
+
+    want = [alone(p) for p in prompts]
+    loose = [eng.add_request(p, sp, BEST) for p in prompts[:2]]
+    for _ in range(3):
+        eng.step()
+    strict = eng.add_request(prompts[2], sp, CODE)
+    while eng.has_unfinished():
+        eng.step()
+    eng.check_integrity(expect_empty=True)
+    assert sum(r.num_preemptions for r in loose) >= 1 and strict.num_preemptions == 0
+    assert [r.output_token_ids for r in loose + [strict]] == want
+
+
+def test_a_prompt_saved_only_by_a_knowing_break_of_t_g_is_not_given_up():
+    """Simulated, the shipped AVX2-fp32 profile: one code stream decodes (0.17 s TBT, 106 tokens:
+    its P99 allows one gap over target) when a 190-token chat arrives (0.84 s TTFT). At the share
+    of each iteration T_g leaves to prefill the chat would finish late, so the overload triage gave
+    it up and it ran at T_g's pace: TTFT 1.11 s (the robustness grid's point 2:1:1 seed 1 x0.4 SLO
+    x0.8 fell to 0.52x Sarathi's goodput on such requests). A knowing break of T_g can save it --
+    one iteration that completes the prompt -- so it is judged at the whole machine's rate and
+    gets that iteration: TTFT 0.74 s, the code stream's one long gap within its P99."""
+    from pathlib import Path
+
+    from laser.latency import FittedLatencyModel
+    from laser.core.metrics import record_from_request
+
+    lm = FittedLatencyModel.load(Path(__file__).resolve().parents[2] / "benchmarks/profiles/avx2-fp32-smollm2-135m.json")
+    code = SLO(ttft=0.422, tbt=0.1688, name="code")
+    chat = SLO(ttft=0.844, tbt=0.3376, name="chat")
+    reqs = [Request([7] * 81, SamplingParams(max_tokens=106, temperature=0, ignore_eos=True), code, arrival_time=0.0,
+                    req_id="code"),
+            Request([7] * 190, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True), chat, arrival_time=2.68,
+                    req_id="chat")]
+    sim = SimInstance("laser", 30, lm, SchedulerConfig(policy="laser", queue_order="edf"), num_blocks=1456)
+    for r in reqs:
+        sim.submit(r)
+    sim.run(max_steps=100_000)
+    sim.check_integrity(expect_empty=True)
+    assert reqs[1].token_times[0] - reqs[1].arrival_time <= chat.ttft
+    assert reqs[0].num_tbt_misses <= reqs[0].tbt_miss_allowance
+    assert all(record_from_request(r).slo_met for r in reqs)
