@@ -34,8 +34,8 @@ import numpy as np
 from laser.bench.runner import Benchmark, EngineTarget
 from laser.bench.workloads import HFTokenizer, WorkloadRequest, WorkloadSampler, truncate
 from laser.cli import set_threads
-from laser.engine import Engine
-from laser.slo import SLOClasses
+from laser.frontend.engine import Engine
+from laser.core.slo import SLOClasses
 
 
 def cpu_name() -> str:

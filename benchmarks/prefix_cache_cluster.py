@@ -25,7 +25,7 @@ import argparse
 import random
 
 from laser.bench.plan import TABLE1_SLO, attainment
-from laser.request import SLO, Request, SamplingParams
+from laser.core.request import SLO, Request, SamplingParams
 from laser.sim.cluster import ClusterSim, ClusterSpec, paper_config
 
 

@@ -207,7 +207,7 @@ class ClusterEngine:
     def _block_hashes(self, req: Request) -> tuple[bytes, ...]:
         """The prompt's block hashes for cache-aware routing, chained from the instances' root
         (asked of a prefill instance's report once; instances of one model and dtype share it)."""
-        from .block_manager import hash_blocks
+        from ..core.block_manager import hash_blocks
 
         if self._hash_root is None:
             rep = self.controller.prefill[0].report()

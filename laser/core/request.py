@@ -180,7 +180,7 @@ class Request:
     # ``usage.prompt_tokens_details.cached_tokens``); a re-admission after preemption that
     # re-finds its own blocks does not count.
     num_cached_tokens: int = 0
-    # Hashes of its full blocks so far (laser.block_manager.hash_blocks; grows with the tokens).
+    # Hashes of its full blocks so far (laser.core.block_manager.hash_blocks; grows with the tokens).
     block_hashes: list = field(default_factory=list, repr=False)
 
     def __post_init__(self):

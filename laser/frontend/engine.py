@@ -91,7 +91,7 @@ class Engine(ModelInstance):
         clock: time source in seconds (monotonic by default).
         seed: seed of the shared sampling generator.
         enable_prefix_caching: override ``cache.enable_prefix_caching`` (automatic prefix caching,
-            on by default: :mod:`laser.block_manager`); vLLM's ``LLM(enable_prefix_caching=...)``.
+            on by default: :mod:`laser.core.block_manager`); vLLM's ``LLM(enable_prefix_caching=...)``.
     Raises:
         ModelLoadError: the model path is unusable. ConfigError: bad config values.
         LatencyProfileError: ``latency_profile`` names an unusable profile file.

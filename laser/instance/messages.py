@@ -19,7 +19,7 @@ class RequestInfo:
     paper's Laser has no prior knowledge of it, CONTROLLER.md D3: the class mean), used
     only for the decode memory check. ``ttft``/``tbt`` are None for no target.
     ``block_hashes``: the chained hashes of its prompt's full blocks
-    (:func:`laser.block_manager.hash_blocks` from the instances' ``prefix_root``; empty when
+    (:func:`laser.core.block_manager.hash_blocks` from the instances' ``prefix_root``; empty when
     unknown), matched against each instance's cache summary for cache-aware routing.
     """
 
@@ -63,7 +63,7 @@ class InstanceReport:
     ``t_g``: tightest TBT target of its decode requests (inf: none); ``iteration_s``:
     last measured decode iteration (None: none yet). ``cached_blocks``: hashes of (up to a
     bound) the KV blocks in its prefix cache, the most recently used first
-    (:meth:`laser.block_manager.BlockManager.summary`); ``prefix_root``: the root of its hash
+    (:meth:`laser.core.block_manager.BlockManager.summary`); ``prefix_root``: the root of its hash
     chains (requests are hashed with it; instances of one model and dtype share it).
     """
 

@@ -22,7 +22,7 @@ class KVCache:
         cache: sizing; ``cache.blocks_per_layer`` decides the pool size.
         dtype: K/V dtype (the model's dtype).
         cache_salt: what else changes the KV (model id, quantization): with ``dtype``, the root
-            of the prefix cache's block hashes (:func:`laser.block_manager.prefix_root`).
+            of the prefix cache's block hashes (:func:`laser.core.block_manager.prefix_root`).
     """
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, dtype: torch.dtype, cache_salt: str = ""):

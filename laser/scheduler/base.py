@@ -160,7 +160,7 @@ class Scheduler(ABC):
         if not works and self.running and not self.icache.ids():
             self.preempt(max(self.running, key=self.queue_key))
 
-    # -- prefix cache (laser.block_manager) ----------------------------------------------------
+    # -- prefix cache (laser.core.block_manager) ----------------------------------------------------
     def lookup_prefix(self, req: Request) -> None:
         """Set the ``num_computed_tokens`` of ``req``, a request that holds no KV, to its longest
         cached prefix: whole blocks, at most ``num_tokens - 1`` tokens (the last token is always
@@ -377,7 +377,7 @@ class Scheduler(ABC):
                 req.chunk_tokens = 0
                 req.next_layer = 0
                 if w.context_len // bs > w.token_start // bs and cache:
-                    # a block is full at every layer now: publish it (laser.block_manager)
+                    # a block is full at every layer now: publish it (laser.core.block_manager)
                     cache(w.req_id, self.bm.block_hashes(req.block_hashes, req.all_token_ids), w.context_len)
                 if w.sample:
                     req.output_token_ids.append(sampled[w.req_id])

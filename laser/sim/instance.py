@@ -194,7 +194,7 @@ class SimInstance(InstanceCore):
             the profile ``m`` the scheduler plans with; a
             :class:`~laser.latency.CalibratedLatencyModel` as ``latency_model`` then learns the
             factor from the simulated steps, as a real instance does.
-        enable_prefix_caching: model the prefix cache (:mod:`laser.block_manager`, the engine's
+        enable_prefix_caching: model the prefix cache (:mod:`laser.core.block_manager`, the engine's
             code): off by default, as simulated requests usually carry dummy token ids.
     """
 

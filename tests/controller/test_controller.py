@@ -235,7 +235,7 @@ def hand_report(iid: int, queue=(), cached=frozenset()):
 
 
 def test_prefill_prefers_the_instance_holding_the_prefix_unless_a_deadline_breaks():
-    from laser.block_manager import hash_blocks, prefix_root
+    from laser.core.block_manager import hash_blocks, prefix_root
     from laser.instance.messages import PrefillQueueEntry
 
     prompt = list(range(1000))

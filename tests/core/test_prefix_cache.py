@@ -1,4 +1,4 @@
-"""Automatic prefix caching under layer-level scheduling (laser.block_manager, issue 29).
+"""Automatic prefix caching under layer-level scheduling (laser.core.block_manager, issue 29).
 
 With greedy sampling in fp32 a request's output does not depend on a cache hit: it is the same
 with the cache on and off, for every policy, whatever its prompt shares with earlier ones (0, 1,
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from laser.block_manager import BlockManager, BlockManagerIntegrityError, OutOfBlocksError
-from laser.config import CacheConfig, SchedulerConfig
-from laser.engine import Engine
+from laser.core.block_manager import BlockManager, BlockManagerIntegrityError, OutOfBlocksError
+from laser.core.config import CacheConfig, SchedulerConfig
+from laser.frontend.engine import Engine
 from laser.latency import SimpleLatencyModel
-from laser.request import SLO, SamplingParams
+from laser.core.request import SLO, SamplingParams
 
 BS = 16  # block size of the engines below
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -344,7 +344,7 @@ def test_caching_off_publishes_nothing():
 def test_queue_is_priced_by_tokens_left_to_compute(cached_engine, policy):
     """A waiting request with a cached prefix is priced by the tokens it still has to compute:
     in the admission snapshot's queue, and by Laser's slack (``prefill_alone``)."""
-    from laser.admission import snapshot_of
+    from laser.frontend.admission import snapshot_of
 
     bm = cached_engine.kv_cache.block_manager
     bm.reset_prefix_cache()
