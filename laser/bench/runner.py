@@ -139,12 +139,14 @@ class EngineTarget(Target):
     """One policy on an in-process engine (``engine``) or prefill/decode pair (``pair``).
 
     ``latency_model`` is what the policy plans with (Laser needs it; baselines ignore it).
+    ``cold_prefix_cache``: every run starts with an empty prefix cache (default; False: what
+    earlier runs left cached stays, e.g. a system prompt warmed beforehand).
     """
 
     kind = "engine"
 
     def __init__(self, policy: str, engine=None, pair=None, latency_model=None, label: str | None = None,
-                 config_overrides: dict | None = None):
+                 config_overrides: dict | None = None, cold_prefix_cache: bool = True):
         if (engine is None) == (pair is None):
             raise ValueError("give exactly one of engine, pair")
         self.policy = policy
@@ -153,6 +155,7 @@ class EngineTarget(Target):
         self.lm = latency_model
         self.label = label or policy
         self.runs = 0
+        self.cold_prefix_cache = cold_prefix_cache
         self._ids: dict[str, list[int]] = {}
 
     @property
@@ -184,7 +187,8 @@ class EngineTarget(Target):
 
         for e in self.engines:
             e.set_policy(self.policy, self.lm, **self.overrides)
-            e.kv_cache.block_manager.reset_prefix_cache()  # every run starts with a cold prefix cache
+            if self.cold_prefix_cache:
+                e.kv_cache.block_manager.reset_prefix_cache()
         self.runs += 1
         inner = self.engine if self.engine is not None else self.pair
         if self.pair is not None:
