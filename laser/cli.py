@@ -74,6 +74,9 @@ def add_engine_args(p: argparse.ArgumentParser, policy_default: str = "laser") -
     p.add_argument("--kv-cache-gib", type=float, default=1.0,
                    help="KV cache pool size, GiB over all layers (default %(default)s)")
     p.add_argument("--block-size", type=positive_int, default=16, help="KV cache block size, tokens (default 16)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of prompt blocks computed before (automatic prefix caching, vLLM's flag; "
+                        "default on: --no-enable-prefix-caching switches it off)")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=512,
                    help="token budget per step, tokens (vLLM's max_num_batched_tokens; Sarathi's chunk budget; "
                         "default %(default)s)")
@@ -138,6 +141,7 @@ def engine_configs(args, role: str = "mixed"):
         block_size=args.block_size,
         kv_cache_gib=args.kv_cache_gib,
         intermediate_cache_tokens=args.intermediate_cache_tokens,
+        enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
     )
     sched = SchedulerConfig(
         policy=args.policy,

@@ -1,6 +1,7 @@
 """The invariant that guards everything: with greedy sampling in fp32, a request's output
 does not depend on the policy, the role set-up, what it was batched with, where it was
-paused, its (L, O) decode plan, or intermediate-cache evictions."""
+paused, its (L, O) decode plan, intermediate-cache evictions, or a prefix-cache hit (the
+engines under test keep their prefix caches across examples; the reference has none)."""
 
 from __future__ import annotations
 
@@ -39,13 +40,16 @@ def reconfigure(engine: Engine, policy: str, role: str, budget: int, icache_toke
 
 @pytest.fixture(scope="module")
 def engines(tiny_llama):
-    mk = lambda: Engine(str(tiny_llama), policy="vllm", dtype="float32")  # noqa: E731
-    return {"ref": mk(), "a": mk(), "b": mk()}
+    mk = lambda **kw: Engine(str(tiny_llama), policy="vllm", dtype="float32", **kw)  # noqa: E731
+    # the reference never reads a cached prefix; the engines under test keep theirs across
+    # examples (on by default), so prompts repeated or sharing blocks hit it
+    return {"ref": mk(enable_prefix_caching=False), "a": mk(), "b": mk()}
 
 
 REF_CACHE: dict = {}
 # How often each mechanism was exercised over all examples (checked by the last test).
-SEEN = {"examples": 0, "step_preemptions": 0, "evictions": 0, "reduced_plans": 0, "merges": 0, "partial_layers": 0, "handoffs": 0}
+SEEN = {"examples": 0, "step_preemptions": 0, "evictions": 0, "reduced_plans": 0, "merges": 0, "partial_layers": 0,
+        "handoffs": 0, "prefix_hits": 0}
 
 
 def observe(engine: Engine) -> None:
@@ -109,7 +113,17 @@ _MIXED_LOAD = [
 ]
 
 
+# Prompts sharing 0, 1, 2 and all blocks (16 tokens) with the first, arriving once it ran some layers.
+_SHARED = [
+    ([21] * 16 + [22] * 16 + [23] * 5, 4, _CHAT, 0), ([21] * 16 + [22] * 16 + [23] * 5, 3, _CODE, 12),
+    ([21] * 16 + [40] * 9, 5, _SUMM, 14), ([21] * 16 + [22] * 16, 3, _CHAT, 16), ([50] * 20, 2, SLO(), 16),
+]
+
+
 @settings(max_examples=40, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+@example(reqs=_SHARED, policy="laser", disaggregated=False, budget=16, icache_tokens=8, per_layer=1e-3)
+@example(reqs=_SHARED, policy="laser", disaggregated=True, budget=24, icache_tokens=16384, per_layer=1e-4)
+@example(reqs=_SHARED, policy="sarathi", disaggregated=False, budget=8, icache_tokens=8, per_layer=1e-4)
 @example(reqs=_MIXED_LOAD, policy="laser", disaggregated=False, budget=16, icache_tokens=1, per_layer=1e-3)
 @example(reqs=_MIXED_LOAD, policy="laser", disaggregated=True, budget=16, icache_tokens=3, per_layer=1e-3)
 @example(reqs=_MIXED_LOAD, policy="sarathi", disaggregated=False, budget=8, icache_tokens=8, per_layer=1e-4)
@@ -162,6 +176,7 @@ def test_greedy_output_is_schedule_invariant(engines, reqs, policy, disaggregate
         assert got.output_token_ids == reference(engines["ref"], tuple(prompt), n), (policy, i)
     for e in (a, b):
         e.check_integrity(expect_empty=True)
+        SEEN["prefix_hits"] += e.scheduler.prefix_cache_hits
         SEEN["step_preemptions"] += getattr(e.scheduler, "num_step_preemptions", 0)
         SEEN["evictions"] += e.icache.num_evictions
     SEEN["handoffs"] += len(getattr(target, "adopted", ()))

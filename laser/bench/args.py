@@ -135,6 +135,9 @@ def register(subparsers) -> None:
                    help="SLO class of every trace row (default: the row's slo_class column; class-less formats: the "
                         "class the file name says)")
     w.add_argument("--tokenizer", default=None, help="tokenizer dir for prompt lengths (default: --model's)")
+    w.add_argument("--shared-prefix-tokens", type=int, default=0,
+                   help="put one system prompt of about this many tokens in front of every request (the prefix "
+                        "cache's workload; each probe starts with a cold cache; default 0: none)")
 
     a = p.add_argument_group("arrivals and goodput search")
     a.add_argument("--request-rate", type=_rate, default=None,

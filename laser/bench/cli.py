@@ -220,6 +220,11 @@ def build_workload(args, tokenizer, max_model_len, mix=None):
         reqs = sample_mix(mix, n, args.seed, args.length_scale, tokenizer, max_model_len)
         times = None
         desc = {"mix": ":".join(f"{m:g}" for m in mix), "num_prompts": n, "length_scale": args.length_scale}
+    if getattr(args, "shared_prefix_tokens", 0):
+        from laser.bench.workloads import with_shared_prefix
+
+        reqs = with_shared_prefix(reqs, args.shared_prefix_tokens, tokenizer, args.seed)
+        desc["shared_prefix_tokens"] = args.shared_prefix_tokens
     if getattr(args, "cluster", None):
         from laser.bench.cluster import rescale_to_table1
 

@@ -111,8 +111,10 @@ def format_probe_line(p, target: float) -> str:
     unfinished = f", {p.unfinished} unfinished" if p.unfinished else ""
     if p.early_stopped:
         unfinished += " (stopped early: certain to fail; attainment is a lower bound)"
+    hits = getattr(p, "prefix_hit_rate", None)
+    hits = "" if hits is None else f", prefix-cache hit rate {100 * hits:.1f} %"
     return (f"[{p.label}] {rate}: attainment {p.attainment:.3f} {mark} ({cls}), mean TTFT {_ms(o.ttft_mean, 0)} ms, "
-            f"P99 ITL {_ms(o.tbt_p99, 0)} ms{unfinished}, wall {p.wall_s:.1f} s")
+            f"P99 ITL {_ms(o.tbt_p99, 0)} ms{hits}{unfinished}, wall {p.wall_s:.1f} s")
 
 
 # ------------------------------------------------------------------------------ comparison

@@ -58,6 +58,8 @@ class RunOutput:
     # wall clock of the run; sim: virtual time), None when not known (a remote server)
     busy_s: float | None = None
     span_s: float | None = None
+    # prompt tokens found in the prefix cache / looked up at admission (None: not known)
+    prefix_hit_rate: float | None = None
 
     @property
     def busy_fraction(self) -> float | None:
@@ -137,12 +139,14 @@ class EngineTarget(Target):
     """One policy on an in-process engine (``engine``) or prefill/decode pair (``pair``).
 
     ``latency_model`` is what the policy plans with (Laser needs it; baselines ignore it).
+    ``cold_prefix_cache``: every run starts with an empty prefix cache (default; False: what
+    earlier runs left cached stays, e.g. a system prompt warmed beforehand).
     """
 
     kind = "engine"
 
     def __init__(self, policy: str, engine=None, pair=None, latency_model=None, label: str | None = None,
-                 config_overrides: dict | None = None):
+                 config_overrides: dict | None = None, cold_prefix_cache: bool = True):
         if (engine is None) == (pair is None):
             raise ValueError("give exactly one of engine, pair")
         self.policy = policy
@@ -151,6 +155,7 @@ class EngineTarget(Target):
         self.lm = latency_model
         self.label = label or policy
         self.runs = 0
+        self.cold_prefix_cache = cold_prefix_cache
         self._ids: dict[str, list[int]] = {}
 
     @property
@@ -182,6 +187,8 @@ class EngineTarget(Target):
 
         for e in self.engines:
             e.set_policy(self.policy, self.lm, **self.overrides)
+            if self.cold_prefix_cache:
+                e.kv_cache.block_manager.reset_prefix_cache()
         self.runs += 1
         inner = self.engine if self.engine is not None else self.pair
         if self.pair is not None:
@@ -234,7 +241,10 @@ class EngineTarget(Target):
             records.append(record_from_request(r) if r is not None else missing_record(i, wr, _slo_for(slos, wr.slo_class), t0))
         for e in self.engines:
             e.check_integrity(expect_empty=True)
-        return RunOutput(records, _summary_duration(records), wall, stopped, target.busy_s, span)
+        queries = sum(e.scheduler.prefix_cache_queries for e in self.engines)
+        hits = sum(e.scheduler.prefix_cache_hits for e in self.engines)
+        return RunOutput(records, _summary_duration(records), wall, stopped, target.busy_s, span,
+                         hits / queries if queries else None)
 
     def _job_adder(self):
         def add(req_id: str, wr: WorkloadRequest, slo: SLO, now: float):
@@ -431,6 +441,7 @@ class RateRun:
     wall_s: float = 0.0
     # stopped early once it could no longer pass: its attainment is then a lower bound
     early_stopped: bool = False
+    prefix_hit_rate: float | None = None  # prefix-cache hit rate of the run (RunOutput)
 
     @property
     def attainment(self) -> float:
@@ -538,7 +549,8 @@ class Benchmark:
             timeout = max((w.arrival_time for w in wl), default=0.0) + self.probe_timeout_s
         stop = self.attainment_target if (self.early_stop if early_stop is None else early_stop) else None
         out = self.targets[label].run(wl, self.slos, timeout_s=timeout, progress=self.progress, stop_below=stop)
-        p = RateRun(label, rate, out.records, summarize(out.records, out.duration), out.wall_s, out.early_stopped)
+        p = RateRun(label, rate, out.records, summarize(out.records, out.duration), out.wall_s, out.early_stopped,
+                    out.prefix_hit_rate)
         self.probes.append(p)
         if self.on_probe is not None:
             self.on_probe(p)

@@ -414,6 +414,22 @@ class WorkloadSampler:
         return text, len(self.tok.encode(text))
 
 
+def with_shared_prefix(requests: Sequence[WorkloadRequest], n_tokens: int, tokenizer: Tokenizer,
+                       seed: int = 0) -> list[WorkloadRequest]:
+    """Every request of ``requests`` behind one system prompt of about ``n_tokens`` tokens of essay
+    text (the same for all: chat behind a long shared system prompt, the prefix cache's case),
+    prompt lengths re-counted. ``n_tokens <= 0``: the requests unchanged."""
+    if n_tokens <= 0:
+        return list(requests)
+    system, _ = WorkloadSampler(tokenizer, seed).filler(n_tokens, np.random.default_rng(seed))
+    out = []
+    for r in requests:
+        prompt = f"{system}\n\n{r.prompt}"
+        out.append(WorkloadRequest(r.slo_class, prompt, len(tokenizer.encode(prompt)), r.output_len, r.arrival_time,
+                                   r.source))
+    return out
+
+
 def sample_mix(
     mix: Sequence[float] | Mapping[str, float] = (1, 1, 1),
     num_prompts: int = 100,

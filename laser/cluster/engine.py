@@ -96,6 +96,7 @@ class ClusterEngine(Transfers, Recovery):
         self._transfers: list[Tracked] = []
         self._pending: list[str] = []  # handed off, waiting for a decode instance
         self._confirms: list[Call] = []  # "confirm" calls (prefill side drops a delivered hand-off) in flight
+        self._hash_root: tuple[bytes, int] | None = None  # (prefix root, block size) of the instances
         self._recovering: dict[str, float] = {}  # req id -> time its instance failed
         self.last_reports: dict = {}  # instance id -> its InstanceReport after its last step (gauges)
         self.rejoin_probe_s = 1.0  # a dead instance that may answer again is pinged this often ...
@@ -159,7 +160,18 @@ class ClusterEngine(Transfers, Recovery):
 
     def _info(self, req: Request) -> RequestInfo:
         return RequestInfo(req.req_id, req.arrival_time, req.num_tokens, req.slo.ttft, req.slo.tbt, req.slo.name,
-                           self.controller.expected_output(req.slo.name))
+                           self.controller.expected_output(req.slo.name), self._block_hashes(req))
+
+    def _block_hashes(self, req: Request) -> tuple[bytes, ...]:
+        """The prompt's block hashes for cache-aware routing, chained from the instances' root
+        (asked of a prefill instance's report once; instances of one model and dtype share it)."""
+        from ..core.block_manager import hash_blocks
+
+        if self._hash_root is None:
+            rep = self.controller.prefill[0].report()
+            self._hash_root = (rep.prefix_root, rep.block_size)
+        root, bs = self._hash_root
+        return tuple(hash_blocks([], req.all_token_ids, bs, root)) if root else ()
 
     def _copy_for_instance(self, req: Request) -> Request:
         """What an instance gets: the request, with the output so far (re-prefilled with the prompt)."""

@@ -33,9 +33,10 @@ from .groups import GroupManager
 
 
 def edf_finish_times(rep: InstanceReport, lm, num_layers: int, now: float,
-                     extra: RequestInfo | None = None) -> list[tuple[str, float, float]]:
+                     extra: RequestInfo | None = None, cached: int = 0) -> list[tuple[str, float, float]]:
     """Estimated prefill finish of every queued request on the instance of ``rep``, in EDF
-    order (best-effort entries last), with ``extra`` inserted: ``[(req_id, deadline, finish)]``.
+    order (best-effort entries last), with ``extra`` inserted (``cached`` of its prompt tokens
+    found in the instance's prefix cache: only the rest is priced): ``[(req_id, deadline, finish)]``.
 
     Model of the instance's layer-level chunked prefill (§6.1): the queue drains in EDF
     order after the executing step (``busy_until``); request q finishes when a merged
@@ -45,7 +46,8 @@ def edf_finish_times(rep: InstanceReport, lm, num_layers: int, now: float,
     """
     entries = [(e.best_effort, e.deadline, e.req_id, e.remaining_tokens, e.prompt_len) for e in rep.queue]
     if extra is not None:
-        entries.append((extra.ttft is None, extra.ttft_deadline, extra.req_id, extra.prompt_len, extra.prompt_len))
+        entries.append((extra.ttft is None, extra.ttft_deadline, extra.req_id, extra.prompt_len - cached,
+                        extra.prompt_len))
     entries.sort(key=lambda e: (e[0], e[1]))
     t0 = max(now, rep.busy_until)
     out = []
@@ -62,13 +64,14 @@ def edf_finish_times(rep: InstanceReport, lm, num_layers: int, now: float,
     return out
 
 
-def prefill_slack(rep: InstanceReport, lm, num_layers: int, info: RequestInfo, now: float) -> float:
-    """min over queued requests of (deadline − estimated finish) with ``info`` inserted,
-    over the requests whose deadline held without it (and ``info`` itself); −inf-like
-    negative when one of them would miss. +inf when none has a deadline."""
+def prefill_slack(rep: InstanceReport, lm, num_layers: int, info: RequestInfo, now: float, cached: int = 0) -> float:
+    """min over queued requests of (deadline − estimated finish) with ``info`` inserted
+    (``cached`` of its prompt tokens already in the instance's prefix cache), over the
+    requests whose deadline held without it (and ``info`` itself); −inf-like negative when
+    one of them would miss. +inf when none has a deadline."""
     before = {rid: f <= d for rid, d, f in edf_finish_times(rep, lm, num_layers, now)}
     slack = math.inf
-    for rid, d, f in edf_finish_times(rep, lm, num_layers, now, info):
+    for rid, d, f in edf_finish_times(rep, lm, num_layers, now, info, cached):
         if math.isinf(d) or not before.get(rid, True):
             continue
         slack = min(slack, d - f)
@@ -141,6 +144,7 @@ class LaserController(Controller):
         self.num_fallback_decode = 0
         self.num_reassigned = 0
         self.num_migrated: dict[str, int] = {}  # reason (memory | slo) -> migrations
+        self.num_routed_cached_tokens = 0  # prompt tokens routed to an instance caching them
 
     def policy_for(self, role: str) -> str:
         return {"prefill": self.prefill_policy, "decode": self.decode_policy}.get(role, self.instance_policy)
@@ -154,8 +158,13 @@ class LaserController(Controller):
 
     # -- prefill (§7.1) -------------------------------------------------------------------------
     def select_prefill(self, info: RequestInfo, now: float) -> tuple[int, bool]:
-        """(instance id, demoted): the feasible instance with the largest slack, else the one
-        with the fewest pending prefill tokens (demoted to best effort).
+        """(instance id, demoted): of the feasible instances (every deadline that held there
+        still holds with the request, priced by the prompt tokens the instance's prefix cache
+        does not hold: :meth:`InstanceReport.cached_prefix_tokens`), the one holding the longest
+        cached prefix, then the largest slack, then the fewest pending prefill tokens; else the
+        one with the fewest pending prefill tokens (demoted to best effort). A hit on an instance
+        whose queue would break a deadline is not taken (cache-aware routing, issue 29; SGLang's
+        router prefers the worker with the longest prefix match unless load is imbalanced).
 
         Equal slacks -- every instance's is +inf when no queued request and not ``info`` has a TTFT
         target -- go to the instance with the fewest pending prefill tokens (its report counts
@@ -165,13 +174,15 @@ class LaserController(Controller):
         fallback, fb_key = None, None
         for p in self.prefill:
             rep = p.report()
-            s = prefill_slack(rep, p.latency_model, p.num_layers, info, now)
+            cached = rep.cached_prefix_tokens(info)
+            s = prefill_slack(rep, p.latency_model, p.num_layers, info, now, cached)
             load = prefill_load_key(rep)
-            if s >= 0 and (best_key is None or (-s, load) < best_key):
-                best, best_key = p.instance_id, (-s, load)
+            if s >= 0 and (best_key is None or (-cached, -s, load) < best_key):
+                best, best_key = p.instance_id, (-cached, -s, load)
             if fb_key is None or load < fb_key:
                 fallback, fb_key = p.instance_id, load
         if best is not None:
+            self.num_routed_cached_tokens += -best_key[0]
             return best, False
         self.num_demoted += info.ttft is not None
         return fallback, info.ttft is not None

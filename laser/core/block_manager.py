@@ -13,11 +13,31 @@ composition and per-layer ones only for overridden layers (rare).
 
 Compare vLLM ``BlockSpaceManager`` / mini-sglang ``scheduler/cache.py``; per-layer
 pools are Laser's (PPoPP'26 §8, "KV cache allocated per layer").
+
+Automatic prefix caching (on by default; vLLM v1 ``kv_cache_manager.py`` /
+``block_pool.py`` are the reference, read not copied). A *full* block is named by a hash
+chained through the previous block's hash (:func:`hash_blocks`; the chain's root is a salt of
+what changes the KV: model, dtype, quantization), so equal hashes mean equal token prefixes.
+A block is *published* under its hash only once its tokens have KV at every layer -- the
+request's ``num_computed_tokens`` covers it (:meth:`BlockManager.cache_blocks`): a chunk paused
+at layer k, a request holding different ids at some layers, or one that released a layer keeps
+its blocks private. A published block holds the same id at every layer, is read-only (a
+request writes only past its cached prefix) and reference-counted by the requests holding it;
+when none does it stays cached but *evictable*, counted as free, and is reused
+least-recently-freed first (the tail of a chain before its head, as vLLM frees in reverse).
+A new request attaches the blocks of its longest cached prefix (:meth:`BlockManager.allocate`
+with ``prefix``) instead of computing them; a preempted request re-finds its own the same way.
+SGLang's radix tree with ``lock_ref`` is the other design we compared: hash chains need no tree
+walk and give the per-instance summaries the controller routes by (:meth:`BlockManager.summary`).
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Sequence
 
 
 class OutOfBlocksError(RuntimeError):
@@ -26,6 +46,33 @@ class OutOfBlocksError(RuntimeError):
 
 class BlockManagerIntegrityError(AssertionError):
     """``check_integrity`` found a leaked, double-owned or out-of-range block."""
+
+
+def prefix_root(salt: str) -> bytes:
+    """The root of the hash chain for KV that ``salt`` names (model id, dtype, quantization...):
+    a 16-byte digest. Two engines share cached blocks (and routing summaries) only when their
+    salts are equal."""
+    return hashlib.blake2b(b"laser-prefix-cache\0" + salt.encode(), digest_size=16).digest()
+
+
+def hash_blocks(hashes: list[bytes], token_ids: Sequence[int], block_size: int, root: bytes) -> list[bytes]:
+    """Extend ``hashes`` (the chain of ``token_ids``' first ``len(hashes)`` full blocks) to every
+    full block of ``token_ids``, in place, and return it.
+
+    Block i's hash is ``blake2b(hash_{i-1} || tokens of block i)`` (16 bytes; ``hash_{-1}`` is
+    ``root``, :func:`prefix_root`): a block's hash names its whole prefix, as vLLM v1's
+    ``hash_block_tokens`` does. A stable digest, not Python's ``hash``: summaries cross processes.
+    """
+    parent = hashes[-1] if hashes else root
+    for i in range(len(hashes), len(token_ids) // block_size):
+        h = hashlib.blake2b(parent, digest_size=16)
+        h.update(array("q", token_ids[i * block_size:(i + 1) * block_size]).tobytes())
+        parent = h.digest()
+        hashes.append(parent)
+    return hashes
+
+
+_NEVER = 1 << 62  # _ReqBlocks.num_offered of a request whose blocks are never published
 
 
 @dataclass
@@ -37,6 +84,8 @@ class _ReqBlocks:
     overrides: dict[int, list[int]] = field(default_factory=dict)
     # Every layer holds exactly ``canon[:count[0]]`` (no override): allocate/free take the fast path.
     uniform: bool = True
+    # Leading logical blocks already offered to the prefix cache (:meth:`BlockManager.cache_blocks`).
+    num_offered: int = 0
 
 
 class BlockManager:
@@ -46,9 +95,16 @@ class BlockManager:
         num_layers: transformer layers (one pool each).
         num_blocks: blocks per layer pool.
         block_size: tokens per block.
+        enable_prefix_caching: publish computed full blocks and let new requests attach them
+            (see the module docstring). Off: nothing is ever cached or shared. An engine turns it
+            on by default (``CacheConfig.enable_prefix_caching``); the simulator only when asked,
+            since its requests carry dummy token ids unless the workload gives real ones.
+        cache_salt: what changes the KV besides the tokens (model id, dtype, quantization), the
+            root of every hash chain (:func:`prefix_root`).
     """
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int):
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 cache_salt: str = ""):
         if num_layers <= 0 or num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_layers, num_blocks and block_size must be positive")
         self.num_layers = num_layers
@@ -62,25 +118,85 @@ class BlockManager:
         self._use = [0] * num_blocks
         self._fully_free: set[int] = set(range(num_blocks))
         self._reqs: dict[str, _ReqBlocks] = {}
-        self._min_free: int | None = num_blocks  # min(map(len, _free)); None = recompute
+        # min over layers of len(_fully_free) + len(_extra[l]) (evictable cached blocks not
+        # included); None = recompute
+        self._min_free: int | None = num_blocks
+        # -- the prefix cache: published blocks, in use at every layer, never in a free set --
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_root = prefix_root(cache_salt)
+        self._by_hash: dict[bytes, int] = {}  # block hash -> published block id
+        self._hash_of: dict[int, bytes] = {}  # published block id -> its hash
+        self._ref: dict[int, int] = {}  # published block id -> requests holding it (at any layer)
+        # published blocks no request holds, least recently released first (evicted in this order)
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self.num_evictions = 0  # published blocks evicted for reuse (total)
+        self.cache_version = 0  # grows whenever a block is published or evicted
+        self._summary: tuple | None = None  # (cache_version, limit) -> summary()
 
     # -- queries ----------------------------------------------------------------------
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def num_free(self, layer: int) -> int:
-        return len(self._fully_free) + len(self._extra[layer])
-
-    def free_ids(self, layer: int) -> set[int]:
-        """The free block ids of ``layer`` (a new set)."""
-        return self._fully_free | self._extra[layer]
+        """Blocks of ``layer`` a request may take: free ones plus evictable cached ones."""
+        return len(self._fully_free) + len(self._extra[layer]) + len(self._evictable)
 
     def min_free(self) -> int:
-        """Free blocks in the most-used layer (the binding constraint)."""
+        """Free blocks (evictable cached ones included) in the most-used layer (the binding constraint)."""
         m = self._min_free
         if m is None:
             m = self._min_free = len(self._fully_free) + min(map(len, self._extra))
-        return m
+        return m + len(self._evictable)
+
+    # -- the prefix cache: queries -----------------------------------------------------------------
+    def block_hashes(self, hashes: list[bytes], token_ids: Sequence[int]) -> list[bytes]:
+        """:func:`hash_blocks` with this manager's block size and salt (``hashes`` is extended in
+        place: keep it with the request, it only ever grows)."""
+        return hash_blocks(hashes, token_ids, self.block_size, self.prefix_root)
+
+    def cached_prefix_blocks(self, block_hashes: Sequence[bytes], max_tokens: int) -> int:
+        """Number of leading blocks of ``block_hashes`` that are cached, covering at most
+        ``max_tokens`` tokens (0 with caching off). Read-only: safe to call from another thread
+        for an estimate (single dict reads)."""
+        if not self.enable_prefix_caching:
+            return 0
+        k, get = 0, self._by_hash.get
+        for h in block_hashes[: max(0, max_tokens) // self.block_size]:
+            if get(h) is None:
+                break
+            k += 1
+        return k
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Published blocks (held or evictable)."""
+        return len(self._hash_of)
+
+    @property
+    def num_evictable(self) -> int:
+        """Published blocks no request holds (counted as free)."""
+        return len(self._evictable)
+
+    #: Most block hashes an instance report carries (:meth:`summary`): 64 KiB of 16-byte digests.
+    SUMMARY_LIMIT = 4096
+
+    def summary(self, limit: int | None = None) -> frozenset[bytes]:
+        """Hashes of the cached blocks (held or evictable), at most ``limit`` (default
+        :attr:`SUMMARY_LIMIT`): over it, the held ones and then the most recently released
+        (the last to be evicted). What an instance report carries for cache-aware routing;
+        rebuilt only when a block was published or evicted since the last call."""
+        limit = self.SUMMARY_LIMIT if limit is None else limit
+        memo = self._summary
+        if memo is not None and memo[0] == (self.cache_version, limit):
+            return memo[1]
+        if len(self._hash_of) <= limit:
+            out = frozenset(self._by_hash)
+        else:
+            held = [h for b, h in self._hash_of.items() if self._ref[b] > 0][:limit]
+            rest = (self._hash_of[b] for b in reversed(self._evictable))
+            out = frozenset(held + [h for h, _ in zip(rest, range(limit - len(held)))])
+        self._summary = ((self.cache_version, limit), out)
+        return out
 
     def usage(self) -> float:
         """Fraction of all blocks (over all layers) in use."""
@@ -100,10 +216,24 @@ class BlockManager:
     def has(self, req_id: str) -> bool:
         return req_id in self._reqs
 
-    def can_allocate(self, req_id: str, num_tokens: int, layers: range | None = None) -> bool:
-        """Whether every layer in ``layers`` can grow ``req_id`` to cover ``num_tokens`` tokens."""
+    def can_allocate(self, req_id: str, num_tokens: int, layers: range | None = None,
+                     prefix: Sequence[bytes] = ()) -> bool:
+        """Whether every layer in ``layers`` can grow ``req_id`` to cover ``num_tokens`` tokens.
+
+        ``prefix``: block hashes a request not held yet would attach (:meth:`allocate`); False
+        when any of them is no longer cached. Its evictable blocks stop counting as free."""
         need = self.blocks_needed(num_tokens)
         rb = self._reqs.get(req_id)
+        if rb is None and prefix:
+            blocks = self._match(prefix)
+            if len(blocks) < len(prefix):
+                return False
+            ev = self._evictable
+            taken = sum(1 for b in blocks if b in ev)
+            grow = max(0, need - len(blocks))
+            if layers is None or (layers.start == 0 and layers.stop >= self.num_layers and layers.step == 1):
+                return grow <= self.min_free() - taken
+            return all(grow <= self.num_free(layer) - taken for layer in layers)
         if rb is not None and rb.uniform and need <= rb.count[0]:
             return True  # holds them already at every layer
         if layers is None or (layers.start == 0 and layers.stop >= self.num_layers and layers.step == 1):
@@ -131,17 +261,21 @@ class BlockManager:
         return tuple(rb.overrides) if rb else ()
 
     # -- mutations ----------------------------------------------------------------------
-    def allocate(self, req_id: str, num_tokens: int, layers: range | None = None) -> None:
+    def allocate(self, req_id: str, num_tokens: int, layers: range | None = None,
+                 prefix: Sequence[bytes] = ()) -> None:
         """Grow ``req_id``'s tables so each layer in ``layers`` covers ``num_tokens`` tokens.
 
-        All-or-nothing: raises :class:`OutOfBlocksError` (allocating nothing) when a
-        layer lacks blocks.
+        ``prefix``: for a request not held yet, the hashes of its cached leading blocks
+        (:meth:`cached_prefix_blocks`): it first takes those blocks at every layer (a reference
+        each, out of the evictable set), then grows past them. All-or-nothing: raises
+        :class:`OutOfBlocksError` (allocating nothing) when a layer lacks blocks or a prefix
+        block is no longer cached.
         """
         rb = self._reqs.get(req_id)
         if rb is not None and rb.uniform and layers is None and -(-num_tokens // self.block_size) <= rb.count[0]:
             return  # holds them already at every layer (every decode token but one a block)
         layers = layers if layers is not None else range(self.num_layers)
-        if not self.can_allocate(req_id, num_tokens, layers):
+        if not self.can_allocate(req_id, num_tokens, layers, () if rb is not None else prefix):
             raise OutOfBlocksError(
                 f"KV cache exhausted: request {req_id} needs {self.blocks_needed(num_tokens)} blocks "
                 f"per layer in layers {layers.start}..{layers.stop - 1}; free in the fullest layer: {self.min_free()}"
@@ -149,6 +283,8 @@ class BlockManager:
         need = self.blocks_needed(num_tokens)
         if rb is None:
             rb = self._reqs[req_id] = _ReqBlocks(count=[0] * self.num_layers)
+            if prefix:
+                self._attach(rb, self._match(prefix))
         whole = layers.start == 0 and layers.stop >= self.num_layers and layers.step == 1
         if whole and rb.uniform and self._grow_all(rb, need):
             return
@@ -165,9 +301,16 @@ class BlockManager:
         held = rb.count[0]
         if need <= held:
             return True
-        if held != len(rb.canon) or len(self._fully_free) < need - held:
+        if held != len(rb.canon):
             return False
         ff = self._fully_free
+        short = need - held - len(ff)
+        if short > 0:
+            # evict only where growing layer by layer would (no layer has a partly free block)
+            if short > len(self._evictable) or any(self._extra):
+                return False
+            for _ in range(short):
+                self._evict()
         new = []
         for _ in range(need - held):
             bid = next(iter(ff))
@@ -181,6 +324,7 @@ class BlockManager:
         rb.canon.extend(new)
         rb.count = [need] * self.num_layers
         return True
+
     def _grow(self, rb: _ReqBlocks, layer: int) -> None:
         idx = rb.count[layer]
         extra, ff = self._extra[layer], self._fully_free
@@ -190,10 +334,10 @@ class BlockManager:
             if want in extra or want in ff:
                 bid = want
             else:
-                bid = next(iter(extra)) if extra else next(iter(ff))
+                bid = next(iter(extra)) if extra else (next(iter(ff)) if ff else self._evict())
         else:
             # Extend the canonical table with an id free in every layer when possible.
-            bid = next(iter(ff)) if ff else next(iter(extra))
+            bid = next(iter(ff)) if ff else (next(iter(extra)) if extra else self._evict())
             rb.canon.append(bid)
         self._take(layer, bid)
         if ov is None and bid != rb.canon[idx]:
@@ -224,16 +368,114 @@ class BlockManager:
         else:
             self._extra[layer].add(bid)
 
+    # -- the prefix cache: mutations ---------------------------------------------------------------
+    def _match(self, block_hashes: Sequence[bytes]) -> list[int]:
+        """Published block ids of the longest cached prefix of ``block_hashes``."""
+        out, get = [], self._by_hash.get
+        for h in block_hashes:
+            b = get(h)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def _attach(self, rb: _ReqBlocks, blocks: list[int]) -> None:
+        """A new request takes published ``blocks`` (a reference each) at every layer."""
+        ref, ev = self._ref, self._evictable
+        for b in blocks:
+            if ref[b] == 0:
+                del ev[b]
+            ref[b] += 1
+        rb.canon = list(blocks)
+        rb.count = [len(blocks)] * self.num_layers
+        rb.num_offered = len(blocks)
+
+    def _release(self, blocks) -> None:
+        """Drop one reference to each published block of ``blocks`` (logical order): a block no
+        request holds becomes evictable, the tail of the chain first in line for eviction."""
+        ref, ev = self._ref, self._evictable
+        for b in reversed(blocks):
+            ref[b] -= 1
+            if ref[b] == 0:
+                ev[b] = None
+
+    def _evict(self) -> int:
+        """Evict the least recently released published block; it is now free at every layer."""
+        bid, _ = self._evictable.popitem(last=False)
+        del self._by_hash[self._hash_of.pop(bid)]
+        del self._ref[bid]
+        self._use[bid] = 0
+        self._fully_free.add(bid)
+        if self._min_free is not None:
+            self._min_free += 1
+        self.num_evictions += 1
+        self.cache_version += 1
+        return bid
+
+    def cache_blocks(self, req_id: str, block_hashes: Sequence[bytes], num_computed_tokens: int) -> None:
+        """Publish ``req_id``'s full blocks within its first ``num_computed_tokens`` tokens (KV
+        written at *every* layer: the request's ``num_computed_tokens``, never a paused chunk's
+        tokens) under their hashes (``block_hashes``, :meth:`block_hashes`), so later requests
+        can attach them. A block is published only when the request holds the same id for it at
+        every layer and no other block has that hash yet (a twin computed beside it stays
+        private); once a block is not publishable the rest of the request's blocks are not
+        offered either (a lookup stops at the first miss). No-op with caching off."""
+        rb = self._reqs.get(req_id)
+        if rb is None or not self.enable_prefix_caching:
+            return
+        full = min(num_computed_tokens // self.block_size, len(block_hashes))
+        if full <= rb.num_offered:
+            return
+        by_hash, hash_of, ref = self._by_hash, self._hash_of, self._ref
+        for i in range(rb.num_offered, full):
+            bid = rb.canon[i] if i < len(rb.canon) else None
+            if bid is None or not self._held_everywhere(rb, i, bid):
+                rb.num_offered = _NEVER  # ids differ per layer, or a layer was released: stays private
+                return
+            h = block_hashes[i]
+            if bid in hash_of or h in by_hash:
+                continue  # attached from the cache, or a twin published first
+            by_hash[h] = bid
+            hash_of[bid] = h
+            ref[bid] = 1
+            self.cache_version += 1
+        rb.num_offered = full
+
+    def _held_everywhere(self, rb: _ReqBlocks, idx: int, bid: int) -> bool:
+        if rb.uniform:
+            return idx < rb.count[0]
+        return all(rb.count[layer] > idx and (rb.overrides[layer][idx] if layer in rb.overrides else bid) == bid
+                   for layer in range(self.num_layers))
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every published block no request holds; returns how many (vLLM's
+        ``reset_prefix_cache``, minus the all-or-nothing rule: held blocks stay)."""
+        n = len(self._evictable)
+        for _ in range(n):
+            self._evict()
+        self.num_evictions -= n
+        return n
+
     def free_layer(self, req_id: str, layer: int) -> None:
-        """Release ``req_id``'s blocks at one layer (e.g. after its KV migrated)."""
+        """Release ``req_id``'s blocks at one layer (e.g. after its KV migrated). Published
+        blocks stay cached at every layer; the request's reference goes once it holds them at
+        no layer."""
         rb = self._reqs.get(req_id)
         if rb is None or rb.count[layer] == 0:
             return
         rb.uniform = False
+        hash_of = self._hash_of
+        shared = []
         for bid in self.table(req_id, layer):
-            self._give(layer, bid)
+            if bid in hash_of:
+                shared.append(bid)
+            else:
+                self._give(layer, bid)
         rb.count[layer] = 0
         rb.overrides.pop(layer, None)
+        if shared:
+            still = {b for lay in range(self.num_layers) if rb.count[lay] for b in self.table(req_id, lay)}
+            self._release([b for b in shared if b not in still])
         if not any(rb.count):
             del self._reqs[req_id]
 
@@ -261,33 +503,51 @@ class BlockManager:
             del self._reqs[req_id]
 
     def free(self, req_id: str) -> None:
-        """Release everything ``req_id`` holds (finish or abort). Idempotent."""
+        """Release everything ``req_id`` holds (finish, abort or preemption). Idempotent. Its
+        published blocks stay cached (evictable once nobody holds them)."""
         rb = self._reqs.get(req_id)
         if rb is None:
             return
+        del self._reqs[req_id]
+        hash_of = self._hash_of
         if rb.uniform and rb.count[0] == len(rb.canon):  # the same blocks at every layer
             bids = rb.canon
+            shared = [b for b in bids if b in hash_of] if hash_of else ()
+            if shared:
+                self._release(shared)
+                bids = [b for b in bids if b not in hash_of]
             if self._min_free is not None:
                 self._min_free += len(bids)  # every layer got the same blocks back
             use = self._use
             for bid in bids:
                 use[bid] = 0  # held at every layer, by this request alone
             self._fully_free.update(bids)
-            del self._reqs[req_id]
             return
+        shared = {}
         for layer in range(self.num_layers):
             if rb.count[layer]:
-                for bid in self.table(req_id, layer):
-                    self._give(layer, bid)
-        del self._reqs[req_id]
+                tbl = rb.overrides.get(layer) or rb.canon[: rb.count[layer]]
+                for i, bid in enumerate(tbl):
+                    if bid in hash_of:
+                        shared.setdefault(bid, i)
+                    else:
+                        self._give(layer, bid)
+        if shared:
+            self._release(sorted(shared, key=shared.get))
 
     # -- integrity ----------------------------------------------------------------------
     def check_integrity(self, expect_empty: bool = False) -> None:
-        """Verify every block is either free or owned by exactly one request, per layer.
+        """Verify, per layer, that every block is free, owned by exactly one request, or
+        published (held by any number of requests, or evictable); that each published block's
+        reference count is the number of requests holding it, it is evictable exactly when that
+        is 0, and the hash map is a bijection. (mini-sglang ``scheduler/cache.py``'s check.)
 
-        Raises BlockManagerIntegrityError. With ``expect_empty``, also that nothing is held.
+        Raises BlockManagerIntegrityError. With ``expect_empty``, also that no request holds
+        anything (evictable cached blocks may remain).
         """
         use = [0] * self.num_blocks
+        hash_of = self._hash_of
+        holders: dict[int, set[str]] = {b: set() for b in hash_of}
         for layer in range(self.num_layers):
             owned: set[int] = set()
             for rid, rb in self._reqs.items():
@@ -297,9 +557,13 @@ class BlockManager:
                 for bid in tbl:
                     if not 0 <= bid < self.num_blocks:
                         raise BlockManagerIntegrityError(f"block id {bid} out of range")
+                    if bid in hash_of:
+                        holders[bid].add(rid)
+                        continue
                     if bid in owned:
                         raise BlockManagerIntegrityError(f"block {bid} owned twice at layer {layer}")
                     owned.add(bid)
+            owned.update(hash_of)  # a published block is in use at every layer
             # the layer's free blocks are _fully_free | _extra[layer] (disjoint), checked without
             # building their union (O(owned + extra) per layer, not O(num_blocks))
             extra = self._extra[layer]
@@ -317,8 +581,21 @@ class BlockManager:
             raise BlockManagerIntegrityError("per-block use counts are inconsistent")
         if self._fully_free != {b for b, u in enumerate(use) if u == 0}:
             raise BlockManagerIntegrityError("fully-free set is inconsistent")
-        if self._min_free is not None and self._min_free != min(map(self.num_free, range(self.num_layers))):
+        if self._min_free is not None and self._min_free + len(self._evictable) != min(
+                map(self.num_free, range(self.num_layers))):
             raise BlockManagerIntegrityError("cached min_free is inconsistent")
+        # the prefix cache
+        if len(self._by_hash) != len(hash_of) or any(self._by_hash.get(h) != b for b, h in hash_of.items()):
+            raise BlockManagerIntegrityError("block hash map and its inverse disagree")
+        if self._ref.keys() != hash_of.keys():
+            raise BlockManagerIntegrityError("reference counts kept for unpublished blocks (or missing)")
+        for bid, who in holders.items():
+            if self._ref[bid] != len(who):
+                raise BlockManagerIntegrityError(f"block {bid}: {self._ref[bid]} references, {len(who)} holders")
+            if (bid in self._evictable) != (not who):
+                raise BlockManagerIntegrityError(f"block {bid}: evictable with holders, or held and evictable")
+        if not self.enable_prefix_caching and hash_of:
+            raise BlockManagerIntegrityError("blocks published with prefix caching off")
         for rid, rb in self._reqs.items():
             if not any(rb.count):
                 raise BlockManagerIntegrityError(f"{rid} holds no block but is still tracked")

@@ -106,6 +106,9 @@ class CacheConfig:
     # Capacity of the intermediate (paused hidden state) cache, tokens.
     # Paper §6.1: 16,384 on prefill instances, 2,048 on decode instances.
     intermediate_cache_tokens: int = 16384
+    # Automatic prefix caching (laser.core.block_manager): reuse the KV of full prompt blocks computed
+    # before (vLLM's enable_prefix_caching; on by default as in vLLM v1).
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         if self.block_size <= 0:

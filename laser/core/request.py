@@ -285,6 +285,12 @@ class Request:
         ``tbt_infeasible`` (its TBT target is out of reach even alone). Empty: none of those."""
         return tuple(c for c, on in (("given_up", self.given_up), ("preempted", self.num_preemptions > 0),
                                      ("demoted", self.demoted), ("tbt_infeasible", self.tbt_infeasible)) if on)
+    # Prompt tokens whose KV came from the prefix cache at its first admission (OpenAI's
+    # ``usage.prompt_tokens_details.cached_tokens``); a re-admission after preemption that
+    # re-finds its own blocks does not count.
+    num_cached_tokens: int = 0
+    # Hashes of its full blocks so far (laser.core.block_manager.hash_blocks; grows with the tokens).
+    block_hashes: list = field(default_factory=list, repr=False)
 
     def __post_init__(self):
         if not self.req_id:

@@ -104,7 +104,9 @@ def snapshot_of(sched, now: float, num_adds: int = 0, last_step_s: float = 0.0) 
     ``layer_stops`` (Laser's stops at a layer boundary), ``latency_calibration`` (the factor the
     planning model's predictions are scaled by; :mod:`laser.latency.calibrated`),
     ``latency_timing_spread`` (the model's ``timing_spread()``), ``running`` /
-    ``waiting`` {class: n}.
+    ``waiting`` {class: n}, ``prefix_cache_queries`` / ``prefix_cache_hits`` (prompt tokens
+    looked up / found cached at first admissions), ``prefix_cache_refound`` (tokens preempted
+    requests found again of their own), ``prefix_cache_evictions`` (cached blocks evicted).
     """
     from ..core.request import Phase
 
@@ -233,10 +235,11 @@ class QueueAwareAdmission:
         return replace(snap, queue=tuple(queue))
 
     def entry(self, prompt_len: int, arrival: float, ttft: float | None, tbt: float | None,
-              slo_class: str = "", now: float | None = None) -> QueueEntry:
-        """The queue entry of a new request (keyed like the scheduler will key it)."""
+              slo_class: str = "", now: float | None = None, cached: int = 0) -> QueueEntry:
+        """The queue entry of a new request (keyed like the scheduler will key it); ``cached``:
+        its prompt tokens in the prefix cache, not to be prefilled."""
         snap = self.snapshot or SchedulerSnapshot(time=arrival if now is None else now)
-        return QueueEntry(snap.queue_key(arrival, ttft), prompt_len, prompt_len, tbt, slo_class)
+        return QueueEntry(snap.queue_key(arrival, ttft), prompt_len - cached, prompt_len, tbt, slo_class)
 
     def predict(self, entry: QueueEntry, now: float, arrival: float | None = None,
                 view: SchedulerSnapshot | None = None) -> float:

@@ -252,8 +252,23 @@ class AsyncEngine(EngineThread):
     def predict_ttft(self, num_prompt_tokens: int) -> float | None:
         return predicted_prefill_seconds(self.engine, num_prompt_tokens)
 
-    def admit(self, prompt_lens: list[int], slo: SLO, arrival: float | None = None) -> list[Admission]:
-        """Admission control for requests about to be added (one per prompt length).
+    def cached_prompt_tokens(self, ids: list[int]) -> int:
+        """Tokens of prompt ``ids`` the engine's prefix cache holds now, as the scheduler will
+        find them (whole blocks, the last token always computed); 0 without a local cache (a
+        cluster front end: its controller routes by the instances' summaries). Read off the
+        engine thread -- single dict reads of the block manager's hash map: an estimate for
+        admission, exact unless a block is published or evicted meanwhile."""
+        kv = getattr(self.engine, "kv_cache", None)
+        if kv is None or not kv.block_manager.enable_prefix_caching or len(ids) < 2:
+            return 0
+        bm = kv.block_manager
+        return bm.cached_prefix_blocks(bm.block_hashes([], ids), len(ids) - 1) * bm.block_size
+
+    def admit(self, prompt_lens: list[int], slo: SLO, arrival: float | None = None,
+              cached: list[int] | None = None) -> list[Admission]:
+        """Admission control for requests about to be added (one per prompt length; ``cached``:
+        the tokens of each prompt the prefix cache holds, :meth:`cached_prompt_tokens`, priced as
+        computed already).
 
         The predicted TTFT (:func:`laser.frontend.admission.predict_ttft`) counts, from ``arrival``
         (engine clock; default now), the rest of the running step and the prefill of every
@@ -278,14 +293,15 @@ class AsyncEngine(EngineThread):
         view = qa.view(now)
         out = []
         warm = self.slo_classes.demotion_target(slo)
-        for n in prompt_lens:
-            entry = qa.entry(n, arrival, slo.ttft, slo.tbt, slo.name, now)
+        for i, n in enumerate(prompt_lens):
+            c = cached[i] if cached else 0
+            entry = qa.entry(n, arrival, slo.ttft, slo.tbt, slo.name, now, cached=c)
             pred = None
             if slo.ttft is not None and qa.latency_model is not None:
                 pred = qa.predict(entry, now, arrival, view)
             if warm is not None and pred is not None and pred > slo.ttft:
                 # pressure: the target is missed behind the queue ahead -> served as warm
-                entry = qa.entry(n, arrival, warm.ttft, warm.tbt, warm.name, now)
+                entry = qa.entry(n, arrival, warm.ttft, warm.tbt, warm.name, now, cached=c)
                 view = qa.with_entry(view, entry)
                 out.append(Admission(warm, slo, pred, True, entry, "warm"))
                 continue
@@ -294,7 +310,7 @@ class AsyncEngine(EngineThread):
                     raise SLOInfeasibleError(pred, slo, sum(e.key <= entry.key for e in view.queue))
                 if self.on_infeasible == "demote":
                     be = self.slo_classes.get("best_effort")
-                    entry = qa.entry(n, arrival, be.ttft, be.tbt, be.name, now)
+                    entry = qa.entry(n, arrival, be.ttft, be.tbt, be.name, now, cached=c)
                     view = qa.with_entry(view, entry)
                     out.append(Admission(be, slo, pred, True, entry, "best_effort"))
                     continue
@@ -376,7 +392,7 @@ class AsyncEngine(EngineThread):
         ids = await self.encode(prompt)
         self.inputs.check_length(ids)
         slo_obj = self.inputs.resolve_slo(slo)
-        (adm,) = self.admit([len(ids)], slo_obj)
+        (adm,) = self.admit([len(ids)], slo_obj, cached=[self.cached_prompt_tokens(ids)])
         stream = await self.add_request(ids, sampling_params or SamplingParams(), adm)
         try:
             while True:

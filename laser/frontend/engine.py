@@ -60,6 +60,8 @@ class Engine(ModelInstance):
         seed: seed of the shared sampling generator.
         speculative: a :class:`laser.spec.SpeculativeConfig` to decode greedy requests
             self-speculatively from trained early exits (policies ``vllm``/``sarathi``).
+        enable_prefix_caching: override ``cache.enable_prefix_caching`` (automatic prefix caching,
+            on by default: :mod:`laser.core.block_manager`); vLLM's ``LLM(enable_prefix_caching=...)``.
     Raises:
         ModelLoadError: the model path is unusable. ConfigError: bad config values.
         LatencyProfileError: ``latency_profile`` names an unusable profile file.

@@ -137,6 +137,8 @@ class RequestOutput:
     # time and the time of every output token so far (seconds, engine clock).
     arrival_time: float = 0.0
     token_times: tuple[float, ...] = ()
+    # Prompt tokens whose KV came from the prefix cache (``usage.prompt_tokens_details.cached_tokens``).
+    num_cached_tokens: int = 0
     # Copied when it finishes: :attr:`laser.core.request.Request.miss_causes` (why it may have missed).
     miss_causes: tuple[str, ...] = ()
     # SamplingParams.logprobs: one TokenLogprob per output token so far (None when not asked).
@@ -220,7 +222,8 @@ class OutputProcessor:
             text=text.visible(finished), token_ids=list(req.output_token_ids), delta_text=text.delta(finished),
             new_token_ids=new, finished=finished, finish_reason=finish_reason, slo=req.slo, request=req,
             handed_off=handed_off, arrival_time=req.arrival_time, token_times=tuple(req.token_times),
-            miss_causes=req.miss_causes if finished else (), **logprob_fields(req)), stop
+            miss_causes=req.miss_causes if finished else (), num_cached_tokens=req.num_cached_tokens,
+            **logprob_fields(req)), stop
 
     def final(self, req: Request, reason: str) -> RequestOutput:
         """The last output of a tracked request that ends without a new token (``reason``,
@@ -230,4 +233,5 @@ class OutputProcessor:
             req_id=req.req_id, prompt=None, prompt_token_ids=req.prompt_token_ids, text=text.visible(True),
             token_ids=list(req.output_token_ids), delta_text=text.delta(True), new_token_ids=[], finished=True,
             finish_reason=reason, slo=req.slo, request=req, arrival_time=req.arrival_time,
-            token_times=tuple(req.token_times), miss_causes=req.miss_causes, **logprob_fields(req))
+            token_times=tuple(req.token_times), miss_causes=req.miss_causes, num_cached_tokens=req.num_cached_tokens,
+            **logprob_fields(req))

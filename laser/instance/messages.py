@@ -18,6 +18,9 @@ class RequestInfo:
     ``expected_output`` is the controller's estimate of its output length (tokens; the
     paper's Laser has no prior knowledge of it, CONTROLLER.md D3: the class mean), used
     only for the decode memory check. ``ttft``/``tbt`` are None for no target.
+    ``block_hashes``: the chained hashes of its prompt's full blocks
+    (:func:`laser.core.block_manager.hash_blocks` from the instances' ``prefix_root``; empty when
+    unknown), matched against each instance's cache summary for cache-aware routing.
     """
 
     req_id: str
@@ -27,6 +30,7 @@ class RequestInfo:
     tbt: float | None
     slo_name: str = "best_effort"
     expected_output: int = 128
+    block_hashes: tuple[bytes, ...] = ()
 
     @property
     def ttft_deadline(self) -> float:
@@ -57,7 +61,10 @@ class InstanceReport:
     ``busy_until``: predicted end of the executing step (== ``time`` when idle).
     ``queue``: requests with prefill work left, in the instance's EDF order.
     ``t_g``: tightest TBT target of its decode requests (inf: none); ``iteration_s``:
-    last measured decode iteration (None: none yet).
+    last measured decode iteration (None: none yet). ``cached_blocks``: hashes of (up to a
+    bound) the KV blocks in its prefix cache, the most recently used first
+    (:meth:`laser.core.block_manager.BlockManager.summary`); ``prefix_root``: the root of its hash
+    chains (requests are hashed with it; instances of one model and dtype share it).
     """
 
     instance_id: int
@@ -75,6 +82,21 @@ class InstanceReport:
     iteration_s: float | None
     icache_used: int
     icache_capacity: int
+    cached_blocks: frozenset = frozenset()
+    prefix_root: bytes = b""
+
+    def cached_prefix_tokens(self, info: RequestInfo) -> int:
+        """Prompt tokens of ``info`` this instance's prefix cache holds, as its scheduler would
+        find them: the leading blocks of ``info.block_hashes`` in ``cached_blocks``, at most
+        ``prompt_len - 1`` tokens (the last one is computed for its logits)."""
+        k, held = 0, self.cached_blocks
+        if not held:
+            return 0
+        for h in info.block_hashes[: max(0, info.prompt_len - 1) // self.block_size]:
+            if h not in held:
+                break
+            k += 1
+        return k * self.block_size
 
     @property
     def pending_prefill_tokens(self) -> int:

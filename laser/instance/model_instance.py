@@ -8,6 +8,7 @@ token events out) both build on it, so one place says how an instance is assembl
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -85,6 +86,7 @@ class ModelInstance:
         extra_eos_ids: tuple[int, ...] = (),
         latency_calibration: bool = True,
         jitter_margin: bool | None = None,
+        enable_prefix_caching: bool | None = None,
     ):
         check_jitter_margin(latency_calibration, jitter_margin)  # before loading anything
         path = resolve_model(model)
@@ -105,7 +107,10 @@ class ModelInstance:
                      self.model.weight_bytes() / 1e6)
         del weights, quant
         self.cache_config = cache or CacheConfig()
-        self.kv_cache = KVCache(self.model_config, self.cache_config, self.dtype)
+        if enable_prefix_caching is not None:
+            self.cache_config = dataclasses.replace(self.cache_config, enable_prefix_caching=enable_prefix_caching)
+        # the KV depends on the weights (path and file: a GGUF's quantization) and the dtype
+        self.kv_cache = KVCache(self.model_config, self.cache_config, self.dtype, cache_salt=f"{path}|{self.quantization}")
         self.icache = IntermediateCache(self.cache_config.intermediate_cache_tokens)
         eos_ids = set(self.model_config.eos_token_ids) | set(extra_eos_ids)
         self.runner = ModelRunner(self.model, self.kv_cache, self.icache, Sampler(seed, eos_ids))

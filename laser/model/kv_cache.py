@@ -21,16 +21,20 @@ class KVCache:
         model: model shape (layers, kv heads, head dim).
         cache: sizing; ``cache.blocks_per_layer`` decides the pool size.
         dtype: K/V dtype (the model's dtype).
+        cache_salt: what else changes the KV (model id, quantization): with ``dtype``, the root
+            of the prefix cache's block hashes (:func:`laser.core.block_manager.prefix_root`).
     """
 
-    def __init__(self, model: ModelConfig, cache: CacheConfig, dtype: torch.dtype):
+    def __init__(self, model: ModelConfig, cache: CacheConfig, dtype: torch.dtype, cache_salt: str = ""):
         self.block_size = cache.block_size
         self.num_blocks = cache.blocks_per_layer(model, torch.finfo(dtype).bits // 8)
         self.num_layers = model.num_layers
         self.kv = torch.zeros(
             model.num_layers, 2, self.num_blocks * self.block_size, model.num_kv_heads, model.head_dim, dtype=dtype
         )
-        self.block_manager = BlockManager(model.num_layers, self.num_blocks, self.block_size)
+        self.block_manager = BlockManager(model.num_layers, self.num_blocks, self.block_size,
+                                          enable_prefix_caching=cache.enable_prefix_caching,
+                                          cache_salt=f"{cache_salt}|{dtype}")
 
     @property
     def nbytes(self) -> int:

@@ -143,6 +143,7 @@ def policy_snapshots(runner: ModelRunner, policy: str, lm: LatencyModel, *, num_
         for rid in list(sched.requests):
             sched.abort(rid, clock[0])
     bm.check_integrity(expect_empty=True)
+    bm.reset_prefix_cache()  # the synthetic prompts' blocks: nobody's prefix
     return _spread(snaps, keep, rng)
 
 

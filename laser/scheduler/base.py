@@ -97,6 +97,13 @@ class Scheduler(ABC):
         self.preemptions: Counter[tuple[str, str]] = Counter()
         self.recomputes: Counter[tuple[str, str]] = Counter()
         self.recomputed_tokens: Counter[tuple[str, str]] = Counter()
+        # Prefix cache (vLLM's prefix_cache_queries / _hits): prompt tokens looked up at a
+        # request's first admission, and those found cached; tokens a preempted request re-found
+        # of its own on readmission (not a hit).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.prefix_cache_refound = 0
+        self._prefix_version = -1  # bm.cache_version at the last refresh_prefixes
         self.step_index = 0
 
     # -- queue ----------------------------------------------------------------------------
@@ -123,6 +130,7 @@ class Scheduler(ABC):
         if req.req_id in self.requests:
             raise ValueError(f"duplicate request id {req.req_id}")
         self.requests[req.req_id] = req
+        self.lookup_prefix(req)  # priced by what it still has to compute from the start
         self.waiting.append(req)
         self.waiting.sort(key=self.queue_key)
         self.on_arrival(req)
@@ -188,20 +196,60 @@ class Scheduler(ABC):
         if not works and self.running and not self.icache.ids():
             self.preempt(max(self.running, key=self.queue_key))
 
+    # -- prefix cache (laser.core.block_manager) ----------------------------------------------------
+    def lookup_prefix(self, req: Request) -> None:
+        """Set the ``num_computed_tokens`` of ``req``, a request that holds no KV, to its longest
+        cached prefix: whole blocks, at most ``num_tokens - 1`` tokens (the last token is always
+        computed, for its logits -- as vLLM). Every pricing then sees only the tokens left to
+        compute; :meth:`try_allocate` attaches those blocks. A request holding KV, or with a
+        chunk in flight, is left alone. Policies call it right before planning a waiting request
+        (a previous lookup may be stale: blocks get evicted)."""
+        bm = self.bm
+        if not bm.enable_prefix_caching or req.chunk_tokens or bm.has(req.req_id):
+            return
+        tokens = req.all_token_ids
+        hashes = bm.block_hashes(req.block_hashes, tokens)
+        req.num_computed_tokens = bm.cached_prefix_blocks(hashes, len(tokens) - 1) * bm.block_size
+
+    def refresh_prefixes(self) -> None:
+        """:meth:`lookup_prefix` for every waiting request, when the cache changed since the last
+        refresh (policies call it at the top of ``schedule``, before pricing the queue)."""
+        v = self.bm.cache_version
+        if v != self._prefix_version:
+            self._prefix_version = v
+            for r in self.waiting:
+                self.lookup_prefix(r)
+
     def try_allocate(self, req: Request, num_tokens: int, layers: range | None = None) -> bool:
-        """Allocate KV for ``req`` up to ``num_tokens`` total tokens; False when the pool is short."""
-        if not self.bm.can_allocate(req.req_id, num_tokens, layers):
+        """Allocate KV for ``req`` up to ``num_tokens`` total tokens; False when the pool is short.
+
+        A request not holding KV yet first attaches the cached blocks of its computed prefix
+        (:meth:`lookup_prefix` set ``num_computed_tokens`` to them)."""
+        bm = self.bm
+        prefix = ()
+        if req.num_computed_tokens and not req.chunk_tokens and not bm.has(req.req_id):
+            prefix = req.block_hashes[: req.num_computed_tokens // bm.block_size]
+        if not bm.can_allocate(req.req_id, num_tokens, layers, prefix):
             return False
-        self.bm.allocate(req.req_id, num_tokens, layers)
+        bm.allocate(req.req_id, num_tokens, layers, prefix)
         return True
 
     def admit(self, req: Request) -> None:
-        """Move ``req`` from waiting to running (it starts holding KV)."""
+        """Move ``req`` from waiting to running (it starts holding KV). Counts the prefix-cache
+        query and hit of its first admission (a readmission after preemption re-finds its own
+        blocks: :attr:`prefix_cache_refound`, not a hit)."""
         self.waiting.remove(req)
         self.running.append(req)
         req.boosted = False
         if req.phase == Phase.WAITING:
             req.phase = Phase.PREFILL
+        if self.bm.enable_prefix_caching:
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = req.num_computed_tokens
+                self.prefix_cache_queries += req.num_prompt_tokens
+                self.prefix_cache_hits += req.num_computed_tokens
+            else:
+                self.prefix_cache_refound += req.num_computed_tokens
 
     def count_preemption(self, cause: str, req: Request | None) -> None:
         """Count one preemption of ``req`` (the victim) by ``cause`` — e.g. ``kv`` (the pool is
@@ -232,6 +280,7 @@ class Scheduler(ABC):
         req.next_layer = 0
         req.phase = Phase.PREFILL if req.output_token_ids else Phase.WAITING
         req.num_preemptions += 1
+        self.lookup_prefix(req)  # its own published blocks stay cached: it resumes from them
         if req in self.running:
             self.running.remove(req)
         self.waiting.append(req)
@@ -352,6 +401,8 @@ class Scheduler(ABC):
         n = self.num_layers
         out = []
         get = self.requests.get
+        bs = self.bm.block_size
+        cache = self.bm.cache_blocks if self.bm.enable_prefix_caching else None
         for w in plan.works:
             req = get(w.req_id)
             if req is None:  # aborted while the step ran
@@ -361,6 +412,9 @@ class Scheduler(ABC):
                 req.num_computed_tokens = w.context_len
                 req.chunk_tokens = 0
                 req.next_layer = 0
+                if w.context_len // bs > w.token_start // bs and cache:
+                    # a block is full at every layer now: publish it (laser.core.block_manager)
+                    cache(w.req_id, self.bm.block_hashes(req.block_hashes, req.all_token_ids), w.context_len)
                 if w.sample:
                     req.output_token_ids.append(sampled[w.req_id])
                     times, tbt = req.token_times, req.slo.tbt
@@ -452,6 +506,11 @@ class Scheduler(ABC):
             "latency_calibration": float(getattr(lm, "factor", 1.0)),
             # ... and the spread of its slow steps that divides Laser's planning margins (1.0 without one)
             "latency_timing_spread": float(lm.timing_spread() if hasattr(lm, "timing_spread") else 1.0),
+            # prefix cache, tokens (vLLM's prefix_cache_queries / _hits) and blocks evicted
+            "prefix_cache_queries": self.prefix_cache_queries,
+            "prefix_cache_hits": self.prefix_cache_hits,
+            "prefix_cache_refound": self.prefix_cache_refound,
+            "prefix_cache_evictions": self.bm.num_evictions,
         }
         return SchedulerReport(policy=self.name, queue_order=cfg.queue_order,
                                best_effort_deadline_s=cfg.best_effort_deadline_s,

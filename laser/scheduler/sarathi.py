@@ -18,7 +18,9 @@ class SarathiScheduler(Scheduler):
         # (max_num_batched_tokens): ongoing prefills first, then waiting requests, each
         # in queue order; a chunk is min(remaining prompt, remaining budget).
         # A waiting request blocked by max_num_seqs or the KV pool preempts running requests
-        # of a less strict SLO class (make_room).
+        # of a less strict SLO class (make_room). A prompt's cached prefix is not computed
+        # again and does not count against the budget (lookup_prefix).
+        self.refresh_prefixes()
         self.preempt_for_stricter()
         works = []
         decodes = self.preempt_for_decode(sorted(self.decoding(), key=self.queue_key))
@@ -31,6 +33,8 @@ class SarathiScheduler(Scheduler):
                 break
             if req not in self.running and req not in self.waiting:  # preempted for an earlier one
                 continue
+            if req in self.waiting:
+                self.lookup_prefix(req)
             n = min(self.prefill_remaining(req), budget)
             if req in self.waiting and not self.make_room(req, lambda: len(self.running) < cap, "running_cap", planned):
                 break

@@ -15,19 +15,24 @@ class VLLMScheduler(Scheduler):
         # (the first one even if it alone exceeds the budget); otherwise run one decode
         # token for every running request through every layer.
         # A waiting request blocked by max_num_seqs or the KV pool preempts running requests
-        # of a less strict SLO class (make_room).
+        # of a less strict SLO class (make_room). A prompt's cached prefix is not computed
+        # again and does not count against the budget (lookup_prefix).
+        self.refresh_prefixes()
         self.preempt_for_stricter()
         works = []
         budget = self.config.max_num_batched_tokens
         cap = self.config.max_num_seqs
         planned: set[str] = set()
         for req in list(self.waiting):
-            n = req.num_tokens
+            self.lookup_prefix(req)
+            n = self.prefill_remaining(req)
             if works and n > budget:
                 break
             if not self.make_room(req, lambda: len(self.running) < cap, "running_cap", planned):
                 break
-            if not self.make_room(req, lambda: self.try_allocate(req, n), "slo", planned, self.bm.blocks_needed(n)):
+            total = req.num_tokens
+            if not self.make_room(req, lambda: self.try_allocate(req, total), "slo", planned,
+                                  self.bm.blocks_needed(total)):
                 break
             planned.add(req.req_id)
             self.admit(req)

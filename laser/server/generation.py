@@ -455,7 +455,8 @@ class Generation:
         ``asked``: the SLO the client named when it is served under ``slo`` regardless (a Batch
         API line naming a class: served in the batch tier, reported as demoted to ``cold``)."""
         try:
-            adms = self.ae.admit([len(s.ids) for s in subs], slo, arrival)
+            adms = self.ae.admit([len(s.ids) for s in subs], slo, arrival,
+                                 cached=[self.ae.cached_prompt_tokens(s.ids) for s in subs])
             if asked is not None:
                 adms = [dataclasses.replace(a, requested=asked, demoted=True, demoted_to=a.demoted_to or slo.tier)
                         for a in adms]
@@ -572,9 +573,14 @@ class Generation:
 
     @staticmethod
     def usage(subs: list[Sub], n: int) -> dict:
+        """OpenAI's ``usage``: tokens of the prompt (once per prompt, not per choice), of the
+        completions, and ``prompt_tokens_details.cached_tokens``: prompt tokens read from the
+        prefix cache instead of computed."""
         prompt = sum(len(s.ids) for s in subs[::n])
+        cached = sum(s.final.num_cached_tokens if s.final is not None else 0 for s in subs[::n])
         completion = sum(len(s.final.token_ids) if s.final is not None else 0 for s in subs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 

@@ -303,6 +303,14 @@ class _SchedulerCollector:
         yield rec
         yield tok
         singles = [
+            (CounterMetricFamily, "vllm:prefix_cache_queries", "Prefix cache queries: prompt tokens looked up "
+             "at requests' first admission (tokens; vLLM's name).", c.get("prefix_cache_queries")),
+            (CounterMetricFamily, "vllm:prefix_cache_hits", "Prefix cache hits: prompt tokens found cached at "
+             "requests' first admission (tokens; vLLM's name).", c.get("prefix_cache_hits")),
+            (CounterMetricFamily, "laser:prefix_cache_refound_tokens", "Tokens preempted requests found again "
+             "of their own in the prefix cache when readmitted (not hits).", c.get("prefix_cache_refound")),
+            (CounterMetricFamily, "laser:prefix_cache_evictions", "Cached KV blocks evicted for reuse "
+             "(least recently released first).", c.get("prefix_cache_evictions")),
             (CounterMetricFamily, "laser:intermediate_cache_evictions", "Paused chunks evicted from the "
              "intermediate cache (recomputed from layer 0 later).", c.get("icache_evictions", 0)),
             (CounterMetricFamily, "laser:layer_stops", "Steps stopped at a layer boundary for a more urgent "

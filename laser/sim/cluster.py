@@ -115,6 +115,11 @@ class ClusterConfig:
     scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(max_num_seqs=512,
                                                                                max_num_batched_tokens=2048))
     mixed_token_budget: int | None = None  # Sarathi's chunk budget on mixed instances
+    # Model each instance's prefix cache (the engine's block manager) and route by the cache
+    # summaries in the reports (requests must carry real token ids: hits where they share them).
+    enable_prefix_caching: bool = False
+    # ... with the controller told each prompt's block hashes (False: prefix-blind routing)
+    cache_aware_routing: bool = True
 
 
 def paper_config(model: str = "qwen2.5-14b", hardware: str = "a100-80gb", tp: int | None = None,
@@ -201,7 +206,8 @@ class ClusterSim:
                 cfg = dataclasses.replace(cfg, max_num_batched_tokens=c.mixed_token_budget)
             icache = c.decode_icache_tokens if role == "decode" else c.prefill_icache_tokens
             out.append(SimClusterInstance(i, role, pol, self.lm, c.num_blocks, c.block_size, icache,
-                                          node=(i * c.tp) // c.gpus_per_node, config=cfg))
+                                          node=(i * c.tp) // c.gpus_per_node, config=cfg,
+                                          enable_prefix_caching=c.enable_prefix_caching))
         return out
 
     # -- KV transfer ------------------------------------------------------------------------------
@@ -242,8 +248,12 @@ class ClusterSim:
                 final[req.req_id] = req
                 done[req.req_id] = 1
                 return
+            hashes = ()
+            if self.config.enable_prefix_caching and self.config.cache_aware_routing:  # the front end's hashes
+                bm = inst[0].scheduler.bm
+                hashes = tuple(bm.block_hashes(req.block_hashes, req.prompt_token_ids))
             info = RequestInfo(req.req_id, req.arrival_time, req.num_prompt_tokens, req.slo.ttft, req.slo.tbt,
-                               req.slo.name, ctl.expected_output(req.slo.name))
+                               req.slo.name, ctl.expected_output(req.slo.name), hashes)
             t0 = time.perf_counter()
             route = ctl.route(info, t)
             stats["decision_s"] += time.perf_counter() - t0

@@ -94,11 +94,12 @@ class SimClusterInstance(Instance):
         planning model. num_blocks / block_size: KV pool per layer. icache_tokens:
         intermediate cache (paper: 16,384 prefill, 2,048 decode). node: host index (KV
         transfer is intra-node when P and D share it). config: scheduler knobs.
+        enable_prefix_caching: model the prefix cache (off by default: dummy token ids).
     """
 
     def __init__(self, instance_id: int, role: str, policy: str, latency_model, num_blocks: int,
                  block_size: int = 16, icache_tokens: int = 16384, node: int = 0,
-                 config: SchedulerConfig | None = None):
+                 config: SchedulerConfig | None = None, enable_prefix_caching: bool = False):
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         cfg = SchedulerConfig(**{**(config or SchedulerConfig()).__dict__, "policy": policy, "role": role})
@@ -106,7 +107,8 @@ class SimClusterInstance(Instance):
         self.latency_model = latency_model
         self.num_layers = latency_model.num_layers
         self.sim = _Node(policy, self.num_layers, latency_model, cfg, num_blocks=num_blocks,
-                         block_size=block_size, icache_tokens=icache_tokens)
+                         block_size=block_size, icache_tokens=icache_tokens,
+                         enable_prefix_caching=enable_prefix_caching)
         self.plan = None  # the step in flight
         self.plan_end = 0.0
         self.reserved: dict[str, RequestInfo] = {}

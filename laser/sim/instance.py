@@ -194,16 +194,19 @@ class SimInstance(InstanceCore):
             the profile ``m`` the scheduler plans with; a
             :class:`~laser.latency.CalibratedLatencyModel` as ``latency_model`` then learns the
             factor from the simulated steps, as a real instance does.
+        enable_prefix_caching: model the prefix cache (:mod:`laser.core.block_manager`, the engine's
+            code): off by default, as simulated requests usually carry dummy token ids.
     """
 
     def __init__(self, policy: str, num_layers: int, latency_model, config: SchedulerConfig | None = None,
                  num_blocks: int = 4096, block_size: int = 16, icache_tokens: int = 16384,
-                 record_plans: bool = False, machine_model=None):
+                 record_plans: bool = False, machine_model=None, enable_prefix_caching: bool = False):
         cfg = dataclasses.replace(config or SchedulerConfig(), policy=policy)
         clock = VirtualClock()
         self.lm = latency_model
         self.num_layers = num_layers
-        self.bm = BlockManager(num_layers, num_blocks, block_size)
+        # the engine's prefix cache, block for block (hits only where requests share token ids)
+        self.bm = BlockManager(num_layers, num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         self.icache = IntermediateCache(icache_tokens)
         self.stats = SimStats()
         executor = SimExecutor(machine_model or latency_model, num_layers, self.bm, self.icache, clock, self.stats,

@@ -182,3 +182,17 @@ def test_hf_tokenizer_adapter():
     for t in (HFTokenizer(FastTok()), HFTokenizer(HFTok())):
         assert t.encode("abc") == [97, 98, 99]
         assert t.decode([104, 105]) == "hi"
+
+
+def test_shared_prefix_puts_one_system_prompt_before_every_request():
+    from laser.bench.workloads import with_shared_prefix
+
+    tok = ApproxTokenizer()
+    reqs = sample_mix((1, 1, 0), 6, seed=3, tokenizer=tok)
+    shared = with_shared_prefix(reqs, 300, tok, seed=1)
+    heads = {r.prompt[: r.prompt.index("\n\n" + o.prompt)] for r, o in zip(shared, reqs)}
+    assert len(heads) == 1 and 250 <= len(tok.encode(heads.pop())) <= 350
+    for r, o in zip(shared, reqs):
+        assert r.prompt.endswith(o.prompt) and r.prompt_len == len(tok.encode(r.prompt)) > o.prompt_len
+        assert (r.slo_class, r.output_len) == (o.slo_class, o.output_len)
+    assert with_shared_prefix(reqs, 0, tok) == reqs

@@ -248,3 +248,67 @@ def test_distserve_handoffs_of_a_wave_spread_over_decode_instances():
     ctl.attach([prefill] + decodes)
     picks = [ctl.at_handoff(info(f"h{k}", tbt=None), None, 0.0) for k in range(6)]
     assert sorted(picks.count(d) for d in (0, 1)) == [3, 3]
+
+
+# -- cache-aware prefill selection (issue 29) ---------------------------------------------------------
+
+
+class ReportedPrefill:
+    """A prefill instance known only by a hand-built report (what the controller routes by)."""
+
+    role = "prefill"
+    latency_model = LM
+    num_layers = N
+
+    def __init__(self, iid: int, rep, lm=LM):
+        self.instance_id, self._rep, self.latency_model = iid, rep, lm
+
+    def report(self):
+        return self._rep
+
+
+def hand_report(iid: int, queue=(), cached=frozenset()):
+    from laser.instance.messages import InstanceReport
+
+    return InstanceReport(iid, "prefill", 0.0, 0.0, tuple(queue), 0, 0, 0, 4096, 4096, 16, math.inf, None, 0,
+                          16384, cached_blocks=frozenset(cached))
+
+
+def test_prefill_prefers_the_instance_holding_the_prefix_unless_a_deadline_breaks():
+    from laser.core.block_manager import hash_blocks, prefix_root
+    from laser.instance.messages import PrefillQueueEntry
+
+    prompt = list(range(1000))
+    hashes = tuple(hash_blocks([], prompt, 16, prefix_root("")))
+    req = RequestInfo("new", 0.0, 1000, 0.5, 0.05, "chat", 8, hashes)
+    # instance 0 is idle, instance 1 has one short prompt queued but holds the 992-token prefix
+    light = PrefillQueueEntry("q", 1.0, 100, 100)
+    idle, holder = hand_report(0), hand_report(1, [light], hashes)
+    assert holder.cached_prefix_tokens(req) == 992 and idle.cached_prefix_tokens(req) == 0
+    ctl = get_controller("laser")()
+    ctl.attach([ReportedPrefill(0, idle), ReportedPrefill(1, holder), decode_instance(2, [])])
+    assert ctl.select_prefill(req, 0.0) == (1, False)  # the hit, though the other has more slack
+    assert ctl.num_routed_cached_tokens == 992
+    # prefix-blind (no hashes), the idle instance's larger slack wins
+    blind = RequestInfo("blind", 0.0, 1000, 0.5, 0.05, "chat", 8)
+    assert ctl.select_prefill(blind, 0.0) == (0, False)
+    # Now the holder's queue has a long prompt whose deadline holds with 0.2 ms to spare; the
+    # newcomer's deadline is earlier (EDF: it goes first). Priced with per-token 10 us: the
+    # newcomer alone on the idle instance takes 4 x (1 + 10) ms = 44 ms, in time for 80 ms; on
+    # the holder only its 8 uncached tokens run, but they delay the long prompt by 4 x 0.08 ms:
+    # 84.32 ms past its 84.2 ms deadline. The hit is not taken.
+    lm = SimpleLatencyModel(num_layers=N, per_layer=1e-3, per_token=1e-5)
+    tight = PrefillQueueEntry("tight", 0.0842, 2000, 2000)
+    busy_holder = hand_report(1, [tight], hashes)
+    ctl = get_controller("laser")()
+    ctl.attach([ReportedPrefill(0, idle, lm), ReportedPrefill(1, busy_holder, lm), decode_instance(2, [])])
+    early = RequestInfo("early", 0.0, 1000, 0.08, 0.05, "chat", 8, hashes)
+    assert ctl.select_prefill(early, 0.0) == (0, False)
+    # with room for it, the holder is chosen again
+    roomy = hand_report(1, [PrefillQueueEntry("roomy", 0.09, 2000, 2000)], hashes)
+    ctl = get_controller("laser")()
+    ctl.attach([ReportedPrefill(0, idle, lm), ReportedPrefill(1, roomy, lm), decode_instance(2, [])])
+    assert ctl.select_prefill(early, 0.0) == (1, False)
+    # only the last whole block before the final token counts (the last token is computed)
+    short = RequestInfo("s", 0.0, 32, 0.5, 0.05, "chat", 8, hashes[:2])
+    assert holder.cached_prefix_tokens(short) == 16

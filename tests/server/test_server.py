@@ -476,6 +476,33 @@ def test_disconnect_blocking_request_frees_every_block(slow_live):
     engine_idle_and_clean(live, timeout=120)
 
 
+def test_usage_reports_cached_prompt_tokens(live, client):
+    """usage.prompt_tokens_details.cached_tokens (OpenAI's shape), stream or not: a prompt sent again
+    reads its full blocks (2 of 16 tokens here) from the prefix cache; /metrics counts the tokens
+    looked up and hit under vLLM's names."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def counters():
+        fams = {f.name: f for f in text_string_to_metric_families(httpx.get(live.url + "/metrics").text)}
+        return [next(s.value for s in fams[n].samples if s.name.endswith("_total"))
+                for n in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits")]
+
+    ids = [300 + 7 * i for i in range(40)]
+    kw = dict(model="tiny", prompt=ids, max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    q0, h0 = counters()
+    first = client.completions.create(**kw)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert live.app.state.async_engine.cached_prompt_tokens(ids) == 32  # what admission prices as done
+    again = client.completions.create(**kw)
+    assert again.usage.prompt_tokens_details.cached_tokens == 32
+    assert again.choices[0].text == first.choices[0].text
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 32
+    engine_idle_and_clean(live)
+    q1, h1 = counters()  # (the snapshot is published after each step: the last one is in)
+    assert q1 - q0 == 3 * 40 and h1 - h0 == 64
+
+
 # -- metrics ----------------------------------------------------------------------------------------------
 
 

@@ -217,11 +217,12 @@ class LaserPrefill:
 
     def _may_give_up(self, r: Request) -> bool:
         """Whether Moore-Hodgson's rule (:meth:`_prefill_key`) may put ``r`` behind the others:
-        a prefill with a TTFT target that has not started (no work sunk into it), or that was
+        a prefill with a TTFT target that has not started (holds no KV: no work sunk into it; a
+        cached prefix it would attach is not its work), or that was
         given up before -- a piece of it merged into a step with room since must not promote
         it ahead of the savable ones it was given up for --, neither demoted nor boosted."""
         return (r.slo.ttft is not None and not r.demoted and not r.boosted
-                and ((r.num_computed_tokens == 0 and not r.in_flight) or r.req_id in self._given_up))
+                and ((not self.bm.has(r.req_id) and not r.in_flight) or r.req_id in self._given_up))
 
     def _prefill_need(self, now: float, decode_time: float) -> tuple[float, float]:
         """Seconds of prefill per iteration the pending prefills need (an iteration of
@@ -271,8 +272,10 @@ class LaserPrefill:
         for r in cands:
             # a preempted request with outputs waits in the PREFILL phase: it counts too
             # (and a running chunk behind it still proceeds)
-            if id(r) in queued and len(self.running) >= self.config.max_num_seqs:
-                continue
+            if id(r) in queued:
+                if len(self.running) >= self.config.max_num_seqs:
+                    continue
+                self.lookup_prefix(r)  # fresh: an allocation above may have evicted its prefix
             if r.in_flight:
                 start, k, lo = r.num_computed_tokens, r.chunk_tokens, r.next_layer
             else:

@@ -103,7 +103,7 @@ class LaserScheduler(LaserPrefill, Scheduler):
             return
         if req.slo.ttft is not None and not req.demoted:
             now = self.clock()
-            alone = self.lm.predict_prefill(req.num_tokens)
+            alone = self.prefill_alone(req)
             slack = req.ttft_deadline - now - alone
             remaining = self._remaining_from(self._cur_layer)
             # (a request already hopeless even if it ran next does not disrupt the others)
@@ -139,7 +139,11 @@ class LaserScheduler(LaserPrefill, Scheduler):
             elif w.layer_end > j:
                 paused += 1
         prefill_rest = self._remaining_from(j) - (PlanCost(self.lm, n, dec).total if dec else 0.0)
-        return prefill_rest > paused * self.lm.predict_prefill(req.num_tokens)
+        return prefill_rest > paused * self.prefill_alone(req)
+
+    def prefill_alone(self, req: Request) -> float:
+        """Predicted seconds of ``req``'s prefill left (after its cached or computed prefix), run alone."""
+        return self.lm.predict_prefill(self.prefill_remaining(req), context_start=req.num_computed_tokens)
 
     def _remaining_from(self, layer: int) -> float:
         """Predicted seconds of the executing step's layers from ``layer`` on (cumulative
@@ -190,6 +194,7 @@ class LaserScheduler(LaserPrefill, Scheduler):
             plan = self._steady_decode_plan(now)
             if plan is not None:
                 return plan
+        self.refresh_prefixes()  # the queue is priced by the tokens left after cached prefixes
         self.preempt_for_stricter()
         n = self.num_layers
         works: list[Work] = []
