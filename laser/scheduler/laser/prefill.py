@@ -76,7 +76,7 @@ class LaserPrefill:
         # looks at least one iteration ahead)
         floor = self.tg_margin * self.t_g if math.isfinite(self.t_g) else 0.0
         for i, r in enumerate(cands):
-            given_up = id(r) in key.hopeless
+            given_up = key(r)[0] == 1
             priced = i < self.max_need_candidates and not given_up
             start, left = r.num_computed_tokens, r.num_tokens - r.num_computed_tokens
             if r.in_flight:  # the chunk has run layers [0, next_layer) already
@@ -114,10 +114,8 @@ class LaserPrefill:
         than the newcomer (a late started request gives up no one: nothing would save it; one
         that misses even run alone from now is given up itself). A given-up request is still
         served: behind the savable prefills that need the time, ahead of those whose deadlines hold with all given-up work run first; its record says
-        it missed; one that fits in the slack of the savable prefills after its EDF place runs
-        there (:meth:`_promote_given_up`). Returns the sort key function (tier 0: savable and
-        urgent, and given-up work that fits among them; 1: the other given-up work; 2: savable
-        with room; then ``queue_key``), with ``key.hopeless``: the ids of every given-up prefill."""
+        it missed. Returns the sort key function (tier 0: savable and urgent, 1: given up, 2:
+        savable with room; then ``queue_key``)."""
         cands = sorted([r for r in self.running if r.phase != Phase.DECODE] + list(self.waiting),
                        key=self.queue_key)
         hopeless: set[int] = set()
@@ -155,7 +153,6 @@ class LaserPrefill:
                     ahead.add(w)
                     kept.append((r, w))
                     break
-        promoted = self._promote_given_up(now, rate, kept, [q for q in cands if id(q) in hopeless])
         # The given-up prefills wait only behind the savable ones that need the time: the
         # savable ones from index ``room`` on still make their deadlines with all given-up
         # work run before them, so they go after it (a long prompt with a far deadline must
@@ -174,46 +171,10 @@ class LaserPrefill:
             while room > 0 and ends[room - 1] <= self.queue_key(kept[room - 1][0])[0]:
                 room -= 1
         tier = {id(q): (0 if i < room else 2) for i, (q, _) in enumerate(kept)}
-        tier.update((i, 0) for i in promoted)
 
         def key(r: Request):
-            return (1 if id(r) in hopeless and id(r) not in promoted else tier.get(id(r), 2), *self.queue_key(r))
-        key.hopeless = hopeless  # given up (promoted or not): served, but its own deadline is not planned for
+            return (1 if id(r) in hopeless else tier.get(id(r), 2), *self.queue_key(r))
         return key
-
-    def _promote_given_up(self, now: float, rate: float, kept: list, given_up: list[Request]) -> set[int]:
-        """Ids of the given-up prefills (``given_up``, in EDF order) that run at their EDF place
-        among the savable ones (``kept``: (request, work), EDF order, all on time) without making
-        any of those late: each is priced alone at ``rate`` (an upper bound of what it adds to a
-        merged pass) against the smallest slack of the savable requests after its place, which
-        it then uses up. A burst of short chats and long prompts: a chat that cannot make its
-        1 s target any more is served right after the chats that can, in the room the long
-        prompts' deadlines leave, instead of after every long prompt (issue 28: 6.4 s). Savable
-        requests late already (a started prompt kept for its sunk work) bound nothing."""
-        if not given_up or not kept:
-            return set()
-        n = self.num_layers
-        pre = PlanCost(self.lm, n, [])
-        keys, slack = [], []
-        for q, x in kept:
-            pre.add(x)
-            deadline = q.ttft_deadline if q.slo.ttft is not None and not q.demoted else self.queue_key(q)[0]
-            s = deadline - (now + pre.total / rate)
-            keys.append(self.queue_key(q))
-            slack.append(s if s >= 0 else math.inf)
-        promoted = set()
-        for g in given_up:
-            left = g.num_tokens - g.num_computed_tokens
-            if left <= 0 or g.in_flight:
-                continue
-            d = PlanCost(self.lm, n, [Work(g.req_id, g.num_computed_tokens, left, 0, n, True)]).total / rate
-            kg = self.queue_key(g)
-            pos = next((i for i, k in enumerate(keys) if k > kg), len(keys))
-            if d <= min(slack[pos:], default=math.inf):
-                promoted.add(id(g))
-                for i in range(pos, len(slack)):
-                    slack[i] -= d
-        return promoted
 
     def _may_give_up(self, r: Request) -> bool:
         """Whether Moore-Hodgson's rule (:meth:`_prefill_key`) may put ``r`` behind the others:
@@ -286,7 +247,7 @@ class LaserPrefill:
             def mk(k, end, r=r, start=start, lo=lo):
                 return Work(r.req_id, start, k, lo, end, sample=end == n and start + k == r.num_tokens)
 
-            if r.demoted or id(r) in key.hopeless:
+            if r.demoted or key(r)[0] == 1:
                 w = self._fit(cost, mk, k, lo, r.in_flight, limit, met_late, now)
                 if w is not None and not w.sample:  # only a whole (rest of a) prompt gets the wider bound
                     w = self._fit(cost, mk, k, lo, r.in_flight, limit, met_rest, now)
