@@ -20,3 +20,15 @@ def run_sim(policy: str, reqs: list[Request], lm, num_layers: int, max_steps: in
     sim.check_integrity(expect_empty=True)
     assert all(r.num_output_tokens == r.sampling_params.max_tokens for r in reqs), "a request lost tokens"
     return sim
+
+
+class FakeClock:
+    """Advances a fixed amount per reading: deterministic 'time' for SLO decisions (seconds)."""
+
+    def __init__(self, tick: float = 2e-4):
+        self.t = 0.0
+        self.tick = tick
+
+    def __call__(self) -> float:
+        self.t += self.tick
+        return self.t

@@ -16,18 +16,9 @@ from laser.frontend.disagg import DisaggregatedPair
 from laser.frontend.engine import Engine
 from laser.latency import SimpleLatencyModel
 from laser.core.request import SLO, SamplingParams
+from simutil import FakeClock
 
 
-class FakeClock:
-    """Advances a fixed amount per reading: deterministic 'time' for SLO decisions."""
-
-    def __init__(self, tick: float = 2e-4):
-        self.t = 0.0
-        self.tick = tick
-
-    def __call__(self) -> float:
-        self.t += self.tick
-        return self.t
 
 
 def reconfigure(engine: Engine, policy: str, role: str, budget: int, icache_tokens: int, lm, clock) -> None:

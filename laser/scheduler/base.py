@@ -203,9 +203,12 @@ class Scheduler(ABC):
         computed, for its logits -- as vLLM). Every pricing then sees only the tokens left to
         compute; :meth:`try_allocate` attaches those blocks. A request holding KV, or with a
         chunk in flight, is left alone. Policies call it right before planning a waiting request
-        (a previous lookup may be stale: blocks get evicted)."""
+        (a previous lookup may be stale: blocks get evicted). A request that asks for prompt
+        logprobs computes its whole prompt (their logits come from the last layer of every prompt
+        position; vLLM v1 also skips the cache for them)."""
         bm = self.bm
-        if not bm.enable_prefix_caching or req.chunk_tokens or bm.has(req.req_id):
+        if (not bm.enable_prefix_caching or req.chunk_tokens or bm.has(req.req_id)
+                or req.sampling_params.prompt_logprobs is not None):
             return
         tokens = req.all_token_ids
         hashes = bm.block_hashes(req.block_hashes, tokens)

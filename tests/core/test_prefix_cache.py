@@ -15,19 +15,12 @@ from laser.core.config import CacheConfig, SchedulerConfig
 from laser.frontend.engine import Engine
 from laser.latency import SimpleLatencyModel
 from laser.core.request import SLO, SamplingParams
+from simutil import FakeClock
 
 BS = 16  # block size of the engines below
 GREEDY = dict(temperature=0, ignore_eos=True)
 
 
-class FakeClock:
-    def __init__(self, tick: float = 2e-4):
-        self.t = 0.0
-        self.tick = tick
-
-    def __call__(self) -> float:
-        self.t += self.tick
-        return self.t
 
 
 @pytest.fixture(scope="module")

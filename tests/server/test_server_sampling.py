@@ -25,6 +25,7 @@ from laser.core.request import InvalidRequestError, Request, SamplingParams
 from laser.model.sampler import Sampler
 from laser.server.app import build_app
 from laser.server.cli import LiveServer
+from simutil import FakeClock
 
 CHUNK = 16  # prefill chunk (tokens): prompts below are longer, so prompt logprobs span chunks
 PROMPT = [(7 * i + 3) % 500 + 100 for i in range(40)]  # 40 token ids
@@ -416,16 +417,6 @@ def test_bad_controls_are_400_naming_the_field(live, path, body, param):
 # -- penalties and logprobs survive layer pauses, preemption and the prefill -> decode hand-off ----------
 
 
-class _Clock:
-    """Advances a fixed amount per reading (deterministic SLO decisions, as test_invariance)."""
-
-    def __init__(self, tick: float = 2e-4):
-        self.t = 0.0
-        self.tick = tick
-
-    def __call__(self) -> float:
-        self.t += self.tick
-        return self.t
 
 
 @pytest.fixture(scope="module")
@@ -464,13 +455,13 @@ def test_controls_and_logprobs_survive_pauses_preemption_and_handoff(engines, di
     ref, a, b = engines
     solo = []
     for prompt, n, _, _ in load:
-        ref.reconfigure(SchedulerConfig(policy="vllm", max_num_batched_tokens=4096), None, clock=_Clock())
+        ref.reconfigure(SchedulerConfig(policy="vllm", max_num_batched_tokens=4096), None, clock=FakeClock())
         r = ref.add_request(list(prompt), params(n))
         while ref.has_unfinished():
             ref.step()
         solo.append(r)
     lm = SimpleLatencyModel(num_layers=4, per_layer=1e-3, per_token=2e-5, per_context=1e-6)
-    clock = _Clock()
+    clock = FakeClock()
     if disaggregated:
         a.reconfigure(SchedulerConfig(policy="laser", role="prefill", max_num_batched_tokens=16), lm, 3, clock)
         b.reconfigure(SchedulerConfig(policy="laser", role="decode", max_num_batched_tokens=16), lm, 3, clock)
