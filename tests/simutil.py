@@ -32,3 +32,36 @@ class FakeClock:
     def __call__(self) -> float:
         self.t += self.tick
         return self.t
+
+
+def replay_at_layer_boundaries(target, engines, reqs, params, start: int = 0) -> list:
+    """Run ``target`` (an engine, or a DisaggregatedPair of ``engines``) until it is idle, adding
+    request i of ``reqs`` -- ``(prompt ids, n, slo, at)`` -- from the engines' arrival hook at the
+    ``at``-th layer boundary (counted from ``start``), mid-step as a server does, with sampling
+    params ``params(n)``; while nothing runs, each idle turn counts as a boundary. Returns the
+    requests in ``reqs`` order, followed through a pair's hand-off (``target.resolve``)."""
+    import itertools
+
+    pending = sorted(enumerate(reqs), key=lambda x: x[1][3])
+    added: dict[int, object] = {}
+    counter = itertools.count(start)
+
+    def hook():
+        c = next(counter)
+        while pending and pending[0][1][3] <= c:
+            i, (prompt, n, slo, _) = pending.pop(0)
+            added[i] = target.add_request(list(prompt), params(n), slo)
+
+    for e in engines:
+        e.arrival_hook = hook
+    try:
+        while pending or target.has_unfinished():
+            if not target.has_unfinished():
+                hook()
+                continue
+            target.step()
+    finally:
+        for e in engines:
+            e.arrival_hook = None
+    resolve = getattr(target, "resolve", lambda r: r)
+    return [resolve(added[i]) for i in range(len(reqs))]

@@ -5,7 +5,6 @@ engines under test keep their prefix caches across examples; the reference has n
 
 from __future__ import annotations
 
-import itertools
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -16,7 +15,7 @@ from laser.frontend.disagg import DisaggregatedPair
 from laser.frontend.engine import Engine
 from laser.latency import SimpleLatencyModel
 from laser.core.request import SLO, SamplingParams
-from simutil import FakeClock
+from simutil import FakeClock, replay_at_layer_boundaries
 
 
 
@@ -139,30 +138,9 @@ def test_greedy_output_is_schedule_invariant(engines, reqs, policy, disaggregate
         target = a
     for e in (a, b):
         observe(e)
-    pending = sorted(enumerate(reqs), key=lambda x: x[1][3])
-    added: dict[int, object] = {}
-    counter = itertools.count()
-
-    def hook():
-        c = next(counter)
-        while pending and pending[0][1][3] <= c:
-            i, (prompt, n, slo, _) = pending.pop(0)
-            added[i] = target.add_request(list(prompt), SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), slo)
-
-    for e in ([a, b] if disaggregated else [a]):
-        e.arrival_hook = hook
-    try:
-        while pending or target.has_unfinished():
-            if not target.has_unfinished():
-                hook()
-                continue
-            target.step()
-    finally:
-        for e in (a, b):
-            e.arrival_hook = None
-    resolve = getattr(target, "resolve", lambda r: r)
-    for i, (prompt, n, _, _) in enumerate(reqs):
-        got = resolve(added[i])
+    outs = replay_at_layer_boundaries(target, [a, b] if disaggregated else [a], reqs,
+                                      lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    for i, ((prompt, n, _, _), got) in enumerate(zip(reqs, outs)):
         assert got.finish_reason == "length"
         assert got.output_token_ids == reference(engines["ref"], tuple(prompt), n), (policy, i)
     for e in (a, b):

@@ -25,7 +25,7 @@ from laser.core.request import InvalidRequestError, Request, SamplingParams
 from laser.model.sampler import Sampler
 from laser.server.app import build_app
 from laser.server.cli import LiveServer
-from simutil import FakeClock
+from simutil import FakeClock, replay_at_layer_boundaries
 
 CHUNK = 16  # prefill chunk (tokens): prompts below are longer, so prompt logprobs span chunks
 PROMPT = [(7 * i + 3) % 500 + 100 for i in range(40)]  # 40 token ids
@@ -469,29 +469,8 @@ def test_controls_and_logprobs_survive_pauses_preemption_and_handoff(engines, di
     else:
         a.reconfigure(SchedulerConfig(policy="laser", max_num_batched_tokens=16), lm, 1, clock)
         target = a
-    pending = sorted(enumerate(load), key=lambda x: x[1][3])
-    added, count = {}, [0]
-
-    def hook():
-        count[0] += 1
-        while pending and pending[0][1][3] <= count[0]:
-            i, (prompt, n, slo, _) = pending.pop(0)
-            added[i] = target.add_request(list(prompt), params(n), slo)
-
-    for e in (a, b):
-        e.arrival_hook = hook
-    try:
-        while pending or target.has_unfinished():
-            if not target.has_unfinished():
-                hook()
-                continue
-            target.step()
-    finally:
-        for e in (a, b):
-            e.arrival_hook = None
-    resolve = getattr(target, "resolve", lambda r: r)
-    for i, want in enumerate(solo):
-        got = resolve(added[i])
+    outs = replay_at_layer_boundaries(target, (a, b), load, params, start=1)
+    for i, (want, got) in enumerate(zip(solo, outs)):
         assert got.output_token_ids == want.output_token_ids, i
         if structured:
             import jsonschema
