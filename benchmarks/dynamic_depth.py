@@ -25,6 +25,8 @@ import statistics
 import sys
 import time
 
+from laser.latency import cpu_hardware_string
+
 
 def _decode(engine, prompts, max_tokens):
     """Greedy-generate; returns (token lists, decode seconds, decode tokens)."""
@@ -72,7 +74,7 @@ def main(argv=None) -> int:
         [(rec["exit_layer"], rec["draft_tokens"])]
     prompts = training_prompts(engine.tokenizer, max(args.batch), offset=args.prompt_offset, max_prompt_tokens=96)
     runner = engine.runner
-    cpu = _cpu_kind()
+    cpu = cpu_hardware_string()
     print(f"\nCPU: {cpu}; torch threads {args.threads}; fp32; {args.max_tokens} greedy tokens per request; "
           f"{args.rounds} interleaved rounds (machine possibly shared: ratios are the robust figure)")
     print(f"{'batch':>5} {'exit':>4} {'draft':>5} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} "
@@ -101,18 +103,6 @@ def main(argv=None) -> int:
                   f"{'yes' if same else 'NO':>5}")
     return 0 if ok else 1
 
-
-def _cpu_kind() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "unknown"
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ Usage: python benchmarks/prefix_cache.py [--requests 24] [--rate 0.25] [--policy
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 
@@ -37,17 +36,8 @@ from laser.cli import set_threads
 from laser.core.config import CacheConfig
 from laser.frontend.engine import Engine
 from laser.core.slo import SLOClasses
+from laser.latency import cpu_hardware_string
 
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def shared_prefix_requests(tok, n: int, system_tokens: int, user_tokens: int, output_tokens: int,
@@ -118,7 +108,7 @@ def main() -> None:
         system = reqs[0].prompt[: reqs[0].prompt.index("\n\nUser:")]
         Benchmark({t.label: t}, [WorkloadRequest("chat", system, args.system_tokens, 1)],
                   SLOClasses({"chat": {"ttft": None, "tbt": None}})).probe(t.label, float("inf"))
-    print(f"CPU: {cpu_name()}; model {engines['cache-on'].model_name}, dtype {engines['cache-on'].dtype}, "
+    print(f"CPU: {cpu_hardware_string()}; model {engines['cache-on'].model_name}, dtype {engines['cache-on'].dtype}, "
           f"policy {args.policy}; {args.requests} requests, prompt mean "
           f"{statistics.mean(r.prompt_len for r in reqs):.0f} tokens (system ~{args.system_tokens}), "
           f"output <= {args.output_tokens}", flush=True)
