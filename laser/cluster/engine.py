@@ -13,7 +13,7 @@ instance, and on a disaggregated cluster the decode instance, which reserves roo
 final prefill chunk runs, the prefill instance streams each finished layer's K/V straight to
 that decode instance (``stream_kv``; a controller that picks the decode instance only at the
 hand-off, like ``distserve``, gets the KV whole then); after its first token the prefill
-instance exports its sampling-generator state (and the KV, if not streamed there); the front end
+instance exports the request (and the KV, if not streamed there); the front end
 has the decode instance pull it (``adopt(take_handoff)``, instance to instance) and tells the
 prefill instance to drop its copy once the decode instance holds it.
 
@@ -22,8 +22,9 @@ one; an instance that dies or misses one is marked dead, the controller is re-at
 live ones (groups re-sized), and each of its requests resumes elsewhere: a hand-off still held
 by a live prefill instance is re-sent to another decode instance, anything else is
 re-prefilled from prompt + the tokens generated so far (kept here, so no token is streamed
-twice) with its original arrival time and deadline. Greedy requests continue identically; a
-seeded sampled request that is re-prefilled restarts its generator from the seed.
+twice) with its original arrival time and deadline. Greedy requests continue identically, and so
+do seeded sampled ones (a draw's generator is a function of seed and position,
+:func:`laser.model.sampler.draw_seed`); the response and ``/metrics`` say a request failed over.
 
 The jobs live in their own modules: hand-offs and migrations (:mod:`.transfers`), failure
 recovery (:mod:`.recovery`), the records (:mod:`.state`), starting a cluster (:mod:`.launch`).

@@ -67,6 +67,7 @@ class Recovery:
                 t.transfer = None
                 if tr.src != iid:  # the decode side died: the prefill instance still holds the KV
                     self.stats.resends += 1
+                    t.req.num_failovers += 1
                     t.decode = None
                     self._pending.append(t.req.req_id)
                     continue
@@ -129,6 +130,8 @@ class Recovery:
         """Re-prefill ``t`` (prompt + streamed tokens) on a live instance, original deadline kept."""
         self.stats.recoveries += 1
         t.restarts += 1
+        t.req.num_failovers += 1
+        self.stats.seeded_recoveries += bool(t.req.seed_kept)
         # drop what live instances still hold of it, and refuse a late adoption of the old attempt
         self._drop_on_live(t.req.req_id, {t.owner, t.decode}, t.restarts)
         if self.requests.get(t.req.req_id) is not t:

@@ -49,6 +49,7 @@ class ClusterStats:
     migrations: int = 0  # decode -> decode moves started (KV and sampler state, CONTROLLER.md D9)
     migration_seconds: list[float] = field(default_factory=list)  # per completed move, send -> adopted
     recoveries: int = 0  # requests re-prefilled after their instance failed
+    seeded_recoveries: int = 0  # of those, seeded sampled ones (each continues its seeded stream)
     recovery_seconds: list[float] = field(default_factory=list)  # failure -> next token
     instance_failures: int = 0
     rejoins: int = 0  # dead instances that answered again (restarted by Ray) and rejoined, empty

@@ -271,6 +271,9 @@ class Request:
     # Laser's overload triage gave up its prefill at some point (its TTFT was judged out of
     # reach beside the savable prompts): served anyway; kept for the record (why it missed).
     given_up: bool = False
+    # Times the cluster front end moved it after an instance holding it failed (re-prefilled
+    # elsewhere from prompt + tokens so far, or its hand-off re-sent to another decode instance).
+    num_failovers: int = 0
     # SamplingParams.logprobs: one TokenLogprob per output token (appended with the token).
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     # SamplingParams.prompt_logprobs: one entry per prompt position (None at position 0,
@@ -282,9 +285,22 @@ class Request:
         """What the scheduler knows of why this request may miss its SLO: ``given_up`` (Laser's
         overload triage put its prefill behind the savable ones), ``preempted`` (its KV was freed
         and recomputed), ``demoted`` (served best effort by the cluster controller),
-        ``tbt_infeasible`` (its TBT target is out of reach even alone). Empty: none of those."""
+        ``tbt_infeasible`` (its TBT target is out of reach even alone), ``failed_over`` (an
+        instance holding it failed and it moved). Empty: none of those."""
         return tuple(c for c, on in (("given_up", self.given_up), ("preempted", self.num_preemptions > 0),
-                                     ("demoted", self.demoted), ("tbt_infeasible", self.tbt_infeasible)) if on)
+                                     ("demoted", self.demoted), ("tbt_infeasible", self.tbt_infeasible),
+                                     ("failed_over", self.num_failovers > 0)) if on)
+
+    @property
+    def seed_kept(self) -> bool | None:
+        """Whether a failed-over seeded sampled request kept its seeded stream: True (a draw is a
+        function of seed and position, :func:`laser.model.sampler.draw_seed`, and the tokens
+        replayed by a re-prefill count as generated); None when it never failed over or has no
+        seed to keep (greedy or unseeded)."""
+        sp = self.sampling_params
+        if not self.num_failovers or sp.greedy or sp.seed is None:
+            return None
+        return True
     # Prompt tokens whose KV came from the prefix cache at its first admission (OpenAI's
     # ``usage.prompt_tokens_details.cached_tokens``); a re-admission after preemption that
     # re-finds its own blocks does not count.

@@ -141,10 +141,19 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # Copied when it finishes: :attr:`laser.core.request.Request.miss_causes` (why it may have missed).
     miss_causes: tuple[str, ...] = ()
+    # Times it failed over (cluster: moved after an instance holding it failed) and whether its
+    # seeded sampled stream was kept (None: no fail-over, or no seed); see Request.seed_kept.
+    num_failovers: int = 0
+    seed_kept: bool | None = None
     # SamplingParams.logprobs: one TokenLogprob per output token so far (None when not asked).
     logprobs: list | None = None
     # SamplingParams.prompt_logprobs: per prompt position, None at position 0 (None when not asked).
     prompt_logprobs: list | None = None
+
+
+def failover_fields(req: Request) -> dict:
+    """The fail-over fields of a :class:`RequestOutput` of ``req`` (nothing when it never failed over)."""
+    return {"num_failovers": req.num_failovers, "seed_kept": req.seed_kept} if req.num_failovers else {}
 
 
 def logprob_fields(req: Request) -> dict:
@@ -223,7 +232,7 @@ class OutputProcessor:
             new_token_ids=new, finished=finished, finish_reason=finish_reason, slo=req.slo, request=req,
             handed_off=handed_off, arrival_time=req.arrival_time, token_times=tuple(req.token_times),
             miss_causes=req.miss_causes if finished else (), num_cached_tokens=req.num_cached_tokens,
-            **logprob_fields(req)), stop
+            **failover_fields(req), **logprob_fields(req)), stop
 
     def final(self, req: Request, reason: str) -> RequestOutput:
         """The last output of a tracked request that ends without a new token (``reason``,
@@ -234,4 +243,4 @@ class OutputProcessor:
             token_ids=list(req.output_token_ids), delta_text=text.delta(True), new_token_ids=[], finished=True,
             finish_reason=reason, slo=req.slo, request=req, arrival_time=req.arrival_time,
             token_times=tuple(req.token_times), miss_causes=req.miss_causes, num_cached_tokens=req.num_cached_tokens,
-            **logprob_fields(req))
+            **failover_fields(req), **logprob_fields(req))

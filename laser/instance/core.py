@@ -44,12 +44,6 @@ class Executor(Protocol):
     def release(self, req_id: str) -> None:
         """Forget per-request executor state (e.g. a seeded sampling generator)."""
 
-    def export_sampler_state(self, req_id: str) -> bytes | None:
-        """The request's own sampling generator state (seeded requests), None if it has none."""
-
-    def import_sampler_state(self, req_id: str, state: bytes | None) -> None:
-        """Continue a handed-off request's generator from ``state`` (None: nothing to do)."""
-
 
 @dataclass
 class Handoff:
@@ -58,11 +52,9 @@ class Handoff:
 
     request: Request
     kv: list | None
-    # seconds on the sender's clock when the hand-off was exported
+    # seconds on the sender's clock when the hand-off was exported (a seeded request's sampling
+    # needs nothing carried: its draws are a function of its seed and position, laser.model.sampler)
     time: float = 0.0
-    # the request's seeded sampling generator state (None: unseeded or greedy), so a seeded
-    # request samples the same tokens whether or not it moved
-    sampler_state: bytes | None = None
 
 
 @dataclass
@@ -259,7 +251,7 @@ class InstanceCore:
     def export(self, req: Request, now: float) -> Handoff:
         """Package ``req`` with its KV and free it here: a prefill instance's hand-off after the
         first token, or a decode->decode migration between steps."""
-        h = Handoff(req, self.executor.export_kv(req), now, self.executor.export_sampler_state(req.req_id))
+        h = Handoff(req, self.executor.export_kv(req), now)
         self.finish(req, "handoff")
         return h
 
@@ -285,7 +277,6 @@ class InstanceCore:
         req.tbt_infeasible = src.tbt_infeasible
         req.phase = Phase.DECODE
         self.executor.import_kv(req, h.kv)
-        self.executor.import_sampler_state(req.req_id, h.sampler_state)
         self.scheduler.add_running(req)
         return req
 

@@ -19,7 +19,7 @@ The prefill -> decode hand-off (CONTROLLER.md A8, C3): when the decode instance 
 arrival, the prefill instance streams the request's K/V layer by layer while its final chunk
 runs (``add_request(req, stream)``; the decode side :class:`~laser.instance.kv_stream.InboundKV`
 writes each layer into blocks it allocates). After the first token the prefill instance keeps
-the exported KV and sampling generator state in an outbox; the decode instance pulls it with
+the exported KV in an outbox; the decode instance pulls it with
 ``adopt(take_handoff(id, dst))`` -- without the KV when it was streamed to ``dst`` -- and the
 prefill instance drops it only on ``confirm`` (a decode instance that dies mid-transfer costs a
 re-send, not a re-prefill).
@@ -184,8 +184,7 @@ class InstanceWorker:
                                                       self.num_layers, expected_output), False)
 
     def migrate_out(self, req_id: str) -> None:
-        """Decode role, between steps: export a decoding request (its KV, freed here, and its
-        sampler state) into the outbox; :meth:`take_handoff` / ``adopt`` / :meth:`confirm` move it
+        """Decode role, between steps: export a decoding request (its KV, freed here) into the outbox; :meth:`take_handoff` / ``adopt`` / :meth:`confirm` move it
         like a hand-off and it continues there from its last token. Raises KeyError if it is not
         decoding here."""
         def out():

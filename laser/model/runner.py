@@ -109,12 +109,6 @@ class ModelRunner:
         self.kv_streams.pop(req_id, None)
         self._streamed.pop(req_id, None)
 
-    def export_sampler_state(self, req_id: str) -> bytes | None:
-        return self.sampler.export_state(req_id)
-
-    def import_sampler_state(self, req_id: str, state: bytes | None) -> None:
-        self.sampler.import_state(req_id, state)
-
     # -- the walker's executor hooks (laser.core.walk.LayerExecutor) --------------------------------
     def park(self, active, leaving, layer):
         """Move ``leaving`` works' rows to the intermediate cache (paused at ``layer``)."""

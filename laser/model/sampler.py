@@ -1,9 +1,12 @@
 """Token sampling: logits processing (grammar mask, bias, min_tokens, penalties), greedy, temperature, min-p,
 top-k, top-p, per-request seeds, and the raw log-probabilities a request asks for.
 
-A seeded request owns a ``torch.Generator`` (created on its first sample, dropped when it
-finishes), so its draws do not depend on what it is batched with. Unseeded requests share
-one generator. Semantics and order follow vLLM's ``SamplingParams`` and v1 sampler
+A seeded request draws its ``k``-th token (``k`` = tokens it has generated so far) from a generator
+seeded with :func:`draw_seed` ``(seed, k)``: its draws depend on nothing but its seed, its position
+and its logits -- not on what it is batched with, and not on where it ran: a request handed off,
+migrated or re-prefilled elsewhere after a failure (its generated tokens replayed) continues the
+same stream with nothing carried along (vLLM and SGLang keep one generator per request, whose
+state would have to travel). Unseeded requests share one generator. Semantics and order follow vLLM's ``SamplingParams`` and v1 sampler
 (``vllm/v1/sample/sampler.py``): raw logprobs, then logit bias and min_tokens, then the
 penalties (``apply_penalties``), then greedy argmax -- or temperature, min-p, top-k, top-p and
 a draw.
@@ -47,13 +50,26 @@ def logprob_entries(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list
     return out
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def draw_seed(seed: int, k: int) -> int:
+    """The generator seed of a seeded request's ``k``-th draw (``k`` = tokens generated before it,
+    replayed ones included): SplitMix64 (Steele, Lea and Flood, OOPSLA'14) of the pair, so
+    nearby seeds and positions give unrelated streams. Returns an int in [0, 2**63)."""
+    z = ((seed & _MASK64) * 0x9E3779B97F4A7C15 + k + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
 class Sampler:
     """Samples one token per row. ``eos_ids``: the ids ``min_tokens`` masks (with each
     request's ``stop_token_ids``) until enough tokens are generated."""
 
     def __init__(self, seed: int = 0, eos_ids=()):
         self._shared = torch.Generator().manual_seed(seed)
-        self._gens: dict[str, torch.Generator] = {}
+        self._gens: dict[str, torch.Generator] = {}  # seeded requests: one generator each, re-seeded per draw
         # req id -> [output counts [V] f32, seen in prompt or output [V] bool, tokens counted]
         self._pen: dict[str, list] = {}
         self.eos_ids = frozenset(eos_ids)
@@ -66,20 +82,6 @@ class Sampler:
         self._pen.pop(req_id, None)
         if self.grammars is not None:
             self.grammars.release(req_id)
-
-    def export_state(self, req_id: str) -> bytes | None:
-        """The seeded request's generator state (``torch.Generator.get_state`` as bytes), or
-        None when it has drawn nothing yet / is unseeded (a fresh generator from the seed is
-        then exact). The penalties need no state (they count the request's own tokens)."""
-        g = self._gens.get(req_id)
-        return None if g is None else g.get_state().numpy().tobytes()
-
-    def import_state(self, req_id: str, state: bytes | None) -> None:
-        """Continue ``req_id``'s generator from :meth:`export_state`'s bytes (None: nothing)."""
-        if state is not None:
-            g = torch.Generator()
-            g.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
-            self._gens[req_id] = g
 
     def process_logits(self, row: torch.Tensor, req: Request) -> torch.Tensor:
         """``req``'s logit bias, min_tokens mask and penalties applied to one row (vLLM's order
@@ -186,10 +188,11 @@ class Sampler:
         return out
 
     def _generator(self, req: Request) -> torch.Generator:
+        """The shared generator, or a seeded request's generator set for its next draw."""
         seed = req.sampling_params.seed
         if seed is None:
             return self._shared
         g = self._gens.get(req.req_id)
         if g is None:
-            g = self._gens[req.req_id] = torch.Generator().manual_seed(seed)
-        return g
+            g = self._gens[req.req_id] = torch.Generator()
+        return g.manual_seed(draw_seed(seed, req.num_output_tokens))

@@ -191,6 +191,14 @@ class Generation:
         return {"slo_class": a.slo.name, "requested_slo_class": a.requested.name, "demoted": True,
                 "demoted_to": a.demoted_to}
 
+    @staticmethod
+    def final_note(note: dict | None, out) -> dict | None:
+        """``note`` (:meth:`demotion_note`) for a choice's final SSE chunk, with ``failovers`` and
+        ``seed_kept`` added when that choice failed over (``out``: its final output)."""
+        if not out.num_failovers:
+            return note
+        return {**(note or {"slo_class": out.slo.name}), "failovers": out.num_failovers, "seed_kept": out.seed_kept}
+
     # -- parsing --------------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> str:
         """The served name a request's ``model`` field selects (the first name when it is empty).
@@ -565,6 +573,11 @@ class Generation:
             info["ttft_ms"] = (reqs[0].token_times[0] - reqs[0].arrival_time) * 1e3
         if reqs and all(s.final.finish_reason in ("stop", "length") for s in subs):
             info["slo_met"] = all(all(slo_outcome(r)) for r in reqs)
+        moved = [r for r in reqs if r.num_failovers]
+        if moved:
+            info["failovers"] = sum(r.num_failovers for r in moved)
+            kept = [r.seed_kept for r in moved if r.seed_kept is not None]
+            info["seed_kept"] = all(kept) if kept else None
         return info
 
     def check_finished(self, subs: list[Sub]) -> None:
@@ -689,8 +702,8 @@ def stream_completion(srv, q, subs, rid, created, model, body) -> AsyncIterator[
             if echo and first:
                 d = s.prompt_text + d
         if d or out.finished or ids or (lps and lps["tokens"]):
-            return [chunk(s, out, d, out.finish_reason if out.finished else None, note if out.finished else None,
-                          ids, lps)]
+            return [chunk(s, out, d, out.finish_reason if out.finished else None,
+                          srv.final_note(note, out) if out.finished else None, ids, lps)]
         return []
 
     prologue = "".join(chunk(s, None, s.prompt_text, None) for s in subs) if echo and not want_lps else ""
@@ -715,7 +728,7 @@ def stream_chat(srv, q, subs, rid, created, model, body) -> AsyncIterator[str]:
             lps = {"content": texts.chat(new_ids, entries)} if new_ids else None
         buf = [chunk(s, out, {"content": d}, None, None, ids, lps)] if d or ids or lps else []
         if out.finished:
-            buf.append(chunk(s, out, {}, out.finish_reason, note))
+            buf.append(chunk(s, out, {}, out.finish_reason, srv.final_note(note, out)))
         return buf
 
     prologue = "".join(chunk(s, None, {"role": "assistant", "content": ""}, None) for s in subs)

@@ -234,6 +234,8 @@ class _ClusterCollector:
              "decode instance, summed.", sum(st.handoff_seconds)),
             ("instance_failures", "Instances marked dead (died or missed a timeout).", st.instance_failures),
             ("recoveries", "Requests re-prefilled elsewhere after their instance failed.", st.recoveries),
+            ("recoveries_seed_kept", "Re-prefills of seeded sampled requests; each continued its seeded stream "
+             "(draws are a function of seed and position).", st.seeded_recoveries),
             ("migrations", "Decode -> decode moves of a running request (KV memory or T_g broke).", st.migrations),
             ("instance_rejoins", "Dead instances that came back (restarted) and rejoined, empty.", st.rejoins),
             ("recovery_seconds", "Seconds from an instance failure to the next token of each recovered "

@@ -176,6 +176,8 @@ class SLOInfo(BaseModel):
     predicted_ttft_ms: float | None = None
     ttft_ms: float | None = None
     slo_met: bool | None = None
+    failovers: int = 0  # times a choice moved after a cluster instance holding it failed
+    seed_kept: bool | None = None  # a failed-over seeded sampled choice kept its seeded stream
 
 
 class CompletionChoice(BaseModel):

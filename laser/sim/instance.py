@@ -133,12 +133,6 @@ class SimExecutor:
     def release(self, req_id: str) -> None:
         pass
 
-    def export_sampler_state(self, req_id: str) -> None:
-        return None  # the simulator samples nothing
-
-    def import_sampler_state(self, req_id: str, state) -> None:
-        pass
-
     # -- laser.core.walk.LayerExecutor -------------------------------------------------------------------
     def park(self, active, leaving, layer):
         ids = {id(w) for w in leaving}

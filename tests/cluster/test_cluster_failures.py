@@ -252,3 +252,34 @@ def test_instance_that_only_missed_a_timeout_rejoins(tiny_llama, single):
     assert done == ref
     assert all(streams[k] == v for k, v in done.items())
     cl.check_integrity(expect_empty=True)
+
+
+def test_seeded_sampled_request_keeps_its_stream_through_a_fail_over(tiny_llama, single):
+    """Issue 28 item 9: a seeded sampled request (with penalties) whose decode instance dies
+    mid-stream is re-prefilled elsewhere and continues the very tokens of the no-failure run; its
+    output says it failed over and kept its seed (before: a new stream from the 1st failed token)."""
+    sp = SamplingParams(max_tokens=30, temperature=0.8, seed=7, ignore_eos=True, frequency_penalty=0.4,
+                        presence_penalty=0.2, repetition_penalty=1.1)
+    prompt = _prompts(1, 28)[0]
+    single.add_request(prompt, sp, req_id="ref-seeded")
+    ref = [o for o in _drain_engine(single) if o.finished][0].token_ids
+    cl = start_cluster("laser", 1, 2, model=str(tiny_llama), dtype="float32", scheduler=SCHED, use_ray=False)
+    cl.add_request(prompt, sp, slo="chat", req_id="s")
+    streamed = []
+    while not (cl.requests["s"].owner in (1, 2) and len(streamed) >= 8):
+        streamed += [t for o in cl.step(wait_s=0.0) for t in o.new_token_ids]
+    cl.handles[cl.requests["s"].owner].kill()
+    outs = cl.drain(60)
+    streamed += [t for o in outs for t in o.new_token_ids]
+    final = outs[-1]
+    assert final.finished and final.token_ids == ref and streamed == ref
+    assert final.num_failovers == 1 and final.seed_kept is True and "failed_over" in final.miss_causes
+    assert cl.stats.recoveries == 1 and cl.stats.seeded_recoveries == 1
+    cl.check_integrity(expect_empty=True)
+
+
+def _drain_engine(engine):
+    outs = []
+    while engine.has_unfinished():
+        outs.extend(engine.step())
+    return outs
