@@ -50,6 +50,12 @@ from .transfers import Transfers
 __all__ = ["ClusterEngine", "ClusterError", "ClusterStats"]
 
 
+#: A decode step may run this many times the instance's slowest recent step before it counts as stalled.
+STALL_FACTOR = 10.0
+#: Per answered step, the remembered slowest step time decays by this factor (a slow spell is forgotten).
+STALL_DECAY = 0.9
+
+
 class ClusterEngine(Transfers, Recovery):
     """Engine-like front end over ``handles`` driven by ``controller``.
 
@@ -58,7 +64,11 @@ class ClusterEngine(Transfers, Recovery):
         controller: a :class:`~laser.controller.Controller` (not yet attached).
         tokenizer / model_config / model_name: the served model (front-end side only).
         slo_classes: the SLO class table. step_timeout_s: a step longer than this marks its
-            instance dead (a stall). clock: the cluster clock (seconds; instances on the same
+            instance dead (a stall). stall_timeout_s: a decode instance's step (one iteration)
+            counts as stalled sooner: after this, or ``STALL_FACTOR`` times its slowest recent
+            step if longer (at most ``step_timeout_s``; None: ``step_timeout_s``); a synchronous
+            call to an instance never waits past its step's deadline either, so a frozen decode
+            instance's requests move within this plus their re-prefill. clock: the cluster clock (seconds; instances on the same
             host share ``time.monotonic``). stream_kv: when the decode instance is chosen at
             arrival, stream the request's KV to it layer by layer during its final prefill
             chunk (False: all layers at the hand-off).
@@ -70,11 +80,14 @@ class ClusterEngine(Transfers, Recovery):
 
     def __init__(self, handles: list[InstanceHandle], controller: Controller, tokenizer, model_config,
                  model_name: str, slo_classes, step_timeout_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic, stream_kv: bool = True):
+                 clock: Callable[[], float] = time.monotonic, stream_kv: bool = True,
+                 stall_timeout_s: float | None = None):
         self.stream_kv = stream_kv
         if not handles:
             raise ValueError("a cluster needs at least one instance")
         self.handles = {h.instance_id: h for h in handles}
+        for h in handles:  # an instance fenced by an earlier front end refuses steps of an older epoch
+            h.epoch = max(h.epoch, h.call("ping"))
         self.controller = controller
         controller.attach(list(handles))
         self.tokenizer = tokenizer
@@ -88,6 +101,9 @@ class ClusterEngine(Transfers, Recovery):
         self.latency_model = entry.latency_model
         self.clock = clock
         self.step_timeout_s = step_timeout_s
+        self.stall_timeout_s = step_timeout_s if stall_timeout_s is None else min(stall_timeout_s, step_timeout_s)
+        self._step_s: dict[int, float] = {}  # decode instance id -> its slowest recent step (decaying), s
+        self.monotonic = time.monotonic  # the timer of steps in flight (tests put a fake one here)
         self.requests: dict[str, Tracked] = {}
         self.stats = ClusterStats()
         self._steps: dict[int, Call] = {}  # instance id -> its step in flight
@@ -97,6 +113,7 @@ class ClusterEngine(Transfers, Recovery):
         self._transfers: list[Tracked] = []
         self._pending: list[str] = []  # handed off, waiting for a decode instance
         self._confirms: list[Call] = []  # "confirm" calls (prefill side drops a delivered hand-off) in flight
+        self._fences: list[Call] = []  # "reset" calls sent to instances marked dead (nobody waits for them)
         self._hash_root: tuple[bytes, int] | None = None  # (prefix root, block size) of the instances
         self._recovering: dict[str, float] = {}  # req id -> time its instance failed
         self.last_reports: dict = {}  # instance id -> its InstanceReport after its last step (gauges)
@@ -267,7 +284,9 @@ class ClusterEngine(Transfers, Recovery):
         for iid in list(self._busy):
             h = self.handles[iid]
             if h.alive and iid not in self._steps:
-                self._steps[iid] = h.submit("step")
+                self._steps[iid] = call = h.submit("step", h.epoch)
+                call.started = self.monotonic()
+                h.answer_by = call.started + self._step_deadline(iid)
                 self._step_gen[iid] = self._work_sent[iid]
         outs: list[RequestOutput] = []
         futs = [c.future for c in self._steps.values()] + [t.transfer.adopt.future for t in self._transfers]
@@ -281,32 +300,48 @@ class ClusterEngine(Transfers, Recovery):
                 self.arrival_hook()
         self._poll_transfers()  # first: a decode step may already carry an adopted request's token
         self._poll_confirms()
-        now = time.monotonic()
+        now = self.monotonic()
         for iid, call in list(self._steps.items()):
             if self._steps.get(iid) is not call:
                 continue  # its instance failed while an earlier answer was handled
             if call.future.done():
                 del self._steps[iid]
+                call.handle.answer_by = None
                 try:
                     res = call.handle.result(call)
                 except InstanceFailure as e:
                     self._fail_instance(iid, e)
                     continue
+                self._note_step_time(iid, now - call.started)
                 if not res["busy"] and self._step_gen.get(iid) == self._work_sent[iid]:
                     self._busy.discard(iid)  # idle, and given nothing since this step started
                 self.last_reports[iid] = res.get("report")
                 outs.extend(self._on_events(iid, res["events"]))
                 if self.handles[iid].role == "decode":
                     self._maybe_migrate(iid)
-            elif now - call.started > self.step_timeout_s:
-                self._fail_instance(iid, f"step exceeded {self.step_timeout_s:.3g} s", timed_out=True)
+            elif now - call.started > self._step_deadline(iid):
+                self._fail_instance(iid, f"step exceeded {self._step_deadline(iid):.3g} s", timed_out=True)
         self._start_transfers()
+        if self._fences:
+            self._fences = [c for c in self._fences if not c.future.done()]
         if self._probes or self._parked or self._stranded:
             self._probe_dead()
         if self._lost_outputs:
             outs.extend(self._lost_outputs)
             self._lost_outputs.clear()
         return outs
+
+    def _step_deadline(self, iid: int) -> float:
+        """Seconds a step of ``iid`` may run before the instance counts as stalled (a frozen or
+        hung process): ``step_timeout_s`` (a prefill step may be a long prompt's chunk); a decode
+        step is one iteration: ``stall_timeout_s``, or ``STALL_FACTOR`` x its slowest recent step."""
+        if self.handles[iid].role != "decode":
+            return self.step_timeout_s
+        return min(self.step_timeout_s, max(self.stall_timeout_s, STALL_FACTOR * self._step_s.get(iid, 0.0)))
+
+    def _note_step_time(self, iid: int, seconds: float) -> None:
+        """Remember ``iid``'s step took ``seconds`` (send -> answer read) for :meth:`_step_deadline`."""
+        self._step_s[iid] = max(seconds, STALL_DECAY * self._step_s.get(iid, 0.0))
 
     def _mark_busy(self, iid: int) -> None:
         """``iid`` was given work: step it until a step that started after this reports it idle

@@ -13,6 +13,7 @@ Torch-free; only :mod:`laser.cluster.ray_actors` imports Ray.
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from typing import Any
 
 from ..instance.interface import Instance
@@ -59,6 +60,21 @@ class InstanceHandle(Instance):
         self.call_timeout_s = call_timeout_s
         self.alive = True
         self.restarts_left = 0  # times its host may restart it after a death (Ray ``max_restarts``)
+        # The front end's fencing token: raised each time the instance is marked dead; steps and
+        # adoptions carry it, and the instance refuses those of an older epoch once it is fenced.
+        self.epoch = 0
+        # ``time.monotonic()`` by which the step in flight must answer (None: no step in flight); a
+        # synchronous call never waits past it: an instance that misses it is stalled anyway.
+        self.answer_by: float | None = None
+
+    def timeout_for(self, timeout: float | None = None) -> float:
+        """A synchronous call's timeout (s): ``timeout`` (default ``call_timeout_s``), cut to what
+        is left until :attr:`answer_by` -- a call to a frozen instance must not hold the front
+        end past the moment its stall is detected."""
+        t = self.call_timeout_s if timeout is None else timeout
+        if self.answer_by is not None:
+            t = min(t, max(0.0, self.answer_by - time.monotonic()))
+        return t
 
     def call(self, method: str, *args, timeout: float | None = None):
         """``method(*args)`` on the instance; its result. Raises InstanceFailure (dead or no
@@ -129,8 +145,6 @@ class LocalHandle(InstanceHandle):
         return getattr(self.worker, method)(*args)
 
     def submit(self, method: str, *args) -> Call:
-        import time
-
         fut: concurrent.futures.Future = concurrent.futures.Future()
         try:
             args = tuple(a.handle.result(a) if isinstance(a, Call) else a for a in args)

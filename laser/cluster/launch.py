@@ -16,7 +16,7 @@ def start_cluster(controller: str | Controller, prefill: int = 0, decode: int = 
                   model: str | None = None, dtype: str = "auto", quantization: str = "auto", cache=None, scheduler=None, slo_classes=None,
                   latency_profile: str | None = None, max_model_len: int | None = None, seed: int = 0,
                   threads_per_instance: int | None = None, use_ray: bool = True, ray_address: str | None = None,
-                  call_timeout_s: float = 5.0, step_timeout_s: float = 60.0,
+                  call_timeout_s: float = 5.0, step_timeout_s: float = 60.0, stall_timeout_s: float | None = None,
                   stream_kv: bool = True, max_restarts: int = 0, latency_calibration: bool = True,
                   jitter_margin: bool | None = None) -> ClusterEngine:
     """Start the instances (Ray actors, or in process with ``use_ray=False``) and the front end.
@@ -25,7 +25,8 @@ def start_cluster(controller: str | Controller, prefill: int = 0, decode: int = 
     The instances run the controller's ``instance_policy`` scheduler; ``scheduler`` gives the
     other scheduler knobs. With Ray, a local cluster is started with one CPU per instance
     thread unless Ray is already up or ``ray_address`` names one to join; ``max_restarts``: times
-    Ray restarts a dead instance actor (it rejoins empty; in process: ignored).
+    Ray restarts a dead instance actor (it rejoins empty; in process: ignored); ``stall_timeout_s``:
+    :class:`ClusterEngine`'s (a decode step over it marks its instance stalled).
     Raises ValueError (bad layout for the controller, or a controller whose roles run different
     policies: simulator only) or InstanceFailure (an actor did not start).
     """
@@ -62,4 +63,5 @@ def start_cluster(controller: str | Controller, prefill: int = 0, decode: int = 
         handles = [LocalHandle(InstanceWorker(i, role, kwargs, threads_per_instance), call_timeout_s)
                    for i, role in specs]
     return ClusterEngine(handles, ctrl, tokenizer, load_config(path), "smollm2" if model is None else str(model),
-                         slo_classes or SLOClasses.load(), step_timeout_s=step_timeout_s, stream_kv=stream_kv)
+                         slo_classes or SLOClasses.load(), step_timeout_s=step_timeout_s, stream_kv=stream_kv,
+                         stall_timeout_s=stall_timeout_s)

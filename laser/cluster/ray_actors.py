@@ -103,7 +103,7 @@ class RayHandle(InstanceHandle):
 
     def call(self, method: str, *args, timeout: float | None = None):
         ref = getattr(self.actor, method).remote(*args)
-        return self._get(ref, self.call_timeout_s if timeout is None else timeout)
+        return self._get(ref, self.timeout_for(timeout))
 
     def submit(self, method: str, *args) -> Call:
         args = tuple(a.ref if isinstance(a, Call) else a for a in args)

@@ -35,6 +35,7 @@ class Recovery:
             return
         log.warning("instance %d (%s) marked dead: %s", iid, h.role, why)
         h.alive = False
+        self._fence(h)
         self.stats.instance_failures += 1
         if h.restarts_left > 0 or timed_out:  # it may answer again: probe until it does
             if not timed_out:
@@ -53,6 +54,17 @@ class Recovery:
             self._stranded.add(iid)  # its requests move when an instance rejoins
             return
         self._move_requests_of(iid)
+
+    def _fence(self, h) -> None:
+        """Raise dead instance ``h``'s epoch and send it a reset of that epoch without waiting: a
+        frozen instance runs it when it wakes (after the step it froze in), so it drops
+        the requests that moved away (their KV freed) and refuses a step or an adoption sent
+        before its failure; it rejoins only through a probe (:meth:`_probe_dead`). Its last
+        report stops counting them at once (the ``/metrics`` gauges)."""
+        h.epoch += 1
+        h.answer_by = None
+        self.last_reports.pop(h.instance_id, None)
+        self._fences.append(h.submit("reset", h.epoch))
 
     def _move_requests_of(self, iid: int) -> None:
         """Resume elsewhere every request dead instance ``iid`` held (see :meth:`_fail_instance`)."""
@@ -98,7 +110,7 @@ class Recovery:
             probe[2] = None
             try:
                 h.result(ping)
-                dropped = h.call("reset")
+                dropped = h.call("reset", h.epoch)
             except InstanceFailure:
                 probe[1] = time.monotonic() + self.rejoin_probe_s
                 continue

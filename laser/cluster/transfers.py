@@ -44,7 +44,8 @@ class Transfers:
         t.decode = d
         take = src.submit("take_handoff", rid, d)
         # the attempt number fences the adoption: a stale one (of an attempt given up on) is refused
-        t.transfer = Transfer(src.instance_id, d, take, self.handles[d].submit("adopt", take, t.restarts), migration)
+        dst = self.handles[d]
+        t.transfer = Transfer(src.instance_id, d, take, dst.submit("adopt", take, t.restarts, dst.epoch), migration)
         self._transfers.append(t)
 
     def _maybe_migrate(self, iid: int) -> None:

@@ -75,6 +75,7 @@ class InstanceWorker:
         self.inbound = InboundKV(self.mi.kv_cache, self.num_layers)  # decode side
         self.adopt_wait: list[Handoff] = []  # adopted but waiting for KV blocks
         self.fences: dict[str, int] = {}  # req id -> lowest hand-off attempt still accepted (see abort)
+        self.epoch = 0  # the front end's fencing token: a step or adoption of an older epoch is refused (reset)
         self._lock = threading.Lock()
         self._at_boundary: collections.deque = collections.deque()
         self._between: collections.deque = collections.deque()
@@ -224,7 +225,7 @@ class InstanceWorker:
             self.streamed_to.pop(req_id, None)
         self._call(confirm, True)
 
-    def adopt(self, sent: tuple[Handoff, float], attempt: int = 0) -> dict:
+    def adopt(self, sent: tuple[Handoff, float], attempt: int = 0, epoch: int | None = None) -> dict:
         """Decode side: continue a request prefilled elsewhere (``sent`` from
         :meth:`take_handoff`). Waits in order for KV blocks when the pool is full.
         A hand-off without KV (streamed) takes its layers from :attr:`inbound` and waits until
@@ -232,12 +233,15 @@ class InstanceWorker:
         "after_prefill_s": prefill end -> adopt (the shared host clock), "layers", "streamed"}``;
         the two times count until the request runs here, or until it queues for blocks or for
         streamed layers still on their way. ``attempt``: the front end's attempt number of the
-        request (re-prefills count up). Raises KeyError for a stream this instance does not
-        expect (aborted) or a stale attempt (fenced by :meth:`abort`)."""
+        request (re-prefills count up); ``epoch``: the front end's epoch of this instance when it
+        sent the hand-off. Raises KeyError for a stream this instance does not expect (aborted), a
+        stale attempt (fenced by :meth:`abort`) or a stale epoch (fenced by :meth:`reset`)."""
         h, sent_at = sent
         rid = h.request.req_id
 
         def adopt():
+            if epoch is not None and epoch < self.epoch:
+                raise KeyError(f"stale hand-off of {rid} (sent in epoch {epoch} < {self.epoch}: instance fenced)")
             if attempt < self.fences.get(rid, 0):
                 raise KeyError(f"stale hand-off of {rid} (attempt {attempt} < {self.fences[rid]})")
             self.reserved.pop(rid, None)
@@ -271,11 +275,15 @@ class InstanceWorker:
             self.adopt_wait.pop(0)
 
     # -- the loop ----------------------------------------------------------------------------------------
-    def step(self) -> dict:
+    def step(self, epoch: int | None = None) -> dict:
         """One scheduling step. Returns ``{"events": [(req_id, token, finish_reason,
         handed_off)], "busy": more work left, "step_s": seconds, "report": the instance's
         :class:`InstanceReport` after it (the front end's per-instance gauges)}``; handed-off
-        requests wait in the outbox for :meth:`take_handoff`."""
+        requests wait in the outbox for :meth:`take_handoff`. ``epoch``: the front end's epoch of
+        this instance when it asked; a step of an older epoch (asked before the instance was fenced
+        by :meth:`reset`) runs nothing and answers no events, not busy, ``"fenced": True``."""
+        if epoch is not None and epoch < self.epoch:
+            return {"events": [], "busy": False, "step_s": 0.0, "report": None, "fenced": True}
         with self._lock:
             if self._stall_s:
                 stall, self._stall_s = self._stall_s, 0.0
@@ -316,12 +324,17 @@ class InstanceWorker:
                                      f"streams in {sorted(self.inbound.streams)}, out {sorted(self.streamed_to)}")
         return self._call(check, False)
 
-    def reset(self) -> int:
+    def reset(self, epoch: int | None = None) -> int:
         """Drop every request and everything held for one (queued, running, outbox, reservations,
         streams): the instance rejoins a cluster empty after it was marked dead (a restarted
-        actor is empty already; one that only missed a timeout is not). Returns how many
-        requests it dropped."""
+        actor is empty already; one that only missed a timeout is not). ``epoch``: the front
+        end's new epoch of this instance (its fencing token, raised when it marked the instance
+        dead): a step or adoption sent under an older one and run after this is refused, so a
+        frozen instance that wakes holds nothing of the requests that moved away. Returns how
+        many requests it dropped."""
         def reset():
+            if epoch is not None:
+                self.epoch = max(self.epoch, epoch)
             rids = (set(self.core.scheduler.requests) | set(self.outbox) | set(self.reserved)
                     | set(self.inbound.streams) | {h.request.req_id for h in self.adopt_wait})
             for rid in rids:
@@ -340,6 +353,7 @@ class InstanceWorker:
         instance, so it answers nothing meanwhile -- a straggler the controller must detect."""
         self._stall_s = float(seconds)
 
-    def ping(self) -> bool:
-        return True
+    def ping(self) -> int:
+        """Answers at once (liveness): this instance's epoch (its fencing token, see :meth:`reset`)."""
+        return self.epoch
 

@@ -67,6 +67,10 @@ def register(subparsers) -> None:
                         "(default %(default)s)")
     g.add_argument("--step-timeout", type=float, default=60.0,
                    help="seconds one instance step may take before the instance is marked dead (default %(default)s)")
+    g.add_argument("--stall-timeout", type=float, default=3.0,
+                   help="seconds a decode instance's step (one iteration) may take before the instance counts as "
+                        "stalled (frozen, hung) and its requests move; stretched to 10x its slowest recent step "
+                        "when longer (default %(default)s)")
     g.add_argument("--instance-restarts", type=int, default=0,
                    help="times Ray restarts a dead instance actor; a restarted one rejoins the controller empty "
                         "(default %(default)s)")
@@ -106,7 +110,7 @@ def build_cluster(args):
                          latency_profile=args.latency_profile, max_model_len=args.max_model_len,
                          threads_per_instance=args.threads_per_instance, ray_address=args.ray_address,
                          call_timeout_s=args.call_timeout, step_timeout_s=args.step_timeout,
-                         max_restarts=args.instance_restarts, latency_calibration=args.latency_calibration,
+                         stall_timeout_s=args.stall_timeout, max_restarts=args.instance_restarts, latency_calibration=args.latency_calibration,
                          jitter_margin=args.jitter_margin)
 
 

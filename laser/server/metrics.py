@@ -91,7 +91,8 @@ class ServerMetrics:
             "(one count per cause that applies): given_up (overload triage served its prefill behind the savable "
             "ones), preempted (KV freed and recomputed), demoted (served in another class than it asked for), "
             "predicted_infeasible (admission predicted its TTFT over the target), tbt_infeasible (its TBT target "
-            "is out of reach even alone), unexplained (none of those).", cls + ["cause"], registry=r)
+            "is out of reach even alone), failed_over (a cluster instance holding it failed and it moved), "
+            "unexplained (none of those).", cls + ["cause"], registry=r)
         self.aborted = Counter("laser:request_aborted", "Requests aborted (client gone, shutdown, engine error).",
                                cls, registry=r)
         self.demoted = Counter("laser:request_demoted", "Demotions by requested class: demotable hot requests "

@@ -283,3 +283,128 @@ def _drain_engine(engine):
     while engine.has_unfinished():
         outs.extend(engine.step())
     return outs
+
+
+class _ManualClock:
+    """A fake monotonic timer: moves only by :meth:`advance` (seconds)."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+class _FrozenHandle(LocalHandle):
+    """An in-process instance that can be frozen (as by SIGSTOP): while frozen, what is submitted
+    waits (run in order on :meth:`thaw`, as a stopped actor's queue does) and a synchronous call
+    gets no answer: it costs its timeout on the fake ``clock`` and raises a timed-out failure."""
+
+    frozen = False
+
+    def __init__(self, worker, clock):
+        super().__init__(worker)
+        self.clock, self.waits, self.queued = clock, [], []
+
+    def call(self, method, *args, timeout=None):
+        if not self.frozen:
+            return super().call(method, *args, timeout=timeout)
+        from laser.cluster.handles import InstanceFailure
+
+        wait = self.timeout_for(timeout)
+        self.waits.append(wait)
+        self.clock.advance(wait)
+        raise InstanceFailure(self.instance_id, f"no answer to {method} within {wait:.3g} s", timed_out=True)
+
+    def submit(self, method, *args):
+        if not self.frozen:
+            return super().submit(method, *args)
+        fut = concurrent.futures.Future()
+        self.queued.append((fut, method, args))
+        return Call(fut, None, self, method, self.clock())
+
+    def thaw(self):
+        self.frozen = False
+        for fut, method, args in self.queued:
+            done = super().submit(method, *args).future
+            fut.set_exception(done.exception()) if done.exception() else fut.set_result(done.result())
+        self.queued = []
+
+
+def test_frozen_decode_instance_is_failed_over_within_its_stall_timeout_and_fenced(tiny_llama, single):
+    """Issue 28 item 6: a decode instance frozen mid-stream (no step answer, no call answer): its
+    streams move within its stall timeout (a request arriving meanwhile asks it for an Alg. 2
+    increment: that call must not wait longer either), its gauges stop counting them at once, and
+    when it wakes it runs the fence the front end left it (reset, new epoch): its KV is released
+    before it rejoins, and every request ends with its no-failure tokens, none streamed twice."""
+    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(5, 6)
+    for i, p in enumerate(prompts):
+        single.add_request(p, sp, req_id=f"frz{i}")
+    ref = {o.req_id.removeprefix("frz"): o.token_ids for o in _drain_engine(single) if o.finished}
+    clock = _ManualClock()
+    kw = dict(model=str(tiny_llama), policy="laser", dtype="float32", scheduler=SCHED)
+    handles = [_FrozenHandle(InstanceWorker(i, role, kw), clock) for i, role in
+               [(0, "prefill"), (1, "decode"), (2, "decode")]]
+    cl = ClusterEngine(handles, get_controller("laser")(), load_tokenizer(str(tiny_llama)),
+                       load_config(str(tiny_llama)), "tiny", SLOClasses.load(), stall_timeout_s=2.0)
+    cl.monotonic, cl.rejoin_probe_s = clock, 0.0
+    for i, p in enumerate(prompts[:4]):
+        cl.add_request(p, sp, slo=CLASSES[i % 4], req_id=str(i))
+    streams, done = {}, {}
+    while not all(t.owner in (1, 2) and len(streams.get(r, ())) >= 3 for r, t in cl.requests.items()):
+        done.update(_collect(cl.step(wait_s=0.0), streams))
+    victim = max((1, 2), key=lambda d: sum(t.owner == d for t in cl.requests.values()))
+    moved = {r for r, t in cl.requests.items() if t.owner == victim}
+    pool = handles[victim].worker.core.scheduler.bm
+    assert pool.min_free() < pool.num_blocks
+    handles[victim].frozen, frozen_at = True, clock()
+    while handles[victim].alive:
+        if clock() - frozen_at > 1.0 and "4" not in cl.requests:
+            cl.add_request(prompts[4], sp, slo="chat", req_id="4")  # asks the frozen one too
+        done.update(_collect(cl.step(wait_s=0.0), streams))
+        clock.advance(0.25)
+    assert clock() - frozen_at <= 2.0 + 0.25  # detected by its stall timeout, not after a 5 s call timeout
+    assert handles[victim].waits and all(w <= 2.0 for w in handles[victim].waits)
+    assert victim not in cl.last_reports  # /metrics no longer shows the moved requests as decoding there
+    assert all(cl.requests[r].owner != victim for r in moved if r in cl.requests)
+    handles[victim].thaw()  # it finishes the step it froze in, then runs the fence
+    assert handles[victim].worker.epoch == handles[victim].epoch == 1
+    assert pool.min_free() == pool.num_blocks and not handles[victim].worker.core.scheduler.requests
+    done.update(_collect(cl.drain(120), streams))
+    assert handles[victim].alive and cl.stats.rejoins == 1
+    assert done == ref
+    assert all(streams[k] == v for k, v in done.items())
+    cl.check_integrity(expect_empty=True)
+
+
+def test_fenced_instance_refuses_steps_and_hand_offs_of_an_older_epoch(tiny_llama):
+    """After ``reset(epoch)`` (the fence a front end sends an instance it marked dead), a step or an
+    adoption sent under an older epoch -- queued while it was frozen -- does nothing: the request
+    moved elsewhere and its KV must not be taken here again."""
+    kw = dict(model=str(tiny_llama), policy="laser", dtype="float32", scheduler=SCHED)
+    pre, dec = InstanceWorker(0, "prefill", kw), InstanceWorker(1, "decode", kw)
+    from laser.core.request import Request
+
+    pre.add_request(Request(prompt_token_ids=list(range(3, 20)), sampling_params=SP, req_id="r"))
+    while "r" not in pre.outbox:
+        pre.step()
+    sent = pre.take_handoff("r")
+    assert dec.reset(1) == 0 and dec.ping() == 1
+    with pytest.raises(KeyError, match="fenced"):
+        dec.adopt(sent, 0, 0)
+    assert dec.step(0)["fenced"] and not dec.has_work()
+    dec.adopt(sent, 0, 1)
+    assert dec.step(1)["events"][0][0] == "r"
+
+
+def _collect(outs, streams):
+    done = {}
+    for o in outs:
+        streams.setdefault(o.req_id, []).extend(o.new_token_ids)
+        if o.finished:
+            done[o.req_id] = o.token_ids
+    return done
