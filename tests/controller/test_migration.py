@@ -120,3 +120,42 @@ def test_slo_trigger_prices_a_request_adopted_since_the_last_replan():
     sched.t_g = 0.0008  # predicted over it: the victim search runs (Alg. 1 holds the rest to 10 ms)
     v = migration_victim(sched, LM, N)
     assert v is not None and v[1] == "slo" and v[0].req_id == "d0"  # two left fit their 10 ms
+
+
+def test_a_backlog_of_one_class_migrates():
+    """Issue 28 item 8: ten requests of one TBT class, each reachable alone, overload the
+    instance together; Alg. 1 gives their level up (T_g = inf: no looser level) and the trigger
+    read that as "no target": nothing ever moved (as after a thaw with a backlog). One move does
+    not restore the level, several do: the first (fewest blocks) leaves now."""
+    inst = _decode_instance(1000, [1000] * 9 + [900], tbt=0.001)
+    sched = inst.scheduler
+    for _ in range(3):
+        inst.sim.step()
+    rep = sched.report()
+    assert rep.t_g == float("inf") and rep.last_iteration_s > 0.001
+    v = migration_victim(sched, LM, N)
+    assert v is not None and v[1] == "slo" and v[0].req_id == "d9"  # the fewest blocks
+    # targets out of reach even alone: moving saves nobody
+    lost = _decode_instance(1000, [1000] * 10, tbt=0.0005)
+    for _ in range(3):
+        lost.sim.step()
+    assert migration_victim(lost.scheduler, LM, N) is None
+
+
+def test_a_decode_instance_given_a_backlog_at_once_sheds_it():
+    """Twelve chat streams (0.95 ms TBT, each reachable alone, about five together) prefilled
+    together and all handed to one decode instance at once: its level is given up (T_g = inf)
+    and migration moves the backlog out one request per step until it holds its target. Before,
+    two moved while T_g was still finite, then none: 23 % of all gaps missed the target (now 3 %)."""
+    cfg = ClusterConfig(latency_model=LM, kv_bytes_per_token_layer=4096, num_blocks=1000, gpus_per_node=2)
+    sim = ClusterSim(PinnedDecode(), ClusterSpec.parse("1P2D"), cfg)
+    src, dst = sim.controller.decode
+    reqs = [Request([1] * 100, SamplingParams(max_tokens=100, ignore_eos=True), SLO(1.0, 0.00095, "chat"),
+                    arrival_time=0.0, req_id=f"m{i}") for i in range(12)]
+    res = sim.run(reqs)
+    assert sim.controller.num_migrated.get("slo", 0) >= 3 and src.migrated_out == res.migrations
+    gaps = [b - a for r in res.requests for a, b in zip(r.token_times, r.token_times[1:])]
+    assert sum(g > 0.00095 for g in gaps) < 0.1 * len(gaps)
+    assert all(r.finish_reason == "length" and r.num_output_tokens == 100 == len(r.token_times) for r in res.requests)
+    for i in sim.instances:
+        i.check_integrity(expect_empty=True)

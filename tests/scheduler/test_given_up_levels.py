@@ -67,9 +67,11 @@ def test_an_overloaded_level_on_a_decode_instance_still_triggers_migration():
     assert sched.t_g == SUMM.tbt and sched.last_iteration_s > CODE.tbt
     v = migration_victim(sched, LM, N)
     assert v is not None and v[1] == "slo" and v[0].slo is CODE
-    # a victim whose departure still leaves the code level given up is no help
+    # three codes: one departure still leaves the code level given up, two restore it: a code
+    # stream leaves now, the next at a later step (issue 28 item 8: a backlog must drain)
     inst3 = _decode_instance([CODE, CODE, CODE, SUMM])
-    assert migration_victim(inst3.scheduler, LM, N) is None
+    v = migration_victim(inst3.scheduler, LM, N)
+    assert v is not None and v[1] == "slo" and v[0].slo is CODE
 
 
 def test_a_given_up_level_comes_back_when_the_load_drops():
