@@ -188,3 +188,59 @@ def _alive(h) -> bool:
         return True
     except Exception:  # noqa: BLE001
         return False
+
+
+def test_frozen_decode_actor_is_failed_over_fenced_and_rejoins(tiny_llama, cluster, single):
+    """Issue 28 items 6 and 9 on real actors: a decode actor stopped (SIGSTOP) mid-stream while
+    a request arrives (whose Alg. 2 fan-out asks the frozen actor) is detected by its stall
+    timeout -- not by the 30 s call timeout --, its streams (one seeded, sampled) move and
+    continue their no-failure tokens; woken (SIGCONT), it runs the fence it was sent: its KV is
+    released before it rejoins, empty."""
+    import os
+    import signal
+
+    long_sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=40, temperature=0.8, seed=7, ignore_eos=True)
+    prompts = prompts_of(5, base=31)
+    ref = reference(single, prompts[:4], long_sp)
+    ref["seeded"] = reference(single, prompts[4:], seeded)["0"]
+    ref["late"] = reference(single, prompts[:1], long_sp)["0"]
+    live_p = [i for i in (0, 1, 2) if _alive(cluster[i])][:1]
+    live_d = [i for i in (3, 4, 5) if _alive(cluster[i])][:2]
+    for i in live_p + live_d:
+        cluster[i].call("reset")  # what earlier tests left
+    cl = front(tiny_llama, cluster, live_p + live_d, call_timeout_s=30.0)
+    cl.stall_timeout_s, cl.rejoin_probe_s = 2.0, 0.2
+    for i, p in enumerate(prompts[:4]):
+        cl.add_request(p, long_sp, slo=CLASSES[i % len(CLASSES)], req_id=str(i))
+    cl.add_request(prompts[4], seeded, slo="chat", req_id="seeded")
+    streams, done = {}, {}
+    deadline = time.monotonic() + 60
+    while not all(t.owner in live_d and len(streams.get(r, ())) >= 3 for r, t in cl.requests.items()):
+        done.update(collect(cl.step(), streams))
+        assert time.monotonic() < deadline
+    victim = max(live_d, key=lambda d: sum(t.owner == d for t in cl.requests.values()))
+    seeded_moves, epoch = int(cl.requests["seeded"].owner == victim), cl.handles[victim].epoch
+    pid = ray.get(cluster[victim].actor.__ray_call__.remote(lambda self: os.getpid()))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        cl.add_request(prompts[0], long_sp, slo="chat", req_id="late")
+        while cl.handles[victim].alive:
+            done.update(collect(cl.step(), streams))
+            assert time.monotonic() - t0 < 25, "not detected before the 30 s call timeout"
+        assert victim not in cl.last_reports
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    while True:  # it finishes the step it froze in, then the fence (reset of the new epoch) runs
+        rep = cluster[victim].call("report", timeout=30.0)
+        if rep.num_decoding == 0 and rep.free_blocks == rep.total_blocks:
+            break
+        assert time.monotonic() - t0 < 120
+    assert cluster[victim].call("ping") == cl.handles[victim].epoch == epoch + 1
+    done.update(collect(cl.drain(120), streams))
+    assert cl.handles[victim].alive and cl.stats.rejoins == 1
+    assert cl.stats.seeded_recoveries == seeded_moves
+    assert done == ref
+    assert all(streams[k] == v for k, v in done.items())
+    cl.check_integrity(expect_empty=True)
