@@ -363,13 +363,16 @@ class ClusterEngine(Transfers, Recovery):
             req.token_times.append(now)
             if rid in self._recovering:
                 self.stats.recovery_seconds.append(now - self._recovering.pop(rid))
-            out, stop = self.outputs.process(req, token, reason, handed_off)
+            # never "handed off" to the consumer: the stream goes on here, whichever instance holds it
+            # (AsyncEngine ends a stream at a handed-off output: a served 1P1D request hung)
+            out, stop = self.outputs.process(req, token, reason)
             if stop:  # a stop string: the instance still has it
                 try:
                     self.handles[iid].abort(rid)
                 except InstanceFailure as e:
                     self._fail_instance(e.instance_id, e)
-            reason, handed_off = out.finish_reason, out.handed_off
+            reason = out.finish_reason
+            handed_off = handed_off and reason is None
             finished = reason is not None
             if finished:
                 req.finish_reason = reason

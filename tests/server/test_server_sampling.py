@@ -609,3 +609,55 @@ def test_a_cluster_serves_the_controls_and_refuses_logprobs_and_grammars_by_name
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     finally:
         srv.stop()
+
+
+def test_a_failed_over_seeded_request_says_so_and_keeps_its_sample(tiny_llama, live):
+    """Issue 28 item 9 through the server: a seeded sampled request whose decode instance dies
+    mid-stream (1P3D, in process; the instance holding it dies at its 4th token step) answers the
+    single engine's tokens, and its ``slo`` object -- the JSON body's, and a stream's final chunk's
+    -- says it failed over and kept its seed; ``/metrics`` counts the seeded re-prefills."""
+    from laser.cluster.engine import ClusterEngine
+    from laser.cluster.handles import InstanceFailure, LocalHandle
+    from laser.controller import get_controller
+    from laser.core.slo import SLOClasses
+    from laser.instance.worker import InstanceWorker
+    from laser.model.loader import load_config, load_tokenizer
+
+    class DiesMidStream(LocalHandle):
+        deaths_left = [0]  # shared by the decode instances: the next one holding a stream dies
+        tokens = 0
+
+        def call(self, method, *args, timeout=None):
+            out = super().call(method, *args, timeout=timeout)
+            if method == "step" and out["events"]:
+                self.tokens += 1
+                if self.tokens >= 4 and self.deaths_left[0] > 0:
+                    self.deaths_left[0] -= 1
+                    self.kill()
+                    raise InstanceFailure(self.instance_id, "killed mid-stream")
+            return out
+
+    body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0.8, "seed": 7, "ignore_eos": True,
+            "return_token_ids": True, "slo_class": "chat"}
+    ref = httpx.post(live.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["token_ids"]
+    kw = dict(model=str(tiny_llama), policy="laser", dtype="float32", cache=CacheConfig(num_blocks=256),
+              max_model_len=256, scheduler=SchedulerConfig(policy="laser", max_num_batched_tokens=CHUNK))
+    handles = [LocalHandle(InstanceWorker(0, "prefill", kw))] + [DiesMidStream(InstanceWorker(i, "decode", kw))
+                                                                 for i in (1, 2, 3)]
+    cl = ClusterEngine(handles, get_controller("laser")(), load_tokenizer(str(tiny_llama)),
+                       load_config(str(tiny_llama)), "tiny", SLOClasses.load())
+    srv = LiveServer(build_app(AsyncEngine(cl), served_model_names=["tiny"]))
+    try:
+        DiesMidStream.deaths_left[0] = 1
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=120).json()
+        assert r["choices"][0]["token_ids"] == ref
+        assert r["slo"]["failovers"] == 1 and r["slo"]["seed_kept"] is True
+        DiesMidStream.deaths_left[0] = 1
+        with httpx.stream("POST", srv.url + "/v1/completions", json={**body, "stream": True}, timeout=120) as s:
+            chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        assert [t for c in chunks for t in c["choices"][0].get("token_ids") or []] == ref
+        assert chunks[-1]["slo"]["failovers"] == 1 and chunks[-1]["slo"]["seed_kept"] is True
+        metrics = httpx.get(srv.url + "/metrics", timeout=30).text
+        assert 'laser:recoveries_seed_kept_total{model_name="tiny"} 2.0' in metrics
+    finally:
+        srv.stop()
