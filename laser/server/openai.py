@@ -11,7 +11,8 @@ from fastapi.responses import JSONResponse, Response
 
 from ..core.request import InvalidRequestError
 from .errors import APIError
-from .generation import EventStream, Generation, Sub, stream_chat, stream_completion, token_ids_fields
+from .generation import Generation, Sub, token_ids_fields
+from .streaming import EventStream, stream_chat, stream_completion
 from .protocol import (
     MAX_CHOICES,
     ChatCompletionRequest,
