@@ -25,7 +25,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-#: The kinds of ``SamplingParams.structured_output``: (kind, spec).
+#: The kinds of ``SamplingParams.structured_output``: (kind, spec); tool calls are a ``lark`` grammar.
 KINDS = ("json", "regex", "lark")
 
 
@@ -48,6 +48,34 @@ def grammar_text(kind: str, spec: str) -> str:
 def choice_grammar(choices: list[str]) -> str:
     """A Lark grammar matching exactly one of ``choices`` (vLLM's ``guided_choice``)."""
     return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def tool_call_grammar(functions: list[tuple[str, dict]], parallel: bool, open_tag: str, close_tag: str) -> str:
+    """A Lark grammar (llguidance's dialect, with ``%json`` schema terminals) of tool calls:
+    one call, or with ``parallel`` one or more separated by newlines, each written exactly as
+    ``open_tag`` newline ``{"name": "<one of the functions>", "arguments": <a JSON object
+    matching that function's parameters schema>}`` newline ``close_tag`` -- nothing before,
+    between or after, so ``tool_choice: required`` / a named function always yields parseable
+    calls (vLLM's structured-output ``required`` path; SGLang builds an EBNF the same way).
+    Each function's schema is its own ``%json`` root, so its ``$ref``/``$defs`` resolve as
+    written; the JSON uses ``", "`` and ``": "`` separators (what the templates' ``tojson``
+    writes) and no other whitespace, so a model cannot loop on whitespace.
+
+    Args:
+        functions: (name, parameters JSON schema) of each function a call may name.
+        parallel: allow more than one call.
+        open_tag, close_tag: the tags around a call (``<tool_call>``, ``</tool_call>``).
+    """
+    fmt = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    rules = []
+    for i, (name, params) in enumerate(functions):
+        head = f'{open_tag}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
+        schema = json.dumps({**params, "x-guidance": fmt}, ensure_ascii=False)
+        rules.append(f"call_{i}: {json.dumps(head, ensure_ascii=False)} %json {schema} "
+                     f"{json.dumps(chr(125) + chr(10) + close_tag)}")
+    more = ' ("\\n" call)*' if parallel else ""
+    return "\n".join([f"start: call{more}", "call: " + " | ".join(f"call_{i}" for i in range(len(functions))),
+                      *rules]) + "\n"
 
 
 class GrammarBackend:

@@ -163,14 +163,22 @@ class RequestFields:
             raise APIError(400, f"{found[1][0]}: give one structured output constraint, got {names}",
                            "invalid_value", found[1][0])
         field, spec = found[0]
+        await self.check_grammar(field, spec, "structured output")
+        return spec
+
+    async def check_grammar(self, field: str, spec: tuple[str, str], what: str) -> None:
+        """Compile ``spec`` (kind, grammar) against the tokenizer in a helper thread.
+
+        Raises:
+            APIError: 400 naming ``field``: the grammar does not compile; a cluster (its front
+            end has no grammar backend yet: ``what`` is not supported).
+        """
         backend = getattr(self.ae.engine, "grammars", None)
         if backend is None:
-            raise APIError(400, f"{field}: structured output is not supported by a cluster yet", "unsupported_parameter",
-                           field)
+            raise APIError(400, f"{field}: {what} is not supported by a cluster yet", "unsupported_parameter", field)
         err = await asyncio.get_running_loop().run_in_executor(None, backend.validate, *spec)
         if err is not None:
             raise APIError(400, f"{field}: {err}", "invalid_value", field)
-        return spec
 
     def sampling_params(self, body, max_tokens: int, stop: tuple[str, ...],
                         structured: tuple[str, str] | None = None) -> SamplingParams:

@@ -39,7 +39,8 @@ async def _wait_disconnect(request: Request) -> None:
 class Sub:
     """One choice of an HTTP request: a prompt (x n) on its way through the engine."""
 
-    __slots__ = ("index", "ids", "prompt_text", "sp", "stream", "final", "sent_ids", "sent_lps", "offset")
+    __slots__ = ("index", "ids", "prompt_text", "sp", "stream", "final", "sent_ids", "sent_lps", "offset",
+                 "tool_parser")
 
     def __init__(self, index: int, ids: list[int], prompt_text: str | None, sp: SamplingParams):
         self.index, self.ids, self.prompt_text, self.sp = index, ids, prompt_text, sp
@@ -48,6 +49,7 @@ class Sub:
         self.sent_ids = 0  # output token ids already streamed (return_token_ids)
         self.sent_lps = 0  # output tokens whose logprobs were streamed
         self.offset = 0  # text_offset of the next streamed token (completions logprobs)
+        self.tool_parser = None  # a chat choice with tools: its ToolCallParser (laser.server.tool_parser)
 
     def new_ids(self, out) -> list[int]:
         """Output token ids not streamed yet (the ``token_ids`` of the next chunk)."""
@@ -113,9 +115,11 @@ class Generation(RequestFields):
         slo, asked = self.resolve_slo(body, h_class, h_ttft, h_tbt, headers)
         return arrival, model, slo, self.stop_strings(body), asked
 
-    async def encode(self, prompt, param: str) -> list[int]:
+    async def encode(self, prompt, param: str, tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a prompt (chat messages rendered with ``tools``), checked against the
+        context. Raises APIError: 400 naming ``param``."""
         try:
-            ids = await self.ae.encode(prompt)
+            ids = await self.ae.encode(prompt, tools)
         except InvalidRequestError as e:
             msg = str(e)
             msg = "the " + msg if msg.startswith("prompt ") else msg

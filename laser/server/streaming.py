@@ -14,6 +14,7 @@ from fastapi.responses import StreamingResponse
 from ..frontend.async_engine import EngineStepError, StreamError
 from .errors import error_body
 from .generation import Sub
+from .tools import finish_reason
 
 log = logging.getLogger(__name__)
 
@@ -192,13 +193,32 @@ def stream_chat(srv, q, subs, rid, created, model, body) -> AsyncIterator[str]:
         if want_lps:
             new_ids, entries = new_logprobs(s, out)
             lps = {"content": texts.chat(new_ids, entries)} if new_ids else None
-        buf = [chunk(s, out, {"content": d}, None, None, ids, lps)] if d or ids or lps else []
+        delta = {"content": d}
+        reason = out.finish_reason if out.finished else None
+        if s.tool_parser is not None:  # tools: text and tool_calls deltas (laser.server.tool_parser)
+            delta = tool_delta(s.tool_parser, d, out.finished)
+            reason = finish_reason(reason, s.tool_parser.calls)
+        new = delta.get("content") or "tool_calls" in delta or ids or lps
+        buf = [chunk(s, out, delta, None, None, ids, lps)] if new else []
         if out.finished:
-            buf.append(chunk(s, out, {}, out.finish_reason, note))
+            buf.append(chunk(s, out, {}, reason, note))
         return buf
 
     prologue = "".join(chunk(s, None, {"role": "assistant", "content": ""}, None) for s in subs)
     return _event_stream(srv, q, subs, base, body.n, _include_usage(body), prologue, events)
+
+
+def tool_delta(parser, text: str, finished: bool) -> dict:
+    """A chat chunk's ``delta`` with tools: ``content`` (the text outside calls; left out when
+    empty beside calls) and ``tool_calls`` when a call began or its arguments grew; ``finished``
+    ends the parser."""
+    content, calls = parser.feed(text)
+    if finished:
+        more, rest = parser.finish()
+        content, calls = content + more, calls + rest
+    if calls:  # OpenAI's shape: content only where there is some
+        return {"content": content, "tool_calls": calls} if content else {"tool_calls": calls}
+    return {"content": content}
 
 
 def _include_usage(body) -> bool:
