@@ -196,6 +196,7 @@ def _collect(stream) -> tuple[str | None, list[tuple[str, str]], str, int]:
             content += c.delta.content or ""
             for d in c.delta.tool_calls or []:
                 if d.id is not None:
+                    assert d.type == "function" and d.function.name and d.index not in calls
                     calls[d.index] = [d.function.name, ""]
                 calls[d.index][1] += d.function.arguments or ""
             reason = c.finish_reason or reason
@@ -238,6 +239,14 @@ def test_required_and_named_always_yield_valid_calls(served, seed):
                                             r.usage.completion_tokens)
 
 
+def _generated_tokens(srv) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(srv.url + "/metrics", timeout=30).text
+    return sum(x.value for f in text_string_to_metric_families(text) if f.name == "laser:generation_tokens"
+               for x in f.samples if x.name.endswith("_total"))
+
+
 def test_auto_parses_what_the_model_wrote(served):
     """tool_choice auto with a regex forcing a text and a call (random weights would write neither):
     the text is content, the block a call, finish_reason tool_calls, streamed the same; usage
@@ -247,7 +256,9 @@ def test_auto_parses_what_the_model_wrote(served):
             r'\n</tool_call>'
     kw = dict(model="tiny", messages=MSGS, tools=[WEATHER, CLOCK], max_tokens=80, temperature=1.0, seed=3,
               extra_body={"guided_regex": regex, "return_token_ids": True})
+    before = _generated_tokens(served[0])
     r = client.chat.completions.create(**kw)
+    assert _generated_tokens(served[0]) - before == r.usage.completion_tokens  # /metrics exact
     ch = r.choices[0]
     assert ch.message.content == "Sure." and ch.finish_reason == "tool_calls"
     (call,) = ch.message.tool_calls
