@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 
 import httpx
 import jsonschema
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from laser.core.config import CacheConfig, SchedulerConfig
 from laser.frontend.async_engine import AsyncEngine
@@ -120,6 +121,36 @@ def test_streamed_parse_equals_whole_parse_at_every_split(text):
             assert streamed(text, [i, j]) == whole, (i, j)
 
 
+_json = st.recursive(st.none() | st.booleans() | st.integers(-99, 99) | st.text("ab\"\\<>{}[], ", max_size=5),
+                     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text("xy<>\"", max_size=3), c, max_size=3),
+                     max_leaves=6)
+_block = st.builds(lambda name, args, sep, pre: (name, json.dumps(args, separators=sep), pre),
+                   st.from_regex(r"[a-z_]{1,6}", fullmatch=True), st.dictionaries(st.text("kv", max_size=2), _json,
+                                                                                   max_size=3),
+                   st.sampled_from([(", ", ": "), (",", ":")]), st.sampled_from(["\n", "", " \n"]))
+_text = st.text("ab <>/{}\"\n_lot", max_size=12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.one_of(_text, _block), max_size=5), st.lists(st.integers(0, 400), max_size=6))
+def test_random_texts_stream_as_they_parse(parts, cuts):
+    """Random mixes of text (tag fragments, brackets, quotes) and call blocks: streamed at random
+    cuts equals the whole parse; when the text holds no '<', each block is a call, as written."""
+    text, want = "", []
+    for p in parts:
+        if isinstance(p, tuple):
+            name, args, pre = p
+            text += f'<tool_call>{pre}{{"name": "{name}", "arguments": {args}}}{pre}</tool_call>'
+            want.append((name, args))
+        else:
+            text += p
+    content, calls = parse_tool_calls(text)
+    whole = (content, [(c["function"]["name"], c["function"]["arguments"]) for c in calls])
+    assert streamed(text, sorted(c for c in cuts if c <= len(text))) == whole
+    if not any("<" in p for p in parts if isinstance(p, str)):
+        assert whole[1] == want
+
+
 def test_parser_results_on_fixed_strings():
     def calls(text, parallel=True):
         c, cs = parse_tool_calls(text, parallel)
@@ -166,15 +197,21 @@ def _serve(model_dir):
 
 
 @pytest.fixture(scope="module", params=["fallback", "qwen_style"])
-def served(request, tiny_llama, tmp_path_factory):
-    """(server, client, tokenizer) of a tiny Llama with SmolLM2's template or a Qwen2.5-style one."""
+def served(request, tiny_llama, smollm2_dir, tmp_path_factory):
+    """(server, client, tokenizer, kind) of a tiny Llama with SmolLM2's template (no tools: the
+    fallback prompt), or a tiny Qwen2 whose tokenizer has a Qwen2.5-style template and, as Qwen's,
+    ``<tool_call>`` / ``</tool_call>`` as added (non-special) tokens."""
+    from conftest import make_tiny_model
     from transformers import AutoTokenizer
 
     d = tiny_llama
     if request.param == "qwen_style":
-        d = tmp_path_factory.mktemp("qwen-style")
-        shutil.copytree(tiny_llama, d, dirs_exist_ok=True)
-        (d / "chat_template.jinja").write_text(QWEN_STYLE)
+        tok_dir, d = tmp_path_factory.mktemp("qwen-style-tok"), tmp_path_factory.mktemp("qwen-style")
+        tok = AutoTokenizer.from_pretrained(smollm2_dir)
+        tok.add_tokens(["<tool_call>", "</tool_call>"])
+        tok.chat_template = QWEN_STYLE
+        tok.save_pretrained(tok_dir)
+        make_tiny_model("qwen2", d, tok_dir)
     srv = _serve(d)
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=300)
     yield srv, client, AutoTokenizer.from_pretrained(d), request.param
@@ -303,6 +340,8 @@ def test_prompt_rendering(served):
     want = list(want["input_ids"] if hasattr(want, "keys") else want)
     assert got == want
     text = tok.decode(got)
+    if kind == "qwen_style":  # Qwen's tokenizer has the tags as tokens of their own
+        assert tok.convert_tokens_to_ids("<tool_call>") in got
     assert '"name": "get_weather"' in text and "<tool_response>\n21 C\n</tool_response>" in text
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>' in text
     base = _prompt_ids(client, messages=MSGS)
