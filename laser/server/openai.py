@@ -13,7 +13,7 @@ from ..core.request import InvalidRequestError
 from .errors import APIError
 from .generation import Generation, Sub, token_ids_fields
 from .streaming import EventStream, stream_chat, stream_completion
-from .tools import answer_message, chat_messages, tool_constraint, tool_plan
+from .tools import answer_message, chat_messages, tool_constraint, tool_definitions, tool_plan
 from .protocol import (
     MAX_CHOICES,
     ChatCompletionRequest,
@@ -208,7 +208,7 @@ def _tokenizer_routes(router: APIRouter, srv: Generation) -> None:
             if not body.add_generation_prompt:
                 raise APIError(400, "add_generation_prompt: only true is supported (the server's chat encoding)",
                                "unsupported_parameter", "add_generation_prompt")
-            ids = await srv.encode(chat_messages(body.messages), "messages")
+            ids = await srv.encode(chat_messages(body.messages), "messages", tool_definitions(body.tools))
         else:
             try:
                 ids = await ae.encode_text(body.prompt, body.add_special_tokens)

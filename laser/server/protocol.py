@@ -174,6 +174,8 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolDefinition] | None = Field(None, description="messages: tools rendered as chat completions "
+                                               "render them (tool_choice auto)")
     add_special_tokens: bool = Field(True, description="text prompts: add the tokenizer's special tokens")
     add_generation_prompt: bool = Field(True, description="messages: only true (the server's chat encoding)")
     return_token_strs: bool = Field(False, description="also the token strings (convert_ids_to_tokens)")

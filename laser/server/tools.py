@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 
 from ..frontend.inputs import check_text
@@ -25,7 +26,7 @@ from ..frontend.tool_prompt import CALL_CLOSE, CALL_OPEN
 from ..core.request import InvalidRequestError
 from ..model.structured import tool_call_grammar
 from .errors import APIError
-from .protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from .protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, ToolDefinition
 from .tool_parser import ToolCallParser, parse_tool_calls
 
 #: The parameters of a function defined without any (no arguments).
@@ -39,13 +40,13 @@ class ToolPlan:
     Attributes:
         tools: OpenAI tool definitions rendered into the prompt.
         choice: ``auto``, ``required`` or ``named``.
-        grammar: the (kind, grammar) structured-output constraint of ``required`` / ``named``, else None.
-        parallel: more than one call may be reported.
+        functions: (name, parameters schema) of the functions a call may name (``named``: one).
+        parallel: more than one call may be reported (and, with ``required``, generated).
     """
 
     tools: list[dict]
     choice: str
-    grammar: tuple[str, str] | None
+    functions: list[tuple[str, dict]]
     parallel: bool
 
     def parser(self) -> ToolCallParser:
@@ -93,7 +94,7 @@ async def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
         if err is not None:
             raise _bad(f"tools[{i}].function.parameters", f"not a usable JSON schema: {err}")
         functions[f.name] = params
-    tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    tools = tool_definitions(body.tools)
     try:
         check_text(json.dumps(tools, ensure_ascii=False), "tools")
     except InvalidRequestError as e:
@@ -103,12 +104,13 @@ async def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
         name = choice.function.name
         if name not in functions:
             raise _bad("tool_choice", f"function {name!r} is not among the tools ({', '.join(functions)})")
-        grammar = tool_call_grammar([(name, functions[name])], False, CALL_OPEN, CALL_CLOSE)
-        return ToolPlan(tools, "named", ("lark", grammar), False)
-    if choice == "required":
-        grammar = tool_call_grammar(list(functions.items()), parallel, CALL_OPEN, CALL_CLOSE)
-        return ToolPlan(tools, "required", ("lark", grammar), parallel)
-    return ToolPlan(tools, "auto", None, parallel)
+        return ToolPlan(tools, "named", [(name, functions[name])], False)
+    return ToolPlan(tools, "required" if choice == "required" else "auto", list(functions.items()), parallel)
+
+
+def tool_definitions(tools: list[ToolDefinition] | None) -> list[dict] | None:
+    """The chat template's ``tools`` (OpenAI's dicts, unset fields left out); None for none."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
 
 
 async def tool_constraint(srv, plan: ToolPlan | None, structured: tuple[str, str] | None) -> tuple[str, str] | None:
@@ -120,13 +122,18 @@ async def tool_constraint(srv, plan: ToolPlan | None, structured: tuple[str, str
         APIError: 400 naming ``tool_choice``: both a tool grammar and another constraint; a
         cluster (no grammar backend yet).
     """
-    if plan is None or plan.grammar is None:
+    if plan is None or plan.choice == "auto":
         return structured
     if structured is not None:
         raise _bad("tool_choice", "required or a named function (a grammar) cannot be combined with "
                                   "response_format or guided decoding")
-    await srv.check_grammar("tool_choice", plan.grammar, "tool_choice required or a named function")
-    return plan.grammar
+    backend = getattr(srv.ae.engine, "grammars", None)
+    literal = backend.lark_literal if backend is not None else json.dumps
+    text = await asyncio.get_running_loop().run_in_executor(  # the first one builds llguidance's tokenizer
+        None, functools.partial(tool_call_grammar, plan.functions, plan.parallel, CALL_OPEN, CALL_CLOSE, literal))
+    grammar = ("lark", text)
+    await srv.check_grammar("tool_choice", grammar, "tool_choice required or a named function")
+    return grammar
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:

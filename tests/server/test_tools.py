@@ -285,14 +285,19 @@ def _generated_tokens(srv) -> float:
 
 
 def test_auto_parses_what_the_model_wrote(served):
-    """tool_choice auto with a regex forcing a text and a call (random weights would write neither):
+    """tool_choice auto with a grammar forcing a text and a call (random weights would write neither):
     the text is content, the block a call, finish_reason tool_calls, streamed the same; usage
     counts every generated token. Without the regex: text only, as written."""
-    _, client, tok, _ = served
-    regex = r'Sure\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,6}", "unit": "C"\}\}' \
-            r'\n</tool_call>'
+    _, client, tok, kind = served
+
+    def tag(t: str) -> str:  # Qwen's tags are tokens of their own: named as tokens in the grammar
+        return f"<[{tok.convert_tokens_to_ids(t)}]>" if kind == "qwen_style" else json.dumps(t)
+
+    sure, head, tail = (json.dumps(x) for x in ("Sure.\n", '\n{"name": "get_weather", "arguments": {"city": "',
+                                                 '", "unit": "C"}}\n'))
+    grammar = f"start: {sure} {tag('<tool_call>')} {head} /[a-z]{{1,6}}/ {tail} {tag('</tool_call>')}"
     kw = dict(model="tiny", messages=MSGS, tools=[WEATHER, CLOCK], max_tokens=80, temperature=1.0, seed=3,
-              extra_body={"guided_regex": regex, "return_token_ids": True})
+              extra_body={"guided_grammar": grammar, "return_token_ids": True})
     before = _generated_tokens(served[0])
     r = client.chat.completions.create(**kw)
     assert _generated_tokens(served[0]) - before == r.usage.completion_tokens  # /metrics exact
@@ -302,6 +307,8 @@ def test_auto_parses_what_the_model_wrote(served):
     assert call.function.name == "get_weather" and json.loads(call.function.arguments)["unit"] == "C"
     ids = ch.model_extra["token_ids"]
     assert r.usage.completion_tokens == len(ids)
+    if kind == "qwen_style":
+        assert tok.convert_tokens_to_ids("<tool_call>") in ids
     assert parse_tool_calls(tok.decode(ids, skip_special_tokens=True))[1][0]["function"]["arguments"] == \
         call.function.arguments
     assert _collect(client.chat.completions.create(**kw, stream=True))[:3] == (
@@ -339,6 +346,8 @@ def test_prompt_rendering(served):
                                        tokenize=True)
     want = list(want["input_ids"] if hasattr(want, "keys") else want)
     assert got == want
+    r = httpx.post(served[0].url + "/tokenize", json={"messages": conv, "tools": [WEATHER]}, timeout=60)
+    assert r.json()["tokens"] == got  # vLLM's /tokenize takes tools too
     text = tok.decode(got)
     if kind == "qwen_style":  # Qwen's tokenizer has the tags as tokens of their own
         assert tok.convert_tokens_to_ids("<tool_call>") in got
