@@ -222,3 +222,17 @@ def test_aiperf_cmd_and_laser_bench_cmd_describe_the_same_load(tmp_path):
     assert b[b.index("--trace") + 1] == str(csv) and b[b.index("--slo-scale") + 1] == "1"
     spec = outside.slo_config_for(LOAD, {"chat": {"ttft": 0.25, "tbt": 0.1, "tier": "hot"}, "code": {"ttft": 1}})
     assert spec == {"chat": {"ttft": 0.5, "tbt": 0.1, "tier": "hot"}, "code": {"ttft": 1}}
+
+
+def test_laser_bench_json_carries_the_mean_gap_beside_the_p99():
+    """compare_load reads laser bench's mean ITL from its JSON (``mean_tbt_s``: every gap pooled)."""
+    from types import SimpleNamespace
+
+    from laser.bench import report
+    from laser.core.metrics import summarize
+
+    recs = [RequestRecord("a", "chat", 1.0, 0.1, 0.0, [0.2, 0.3, 0.6], 4, 3, True),
+            RequestRecord("b", "chat", 1.0, 0.1, 0.0, [0.1, 0.2], 4, 2, True)]
+    probe = SimpleNamespace(summary=summarize(recs, 1.0), rate=1.0, early_stopped=False)
+    d = report.policy_json("lb", {}, probe, None, probes=[])
+    assert d["mean_tbt_s"] == pytest.approx((0.1 + 0.3 + 0.1) / 3) and d["p99_tbt_s"] > d["mean_tbt_s"]
