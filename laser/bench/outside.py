@@ -302,7 +302,8 @@ def aiperf_cmd(venv: Path, load: Load, base_url: str, model_name: str, tokenizer
     body and its goodput judged on the class's targets (TTFT and the mean inter-token latency).
     Token counts are the server's ``usage`` (aiperf's own re-tokenization of the streamed text
     miscounts where two streamed tokens re-encode as one); one aiperf worker and one record
-    processor (2 cores)."""
+    processor (2 cores); no scraping of ``/metrics`` during the run (aiperf's default scrapes it
+    a few times a second, work for the server that ``laser bench`` does not ask)."""
     return [str(venv / "bin" / "aiperf"), "profile", "--model", model_name, "--url", base_url,
             "--endpoint-type", "completions", "--streaming", "--tokenizer", str(tokenizer_dir),
             "--concurrency", str(load.concurrency), "--request-count", str(load.requests),
@@ -312,7 +313,7 @@ def aiperf_cmd(venv: Path, load: Load, base_url: str, model_name: str, tokenizer
             "--extra-inputs", f"slo_class:{load.slo_class}",
             "--goodput", f"time_to_first_token:{load.ttft_ms:g} inter_token_latency:{load.tbt_ms:g}",
             "--warmup-request-count", "1", "--random-seed", str(seed), "--artifact-dir", str(out_dir),
-            "--use-server-token-count", "--export-level", "records", "--workers-max", "1", "--record-processors", "1", "--ui-type", "none"]
+            "--use-server-token-count", "--no-server-metrics", "--export-level", "records", "--workers-max", "1", "--record-processors", "1", "--ui-type", "none"]
 
 
 def fixed_length_trace(load: Load) -> list:

@@ -213,6 +213,7 @@ def test_aiperf_cmd_and_laser_bench_cmd_describe_the_same_load(tmp_path):
                    "--goodput": "time_to_first_token:500 inter_token_latency:100"}
     extra = [a[i + 1] for i, x in enumerate(a) if x == "--extra-inputs"]
     assert {"ignore_eos:true", "min_tokens:5", "slo_class:chat"} <= set(extra) and "--streaming" in a
+    assert "--no-server-metrics" in a and "--use-server-token-count" in a  # what laser bench does too
     csv = tmp_path / "t.csv"
     write_trace(str(csv), outside.fixed_length_trace(LOAD))
     assert [(e.arrival_time, e.slo_class, e.prompt_len, e.output_len) for e in read_trace(str(csv))] == \
