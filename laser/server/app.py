@@ -272,4 +272,7 @@ def _health_routes(app: FastAPI, ae: AsyncEngine, metrics: ServerMetrics) -> Non
 
     @app.get("/metrics")
     async def prometheus():
+        """Prometheus text exposition (``HEAD`` too: aiperf probes the endpoint with it)."""
         return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    app.add_api_route("/metrics", prometheus, methods=["HEAD"], operation_id="metrics_head")
