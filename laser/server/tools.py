@@ -132,7 +132,7 @@ async def tool_constraint(srv, plan: ToolPlan | None, structured: tuple[str, str
     text = await asyncio.get_running_loop().run_in_executor(  # the first one builds llguidance's tokenizer
         None, functools.partial(tool_call_grammar, plan.functions, plan.parallel, CALL_OPEN, CALL_CLOSE, literal))
     grammar = ("lark", text)
-    await srv.check_grammar("tool_choice", grammar, "tool_choice required or a named function")
+    await srv.check_grammar("tool_choice", grammar, "required or a named function")
     return grammar
 
 
