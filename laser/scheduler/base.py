@@ -178,10 +178,8 @@ class Scheduler(ABC):
         )
 
     def prefill_remaining(self, req: Request) -> int:
-        """Tokens of ``req`` still to prefill (prompt, plus outputs after a recompute preemption)."""
-        if req.phase == Phase.DECODE:
-            return 0
-        return req.num_tokens - req.num_computed_tokens - req.chunk_tokens
+        """Tokens of ``req`` still to prefill (:func:`prefill_left`)."""
+        return prefill_left(req)
 
     def decoding(self) -> list[Request]:
         """Running requests in the decode phase."""
@@ -540,3 +538,11 @@ def largest(lo: int, hi: int, ok) -> int | None:
         else:
             hi = mid - 1
     return lo
+
+
+def prefill_left(req: Request) -> int:
+    """Tokens of ``req`` still to prefill (prompt, plus outputs after a recompute preemption; a
+    chunk in flight is not counted); 0 in the decode phase."""
+    if req.phase == Phase.DECODE:
+        return 0
+    return req.num_tokens - req.num_computed_tokens - req.chunk_tokens
