@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ...latency import LatencyModel
 from ...core.request import SLO
-from ..base import ceil_div
+from ..util import ceil_div
 
 
 @dataclass(slots=True)

@@ -19,7 +19,8 @@ from ...core.plan import Work
 from ...core.pricing import PlanCost
 from ...core.request import Request
 from ...latency import LatencyModel
-from ..base import largest, prefill_left
+from ..base import prefill_left
+from ..util import largest
 from .triage import Triage
 
 
