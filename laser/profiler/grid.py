@@ -96,6 +96,14 @@ class _Points:
         c = self.rng.integers(max(2, mean_ctx // 4), max(3, mean_ctx * 7 // 4), b)
         return self.clip_batch([1] * b, [min(int(x), self.ctx_cap) for x in c])
 
+    def skewed(self, b, frac):
+        """A decode batch of ``b`` with ``frac`` of its contexts long, the rest short."""
+        rng, ctx_cap = self.rng, self.ctx_cap
+        nlong = max(1, round(frac * b))
+        long = rng.integers(max(2, ctx_cap // 4), ctx_cap + 1, nlong)
+        short = rng.integers(2, max(3, min(512, ctx_cap)), b - nlong)
+        return self.clip_batch([1] * b, [int(x) for x in (*long, *short)])
+
 
 def _stateless_counts(rng, max_tokens: int):
     """Token counts of the stateless-module grid (drawn first from ``rng``)."""
@@ -139,10 +147,7 @@ def _attention_batches(pts: _Points, small: tuple, max_tokens: int, max_batch: i
                     (16, 0.3), (24, 0.3), (32, 0.06), (32, 0.3), (48, 0.3), (64, 0.06), (64, 0.3)):
         if b > max_batch:
             continue
-        nlong = max(1, round(frac * b))
-        long = rng.integers(max(2, ctx_cap // 4), ctx_cap + 1, nlong)
-        short = rng.integers(2, max(3, min(512, ctx_cap)), b - nlong)
-        attn.append(clip_batch([1] * b, [int(x) for x in (*long, *short)]))
+        attn.append(pts.skewed(b, frac))
     for q in (16, 32, 64, 128, 256, 512, 1024, 2048):
         q = min(q, max_tokens)
         for cached in (0, q // 2, 2 * q):
@@ -181,10 +186,7 @@ def _layer_batches(pts: _Points, small: tuple, max_tokens: int, max_batch: int):
             layer.append(decode(b, min(mc, ctx_cap)))
     for b in (4, 16, 32):  # skewed decode layer steps (see the attention grid)
         if b <= max_batch:
-            nlong = max(1, round(0.3 * b))
-            long = rng.integers(max(2, ctx_cap // 4), ctx_cap + 1, nlong)
-            short = rng.integers(2, max(3, min(512, ctx_cap)), b - nlong)
-            layer.append(clip_batch([1] * b, [int(x) for x in (*long, *short)]))
+            layer.append(pts.skewed(b, 0.3))
     for q in (16, 64, 256):
         q = min(q, max_tokens)
         layer.append(clip_batch([q], [min(q, ctx_cap)]))
