@@ -168,7 +168,8 @@ class _LayerLoad:
             f, lt, memo = self.full, self.layer, self._row_memo
             if not self.num_partial:
                 # every row is zero: one row's time, the same ``sum`` of N equal layer times
-                # as the general case (one latency-model lookup instead of N)
+                # as the general case (one latency-model lookup instead of N; kept: the general
+                # loop cost the 16P16D simulation ~5 % CPU, docs/benchmarks.md)
                 t = sum(itertools.repeat(lt(f), self.n))
                 self.times = [t] * self.HORIZON
                 return self.times
@@ -389,25 +390,10 @@ def _overloaded(lm: LatencyModel, n: int, iteration: int, decoding: list, t_g: f
 
 
 def _tightest_feasible_tbt(lm: LatencyModel, decoding: list, memo: DecodeMemo | None, floor: float = 0.0) -> float:
-    """``min(r.slo.tbt_or_inf for r in decoding if not tbt_infeasible(lm, r, memo))`` over targets
-    above ``floor`` (inf if none), seconds: the memo's table read in line (this runs once per
-    request per Alg. 1 call)."""
-    memo = _memo_for(lm, memo)
-    if memo is None:
-        return min((r.slo.tbt_or_inf for r in decoding if r.slo.tbt_or_inf > floor and not tbt_infeasible(lm, r)),
-                   default=math.inf)
-    table, ask = memo.single, memo.tbt_infeasible
-    scale = memo.factor
-    t_g = math.inf
-    for r in decoding:
-        tbt = r.slo.tbt
-        if tbt is None or tbt >= t_g or tbt <= floor:
-            continue  # (cannot lower the minimum, or given up; its feasibility does not matter)
-        t = table.get(r.num_tokens)
-        bad = ask(r.num_tokens, tbt) if t is None else t * scale > tbt
-        if not bad:
-            t_g = tbt
-    return t_g
+    """The tightest TBT target of ``decoding`` above ``floor`` that is not out of reach alone
+    (:func:`tbt_infeasible`; inf if none), seconds."""
+    return min((r.slo.tbt_or_inf for r in decoding if r.slo.tbt_or_inf > floor and not tbt_infeasible(lm, r, memo)),
+               default=math.inf)
 
 
 def level_given_up(lm: LatencyModel, decoding: list, t_g: float, memo: DecodeMemo | None = None) -> bool:

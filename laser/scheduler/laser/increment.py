@@ -60,6 +60,5 @@ def latency_increment(lm: LatencyModel, num_layers: int, iteration: int, decodin
 
 def _aggregate_tbt(it: float, plans, n: int) -> float:
     """``sum_r it * ceil(N / L_r)`` over ``plans`` (seconds): each request's TBT is the iteration
-    time ``it`` times its iterations per token (the same terms, summed in the same order, as
-    ``sum(it * p.groups(n) for p in plans)``; a full-depth term is ``it`` itself)."""
-    return sum([it if p.layers >= n else it * -(-n // p.layers) for p in plans])
+    time ``it`` times its iterations per token."""
+    return sum(it * p.groups(n) for p in plans)
