@@ -44,18 +44,13 @@ def test_triage_returns_what_it_gave_up_and_changes_nothing():
     assert not any(r.given_up for r in cands)  # nothing recorded on the requests
 
 
-def _burst() -> list[Request]:
-    """Short code and chat prompts and longer summarization prompts arriving within 0.45 s beside
+def _burst(n: int = 160, span: float = 0.45) -> list[Request]:
+    """Short code and chat prompts and longer summarization prompts arriving within ``span`` s beside
     decode streams: decode plans, a finite T_g and prefill pending in most steps."""
     rng = np.random.default_rng(3)
-    reqs = []
-    n, span = 160, 0.45
-    for k in range(n):
-        cls = (CODE, CHAT, CODE, SUMM)[k % 4]
-        plen = int(rng.integers(100, 300)) if cls is SUMM else int(rng.integers(4, 24))
-        out = {"code": 10, "chat": 32, "summarization": 8}[cls.name]
-        reqs.append(_req(k, plen, cls, span * k / n, out))
-    return reqs
+    kinds = [(CODE, 4, 24, 10), (CHAT, 4, 24, 32), (CODE, 4, 24, 10), (SUMM, 100, 300, 8)]  # slo, prompt lo/hi, out
+    return [_req(k, int(rng.integers(lo, hi)), slo, span * k / n, out)
+            for k, (slo, lo, hi, out) in ((k, kinds[k % 4]) for k in range(n))]
 
 
 def test_triage_is_computed_once_per_step_while_its_rate_holds(monkeypatch):
