@@ -246,6 +246,6 @@ def register(subparsers) -> None:
     o.add_argument("--no-progress", action="store_true", help="no progress bars (default: shown)")
     o.add_argument("--no-warmup", action="store_true",
                    help="skip the short warm-up requests sent to each engine or server before measuring")
-    from laser.bench.cli import cmd_bench
+    from laser.bench.command import cmd_bench
 
     p.set_defaults(func=cmd_bench)
