@@ -1,4 +1,5 @@
-"""Shared helper of the simulated scheduler tests: run requests on one simulated instance."""
+"""Shared test helpers: run requests on one simulated instance, a fake clock, layer-boundary
+replay, random JSON schemas (structured output and tool calling)."""
 
 from __future__ import annotations
 
@@ -65,3 +66,26 @@ def replay_at_layer_boundaries(target, engines, reqs, params, start: int = 0) ->
             e.arrival_hook = None
     resolve = getattr(target, "resolve", lambda r: r)
     return [resolve(added[i]) for i in range(len(reqs))]
+
+
+def random_schema(rng, depth: int = 0) -> dict:
+    """A bounded random JSON schema: an object of booleans, enums, bounded integers, short strings,
+    short enum arrays and (at depth 0) one nested object; every property required."""
+    props = {}
+    for i in range(rng.randint(1, 3)):
+        kind = rng.choice(["boolean", "enum", "integer", "string", "array"] + (["object"] if depth == 0 else []))
+        if kind == "enum":
+            p = {"enum": rng.sample(["red", "green", "blue", "a b", "x\"y", "é"], rng.randint(1, 3))}
+        elif kind == "integer":
+            lo = rng.randint(-50, 50)
+            p = {"type": "integer", "minimum": lo, "maximum": lo + rng.randint(0, 60)}
+        elif kind == "string":
+            p = {"type": "string", "maxLength": rng.randint(0, 4)}
+        elif kind == "array":
+            p = {"type": "array", "items": {"enum": ["u", "v"]}, "maxItems": rng.randint(0, 3)}
+        elif kind == "object":
+            p = random_schema(rng, depth + 1)
+        else:
+            p = {"type": "boolean"}
+        props[f"k{i}"] = p
+    return {"type": "object", "properties": props, "required": sorted(props), "additionalProperties": False}

@@ -350,7 +350,7 @@ class BatchManager:
         key = self.ae.engine.clock() + (key_wall - now)  # engine clock
         token = uuid.uuid4().hex
         self.gen.batch_slos[token] = dataclasses.replace(base, deadline=key)
-        from ..server.generation import BATCH_SLO_HEADER
+        from ..server.fields import BATCH_SLO_HEADER
 
         try:
             r = await self.client.post(job.endpoint, content=row["body"],

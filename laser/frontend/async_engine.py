@@ -229,10 +229,11 @@ class AsyncEngine(EngineThread):
             self._submit(lambda e: self._abort_requests())
 
     # -- requests -----------------------------------------------------------------------------------
-    async def encode(self, prompt: str | list[int] | list[dict]) -> list[int]:
-        """Token ids of a prompt (text, ids, or chat messages). Raises InvalidRequestError."""
+    async def encode(self, prompt: str | list[int] | list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a prompt (text, ids, or chat messages, with ``tools``: OpenAI tool
+        definitions for the chat template). Raises InvalidRequestError."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tok_pool, self.inputs.encode_prompt, prompt)
+        return await loop.run_in_executor(self._tok_pool, self.inputs.encode_prompt, prompt, tools)
 
     async def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of plain ``text`` as the tokenizer makes them (vLLM's ``/tokenize``; with

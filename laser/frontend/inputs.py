@@ -18,6 +18,7 @@ import copy
 from typing import Any, Callable
 
 from ..core.request import SLO, InvalidRequestError, Request, SamplingParams
+from .tool_prompt import fallback_messages, has_tool_turns, template_knows_tools, tool_template
 
 
 def check_text(text: str, where: str) -> None:
@@ -60,8 +61,9 @@ class InputProcessor:
                               self.grammars)
 
     # -- prompts ---------------------------------------------------------------------------------
-    def encode_prompt(self, prompt: str | list[int] | list[dict]) -> list[int]:
-        """Token ids of a prompt: text, token ids, or chat messages (chat template applied).
+    def encode_prompt(self, prompt: str | list[int] | list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a prompt: text, token ids, or chat messages (chat template applied, with
+        ``tools``: OpenAI tool definitions, see :meth:`apply_chat_template`).
         Raises InvalidRequestError (empty, not Unicode, ids out of the vocabulary, bad messages)."""
         if isinstance(prompt, str):
             if not prompt:
@@ -69,7 +71,7 @@ class InputProcessor:
             check_text(prompt, "prompt")
             return self.tokenizer.encode(prompt)
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            return self.apply_chat_template(prompt)
+            return self.apply_chat_template(prompt, tools)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             bad = [t for t in prompt if not 0 <= t < self.vocab_size]
             if bad:
@@ -77,20 +79,28 @@ class InputProcessor:
             return list(prompt)
         raise InvalidRequestError("prompt must be a non-empty string, token id list or message list")
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Token ids of a conversation, with the generation prompt appended (a model without a
-        template gets ``role: content`` lines). Raises InvalidRequestError."""
+        template gets ``role: content`` lines). ``tools`` (OpenAI tool definitions), assistant
+        ``tool_calls`` and ``tool`` messages are rendered by the template itself when it knows
+        tools in the ``<tool_call>`` format, else by the fallback prompt format
+        (:mod:`laser.frontend.tool_prompt`). Raises InvalidRequestError."""
         if not messages:
             raise InvalidRequestError("messages are empty")
         for i, m in enumerate(messages):
             for k, v in m.items():
                 if isinstance(v, str):
                     check_text(v, f"messages[{i}].{k}")
-        if self.tokenizer.chat_template is None:
+        template = self.tokenizer.chat_template
+        if (tools or has_tool_turns(messages)) and not template_knows_tools(tool_template(template)):
+            messages, tools = fallback_messages(messages, tools), None
+        if template is None:
             text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
+            check_text(text, "messages")
             return self.tokenizer.encode(text)
+        kw = {"tools": tools} if tools else {}  # a request without tools renders exactly as before
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kw)
         except Exception as e:  # noqa: BLE001 - template errors are the caller's input
             raise InvalidRequestError(f"cannot apply chat template: {e}") from e
         if hasattr(ids, "keys"):

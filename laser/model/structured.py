@@ -20,12 +20,13 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from typing import Callable
 
 import torch
 
 log = logging.getLogger(__name__)
 
-#: The kinds of ``SamplingParams.structured_output``: (kind, spec).
+#: The kinds of ``SamplingParams.structured_output``: (kind, spec); tool calls are a ``lark`` grammar.
 KINDS = ("json", "regex", "lark")
 
 
@@ -48,6 +49,37 @@ def grammar_text(kind: str, spec: str) -> str:
 def choice_grammar(choices: list[str]) -> str:
     """A Lark grammar matching exactly one of ``choices`` (vLLM's ``guided_choice``)."""
     return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def tool_call_grammar(functions: list[tuple[str, dict]], parallel: bool, open_tag: str, close_tag: str,
+                      literal: Callable[[str], str] = json.dumps) -> str:
+    """A Lark grammar (llguidance's dialect, with ``%json`` schema terminals) of tool calls:
+    one call, or with ``parallel`` one or more separated by newlines, each written exactly as
+    ``open_tag`` newline ``{"name": "<one of the functions>", "arguments": <a JSON object
+    matching that function's parameters schema>}`` newline ``close_tag`` -- nothing before,
+    between or after, so ``tool_choice: required`` / a named function always yields parseable
+    calls (vLLM's structured-output ``required`` path; SGLang builds an EBNF the same way).
+    Each function's schema is its own ``%json`` root, so its ``$ref``/``$defs`` resolve as
+    written; the JSON uses ``", "`` and ``": "`` separators (what the templates' ``tojson``
+    writes) and no other whitespace, so a model cannot loop on whitespace.
+
+    Args:
+        functions: (name, parameters JSON schema) of each function a call may name.
+        parallel: allow more than one call.
+        open_tag, close_tag: the tags around a call (``<tool_call>``, ``</tool_call>``).
+        literal: the Lark form of a tag (:meth:`GrammarBackend.lark_literal`: a token of its
+            own, as Qwen's tokenizers have, must be named as a token, not spelled).
+    """
+    fmt = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    rules = []
+    for i, (name, params) in enumerate(functions):
+        head = f'\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
+        schema = json.dumps({**params, "x-guidance": fmt}, ensure_ascii=False)
+        rules.append(f"call_{i}: {literal(open_tag)} {json.dumps(head, ensure_ascii=False)} %json {schema} "
+                     f"{json.dumps(chr(125) + chr(10))} {literal(close_tag)}")
+    more = ' ("\\n" call)*' if parallel else ""
+    return "\n".join([f"start: call{more}", "call: " + " | ".join(f"call_{i}" for i in range(len(functions))),
+                      *rules]) + "\n"
 
 
 class GrammarBackend:
@@ -77,6 +109,15 @@ class GrammarBackend:
                 eos = self._hf.eos_token_id if self._hf.eos_token_id is not None else (self.eos_ids or [None])[0]
                 self._tok = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size, eos_token=eos)
             return self._tok
+
+    def lark_literal(self, text: str) -> str:
+        """``text`` as a Lark terminal: a quoted string, or ``<[id]>`` when it is one token that
+        llguidance counts as special (an added token such as Qwen's ``<tool_call>``: spelled as
+        a string, llguidance would force that token and then refuse it)."""
+        ids = self.ll_tokenizer.tokenize_str(text)
+        if len(ids) == 1 and self.ll_tokenizer.is_special_token(ids[0]):
+            return f"<[{ids[0]}]>"
+        return json.dumps(text, ensure_ascii=False)
 
     def validate(self, kind: str, spec: str) -> str | None:
         """None when (kind, spec) compiles against this tokenizer, else the grammar's error."""

@@ -196,7 +196,30 @@ def build_app(
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes, on_reject=metrics.reject)
     app.add_middleware(_Unhandled)  # added last: the outermost, around _Guard too
 
-    # -- errors ---------------------------------------------------------------------------------------
+    _api_error = _error_handlers(app, metrics)
+    _health_routes(app, ae, metrics)
+    app.include_router(openai_routes.router(srv))
+    if data_dir is not None or batch_store is not None:
+        from ..batch.manager import BatchError, BatchManager
+        from ..store import BatchStore
+        from . import batches as batch_routes
+
+        mgr = BatchManager(batch_store if batch_store is not None else BatchStore(data_dir), ae, srv, app, metrics.registry, names[0],
+                           concurrency=batch_concurrency, accept_infeasible=batch_accept_infeasible, api_key=api_key)
+        app.state.batches = mgr
+
+        @app.exception_handler(BatchError)
+        async def _batch_error(request: Request, exc: BatchError):
+            return await _api_error(request, batch_routes.as_api_error(exc))
+        app.include_router(batch_routes.router(mgr))
+    return app
+
+
+def _error_handlers(app: FastAPI, metrics: ServerMetrics):
+    """OpenAI-style error bodies for validation errors, :class:`APIError`, HTTP errors and engine
+    step failures (any other exception: a JSON 500 from ``_Unhandled``); returns the
+    :class:`APIError` handler (the Batch API's errors reuse it)."""
+
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         metrics.reject("invalid")
@@ -224,10 +247,11 @@ def build_app(
     @app.exception_handler(EngineStepError)
     async def _step_error(request: Request, exc: EngineStepError):
         return error_response(500, str(exc), "engine_error")
+    return _api_error
 
-    # any other exception: a JSON 500 from _Unhandled
 
-    # -- routes ---------------------------------------------------------------------------------------
+def _health_routes(app: FastAPI, ae: AsyncEngine, metrics: ServerMetrics) -> None:
+    """``/health`` (GET and HEAD) and ``/metrics``."""
     @app.get("/health")
     async def health():
         """200 ``{"status": "ok"}`` while serving (``HEAD`` too, for load balancers and probes);
@@ -248,20 +272,7 @@ def build_app(
 
     @app.get("/metrics")
     async def prometheus():
+        """Prometheus text exposition (``HEAD`` too: aiperf probes the endpoint with it)."""
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    app.include_router(openai_routes.router(srv))
-    if data_dir is not None or batch_store is not None:
-        from ..batch.manager import BatchError, BatchManager
-        from ..store import BatchStore
-        from . import batches as batch_routes
-
-        mgr = BatchManager(batch_store if batch_store is not None else BatchStore(data_dir), ae, srv, app, metrics.registry, names[0],
-                           concurrency=batch_concurrency, accept_infeasible=batch_accept_infeasible, api_key=api_key)
-        app.state.batches = mgr
-
-        @app.exception_handler(BatchError)
-        async def _batch_error(request: Request, exc: BatchError):
-            return await _api_error(request, batch_routes.as_api_error(exc))
-        app.include_router(batch_routes.router(mgr))
-    return app
+    app.add_api_route("/metrics", prometheus, methods=["HEAD"], operation_id="metrics_head")

@@ -11,11 +11,12 @@ from fastapi.responses import JSONResponse, Response
 
 from ..core.request import InvalidRequestError
 from .errors import APIError
-from .generation import EventStream, Generation, Sub, stream_chat, stream_completion, token_ids_fields
+from .generation import Generation, Sub, token_ids_fields
+from .streaming import EventStream, stream_chat, stream_completion
+from .tools import answer_message, chat_messages, tool_constraint, tool_definitions, tool_plan
 from .protocol import (
     MAX_CHOICES,
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     ErrorResponse,
@@ -45,27 +46,6 @@ class SLOHeaders:
     x_slo_tpot_ms: str | None = Header(None)
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict]:
-    """The chat template's input of a request's ``messages`` (text parts joined by newlines).
-    Raises APIError: 400 for a non-text content part."""
-    out = []
-    for i, m in enumerate(messages):
-        content = m.content
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if part.type != "text" or part.text is None:
-                    raise APIError(400, f"messages[{i}].content[{j}]: only text content parts are supported "
-                                        f"(got type {part.type!r})", "unsupported_parameter", "messages")
-                texts.append(part.text)
-            content = "\n".join(texts)
-        msg = {"role": m.role, "content": content or ""}
-        if m.name:
-            msg["name"] = m.name
-        out.append(msg)
-    return out
-
-
 def tokenizer_info(tokenizer, max_model_len: int) -> dict:
     """vLLM's ``/tokenizer_info``: the tokenizer's class, its JSON-representable init settings,
     special tokens, chat template and the served context length (what lm-eval's remote
@@ -85,8 +65,14 @@ def tokenizer_info(tokenizer, max_model_len: int) -> dict:
 def router(srv: Generation) -> APIRouter:
     """The routes over one :class:`Generation` (one app's engine, metrics and model names)."""
     router = APIRouter()
-    ae, names, errors = srv.ae, srv.names, ERRORS
+    for add in (_model_routes, _completions_route, _chat_route, _tokenizer_routes):
+        add(router, srv)
+    return router
 
+
+def _model_routes(router: APIRouter, srv: Generation) -> None:
+    """``/v1/models[/{id}]`` and the Laser extension ``/v1/slo_classes``."""
+    ae, names = srv.ae, srv.names
     cards = {n: ModelCard(id=n, max_model_len=ae.max_model_len) for n in names}  # created: when the app was built
 
     @router.get("/v1/models", response_model=ModelList)
@@ -114,6 +100,11 @@ def router(srv: Generation) -> APIRouter:
             },
             "on_infeasible": ae.on_infeasible,
         }
+
+
+def _completions_route(router: APIRouter, srv: Generation) -> None:
+    """``/v1/completions``."""
+    ae, errors = srv.ae, ERRORS
 
     @router.post("/v1/completions", responses=errors)
     async def completions(body: CompletionRequest, request: Request, h: SLOHeaders = Depends()):
@@ -159,32 +150,47 @@ def router(srv: Generation) -> APIRouter:
                 ids, entries = list(s.ids) + ids, list(s.final.prompt_logprobs or [None] * len(s.ids)) + entries
             return {"text": text, "logprobs": srv.token_texts.completion(ids, entries, 0)}
 
-        return await answer(request, body, subs, q, headers, {"id": rid, "object": "text_completion",
+        return await answer(srv, request, body, subs, q, headers, {"id": rid, "object": "text_completion",
                                                                "created": created, "model": model}, content)
+
+
+def _chat_route(router: APIRouter, srv: Generation) -> None:
+    """``/v1/chat/completions`` (tools: :mod:`laser.server.tools`)."""
+    errors = ERRORS
 
     @router.post("/v1/chat/completions", responses=errors)
     async def chat_completions(body: ChatCompletionRequest, request: Request, h: SLOHeaders = Depends()):
         arrival, model, slo, stop, asked = srv.validate(body, h.x_slo_class, h.x_slo_ttft_ms, h.x_slo_tbt_ms,
                                                  request.headers)
-        structured = await srv.structured_output(body)
-        ids = await srv.encode(chat_messages(body.messages), "messages")
+        tools = await tool_plan(body)
+        structured = await tool_constraint(srv, tools, await srv.structured_output(body))
+        ids = await srv.encode(chat_messages(body.messages), "messages", tools and tools.tools)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         mt = srv.max_tokens_for(requested, len(ids), None)
         sp = srv.sampling_params(body, mt, stop, structured)
         subs = [Sub(i, ids, None, dataclasses.replace(sp, seed=choice_seed(sp.seed, i))) for i in range(body.n)]
+        for s in subs if tools is not None else ():
+            s.tool_parser = tools.parser()
         q, headers, rid, created = await srv.launch(subs, slo, arrival, "chatcmpl", asked)
         if body.stream:
             return EventStream(stream_chat(srv, q, subs, rid, created, model, body), lambda: srv.abort(subs), headers)
 
         def content(s: Sub) -> dict:
-            out = {"message": {"role": "assistant", "content": s.final.text}}
+            if tools is not None:
+                out = answer_message(tools, s.final.text, s.final.finish_reason)
+            else:
+                out = {"message": {"role": "assistant", "content": s.final.text}}
             if body.logprobs:
                 out["logprobs"] = {"content": srv.token_texts.chat(s.final.token_ids, s.final.logprobs)}
             return out
 
-        return await answer(request, body, subs, q, headers, {"id": rid, "object": "chat.completion",
+        return await answer(srv, request, body, subs, q, headers, {"id": rid, "object": "chat.completion",
                                                                "created": created, "model": model}, content)
 
+
+def _tokenizer_routes(router: APIRouter, srv: Generation) -> None:
+    """vLLM's ``/tokenizer_info``, ``/tokenize`` and ``/detokenize``."""
+    ae, errors = srv.ae, ERRORS
     info = tokenizer_info(ae.inputs.tokenizer, ae.max_model_len)
 
     @router.get("/tokenizer_info")
@@ -202,7 +208,7 @@ def router(srv: Generation) -> APIRouter:
             if not body.add_generation_prompt:
                 raise APIError(400, "add_generation_prompt: only true is supported (the server's chat encoding)",
                                "unsupported_parameter", "add_generation_prompt")
-            ids = await srv.encode(chat_messages(body.messages), "messages")
+            ids = await srv.encode(chat_messages(body.messages), "messages", tool_definitions(body.tools))
         else:
             try:
                 ids = await ae.encode_text(body.prompt, body.add_special_tokens)
@@ -221,17 +227,20 @@ def router(srv: Generation) -> APIRouter:
             raise APIError(400, f"tokens: token id {bad[0]} out of range [0, {vocab})", "invalid_value", "tokens")
         return {"prompt": await ae.decode(body.tokens)}
 
-    async def answer(request: Request, body, subs: list[Sub], q, headers: dict, head: dict,
-                     content: Callable[[Sub], dict]) -> Response:
-        """The non-streaming answer of both generation routes, once every choice has finished:
-        ``head`` (id, object, created, model), the choices (``content(sub)``: the ``text`` or
-        ``message`` field, and ``logprobs`` when asked), ``usage`` and ``slo``; 499 (no body) when the client went away."""
-        if not await srv.run_blocking(request, subs, q):
-            return Response(status_code=499)
-        srv.check_finished(subs)
-        choices = [{"index": s.index, "logprobs": None, **content(s), "finish_reason": s.final.finish_reason,
-                    **token_ids_fields(s, body.return_token_ids)} for s in subs]
-        return JSONResponse({**head, "choices": choices, "usage": srv.usage(subs, body.n), "slo": srv.slo_info(subs)},
-                            headers=headers)
 
-    return router
+async def answer(srv: Generation, request: Request, body, subs: list[Sub], q, headers: dict, head: dict,
+                 content: Callable[[Sub], dict]) -> Response:
+    """The non-streaming answer of both generation routes, once every choice has finished:
+    ``head`` (id, object, created, model), the choices (``content(sub)``: the ``text`` or
+    ``message`` field, and ``logprobs`` when asked), ``usage`` and ``slo``; 499 (no body) when the client went away."""
+    if not await srv.run_blocking(request, subs, q):
+        return Response(status_code=499)
+    srv.check_finished(subs)
+    choices = []
+    for s in subs:
+        c = content(s)
+        reason = c.pop("finish_reason", s.final.finish_reason)  # tool_calls (laser.server.tools)
+        choices.append({"index": s.index, "logprobs": None, **c, "finish_reason": reason,
+                        **token_ids_fields(s, body.return_token_ids)})
+    return JSONResponse({**head, "choices": choices, "usage": srv.usage(subs, body.n), "slo": srv.slo_info(subs)},
+                        headers=headers)

@@ -1,7 +1,7 @@
 """OpenAI-compatible request and response models (pydantic), plus Laser's SLO extension fields.
 
 Requests ignore unknown fields (as vLLM does). Fields OpenAI defines but Laser does not
-implement are accepted only at their neutral value (e.g. ``tools=[]``); anything else is a 400
+implement are accepted only at their neutral value (e.g. ``functions=[]``); anything else is a 400
 that names the field, never a silent no-op.
 """
 
@@ -112,10 +112,44 @@ class TextPart(_Request):
     text: str | None = None
 
 
+class FunctionDefinition(_Request):
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_-]{1,64}$", description="letters, digits, _ and -; at most 64")
+    description: str | None = None
+    parameters: dict | None = Field(None, description="JSON schema of the arguments (an object; default: none)")
+    strict: bool | None = None
+
+
+class ToolDefinition(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ToolCallFunction(_Request):
+    name: str
+    arguments: str = Field(..., description="the arguments as a JSON text")
+
+
+class ToolCallItem(_Request):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = Field(None, description="assistant: the calls it made")
+    tool_call_id: str | None = Field(None, description="tool: the call this message answers")
 
 
 class ChatCompletionRequest(_Common):
@@ -125,8 +159,10 @@ class ChatCompletionRequest(_Common):
     logprobs: bool | None = Field(None, description="log-probability of each output token")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="with logprobs: this many most "
                                      "likely tokens at each position")
-    tools: list[Any] | None = Field(None, description="not supported")
-    tool_choice: Any = Field(None, description="not supported (only none/auto without tools)")
+    tools: list[ToolDefinition] | None = Field(None, description="functions the model may call (docs/server.md)")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="auto (default with tools), none, required or a named function (both grammar-enforced)")
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call (default true)")
     functions: list[Any] | None = Field(None, description="legacy; not supported")
     function_call: Any = Field(None, description="legacy; not supported (only none/auto)")
 
@@ -138,6 +174,8 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolDefinition] | None = Field(None, description="messages: tools rendered as chat completions "
+                                               "render them (tool_choice auto)")
     add_special_tokens: bool = Field(True, description="text prompts: add the tokenizer's special tokens")
     add_generation_prompt: bool = Field(True, description="messages: only true (the server's chat encoding)")
     return_token_strs: bool = Field(False, description="also the token strings (convert_ids_to_tokens)")
@@ -199,7 +237,8 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict] | None = None  # {"id", "type": "function", "function": {"name", "arguments"}}
 
 
 class ChatChoice(BaseModel):
@@ -247,19 +286,13 @@ class ErrorResponse(BaseModel):
 
 
 def unsupported_chat_fields(body: ChatCompletionRequest) -> tuple[str, str] | None:
-    """(field, what) of the first tool-calling field a chat request sets that this server cannot
-    honour, or None. Tools (and legacy functions) are not implemented, so a non-empty list
-    or a choice that demands a call (``"required"``, a named function, even with
-    ``tools: []``) is refused rather than silently ignored; ``"none"``/``"auto"`` with no
-    tools is the neutral value."""
-    if body.tools:
-        return "tools", "tool calling"
-    if body.tool_choice not in (None, "none", "auto"):
-        return "tool_choice", f"tool_choice {body.tool_choice!r} (tool calling)"
+    """(field, what) of the first legacy function-calling field a chat request sets that this
+    server cannot honour, or None: ``functions`` / ``function_call`` (superseded by ``tools`` /
+    ``tool_choice``) only at their neutral value (no functions, ``"none"``/``"auto"``)."""
     if body.functions:
-        return "functions", "function calling (legacy functions)"
+        return "functions", "function calling (legacy functions; use tools)"
     if body.function_call not in (None, "none", "auto"):
-        return "function_call", f"function_call {body.function_call!r} (legacy function calling)"
+        return "function_call", f"function_call {body.function_call!r} (legacy function calling; use tool_choice)"
     return None
 
 

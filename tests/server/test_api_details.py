@@ -1,5 +1,5 @@
-"""API details (issue 11, item 7): per-choice seeds, exact top-p at the argmax, refused tool
-fields (in test_server.py's BAD list) and a context length the KV pool cannot hold; and
+"""API details (issue 11, item 7): per-choice seeds, exact top-p at the argmax, refused legacy
+function-calling fields (in test_server.py's BAD list) and a context length the KV pool cannot hold; and
 (item 6) per-chunk token ids with exact client-side token timing."""
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from laser.core.request import InvalidRequestError, Request, SamplingParams
 from laser.model.sampler import Sampler
 from laser.server.app import build_app
 from laser.server.cli import LiveServer
-from simutil import FakeClock, replay_at_layer_boundaries
+from simutil import FakeClock, random_schema, replay_at_layer_boundaries
 
 CHUNK = 16  # prefill chunk (tokens): prompts below are longer, so prompt logprobs span chunks
 PROMPT = [(7 * i + 3) % 500 + 100 for i in range(40)]  # 40 token ids
@@ -491,29 +491,6 @@ def test_controls_and_logprobs_survive_pauses_preemption_and_handoff(engines, di
 
 
 # -- structured output ---------------------------------------------------------------------------------
-
-
-def random_schema(rng, depth: int = 0) -> dict:
-    """A bounded random JSON schema: an object of booleans, enums, bounded integers, short strings,
-    short enum arrays and (at depth 0) one nested object; every property required."""
-    props = {}
-    for i in range(rng.randint(1, 3)):
-        kind = rng.choice(["boolean", "enum", "integer", "string", "array"] + (["object"] if depth == 0 else []))
-        if kind == "enum":
-            p = {"enum": rng.sample(["red", "green", "blue", "a b", "x\"y", "é"], rng.randint(1, 3))}
-        elif kind == "integer":
-            lo = rng.randint(-50, 50)
-            p = {"type": "integer", "minimum": lo, "maximum": lo + rng.randint(0, 60)}
-        elif kind == "string":
-            p = {"type": "string", "maxLength": rng.randint(0, 4)}
-        elif kind == "array":
-            p = {"type": "array", "items": {"enum": ["u", "v"]}, "maxItems": rng.randint(0, 3)}
-        elif kind == "object":
-            p = random_schema(rng, depth + 1)
-        else:
-            p = {"type": "boolean"}
-        props[f"k{i}"] = p
-    return {"type": "object", "properties": props, "required": sorted(props), "additionalProperties": False}
 
 
 @pytest.mark.parametrize("seed", range(6))
