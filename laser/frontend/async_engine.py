@@ -36,6 +36,7 @@ from .admission import (  # noqa: F401 - the admission errors and decision are p
     Admission,
     EngineStepError,
     EngineStoppedError,
+    EngineUnavailableError,
     QueueAwareAdmission,
     QueueFullError,
     SLOInfeasibleError,
@@ -150,6 +151,8 @@ class AsyncEngine(EngineThread):
         self.num_queued = 0  # accepted, no first token yet (bounded by max_waiting)
         self.draining = False
         self.listeners: list[Callable[[RequestStream, Any], None]] = []  # (stream, output) on each output
+        # a cluster front end streams a request on after its hand-off (a prefill-role engine does not)
+        self._streams_on_handoff = getattr(engine, "streams_on_handoff", False)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     @property
@@ -422,7 +425,7 @@ class AsyncEngine(EngineThread):
                 s.first_token_seen = True
                 self.num_queued -= 1
             s.last = out
-            if out.finished or getattr(out, "handed_off", False):
+            if out.finished or (getattr(out, "handed_off", False) and not self._streams_on_handoff):
                 del self._streams[out.req_id]
                 s.done = True
             for fn in self.listeners:

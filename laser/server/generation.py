@@ -24,6 +24,7 @@ from ..frontend.async_engine import (
     AsyncEngine,
     EngineStepError,
     EngineStoppedError,
+    EngineUnavailableError,
     QueueFullError,
     RequestStream,
     SLOInfeasibleError,
@@ -31,7 +32,7 @@ from ..frontend.async_engine import (
 )
 from ..core.request import SLO, InvalidRequestError, SamplingParams
 from ..frontend.inputs import ContextLengthError
-from .errors import APIError, error_body
+from .errors import APIError, error_body, unavailable
 from .metrics import ServerMetrics, slo_outcome
 from ..model.structured import choice_grammar
 from .protocol import MAX_STOP, CompletionRequest, unsupported_chat_fields
@@ -516,6 +517,8 @@ class Generation:
             raise APIError(400, str(err), "invalid_value")
         if isinstance(err, EngineStoppedError):
             raise APIError(503, str(err), "unavailable")
+        if isinstance(err, EngineUnavailableError):
+            raise unavailable(err) from None
         raise err
 
     async def collect(self, q: asyncio.Queue, subs: list[Sub]) -> None:
@@ -610,6 +613,8 @@ async def _batches(q: asyncio.Queue, subs: list[Sub]) -> AsyncIterator[list[tupl
 def _error_event(exc: BaseException) -> str:
     if isinstance(exc, EngineStepError):
         return _sse(error_body(500, str(exc), "engine_error"))
+    if isinstance(exc, EngineUnavailableError):  # a cluster lost a role it needs: the client sees why
+        return _sse(error_body(503, str(exc), "unavailable"))
     log.error("stream failed", exc_info=exc)
     return _sse(error_body(500, f"internal server error: {type(exc).__name__}", "internal_error"))
 
