@@ -127,10 +127,11 @@ class Availability:
     def _leave_fallback(self) -> None:
         """Give the prefill instances serving as mixed their role back; each request decoding
         on one is handed off to a decode instance with its KV (:meth:`_start_transfers`)."""
-        log.warning("a decode instance is back: instances %s serve as prefill again", sorted(self._fallback))
+        ids, self._fallback = sorted(self._fallback), set()  # (a failure met on the way re-fits the roles)
+        log.warning("a decode instance is back: instances %s serve as prefill again", ids)
         self.controller = self.main_controller
         self._finish_self_adoptions()
-        for iid in sorted(self._fallback):
+        for iid in ids:
             h = self.handles[iid]
             moved = self._set_role(h, "prefill") if h.alive else None
             for rid in moved or ():
@@ -140,7 +141,6 @@ class Availability:
                     continue
                 t.decode = None
                 self._pending.append(rid)
-        self._fallback.clear()
 
     def _finish_self_adoptions(self) -> None:
         """Wait for the hand-offs a fallback instance is adopting itself (one call each): adopted
@@ -166,8 +166,10 @@ class Availability:
         return moved
 
     def _restore_role(self, h: InstanceHandle) -> None:
-        """A rejoining instance serves its own role again (it may have left as a mixed one)."""
+        """A rejoining instance serves its own role again (it may have left as a mixed one); a
+        health ping sent before it failed is forgotten."""
         self._fallback.discard(h.instance_id)
+        self._health.pop(h.instance_id, None)
         h.role = h.describe["role"]
         h.call("set_role", h.role)
 
