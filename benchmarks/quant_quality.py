@@ -12,7 +12,12 @@ int4 group 32, the Q8_0 embedding/head as int8):
   quantized model's argmax is the reference's;
 - **free-running greedy agreement**: ``--prompts`` ShareGPT prompts (chat template), ``--new-tokens``
   greedy tokens each through the engine; the fraction of tokens before the first divergence and
-  the share of identical continuations.
+  the share of identical continuations;
+- **greedy agreement with llama.cpp** on the same GGUF as shipped (``llama-server`` from
+  ``benchmarks/build_llama_server.py``, its own quantized kernels, 1 thread): the same prompt token
+  ids, ``temperature 0`` (llama.cpp's greedy), ``ignore_eos``; the same two figures for every
+  quantization against llama.cpp's tokens (skipped with ``--llama-server none`` or when no binary
+  was built).
 
     python benchmarks/quant_quality.py [--quantizations none,int8,int4,auto] [--json out.json]
 """
@@ -60,6 +65,47 @@ def sharegpt_pairs(n: int) -> list[tuple[str, str]]:
     return list(itertools.islice((p for p in pairs if p is not None), n))
 
 
+def llama_cpp_greedy(binary: str, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Greedy continuations (``new_tokens`` token ids each, EOS ignored) of the prompt token ids
+    ``prompts`` by ``llama-server`` (path ``binary``) serving the embedded GGUF as shipped, through its
+    ``/completion`` endpoint (``return_tokens``; no prompt cache). Raises RuntimeError when the server
+    fails to start or answers without tokens."""
+    import tempfile
+    from pathlib import Path
+
+    import httpx
+
+    from laser.bench.serve_proc import ServerProcess, free_port
+    from laser.model.loader import default_model_gguf
+
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="laser-quant-quality-") as tmp:
+        proc = ServerProcess([binary, "-m", str(default_model_gguf()), "--host", "127.0.0.1", "--port", str(port),
+                              "-t", "1", "-tb", "1", "--parallel", "1", "-c", "4096"], port,
+                             Path(tmp) / "llama-server.log", name="llama-server")
+        proc.start()
+        try:
+            outs = []
+            for ids in prompts:
+                r = httpx.post(f"{proc.base_url}/completion", timeout=600, json={
+                    "prompt": ids, "n_predict": new_tokens, "temperature": 0, "top_k": 1, "ignore_eos": True,
+                    "cache_prompt": False, "return_tokens": True, "stream": False})
+                toks = r.json().get("tokens") if r.status_code == 200 else None
+                if not toks:
+                    raise RuntimeError(f"llama-server answered {r.status_code} without tokens: {r.text[:200]}")
+                outs.append([int(t) for t in toks])
+            return outs
+        finally:
+            proc.stop()
+
+
+def agreement(ref: list[list[int]], got: list[list[int]], new_tokens: int) -> tuple[float, float]:
+    """(share of tokens before the first divergence, share of identical continuations) of ``got``
+    against ``ref`` (lists of token-id lists, ``new_tokens`` each)."""
+    prefix = [next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), min(len(r), len(g))) for r, g in zip(ref, got)]
+    return sum(prefix) / (len(ref) * new_tokens), sum(p == new_tokens for p in prefix) / len(ref)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quantizations", default="none,int8,int4,auto")
@@ -69,6 +115,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--llama-server", default=None,
+                    help="llama-server binary for the llama.cpp agreement (default: the one "
+                         "benchmarks/build_llama_server.py builds; 'none' skips it)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -101,20 +150,36 @@ def main() -> None:
                   f"teacher-forced top-1 agreement with none {row['top1_agreement']:.1%}", flush=True)
     prompts = [[{"role": "user", "content": p[:2000]}] for p, _ in pairs[: args.prompts]]
     sp = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
-    outs = {}
+    outs, prompt_ids = {}, None
     for q, e in engines.items():
         reqs = [e.add_request(p, sp) for p in prompts]
         while e.has_unfinished():
             e.step()
         outs[q] = [r.output_token_ids for r in reqs]
+        prompt_ids = prompt_ids or [list(r.prompt_token_ids) for r in reqs]
     for q in quants[1:]:
-        prefix = [next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), len(r)) for r, g in zip(outs["none"], outs[q])]
-        row = {"dataset": "sharegpt-greedy", "quantization": q, "prompts": len(prompts), "new_tokens": args.new_tokens,
-               "prefix_fraction": sum(prefix) / (len(prompts) * args.new_tokens),
-               "identical": sum(p == args.new_tokens for p in prefix) / len(prompts)}
+        frac, same = agreement(outs["none"], outs[q], args.new_tokens)
+        row = {"dataset": "sharegpt-greedy", "reference": "none", "quantization": q, "prompts": len(prompts),
+               "new_tokens": args.new_tokens, "prefix_fraction": frac, "identical": same}
         result["rows"].append(row)
-        print(f"greedy {q:5s}: {row['prefix_fraction']:.1%} of tokens before the first divergence from none; "
-              f"{row['identical']:.0%} of {len(prompts)} continuations identical ({args.new_tokens} tokens)", flush=True)
+        print(f"greedy {q:5s}: {frac:.1%} of tokens before the first divergence from none; "
+              f"{same:.0%} of {len(prompts)} continuations identical ({args.new_tokens} tokens)", flush=True)
+    binary = args.llama_server
+    if binary is None:
+        from build_llama_server import binary_path  # benchmarks/ is sys.path[0] when run as a script
+
+        binary = str(binary_path()) if binary_path().is_file() else "none"
+    if binary != "none":
+        ref = llama_cpp_greedy(binary, prompt_ids, args.new_tokens)
+        for q in quants:
+            frac, same = agreement(ref, outs[q], args.new_tokens)
+            row = {"dataset": "sharegpt-greedy", "reference": "llama.cpp", "quantization": q, "prompts": len(prompts),
+                   "new_tokens": args.new_tokens, "prefix_fraction": frac, "identical": same}
+            result["rows"].append(row)
+            print(f"greedy {q:5s} vs llama.cpp (GGUF as shipped): {frac:.1%} of tokens before the first divergence; "
+                  f"{same:.0%} of {len(prompts)} continuations identical", flush=True)
+    else:
+        print("llama.cpp agreement skipped: no llama-server (benchmarks/build_llama_server.py builds one)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -138,6 +138,16 @@ def register(subparsers) -> None:
     w.add_argument("--shared-prefix-tokens", type=int, default=0,
                    help="put one system prompt of about this many tokens in front of every request (the prefix "
                         "cache's workload; each probe starts with a cold cache; default 0: none)")
+    w.add_argument("--prefix-workload", choices=["multi-turn", "few-shot"], action="append", default=[],
+                   help="prefix-sharing workload (repeatable): multi-turn = chat requests become turns of ShareGPT "
+                        "conversations, each resending the conversation so far; few-shot = every code request "
+                        "behind the same solved HumanEval examples (see laser/bench/prefix_workloads.py)")
+    w.add_argument("--conversations", type=positive_int, default=4,
+                   help="multi-turn: conversations open at once, their turns interleaved (default %(default)s)")
+    w.add_argument("--max-turns", type=positive_int, default=6,
+                   help="multi-turn: turns per conversation at most (default %(default)s)")
+    w.add_argument("--few-shot-examples", type=positive_int, default=8,
+                   help="few-shot: solved examples in front of every code prompt (default %(default)s)")
 
     a = p.add_argument_group("arrivals and goodput search")
     a.add_argument("--request-rate", type=_rate, default=None,

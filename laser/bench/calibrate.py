@@ -259,3 +259,21 @@ def calibrate(
 
 def save_calibration(cal: Calibration, path: str | Path) -> None:
     Path(path).write_text(json.dumps(cal.to_dict(), indent=2))
+
+
+def write_slo_config(cal: Calibration, path: str | Path, base_config: str | Path | None = None) -> Path:
+    """Write an ``--slo-config`` JSON (for ``laser serve`` and ``laser bench``, used with
+    ``--slo-scale 1``) holding ``base_config``'s classes (default: the shipped paper classes)
+    with the targets of ``cal`` (seconds, scale already applied) in place of theirs; tiers,
+    demotion and the classes ``cal`` does not name are kept. Returns ``path``.
+
+    Used to give two servers the same calibrated targets (``benchmarks/llamacpp_compare.py``:
+    targets calibrated on one server's isolated latencies, applied to both)."""
+    src = Path(base_config) if base_config is not None else Path(__file__).parent.parent / "configs" / "slo_classes.json"
+    spec = json.loads(src.read_text())
+    for c, t in cal.targets.items():
+        if isinstance(spec.get(c), dict):
+            spec[c].update({k: v for k, v in t.items() if k in ("ttft", "tbt")})
+    spec["_comment"] = f"targets calibrated: {cal.rule} (factor {cal.factor:.4g}, slo_scale {cal.scale:g})"
+    Path(path).write_text(json.dumps(spec, indent=1))
+    return Path(path)

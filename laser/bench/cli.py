@@ -225,6 +225,18 @@ def build_workload(args, tokenizer, max_model_len, mix=None):
 
         reqs = with_shared_prefix(reqs, args.shared_prefix_tokens, tokenizer, args.seed)
         desc["shared_prefix_tokens"] = args.shared_prefix_tokens
+    kinds = getattr(args, "prefix_workload", None) or []
+    if "multi-turn" in kinds:
+        from laser.bench.prefix_workloads import multi_turn
+
+        reqs = multi_turn(reqs, tokenizer, args.seed, args.conversations, min(3, args.max_turns), args.max_turns,
+                          args.length_scale, max_model_len)
+        desc["multi_turn"] = {"conversations": args.conversations, "max_turns": args.max_turns}
+    if "few-shot" in kinds:
+        from laser.bench.prefix_workloads import few_shot_code
+
+        reqs = few_shot_code(reqs, tokenizer, args.few_shot_examples, max_model_len)
+        desc["few_shot_examples"] = args.few_shot_examples
     if getattr(args, "cluster", None):
         from laser.bench.cluster import rescale_to_table1
 

@@ -178,10 +178,14 @@ def keep_log(log_path: Path, log_dir: str, name: str) -> None:
         shutil.copy(log_path, Path(log_dir) / f"{name}-server.log")
 
 
-def goodput_search_cmd(base_url: str, label: str, args, out: Path, extra_body: dict | None = None) -> list[str]:
-    """The ``laser bench --base-url`` command of :func:`run_goodput_search`."""
+def goodput_search_cmd(base_url: str, label: str, args, out: Path, extra_body: dict | None = None,
+                       slo_config: Path | None = None) -> list[str]:
+    """The ``laser bench --base-url`` command of :func:`run_goodput_search`: the paper's targets x
+    ``args.slo_scale``, or, with ``slo_config``, that file's targets as they are (``--slo-scale 1``)."""
+    scale = ["--slo-scale", f"{args.slo_scale:g}"] if slo_config is None else \
+        ["--slo-config", str(slo_config), "--slo-scale", "1"]
     cmd = [sys.executable, "-m", "laser.cli", "bench", "--base-url", base_url, "--label", label,
-           "--slo-base", "paper", "--slo-scale", f"{args.slo_scale:g}", "--num-prompts", str(args.num_prompts),
+           "--slo-base", "paper", *scale, "--num-prompts", str(args.num_prompts),
            "--length-scale", f"{args.length_scale:g}", "--seed", str(args.seed), "--mix", args.mix,
            "--rate-range", args.rate_range, "--grid-points", str(args.grid_points),
            "--bisect-steps", str(args.bisect_steps), "--search-time-cap", f"{args.time_cap:g}",
@@ -189,13 +193,16 @@ def goodput_search_cmd(base_url: str, label: str, args, out: Path, extra_body: d
     return cmd + (["--extra-body", json.dumps(extra_body)] if extra_body else [])
 
 
-def run_goodput_search(base_url: str, label: str, args, out: Path, extra_body: dict | None = None) -> dict:
+def run_goodput_search(base_url: str, label: str, args, out: Path, extra_body: dict | None = None,
+                       slo_config: Path | None = None) -> dict:
     """Run ``laser bench --base-url`` (goodput search, ``--slo-base paper``) against ``base_url``
     with the flags of :func:`add_goodput_args` in ``args`` (and ``--extra-body`` when
-    ``extra_body`` is given), writing its JSON to ``out``; returns the target's block
-    (``goodput_rps``, ``probes``, ...). Raises CalledProcessError when the bench fails."""
+    ``extra_body`` is given; the targets of ``slo_config`` when given), writing its JSON to ``out``;
+    returns the target's block (``goodput_rps``, ``probes``, ...). Raises CalledProcessError when
+    the bench fails."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    subprocess.run(goodput_search_cmd(base_url, label, args, out, extra_body), cwd=REPO, env=env, check=True)
+    subprocess.run(goodput_search_cmd(base_url, label, args, out, extra_body, slo_config), cwd=REPO, env=env,
+                   check=True)
     return json.loads(out.read_text())["policies"][label]
 
 

@@ -74,7 +74,7 @@ def test_tables_take_the_full_probe_and_render_missing_values_as_dashes():
     assert g[2] == "| laser | 0.200 | 1.00 | 0.50 s | 0.10 s |"
     assert g[3] == "| llama.cpp | <0.200 (every probe failed) | 0.00 | - | - |"
     d = cmp_.decode_table(blocks, [1, 32]).splitlines()
-    assert d[2:] == ["| laser | 10.0 | 100.0 |", "| llama.cpp | 50.0 | n/a |"]
+    assert d[2:] == ["| laser | 10.0 | 100.0 |", "| llama.cpp | 50.0 | n/a |", "| laser / llama.cpp | 0.20x | n/a |"]
     # a workload that passes even as one burst has no knee: never shown as a plain goodput figure
     blocks["laser"].update(goodput_rps=0.5, goodput_unbounded=True)
     assert goodput_table(blocks, first_col="server").splitlines()[2].startswith("| laser | unbounded (no knee")
@@ -208,3 +208,34 @@ def test_server_metric_sums_matching_samples_and_survives_a_failed_scrape(tmp_pa
 
     monkeypatch.setattr(serve_proc.httpx, "get", fail)
     assert srv.metric(("laser:instance_failures",)) is None and srv.batch_lines_in_flight() is None
+
+
+def test_calibrated_targets_reach_both_servers_and_the_laser_server_alike(tmp_path):
+    """Targets calibrated on one server's isolated latencies: one --slo-config file, read back by
+    SLOClasses with exactly the calibrated targets (tiers kept), and the goodput search of each
+    server passes it with --slo-scale 1 (never the paper scale on top)."""
+    import argparse
+
+    from laser.bench.args import register
+    from laser.bench.calibrate import IsolatedLatency, calibrate, paper_targets, write_slo_config
+    from laser.core.slo import SLOClasses
+
+    iso = IsolatedLatency({"chat": 0.05, "code": 0.04, "summarization": 0.4}, {"chat": 100, "code": 80,
+                          "summarization": 900}, decode_step_s=0.03, source="test")
+    cal = calibrate("measured", 1.0, paper_targets(), iso)
+    cfg = write_slo_config(cal, tmp_path / "slo.json")
+    table = SLOClasses.load(cfg)
+    for c, t in cal.targets.items():
+        assert table.get(c).ttft == pytest.approx(t["ttft"]) and table.get(c).tbt == pytest.approx(t["tbt"])
+    assert table.get("code").tbt == pytest.approx(4 * 0.03)  # the tightest TBT = 4 x the decode step
+    assert table.get("batch").tier == "cold" and table.get("chat").tier == "hot"
+    p = argparse.ArgumentParser()
+    cmp_.add_goodput_args(p, log_dir="")
+    a = p.parse_args([])
+    cmd = goodput_search_cmd("http://h:1", "laser", a, tmp_path / "o.json", None, cfg)
+    i = cmd.index("--slo-config")
+    assert cmd[i + 1] == str(cfg) and cmd[cmd.index("--slo-scale") + 1] == "1"
+    sub = argparse.ArgumentParser().add_subparsers()
+    register(sub)
+    parsed = sub.choices["bench"].parse_args(cmd[4:])
+    assert parsed.slo_config == str(cfg) and parsed.slo_scale == 1.0

@@ -312,3 +312,32 @@ def test_prefill_prefers_the_instance_holding_the_prefix_unless_a_deadline_break
     # only the last whole block before the final token counts (the last token is computed)
     short = RequestInfo("s", 0.0, 32, 0.5, 0.05, "chat", 8, hashes[:2])
     assert holder.cached_prefix_tokens(short) == 16
+
+
+def test_least_loaded_baselines_route_to_the_prefix_unless_its_queue_outweighs_the_cached_work():
+    """distserve's prefill choice and colocated's mixed choice count the request's own uncached
+    work: the instance holding the prefix wins while its extra queue is smaller than the cached
+    work (SGLang's cache-aware router's balance rule, in the load's unit), not beyond; without
+    hashes the choice is the plain least-loaded one."""
+    from laser.core.block_manager import hash_blocks, prefix_root
+    from laser.instance.messages import PrefillQueueEntry
+
+    prompt = list(range(1000))
+    hashes = tuple(hash_blocks([], prompt, 16, prefix_root("")))
+    req = RequestInfo("new", 0.0, 1000, 0.5, 0.05, "chat", 8, hashes)
+    blind = RequestInfo("blind", 0.0, 1000, 0.5, 0.05, "chat", 8)
+    for name in ("distserve", "colocated", "colocated-laser"):
+        for extra, want in ((500, 1), (2000, 0)):  # holder's queue: shorter / longer than the 992 cached tokens
+            idle = hand_report(0)
+            holder = hand_report(1, [PrefillQueueEntry("q", 1.0, extra, extra)], hashes)
+            ctl = get_controller(name)()
+            insts = [ReportedPrefill(0, idle), ReportedPrefill(1, holder)]
+            if ctl.disaggregated:
+                insts.append(decode_instance(2, []))
+            else:
+                for i in insts:
+                    i.role = "mixed"
+            ctl.attach(insts)
+            assert ctl.route(req, 0.0).prefill == want, (name, extra)
+            assert ctl.num_routed_cached_tokens == (992 if want == 1 else 0)
+            assert ctl.route(blind, 0.0).prefill == 0, (name, extra)  # no hashes: least loaded
