@@ -22,7 +22,7 @@ from laser.frontend.engine import Engine  # noqa: E402
 from laser.model.loader import load_config, load_tokenizer  # noqa: E402
 
 SCHED = SchedulerConfig(max_num_batched_tokens=64)
-GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
