@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from laser.bench.best import DEFAULT_BEST_BUDGETS, expand_best, resolve_best
+from laser.bench import hardware_kinds as hwkinds
 from laser.bench.calibrate import calibrate, class_mean_prompt_lens, measure_isolated, paper_targets
 from laser.bench.runner import Benchmark, SimTarget, probe_at, saturation_rate
 from laser.bench.workloads import WorkloadRequest, WorkloadSampler, sample_mix
@@ -55,38 +56,14 @@ SLO_SCALES = (0.8, 1.0, 1.3)
 TARGET_MIN, TARGET_MEDIAN = 1.3, 1.7
 
 
-#: The CPU kinds whose measured profile the project ships (benchmarks/profiles/<kind>-smollm2-135m.json,
-#: ``laser profile --threads 1 --kv-cache-gib 1``): kind -> (dtype, KV blocks of 16 tokens in 1 GiB for
-#: SmolLM2-135M: 30 layers x 3 KV heads x 64 x 2 (K, V) x the dtype's bytes).
-SHIPPED_CPU_KINDS = {"avx2-fp32": ("float32", 1456), "amx-bf16": ("bfloat16", 2912)}
-
-
 def profile_path(kind: str) -> Path:
-    """Where the measured profile of CPU kind ``kind`` is shipped (``benchmarks/amx_session.sh``
-    makes the AMX one)."""
-    return HERE / "profiles" / f"{kind}-smollm2-135m.json"
+    """Where the measured profile of CPU kind ``kind`` is shipped (:func:`laser.bench.hardware_kinds.profile_path`)."""
+    return hwkinds.profile_path(kind, HERE / "profiles")
 
 
 def hardware_kinds() -> dict[str, dict]:
-    """Kind -> {"lm": latency model or None, "why": text, "slo_base", "num_blocks", "dtype"}."""
-    from laser.latency import AnalyticLatencyModel, FittedLatencyModel
-
-    out = {}
-    for kind, (dtype, blocks) in SHIPPED_CPU_KINDS.items():
-        prof = profile_path(kind)
-        if prof.exists():
-            out[kind] = {"lm": FittedLatencyModel.load(prof), "dtype": dtype, "num_blocks": blocks,
-                         "why": f"measured profile {prof.name} (SmolLM2-135M, {dtype}, 1 thread)",
-                         "slo_base": "measured"}
-        else:
-            out[kind] = {"lm": None, "why": f"missing: {prof.name} not found (no machine of this kind has "
-                                            f"profiled it; benchmarks/amx_session.sh makes the AMX one)"}
-    # Qwen2.5-14B on one A100-80GB: ~29.6 GB of bf16 weights leaves ~45 GiB of KV cache at
-    # 192 KiB per token (48 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes): ~15,000 blocks of 16.
-    out["a100-qwen2.5-14b"] = {"lm": AnalyticLatencyModel("qwen2.5-14b", "a100-80gb"),
-                               "why": "analytic roofline model (an estimate), Qwen2.5-14B on A100-80GB",
-                               "slo_base": "paper", "num_blocks": 15000}
-    return out
+    """The grid's hardware kinds (:func:`laser.bench.hardware_kinds.hardware_kinds`) with the profiles shipped here."""
+    return hwkinds.hardware_kinds(HERE / "profiles")
 
 
 def grid_points(mode: str) -> list[tuple[str, int, float, float]]:

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from robustness import hardware_kinds, slo_table  # noqa: E402  (script directory is on sys.path)
 
+from laser.bench.hardware_kinds import spot_check_rows
 from laser.bench.runner import Benchmark, EngineTarget, SimTarget
 from laser.bench.workloads import sample_mix
 from laser.core.config import SchedulerConfig
@@ -126,12 +127,10 @@ def main(argv=None) -> int:
     from laser.frontend.engine import Engine
 
     grid = json.loads(Path(args.grid_json).read_text())
-    rows = grid["kinds"].get(args.kind, {}).get("points")
-    if not rows:
-        raise SystemExit(f"{args.grid_json}: no {args.kind} points")
-    kind = hardware_kinds()[args.kind]
-    if kind["lm"] is None:
-        raise SystemExit(f"{args.kind}: {kind['why']}")
+    try:
+        rows, kind = spot_check_rows(grid, args.kind, hardware_kinds())
+    except ValueError as e:
+        raise SystemExit(f"{args.grid_json}: {e}" if str(e).startswith("no ") else str(e)) from None
     set_threads(1)
     # the engine plans with the same fitted model the simulator runs on
     engine = Engine(policy="laser", dtype=kind["dtype"], cache=CacheConfig(kv_cache_gib=1.0), latency_model=kind["lm"])

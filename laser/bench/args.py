@@ -141,7 +141,7 @@ def register(subparsers) -> None:
     w.add_argument("--prefix-workload", choices=["multi-turn", "few-shot"], action="append", default=[],
                    help="prefix-sharing workload (repeatable): multi-turn = chat requests become turns of ShareGPT "
                         "conversations, each resending the conversation so far; few-shot = every code request "
-                        "behind the same solved HumanEval examples (see laser/bench/prefix_workloads.py)")
+                        "behind the same solved HumanEval examples (see laser/bench/prefix_workloads.py; default: none)")
     w.add_argument("--conversations", type=positive_int, default=4,
                    help="multi-turn: conversations open at once, their turns interleaved (default %(default)s)")
     w.add_argument("--max-turns", type=positive_int, default=6,
@@ -246,6 +246,6 @@ def register(subparsers) -> None:
     o.add_argument("--no-progress", action="store_true", help="no progress bars (default: shown)")
     o.add_argument("--no-warmup", action="store_true",
                    help="skip the short warm-up requests sent to each engine or server before measuring")
-    from laser.bench.cli import cmd_bench
+    from laser.bench.command import cmd_bench
 
     p.set_defaults(func=cmd_bench)

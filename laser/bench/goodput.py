@@ -199,98 +199,122 @@ def search_goodput(
     labels = list(labels)
     if not labels:
         raise ValueError("no targets")
-    start = clock()
-    mine: dict[str, list[ProbeLike]] = {lb: [] for lb in labels}
-    cap_hit: str | None = None
+    search = _Search(probe, labels, attainment_target, clock, time_cap_s)
+    search.grid(geometric_grid(lo, hi, grid_points), full_grid)
+    search.extend(max_doublings)
+    search.bisect(bisect_steps, rel_tol)
+    return search.results()
 
-    def passes(p: ProbeLike) -> bool:
-        return p.attainment + 1e-12 >= attainment_target
 
-    def run_round(todo: list[tuple[str, float]], rotate: int) -> None:
-        nonlocal cap_hit
+class _Search:
+    """The state of one :func:`search_goodput`: every target's probes so far and whether the time
+    cap stopped it; its three phases in order (grid, extend, bisect), then the results."""
+
+    def __init__(self, probe, labels: list[str], attainment_target: float, clock, time_cap_s: float | None):
+        self.probe, self.labels, self.target = probe, labels, attainment_target
+        self.clock, self.time_cap_s = clock, time_cap_s
+        self.start = clock()
+        self.mine: dict[str, list[ProbeLike]] = {lb: [] for lb in labels}
+        self.cap_hit: str | None = None
+        self.limit_hit: dict[str, str] = {}
+        self.burst: dict[str, bool] = {}  # label -> whether the whole workload at once passed
+
+    def passes(self, p: ProbeLike) -> bool:
+        return p.attainment + 1e-12 >= self.target
+
+    def run_round(self, todo: list[tuple[str, float]], rotate: int) -> None:
         if todo:
             k = rotate % len(todo)
             todo = todo[k:] + todo[:k]
         for lb, r in todo:
-            if time_cap_s is not None and clock() - start >= time_cap_s:
-                cap_hit = f"time cap {time_cap_s:g} s"
+            if self.time_cap_s is not None and self.clock() - self.start >= self.time_cap_s:
+                self.cap_hit = f"time cap {self.time_cap_s:g} s"
                 return
-            mine[lb].append(probe(lb, r))
+            self.mine[lb].append(self.probe(lb, r))
 
-    def bracket(lb: str) -> tuple[float | None, float | None]:
+    def bracket(self, lb: str) -> tuple[float | None, float | None]:
         """(highest passing finite rate with every lower probe passing, lowest failing finite rate)."""
         best, fail = None, None
-        for p in sorted((p for p in mine[lb] if p.rate < math.inf), key=lambda p: p.rate):
-            if passes(p):
+        for p in sorted((p for p in self.mine[lb] if p.rate < math.inf), key=lambda p: p.rate):
+            if self.passes(p):
                 best = p.rate
             else:
                 fail = p.rate
                 break
         return best, fail
 
-    # 1. grid
-    fails_in_row = {lb: 0 for lb in labels}
-    for k, r in enumerate(geometric_grid(lo, hi, grid_points)):
-        if cap_hit:
-            break
-        active = [lb for lb in labels if full_grid or fails_in_row[lb] < 2]
-        n0 = {lb: len(mine[lb]) for lb in active}
-        run_round([(lb, r) for lb in active], k)
-        for lb in active:
-            if len(mine[lb]) > n0[lb]:
-                fails_in_row[lb] = 0 if passes(mine[lb][-1]) else fails_in_row[lb] + 1
-    # 2. extend until every target has failed a probe (and passed one)
-    limit_hit: dict[str, str] = {}
-    moves = {lb: 0 for lb in labels}
-    burst: dict[str, bool] = {}  # label -> whether the whole workload at once passed
-    for e in range(max_doublings + 2):
-        if cap_hit:
-            break
-        todo = []
-        for lb in labels:
-            a, b = bracket(lb)
-            finite = [p.rate for p in mine[lb] if p.rate < math.inf]
-            if b is None and a is not None:
-                if lb not in burst:
-                    todo.append((lb, math.inf))
-                elif burst[lb]:
-                    continue  # no knee: every rate passes
-                elif moves[lb] >= max_doublings:
-                    limit_hit[lb] = f"{max_doublings} doublings"
-                else:
+    def grid(self, rates: list[float], full_grid: bool) -> None:
+        """1. The grid, every target at each rate; a target stops after two failures in a row
+        (unless ``full_grid``)."""
+        mine, labels = self.mine, self.labels
+        fails_in_row = {lb: 0 for lb in labels}
+        for k, r in enumerate(rates):
+            if self.cap_hit:
+                break
+            active = [lb for lb in labels if full_grid or fails_in_row[lb] < 2]
+            n0 = {lb: len(mine[lb]) for lb in active}
+            self.run_round([(lb, r) for lb in active], k)
+            for lb in active:
+                if len(mine[lb]) > n0[lb]:
+                    fails_in_row[lb] = 0 if self.passes(mine[lb][-1]) else fails_in_row[lb] + 1
+
+    def extend(self, max_doublings: int) -> None:
+        """2. Extend until every target has failed a probe (and passed one)."""
+        mine, burst = self.mine, self.burst
+        moves = {lb: 0 for lb in self.labels}
+        for e in range(max_doublings + 2):
+            if self.cap_hit:
+                break
+            todo = []
+            for lb in self.labels:
+                a, b = self.bracket(lb)
+                finite = [p.rate for p in mine[lb] if p.rate < math.inf]
+                if b is None and a is not None:
+                    if lb not in burst:
+                        todo.append((lb, math.inf))
+                    elif burst[lb]:
+                        continue  # no knee: every rate passes
+                    elif moves[lb] >= max_doublings:
+                        self.limit_hit[lb] = f"{max_doublings} doublings"
+                    else:
+                        moves[lb] += 1
+                        todo.append((lb, _round(2 * max(finite))))
+                elif a is None and finite and moves[lb] < max_doublings:
                     moves[lb] += 1
-                    todo.append((lb, _round(2 * max(finite))))
-            elif a is None and finite and moves[lb] < max_doublings:
-                moves[lb] += 1
-                todo.append((lb, _round(0.5 * min(finite))))
-        if not todo:
-            break
-        run_round(todo, e)
-        for lb, r in todo:
-            if r == math.inf and mine[lb] and mine[lb][-1].rate == math.inf:
-                burst[lb] = passes(mine[lb][-1])
-    # 3. bisect
-    for step in range(bisect_steps):
-        if cap_hit:
-            break
-        todo = []
-        for lb in labels:
-            a, b = bracket(lb)
-            if a is not None and b is not None and b - a > rel_tol * b:
-                mid = _round(0.5 * (a + b))
-                if a < mid < b:
-                    todo.append((lb, mid))
-        if not todo:
-            break
-        run_round(todo, step)
-    out = {}
-    for lb in labels:
-        a, b = bracket(lb)
-        unbounded = b is None and burst.get(lb, False)
-        lower = a is not None and b is None and not unbounded
-        out[lb] = GoodputResult(lb, a or 0.0, lower_bound=lower, below_range=a is None and bool(mine[lb]),
-                                bracket=(a, b) if a is not None and b is not None else None,
-                                probes=sorted(mine[lb], key=lambda p: p.rate),
-                                capped=(limit_hit.get(lb) or cap_hit) if lower or not mine[lb] else None,
-                                unbounded=unbounded)
-    return out
+                    todo.append((lb, _round(0.5 * min(finite))))
+            if not todo:
+                break
+            self.run_round(todo, e)
+            for lb, r in todo:
+                if r == math.inf and mine[lb] and mine[lb][-1].rate == math.inf:
+                    burst[lb] = self.passes(mine[lb][-1])
+
+    def bisect(self, bisect_steps: int, rel_tol: float) -> None:
+        """3. Bisect every bracket wider than ``rel_tol``."""
+        for step in range(bisect_steps):
+            if self.cap_hit:
+                break
+            todo = []
+            for lb in self.labels:
+                a, b = self.bracket(lb)
+                if a is not None and b is not None and b - a > rel_tol * b:
+                    mid = _round(0.5 * (a + b))
+                    if a < mid < b:
+                        todo.append((lb, mid))
+            if not todo:
+                break
+            self.run_round(todo, step)
+
+    def results(self) -> dict[str, GoodputResult]:
+        out = {}
+        for lb in self.labels:
+            mine = self.mine[lb]
+            a, b = self.bracket(lb)
+            unbounded = b is None and self.burst.get(lb, False)
+            lower = a is not None and b is None and not unbounded
+            out[lb] = GoodputResult(lb, a or 0.0, lower_bound=lower, below_range=a is None and bool(mine),
+                                    bracket=(a, b) if a is not None and b is not None else None,
+                                    probes=sorted(mine, key=lambda p: p.rate),
+                                    capped=(self.limit_hit.get(lb) or self.cap_hit) if lower or not mine else None,
+                                    unbounded=unbounded)
+        return out

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..scheduler.base import largest
+from ..scheduler.util import largest
 
 
 @dataclass

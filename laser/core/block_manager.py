@@ -14,30 +14,18 @@ composition and per-layer ones only for overridden layers (rare).
 Compare vLLM ``BlockSpaceManager`` / mini-sglang ``scheduler/cache.py``; per-layer
 pools are Laser's (PPoPP'26 §8, "KV cache allocated per layer").
 
-Automatic prefix caching (on by default; vLLM v1 ``kv_cache_manager.py`` /
-``block_pool.py`` are the reference, read not copied). A *full* block is named by a hash
-chained through the previous block's hash (:func:`hash_blocks`; the chain's root is a salt of
-what changes the KV: model, dtype, quantization), so equal hashes mean equal token prefixes.
-A block is *published* under its hash only once its tokens have KV at every layer -- the
-request's ``num_computed_tokens`` covers it (:meth:`BlockManager.cache_blocks`): a chunk paused
-at layer k, a request holding different ids at some layers, or one that released a layer keeps
-its blocks private. A published block holds the same id at every layer, is read-only (a
-request writes only past its cached prefix) and reference-counted by the requests holding it;
-when none does it stays cached but *evictable*, counted as free, and is reused
-least-recently-freed first (the tail of a chain before its head, as vLLM frees in reverse).
-A new request attaches the blocks of its longest cached prefix (:meth:`BlockManager.allocate`
-with ``prefix``) instead of computing them; a preempted request re-finds its own the same way.
-SGLang's radix tree with ``lock_ref`` is the other design we compared: hash chains need no tree
-walk and give the per-instance summaries the controller routes by (:meth:`BlockManager.summary`).
+Automatic prefix caching (on by default): full blocks published under the hash of their whole
+prefix (:mod:`laser.core.prefix_hash`, whose docstring states the design) are shared, read-only
+and reference-counted; a new request attaches its longest cached prefix.
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
+
+from .prefix_hash import cache_summary, hash_blocks, prefix_root  # noqa: F401 (the last two re-exported)
 
 
 class OutOfBlocksError(RuntimeError):
@@ -46,30 +34,6 @@ class OutOfBlocksError(RuntimeError):
 
 class BlockManagerIntegrityError(AssertionError):
     """``check_integrity`` found a leaked, double-owned or out-of-range block."""
-
-
-def prefix_root(salt: str) -> bytes:
-    """The root of the hash chain for KV that ``salt`` names (model id, dtype, quantization...):
-    a 16-byte digest. Two engines share cached blocks (and routing summaries) only when their
-    salts are equal."""
-    return hashlib.blake2b(b"laser-prefix-cache\0" + salt.encode(), digest_size=16).digest()
-
-
-def hash_blocks(hashes: list[bytes], token_ids: Sequence[int], block_size: int, root: bytes) -> list[bytes]:
-    """Extend ``hashes`` (the chain of ``token_ids``' first ``len(hashes)`` full blocks) to every
-    full block of ``token_ids``, in place, and return it.
-
-    Block i's hash is ``blake2b(hash_{i-1} || tokens of block i)`` (16 bytes; ``hash_{-1}`` is
-    ``root``, :func:`prefix_root`): a block's hash names its whole prefix, as vLLM v1's
-    ``hash_block_tokens`` does. A stable digest, not Python's ``hash``: summaries cross processes.
-    """
-    parent = hashes[-1] if hashes else root
-    for i in range(len(hashes), len(token_ids) // block_size):
-        h = hashlib.blake2b(parent, digest_size=16)
-        h.update(array("q", token_ids[i * block_size:(i + 1) * block_size]).tobytes())
-        parent = h.digest()
-        hashes.append(parent)
-    return hashes
 
 
 _NEVER = 1 << 62  # _ReqBlocks.num_offered of a request whose blocks are never published
@@ -181,22 +145,15 @@ class BlockManager:
     SUMMARY_LIMIT = 4096
 
     def summary(self, limit: int | None = None) -> frozenset[bytes]:
-        """Hashes of the cached blocks (held or evictable), at most ``limit`` (default
-        :attr:`SUMMARY_LIMIT`): over it, the held ones and then the most recently released
-        (the last to be evicted). What an instance report carries for cache-aware routing;
-        rebuilt only when a block was published or evicted since the last call."""
+        """:func:`~laser.core.prefix_hash.cache_summary` of this cache, at most ``limit`` hashes
+        (default :attr:`SUMMARY_LIMIT`); rebuilt only when a block was published or evicted since
+        the last call."""
         limit = self.SUMMARY_LIMIT if limit is None else limit
         memo = self._summary
-        if memo is not None and memo[0] == (self.cache_version, limit):
-            return memo[1]
-        if len(self._hash_of) <= limit:
-            out = frozenset(self._by_hash)
-        else:
-            held = [h for b, h in self._hash_of.items() if self._ref[b] > 0][:limit]
-            rest = (self._hash_of[b] for b in reversed(self._evictable))
-            out = frozenset(held + [h for h, _ in zip(rest, range(limit - len(held)))])
-        self._summary = ((self.cache_version, limit), out)
-        return out
+        if memo is None or memo[0] != (self.cache_version, limit):
+            memo = self._summary = ((self.cache_version, limit),
+                                    cache_summary(self._hash_of, self._ref, self._evictable, limit))
+        return memo[1]
 
     def usage(self) -> float:
         """Fraction of all blocks (over all layers) in use."""
@@ -537,67 +494,7 @@ class BlockManager:
 
     # -- integrity ----------------------------------------------------------------------
     def check_integrity(self, expect_empty: bool = False) -> None:
-        """Verify, per layer, that every block is free, owned by exactly one request, or
-        published (held by any number of requests, or evictable); that each published block's
-        reference count is the number of requests holding it, it is evictable exactly when that
-        is 0, and the hash map is a bijection. (mini-sglang ``scheduler/cache.py``'s check.)
+        """:func:`laser.core.block_integrity.check_integrity` (raises BlockManagerIntegrityError)."""
+        from .block_integrity import check_integrity
 
-        Raises BlockManagerIntegrityError. With ``expect_empty``, also that no request holds
-        anything (evictable cached blocks may remain).
-        """
-        use = [0] * self.num_blocks
-        hash_of = self._hash_of
-        holders: dict[int, set[str]] = {b: set() for b in hash_of}
-        for layer in range(self.num_layers):
-            owned: set[int] = set()
-            for rid, rb in self._reqs.items():
-                tbl = self.table(rid, layer)
-                if len(tbl) != rb.count[layer]:
-                    raise BlockManagerIntegrityError(f"{rid} layer {layer}: table length != count")
-                for bid in tbl:
-                    if not 0 <= bid < self.num_blocks:
-                        raise BlockManagerIntegrityError(f"block id {bid} out of range")
-                    if bid in hash_of:
-                        holders[bid].add(rid)
-                        continue
-                    if bid in owned:
-                        raise BlockManagerIntegrityError(f"block {bid} owned twice at layer {layer}")
-                    owned.add(bid)
-            owned.update(hash_of)  # a published block is in use at every layer
-            # the layer's free blocks are _fully_free | _extra[layer] (disjoint), checked without
-            # building their union (O(owned + extra) per layer, not O(num_blocks))
-            extra = self._extra[layer]
-            if not extra.isdisjoint(self._fully_free):
-                raise BlockManagerIntegrityError(f"layer {layer}: a block both fully and partly free")
-            if not (owned.isdisjoint(self._fully_free) and owned.isdisjoint(extra)):
-                raise BlockManagerIntegrityError(f"layer {layer}: blocks both free and owned")
-            num_free = len(self._fully_free) + len(extra)
-            if len(owned) + num_free != self.num_blocks:
-                leaked = self.num_blocks - len(owned) - num_free
-                raise BlockManagerIntegrityError(f"layer {layer}: {leaked} blocks leaked")
-            for bid in owned:
-                use[bid] += 1
-        if use != self._use:
-            raise BlockManagerIntegrityError("per-block use counts are inconsistent")
-        if self._fully_free != {b for b, u in enumerate(use) if u == 0}:
-            raise BlockManagerIntegrityError("fully-free set is inconsistent")
-        if self._min_free is not None and self._min_free + len(self._evictable) != min(
-                map(self.num_free, range(self.num_layers))):
-            raise BlockManagerIntegrityError("cached min_free is inconsistent")
-        # the prefix cache
-        if len(self._by_hash) != len(hash_of) or any(self._by_hash.get(h) != b for b, h in hash_of.items()):
-            raise BlockManagerIntegrityError("block hash map and its inverse disagree")
-        if self._ref.keys() != hash_of.keys():
-            raise BlockManagerIntegrityError("reference counts kept for unpublished blocks (or missing)")
-        for bid, who in holders.items():
-            if self._ref[bid] != len(who):
-                raise BlockManagerIntegrityError(f"block {bid}: {self._ref[bid]} references, {len(who)} holders")
-            if (bid in self._evictable) != (not who):
-                raise BlockManagerIntegrityError(f"block {bid}: evictable with holders, or held and evictable")
-        if not self.enable_prefix_caching and hash_of:
-            raise BlockManagerIntegrityError("blocks published with prefix caching off")
-        for rid, rb in self._reqs.items():
-            if not any(rb.count):
-                raise BlockManagerIntegrityError(f"{rid} holds no block but is still tracked")
-        if expect_empty and self._reqs:
-            raise BlockManagerIntegrityError(f"blocks still held by: {sorted(self._reqs)[:10]}")
+        check_integrity(self, expect_empty)

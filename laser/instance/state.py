@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 
 from ..core.request import SLO, Request
-from ..scheduler.laser.decode import DecodeCandidate, exec_plan, latency_increment, level_given_up
+from ..scheduler.laser.decode import DecodeCandidate, exec_plan, level_given_up
+from ..scheduler.laser.increment import latency_increment
 from .messages import InstanceReport, LatencyIncrement, MigrationCandidate, PrefillQueueEntry, RequestInfo
 
 #: Free KV blocks kept in reserve by the decode memory check (CONTROLLER.md D3, as DistServe's 5 %).
@@ -44,7 +45,7 @@ def build_report(instance_id: int, role: str, sched, icache, now: float, busy_un
 
 def decode_increment(instance_id: int, sched, latency_model, num_layers: int, info: RequestInfo,
                      adopting: list[Request] = (), reserved: dict[str, RequestInfo] | None = None) -> LatencyIncrement:
-    """Alg. 2 lines 1-9 (:func:`laser.scheduler.laser.decode.latency_increment`) over the decoding
+    """Alg. 2 lines 1-9 (:func:`laser.scheduler.laser.increment.latency_increment`) over the decoding
     requests, the hand-offs on their way (``adopting``) and the reservations; inf ("memory")
     when the free KV blocks, less those already promised, cannot hold ``info``'s prompt plus
     its expected output and a reserve of 5 % of the pool (CONTROLLER.md D3). Changes nothing."""

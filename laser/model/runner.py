@@ -258,9 +258,7 @@ class ModelRunner:
         """Metadata for ``active`` (rows in order) valid for every layer in ``layers``."""
         bs = self.bm.block_size
         pos = torch.cat([torch.arange(w.token_start, w.context_len) for w in active])
-        override_layers = sorted(
-            {l for w in active for l in self.bm.overridden_layers(w.req_id) if l in layers}
-        )
+        override_layers = sorted({l for w in active for l in self.bm.overridden_layers(w.req_id) if l in layers})
         dec = [i for i, w in enumerate(active) if w.num_tokens == 1]
         pf = [i for i, w in enumerate(active) if w.num_tokens > 1]
         rows = self._rows(active)

@@ -126,35 +126,60 @@ def summary_lines(lm) -> list[str]:
 
 
 def cmd_profile(args) -> int:
+    """``laser profile``: measure (or, with ``--reuse``, load) the latency profile, save it, print
+    its summary; with ``--evaluate`` measure a held-out test set and report the accuracy. 2 on a
+    usage error or a file that cannot be written."""
     from .. import profiler
-    from .pipeline import disturbed_enough_to_warn
 
     progress = not args.no_progress and sys.stderr.isatty()
     lp = getattr(args, "latency_profile", None)
     explicit = args.output or (lp if lp not in (None, "auto") else None)  # where the user said
-    if args.quick and args.reuse and not explicit:
-        print("laser: error: --quick --reuse needs --output or --latency-profile PATH (a quick profile must not "
-              "become the default one)",
-              file=sys.stderr)
+    if _flag_error(args, explicit):
         return 2
-    if args.json and not args.evaluate:
-        print("laser: error: --json needs --evaluate", file=sys.stderr)
-        return 2
-    for flag, target in (("--json", args.json), ("--output", explicit)):
-        problem = _unwritable(target)
-        if problem:
-            print(f"laser: error: {flag} {target}: {problem}", file=sys.stderr)
-            return 2
     if args.quick:
         args.budget, args.eval_budget = min(args.budget, 10.0), min(args.eval_budget, 20.0)
     t0 = time.perf_counter()
     engine = _engine(args)
     load_s = time.perf_counter() - t0
     path = explicit or profiler.default_path(engine)
-    grid = profiler.ProfileGrid.tiny() if args.quick else None
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     ev = dict(num_layer_steps=6, plans_per_policy=2, max_tokens=256, max_batch=16, num_requests=8, num_small_decode=3) \
         if args.quick else {}
+    got = _measure_or_load(args, engine, explicit, path, policies, ev, progress)
+    if got is None:
+        return 2
+    lm, rep, path, prof_s, loaded = got
+    warned = _print_profile(lm, rep, path, loaded, prof_s, load_s)
+    if not args.evaluate:
+        return 0
+    return _evaluation(args, engine, lm, rep, path, policies, ev, progress, t0, warned)
+
+
+def _flag_error(args, explicit) -> bool:
+    """Print the usage error of ``laser profile``'s flags, if any (then True)."""
+    if args.quick and args.reuse and not explicit:
+        print("laser: error: --quick --reuse needs --output or --latency-profile PATH (a quick profile must not "
+              "become the default one)",
+              file=sys.stderr)
+        return True
+    if args.json and not args.evaluate:
+        print("laser: error: --json needs --evaluate", file=sys.stderr)
+        return True
+    for flag, target in (("--json", args.json), ("--output", explicit)):
+        problem = _unwritable(target)
+        if problem:
+            print(f"laser: error: {flag} {target}: {problem}", file=sys.stderr)
+            return True
+    return False
+
+
+def _measure_or_load(args, engine, explicit, path, policies, ev, progress):
+    """The profile (measured now, with the test set interleaved under ``--evaluate``; or read from
+    ``path`` under ``--reuse``): ``(lm, report or None, path, seconds, loaded)``, None when it
+    could not be saved."""
+    from .. import profiler
+
+    grid = profiler.ProfileGrid.tiny() if args.quick else None
     rep = None
     t1 = time.perf_counter()
     loaded = False  # the profile was read from its file, not measured now
@@ -166,26 +191,34 @@ def cmd_profile(args) -> int:
         prof_s = time.perf_counter() - t1
         # (a stale cached profile is made again: then the file changed)
         loaded = before is not None and os.path.exists(path) and os.path.getmtime(path) == before
+        return lm, rep, path, prof_s, loaded
+    print(f"[laser] profiling {profiler.model_name_of(engine)} ({profiler.dtype_name(engine.dtype)}, "
+          f"{profiler.profile_metadata(engine)['threads']} threads, "
+          f"{profiler.executor_path_of(engine)} executor)"
+          + (" and measuring a held-out test set, interleaved" if args.evaluate else "") + " ...",
+          file=sys.stderr)
+    if args.evaluate:
+        lm, rep = profiler.profile_and_evaluate(engine, grid=grid, policies=policies, progress=progress,
+                                                budget_s=args.budget + args.eval_budget, **ev)
     else:
-        print(f"[laser] profiling {profiler.model_name_of(engine)} ({profiler.dtype_name(engine.dtype)}, "
-              f"{profiler.profile_metadata(engine)['threads']} threads, "
-              f"{profiler.executor_path_of(engine)} executor)"
-              + (" and measuring a held-out test set, interleaved" if args.evaluate else "") + " ...",
-              file=sys.stderr)
-        if args.evaluate:
-            lm, rep = profiler.profile_and_evaluate(engine, grid=grid, policies=policies, progress=progress,
-                                                    budget_s=args.budget + args.eval_budget, **ev)
-        else:
-            lm = profiler.profile(engine, None, progress=progress, budget_s=args.budget, grid=grid)
-        prof_s = time.perf_counter() - t1
-        if args.quick and not explicit:
-            path = "(not saved: --quick profiles go only where --output says)"
-        else:
-            try:
-                lm.save(path)
-            except OSError as e:
-                print(f"laser: error: cannot write the profile to {path}: {e}", file=sys.stderr)
-                return 2
+        lm = profiler.profile(engine, None, progress=progress, budget_s=args.budget, grid=grid)
+    prof_s = time.perf_counter() - t1
+    if args.quick and not explicit:
+        path = "(not saved: --quick profiles go only where --output says)"
+    else:
+        try:
+            lm.save(path)
+        except OSError as e:
+            print(f"laser: error: cannot write the profile to {path}: {e}", file=sys.stderr)
+            return None
+    return lm, rep, path, prof_s, loaded
+
+
+def _print_profile(lm, rep, path, loaded: bool, prof_s: float, load_s: float) -> bool:
+    """Print the profile's measurement line and summary; returns whether the profile was warned
+    about as disturbed where it was measured."""
+    from .pipeline import disturbed_enough_to_warn
+
     m = lm.metadata.get("measurement", {})
     what = "profile + test set" if rep is not None else "profile"
     dropped = m.get("dropped_outliers") or 0
@@ -202,8 +235,14 @@ def cmd_profile(args) -> int:
     warned = not loaded and disturbed_enough_to_warn(m)
     for line in summary_lines(lm):
         print(line)
-    if not args.evaluate:
-        return 0
+    return warned
+
+
+def _evaluation(args, engine, lm, rep, path, policies, ev, progress, t0: float, warned: bool) -> int:
+    """``--evaluate``: the held-out test set's accuracy report (measured now for a loaded profile),
+    printed and written to ``--json``."""
+    from .. import profiler
+
     if rep is None:  # a loaded profile: measure the test set now
         t2 = time.perf_counter()
         if args.quick:

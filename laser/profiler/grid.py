@@ -48,100 +48,11 @@ class ProfileGrid:
         KV slots per layer (Σc of a batch stays within it); ``max_batch``: decode batch.
         """
         rng = np.random.default_rng(seed)
-        # Stateless: dense for small n (decode batches), log-spaced up to max_tokens, plus
-        # a few random counts so tile effects are seen off the round numbers.
-        base = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256,
-                320, 384, 512, 640, 768, 1024, 1280, 1536, 2048]
-        st = {n for n in base if n <= max_tokens}
-        # Every decode batch up to 16 and every 4 up to 32 (small decode batches are the
-        # common iteration), and the paper's 32-token segment boundaries (Sec. 4: the
-        # stateless modules are fitted per 32-token segment, where GEMM kernels change
-        # tiles): every multiple of 32 up to 1024, of 128 beyond.
-        st |= {n for n in (*range(1, 17), *range(20, 33, 4)) if n <= max_tokens}
-        st |= {n for n in range(32, min(max_tokens, 1024) + 1, 32)}
-        st |= {n for n in range(1024, max_tokens + 1, 128)}
-        # (many points: the fit's cross-validation needs them to resolve kernel steps)
-        st |= {int(x) for x in rng.integers(2, max(3, min(max_tokens, 64)), 8)}
-        st |= {int(x) for x in rng.integers(64, max(65, min(max_tokens, 640)), 16)}
-        st |= {int(x) for x in rng.integers(640, max(641, max_tokens), 4)}
-        st.add(max_tokens)
-        ctx_cap = max(1, min(max_context, pool_tokens))
-
-        def clip_batch(q, c):
-            return fit_to_pool(q, c, pool_tokens, block_size)
-
-        def decode(b, mean_ctx):
-            c = rng.integers(max(2, mean_ctx // 4), max(3, mean_ctx * 7 // 4), b)
-            return clip_batch([1] * b, [min(int(x), ctx_cap) for x in c])
-
-        attn = []
+        st = _stateless_counts(rng, max_tokens)
+        pts = _Points(rng, max(1, min(max_context, pool_tokens)), pool_tokens, block_size)
         small = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # small decode batches at short contexts (16-512)
-        for b in small:
-            if b <= max_batch:
-                for mc in (32, 256):
-                    attn.append(decode(b, min(mc, ctx_cap)))
-        for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128):
-            if b > max_batch:
-                continue
-            for mc in (64, 512, 2048):
-                attn.append(decode(b, min(mc, ctx_cap)))
-        # skewed: a few long contexts among short ones (the runner pads a decode group to its
-        # longest context, so B · C_max and Σc part only on such batches: without them the fit
-        # cannot tell the padded gather from the paper's β·Σc)
-        for b, frac in ((2, 0.5), (3, 0.3), (4, 0.25), (6, 0.3), (8, 0.1), (8, 0.3), (12, 0.3), (16, 0.06),
-                        (16, 0.3), (24, 0.3), (32, 0.06), (32, 0.3), (48, 0.3), (64, 0.06), (64, 0.3)):
-            if b > max_batch:
-                continue
-            nlong = max(1, round(frac * b))
-            long = rng.integers(max(2, ctx_cap // 4), ctx_cap + 1, nlong)
-            short = rng.integers(2, max(3, min(512, ctx_cap)), b - nlong)
-            attn.append(clip_batch([1] * b, [int(x) for x in (*long, *short)]))
-        for q in (16, 32, 64, 128, 256, 512, 1024, 2048):
-            q = min(q, max_tokens)
-            for cached in (0, q // 2, 2 * q):
-                c = min(q + cached, ctx_cap)
-                attn.append(clip_batch([min(q, c)], [c]))
-        for _ in range(10):  # several prefill chunks in one batch
-            k = int(rng.integers(2, 5))
-            q = [int(x) for x in rng.integers(16, max(17, max_tokens // k), k)]
-            c = [min(qi + int(rng.integers(0, 2 * qi)), ctx_cap) for qi in q]
-            attn.append(clip_batch([min(a, b) for a, b in zip(q, c)], c))
-        for _ in range(14):  # mixed: decode batch + prefill chunk(s)
-            b = int(rng.integers(1, max_batch + 1))
-            dq, dc = decode(b, int(rng.choice([128, 512, 1024])))
-            k = int(rng.integers(1, 3))
-            q = [int(x) for x in rng.integers(16, max(17, max_tokens // 2), k)]
-            c = [min(qi + int(rng.integers(0, qi)), ctx_cap) for qi in q]
-            attn.append(clip_batch(list(dq) + [min(a, b) for a, b in zip(q, c)], list(dc) + c))
-        attn = list(dict.fromkeys(attn))
-        # Whole layers fit what composing the modules adds: a fixed per-call overhead and
-        # a scale on attention (a layer whose attention streams the KV cache through the
-        # CPU caches pays for it again in its projections). Small and medium batches (the
-        # decode iterations) and attention-heavy ones (long contexts, mixed steps).
-        layer = []
-        for b in small:
-            if b <= max_batch:
-                for mc in (32, 128, 384):
-                    layer.append(decode(b, min(mc, ctx_cap)))
-        for b, mc in ((8, 1024), (16, 2048), (48, 2048), (64, 1024)):
-            if b <= max_batch:
-                layer.append(decode(b, min(mc, ctx_cap)))
-        for b in (4, 16, 32):  # skewed decode layer steps (see the attention grid)
-            if b <= max_batch:
-                nlong = max(1, round(0.3 * b))
-                long = rng.integers(max(2, ctx_cap // 4), ctx_cap + 1, nlong)
-                short = rng.integers(2, max(3, min(512, ctx_cap)), b - nlong)
-                layer.append(clip_batch([1] * b, [int(x) for x in (*long, *short)]))
-        for q in (16, 64, 256):
-            q = min(q, max_tokens)
-            layer.append(clip_batch([q], [min(q, ctx_cap)]))
-        q = min(1024, max_tokens)
-        layer.append(clip_batch([q], [min(q + q // 2, ctx_cap)]))
-        for b, q, mc in ((4, 32, 256), (8, 128, 256), (16, 64, 256), (32, 256, 1024), (48, 64, 512)):
-            if b <= max_batch:
-                dq, dc = decode(b, min(mc, ctx_cap))
-                layer.append(clip_batch(list(dq) + [min(q, max_tokens)], list(dc) + [min(q + 64, ctx_cap)]))
-        layer = list(dict.fromkeys(layer))
+        attn = _attention_batches(pts, small, max_tokens, max_batch)
+        layer = _layer_batches(pts, small, max_tokens, max_batch)
         head = [r for r in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128) if r <= max(max_batch, 1) * 2]
         embed = sorted({n for n in (1, 8, 64, 256, 1024, max_tokens) if n <= max_tokens})
         return cls(sorted(st), attn, layer, embed, head)
@@ -167,3 +78,123 @@ class ProfileGrid:
     def num_cases(self) -> int:
         return (len(self.stateless_tokens) + len(self.attention_batches) + len(self.layer_batches)
                 + len(self.embed_tokens) + len(self.head_rows))
+
+
+# -- the grid's parts, drawn in this order from one generator (ProfileGrid.default) ----------------
+
+
+class _Points:
+    """Random decode batches for the grid (``rng`` shared, in draw order), clipped to the KV pool."""
+
+    def __init__(self, rng, ctx_cap: int, pool_tokens: int, block_size: int):
+        self.rng, self.ctx_cap, self.pool_tokens, self.block_size = rng, ctx_cap, pool_tokens, block_size
+
+    def clip_batch(self, q, c):
+        return fit_to_pool(q, c, self.pool_tokens, self.block_size)
+
+    def decode(self, b, mean_ctx):
+        c = self.rng.integers(max(2, mean_ctx // 4), max(3, mean_ctx * 7 // 4), b)
+        return self.clip_batch([1] * b, [min(int(x), self.ctx_cap) for x in c])
+
+    def skewed(self, b, frac):
+        """A decode batch of ``b`` with ``frac`` of its contexts long, the rest short."""
+        rng, ctx_cap = self.rng, self.ctx_cap
+        nlong = max(1, round(frac * b))
+        long = rng.integers(max(2, ctx_cap // 4), ctx_cap + 1, nlong)
+        short = rng.integers(2, max(3, min(512, ctx_cap)), b - nlong)
+        return self.clip_batch([1] * b, [int(x) for x in (*long, *short)])
+
+
+def _stateless_counts(rng, max_tokens: int):
+    """Token counts of the stateless-module grid (drawn first from ``rng``)."""
+    # Stateless: dense for small n (decode batches), log-spaced up to max_tokens, plus
+    # a few random counts so tile effects are seen off the round numbers.
+    base = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256,
+            320, 384, 512, 640, 768, 1024, 1280, 1536, 2048]
+    st = {n for n in base if n <= max_tokens}
+    # Every decode batch up to 16 and every 4 up to 32 (small decode batches are the
+    # common iteration), and the paper's 32-token segment boundaries (Sec. 4: the
+    # stateless modules are fitted per 32-token segment, where GEMM kernels change
+    # tiles): every multiple of 32 up to 1024, of 128 beyond.
+    st |= {n for n in (*range(1, 17), *range(20, 33, 4)) if n <= max_tokens}
+    st |= {n for n in range(32, min(max_tokens, 1024) + 1, 32)}
+    st |= {n for n in range(1024, max_tokens + 1, 128)}
+    # (many points: the fit's cross-validation needs them to resolve kernel steps)
+    st |= {int(x) for x in rng.integers(2, max(3, min(max_tokens, 64)), 8)}
+    st |= {int(x) for x in rng.integers(64, max(65, min(max_tokens, 640)), 16)}
+    st |= {int(x) for x in rng.integers(640, max(641, max_tokens), 4)}
+    st.add(max_tokens)
+    return st
+
+
+def _attention_batches(pts: _Points, small: tuple, max_tokens: int, max_batch: int):
+    """Attention batches (query lens, context lens) of the grid."""
+    rng, ctx_cap, clip_batch, decode = pts.rng, pts.ctx_cap, pts.clip_batch, pts.decode
+    attn = []
+    for b in small:
+        if b <= max_batch:
+            for mc in (32, 256):
+                attn.append(decode(b, min(mc, ctx_cap)))
+    for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128):
+        if b > max_batch:
+            continue
+        for mc in (64, 512, 2048):
+            attn.append(decode(b, min(mc, ctx_cap)))
+    # skewed: a few long contexts among short ones (the runner pads a decode group to its
+    # longest context, so B · C_max and Σc part only on such batches: without them the fit
+    # cannot tell the padded gather from the paper's β·Σc)
+    for b, frac in ((2, 0.5), (3, 0.3), (4, 0.25), (6, 0.3), (8, 0.1), (8, 0.3), (12, 0.3), (16, 0.06),
+                    (16, 0.3), (24, 0.3), (32, 0.06), (32, 0.3), (48, 0.3), (64, 0.06), (64, 0.3)):
+        if b > max_batch:
+            continue
+        attn.append(pts.skewed(b, frac))
+    for q in (16, 32, 64, 128, 256, 512, 1024, 2048):
+        q = min(q, max_tokens)
+        for cached in (0, q // 2, 2 * q):
+            c = min(q + cached, ctx_cap)
+            attn.append(clip_batch([min(q, c)], [c]))
+    for _ in range(10):  # several prefill chunks in one batch
+        k = int(rng.integers(2, 5))
+        q = [int(x) for x in rng.integers(16, max(17, max_tokens // k), k)]
+        c = [min(qi + int(rng.integers(0, 2 * qi)), ctx_cap) for qi in q]
+        attn.append(clip_batch([min(a, b) for a, b in zip(q, c)], c))
+    for _ in range(14):  # mixed: decode batch + prefill chunk(s)
+        b = int(rng.integers(1, max_batch + 1))
+        dq, dc = decode(b, int(rng.choice([128, 512, 1024])))
+        k = int(rng.integers(1, 3))
+        q = [int(x) for x in rng.integers(16, max(17, max_tokens // 2), k)]
+        c = [min(qi + int(rng.integers(0, qi)), ctx_cap) for qi in q]
+        attn.append(clip_batch(list(dq) + [min(a, b) for a, b in zip(q, c)], list(dc) + c))
+    attn = list(dict.fromkeys(attn))
+    return attn
+
+
+def _layer_batches(pts: _Points, small: tuple, max_tokens: int, max_batch: int):
+    """Whole-layer batches of the grid."""
+    rng, ctx_cap, clip_batch, decode = pts.rng, pts.ctx_cap, pts.clip_batch, pts.decode
+    # Whole layers fit what composing the modules adds: a fixed per-call overhead and
+    # a scale on attention (a layer whose attention streams the KV cache through the
+    # CPU caches pays for it again in its projections). Small and medium batches (the
+    # decode iterations) and attention-heavy ones (long contexts, mixed steps).
+    layer = []
+    for b in small:
+        if b <= max_batch:
+            for mc in (32, 128, 384):
+                layer.append(decode(b, min(mc, ctx_cap)))
+    for b, mc in ((8, 1024), (16, 2048), (48, 2048), (64, 1024)):
+        if b <= max_batch:
+            layer.append(decode(b, min(mc, ctx_cap)))
+    for b in (4, 16, 32):  # skewed decode layer steps (see the attention grid)
+        if b <= max_batch:
+            layer.append(pts.skewed(b, 0.3))
+    for q in (16, 64, 256):
+        q = min(q, max_tokens)
+        layer.append(clip_batch([q], [min(q, ctx_cap)]))
+    q = min(1024, max_tokens)
+    layer.append(clip_batch([q], [min(q + q // 2, ctx_cap)]))
+    for b, q, mc in ((4, 32, 256), (8, 128, 256), (16, 64, 256), (32, 256, 1024), (48, 64, 512)):
+        if b <= max_batch:
+            dq, dc = decode(b, min(mc, ctx_cap))
+            layer.append(clip_batch(list(dq) + [min(q, max_tokens)], list(dc) + [min(q + 64, ctx_cap)]))
+    layer = list(dict.fromkeys(layer))
+    return layer

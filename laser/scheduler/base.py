@@ -24,7 +24,6 @@ import math
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Callable
 
 from ..core.block_manager import BlockManager
@@ -32,41 +31,7 @@ from ..core.config import SchedulerConfig
 from ..core.intermediate_cache import IntermediateCache
 from ..core.plan import StepPlan, Work
 from ..core.request import SLO_EPS, Phase, Request
-
-
-@dataclass(frozen=True)
-class SchedulerReport:
-    """What is read of a scheduler outside the scheduler package (admission, the instance
-    reports, Alg. 2 increments, the server's metrics): one picture, taken by
-    :meth:`Scheduler.report` on the thread that owns the scheduler.
-
-    Attributes:
-        policy: scheduler name. queue_order: ``edf`` or ``fcfs``. best_effort_deadline_s: EDF
-        deadline of best effort (seconds). chunk_tokens: token budget of one iteration.
-        busy: it holds unfinished requests. prefill_share: the share of T_g Laser's Alg. 1 leaves
-        to prefill under deadline pressure (None for iteration-level policies). tg_margin: the
-        planning margin on T_g (1.0 without one). t_g: tightest TBT target it plans decode to
-        (seconds; inf: none). last_iteration_s: last measured decode iteration (None: none yet).
-        iteration: Alg. 1's iteration counter (0 without layer-level decode). plans: Alg. 1's
-        decode plans by request id (live; read on the owning thread). planning_margin: the
-        fraction of T_g Alg. 1 plans to. decode_memo: Alg. 1's price memo (None without one).
-        counters: observability copies (see :func:`laser.frontend.admission.snapshot_of`).
-    """
-
-    policy: str
-    queue_order: str
-    best_effort_deadline_s: float
-    chunk_tokens: int
-    busy: bool
-    prefill_share: float | None = None
-    tg_margin: float = 1.0
-    t_g: float = math.inf
-    last_iteration_s: float | None = None
-    iteration: int = 0
-    plans: dict = field(default_factory=dict, compare=False)
-    planning_margin: float = 1.0
-    decode_memo: object = field(default=None, compare=False)
-    counters: dict = field(default_factory=dict, compare=False)
+from .report import SchedulerReport
 
 
 class Scheduler(ABC):
@@ -178,10 +143,8 @@ class Scheduler(ABC):
         )
 
     def prefill_remaining(self, req: Request) -> int:
-        """Tokens of ``req`` still to prefill (prompt, plus outputs after a recompute preemption)."""
-        if req.phase == Phase.DECODE:
-            return 0
-        return req.num_tokens - req.num_computed_tokens - req.chunk_tokens
+        """Tokens of ``req`` still to prefill (:func:`prefill_left`)."""
+        return prefill_left(req)
 
     def decoding(self) -> list[Request]:
         """Running requests in the decode phase."""
@@ -525,18 +488,10 @@ class Scheduler(ABC):
         ``layer_stops``: its stops at a layer boundary. None for iteration-level policies."""
         return {}
 
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
-
-def largest(lo: int, hi: int, ok) -> int | None:
-    """Largest x in [lo, hi] with ok(x), for ok monotone (True then False); None if none."""
-    if hi < lo or not ok(lo):
-        return None
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if ok(mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+def prefill_left(req: Request) -> int:
+    """Tokens of ``req`` still to prefill (prompt, plus outputs after a recompute preemption; a
+    chunk in flight is not counted); 0 in the decode phase."""
+    if req.phase == Phase.DECODE:
+        return 0
+    return req.num_tokens - req.num_computed_tokens - req.chunk_tokens

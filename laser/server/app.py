@@ -252,7 +252,10 @@ def build_app(
 
     @app.get("/metrics")
     async def prometheus():
+        """Prometheus text exposition (``HEAD`` too: aiperf probes the endpoint with it)."""
         return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    app.add_api_route("/metrics", prometheus, methods=["HEAD"], operation_id="metrics_head")
 
     app.include_router(openai_routes.router(srv))
     if data_dir is not None or batch_store is not None:

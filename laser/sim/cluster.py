@@ -223,116 +223,17 @@ class ClusterSim:
         arrival, as a real engine rejects a prompt over its context (``finish_reason="abort"``,
         no token: an SLO miss), and the others are served."""
         t_wall = time.perf_counter()
-        ctl, inst, delay = self.controller, self.instances, self.config.msg_delay_s
+        run = _ClusterRun(self)
         q = EventQueue()
-        info_of: dict[str, RequestInfo] = {}
-        decode_of: dict[str, int | None] = {}
-        final: dict[str, Request] = {}
-        done: dict[str, int] = {}
-        stats = {"decision_s": 0.0, "transfers": 0, "transfer_s": 0.0, "migrations": 0}
         for r in requests:
             q.push(r.arrival_time, "arrive", r)
-
-        def start(i: SimClusterInstance, t: float):
-            if i.plan is not None:
-                return
-            end = i.begin(t)
-            if end is not None:
-                yield end, "end", i
-
-        capacity = min(i.scheduler.bm.num_blocks * i.scheduler.bm.block_size for i in inst)
-
-        def arrive(t: float, req: Request):
-            if req.num_prompt_tokens >= capacity:
-                req.finish_reason = "abort"
-                final[req.req_id] = req
-                done[req.req_id] = 1
-                return
-            hashes = ()
-            if self.config.enable_prefix_caching and self.config.cache_aware_routing:  # the front end's hashes
-                bm = inst[0].scheduler.bm
-                hashes = tuple(bm.block_hashes(req.block_hashes, req.prompt_token_ids))
-            info = RequestInfo(req.req_id, req.arrival_time, req.num_prompt_tokens, req.slo.ttft, req.slo.tbt,
-                               req.slo.name, ctl.expected_output(req.slo.name), hashes)
-            t0 = time.perf_counter()
-            route = ctl.route(info, t)
-            stats["decision_s"] += time.perf_counter() - t0
-            info_of[req.req_id] = info
-            decode_of[req.req_id] = route.decode
-            req.demoted = route.demoted
-            final[req.req_id] = req
-            inst[route.prefill].add_request(req, t + delay)
-            yield t + delay, "wake", inst[route.prefill]
-
-        def wake(t: float, i: SimClusterInstance):
-            yield from start(i, t)
-
-        def end(t: float, i: SimClusterInstance):
-            outs = i.complete()
-            moves = migrate(i)
-            while True:
-                nxt = i.begin(i.clock)
-                if nxt is None or nxt > t:
-                    break
-                outs += i.complete()
-                moves += migrate(i)
-            if nxt is not None:
-                yield nxt, "end", i
-            for o in outs:
-                yield from output(i, o)
-            yield from moves
-
-        def migrate(src: SimClusterInstance) -> list:
-            """Between two steps of a decode instance: the controller's D9 move, if any."""
-            if src.role != "decode":
-                return []
-            t0 = time.perf_counter()
-            m = ctl.plan_migration(src, src.clock)
-            stats["decision_s"] += time.perf_counter() - t0
-            if m is None:
-                return []
-            cand, d = m
-            h = src.migrate_out(cand.info.req_id)
-            dst = inst[d]
-            whole = self.transfer_time(h.request.num_computed_tokens, src, dst)
-            ready = src.clock + delay + whole
-            stats["migrations"] += 1
-            stats["transfer_s"] += whole
-            dst.add_request(h, ready)
-            return [(ready, "wake", dst)]
-
-        def output(src: SimClusterInstance, o):
-            rid = o.req.req_id
-            if o.kind == "finished":
-                done[rid] = done.get(rid, 0) + 1
-                final[rid] = o.req
-                chosen = decode_of.get(rid)
-                if chosen is not None and src.role == "prefill":
-                    inst[chosen].release(rid)
-                ctl.on_finish(o.req.slo.name, o.req.num_output_tokens, o.time, o.req.slo.tbt_or_inf)
-                return
-            info = info_of[rid]
-            chosen = decode_of.get(rid)
-            t0 = time.perf_counter()
-            d = ctl.at_handoff(info, chosen, o.time)
-            stats["decision_s"] += time.perf_counter() - t0
-            dst = inst[d]
-            whole = self.transfer_time(o.req.num_computed_tokens, src, dst)
-            if d == chosen:  # streamed layer by layer during prefill
-                ready = max(o.time + whole / self.num_layers, o.prefill_start + whole)
-            else:  # pulled (or re-sent) after prefill, after the controller's message
-                ready = o.time + delay + whole
-            stats["transfers"] += 1
-            stats["transfer_s"] += whole
-            dst.add_request(o.handoff, ready)
-            yield ready, "wake", dst
-
-        q.run({"arrive": arrive, "wake": wake, "end": end}, until=until)
-        result = ClusterResult([final.get(r.req_id, r) for r in requests], time.perf_counter() - t_wall,
+        q.run({"arrive": run.arrive, "wake": run.wake, "end": run.end}, until=until)
+        stats, ctl = run.stats, self.controller
+        result = ClusterResult([run.final.get(r.req_id, r) for r in requests], time.perf_counter() - t_wall,
                                q.processed, ctl.decisions, stats["decision_s"], stats["transfers"],
                                stats["transfer_s"], getattr(ctl, "num_reassigned", 0), stats["migrations"])
         if self.check and until == math.inf:
-            self.check_conservation(requests, done)
+            self.check_conservation(requests, run.done)
         return result
 
     def check_conservation(self, requests: list[Request], done: dict[str, int]) -> None:
@@ -349,3 +250,110 @@ class ClusterSim:
         return self.lm.predict_prefill(prompt_len)
 
 
+class _ClusterRun:
+    """The event handlers of one :meth:`ClusterSim.run` and the state they share: each handler
+    takes ``(t, payload)`` and yields the ``(time, kind, payload)`` events it causes."""
+
+    def __init__(self, sim: "ClusterSim"):
+        self.sim = sim
+        self.ctl, self.inst, self.delay = sim.controller, sim.instances, sim.config.msg_delay_s
+        self.info_of: dict[str, RequestInfo] = {}
+        self.decode_of: dict[str, int | None] = {}
+        self.final: dict[str, Request] = {}
+        self.done: dict[str, int] = {}
+        self.stats = {"decision_s": 0.0, "transfers": 0, "transfer_s": 0.0, "migrations": 0}
+        self.capacity = min(i.scheduler.bm.num_blocks * i.scheduler.bm.block_size for i in self.inst)
+
+    def start(self, i: SimClusterInstance, t: float):
+        if i.plan is not None:
+            return
+        end = i.begin(t)
+        if end is not None:
+            yield end, "end", i
+
+    def arrive(self, t: float, req: Request):
+        ctl, inst, delay, cfg = self.ctl, self.inst, self.delay, self.sim.config
+        if req.num_prompt_tokens >= self.capacity:
+            req.finish_reason = "abort"
+            self.final[req.req_id] = req
+            self.done[req.req_id] = 1
+            return
+        hashes = ()
+        if cfg.enable_prefix_caching and cfg.cache_aware_routing:  # the front end's hashes
+            bm = inst[0].scheduler.bm
+            hashes = tuple(bm.block_hashes(req.block_hashes, req.prompt_token_ids))
+        info = RequestInfo(req.req_id, req.arrival_time, req.num_prompt_tokens, req.slo.ttft, req.slo.tbt,
+                           req.slo.name, ctl.expected_output(req.slo.name), hashes)
+        t0 = time.perf_counter()
+        route = ctl.route(info, t)
+        self.stats["decision_s"] += time.perf_counter() - t0
+        self.info_of[req.req_id] = info
+        self.decode_of[req.req_id] = route.decode
+        req.demoted = route.demoted
+        self.final[req.req_id] = req
+        inst[route.prefill].add_request(req, t + delay)
+        yield t + delay, "wake", inst[route.prefill]
+
+    def wake(self, t: float, i: SimClusterInstance):
+        yield from self.start(i, t)
+
+    def end(self, t: float, i: SimClusterInstance):
+        outs = i.complete()
+        moves = self.migrate(i)
+        while True:
+            nxt = i.begin(i.clock)
+            if nxt is None or nxt > t:
+                break
+            outs += i.complete()
+            moves += self.migrate(i)
+        if nxt is not None:
+            yield nxt, "end", i
+        for o in outs:
+            yield from self.output(i, o)
+        yield from moves
+
+    def migrate(self, src: SimClusterInstance) -> list:
+        """Between two steps of a decode instance: the controller's D9 move, if any."""
+        if src.role != "decode":
+            return []
+        t0 = time.perf_counter()
+        m = self.ctl.plan_migration(src, src.clock)
+        self.stats["decision_s"] += time.perf_counter() - t0
+        if m is None:
+            return []
+        cand, d = m
+        h = src.migrate_out(cand.info.req_id)
+        dst = self.inst[d]
+        whole = self.sim.transfer_time(h.request.num_computed_tokens, src, dst)
+        ready = src.clock + self.delay + whole
+        self.stats["migrations"] += 1
+        self.stats["transfer_s"] += whole
+        dst.add_request(h, ready)
+        return [(ready, "wake", dst)]
+
+    def output(self, src: SimClusterInstance, o):
+        rid = o.req.req_id
+        ctl, stats = self.ctl, self.stats
+        if o.kind == "finished":
+            self.done[rid] = self.done.get(rid, 0) + 1
+            self.final[rid] = o.req
+            chosen = self.decode_of.get(rid)
+            if chosen is not None and src.role == "prefill":
+                self.inst[chosen].release(rid)
+            ctl.on_finish(o.req.slo.name, o.req.num_output_tokens, o.time, o.req.slo.tbt_or_inf)
+            return
+        info = self.info_of[rid]
+        chosen = self.decode_of.get(rid)
+        t0 = time.perf_counter()
+        d = ctl.at_handoff(info, chosen, o.time)
+        stats["decision_s"] += time.perf_counter() - t0
+        dst = self.inst[d]
+        whole = self.sim.transfer_time(o.req.num_computed_tokens, src, dst)
+        if d == chosen:  # streamed layer by layer during prefill
+            ready = max(o.time + whole / self.sim.num_layers, o.prefill_start + whole)
+        else:  # pulled (or re-sent) after prefill, after the controller's message
+            ready = o.time + self.delay + whole
+        stats["transfers"] += 1
+        stats["transfer_s"] += whole
+        dst.add_request(o.handoff, ready)
+        yield ready, "wake", dst

@@ -1,18 +1,11 @@
-"""benchmarks/batch_window.py (issue 14's done-when run): the pure parts -- which interactive
+"""laser.bench.batch_window (benchmarks/batch_window.py, issue 14's done-when run): the pure parts -- which interactive
 requests the server kill is blamed for, and the attainment with them left out. The run itself
 needs the real model and minutes of CPU; it is a benchmark, not a test."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
+from laser.bench import batch_window as bw
 from laser.core.metrics import RequestRecord
-
-_spec = importlib.util.spec_from_file_location(
-    "batch_window", Path(__file__).resolve().parents[2] / "benchmarks" / "batch_window.py")
-bw = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bw)
 
 
 def _rec(i, arrival, tokens, finished):

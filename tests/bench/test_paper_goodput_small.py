@@ -1,18 +1,17 @@
-"""benchmarks/paper_goodput_small.py (issue 12's §9 reproduction runs): the pure parts -- the
+"""laser.bench.paper_goodput (benchmarks/paper_goodput_small.py, issue 12's §9 reproduction runs): the pure parts -- the
 goodput search (grid, extension past a passing grid top, bisection), the per-entry P:D split
 option and the summary cells. One real simulated probe checks that ``@prefill_share`` reaches
 the cluster layout. The sweeps themselves take many minutes of CPU; they are benchmarks."""
 
 import argparse
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location(
-    "paper_goodput_small", Path(__file__).resolve().parents[2] / "benchmarks" / "paper_goodput_small.py")
-pg = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(pg)
+from laser.bench import paper_goodput as pg
+from laser.bench.plan import parse_mix
+from laser.bench.runner import tbt_token_budget
+from laser.controller import get_controller
+from laser.sim.cluster import paper_config
 
 
 def _knee(k: float, probed: list):
@@ -84,19 +83,19 @@ def test_prefill_share_option_sets_the_simulated_layout(monkeypatch):
 
     monkeypatch.setattr(pg, "ClusterSpec", spy)
     args = argparse.Namespace(requests=12, seed=0, prefill_share=0.5, sarathi_budget="tbt")
-    cfg = pg.paper_config("qwen2.5-14b", "a100")
-    out = pg.probe("distserve@prefill_share=0.25", 8, cfg, 4.0, args, pg.parse_mix("1:1:1"), 1.0)
-    pg.probe("distserve", 8, cfg, 4.0, args, pg.parse_mix("1:1:1"), 1.0)
+    cfg = paper_config("qwen2.5-14b", "a100")
+    out = pg.probe("distserve@prefill_share=0.25", 8, cfg, 4.0, args, parse_mix("1:1:1"), 1.0)
+    pg.probe("distserve", 8, cfg, 4.0, args, parse_mix("1:1:1"), 1.0)
     assert layouts == [(2, 6), (4, 4)]
     assert 0.0 <= out["att"] <= 1.0 and out["ttft"] > 0
 
 
 def test_colocated_sarathi_gets_a_tbt_sized_budget_and_others_none():
-    cfg = pg.paper_config("qwen2.5-14b", "a100")
+    cfg = paper_config("qwen2.5-14b", "a100")
     lm = cfg.latency_model
-    colocated, distserve, laser = (pg.get_controller(n) for n in ("colocated", "distserve", "laser"))
+    colocated, distserve, laser = (get_controller(n) for n in ("colocated", "distserve", "laser"))
     b50 = pg.mixed_budget(colocated, lm, (0.05, 0.1, 0.2), "tbt")
-    assert b50 == pg.tbt_token_budget(lm, 0.05)
+    assert b50 == tbt_token_budget(lm, 0.05)
     assert 16 <= pg.mixed_budget(colocated, lm, (0.04, 0.08), "tbt") < b50 < 2048  # tighter TBT, smaller chunks
     assert pg.mixed_budget(colocated, lm, (0.05,), "2048") == 2048
     assert pg.mixed_budget(distserve, lm, (0.05,), "tbt") is None
@@ -105,5 +104,5 @@ def test_colocated_sarathi_gets_a_tbt_sized_budget_and_others_none():
         with pytest.raises(ValueError, match="sarathi-budget"):
             pg.mixed_budget(colocated, lm, (0.05,), bad)
     args = argparse.Namespace(requests=12, seed=0, prefill_share=0.5, sarathi_budget="tbt")
-    out = pg.probe("colocated", 4, cfg, 2.0, args, pg.parse_mix("1:1:1"), 1.0)
+    out = pg.probe("colocated", 4, cfg, 2.0, args, parse_mix("1:1:1"), 1.0)
     assert out["budget"] == b50 and 0.0 <= out["att"] <= 1.0

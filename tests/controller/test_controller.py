@@ -15,7 +15,8 @@ from laser.instance.messages import RequestInfo
 from laser.latency import SimpleLatencyModel
 from laser.instance.core import Handoff
 from laser.core.request import SLO, Phase, Request, SamplingParams
-from laser.scheduler.laser.decode import DecodeCandidate, latency_increment
+from laser.scheduler.laser.decode import DecodeCandidate
+from laser.scheduler.laser.increment import latency_increment
 from laser.sim.cluster_instance import SimClusterInstance
 
 N = 4

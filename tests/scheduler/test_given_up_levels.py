@@ -14,7 +14,8 @@ import numpy as np
 from laser.instance.core import Handoff
 from laser.instance.state import migration_victim
 from laser.core.request import SLO, Request, SamplingParams
-from laser.scheduler.laser.decode import DecodeCandidate, exec_plan, latency_increment
+from laser.scheduler.laser.decode import DecodeCandidate, exec_plan
+from laser.scheduler.laser.increment import latency_increment
 from laser.sim.cluster_instance import SimClusterInstance
 from simutil import run_sim
 

@@ -11,6 +11,7 @@ from laser.core.config import SchedulerConfig
 from laser.latency import SimpleLatencyModel
 from laser.core.plan import StepPlan, Work
 from laser.core.request import SLO, Request, SamplingParams
+from laser.scheduler.laser.prefill import PrefillPlanner
 from laser.scheduler.laser.scheduler import LaserScheduler
 from laser.sim import SimInstance
 
@@ -89,7 +90,7 @@ def test_a_late_request_does_not_keep_a_nearly_free_prompt_out_of_its_step():
     assert short.token_times[0] == late.token_times[0]
     alone_last = GPU_LM.predict_prefill(36, context_start=64)
     first_step = GPU_LM.predict_prefill(64)
-    assert late.token_times[0] <= first_step + alone_last + LaserScheduler.late_delay_share * late.slo.ttft
+    assert late.token_times[0] <= first_step + alone_last + PrefillPlanner.late_delay_share * late.slo.ttft
 
 
 def _prompt(tokens: int, ttft: float, name: str, req_id: str) -> Request:
@@ -175,6 +176,6 @@ def test_prefill_share_prices_pending_short_prompts_as_one_merged_pass():
     for r in reqs:
         sim.scheduler.add_request(r)
     merged = GPU_LM.predict_iteration(StepPlan(N, [Work(r.req_id, 0, 20, 0, N, True) for r in reqs]))
-    f = sim.scheduler._prefill_share_needed(0.0)
+    f = sim.scheduler.prefill_demand(0.0).share
     assert abs(f - merged / CODE.ttft) < 1e-9, (f, merged / CODE.ttft)
     assert f < 0.5

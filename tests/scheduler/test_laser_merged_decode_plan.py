@@ -12,6 +12,7 @@ import numpy as np
 from laser.core.config import SchedulerConfig
 from laser.latency import AnalyticLatencyModel, SimpleLatencyModel
 from laser.core.request import SLO, Request, SamplingParams
+from laser.scheduler.laser.budget import prefill_need
 from laser.scheduler.laser.decode import DecodeCandidate, exec_plan
 from laser.sim import SimInstance
 
@@ -129,9 +130,5 @@ def test_prefill_that_no_time_can_save_does_not_break_t_g():
     the iteration keeps the T_g budget: breaking the decode requests' TBT (spending their P99
     allowance) saves no one. Before: an unbounded iteration (375 ms against a 211 ms TBT on
     the AVX2 profile, for a chat prompt that was late anyway)."""
-    sim = SimInstance("laser", N, LM, SchedulerConfig(policy="laser"), num_blocks=15000)
-    sched = sim.scheduler
-    sched._prefill_demand = lambda now: (1.5, 0.0, 0.3)
-    assert sched._prefill_need(0.0, 0.02) == (0.0, 0.0)
-    sched._prefill_demand = lambda now: (0.5, 0.0, 0.3)
-    assert sched._prefill_need(0.0, 0.02) == (0.02, 0.3)  # p / (0.02 + p) = 0.5; the whole prefill 0.3 s
+    assert prefill_need(1.5, 0.3, 0.02) == (0.0, 0.0)
+    assert prefill_need(0.5, 0.3, 0.02) == (0.02, 0.3)  # p / (0.02 + p) = 0.5; the whole prefill 0.3 s

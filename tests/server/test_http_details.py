@@ -1,4 +1,4 @@
-"""HTTP details that clients of vLLM / SGLang servers rely on: ``HEAD /health``, ``GET
+"""HTTP details that clients of vLLM / SGLang servers rely on: ``HEAD /health`` and ``/metrics``, ``GET
 /v1/models/{id}`` (the official client's ``models.retrieve``), and an unhandled error in a
 handler answered as an OpenAI-style JSON 500 that keeps a keep-alive connection open."""
 
@@ -49,6 +49,21 @@ def test_head_health_answers_200_without_a_body(live):
         live.app.openapi_schema = None
         ops = live.app.openapi()["paths"]["/health"]
     assert set(ops) == {"get", "head"} and ops["get"]["operationId"] != ops["head"]["operationId"]
+
+
+def test_head_metrics_answers_200_as_get_does(live):
+    """aiperf 0.13 probes the Prometheus endpoint with ``HEAD /metrics`` before it scrapes it (a
+    405 made it log a failed probe and retry with GET); HEAD answers what GET would, without a body."""
+    r = httpx.head(live.url + "/metrics")
+    assert r.status_code == 200 and r.content == b""
+    g = httpx.get(live.url + "/metrics")
+    assert g.status_code == 200 and r.headers["content-type"] == g.headers["content-type"]
+    assert "laser:num_requests_running" in g.text
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # FastAPI warns of a duplicate operation id
+        live.app.openapi_schema = None
+        ops = live.app.openapi()["paths"]["/metrics"]
+    assert set(ops) == {"get", "head"}
 
 
 def test_retrieve_model_returns_the_model_card(live):

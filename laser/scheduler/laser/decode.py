@@ -1,6 +1,7 @@
 """Layer-level decode plans (PPoPP'26 §6.2): the (L, O) plan of a request, the per-layer load
-model Alg. 1 prices plans with, Alg. 1 itself and Alg. 2's ``LatencyIncrement`` as pure
-functions. The Laser scheduler (:mod:`laser.scheduler.laser.scheduler`) and the controller's instances
+model Alg. 1 prices plans with, Alg. 1 itself and which requests a plan runs in an iteration, as
+pure functions. The Laser scheduler (:mod:`laser.scheduler.laser.scheduler`), Alg. 2's
+``LatencyIncrement`` (:mod:`laser.scheduler.laser.increment`) and the controller's instances
 (:mod:`laser.instance.state`) share them; neither copies the other. Torch-free.
 """
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 from ...latency import LatencyModel
 from ...core.request import SLO
-from ..base import ceil_div
+from ..util import ceil_div
 
 
 @dataclass(slots=True)
@@ -167,7 +168,8 @@ class _LayerLoad:
             f, lt, memo = self.full, self.layer, self._row_memo
             if not self.num_partial:
                 # every row is zero: one row's time, the same ``sum`` of N equal layer times
-                # as the general case (one latency-model lookup instead of N)
+                # as the general case (one latency-model lookup instead of N; kept: the general
+                # loop cost the 16P16D simulation ~5 % CPU, docs/benchmarks.md)
                 t = sum(itertools.repeat(lt(f), self.n))
                 self.times = [t] * self.HORIZON
                 return self.times
@@ -388,25 +390,10 @@ def _overloaded(lm: LatencyModel, n: int, iteration: int, decoding: list, t_g: f
 
 
 def _tightest_feasible_tbt(lm: LatencyModel, decoding: list, memo: DecodeMemo | None, floor: float = 0.0) -> float:
-    """``min(r.slo.tbt_or_inf for r in decoding if not tbt_infeasible(lm, r, memo))`` over targets
-    above ``floor`` (inf if none), seconds: the memo's table read in line (this runs once per
-    request per Alg. 1 call)."""
-    memo = _memo_for(lm, memo)
-    if memo is None:
-        return min((r.slo.tbt_or_inf for r in decoding if r.slo.tbt_or_inf > floor and not tbt_infeasible(lm, r)),
-                   default=math.inf)
-    table, ask = memo.single, memo.tbt_infeasible
-    scale = memo.factor
-    t_g = math.inf
-    for r in decoding:
-        tbt = r.slo.tbt
-        if tbt is None or tbt >= t_g or tbt <= floor:
-            continue  # (cannot lower the minimum, or given up; its feasibility does not matter)
-        t = table.get(r.num_tokens)
-        bad = ask(r.num_tokens, tbt) if t is None else t * scale > tbt
-        if not bad:
-            t_g = tbt
-    return t_g
+    """The tightest TBT target of ``decoding`` above ``floor`` that is not out of reach alone
+    (:func:`tbt_infeasible`; inf if none), seconds."""
+    return min((r.slo.tbt_or_inf for r in decoding if r.slo.tbt_or_inf > floor and not tbt_infeasible(lm, r, memo)),
+               default=math.inf)
 
 
 def level_given_up(lm: LatencyModel, decoding: list, t_g: float, memo: DecodeMemo | None = None) -> bool:
@@ -430,53 +417,24 @@ def tbt_infeasible(lm: LatencyModel, r, memo: DecodeMemo | None = None) -> bool:
     return lm.predict_decode_iteration((r.num_tokens,)) > tbt
 
 
-@dataclass(frozen=True, slots=True)
-class Increment:
-    """Answer of :func:`latency_increment`: ``value`` (seconds of aggregate TBT, inf when
-    the strictest TBT would break), ``iter_before``/``iter_after`` (predicted worst
-    iteration, seconds), ``t_g_after`` (tightest TBT with the candidate, seconds)."""
-
-    value: float
-    iter_before: float
-    iter_after: float
-    t_g_after: float
-
-
-def latency_increment(lm: LatencyModel, num_layers: int, iteration: int, decoding: list,
-                      plans: dict[str, DecodePlan], candidate, target_factor: float = 1.0,
-                      memo: DecodeMemo | None = None) -> Increment:
-    """``LatencyIncrement(r*, d)``, Algorithm 2 lines 1-9 (PPoPP'26 §7.2.1), on copies.
-
-    ``Iter`` = predicted worst iteration of the current plans; Alg. 1 (:func:`exec_plan`)
-    with ``candidate`` added gives ``(L*, O*, Iter*, T_g*)``. If ``Iter* > T_g*`` (times
-    ``target_factor``, the fraction the scheduler plans to), or the candidate's own TBT target
-    is out of reach even alone here (:func:`tbt_infeasible`), or Alg. 1 met ``T_g*`` only by
-    giving up a tighter level that its own requests overload (:func:`level_given_up`: the
-    strictest TBT breaks, so the paper's ``Iter* > T_g*`` over the tightest target holds), the
-    answer is inf; else
-    ``sum_{r in R*} Iter*·ceil(N/L*_r) - sum_{r in R} Iter·ceil(N/L_r)`` seconds (each
-    request's TBT is its iteration time times its iterations per token). Memory is the
-    instance's check, not this function's. ``memo``: a :class:`DecodeMemo` of ``lm``.
-    """
+def due_requests(decoding: list, plans: dict[str, DecodePlan], num_layers: int, iteration: int) -> list:
+    """The requests of ``decoding`` whose plan runs a layer group in ``iteration`` (Alg. 1's cycle):
+    group g (layers ((g-1)L, gL]) of request r runs iff ``(iteration - g - O_r) mod K_r == 0``; a
+    full-depth request, or one finishing a group a preemption cut short, runs every iteration."""
     n = num_layers
-    cur = {r.req_id: plans.get(r.req_id, DecodePlan(n, 0)) for r in decoding}
-    if decoding:
-        it = _LayerLoad(lm, n, iteration, decoding, cur, memo).predict()
-        before = _aggregate_tbt(it, cur.values(), n)
-    else:
-        it = before = 0.0
-    reqs = list(decoding) + [candidate]
-    new, t_g, load = exec_plan(lm, n, iteration, reqs, cur, target_factor, memo)
-    it_star = (load if load is not None else _LayerLoad(lm, n, iteration, reqs, new, memo)).predict()
-    if (it_star > t_g * target_factor or tbt_infeasible(lm, candidate, memo)
-            or level_given_up(lm, reqs, t_g, memo)):
-        return Increment(math.inf, it, it_star, t_g)
-    after = _aggregate_tbt(it_star, new.values(), n)
-    return Increment(after - before, it, it_star, t_g)
+    due = []
+    for r in decoding:
+        p = plans[r.req_id]
+        if p.layers >= n or r.next_layer % p.layers:
+            due.append(r)  # full depth, or finishing a group cut short by a preemption
+            continue
+        g = r.next_layer // p.layers + 1
+        if (iteration - g - p.offset) % p.groups(n) == 0:
+            due.append(r)
+    return due
 
 
-def _aggregate_tbt(it: float, plans, n: int) -> float:
-    """``sum_r it * ceil(N / L_r)`` over ``plans`` (seconds): each request's TBT is the iteration
-    time ``it`` times its iterations per token (the same terms, summed in the same order, as
-    ``sum(it * p.groups(n) for p in plans)``; a full-depth term is ``it`` itself)."""
-    return sum([it if p.layers >= n else it * -(-n // p.layers) for p in plans])
+def group_end(r, p: DecodePlan, num_layers: int) -> int:
+    """The layer where the group ``r`` runs next under plan ``p`` ends (``num_layers`` at full depth)."""
+    n = num_layers
+    return n if p.layers >= n else min(n, (r.next_layer // p.layers + 1) * p.layers)

@@ -18,8 +18,9 @@ Decode (§6.2, Alg. 1). Decode request r has a plan (L_r, O_r): with K_r = ceil(
 layer groups, group g (layers ((g-1)L, gL]) runs in iteration i iff
 ``(i - g - O_r) mod K_r == 0`` — one group per iteration, a token every K_r
 iterations. T_g is the tightest TBT target present. While the predicted iteration time
-exceeds T_g, the most relaxed full-depth request gets ``L = ceil(N*T_g/SLO_r)``, its
-first group in the coming iteration (the paper balances layer load by the offset; a
+exceeds T_g, the most relaxed full-depth request gets ``L = ceil(N/K)`` with
+``K = floor(SLO_r/T_g)`` (:func:`~.decode.relaxed_layers`; the paper's ``ceil(N*T_g/SLO_r)`` when
+``SLO_r/T_g`` is whole), its first group in the coming iteration (the paper balances layer load by the offset; a
 later start stretches the gap in progress); while it is below T_g, the strictest reduced
 request is restored to L = N (reverted if that breaks T_g). Plans change only on arrival,
 departure, or when the measured iteration time nears T_g.
@@ -29,6 +30,13 @@ decode layer-work and gets the time left under T_g, advancing as many layers per
 iteration as fit; a prefill's chunk may thus cross several iterations layer by layer.
 Alg. 1 prices the iteration with the prefill the pending deadlines need merged into its
 layer calls, so decode layers are cut when prefill needs the compute they take.
+
+The parts, each a module of this package with explicit inputs (the scheduler owns the state):
+``prefill.py`` (the EDF merge, ``fit``, what the pending prefills need), ``triage.py``
+(Moore-Hodgson overload triage, pure, computed once per step), ``decode.py`` (Alg. 1, pure),
+``budget.py`` (the rules this project added around T_g: the partly spent gap, the planning margin,
+the knowing break, the P99 allowance, given-up levels), ``stepwatch.py`` (the arrival rule during
+a step), ``increment.py`` (Alg. 2's ``LatencyIncrement`` for the controller).
 """
 
 from __future__ import annotations
@@ -36,18 +44,26 @@ from __future__ import annotations
 import math
 import time
 
-from ...core.pricing import PlanCost
-from ...latency import LatencyModel, SimpleLatencyModel
 from ...core.plan import StepPlan, Work
+from ...core.pricing import PlanCost
 from ...core.request import Phase, Request
+from ...latency import LatencyModel, SimpleLatencyModel
 from ..base import Scheduler
-from .decode import DecodeMemo, DecodePlan, _LayerLoad, exec_plan, tbt_infeasible
-from .prefill import LaserPrefill
+from . import budget as rules
+from .decode import DecodeMemo, DecodePlan, _LayerLoad, due_requests, exec_plan, group_end, tbt_infeasible
+from .prefill import Demand, KVActions, PrefillPlanner
+from .stepwatch import StepWatch
+from .triage import Triage, may_give_up, triage
 
 
-class LaserScheduler(LaserPrefill, Scheduler):
-    """Layer-level chunked prefill (§6.1, :class:`~.laser_prefill.LaserPrefill`) and
-    layer-level decode batching (§6.2, Alg. 1) on one instance; see the module docstring."""
+class LaserScheduler(Scheduler):
+    """Layer-level chunked prefill (§6.1) and layer-level decode batching (§6.2, Alg. 1) on one
+    instance; see the module docstring. It owns the state (queues, Alg. 1's plans and T_g, the
+    given-up requests) and composes the parts, each with explicit inputs:
+    :class:`~.prefill.PrefillPlanner` (the EDF merge, ``_fit``, the prefill demand),
+    :func:`~.triage.triage` (Moore-Hodgson, once per step), :mod:`.decode` (Alg. 1, pure),
+    :mod:`.budget` (T_g, its knowing break, the P99 allowance, given-up levels) and
+    :class:`~.stepwatch.StepWatch` (the arrival rule during a step)."""
 
     name = "laser"
 
@@ -57,6 +73,9 @@ class LaserScheduler(LaserPrefill, Scheduler):
     replan_threshold = 0.95
     #: Plan iterations to this fraction of T_g: real iterations run a few % over predictions.
     tg_margin = 0.9
+    #: Build a decode instance's steady steps directly (:meth:`_steady_decode_plan`); tests
+    #: switch it off to check that the generic path makes the same plans.
+    steady_decode = True
 
     def __init__(self, config, num_layers, block_manager, icache, latency_model: LatencyModel | None = None,
                  clock=time.monotonic):
@@ -74,94 +93,36 @@ class LaserScheduler(LaserPrefill, Scheduler):
         self.num_replans = 0
         self.num_steady_steps = 0  # steps built by _steady_decode_plan
         self._last_drift_replan = -(10**9)
-        self.num_step_preemptions = 0
-        # State of the step being executed (for the arrival-time slack check).
-        self._in_step = False
-        self._step_cum: list[float] | None = []  # predicted seconds to finish layers < j of the plan
-        self._step_plan = StepPlan(num_layers, [])
-        self._step_first = 0
-        self._cur_layer = 0
-        self._preempt = False
-        self._step_has_prefill = False
-        self._step_resumes = False  # the step resumes a paused prefill chunk
-        self._step_start = 0.0
+        self.prefill = PrefillPlanner(self.lm, num_layers, config.best_effort_deadline_s, config.max_num_seqs,
+                                      config.max_num_batched_tokens)
+        self.step = StepWatch(self.lm, num_layers)  # the step being executed (the arrival rule)
+        self._kv = KVActions(self.lookup_prefix, self.try_allocate, self.admit)
+        # (now, rate, preemptions) -> the Triage of the schedule() call under way (None outside one)
+        self._step_triage: tuple[tuple, Triage] | None = None
         self.last_iteration_s: float | None = None
         self.t_g = math.inf
         #: Share of an iteration's time that the last step left to prefill (1.0 without decode
-        #: work): prefill advances at about this fraction of its alone speed (:meth:`_prefill_key`).
+        #: work): prefill advances at about this fraction of its alone speed (:meth:`triage`).
         self.prefill_rate = 1.0
+
+    @property
+    def num_step_preemptions(self) -> int:
+        """Steps stopped at a layer boundary for an arrival (§6.1)."""
+        return self.step.num_stops
 
     # -- events ---------------------------------------------------------------------------------
     def on_arrival(self, req: Request) -> None:
-        # §6.1: stop the running step at the next layer boundary when (a) its remaining
-        # time exceeds the newcomer's slack (preempt), or (b) it is running prefill work and
-        # the newcomer is the only one queued (merge: the newcomer catches up to the paused
-        # layer and joins it; the next schedule sizes its chunk so every deadline holds).
+        """§6.1: a request arriving during a step may stop it at the next layer boundary
+        (:meth:`StepWatch.arrival_stops`); on a mixed instance the prefill share Alg. 1 leaves
+        follows the new deadline (replan)."""
         if self.config.role == "mixed" and self.plans:
-            self.replan_needed = True  # the prefill share Alg. 1 leaves follows the new deadline
-        if not self._in_step or self.config.role == "decode":
-            return
-        if req.slo.ttft is not None and not req.demoted:
-            now = self.clock()
-            alone = self.prefill_alone(req)
-            slack = req.ttft_deadline - now - alone
-            remaining = self._remaining_from(self._cur_layer)
-            # (a request already hopeless even if it ran next does not disrupt the others)
-            if remaining > slack and slack > -alone:
-                self._preempt = True
-                return
-        # (b) only stops a step of fresh chunks: a chunk resumed at its paused layer is not
-        # paused again for a merge (a stream of arrivals would otherwise keep it parked one
-        # layer before its end, iteration after iteration, while each newcomer catches up).
-        if (self._step_has_prefill and not self._step_resumes and len(self.waiting) == 1
-                and self._cur_layer < self.num_layers - 1 and self._merge_pays(req)):
-            self._preempt = True
-
-    def _merge_pays(self, req: Request) -> bool:
-        """Whether stopping the running step at the next layer boundary j for ``req`` to
-        catch up and merge (§6.1, Fig. 1b) lowers the summed TTFT. ``req`` gains the
-        prefill part of the step's rest (the rest, ``_remaining_from(j)``, less its decode
-        works' layers from j on, which run to their ends either way); each of the k paused
-        prefill chunks loses about ``req``'s prefill alone (its catch-up through [0, j), then
-        its tokens in the merged layers from j on, which the paused chunks re-read). On a CPU
-        a layer call costs about its tokens: a short newcomer costs the paused chunk little.
-        On a GPU a layer call costs its weight read (tokens ride almost free): the stop
-        costs the paused chunk about a whole iteration and saves the newcomer only the
-        rest's prefill tokens -- it pays only against a long chunk early in the step."""
-        n = self.num_layers
-        j = min(max(self._cur_layer + 1, self._step_first), n)
-        dec, paused = [], 0
-        for w in self._step_plan.works:
-            if w.req_id in self.plans:
-                if w.layer_end > j:
-                    dec.append(Work(w.req_id, w.token_start, w.num_tokens, max(w.layer_start, j), w.layer_end,
-                                    w.sample))
-            elif w.layer_end > j:
-                paused += 1
-        prefill_rest = self._remaining_from(j) - (PlanCost(self.lm, n, dec).total if dec else 0.0)
-        return prefill_rest > paused * self.prefill_alone(req)
+            self.replan_needed = True
+        if self.step.in_step and self.config.role != "decode":
+            self.step.arrival_stops(req, self.clock(), self.prefill_alone(req), len(self.waiting), self.plans)
 
     def prefill_alone(self, req: Request) -> float:
         """Predicted seconds of ``req``'s prefill left (after its cached or computed prefix), run alone."""
         return self.lm.predict_prefill(self.prefill_remaining(req), context_start=req.num_computed_tokens)
-
-    def _remaining_from(self, layer: int) -> float:
-        """Predicted seconds of the executing step's layers from ``layer`` on (cumulative
-        layer times, built once per step, one latency-model call per constant segment)."""
-        cum = self._step_cum
-        if cum is None:
-            cum = self._step_cum = [0.0]
-            plan = self._step_plan
-            if plan.works:
-                first = plan.first_layer
-                cum.extend([0.0] * first)
-                for a, b, _, _, t in PlanCost(self.lm, self.num_layers, plan.works).segs:
-                    if b <= first or a >= plan.last_layer:
-                        continue
-                    for _ in range(max(a, first), b):
-                        cum.append(cum[-1] + t)
-        j = min(max(layer, self._step_first), len(cum) - 1)
-        return cum[-1] - cum[j]
 
     def on_adopt(self, req: Request) -> None:
         self.replan_needed = True
@@ -177,66 +138,63 @@ class LaserScheduler(LaserPrefill, Scheduler):
             self.replan_needed = True
 
     def stop_at(self, layer: int) -> bool:
-        self._cur_layer = layer
-        if self._preempt:
-            self._preempt = False
-            self.num_step_preemptions += 1
-            return True
-        return False
+        return self.step.stop_at(layer)
 
     # -- the step ---------------------------------------------------------------------------------
     def schedule(self, now: float) -> StepPlan:
-        # Rule: decode requests run the layer groups their (L, O) plans give for this
-        # iteration (Alg. 1, replanned only on events); prefill requests fill the time left
-        # under T_g (all of it on a prefill instance) in EDF order, merged while every
-        # included TTFT deadline holds, each advancing as many layers as fit.
+        """Decode requests run the layer groups their (L, O) plans give for this iteration (Alg. 1,
+        replanned only on events); prefill requests fill the time left under T_g (all of it on a
+        prefill instance; more on a knowing break) in triage order, merged while every included
+        TTFT deadline holds, each advancing as many layers as fit."""
         if self.steady_decode:
             plan = self._steady_decode_plan(now)
             if plan is not None:
                 return plan
+        self._step_triage = ()  # a schedule() call is under way: its triage is computed once
         self.refresh_prefixes()  # the queue is priced by the tokens left after cached prefixes
         self.preempt_for_stricter()
-        n = self.num_layers
-        works: list[Work] = []
-        if self.config.role != "prefill":
-            works = self._decode_works(now)
-        budget = math.inf
-        cost = PlanCost(self.lm, n, works)  # the plan's price, grown work by work
-        if works:
-            # Prefill gets the time left under T_g; more only when a waiting prefill's
-            # deadline needs it *and* every decode request can still absorb one gap over
-            # its target within its P99 allowance (the plan breaks T_g knowingly).
-            decode_time = cost.total
-            budget = max(0.0, self._iteration_limit(now, decode_time) - decode_time)
-            need, whole = self._prefill_need(now, decode_time)
-            if need > budget and self._p99_allowance_left():
-                # one knowing break: the prefills up to the deadline that needs it complete in
-                # this iteration (the gap over target is spent once; at T_g's pace after it,
-                # the share ``need`` alone left them late)
-                budget = max(need, whole)
-            self.prefill_rate = (budget / (decode_time + budget) if math.isfinite(budget) and decode_time + budget > 0
-                                 else 1.0)
-        elif self.config.role != "prefill" and not self.plans:
-            self.prefill_rate = 1.0
+        works = self._decode_works(now) if self.config.role != "prefill" else []
+        cost = PlanCost(self.lm, self.num_layers, works)  # the plan's price, grown work by work
+        budget = self._prefill_budget(now, cost.total) if works else self._no_decode_budget()
         works += self._prefill_works(now, cost, budget)
         priced = bool(works)  # cost prices exactly ``works``
-        if not works and self.plans and self.config.role != "prefill":
-            # No decode group is due in this iteration and no prefill fits: the iteration
-            # would be empty (it takes no time), so skip to the next one with a due group
-            # rather than wait on it forever.
-            for _ in range(max(p.groups(n) for p in self.plans.values())):
+        if not works:
+            works = self._skip_to_due_decode(now)
+        self.relieve_deadlock(works)
+        plan = StepPlan(self.num_layers, works, predicted=(self.lm, cost.total) if priced else None)
+        self._begin_step(plan)
+        return plan
+
+    def _prefill_budget(self, now: float, decode_time: float) -> float:
+        """Seconds of prefill the step may carry beside ``decode_time`` seconds of decode
+        (:func:`~.budget.prefill_budget`: the time left under T_g, or a knowing break), and the
+        share it leaves prefill (``prefill_rate``)."""
+        limit = self._iteration_limit(now, decode_time)
+        demand = self.prefill_demand(now)
+        need, whole = rules.prefill_need(demand.share, demand.whole, decode_time)
+        budget = rules.prefill_budget(limit, decode_time, need, whole, self._p99_allowance_left)
+        self.prefill_rate = rules.prefill_share(budget, decode_time)
+        return budget
+
+    def _no_decode_budget(self) -> float:
+        """A step without decode work: prefill may take all of it (on a decode-capable instance
+        with no plans, at the whole machine's rate)."""
+        if self.config.role != "prefill" and not self.plans:
+            self.prefill_rate = 1.0
+        return math.inf
+
+    def _skip_to_due_decode(self, now: float) -> list[Work]:
+        """No decode group is due in this iteration and no prefill fits: the iteration would be
+        empty (it takes no time), so skip to the next one with a due group rather than wait on it
+        forever."""
+        works: list[Work] = []
+        if self.plans and self.config.role != "prefill":
+            for _ in range(max(p.groups(self.num_layers) for p in self.plans.values())):
                 self.iteration += 1
                 works = self._decode_works(now)
                 if works:
                     break
-        self.relieve_deadlock(works)
-        plan = StepPlan(n, works, predicted=(self.lm, cost.total) if priced else None)
-        self._begin_step(plan)
-        return plan
-
-    #: Build a decode instance's steady steps directly (:meth:`_steady_decode_plan`); tests
-    #: switch it off to check that the generic path makes the same plans.
-    steady_decode = True
+        return works
 
     def _steady_decode_plan(self, now: float) -> StepPlan | None:
         """The plan :meth:`schedule` makes on a decode instance in steady decode (most of its
@@ -245,7 +203,9 @@ class LaserScheduler(LaserPrefill, Scheduler):
         generic path then preempts nobody, allocates those blocks in queue order, runs one token
         of every request through every layer in running order, prices one segment (:class:`PlanCost`)
         and sets ``prefill_rate``; this does the same, with the same float operations in the same
-        order. None, having changed nothing, when the state is not steady."""
+        order (kept: a decode instance spends 92-94 % of its steps here; without it the 16P16D
+        simulation took 1.33x the CPU, docs/benchmarks.md). None, having changed nothing, when
+        the state is not steady."""
         if self.config.role != "decode" or self.waiting or self.replan_needed or not self.running:
             return None
         n, plans, covers, decode = self.num_layers, self.plans, self.bm.covers, Phase.DECODE
@@ -272,26 +232,18 @@ class LaserScheduler(LaserPrefill, Scheduler):
         # PlanCost's sum for one segment of n layers (its 0.0 + n*t is n*t: prices are >= 0)
         decode_time = n * lm.layer_time((1,) * b, tuple(ctx)) + lm.embed_time(b) + lm.head_time(b)
         budget = max(0.0, self._iteration_limit(now, decode_time) - decode_time)
-        self.prefill_rate = (budget / (decode_time + budget) if math.isfinite(budget) and decode_time + budget > 0
-                             else 1.0)
+        self.prefill_rate = rules.prefill_share(budget, decode_time)
         plan = StepPlan(n, works, predicted=(lm, decode_time))
         self._begin_step(plan)
         self.num_steady_steps += 1
         return plan
 
     def _begin_step(self, plan: StepPlan) -> None:
-        self._step_plan = plan
-        self._step_cum = None  # built on the first arrival during the step (_remaining_from)
-        self._step_first = plan.first_layer if plan.works else 0
-        self._cur_layer = self._step_first
-        self._in_step = bool(plan.works)
-        self._step_has_prefill = any(w.num_tokens > 1 or w.req_id not in self.plans for w in plan.works)
-        self._step_resumes = any(w.layer_start > 0 and w.req_id not in self.plans for w in plan.works)
-        self._preempt = False
-        self._step_start = self.clock()
+        self._step_triage = None
+        self.step.begin(plan, self.plans, self.clock())
 
     def update(self, plan, stopped_layer, sampled, now):
-        self._in_step = False
+        self.step.end()
         if plan.works:
             # A stop pauses prefill work only: the decode works ran their layer groups, so
             # the decode iteration happened either way (Work.reached).
@@ -299,7 +251,7 @@ class LaserScheduler(LaserPrefill, Scheduler):
             dec = any(w.is_decode and w.req_id in plans for w in plan.works)
             complete = stopped_layer == plan.last_layer
             if dec and complete:
-                self.last_iteration_s = self.clock() - self._step_start
+                self.last_iteration_s = self.clock() - self.step.start
                 if (
                     self.t_g < math.inf
                     and self.last_iteration_s > self.replan_threshold * self.t_g
@@ -318,8 +270,59 @@ class LaserScheduler(LaserPrefill, Scheduler):
                 self.replan_needed = True  # it has nothing left to keep: T_g may be released
         return out
 
+    # -- prefill (§6.1) ---------------------------------------------------------------------------
+    def _pending_prefills(self) -> list[Request]:
+        """Running requests with prefill left, then the waiting ones (a decode instance prefills
+        only to recompute requests it preempted: those with outputs)."""
+        cands = [r for r in self.running if r.phase != Phase.DECODE] + list(self.waiting)
+        if self.config.role == "decode":
+            cands = [r for r in cands if r.output_token_ids]
+        return cands
+
+    def triage(self, now: float) -> Triage:
+        """The step's overload triage (:func:`~.triage.triage`) of every pending prefill, at the
+        rate :func:`~.budget.triage_rate` gives; the requests it gives up are recorded here (and
+        only here: ``Request.given_up``, and the set :func:`~.triage.may_give_up` reads). Within
+        one :meth:`schedule` call it is computed once, and again only when the step's own
+        decisions changed its inputs (a decode preemption requeued a request, or the prefill
+        share this step set, or a replan's T_g, changed the rate it judges at)."""
+        break_open = bool(self.plans) and math.isfinite(self.t_g) and self._p99_allowance_left()
+        rate = rules.triage_rate(self.prefill_rate, self.prefill.min_prefill_rate, break_open)
+        key = (now, rate, self.num_preemptions)
+        memo = self._step_triage
+        if memo and memo[0] == key:
+            return memo[1]
+        cands = sorted([r for r in self.running if r.phase != Phase.DECODE] + list(self.waiting), key=self.queue_key)
+        has, given_up = self.bm.has, self._given_up
+        decided = triage(cands, now, self.lm, self.num_layers, rate,
+                         lambda r: may_give_up(r, has(r.req_id), r.req_id in given_up), self.queue_key,
+                         self.prefill.max_need_candidates)
+        for r in decided.given_up:
+            given_up.add(r.req_id)
+            r.given_up = True
+        if memo is not None:
+            self._step_triage = (key, decided)
+        return decided
+
+    def prefill_demand(self, now: float) -> Demand:
+        """What the pending prefills need of the time from ``now`` (:meth:`PrefillPlanner.demand`)."""
+        cands = self._pending_prefills()
+        if not cands:
+            return Demand()
+        floor = self.tg_margin * self.t_g if math.isfinite(self.t_g) else 0.0
+        return self.prefill.demand(cands, self.triage(now), now, floor)
+
+    def _prefill_works(self, now: float, cost: PlanCost, budget: float) -> list[Work]:
+        """The EDF merge of prefill work into the step (:meth:`PrefillPlanner.merge`)."""
+        order = self.triage(now)
+        queued = {id(r) for r in self.waiting}  # not running yet: each one takes a running slot
+        return self.prefill.merge(self._pending_prefills(), order, queued, len(self.running), now, cost, budget,
+                                  self._kv)
+
     # -- decode (§6.2) -------------------------------------------------------------------------
     def _decode_works(self, now: float) -> list[Work]:
+        """This iteration's decode works: Alg. 1's due groups (:func:`~.decode.due_requests`, after a
+        replan when one is due), with KV for each new token (:meth:`preempt_for_decode`)."""
         decoding = [r for r in self.running if r.phase == Phase.DECODE]
         if not decoding:
             self.t_g = math.inf
@@ -327,15 +330,7 @@ class LaserScheduler(LaserPrefill, Scheduler):
         if self.replan_needed or any(r.req_id not in self.plans for r in decoding):
             self._replan(decoding)
         n = self.num_layers
-        due = []
-        for r in decoding:
-            p = self.plans[r.req_id]
-            if p.layers >= n or r.next_layer % p.layers:
-                due.append(r)  # full depth, or finishing a group cut short by a preemption
-                continue
-            g = r.next_layer // p.layers + 1
-            if (self.iteration - g - p.offset) % p.groups(n) == 0:
-                due.append(r)
+        due = due_requests(decoding, self.plans, n, self.iteration)
         # KV for the new token (only those starting a token need a slot)
         need = [r for r in due if r.next_layer == 0]
         preempted = self.num_preemptions
@@ -350,19 +345,17 @@ class LaserScheduler(LaserPrefill, Scheduler):
             p = self.plans.get(r.req_id)
             if p is None:
                 continue
-            end = n if p.layers >= n else min(n, (r.next_layer // p.layers + 1) * p.layers)
+            end = group_end(r, p, n)
             works.append(Work(r.req_id, r.num_tokens - 1, 1, r.next_layer, end, sample=end == n))
         return works
 
     def _replan(self, decoding: list[Request]) -> None:
-        """Alg. 1: relax the most relaxed / restore the strictest, against T_g.
-
-        When no decoding request has an SLO left to keep (:meth:`_nothing_to_keep`), T_g is
-        inf and every request runs at full depth: Alg. 1 would cut iterations (and prefill
-        time) for targets nobody can meet any more (our rule; the paper is silent)."""
+        """Alg. 1 (:func:`~.decode.exec_plan`): relax the most relaxed / restore the strictest,
+        against T_g. When no decoding request has an SLO left to keep
+        (:func:`~.budget.nothing_to_keep`), T_g is inf and every request runs at full depth."""
         self.replan_needed = False
         self.num_replans += 1
-        if self._nothing_to_keep(decoding):
+        if rules.nothing_to_keep(decoding):
             self.plans, self.t_g = {r.req_id: DecodePlan(self.num_layers, 0) for r in decoding}, math.inf
             return
         if self.config.role == "mixed":
@@ -370,7 +363,7 @@ class LaserScheduler(LaserPrefill, Scheduler):
             # into its layer calls, to tg_margin * T_g: a decode token costs what it adds to
             # them (on a GPU, a prefill token's compute once the call is compute-bound, where
             # priced alone the decode batch is weight-bound and no plan was ever reduced)
-            _, rate, _ = self._prefill_demand(self.clock())
+            rate = self.prefill_demand(self.clock()).rate
             self.plans, self.t_g, _ = exec_plan(self.lm, self.num_layers, self.iteration, decoding, self.plans,
                                                 self.planning_margin(), self.decode_memo, rate,
                                                 self.config.max_num_batched_tokens)
@@ -381,84 +374,30 @@ class LaserScheduler(LaserPrefill, Scheduler):
             if not r.tbt_infeasible and tbt_infeasible(self.lm, r, self.decode_memo):
                 r.tbt_infeasible = True  # served as well as possible; metrics say so
 
-    @staticmethod
-    def _nothing_to_keep(decoding: list[Request]) -> bool:
-        """Whether every decoding request with a TBT target has lost its SLO already: its first
-        token missed its TTFT target, its P99 TBT is broken, or its TBT target is out of reach
-        even alone (``tbt_infeasible``). A request's SLO is met only with both targets
-        (:mod:`laser.core.metrics`), so holding T_g for these saves no SLO; it only slows everyone
-        (the offline case of issue 16: a batch submitted at once misses every first token)."""
-        return all(r.slo.tbt is None or r.ttft_missed or r.p99_tbt_broken or r.tbt_infeasible for r in decoding)
-
+    # -- the budget rules, applied to this scheduler's state (laser.scheduler.laser.budget) -----------
     def planning_margin(self) -> float:
-        """Fraction of T_g that iterations are planned to: ``tg_margin`` over the latency model's
-        measured :meth:`~laser.latency.LatencyModel.timing_spread` (1.0 unless ``--jitter-margin``), so
-        that a step running over its prediction in the worst few percent of steps still fits
-        T_g -- for Alg. 1's decode plans as for the prefill budget (:meth:`_iteration_limit`)."""
-        return self.tg_margin / self.lm.timing_spread()
+        """Fraction of T_g that iterations are planned to (:func:`~.budget.planning_margin`)."""
+        return rules.planning_margin(self.tg_margin, self.lm.timing_spread())
 
     def plan_target_factor(self) -> float:
         """Fraction of T_g that the controller's Alg. 1 prices (``instance/state.py``) plan
         decode iterations to: :meth:`planning_margin`, less the share of each iteration that the pending
         prefills need to meet their deadlines on a mixed instance
-        (:meth:`_prefill_share_needed`, at most ``max_prefill_share``). The scheduler's own
+        (:meth:`prefill_demand`, at most ``max_prefill_share``). The scheduler's own
         replans on a mixed instance price the merged iteration instead (:meth:`_replan`)."""
         if self.config.role != "mixed":
             return self.planning_margin()
-        return self.planning_margin() * (1.0 - min(self.max_prefill_share, self._prefill_share_needed(self.clock())))
+        return self.planning_margin() * (1.0 - min(self.max_prefill_share, self.prefill_demand(self.clock()).share))
 
     def _iteration_limit(self, now: float, decode_time: float) -> float:
-        """Seconds this iteration may take so that every decoding request still gets its
-        token within its TBT target: :meth:`planning_margin` ``* T_g``, or less when a request's current
-        token gap is already partly spent -- request r with ``g`` iterations left before its
-        token (waiting for its next group's turn in Alg. 1's cycle, then its remaining groups) and ``s`` seconds left of its gap may take ``(s - (1 -
-        tg_margin) * TBT_r) / g`` (its TBT slack spread over its remaining iterations).
-        This matters when Alg. 1 changes a plan mid-token (e.g. T_g rises when the strictest
-        request leaves: the reduced request's last group would otherwise run in an iteration
-        sized to the new, looser T_g). Requests T_g does not hold for (:meth:`_tg_held`: no TBT
-        target, one out of reach even alone, or one below T_g), without a token yet, or whose gap is lost
-        already (its share, even without the margin, is below ``decode_time``, this
-        iteration's decode seconds) do not limit it; one that makes it only without the
-        margin gets an iteration of decode work alone."""
-        margin = self.planning_margin()  # a jittery machine: a wider margin
-        limit = self.t_g * margin
-        n = self.num_layers
-        for r in self._tg_held():
-            if not r.token_times:
-                continue
-            tbt = r.slo.tbt
-            p = self.plans.get(r.req_id)
-            if p is None:
-                continue
-            if p.layers >= n:
-                left = 1
-            else:  # iterations until its next group runs (Alg. 1's cycle), then the rest of the groups
-                k, g = p.groups(n), r.next_layer // p.layers + 1
-                left = (0 if r.next_layer % p.layers else (g + p.offset - self.iteration) % k) + k - g + 1
-            own = (r.token_times[-1] + tbt * margin - now) / left
-            if own >= decode_time:
-                limit = min(limit, own)
-            elif (r.token_times[-1] + tbt - now) / left >= decode_time:
-                limit = min(limit, decode_time)  # only without prefill (and the margin) it still makes it
-            # else its gap is lost already: holding prefill back saves nobody
-        return limit
+        """Seconds this iteration may take (:func:`~.budget.iteration_limit`)."""
+        return rules.iteration_limit(now, decode_time, self.t_g, self.planning_margin(),
+                                     rules.tg_held(self.running, self.t_g), self.plans, self.num_layers,
+                                     self.iteration)
 
     def _p99_allowance_left(self) -> bool:
-        """Whether every decoding request whose TBT target T_g holds (:meth:`_tg_held`) and whose
-        P99 TBT is not broken already (:attr:`Request.p99_tbt_broken`) may take one more token gap
-        over its target and still meet its P99 TBT (:attr:`Request.tbt_miss_allowance`). A request
-        with nothing left to lose does not veto the break."""
-        return all(r.p99_tbt_broken or r.num_tbt_misses + 1 <= r.tbt_miss_allowance for r in self._tg_held())
-
-    def _tg_held(self):
-        """The decoding requests whose TBT target T_g holds: a target at or above T_g (below it,
-        Alg. 1 gave the level up: its own requests overload the iteration) and reachable alone
-        (not ``tbt_infeasible``). None while T_g is inf."""
-        t_g = self.t_g
-        for r in self.running:
-            tbt = r.slo.tbt
-            if r.phase == Phase.DECODE and tbt is not None and tbt >= t_g and not r.tbt_infeasible:
-                yield r
+        """Whether a knowing break of T_g may spend one late gap (:func:`~.budget.p99_allowance_left`)."""
+        return rules.p99_allowance_left(rules.tg_held(self.running, self.t_g))
 
     def predict_decode(self, decoding: list[Request], plans: dict[str, DecodePlan] | None = None) -> float:
         """Worst predicted decode-only iteration time over the next iterations under ``plans``
@@ -474,4 +413,4 @@ class LaserScheduler(LaserPrefill, Scheduler):
         return dict(prefill_share=self.max_prefill_share, tg_margin=self.tg_margin, t_g=self.t_g,
                     last_iteration_s=self.last_iteration_s, iteration=self.iteration, plans=self.plans,
                     planning_margin=self.planning_margin(), decode_memo=self.decode_memo,
-                    layer_stops=self.num_step_preemptions)
+                    layer_stops=self.step.num_stops)
