@@ -25,9 +25,13 @@ re-prefilled from prompt + the tokens generated so far (kept here, so no token i
 twice) with its original arrival time and deadline. Greedy requests continue identically, and so
 do seeded sampled ones (a draw's generator is a function of seed and position,
 :func:`laser.model.sampler.draw_seed`); the response and ``/metrics`` say a request failed over.
+While idle the instances are pinged, so a restarted one rejoins without a request; with no decode
+instance left the prefill instances serve as mixed; a request that finds a needed role gone
+waits, bounded, for it to return, else fails with a 503-class error (:mod:`.availability`).
 
 The jobs live in their own modules: hand-offs and migrations (:mod:`.transfers`), failure
-recovery (:mod:`.recovery`), the records (:mod:`.state`), starting a cluster (:mod:`.launch`).
+recovery (:mod:`.recovery`), staying available (:mod:`.availability`), the records
+(:mod:`.state`), starting a cluster (:mod:`.launch`).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from ..core.request import SLO, InvalidRequestError, Phase, Request, SamplingPar
 from ..frontend.inputs import InputProcessor
 from ..frontend.outputs import OutputProcessor, RequestOutput
 from ..instance.messages import RequestInfo
+from .availability import Availability
 from .handles import Call, InstanceFailure, InstanceHandle
 from .recovery import Recovery
 from .state import ClusterError, ClusterStats, Tracked
@@ -56,7 +61,7 @@ STALL_FACTOR = 10.0
 STALL_DECAY = 0.9
 
 
-class ClusterEngine(Transfers, Recovery):
+class ClusterEngine(Transfers, Recovery, Availability):
     """Engine-like front end over ``handles`` driven by ``controller``.
 
     Args:
@@ -87,8 +92,9 @@ class ClusterEngine(Transfers, Recovery):
             raise ValueError("a cluster needs at least one instance")
         self.handles = {h.instance_id: h for h in handles}
         for h in handles:  # an instance fenced by an earlier front end refuses steps of an older epoch
-            h.epoch = max(h.epoch, h.call("ping"))
-        self.controller = controller
+            h.epoch = max(h.epoch, h.call("fence_epoch"))
+        self.controller = controller  # the router now: ``main_controller``, or the mixed fallback's
+        self.main_controller = controller
         controller.attach(list(handles))
         self.tokenizer = tokenizer
         self.model_config = model_config
@@ -124,6 +130,12 @@ class ClusterEngine(Transfers, Recovery):
         self._parked: list[str] = []  # requests that found no live instance; they wait for one to rejoin
         self._lost_outputs: list[RequestOutput] = []  # final outputs of requests given up on
         self._dispatching: set[str] = set()  # requests being routed now
+        self.health_probe_s = 1.0  # idle: every live instance is pinged this often (availability)
+        self.outage_wait_s = 30.0  # a request waits this long for an instance of a needed role to return
+        self._health: dict[int, "Call | float"] = {}  # live instance id -> its ping in flight, or next ping at
+        self._wait_until: dict[str, float] = {}  # waiting req id -> when it fails if still waiting
+        self._failed: list[tuple[str, ClusterError]] = []  # (req id, the error its client gets)
+        self._fallback: set[int] = set()  # prefill instances serving as mixed (no live decode instance)
         self.arrival_hook = None  # AsyncEngine sets it; arrivals are routed on the engine thread
 
     # -- what AsyncEngine reads --------------------------------------------------------------------------
@@ -162,7 +174,9 @@ class ClusterEngine(Transfers, Recovery):
 
     def add_processed(self, req: Request) -> Request:
         """Route and send a request the input path built. Raises InvalidRequestError (its id is
-        in use) or ClusterError (no live instance can take it); nothing is kept then."""
+        in use) or ClusterError (no live instance can take it and none may return); nothing is
+        kept then. With no live instance of a needed role but one that may return, it waits
+        (up to ``outage_wait_s``, :mod:`.availability`)."""
         if req.req_id in self.requests:
             raise InvalidRequestError(f"request id {req.req_id!r} is already in use")
         t = Tracked(req, self._info(req), owner=-1)
@@ -170,11 +184,19 @@ class ClusterEngine(Transfers, Recovery):
         self.outputs.add_request(req)
         try:
             self._dispatch(t)
+        except ClusterError:
+            if self._wait_for_return(t):  # an instance of the missing role may return: wait (bounded)
+                return req
+            self._forget(req.req_id)
+            raise
         except BaseException:
-            del self.requests[req.req_id]
-            self.outputs.abort(req.req_id)
+            self._forget(req.req_id)
             raise
         return req
+
+    def _forget(self, req_id: str) -> None:
+        del self.requests[req_id]
+        self.outputs.abort(req_id)
 
     def _info(self, req: Request) -> RequestInfo:
         return RequestInfo(req.req_id, req.arrival_time, req.num_tokens, req.slo.ttft, req.slo.tbt, req.slo.name,
@@ -186,7 +208,12 @@ class ClusterEngine(Transfers, Recovery):
         from ..core.block_manager import hash_blocks
 
         if self._hash_root is None:
-            rep = self.controller.prefill[0].report()
+            try:
+                rep = self.controller.prefill[0].report()
+            except (InstanceFailure, IndexError) as e:  # routed without them; the dispatch meets the failure
+                if isinstance(e, InstanceFailure):
+                    self._fail_instance(e.instance_id, e)
+                return ()
             self._hash_root = (rep.prefix_root, rep.block_size)
         root, bs = self._hash_root
         return tuple(hash_blocks([], req.all_token_ids, bs, root)) if root else ()
@@ -290,6 +317,8 @@ class ClusterEngine(Transfers, Recovery):
                 self._step_gen[iid] = self._work_sent[iid]
         outs: list[RequestOutput] = []
         futs = [c.future for c in self._steps.values()] + [t.transfer.adopt.future for t in self._transfers]
+        if not futs and (self._parked or self._stranded):
+            time.sleep(min(wait_s, 0.01))  # requests wait for an instance to return: no busy loop
         end = time.monotonic() + wait_s
         while futs and time.monotonic() < end:
             done, _ = concurrent.futures.wait(futs, timeout=min(0.005, wait_s),

@@ -132,15 +132,22 @@ class InstanceHandle(Instance):
 
 class LocalHandle(InstanceHandle):
     """An :class:`~laser.instance.worker.InstanceWorker` in this process: calls run at once on
-    the caller's thread (timeouts cannot apply; a killed one raises InstanceFailure)."""
+    the caller's thread (timeouts cannot apply; a killed one raises InstanceFailure).
+    ``restart``: builds a fresh worker (what Ray does for an actor with restarts left), so
+    :meth:`kill` ``(restart=True)`` can stand in for a restarted actor in tests."""
 
-    def __init__(self, worker, call_timeout_s: float = 5.0):
+    def __init__(self, worker, call_timeout_s: float = 5.0, restart=None):
         super().__init__(worker.describe(), call_timeout_s)
         self.worker = worker
         self._killed = False
+        self._restart = restart
+        self._restarting = False
 
     def call(self, method: str, *args, timeout: float | None = None):
         if self._killed:
+            if self._restarting:  # as a Ray actor: the call in flight fails, the next reaches the new process
+                self._killed = self._restarting = False
+                self.worker = self._restart()
             raise InstanceFailure(self.instance_id, "killed")
         return getattr(self.worker, method)(*args)
 
@@ -155,6 +162,7 @@ class LocalHandle(InstanceHandle):
 
     def kill(self, restart: bool = False) -> None:
         self._killed = True
+        self._restarting = restart and self._restart is not None
 
     def kv_sink(self):
         from ..instance.kv_stream import LocalKVSink

@@ -60,8 +60,13 @@ def start_cluster(controller: str | Controller, prefill: int = 0, decode: int = 
         from .handles import LocalHandle
         from ..instance.worker import InstanceWorker
 
-        handles = [LocalHandle(InstanceWorker(i, role, kwargs, threads_per_instance), call_timeout_s)
+        def worker(i, role):
+            return InstanceWorker(i, role, kwargs, threads_per_instance)
+
+        handles = [LocalHandle(worker(i, role), call_timeout_s, restart=lambda i=i, role=role: worker(i, role))
                    for i, role in specs]
+        for h in handles:
+            h.restarts_left = max_restarts
     return ClusterEngine(handles, ctrl, tokenizer, load_config(path), "smollm2" if model is None else str(model),
                          slo_classes or SLOClasses.load(), step_timeout_s=step_timeout_s, stream_kv=stream_kv,
                          stall_timeout_s=stall_timeout_s)

@@ -45,13 +45,8 @@ class Recovery:
         self._steps.pop(iid, None)
         self._step_gen.pop(iid, None)
         self._busy.discard(iid)
-        live = [x for x in self.handles.values() if x.alive]
-        try:
-            self._require_roles()
-            self.controller.attach(live)
-        except (ClusterError, ValueError) as e:
-            log.error("cluster cannot serve any more: %s", e)
-            self._stranded.add(iid)  # its requests move when an instance rejoins
+        if not self._serve_with_live():  # (prefill instances serve as mixed when the decode role is lost)
+            self._strand(iid)  # its requests move when an instance rejoins
             return
         self._move_requests_of(iid)
 
@@ -94,6 +89,7 @@ class Recovery:
     def _probe_dead(self) -> None:
         """Ping dead instances that may come back; one that answers is reset (emptied: a restarted
         actor is empty, one that had only missed a timeout is not) and rejoins the controller."""
+        self._expire_waits()
         now = time.monotonic()
         for iid, probe in list(self._probes.items()):
             failed_at, next_at, ping = probe
@@ -109,18 +105,19 @@ class Recovery:
                 continue
             probe[2] = None
             try:
-                h.result(ping)
+                boot = h.result(ping)
                 dropped = h.call("reset", h.epoch)
+                self._restore_role(h)
             except InstanceFailure:
                 probe[1] = time.monotonic() + self.rejoin_probe_s
                 continue
             del self._probes[iid]
             h.alive = True
+            h.describe["boot_id"] = boot
             self.stats.rejoins += 1
             log.warning("instance %d (%s) rejoined after %.1f s (dropped %d stale requests)", iid, h.role,
                         now - failed_at, dropped)
-            if self.can_serve():
-                self.controller.attach([x for x in self.handles.values() if x.alive])
+            if self._serve_with_live():
                 for dead in sorted(self._stranded):
                     self._move_requests_of(dead)
                 self._stranded.clear()
@@ -153,16 +150,15 @@ class Recovery:
         try:
             self._dispatch(t)
         except ClusterError as e:
-            if self._probes:  # an instance may come back: it waits for that
-                t.owner, t.decode = -1, None
-                self._parked.append(t.req.req_id)
-            else:
+            if not self._wait_for_return(t):  # (bounded: an instance may come back)
                 self._give_up(t, str(e))
 
     def _give_up(self, t: Tracked, why: str) -> None:
-        """``t`` cannot be served any more: its stream ends with ``finish_reason="abort"``."""
+        """``t`` cannot be served any more: its final output says ``finish_reason="abort"`` and
+        :meth:`take_failed` gives the error its client gets (a server ends its stream with it)."""
         log.error("request %s lost: %s", t.req.req_id, why)
         out = self.outputs.final(t.req, "abort")
         self.abort(t.req.req_id)
         t.req.finish_reason = "abort"
         self._lost_outputs.append(out)
+        self._failed.append((t.req.req_id, ClusterError(f"the cluster cannot continue this request: {why}")))

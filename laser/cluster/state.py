@@ -6,12 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..core.request import Request
+from ..frontend.admission import EngineUnavailableError
 from ..instance.messages import RequestInfo
 from .handles import Call
 
 
-class ClusterError(RuntimeError):
-    """The cluster cannot serve: no live instance of a role it needs."""
+class ClusterError(EngineUnavailableError, RuntimeError):
+    """The cluster cannot serve: no live instance of a role it needs (the server answers 503
+    with ``Retry-After``: an instance may return, Ray restarting it)."""
 
 
 @dataclass(eq=False)  # compared by identity (membership of ``_transfers``)

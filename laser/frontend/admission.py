@@ -272,6 +272,14 @@ class EngineStoppedError(Exception):
     """The engine is draining, stopped, or dead (HTTP 503)."""
 
 
+class EngineUnavailableError(Exception):
+    """The engine cannot serve right now but may soon (a cluster that lost every instance of a
+    role it needs, while one may come back): HTTP 503 with ``Retry-After: retry_after_s``
+    (seconds), never a 500."""
+
+    retry_after_s: float = 5.0
+
+
 class EngineStepError(Exception):
     """``engine.step()`` raised; the requests in flight were aborted (HTTP 500)."""
 

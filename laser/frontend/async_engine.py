@@ -36,6 +36,7 @@ from .admission import (  # noqa: F401 - the admission errors and decision are p
     Admission,
     EngineStepError,
     EngineStoppedError,
+    EngineUnavailableError,
     QueueAwareAdmission,
     QueueFullError,
     SLOInfeasibleError,

@@ -65,7 +65,7 @@ class EngineThread:
                         eng.check_integrity(expect_empty=True)
                     except Exception:  # noqa: BLE001
                         log.exception("integrity check failed while idle")
-                self._wake.wait(self.idle_wait_s)
+                self._wake.wait(self._poll_idle())
                 continue
             idle_checked = False
             t0 = time.perf_counter()
@@ -77,6 +77,7 @@ class EngineThread:
                 self._fail_all(EngineStepError(f"engine step failed: {type(e).__name__}: {e}"))
                 continue
             self.num_steps += 1
+            self._post_failed()
             self._publish(time.perf_counter() - t0)
             if outs:
                 self._post(self._on_outputs, outs)
@@ -84,6 +85,29 @@ class EngineThread:
                 # Nothing was planned (e.g. waiting on memory): do not spin.
                 self._wake.wait(0.001)
         self._abort_everything()
+
+    def _poll_idle(self) -> float:
+        """Idle: let the engine look after itself (a cluster front end probes its instances, so
+        one that died or restarted meanwhile is noticed and rejoins without a request,
+        :meth:`laser.cluster.engine.ClusterEngine.poll_idle`); seconds to sleep until the next look."""
+        poll = getattr(self.engine, "poll_idle", None)
+        if poll is None:
+            return self.idle_wait_s
+        try:
+            wait = min(self.idle_wait_s, poll())
+        except Exception:  # noqa: BLE001 - keep serving; the next step meets the same failure
+            log.exception("idle poll failed")
+            wait = self.idle_wait_s
+        self._post_failed()
+        return wait
+
+    def _post_failed(self) -> None:
+        """Requests the engine gave up on with an error (a cluster that lost a role for good)
+        end with that error, which the client sees (an SSE error event, a 5xx), not a
+        truncated stream."""
+        take = getattr(self.engine, "take_failed", None)
+        for rid, error in take() if take is not None else ():
+            self._post(self._on_failed, [rid], error)
 
     def _publish(self, step_s: float) -> None:
         """Engine thread: publish the scheduler snapshot (admission, metrics) after a step."""

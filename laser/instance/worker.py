@@ -32,6 +32,7 @@ import concurrent.futures
 import dataclasses
 import threading
 import time
+import uuid
 
 from ..core.block_manager import OutOfBlocksError
 from ..core.request import Request
@@ -65,6 +66,7 @@ class InstanceWorker:
         kw["scheduler"] = dataclasses.replace(sched, role=role)
         self.instance_id = instance_id
         self.role = role
+        self.boot_id = uuid.uuid4().hex  # a new process (an actor its host restarted) has a new one
         self.mi = ModelInstance(**kw)
         self.core = self.mi.core
         self.latency_model = self.mi.latency_model
@@ -88,7 +90,8 @@ class InstanceWorker:
         bm = self.core.scheduler.bm
         return dict(instance_id=self.instance_id, role=self.role, latency_model=self.latency_model,
                     num_layers=self.num_layers, max_model_len=self.mi.max_model_len,
-                    total_blocks=bm.num_blocks, block_size=bm.block_size, policy=self.core.scheduler.name)
+                    total_blocks=bm.num_blocks, block_size=bm.block_size, policy=self.core.scheduler.name,
+                    boot_id=self.boot_id)
 
     # -- command plumbing --------------------------------------------------------------------------
     def _drain(self, q: collections.deque) -> None:
@@ -353,7 +356,34 @@ class InstanceWorker:
         instance, so it answers nothing meanwhile -- a straggler the controller must detect."""
         self._stall_s = float(seconds)
 
-    def ping(self) -> int:
-        """Answers at once (liveness): this instance's epoch (its fencing token, see :meth:`reset`)."""
+    def fence_epoch(self) -> int:
+        """Answers at once: this instance's epoch (its fencing token, see :meth:`reset`)."""
         return self.epoch
+
+    def ping(self) -> str:
+        """This process's boot id (:meth:`describe`): the front end tells a restarted instance
+        (empty, a new id) from one that only answered late."""
+        return self.boot_id
+
+    def set_role(self, role: str) -> list[str]:
+        """Between steps: serve as ``role`` from now on. A prefill instance whose cluster lost
+        every decode instance serves as ``mixed`` (its requests decode here, no hand-off) and
+        back as ``prefill`` once a decode instance returns: then each request decoding here
+        is exported into the outbox (its KV and sampler state, as :meth:`migrate_out`) and its
+        id returned, for the front end to hand off; requests still prefilling hand off after
+        their first token as usual. Raises ConfigError for an unknown role."""
+        def switch():
+            sched = self.core.scheduler
+            sched.config = dataclasses.replace(sched.config, role=role)
+            self.role = role
+            if hasattr(sched, "replan_needed"):
+                sched.replan_needed = True
+            if role != "prefill":
+                return []
+            now = self.core.clock()
+            moved = [r for r in sched.decoding()]
+            for r in moved:
+                self.outbox[r.req_id] = self.core.export(r, now)
+            return [r.req_id for r in moved]
+        return self._call(switch, False)
 

@@ -29,9 +29,9 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
-from ..frontend.async_engine import AsyncEngine, EngineStepError
+from ..frontend.async_engine import AsyncEngine, EngineStepError, EngineUnavailableError
 from . import openai as openai_routes
-from .errors import APIError, error_response, format_validation
+from .errors import APIError, error_response, format_validation, unavailable
 from .generation import Generation
 from .metrics import CONTENT_TYPE, ServerMetrics
 
@@ -247,6 +247,10 @@ def _error_handlers(app: FastAPI, metrics: ServerMetrics):
     @app.exception_handler(EngineStepError)
     async def _step_error(request: Request, exc: EngineStepError):
         return error_response(500, str(exc), "engine_error")
+
+    @app.exception_handler(EngineUnavailableError)
+    async def _unavailable(request: Request, exc: EngineUnavailableError):
+        return await _api_error(request, unavailable(exc))
     return _api_error
 
 

@@ -71,6 +71,10 @@ def register(subparsers) -> None:
                    help="seconds a decode instance's step (one iteration) may take before the instance counts as "
                         "stalled (frozen, hung) and its requests move; stretched to 10x its slowest recent step "
                         "when longer (default %(default)s)")
+    g.add_argument("--outage-wait", type=float, default=30.0,
+                   help="seconds a request waits for an instance of a lost role that may return (a restart, a "
+                        "straggler) before it fails with 503 and Retry-After; 0: answer 503 at once "
+                        "(default %(default)s)")
     g.add_argument("--instance-restarts", type=int, default=0,
                    help="times Ray restarts a dead instance actor; a restarted one rejoins the controller empty "
                         "(default %(default)s)")
@@ -104,7 +108,9 @@ def build_cluster(args):
                          "instances send one token per step")
     name = args.controller or ("colocated" if args.mixed_instances else "laser")
     cache, sched, slo = engine_configs(args)
-    return start_cluster(name, args.prefill_instances, args.decode_instances, args.mixed_instances,
+    if args.outage_wait < 0:
+        raise SystemExit("laser: error: --outage-wait must be >= 0")
+    cl = start_cluster(name, args.prefill_instances, args.decode_instances, args.mixed_instances,
                          model=args.model, dtype=args.dtype, quantization=args.quantization, cache=cache,
                          scheduler=sched, slo_classes=slo,
                          latency_profile=args.latency_profile, max_model_len=args.max_model_len,
@@ -112,6 +118,8 @@ def build_cluster(args):
                          call_timeout_s=args.call_timeout, step_timeout_s=args.step_timeout,
                          stall_timeout_s=args.stall_timeout, max_restarts=args.instance_restarts, latency_calibration=args.latency_calibration,
                          jitter_margin=args.jitter_margin)
+    cl.outage_wait_s = args.outage_wait
+    return cl
 
 
 def port_unavailable(host: str, port: int) -> str | None:

@@ -27,6 +27,16 @@ class APIError(Exception):
         self.status, self.message, self.code, self.param, self.headers = status, message, code, param, headers
 
 
+def unavailable(exc: BaseException) -> APIError:
+    """The 503 answer of an :class:`~laser.frontend.admission.EngineUnavailableError` (a cluster
+    that lost a role it needs): its message, code ``unavailable``, ``Retry-After`` in whole
+    seconds (vLLM and OpenAI answer an overloaded or unavailable engine the same way)."""
+    import math
+
+    retry = max(1, math.ceil(getattr(exc, "retry_after_s", 1.0)))
+    return APIError(503, str(exc), "unavailable", headers={"retry-after": str(retry)})
+
+
 def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": _ERRORS.get(status, "error"), "param": param, "code": code}}
 

@@ -16,6 +16,7 @@ from fastapi import Request
 from ..frontend.async_engine import (
     AsyncEngine,
     EngineStoppedError,
+    EngineUnavailableError,
     QueueFullError,
     RequestStream,
     SLOInfeasibleError,
@@ -23,7 +24,7 @@ from ..frontend.async_engine import (
 )
 from ..core.request import SLO, InvalidRequestError, SamplingParams
 from ..frontend.inputs import ContextLengthError
-from .errors import APIError
+from .errors import APIError, unavailable
 from .fields import RequestFields
 from .metrics import ServerMetrics, slo_outcome
 from .token_texts import TokenTexts
@@ -218,6 +219,8 @@ class Generation(RequestFields):
             raise APIError(400, str(err), "invalid_value")
         if isinstance(err, EngineStoppedError):
             raise APIError(503, str(err), "unavailable")
+        if isinstance(err, EngineUnavailableError):
+            raise unavailable(err) from None
         raise err
 
     async def collect(self, q: asyncio.Queue, subs: list[Sub]) -> None:

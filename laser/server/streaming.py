@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi.responses import StreamingResponse
 
-from ..frontend.async_engine import EngineStepError, StreamError
+from ..frontend.async_engine import EngineStepError, EngineUnavailableError, StreamError
 from .errors import error_body
 from .generation import Sub
 from .tools import finish_reason
@@ -90,6 +90,8 @@ async def _batches(q: asyncio.Queue, subs: list[Sub]) -> AsyncIterator[list[tupl
 def _error_event(exc: BaseException) -> str:
     if isinstance(exc, EngineStepError):
         return _sse(error_body(500, str(exc), "engine_error"))
+    if isinstance(exc, EngineUnavailableError):  # a cluster lost a role it needs: the client sees why
+        return _sse(error_body(503, str(exc), "unavailable"))
     log.error("stream failed", exc_info=exc)
     return _sse(error_body(500, f"internal server error: {type(exc).__name__}", "internal_error"))
 

@@ -393,7 +393,7 @@ def test_fenced_instance_refuses_steps_and_hand_offs_of_an_older_epoch(tiny_llam
     while "r" not in pre.outbox:
         pre.step()
     sent = pre.take_handoff("r")
-    assert dec.reset(1) == 0 and dec.ping() == 1
+    assert dec.reset(1) == 0 and dec.fence_epoch() == 1
     with pytest.raises(KeyError, match="fenced"):
         dec.adopt(sent, 0, 0)
     assert dec.step(0)["fenced"] and not dec.has_work()

@@ -153,8 +153,9 @@ def test_stalled_prefill_actor_is_detected(tiny_llama, cluster, single):
 
 
 def test_restarted_decode_actor_rejoins(tiny_llama, cluster, single):
-    """The only decode instance dies mid-generation and Ray restarts it: its requests wait (no
-    decode role left), then resume on it once it rejoins, empty; new requests are served too."""
+    """The only decode instance dies mid-generation and Ray restarts it: the prefill instance
+    serves its requests as mixed meanwhile (re-prefilled there), the decode instance rejoins,
+    empty, and new requests take the disaggregated path again."""
     prompts = prompts_of(3, base=21)
     ref = reference(single, prompts + prompts[:1])
     live_p = [i for i in (0, 1, 2) if _alive(cluster[i])]
@@ -172,9 +173,12 @@ def test_restarted_decode_actor_rejoins(tiny_llama, cluster, single):
     while cl.handles[5].alive:  # noticed at its next step
         done.update(collect(cl.step(), streams))
         assert time.monotonic() < deadline
-    assert not cl.can_serve()
+    assert cl.can_serve() and cl.handles[live_p[0]].role == "mixed"  # no decode instance: prefill serves as mixed
     done.update(collect(cl.drain(120), streams))
-    assert cl.handles[5].alive and cl.stats.rejoins == 1 and cl.stats.recoveries == 3
+    while not cl.handles[5].alive:  # rejoins, idle
+        assert time.monotonic() < deadline + 120
+        time.sleep(cl.poll_idle())
+    assert cl.stats.rejoins == 1 and cl.stats.recoveries == 3 and cl.handles[live_p[0]].role == "prefill"
     cl.add_request(prompts[0], GREEDY, slo="chat", req_id="3")
     done.update(collect(cl.drain(60), streams))
     assert done == ref
@@ -237,7 +241,7 @@ def test_frozen_decode_actor_is_failed_over_fenced_and_rejoins(tiny_llama, clust
         if rep.num_decoding == 0 and rep.free_blocks == rep.total_blocks:
             break
         assert time.monotonic() - t0 < 120
-    assert cluster[victim].call("ping") == cl.handles[victim].epoch == epoch + 1
+    assert cluster[victim].call("fence_epoch") == cl.handles[victim].epoch == epoch + 1
     done.update(collect(cl.drain(120), streams))
     assert cl.handles[victim].alive and cl.stats.rejoins == 1
     assert cl.stats.seeded_recoveries == seeded_moves
