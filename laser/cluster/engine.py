@@ -381,13 +381,15 @@ class ClusterEngine(Transfers, Recovery, Availability):
     def _on_events(self, iid: int, events: list) -> list[RequestOutput]:
         outs = []
         now = self.clock()
-        for rid, token, reason, handed_off in events:
+        for rid, token, reason, handed_off, cached in events:
             t = self.requests.get(rid)
             if t is not None and t.transfer is not None and t.transfer.dst == iid:
                 t.owner = iid  # adopted (its adopt answer may come after this step's)
             if t is None or t.owner != iid:
                 continue  # aborted, or a stale token of an instance the request left
             req = t.req
+            if not req.output_token_ids:  # the prefill that made the first token read this many from its cache
+                req.num_cached_tokens = cached
             req.output_token_ids.append(token)
             req.token_times.append(now)
             if rid in self._recovering:

@@ -84,6 +84,8 @@ class InstanceReport:
     icache_capacity: int
     cached_blocks: frozenset = frozenset()
     prefix_root: bytes = b""
+    prefix_cache_queries: int = 0  # prompt tokens looked up in its prefix cache (vLLM's counter), so far
+    prefix_cache_hits: int = 0  # of them, found cached
 
     def cached_prefix_tokens(self, info: RequestInfo) -> int:
         """Prompt tokens of ``info`` this instance's prefix cache holds, as its scheduler would

@@ -40,7 +40,8 @@ def build_report(instance_id: int, role: str, sched, icache, now: float, busy_un
         free_blocks=free, total_blocks=bm.num_blocks, block_size=bm.block_size,
         t_g=planning.t_g, iteration_s=planning.last_iteration_s,
         icache_used=icache.used_tokens, icache_capacity=icache.capacity_tokens,
-        cached_blocks=bm.summary() if role != "decode" else frozenset(), prefix_root=bm.prefix_root)
+        cached_blocks=bm.summary() if role != "decode" else frozenset(), prefix_root=bm.prefix_root,
+        prefix_cache_queries=sched.prefix_cache_queries, prefix_cache_hits=sched.prefix_cache_hits)
 
 
 def decode_increment(instance_id: int, sched, latency_model, num_layers: int, info: RequestInfo,

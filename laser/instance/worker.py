@@ -301,7 +301,8 @@ class InstanceWorker:
                 # the report's busy_until: the step runs about as long as the last one
                 self._busy_until = self.core.clock() + (self.core.scheduler.report().last_iteration_s or 0.0)
                 for ev in self.core.step():
-                    events.append((ev.request.req_id, ev.token, ev.finish_reason, ev.handed_off))
+                    events.append((ev.request.req_id, ev.token, ev.finish_reason, ev.handed_off,
+                                   ev.request.num_cached_tokens))
                     if ev.finish_reason is not None:
                         self.streamed_to.pop(ev.request.req_id, None)
                 for h in self.core.handoffs:

@@ -251,7 +251,8 @@ class _ClusterCollector:
 
     @staticmethod
     def _instance_gauges(eng, m: str):
-        """Per-instance state from each instance's report after its last step (§7.1)."""
+        """Per-instance state from each instance's report after its last step (§7.1), and its prefix
+        cache counters (the cluster's ``vllm:prefix_cache_*``: one series per instance)."""
         labels = ["model_name", "instance", "role"]
         fams = {
             "queue": GaugeMetricFamily("laser:instance_queue_length", "Requests with prefill work left.", labels=labels),
@@ -262,6 +263,10 @@ class _ClusterCollector:
                                       labels=labels),
             "t_g": GaugeMetricFamily("laser:instance_t_g_seconds", "Tightest TBT target of its decode "
                                      "requests (T_g; +Inf: none).", labels=labels),
+            "pcq": CounterMetricFamily("vllm:prefix_cache_queries", "Prefix cache queries per instance: prompt "
+                                       "tokens looked up at first admission (tokens; vLLM's name).", labels=labels),
+            "pch": CounterMetricFamily("vllm:prefix_cache_hits", "Prefix cache hits per instance: prompt tokens "
+                                       "found cached at first admission (tokens; vLLM's name).", labels=labels),
         }
         for i, rep in sorted(eng.last_reports.items()):
             if rep is None:
@@ -273,6 +278,8 @@ class _ClusterCollector:
             if rep.iteration_s is not None:
                 fams["iter"].add_metric(lv, rep.iteration_s)
             fams["t_g"].add_metric(lv, rep.t_g)
+            fams["pcq"].add_metric(lv, rep.prefix_cache_queries)
+            fams["pch"].add_metric(lv, rep.prefix_cache_hits)
         yield from fams.values()
 
 

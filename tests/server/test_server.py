@@ -566,3 +566,38 @@ def test_sse_wire_format(live):
     objs = [json.loads(e[6:]) for e in events[:-1]]
     assert all(o["object"] == "chat.completion.chunk" for o in objs)
     assert objs[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_cluster_reports_cached_prompt_tokens_and_prefix_counters_per_instance(tiny_llama):
+    """Issue 29 item 4 on a cluster (1P1D, in process): the prefill instance's prefix cache hit
+    reaches the response's ``usage.prompt_tokens_details.cached_tokens`` (carried by the instance's
+    token event) and ``/metrics`` has ``vllm:prefix_cache_queries`` / ``_hits`` per instance."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from laser.cluster.engine import ClusterEngine
+    from laser.cluster.handles import LocalHandle
+    from laser.controller import get_controller
+    from laser.core.slo import SLOClasses
+    from laser.instance.worker import InstanceWorker
+    from laser.model.loader import load_config, load_tokenizer
+
+    kw = dict(model=str(tiny_llama), policy="laser", dtype="float32")
+    cl = ClusterEngine([LocalHandle(InstanceWorker(0, "prefill", kw)), LocalHandle(InstanceWorker(1, "decode", kw))],
+                       get_controller("laser")(), load_tokenizer(str(tiny_llama)), load_config(str(tiny_llama)),
+                       "tiny", SLOClasses.load())
+    srv = LiveServer(build_app(AsyncEngine(cl), served_model_names=["tiny"]))
+    try:
+        ids = [300 + 7 * i for i in range(40)]
+        body = {"model": "tiny", "prompt": ids, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+        first = httpx.post(srv.url + "/v1/completions", json=body, timeout=120).json()
+        again = httpx.post(srv.url + "/v1/completions", json=body, timeout=120).json()
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 32  # 2 full blocks of 16
+        assert again["choices"][0]["text"] == first["choices"][0]["text"]
+        fams = {f.name: f for f in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text)}
+        per = {n: {s.labels["instance"]: s.value for s in fams[n].samples if s.name.endswith("_total")}
+               for n in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits")}
+        assert per["vllm:prefix_cache_queries"]["0"] == 80 and per["vllm:prefix_cache_hits"]["0"] == 32
+        assert per["vllm:prefix_cache_hits"]["1"] == 0  # the decode instance adopts KV, it looks nothing up
+    finally:
+        srv.stop()
