@@ -342,6 +342,8 @@ class ClusterEngine(Transfers, Recovery, Availability):
                     self._fail_instance(iid, e)
                     continue
                 self._note_step_time(iid, now - call.started)
+                if self.handles[iid].role == "decode":  # frozen between two steps: caught as in one
+                    call.handle.idle_answer_s = self._step_deadline(iid)
                 if not res["busy"] and self._step_gen.get(iid) == self._work_sent[iid]:
                     self._busy.discard(iid)  # idle, and given nothing since this step started
                 self.last_reports[iid] = res.get("report")

@@ -66,14 +66,21 @@ class InstanceHandle(Instance):
         # ``time.monotonic()`` by which the step in flight must answer (None: no step in flight); a
         # synchronous call never waits past it: an instance that misses it is stalled anyway.
         self.answer_by: float | None = None
+        # With no step in flight, an answer is due within this many seconds (None: the call
+        # timeout): a decode instance that is idle answers at once, so one silent for its stall
+        # deadline is frozen -- whether it froze inside a step or between two.
+        self.idle_answer_s: float | None = None
 
     def timeout_for(self, timeout: float | None = None) -> float:
         """A synchronous call's timeout (s): ``timeout`` (default ``call_timeout_s``), cut to what
-        is left until :attr:`answer_by` -- a call to a frozen instance must not hold the front
-        end past the moment its stall is detected."""
+        is left until :attr:`answer_by` (or to :attr:`idle_answer_s` with no step in flight) -- a
+        call to a frozen instance must not hold the front end past the moment its stall is
+        detected."""
         t = self.call_timeout_s if timeout is None else timeout
         if self.answer_by is not None:
             t = min(t, max(0.0, self.answer_by - time.monotonic()))
+        elif self.idle_answer_s is not None:
+            t = min(t, self.idle_answer_s)
         return t
 
     def call(self, method: str, *args, timeout: float | None = None):
