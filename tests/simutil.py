@@ -89,3 +89,11 @@ def random_schema(rng, depth: int = 0) -> dict:
             p = {"type": "boolean"}
         props[f"k{i}"] = p
     return {"type": "object", "properties": props, "required": sorted(props), "additionalProperties": False}
+
+
+def random_prompts(n: int, seed: int) -> list[list[int]]:
+    """``n`` prompts of random token ids (3..499), 4..59 tokens each, drawn from ``seed``."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(rng.randrange(4, 60))] for _ in range(n)]

@@ -13,7 +13,6 @@ as Ray does for an actor with restarts left).
 
 from __future__ import annotations
 
-import random
 import time
 
 import httpx
@@ -28,14 +27,10 @@ from laser.frontend.async_engine import AsyncEngine
 from laser.frontend.engine import Engine
 from laser.server.app import build_app
 from laser.server.cli import LiveServer
+from simutil import random_prompts
 
 SCHED = SchedulerConfig(max_num_batched_tokens=32)
 SP = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-
-
-def _prompts(n, seed):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 500) for _ in range(rng.randrange(4, 60))] for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +78,7 @@ def test_instance_lost_while_idle_rejoins_without_a_request(tiny_llama, single, 
     """Idle 1P1D, the prefill instance dies and its host restarts it: seen at the next idle ping
     (a failed ping, or -- restarted before the ping -- a new boot id), it rejoins empty and the
     next request is served with its no-failure tokens."""
-    prompts = _prompts(1, 5)
+    prompts = random_prompts(1, 5)
     ref = _reference(single, prompts)
     cl = _cluster(tiny_llama, restarts=1)
     h = cl.handles[0]
@@ -104,7 +99,7 @@ def test_request_during_an_outage_waits_for_the_instance_then_is_served(tiny_lla
     """The prefill instance is down (its host will restart it): a request arriving meanwhile is
     accepted and waits instead of failing; once the instance answers again it rejoins and the
     request completes with its no-failure tokens."""
-    prompts = _prompts(2, 8)
+    prompts = random_prompts(2, 8)
     ref = _reference(single, prompts)
     cl = _cluster(tiny_llama, restarts=1)
     h = cl.handles[0]
@@ -151,7 +146,7 @@ def test_decode_lost_prefill_serves_as_mixed(tiny_llama, single, tokens_before):
     re-prefilled from prompt + tokens so far, or adopted from its own outbox -- and every one
     completes with its no-failure tokens (greedy fp32), none streamed twice; new requests are
     served too."""
-    prompts = _prompts(5, 11)
+    prompts = random_prompts(5, 11)
     ref = _reference(single, prompts)
     cl = _cluster(tiny_llama)
     for i, p in enumerate(prompts[:4]):
@@ -174,7 +169,7 @@ def test_decode_returns_and_the_prefill_instance_hands_its_requests_back(tiny_ll
     serves as mixed meanwhile; when the decode instance rejoins, the requests decoding on the
     prefill instance move to it with their KV (no re-prefill) and finish with their no-failure
     tokens; the prefill instance is a prefill instance again."""
-    prompts = _prompts(3, 13)
+    prompts = random_prompts(3, 13)
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     ref = _reference(single, prompts, sp)
     cl = _cluster(tiny_llama, restarts=1)

@@ -24,15 +24,11 @@ from laser.instance.worker import InstanceWorker
 from laser.model.loader import load_config, load_tokenizer
 from laser.core.request import SamplingParams
 from laser.core.slo import SLOClasses
+from simutil import random_prompts
 
 SCHED = SchedulerConfig(max_num_batched_tokens=32)
 SP = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 CLASSES = ["chat", "code", "summarization", None]
-
-
-def _prompts(n, seed):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 500) for _ in range(rng.randrange(4, 60))] for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +50,7 @@ def test_random_instance_failures_lose_nothing(tiny_llama, single, seed):
     """2 prefill + 2 decode instances (``laser`` controller) or 3 mixed (``colocated``); one or
     two instances die at random steps (roles kept alive) while requests arrive over time."""
     rng = random.Random(seed)
-    prompts = _prompts(8, seed)
+    prompts = random_prompts(8, seed)
     ref = _reference(single, prompts)
     kw = dict(model=str(tiny_llama), dtype="float32", scheduler=SCHED, use_ray=False)
     disagg = seed % 3 != 2
@@ -231,7 +227,7 @@ def test_instance_that_only_missed_a_timeout_rejoins(tiny_llama, single):
     rejoins, and every request completes with its no-failure tokens."""
     from laser.cluster.handles import InstanceFailure
 
-    prompts = _prompts(4, 3)
+    prompts = random_prompts(4, 3)
     ref = _reference(single, prompts)
     kw = dict(model=str(tiny_llama), dtype="float32", scheduler=SCHED, use_ray=False)
     cl = start_cluster("laser", 1, 1, **kw)
@@ -260,7 +256,7 @@ def test_seeded_sampled_request_keeps_its_stream_through_a_fail_over(tiny_llama,
     output says it failed over and kept its seed (before: a new stream from the 1st failed token)."""
     sp = SamplingParams(max_tokens=30, temperature=0.8, seed=7, ignore_eos=True, frequency_penalty=0.4,
                         presence_penalty=0.2, repetition_penalty=1.1)
-    prompt = _prompts(1, 28)[0]
+    prompt = random_prompts(1, 28)[0]
     single.add_request(prompt, sp, req_id="ref-seeded")
     ref = [o for o in _drain_engine(single) if o.finished][0].token_ids
     cl = start_cluster("laser", 1, 2, model=str(tiny_llama), dtype="float32", scheduler=SCHED, use_ray=False)
@@ -341,7 +337,7 @@ def test_frozen_decode_instance_is_failed_over_within_its_stall_timeout_and_fenc
     when it wakes it runs the fence the front end left it (reset, new epoch): its KV is released
     before it rejoins, and every request ends with its no-failure tokens, none streamed twice."""
     sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    prompts = _prompts(5, 6)
+    prompts = random_prompts(5, 6)
     for i, p in enumerate(prompts):
         single.add_request(p, sp, req_id=f"frz{i}")
     ref = {o.req_id.removeprefix("frz"): o.token_ids for o in _drain_engine(single) if o.finished}
