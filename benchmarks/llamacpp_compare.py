@@ -119,28 +119,19 @@ def gguf_file_type(path: Path) -> str:
 
 
 def isolated_latency(base_url: str, args, extra_body: dict | None, tokenizer):
-    """Isolated latencies of the server at ``base_url`` (:func:`laser.bench.calibrate.measure_isolated`):
+    """Isolated latencies of the server at ``base_url``
+    (:func:`laser.bench.calibrate.measure_target_isolated`, as ``laser bench --slo-base measured``):
     one request at a time, a prompt of each class's mean prompt length in the workload of ``args``,
     ``--isolated-repeats`` runs each, 16 output tokens."""
-    import numpy as np
-
-    from laser.bench.calibrate import class_mean_prompt_lens, measure_isolated, paper_targets
-    from laser.bench.client import ClientTarget
-    from laser.bench.workloads import WorkloadRequest, WorkloadSampler, sample_mix
     from laser.bench.args import parse_mix
-    from laser.core.slo import SLOClasses
+    from laser.bench.calibrate import measure_target_isolated, paper_targets
+    from laser.bench.client import ClientTarget
+    from laser.bench.workloads import sample_mix
 
     reqs = sample_mix(parse_mix(args.mix), args.num_prompts, args.seed, args.length_scale, tokenizer)
-    lens = {c: n for c, n in class_mean_prompt_lens(reqs).items() if c in paper_targets()}
-    sampler, rng = WorkloadSampler(tokenizer, args.seed), np.random.default_rng(args.seed)
-    tgt = ClientTarget(base_url, label="isolated", extra_body=extra_body)
-
-    def make_prompt(cls, n):
-        text, m = sampler.filler(n, rng)
-        return WorkloadRequest("best_effort", text, m, 16, 0.0, f"isolated:{cls}")
-
-    return measure_isolated(lambda wr: tgt.run([wr], SLOClasses({}), timeout_s=600).records[0], make_prompt, lens,
-                            args.isolated_repeats, f"measured on the server at {base_url}")
+    return measure_target_isolated(ClientTarget(base_url, label="isolated", extra_body=extra_body), reqs, tokenizer,
+                                   paper_targets(), args.seed, args.isolated_repeats, 16,
+                                   f"measured on the server at {base_url}")
 
 
 def measure_servers(procs: dict[str, ServerProcess], args, tokenizer, calibrate_on: list[str]) -> dict:

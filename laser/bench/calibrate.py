@@ -163,6 +163,26 @@ def measured_factor(
     return f, binding
 
 
+def measure_target_isolated(target, requests: Sequence[WorkloadRequest], tokenizer, paper: Mapping, seed: int,
+                            repeats: int, output_tokens: int, source: str) -> IsolatedLatency:
+    """:func:`measure_isolated` on a bench target (``target.run``: engine, simulator or server):
+    a prompt of essay text of each class's mean prompt length in ``requests`` (classes of
+    ``paper`` only), ``output_tokens`` (at least 2) output tokens, ``repeats`` runs each."""
+    import numpy as np
+
+    from laser.bench.workloads import WorkloadSampler
+
+    sampler, rng, neutral = WorkloadSampler(tokenizer, seed), np.random.default_rng(seed), SLOClasses({})
+
+    def make_prompt(cls, n):
+        text, m = sampler.filler(n, rng)
+        return WorkloadRequest("best_effort", text, m, max(2, output_tokens), 0.0, f"isolated:{cls}")
+
+    lens = {c: n for c, n in class_mean_prompt_lens(requests).items() if c in paper}
+    return measure_isolated(lambda wr: target.run([wr], neutral, timeout_s=600).records[0], make_prompt, lens,
+                            repeats, source)
+
+
 @dataclass
 class Calibration:
     """The SLO targets a benchmark uses and how they were obtained."""

@@ -252,31 +252,16 @@ def build_workload(args, tokenizer, max_model_len, mix=None):
 
 
 def calibrate_slos(args, targets, requests, tokenizer):
-    from laser.bench.calibrate import calibrate, class_mean_prompt_lens, measure_isolated, paper_targets
-    from laser.bench.workloads import WorkloadRequest, WorkloadSampler
-    from laser.core.slo import SLOClasses
-
-    import numpy as np
+    from laser.bench.calibrate import calibrate, measure_target_isolated, paper_targets
 
     paper = paper_targets(args.slo_config)
     iso = None
     if args.slo_base == "measured":
         target = next(iter(targets.values()))
-        sampler = WorkloadSampler(tokenizer, args.seed)
-        rng = np.random.default_rng(args.seed)
-        neutral = SLOClasses({})
-
-        def make_prompt(cls, n):
-            text, m = sampler.filler(n, rng)
-            return WorkloadRequest("best_effort", text, m, max(2, args.isolated_output_tokens), 0.0, f"isolated:{cls}")
-
-        def run_one(wr):
-            return target.run([wr], neutral, timeout_s=600).records[0]
-
-        lens = {c: n for c, n in class_mean_prompt_lens(requests).items() if c in paper}
         src = {"engine": "measured on the engine", "sim": "simulated (latency model)",
                "client": f"measured on the server at {getattr(target, 'base_url', '')}"}[target.kind]
-        iso = measure_isolated(run_one, make_prompt, lens, args.isolated_repeats, src)
+        iso = measure_target_isolated(target, requests, tokenizer, paper, args.seed, args.isolated_repeats,
+                                      args.isolated_output_tokens, src)
     return calibrate(args.slo_base, args.slo_scale, paper, iso, args.tbt_multiple, args.ttft_multiple)
 
 
