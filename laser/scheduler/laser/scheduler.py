@@ -408,9 +408,15 @@ class LaserScheduler(Scheduler):
         plans = {r.req_id: given.get(r.req_id, DecodePlan(n, 0)) for r in decoding}
         return _LayerLoad(self.lm, n, self.iteration, decoding, plans, self.decode_memo).predict()
 
+    def on_role_change(self) -> None:
+        self.replan_needed = True
+
     def planning_report(self) -> dict:
-        """Alg. 1's state for :meth:`Scheduler.report` (T_g, its margin, the plans, the memo)."""
+        """Alg. 1's part of :meth:`Scheduler.report` (the prefill share, T_g and its margin, the
+        last iteration, the layer stops)."""
         return dict(prefill_share=self.max_prefill_share, tg_margin=self.tg_margin, t_g=self.t_g,
-                    last_iteration_s=self.last_iteration_s, iteration=self.iteration, plans=self.plans,
-                    planning_margin=self.planning_margin(), decode_memo=self.decode_memo,
-                    layer_stops=self.step.num_stops)
+                    last_iteration_s=self.last_iteration_s, layer_stops=self.step.num_stops)
+
+    def decode_state(self) -> tuple:
+        """Alg. 1's live state: (iteration, plans, the margin it plans to, its price memo)."""
+        return self.iteration, self.plans, self.planning_margin(), self.decode_memo
