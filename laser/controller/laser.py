@@ -39,8 +39,9 @@ def prefill_slack(rep: InstanceReport, lm, num_layers: int, info: RequestInfo, n
     (``cached`` of its prompt tokens already in the instance's prefix cache: only the rest is
     priced), over the requests whose deadline held without it (and ``info`` itself); negative
     when one of them would miss; +inf when none has a deadline. Finishes from the one TTFT
-    predictor (:func:`laser.scheduler.ttft.finish_times`, the merged model of Laser's layer-level
-    prefill), starting at the end of the executing step (``busy_until``)."""
+    predictor (:func:`laser.scheduler.ttft.finish_times`: a prefill instance's queue drains as one
+    merged batch growing in queue order), starting at the end of the executing step
+    (``busy_until``)."""
     start = max(now, rep.busy_until)
     sched = rep.scheduler
     before = {e.req_id: f <= e.deadline for e, f in finish_times(sched, lm, start, num_layers=num_layers)}

@@ -32,10 +32,11 @@ class QueueAwareAdmission:
     ``num_adds = k`` already holds (or has finished) the first ``k``. Single-threaded use (the
     event loop), except :meth:`publish`, which only swaps a reference.
 
-    ``model``: the queue-time model of :func:`laser.scheduler.ttft.predict_ttft`.
+    ``model``: the queue-time model of :func:`laser.scheduler.ttft.predict_ttft` (None: the one
+    of the report's policy, :func:`laser.scheduler.ttft.model_for`).
     """
 
-    def __init__(self, latency_model, model: str = "chunked"):
+    def __init__(self, latency_model, model: str | None = None):
         self.latency_model = latency_model
         self.model = model
         # (report, adds the engine thread had run, its last step's duration in seconds)

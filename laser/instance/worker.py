@@ -91,7 +91,7 @@ class InstanceWorker:
         bm = self._bm
         return dict(instance_id=self.instance_id, role=self.role, latency_model=self.latency_model,
                     num_layers=self.num_layers, max_model_len=self.mi.max_model_len,
-                    total_blocks=bm.num_blocks, block_size=bm.block_size, policy=self.core.scheduler.name,
+                    total_blocks=bm.num_blocks, block_size=bm.block_size, policy=self.core.scheduler.report().policy,
                     boot_id=self.boot_id)
 
     # -- command plumbing --------------------------------------------------------------------------

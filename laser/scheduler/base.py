@@ -98,6 +98,18 @@ class Scheduler(ABC):
         self.running.append(req)
         self.on_adopt(req)
 
+    @property
+    def role(self) -> str:
+        """The instance role it schedules for: ``prefill``, ``decode`` or ``mixed``."""
+        return self.config.role
+
+    @property
+    def step_observer(self) -> Callable | None:
+        """``observe_step(plan, seconds)`` of the latency model it plans with, when that model
+        calibrates itself online (:class:`laser.latency.CalibratedLatencyModel`); None otherwise.
+        The instance core tells it every step that ran its plan to the end."""
+        return getattr(self.latency_model, "observe_step", None)
+
     def set_role(self, role: str) -> None:
         """Serve as ``role`` (``prefill``, ``decode`` or ``mixed``) from the next step on (a
         prefill instance serving as mixed while its cluster has no decode instance, and back)."""
@@ -510,7 +522,7 @@ class Scheduler(ABC):
             "prefix_cache_refound": self.prefix_cache_refound,
             "prefix_cache_evictions": self.bm.num_evictions,
         }
-        return SchedulerReport(policy=self.name, queue_order=cfg.queue_order,
+        return SchedulerReport(policy=self.name, role=cfg.role, queue_order=cfg.queue_order,
                                best_effort_deadline_s=cfg.best_effort_deadline_s,
                                chunk_tokens=cfg.max_num_batched_tokens, busy=bool(self.requests),
                                time=self.clock() if now is None else now, queue=tuple(queue),

@@ -74,7 +74,8 @@ class SchedulerReport:
     by :meth:`Scheduler.report` on the thread that owns the scheduler. Immutable and picklable.
 
     Attributes:
-        policy: scheduler name. queue_order: ``edf`` or ``fcfs``. best_effort_deadline_s: EDF
+        policy: scheduler name. role: the instance role it schedules for (``prefill``,
+        ``decode`` or ``mixed``). queue_order: ``edf`` or ``fcfs``. best_effort_deadline_s: EDF
         deadline of best effort (seconds). chunk_tokens: token budget of one iteration.
         busy: it holds unfinished requests. time: its clock when taken (seconds).
         queue: every request with prompt tokens left to prefill, in queue order
@@ -88,6 +89,7 @@ class SchedulerReport:
     """
 
     policy: str = "sarathi"
+    role: str = "mixed"
     queue_order: str = "edf"
     best_effort_deadline_s: float = 30.0
     chunk_tokens: int = 512

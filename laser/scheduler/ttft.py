@@ -109,7 +109,7 @@ def _merged(report: SchedulerReport, lm, num_layers: int, start: float,
     entries = list(report.queue)
     if extra is not None:
         entries.append(extra)
-    entries.sort(key=lambda e: (e.best_effort, e.deadline))
+    entries.sort(key=_ORDER)
     out = []
     tokens = 0
     attn = 0.0
@@ -125,14 +125,30 @@ def _merged(report: SchedulerReport, lm, num_layers: int, start: float,
     return out
 
 
+def _order(e: QueueEntry):
+    return e.key
+
+
+_ORDER = _order
+
+
+def model_for(report: SchedulerReport) -> str:
+    """The queue-time model of the instance of ``report``: ``merged`` on a prefill instance
+    (nothing competes with its queued prompts, which it batches layer call by layer call),
+    ``chunked`` on a mixed one (decode iterations interleave with the prefill chunks). Chosen by
+    measurement against the simulator (``benchmarks/ttft_predictors.py``, docs/benchmarks.md)."""
+    return "merged" if report.role == "prefill" else "chunked"
+
+
 def finish_times(report: SchedulerReport, latency_model, start: float, extra: QueueEntry | None = None,
-                 model: str = "merged", num_layers: int | None = None) -> list[tuple[QueueEntry, float]]:
+                 model: str | None = None, num_layers: int | None = None) -> list[tuple[QueueEntry, float]]:
     """Predicted prefill finish (absolute seconds) of every entry of ``report.queue`` -- with
     ``extra`` (a newcomer, :meth:`SchedulerReport.entry`) inserted -- in the order the model
     drains them: ``[(entry, finish)]``. ``start``: when the instance starts on the queue (the end
-    of the step it is running). ``model``: one of :data:`MODELS` (see the module docstring);
-    ``num_layers``: the instance's depth (default the latency model's). Raises ValueError for an
-    unknown model."""
+    of the step it is running). ``model``: one of :data:`MODELS` (see the module docstring;
+    default :func:`model_for` the report's policy); ``num_layers``: the instance's depth (default
+    the latency model's). Raises ValueError for an unknown model."""
+    model = model or model_for(report)
     if model == "chunked":
         return _chunked(report, latency_model, start, extra)
     if model == "merged":
@@ -141,7 +157,7 @@ def finish_times(report: SchedulerReport, latency_model, start: float, extra: Qu
 
 
 def predict_ttft(report: SchedulerReport, entry: QueueEntry, latency_model, start: float,
-                 arrival: float | None = None, model: str = "merged", num_layers: int | None = None) -> float:
+                 arrival: float | None = None, model: str | None = None, num_layers: int | None = None) -> float:
     """Predicted TTFT (seconds, from ``arrival``; default ``start``) of a new request ``entry``
     queued on the instance of ``report`` (:func:`finish_times`)."""
     for e, f in finish_times(report, latency_model, start, entry, model, num_layers):

@@ -272,7 +272,7 @@ def hand_report(iid: int, queue=(), cached=frozenset()):
     from laser.instance.messages import InstanceReport
     from laser.scheduler.report import SchedulerReport
 
-    return InstanceReport(iid, "prefill", 0.0, 0.0, SchedulerReport(queue=tuple(queue)), 0, 0, 0, 4096, 4096, 16, 0,
+    return InstanceReport(iid, "prefill", 0.0, 0.0, SchedulerReport(role="prefill", queue=tuple(queue)), 0, 0, 0, 4096, 4096, 16, 0,
                           16384, cached_blocks=frozenset(cached))
 
 
