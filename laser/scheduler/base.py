@@ -21,7 +21,6 @@ never stop.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from abc import ABC, abstractmethod
 from collections import Counter

@@ -61,3 +61,54 @@ def test_admission_places_a_newcomer_where_the_scheduler_queues_it(order, rid, s
     actual = [e.req_id for e in sim.scheduler.report(arrival).queue]
     assert predicted == actual
     assert actual[0] == "boosted"  # room was made for it: nothing is placed before it
+
+
+def _first_token_of_newcomer(policy: str, role: str, slo: SLO, demoted: bool = False):
+    """(predicted, simulated) TTFT of a 400-token newcomer arriving at an instance whose queue
+    holds a warm 700-token, a hot 300-token and a best-effort 900-token prompt (one output token
+    each: nothing decodes), predicted from the scheduler's report before it is added."""
+    from laser.core.config import SchedulerConfig
+    from laser.scheduler.ttft import predict_ttft
+
+    sim = SimInstance(policy, N, LM, SchedulerConfig(role=role, max_num_batched_tokens=512))
+    queue = [_req("a", WARM, 0.0, 700), _req("b", HOT, 0.0, 300), _req("c", BE, 0.0, 900)]
+    for r in queue:
+        r.sampling_params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        sim.scheduler.add_request(r)
+    rep = sim.scheduler.report(0.0)
+    predicted = predict_ttft(rep, rep.entry(400, 0.0, slo, demoted=demoted), LM, 0.0, 0.0)
+    new = _req("new", slo, 0.0, 400, demoted=demoted)
+    new.sampling_params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    sim.scheduler.add_request(new)
+    sim.run()
+    return predicted, new.first_token_time
+
+
+CLASSES = [(HOT, False), (WARM, False), (BE, False), (HOT, True), (batch(0.0), False), (batch(1.0), False)]
+
+
+@pytest.mark.parametrize("slo,demoted", CLASSES)
+def test_predicted_ttft_is_the_simulated_one_for_whole_prompt_prefill(slo, demoted):
+    """vLLM on a mixed instance prefills whole prompts in queue order, the chunked model's
+    schedule: the prediction from the report is the simulated TTFT, wherever the newcomer queues."""
+    predicted, simulated = _first_token_of_newcomer("vllm", "mixed", slo, demoted)
+    assert predicted == pytest.approx(simulated, rel=1e-9)
+
+
+@pytest.mark.parametrize("policy", ["laser", "sarathi"])
+@pytest.mark.parametrize("role", ["mixed", "prefill"])
+@pytest.mark.parametrize("slo,demoted", CLASSES)
+def test_predicted_ttft_tracks_the_simulated_one(policy, role, slo, demoted):
+    """Chunked and layer-level prefill (each instance kind's model, laser.scheduler.ttft.model_for):
+    within a third of the simulated TTFT (the models do not pack a newcomer's last chunk with its
+    neighbours' tokens)."""
+    predicted, simulated = _first_token_of_newcomer(policy, role, slo, demoted)
+    assert predicted == pytest.approx(simulated, rel=0.35)
+
+
+@pytest.mark.parametrize("policy", ["laser", "sarathi", "vllm"])
+@pytest.mark.parametrize("role", ["mixed", "prefill"])
+def test_the_later_a_newcomer_queues_the_later_both_say_its_first_token_comes(policy, role):
+    runs = [_first_token_of_newcomer(policy, role, slo, demoted) for slo, demoted in CLASSES]
+    by_prediction = sorted(range(len(runs)), key=lambda i: (runs[i][0], i))
+    assert all(runs[i][1] <= runs[j][1] + 1e-12 for i, j in zip(by_prediction, by_prediction[1:]))
