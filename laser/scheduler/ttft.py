@@ -12,10 +12,14 @@ Two queue-time models:
   token budget (whole prompts for vLLM), stretched by the share of the machine decoding takes
   meanwhile (:func:`decode_share`: the requests decoding now, plus each request ahead once its
   prefill is done).
-* ``merged``: Laser's layer-level prefill (§6.1) merges queued work while deadlines hold, so the
-  queue drains as one batch growing in EDF order (best effort after every deadline): request q
-  finishes when a merged batch of the first q entries would (``N`` layer calls of the batch,
-  embedding, LM head) -- a later entry never delays an earlier one.
+* ``merged``: the queue drains as one batch growing in the scheduler's queue order (Laser's
+  layer-level prefill, §6.1, merges queued work while deadlines hold): request q finishes when a
+  merged batch of the first q entries would (``N`` layer calls of the batch, embedding, LM head)
+  -- a later entry never delays an earlier one. The Laser controller's §7.1 estimate.
+
+Which model fits which instance was measured against the simulator
+(``benchmarks/ttft_predictors.py``; :func:`model_for`): ``merged`` on a prefill instance,
+``chunked`` on a mixed one.
 
 Sources: the work-ahead estimate follows the EDF feasibility test of deadline scheduling; the
 decode share mirrors how each policy mixes decode with prefill (vLLM v0: prefill first,
@@ -104,12 +108,16 @@ def _chunked(report: SchedulerReport, lm, start: float, extra: QueueEntry | None
     return out
 
 
+def _key(e: QueueEntry) -> tuple[float, float]:
+    return e.key
+
+
 def _merged(report: SchedulerReport, lm, num_layers: int, start: float,
             extra: QueueEntry | None) -> list[tuple[QueueEntry, float]]:
     entries = list(report.queue)
     if extra is not None:
         entries.append(extra)
-    entries.sort(key=_ORDER)
+    entries.sort(key=_key)  # the scheduler's queue order; equal keys: the newcomer last
     out = []
     tokens = 0
     attn = 0.0
@@ -123,13 +131,6 @@ def _merged(report: SchedulerReport, lm, num_layers: int, start: float,
         per_layer = lm.stateless_time(tokens) + attn + lm.layer_overhead_s
         out.append((e, start + num_layers * per_layer + lm.embed_time(tokens) + lm.head_time(k)))
     return out
-
-
-def _order(e: QueueEntry):
-    return e.key
-
-
-_ORDER = _order
 
 
 def model_for(report: SchedulerReport) -> str:

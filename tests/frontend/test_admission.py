@@ -86,14 +86,14 @@ def test_decoding_requests_slow_the_prefill_down():
     assert alone < sarathi < laser
 
 
-def test_pending_admissions_count_until_a_snapshot_holds_them():
+def test_pending_admissions_count_until_a_report_holds_them():
     qa = QueueAwareAdmission(LM)
     qa.publish(SchedulerReport(time=0.0, policy="vllm"), num_adds=0)
     e1 = qa.entry(1000, 0.0, SLO(1.0, None))
     qa.admitted(1, e1)
     e2 = qa.entry(1000, 0.0, SLO(1.0, None))
     assert qa.predict(e2, 0.0) == pytest.approx(2 * LM.predict_prefill(1000))  # e1 ahead (equal key)
-    # the engine ran the add and published: e1 is now in the snapshot's queue, not twice
+    # the engine ran the add and published: e1 is now in the report's queue, not twice
     qa.publish(SchedulerReport(time=0.0, policy="vllm", queue=(e1,)), num_adds=1)
     assert qa.predict(e2, 0.0) == pytest.approx(2 * LM.predict_prefill(1000))
     # e1 finished its prefill

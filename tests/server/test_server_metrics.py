@@ -1,5 +1,5 @@
 """Scheduler observability on /metrics (issue 11, item 8): preemptions by cause, intermediate
-cache tokens and evictions, recomputes, per class — from the snapshot the engine publishes."""
+cache tokens and evictions, recomputes, per class — from the report the engine publishes."""
 
 from __future__ import annotations
 
