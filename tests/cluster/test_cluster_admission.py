@@ -16,7 +16,7 @@ CHAT = SLO(ttft=10.0, tbt=1.0, name="chat")
 
 def test_cluster_admission_predicts_behind_the_prefill_queue(tiny_llama):
     cl = start_cluster("laser", 1, 1, model=str(tiny_llama), dtype="float32", use_ray=False,
-                       scheduler=SchedulerConfig(max_num_batched_tokens=16))
+                       scheduler=SchedulerConfig(max_num_batched_tokens=16), latency_calibration=False)
     ae = AsyncEngine(cl)
     try:
         (alone,) = ae.admit([48], CHAT)
