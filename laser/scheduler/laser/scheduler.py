@@ -118,7 +118,9 @@ class LaserScheduler(Scheduler):
         if self.config.role == "mixed" and self.plans:
             self.replan_needed = True
         if self.step.in_step and self.config.role != "decode":
-            self.step.arrival_stops(req, self.clock(), self.prefill_alone(req), len(self.waiting), self.plans)
+            key = self.queue_key(req)
+            leads = all(w is req or key < self.queue_key(w) for w in self.waiting)
+            self.step.arrival_stops(req, self.clock(), self.prefill_alone(req), leads, self.plans)
 
     def prefill_alone(self, req: Request) -> float:
         """Predicted seconds of ``req``'s prefill left (after its cached or computed prefix), run alone."""
