@@ -319,20 +319,21 @@ def test_short_chats_arriving_during_a_long_prefill_get_their_first_token_near_t
     assert sim.scheduler.num_step_preemptions >= len(chats) - 1
 
 
-def _burst(with_long: bool, gap: float) -> tuple[list[Request], list[Request]]:
+def _burst(with_long: bool, slower: float) -> tuple[list[Request], list[Request]]:
     """16 summarization prompts (1,500 tokens, 8 s) interleaved with 16 chats (200 tokens, 1 s),
-    ``gap`` seconds apart, on a machine 1.3x slower than the profile the scheduler starts from
-    (it learns the factor from the steps, as a real instance does): a 200-token prefill takes
-    ~0.1 s, a 1,500-token one ~0.6 s -- not every long prompt can make 8 s. Without ``with_long``
-    only the chats. Returns (chats, long prompts)."""
+    10 ms apart (all within 0.32 s): a 200-token prefill takes ~0.1 s, a 1,500-token one ~0.6 s,
+    times ``slower`` -- not every long prompt can make 8 s. With ``slower`` > 1 the machine is that
+    much slower than the profile the scheduler starts from, and it learns the factor from the steps
+    (as a real instance does). Without ``with_long`` only the chats. Returns (chats, long prompts)."""
     profile = SimpleLatencyModel(num_layers=N, per_layer=0.7e-3, per_token=1e-5, per_context=2e-8)
     chats, longs = [], []
     for k in range(16):
         if with_long:
-            longs.append(req(1500, 2 * gap * k, SUMM, 64, f"long{k}"))
-        chats.append(req(200, 2 * gap * k + gap, CHAT, 64, f"chat{k}"))
-    sim = SimInstance("laser", N, CalibratedLatencyModel(profile), SchedulerConfig(), num_blocks=8192,
-                      machine_model=ScaledLatencyModel(profile, 1.3))
+            longs.append(req(1500, 0.02 * k, SUMM, 64, f"long{k}"))
+        chats.append(req(200, 0.02 * k + 0.01, CHAT, 64, f"chat{k}"))
+    planning = CalibratedLatencyModel(profile) if slower != 1.0 else profile
+    sim = SimInstance("laser", N, planning, SchedulerConfig(), num_blocks=8192,
+                      machine_model=ScaledLatencyModel(profile, slower))
     for r in longs + chats:
         sim.submit(r)
     sim.run(max_steps=2_000_000)
@@ -340,19 +341,20 @@ def _burst(with_long: bool, gap: float) -> tuple[list[Request], list[Request]]:
     return chats, longs
 
 
-@pytest.mark.parametrize("gap", [0.01, 0.02])
-def test_burst_of_long_and_short_prompts_serves_every_chat_it_can_reach(gap):
+@pytest.mark.parametrize("slower, min_long", [(1.0, 12), (1.3, 9)])
+def test_burst_of_long_and_short_prompts_serves_every_chat_it_can_reach(slower, min_long):
     """Issue 28, item 1: long summarization prompts and short chats interleaved within a fraction
     of a second. A chat that arrived while a long prompt's chunk ran was merged with it and got its
     first token with the chunk's, so chats that could have made 1 s missed, and the triage gave
-    them up behind every long prompt: at ``gap`` 0.01 s 9 of 16 chats met 1 s (five at 8.1-8.3 s)
-    where 12 make it with no long prompt around; at 0.02 s 13 of 16 (one at 7.7 s) where all 16
-    do. Every chat that makes its target with no long prompt around must make it in the burst as
-    well (now 12 and 16), and at least 9 of the 16 long prompts still meet 8 s (were 10 and 9;
-    the machine cannot serve all of them)."""
-    alone, _ = _burst(False, gap)
-    chats, longs = _burst(True, gap)
+    them up behind every long prompt: on the exact model 14 of 16 chats met 1 s (one at 8.2 s)
+    where all 16 make it with no long prompt around; on a machine 1.3x slower than the profile 9
+    (five at 8.1-8.3 s, as on the real server: 6.1-6.4 s) where 12 do. Every chat that makes its
+    target with no long prompt around must make it in the burst as well (now 16 and 12), and the
+    long prompts keep about what they made (``min_long`` of 16 meet 8 s; were 12 and 10: the
+    machine cannot serve all of them)."""
+    alone, _ = _burst(False, slower)
+    chats, longs = _burst(True, slower)
     reachable = sum(ttft(c) <= CHAT.ttft for c in alone)
     met = sum(ttft(c) <= CHAT.ttft for c in chats)
     assert met >= reachable, (reachable, [round(ttft(c), 2) for c in chats])
-    assert sum(ttft(r) <= SUMM.ttft for r in longs) >= 9, [round(ttft(r), 2) for r in longs]
+    assert sum(ttft(r) <= SUMM.ttft for r in longs) >= min_long, [round(ttft(r), 2) for r in longs]

@@ -162,7 +162,8 @@ class PrefillPlanner:
                 continue
             if firsts and not behind:
                 behind = list(itertools.accumulate([self.ttft_weight(q) for q in reversed(cands)]))[::-1]
-            if firsts and self.holds_back(r, w, cost, firsts, behind[i], order, ttft_margin, now):
+            if firsts and self.holds_back(r, w, cost, firsts, behind[i], bounds.decode_s, order, ttft_margin,
+                                                        now):
                 misses += 1  # it runs in a coming step, after the first tokens of this one
                 if misses >= self.max_misses:
                     break
@@ -194,8 +195,8 @@ class PrefillPlanner:
             return 1.0 / r.slo.ttft
         return 1.0 / self.best_effort_deadline_s
 
-    def holds_back(self, r: Request, w: Work, cost: PlanCost, firsts: float, behind: float, order: Triage,
-                   ttft_margin: float, now: float) -> bool:
+    def holds_back(self, r: Request, w: Work, cost: PlanCost, firsts: float, behind: float, decode_s: float,
+                   order: Triage, ttft_margin: float, now: float) -> bool:
         """Whether work ``w`` of ``r``, next in prefill order, waits for a coming step instead of
         joining this one, which already completes prefills (their first tokens come at its end,
         ``cost.total`` seconds from ``now``; ``firsts``: their summed :meth:`ttft_weight`).
@@ -220,7 +221,7 @@ class PrefillPlanner:
         merged = cost.with_work(w)
         extra = merged - cost.total
         alone = PlanCost(self.lm, self.num_layers, [w]).total
-        if firsts * extra <= behind * (alone - extra):
+        if firsts * extra <= behind * (alone - extra + decode_s):
             return False
         if order.is_given_up(r):
             return True
