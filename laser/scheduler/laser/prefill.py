@@ -58,6 +58,11 @@ class PrefillPlanner:
     #: admitted when it meets its full deadline. With ``--jitter-margin`` the margin is divided
     #: by the latency model's measured ``timing_spread()`` (steps that run over their prediction).
     ttft_margin = 0.9
+    #: Work that can wait is held back from a step that completes prefills only when merging it
+    #: would cost their first tokens at least this many times what waiting costs the prompts
+    #: behind it (:meth:`holds_back`): the machine time a merge saves also serves the prompts
+    #: that arrive later, which the queue of now does not count -- near a tie, merge.
+    merge_preference = 2.0
     #: Smallest prefill chunk worth a layer call (tokens).
     min_chunk = 16
     #: Work merged after a late request's last chunk may delay its first token by this
@@ -204,8 +209,10 @@ class PrefillPlanner:
         Merging delays each of those first tokens by what ``w`` adds to the step (``extra``);
         waiting delays ``r`` and every prefill after it in the order (``behind``: their summed
         weights, ``r``'s included) by what the merge saves (``w`` alone less ``extra``: the share
-        of the layer calls it would ride on). ``w`` waits when the weighted delay of merging is
-        the larger and ``r`` can wait: its prefill run alone after this step still ends within
+        of the layer calls it would ride on, and the decode part of one more step, ``decode_s``
+        seconds: a prompt left for the next step waits its decode works too). ``w`` waits when the
+        weighted delay of merging is at least ``merge_preference`` times the weighted delay of
+        waiting and ``r`` can wait: its prefill run alone after this step still ends within
         ``ttft_margin`` of its TTFT target, or by its queue deadline without one (best effort,
         demoted: the aging deadline); given-up work can wait. On a GPU a few prompt tokens ride
         on the layer calls' weight reads (``extra`` is small: they join); on a CPU a layer call
@@ -221,7 +228,7 @@ class PrefillPlanner:
         merged = cost.with_work(w)
         extra = merged - cost.total
         alone = PlanCost(self.lm, self.num_layers, [w]).total
-        if firsts * extra <= behind * (alone - extra + decode_s):
+        if firsts * extra <= self.merge_preference * behind * (alone - extra + decode_s):
             return False
         if order.is_given_up(r):
             return True
