@@ -12,7 +12,8 @@ in-flight chunk parks its hidden state in the intermediate cache (decode tokens 
 to the end of their layer groups: parking them would put the next step into their
 token gap), and the next
 ``schedule`` re-plans with the newcomer in EDF position: merged if the merge meets its
-deadline, otherwise first.
+deadline, otherwise first -- and alone, the paused chunks resuming after it, where they can wait
+and merging them would delay its first token more than it saves (``PrefillPlanner.holds_back``).
 
 Decode (§6.2, Alg. 1). Decode request r has a plan (L_r, O_r): with K_r = ceil(N/L_r)
 layer groups, group g (layers ((g-1)L, gL]) runs in iteration i iff
