@@ -63,6 +63,9 @@ class PrefillPlanner:
     #: behind it (:meth:`holds_back`): the machine time a merge saves also serves the prompts
     #: that arrive later, which the queue of now does not count -- near a tie, merge.
     merge_preference = 2.0
+    #: ... and only when it would stretch the time to the step's first completed prefill beyond
+    #: this factor (a first token may wait for little work: the paper's Fig. 1b merge).
+    first_token_stretch = 2.0
     #: Smallest prefill chunk worth a layer call (tokens).
     min_chunk = 16
     #: Work merged after a late request's last chunk may delay its first token by this
@@ -145,6 +148,8 @@ class PrefillPlanner:
         tokens = 0
         misses = alloc_misses = 0
         firsts = 0.0  # summed ttft_weight of the prefills the step completes
+        first_at = 0.0  # the step's price when it first completed one (seconds)
+        held = 0.0  # summed ttft_weight of the prefills held back from the step
         ttft_margin = self.ttft_margin / self.lm.timing_spread()
         slots = self.max_num_seqs - num_running
         cands = sorted(cands, key=order.key)
@@ -167,8 +172,9 @@ class PrefillPlanner:
                 continue
             if firsts and not behind:
                 behind = list(itertools.accumulate([self.ttft_weight(q) for q in reversed(cands)]))[::-1]
-            if firsts and self.holds_back(r, w, cost, firsts, behind[i], bounds.decode_s, order, ttft_margin,
-                                                        now):
+            if firsts and self.holds_back(r, w, cost, first_at, firsts + held, behind[i], bounds.decode_s, order,
+                                                        ttft_margin, now):
+                held += self.ttft_weight(r)  # it waits for this step's end too
                 misses += 1  # it runs in a coming step, after the first tokens of this one
                 if misses >= self.max_misses:
                     break
@@ -187,6 +193,8 @@ class PrefillPlanner:
             cost.add(w)
             tokens += w.num_tokens
             if w.sample:
+                if not firsts:
+                    first_at = cost.total
                 firsts += self.ttft_weight(r)
             bounds.include(r, w, cost.total, ttft_margin, self.rest(r, w), self.late_delay_share, n)
         return works
@@ -200,19 +208,22 @@ class PrefillPlanner:
             return 1.0 / r.slo.ttft
         return 1.0 / self.best_effort_deadline_s
 
-    def holds_back(self, r: Request, w: Work, cost: PlanCost, firsts: float, behind: float, decode_s: float,
-                   order: Triage, ttft_margin: float, now: float) -> bool:
+    def holds_back(self, r: Request, w: Work, cost: PlanCost, first_at: float, firsts: float, behind: float,
+                   decode_s: float, order: Triage, ttft_margin: float, now: float) -> bool:
         """Whether work ``w`` of ``r``, next in prefill order, waits for a coming step instead of
         joining this one, which already completes prefills (their first tokens come at its end,
-        ``cost.total`` seconds from ``now``; ``firsts``: their summed :meth:`ttft_weight`).
+        ``cost.total`` seconds from ``now``; the first of them was merged when the step cost
+        ``first_at`` seconds; ``firsts``: their summed :meth:`ttft_weight`, and those of the
+        prefills held back from it, which wait for its end too).
 
-        Merging delays each of those first tokens by what ``w`` adds to the step (``extra``);
-        waiting delays ``r`` and every prefill after it in the order (``behind``: their summed
-        weights, ``r``'s included) by what the merge saves (``w`` alone less ``extra``: the share
-        of the layer calls it would ride on, and the decode part of one more step, ``decode_s``
-        seconds: a prompt left for the next step waits its decode works too). ``w`` waits when the
-        weighted delay of merging is at least ``merge_preference`` times the weighted delay of
-        waiting and ``r`` can wait: its prefill run alone after this step still ends within
+        Work that keeps the step within ``first_token_stretch`` x ``first_at`` joins (a newcomer
+        catching up to a running chunk, PPoPP'26 Fig. 1b). Beyond that, merging delays each of the
+        step's first tokens by what ``w`` adds to the step (``extra``); waiting delays ``r`` and
+        every prefill after it in the order (``behind``: their summed weights, ``r``'s included)
+        by what the merge saves (``w`` alone less ``extra``: the share of the layer calls it would
+        ride on, and the decode part of one more step, ``decode_s`` seconds: a prompt left for the
+        next step waits its decode works too). ``w`` waits when the weighted delay of merging is
+        over ``merge_preference`` times the weighted delay of waiting and ``r`` can wait: its prefill run alone after this step still ends within
         ``ttft_margin`` of its TTFT target, or by its queue deadline without one (best effort,
         demoted: the aging deadline); given-up work can wait. On a GPU a few prompt tokens ride
         on the layer calls' weight reads (``extra`` is small: they join); on a CPU a layer call
@@ -226,6 +237,8 @@ class PrefillPlanner:
         alone. Layer-level chunked prefill (PPoPP'26 §6.1) pauses the long chunk at a layer
         boundary; the newcomer now runs alone, and the chunk resumes at its layer after it."""
         merged = cost.with_work(w)
+        if merged <= self.first_token_stretch * first_at:
+            return False
         extra = merged - cost.total
         alone = PlanCost(self.lm, self.num_layers, [w]).total
         if firsts * extra <= self.merge_preference * behind * (alone - extra + decode_s):
