@@ -228,3 +228,38 @@ def test_alg1_fewer_layer_slots_for_a_shallow_request():
     assert any(p.layers < n for p in got_full.values())
     assert all(p.layers == n for p in got_shallow.values())
     assert load.slots() == (2 * n + 13) * load.HORIZON
+
+
+def test_http_field_usage_and_errors(tiny_llama):
+    """Through the OpenAI-compatible server: ``dynamic_depth`` in the body, the mean layers in
+    ``usage.dynamic_depth``; a bad value is a 400 naming the field, and the server still serves."""
+    import httpx
+
+    from laser.frontend.async_engine import AsyncEngine
+    from laser.server.app import build_app
+    from laser.server.cli import LiveServer
+
+    e = _engine(tiny_llama, max_model_len=256)
+    e.runner.set_exits(_heads(e, [1, 2, 3]))
+    e.inputs.serves_exits = True
+    srv = LiveServer(build_app(AsyncEngine(e), served_model_names=["tiny"]))
+    try:
+        body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(srv.url + "/v1/completions", json={**body, "dynamic_depth": {"threshold": 1e-6, "min_depth": 2}},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["dynamic_depth"] == {"decode_tokens": 5, "mean_layers": 2.0}
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and "dynamic_depth" not in r.json()["usage"]
+        for bad in ({"threshold": 1.5}, {"min_depth": -1}, "yes"):
+            r = httpx.post(srv.url + "/v1/completions", json={**body, "dynamic_depth": bad}, timeout=60)
+            assert r.status_code == 400, (bad, r.text)
+            assert "dynamic_depth" in r.text
+        r = httpx.post(srv.url + "/v1/completions", json={**body, "temperature": 0.5, "dynamic_depth": True},
+                       timeout=60)
+        assert r.status_code == 400 and "greedy" in r.text
+        r = httpx.post(srv.url + "/v1/completions", json={**body, "dynamic_depth": True}, timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        srv.stop()
+    e.check_integrity(expect_empty=True)
