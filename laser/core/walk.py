@@ -25,7 +25,7 @@ after layer ``j - 1`` ran (``j`` below the model's last layer); the works it ret
 left the model there (the executor produced their tokens and filled their later layers' KV),
 and the batch is composed anew at ``j``.
 
-Segment mode: with no ``stop_at`` and an executor that has ``run_layers(layers, active)``,
+Segment mode: with no ``stop_at``, no early exits and an executor that has ``run_layers(layers, active)``,
 the walker visits only the boundaries where the batch changes and hands the executor each
 constant-composition segment at once (the simulator prices it with one latency-model call).
 The rules and their order are the same; the torch executor has no ``run_layers`` and always
@@ -79,7 +79,7 @@ def walk(plan: StepPlan, ex: LayerExecutor, stop_at: Callable[[int], bool] | Non
     starts, ends = plan.boundaries()
     change_points = sorted(set(starts) | set(ends))
     run_layers = getattr(ex, "run_layers", None)
-    if stop_at is None and run_layers is not None:
+    if stop_at is None and run_layers is not None and not getattr(ex, "exit_layers", None):
         return _walk_segments(plan, ex, starts, ends, change_points, run_layers)
     changes = set(change_points)
     exits = getattr(ex, "exit_layers", None)

@@ -263,3 +263,45 @@ def test_http_field_usage_and_errors(tiny_llama):
     finally:
         srv.stop()
     e.check_integrity(expect_empty=True)
+
+
+@pytest.mark.parametrize("policy", ["vllm", "laser"])
+def test_simulator_exits_and_plans_with_expected_depth(policy):
+    """The simulator runs the engine's walker and scheduler with exits drawn from a depth
+    histogram: opted-in tokens run the drawn layers (mean depth reported), cost less virtual time,
+    and the scheduler's expectation (the class's running mean) follows; the others are unchanged."""
+    from laser.latency import SimpleLatencyModel
+    from laser.sim.instance import SimDepth, SimInstance
+
+    n = 12
+    lm = SimpleLatencyModel(num_layers=n, per_layer=1e-3, per_token=1e-5)
+    dm = SimDepth(((4, 1.0), (8, 1.0), (n, 1.0)), frozenset({4, 8}), head_fraction=0.1, fill_fraction=0.05)
+
+    def run(opt: bool, depth_model):
+        sim = SimInstance(policy, n, lm, depth_model=depth_model)
+        reqs = []
+        for i in range(6):
+            dd = DynamicDepth(threshold=0.5, min_depth=3) if opt and i % 2 else None
+            reqs.append(Request([1] * (10 + i), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                                              dynamic_depth=dd),
+                                SLO(ttft=None, tbt=0.05 if i % 2 == 0 else 0.5, name="c%d" % (i % 2)),
+                                arrival_time=0.01 * i, req_id=f"r{i}"))
+        for r in reqs:
+            sim.submit(r)
+        sim.run()
+        sim.check_integrity(expect_empty=True)
+        return sim, reqs
+
+    from laser.core.request import Request
+
+    base, plain = run(False, dm)
+    sim, reqs = run(True, dm)
+    none_sim, none_reqs = run(False, None)
+    assert [r.token_times for r in plain] == [r.token_times for r in none_reqs]  # no opt-in: as before
+    opted = reqs[1::2]
+    for r in opted:
+        assert r.num_depth_tokens == 39 and 4 <= r.mean_depth < n
+    mean = sum(r.depth_layers for r in opted) / sum(r.num_depth_tokens for r in opted)
+    assert abs(mean - 8) < 1.5  # draws of 4, 8, 12 with equal weight
+    assert sim.scheduler.depth_means.expected("c1") == pytest.approx(mean)
+    assert sim.stats.busy_s < base.stats.busy_s
