@@ -154,6 +154,7 @@ def goodput(engine, heads, hist, rates, num_requests, slo_scale, length_scale, m
     from laser.core.metrics import record_from_request, summarize
     from laser.core.request import Request, SamplingParams
     from laser.core.slo import SLOClasses
+    from laser.model.llama import Linear
     from laser.sim.instance import SimDepth, SimInstance
 
     cfg = engine.model.config
@@ -164,7 +165,8 @@ def goodput(engine, heads, hist, rates, num_requests, slo_scale, length_scale, m
     rank = next(iter(heads.adapters.values()))["w1"].shape[0]
     dm = SimDepth(tuple(sorted(hist.items())), frozenset(heads.depths),
                   head_fraction=(heads.vocab.numel() * H + 2 * rank * H) / engine.model.lm_head_w.numel(),
-                  fill_fraction=2 * cfg.kv_size * H / layer_params, seed=seed)
+                  fill_fraction=(2 * cfg.kv_size * H if isinstance(L.qkv, Linear) else L.qkv.numel()) / layer_params,
+                  seed=seed)
     classes = SLOClasses.load(scale=slo_scale)
     lm = engine.latency_model
     work = sample_mix({"chat": 1, "code": 1}, num_requests, seed=seed, length_scale=length_scale,
@@ -215,10 +217,12 @@ def main(argv=None) -> int:
     ap.add_argument("--goodput-threshold", type=float, default=None,
                     help="the threshold whose measured exit depths the goodput run uses (default: the loosest "
                          "with >= 95%% agreement, else the strictest measured)")
-    ap.add_argument("--rates", type=float, nargs="+", default=[2.0, 4.0, 6.0, 8.0],
+    ap.add_argument("--rates", type=float, nargs="+", default=[0.2, 0.3, 0.4, 0.5],
                     help="goodput: arrival rates, requests/s of the simulated workload")
-    ap.add_argument("--requests", type=int, default=200, help="goodput: requests per run (default %(default)s)")
-    ap.add_argument("--slo-scale", type=float, default=1.0, help="goodput: SLO targets x this")
+    ap.add_argument("--requests", type=int, default=120, help="goodput: requests per run (default %(default)s)")
+    ap.add_argument("--slo-scale", type=float, default=4.0,
+                    help="goodput: SLO targets x this (default %(default)s: the code class's 50 ms TBT is about one "
+                         "decode iteration of the embedded model alone on a 2-core CPU)")
     ap.add_argument("--length-scale", type=float, default=0.5, help="goodput: prompt and output lengths x this")
     args = ap.parse_args(argv)
     if args.pareto or args.goodput:

@@ -305,3 +305,51 @@ def test_simulator_exits_and_plans_with_expected_depth(policy):
     assert abs(mean - 8) < 1.5  # draws of 4, 8, 12 with equal weight
     assert sim.scheduler.depth_means.expected("c1") == pytest.approx(mean)
     assert sim.stats.busy_s < base.stats.busy_s
+
+
+def test_laser_reduced_plans_with_exits_simulated():
+    """Laser with a strict class that makes Alg. 1 cut the relaxed class to fewer layers per
+    iteration: relaxed requests that opt in exit mid-cycle, restart their next token at once
+    (their plan's offset moves) and so get their tokens in fewer iterations than without exits;
+    the strict class is served as before or better."""
+    from laser.core.request import Request
+    from laser.latency import SimpleLatencyModel
+    from laser.sim.instance import SimDepth, SimInstance
+
+    n = 12
+    lm = SimpleLatencyModel(num_layers=n, per_layer=2e-3, per_token=2e-4)
+    dm = SimDepth(((4, 1.0),), frozenset({4, 8}))
+
+    def run(opt: bool):
+        sim = SimInstance("laser", n, lm, depth_model=dm, record_plans=True)
+        reqs = []
+        for i in range(8):
+            strict = i < 2
+            dd = DynamicDepth(threshold=0.5, min_depth=3) if opt and not strict else None
+            reqs.append(Request([1] * 20, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True,
+                                                         dynamic_depth=dd),
+                                SLO(ttft=None, tbt=0.035 if strict else 1.0, name="strict" if strict else "loose"),
+                                arrival_time=0.0, req_id=f"r{i}"))
+        for r in reqs:
+            sim.submit(r)
+        sim.run()
+        sim.check_integrity(expect_empty=True)
+        return sim, reqs
+
+    def gap(rs):
+        return sum(r.token_times[-1] - r.token_times[0] for r in rs) / sum(len(r.token_times) - 1 for r in rs)
+
+    base, plain = run(False)
+    sim, reqs = run(True)
+    # Alg. 1 cut the loose requests in the run without exits
+    assert any(w.layer_end - w.layer_start < n and w.num_tokens == 1 for p in base.stats.plans for w in p.works)
+    assert all(r.mean_depth == 4.0 for r in reqs[2:])
+    assert any(w.layer_end - w.layer_start < n and w.num_tokens == 1 for p in sim.stats.plans for w in p.works)
+    # every token exits after 4 layers, inside its first group: the next token starts in the very
+    # next iteration (the plan restarts), so a loose request decodes in consecutive steps
+    for r in reqs[2:]:
+        steps = [i for i, p in enumerate(sim.stats.plans)
+                 if any(w.req_id == r.req_id and w.num_tokens == 1 and w.token_start >= 20 for w in p.works)]
+        assert steps == list(range(steps[0], steps[-1] + 1)), r.req_id
+    assert gap(reqs[2:]) < 0.8 * gap(plain[2:])
+    assert gap(reqs[:2]) <= gap(plain[:2]) * 1.001
