@@ -217,6 +217,9 @@ def main(argv=None) -> int:
     ap.add_argument("--goodput-threshold", type=float, default=None,
                     help="the threshold whose measured exit depths the goodput run uses (default: the loosest "
                          "with >= 95%% agreement, else the strictest measured)")
+    ap.add_argument("--histogram", default=None,
+                    help="goodput without --pareto: the exit depths to draw from, as layers:tokens pairs "
+                         "(e.g. '8:46,12:19,30:300', a --pareto row's exits column)")
     ap.add_argument("--rates", type=float, nargs="+", default=[0.2, 0.3, 0.4, 0.5],
                     help="goodput: arrival rates, requests/s of the simulated workload")
     ap.add_argument("--requests", type=int, default=120, help="goodput: requests per run (default %(default)s)")
@@ -293,6 +296,10 @@ def main_lossy(args) -> int:
     print(f"CPU: {cpu_hardware_string()}; torch threads {args.threads}; fp32; exits after layers {heads.depths} "
           f"(draft vocabulary {heads.vocab.numel()}); {args.max_tokens} greedy tokens per request "
           "(machine possibly shared: the decode x column is a ratio of interleaved runs)")
+    if args.histogram and not args.pareto:
+        hist = {int(a): float(b) for a, b in (x.split(":") for x in args.histogram.split(","))}
+        depth = sum(d * w for d, w in hist.items()) / (sum(hist.values()) * n)
+        return print_goodput(args, engine, heads, {"threshold": None, "hist": hist, "depth": depth})
     prompts = training_prompts(engine.tokenizer, args.prompts, offset=args.prompt_offset, max_prompt_tokens=96)
     rows = pareto(engine, heads, prompts, args.thresholds, args.max_tokens, args.min_depth)
     print_pareto(rows, n, len(prompts), min_layers)
@@ -311,22 +318,27 @@ def main_lossy(args) -> int:
         if not pick:
             print(f"--goodput-threshold {args.goodput_threshold} was not measured (--thresholds)")
             return 2
-        op = pick[0]
-        res, dm, lm = goodput(engine, heads, op["hist"], args.rates, args.requests, args.slo_scale, args.length_scale,
-                              args.min_depth)
-        print(f"\nGoodput [SIMULATED: laser policy in virtual time, latency model {type(lm).__name__}"
-              f"{' (' + lm.source + ')' if hasattr(lm, 'source') else ''}]; chat opts in with the exit depths "
-              f"measured at threshold {op['threshold']:g} (mean {op['depth']:.1%} of the layers; exit-head check "
-              f"{dm.head_fraction:.2f} of the LM head per row, K/V fill {dm.fill_fraction:.3f} of a layer per skipped "
-              f"layer); {args.requests} requests chat:code 1:1, lengths x{args.length_scale}, SLO x{args.slo_scale}")
-        print(f"{'rate/s':>6} {'class':>5} {'attain off':>10} {'attain on':>9} {'goodput off':>11} {'goodput on':>10} "
-              f"{'gain':>6}")
-        for rate, r in res:
-            for c in ("chat", "code", "all"):
-                a0, g0 = r["off"].get(c, (None, 0.0))
-                a1, g1 = r["on"].get(c, (None, 0.0))
-                print(f"{rate:>6g} {c:>5} {a0:>10.1%} {a1:>9.1%} {g0:>11.2f} {g1:>10.2f} "
-                      f"{(g1 / g0 if g0 else float('nan')):>5.2f}x")
+        return print_goodput(args, engine, heads, pick[0])
+    return 0
+
+
+def print_goodput(args, engine, heads, op) -> int:
+    """Run :func:`goodput` for operating point ``op`` (a --pareto row) and print the table."""
+    res, dm, lm = goodput(engine, heads, op["hist"], args.rates, args.requests, args.slo_scale, args.length_scale,
+                          args.min_depth)
+    print(f"\nGoodput [SIMULATED: laser policy in virtual time, latency model {type(lm).__name__}"
+          f"{' (' + lm.source + ')' if hasattr(lm, 'source') else ''}]; chat opts in with the exit depths "
+          f"measured at threshold {op['threshold']} (mean {op['depth']:.1%} of the layers; exit-head check "
+          f"{dm.head_fraction:.2f} of the LM head per row, K/V fill {dm.fill_fraction:.3f} of a layer per skipped "
+          f"layer); {args.requests} requests chat:code 1:1, lengths x{args.length_scale}, SLO x{args.slo_scale}")
+    print(f"{'rate/s':>6} {'class':>5} {'attain off':>10} {'attain on':>9} {'goodput off':>11} {'goodput on':>10} "
+          f"{'gain':>6}")
+    for rate, r in res:
+        for c in ("chat", "code", "all"):
+            a0, g0 = r["off"].get(c, (None, 0.0))
+            a1, g1 = r["on"].get(c, (None, 0.0))
+            print(f"{rate:>6g} {c:>5} {a0:>10.1%} {a1:>9.1%} {g0:>11.2f} {g1:>10.2f} "
+                  f"{(g1 / g0 if g0 else float('nan')):>5.2f}x")
     return 0
 
 
