@@ -115,6 +115,10 @@ def add_engine_args(p: argparse.ArgumentParser, policy_default: str = "laser") -
                    help="tokens drafted per step (default: the one recommended when trained)")
     s.add_argument("--speculative-exits", default=None,
                    help="exit heads file (default: the model's, beside the model cache)")
+    p.add_argument("--dynamic-depth", nargs="?", const="auto", default=None, metavar="EXITS",
+                   help="serve lossy dynamic depth (opt-in per request, field dynamic_depth, or per SLO class, "
+                        "entry \"dynamic_depth\" in --slo-config): greedy decode tokens may leave the model at "
+                        "a trained exit; EXITS: an exit heads file (default: the model's, from `laser train-exits`)")
 
 
 def set_threads(threads: int | None) -> int:
@@ -171,6 +175,7 @@ def build_engine(args, **overrides):
         latency_calibration=getattr(args, "latency_calibration", True),
         jitter_margin=getattr(args, "jitter_margin", None),
         speculative=speculative_config(args),
+        exits=getattr(args, "dynamic_depth", None),
         **overrides,
     )
 

@@ -28,6 +28,7 @@ from typing import Callable
 
 from ..core.block_manager import BlockManager
 from ..core.config import SchedulerConfig
+from ..core.depth import DepthMeans
 from ..core.intermediate_cache import IntermediateCache
 from ..core.plan import StepPlan, Work
 from ..core.request import SLO_EPS, Phase, Request
@@ -70,6 +71,7 @@ class Scheduler(ABC):
         self.prefix_cache_refound = 0
         self._prefix_version = -1  # bm.cache_version at the last refresh_prefixes
         self.step_index = 0
+        self.depth_means = DepthMeans()  # dynamic depth: layers per decode token, per SLO class
 
     # -- queue ----------------------------------------------------------------------------
     def queue_key(self, req: Request) -> tuple[float, float]:
@@ -84,6 +86,7 @@ class Scheduler(ABC):
         if req.req_id in self.requests:
             raise ValueError(f"duplicate request id {req.req_id}")
         self.requests[req.req_id] = req
+        self.expect_depth(req)
         self.lookup_prefix(req)  # priced by what it still has to compute from the start
         self.waiting.append(req)
         self.waiting.sort(key=self.queue_key)
@@ -94,6 +97,7 @@ class Scheduler(ABC):
         if req.req_id in self.requests:
             raise ValueError(f"duplicate request id {req.req_id}")
         self.requests[req.req_id] = req
+        self.expect_depth(req)
         self.running.append(req)
         self.on_adopt(req)
 
@@ -367,12 +371,15 @@ class Scheduler(ABC):
         return [r for r in ok if id(r) in running]
 
     # -- after a step ---------------------------------------------------------------------------
-    def update(self, plan: StepPlan, stopped_layer: int, sampled: dict[str, int], now: float) -> list[Request]:
+    def update(self, plan: StepPlan, stopped_layer: int, sampled: dict[str, int], now: float,
+               exit_layers: dict[str, int] | None = None) -> list[Request]:
         """Record progress of every work; return requests that got a new token.
 
         A work that reached the last layer completes its tokens; one that stopped
         earlier (``stopped_layer``, see :meth:`~laser.core.plan.Work.reached`) or ends before the
-        last layer stays in flight at the layer it reached.
+        last layer stays in flight at the layer it reached. ``exit_layers`` (req_id -> layer):
+        decode tokens of dynamic-depth requests that left the model early (their K/V filled at
+        every later layer: they count as complete; :meth:`record_depth`).
         """
         n = self.num_layers
         out = []
@@ -384,6 +391,13 @@ class Scheduler(ABC):
             if req is None:  # aborted while the step ran
                 continue
             reached = w.reached(stopped_layer)
+            if req.sampling_params.dynamic_depth is not None and w.num_tokens == 1 and req.output_token_ids:
+                exited = exit_layers.get(w.req_id) if exit_layers else None
+                if exited is not None:
+                    reached = n
+                    w = Work(w.req_id, w.token_start, 1, w.layer_start, n, True)
+                if reached == n:
+                    self.record_depth(req, n if exited is None else exited)
             if reached == n:
                 req.num_computed_tokens = w.context_len
                 req.chunk_tokens = 0
@@ -405,6 +419,21 @@ class Scheduler(ABC):
         self.step_index += 1
         self.enforce_icache_capacity()
         return out
+
+    def record_depth(self, req: Request, depth: int) -> None:
+        """A decode token of dynamic-depth ``req`` ran ``depth`` layers: update its running mean
+        and its class's (:class:`laser.core.depth.DepthMeans`), and the depth Alg. 1 plans it
+        with (``req.expected_layers``)."""
+        req.num_depth_tokens += 1
+        req.depth_layers += depth
+        self.depth_means.update(req.slo.name, depth)
+        req.expected_layers = req.depth_layers / req.num_depth_tokens
+
+    def expect_depth(self, req: Request) -> None:
+        """Seed a dynamic-depth request's expected depth from its SLO class's running mean (a
+        request with tokens of its own keeps its own mean)."""
+        if req.sampling_params.dynamic_depth is not None and not req.num_depth_tokens:
+            req.expected_layers = self.depth_means.expected(req.slo.name)
 
     def append_token(self, req: Request, token: int, now: float) -> None:
         """Record one more decoded token of ``req`` in the step :meth:`update` just recorded

@@ -106,6 +106,9 @@ def build_cluster(args):
     if getattr(args, "speculative", None):
         raise SystemExit("laser: error: --speculative runs in a single-process server (no --*-instances): Ray "
                          "instances send one token per step")
+    if getattr(args, "dynamic_depth", None):
+        raise SystemExit("laser: error: --dynamic-depth runs in a single-process server (no --*-instances): the "
+                         "Ray instances load no exit heads yet")
     name = args.controller or ("colocated" if args.mixed_instances else "laser")
     cache, sched, slo = engine_configs(args)
     if args.outage_wait < 0:

@@ -245,7 +245,7 @@ class LaserScheduler(Scheduler):
         self._step_triage = None
         self.step.begin(plan, self.plans, self.clock())
 
-    def update(self, plan, stopped_layer, sampled, now):
+    def update(self, plan, stopped_layer, sampled, now, exit_layers=None):
         self.step.end()
         if plan.works:
             # A stop pauses prefill work only: the decode works ran their layer groups, so
@@ -264,7 +264,9 @@ class LaserScheduler(Scheduler):
                     self.replan_needed = True
             if complete or dec:
                 self.iteration += 1
-        out = super().update(plan, stopped_layer, sampled, now)
+        out = super().update(plan, stopped_layer, sampled, now, exit_layers)
+        if exit_layers:
+            self._restart_exited(exit_layers)
         for req in out:
             if req.num_output_tokens == 1 and req.req_id not in self.plans:
                 self.replan_needed = True  # a new decode request
@@ -272,6 +274,17 @@ class LaserScheduler(Scheduler):
                 self._p99_lost.add(req.req_id)
                 self.replan_needed = True  # it has nothing left to keep: T_g may be released
         return out
+
+    def _restart_exited(self, exit_layers: dict[str, int]) -> None:
+        """A reduced request (L < N) whose token left the model early (dynamic depth) starts its
+        next token now: its plan's offset moves so that its first group runs in the coming
+        iteration (:meth:`_LayerLoad.best_offset`'s rule), instead of waiting out the groups the
+        exit skipped."""
+        n = self.num_layers
+        for rid in exit_layers:
+            p = self.plans.get(rid)
+            if p is not None and p.layers < n:
+                self.plans[rid] = DecodePlan(p.layers, (self.iteration - 1) % p.groups(n))
 
     # -- prefill (§6.1) ---------------------------------------------------------------------------
     def _pending_prefills(self) -> list[Request]:
