@@ -213,7 +213,7 @@ def cmd_generate(args) -> int:
     n = req.num_output_tokens
     print(
         f"[laser] {n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s), TTFT {req.token_times[0] - req.arrival_time:.3f} s, "
-        f"model load {load_s:.1f} s, policy {engine.scheduler.name}, weights {engine.model.weights_tag}",
+        f"model load {load_s:.1f} s, policy {engine.scheduler.report().policy}, weights {engine.model.weights_tag}",
         file=sys.stderr,
     )
     return 0 if text is not None else 1

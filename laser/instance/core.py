@@ -124,11 +124,11 @@ class InstanceCore:
         """Told (plan, seconds on ``clock``) after every step that ran its plan to the end: the
         online calibration of the model the scheduler plans with, when it has one
         (:class:`laser.latency.CalibratedLatencyModel`); None otherwise."""
-        return getattr(self.scheduler.latency_model, "observe_step", None)
+        return self.scheduler.step_observer
 
     @property
     def role(self) -> str:
-        return self.scheduler.config.role
+        return self.scheduler.role
 
     # -- requests ----------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:

@@ -203,7 +203,7 @@ def cmd_serve(args) -> int:
 def _what(engine) -> str:
     handles = getattr(engine, "handles", None)
     if handles is None:
-        return f"policy {engine.scheduler.name}"
+        return f"policy {engine.scheduler.report().policy}"
     roles = ", ".join(f"{h.instance_id}:{h.role}" for h in handles.values())
     return f"controller {engine.controller.name} over instances {roles}"
 
