@@ -36,7 +36,7 @@ def run_sim_pair(p, d, until: float = math.inf, max_steps: int = 2_000_000) -> N
             d._release()
             if d.scheduler.has_unfinished():
                 d.step()
-            elif d.pending and d.pending[0].time <= d.clock.t:
+            elif d.adopts.num_waiting():
                 # the pool cannot hold the next hand-off and nothing runs to free it
                 raise RuntimeError("decode instance KV pool too small for a hand-off")
     raise RuntimeError("simulation did not finish within max_steps")

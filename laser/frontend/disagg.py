@@ -8,7 +8,7 @@ exports its KV layer by layer (:class:`~laser.frontend.engine.Handoff`); the dec
 
 from __future__ import annotations
 
-from ..core.block_manager import OutOfBlocksError
+from ..instance.handoff import AdoptQueue
 from .engine import Engine
 from .outputs import RequestOutput
 
@@ -16,7 +16,8 @@ from .outputs import RequestOutput
 class DisaggregatedPair:
     """One prefill instance feeding one decode instance; stepped alternately.
 
-    Hand-offs that the decode instance cannot hold yet (KV pool full) wait in order.
+    Hand-offs that the decode instance cannot hold yet (KV pool full) wait in order
+    (:class:`~laser.instance.handoff.AdoptQueue`).
     """
 
     def __init__(self, prefill: Engine, decode: Engine):
@@ -24,14 +25,14 @@ class DisaggregatedPair:
             raise ValueError("need a prefill-role engine and a decode-role engine")
         self.prefill = prefill
         self.decode = decode
-        self._pending = []
+        self.adopts = AdoptQueue()
         self.adopted: dict = {}  # req_id -> the decode instance's Request
 
     def add_request(self, *args, **kwargs):
         return self.prefill.add_request(*args, **kwargs)
 
     def abort(self, req_id: str) -> bool:
-        self._pending = [h for h in self._pending if h.request.req_id != req_id]
+        self.adopts.drop(req_id)
         return self.prefill.abort(req_id) or self.decode.abort(req_id)
 
     def resolve(self, req):
@@ -39,17 +40,13 @@ class DisaggregatedPair:
         return self.adopted.get(req.req_id, req)
 
     def has_unfinished(self) -> bool:
-        return self.prefill.has_unfinished() or self.decode.has_unfinished() or bool(self._pending)
+        return self.prefill.has_unfinished() or self.decode.has_unfinished() or bool(self.adopts)
 
     def step(self) -> list[RequestOutput]:
         outs = self.prefill.step()
-        self._pending.extend(self.prefill.handoffs)
+        for h in self.prefill.handoffs:
+            self.adopts.deliver(h)
         self.prefill.handoffs.clear()
-        while self._pending:
-            try:
-                req = self.decode.accept_handoff(self._pending[0])
-                self.adopted[req.req_id] = req
-            except OutOfBlocksError:
-                break
-            self._pending.pop(0)
+        for req in self.adopts.adopt_ready(self.decode.accept_handoff):
+            self.adopted[req.req_id] = req
         return outs + self.decode.step()

@@ -37,6 +37,7 @@ import uuid
 from ..core.block_manager import OutOfBlocksError
 from ..core.request import Request
 from .core import Handoff
+from .handoff import AdoptQueue, Outbox
 from .kv_stream import InboundKV
 from .messages import InstanceReport, LatencyIncrement, RequestInfo
 from .model_instance import ModelInstance
@@ -73,12 +74,11 @@ class InstanceWorker:
         self.latency_model = self.mi.latency_model
         self.num_layers = self.mi.model_config.num_layers
         self.reserved: dict[str, RequestInfo] = {}
-        self.outbox: dict[str, Handoff] = {}  # exported, kept until the decode instance confirms
-        self.streamed_to: dict[str, int] = {}  # prefill side: req id -> decode instance its KV streams to
-        self.inbound = InboundKV(self.mi.kv_cache, self.num_layers)  # decode side
-        self.adopt_wait: list[Handoff] = []  # adopted but waiting for KV blocks
-        self.fences: dict[str, int] = {}  # req id -> lowest hand-off attempt still accepted (see abort)
-        self.epoch = 0  # the front end's fencing token: a step or adoption of an older epoch is refused (reset)
+        self.outbox = Outbox()  # prefill side: exported, kept until the decode instance confirms
+        self.inbound = InboundKV(self.mi.kv_cache, self.num_layers)  # decode side: streamed layers
+        # decode side: adopted in order when the KV fits; its fences refuse a hand-off of an attempt
+        # given up on (abort) and a step or hand-off of an epoch older than the front end's (reset)
+        self.adopts = AdoptQueue()
         self._lock = threading.Lock()
         self._at_boundary: collections.deque = collections.deque()
         self._between: collections.deque = collections.deque()
@@ -137,7 +137,7 @@ class InstanceWorker:
                 sink, key, dst = stream
                 rid = req.req_id
                 self.mi.runner.kv_streams[rid] = lambda layer, k, v: sink.send(rid, key, layer, k, v)
-                self.streamed_to[rid] = dst
+                self.outbox.stream_to(rid, dst)
         return self._call(add, True)
 
     def abort(self, req_id: str, fence: int | None = None) -> bool:
@@ -145,15 +145,10 @@ class InstanceWorker:
         ``fence``: the front end re-prefills it as attempt ``fence``; a hand-off of an earlier
         attempt that reaches :meth:`adopt` later (it waited for its sender) is refused."""
         def abort():
-            if fence is not None:
-                self.fences[req_id] = max(fence, self.fences.get(req_id, 0))
             found = self.reserved.pop(req_id, None) is not None
-            found |= self.outbox.pop(req_id, None) is not None
+            found |= self.outbox.drop(req_id)
             found |= self.inbound.drop(req_id)
-            self.streamed_to.pop(req_id, None)
-            n = len(self.adopt_wait)
-            self.adopt_wait = [h for h in self.adopt_wait if h.request.req_id != req_id]
-            found |= n != len(self.adopt_wait)
+            found |= self.adopts.drop(req_id, fence)
             return self.core.abort(req_id) is not None or found
         return self._call(abort, False)
 
@@ -163,12 +158,12 @@ class InstanceWorker:
     def _report(self) -> InstanceReport:
         now = self.core.clock()
         return build_report(self.instance_id, self.role, self.core.scheduler, self._bm, self.mi.icache, now,
-                            max(now, self._busy_until), (), [h.request for h in self.adopt_wait],
+                            max(now, self._busy_until), (), self.adopts.requests(),
                             len(self.reserved))
 
     def latency_increment(self, info: RequestInfo) -> LatencyIncrement:
         return self._call(lambda: decode_increment(self.instance_id, self.core.scheduler, self._bm,
-                                                   self.latency_model, info, [h.request for h in self.adopt_wait],
+                                                   self.latency_model, info, self.adopts.requests(),
                                                    self.reserved), True)
 
     def reserve(self, info: RequestInfo) -> None:
@@ -197,7 +192,7 @@ class InstanceWorker:
             req = sched.requests.get(req_id)
             if req is None or req not in sched.decoding():
                 raise KeyError(f"{req_id} is not decoding on instance {self.instance_id}")
-            self.outbox[req_id] = self.core.export(req, self.core.clock())
+            self.outbox.put(self.core.export(req, self.core.clock()))
         self._call(out, False)
 
     # -- per-layer KV streaming (decode side) -------------------------------------------------------------
@@ -215,19 +210,11 @@ class InstanceWorker:
         """Prefill side: the exported request (kept until :meth:`confirm`) and the wall time
         (``time.time()``, s) it was sent; without its KV (``kv=None``) when every layer was
         already streamed to instance ``dst``. Raises KeyError when it is not in the outbox."""
-        def take():
-            h = self.outbox[req_id]
-            if dst is not None and self.streamed_to.get(req_id) == dst:
-                h = dataclasses.replace(h, kv=None)
-            return h, time.time()
-        return self._call(take, True)
+        return self._call(lambda: (self.outbox.take(req_id, dst), time.time()), True)
 
     def confirm(self, req_id: str) -> None:
         """Prefill side: the decode instance holds ``req_id``'s KV; drop the exported copy."""
-        def confirm():
-            self.outbox.pop(req_id, None)
-            self.streamed_to.pop(req_id, None)
-        self._call(confirm, True)
+        self._call(lambda: self.outbox.confirm(req_id), True)
 
     def adopt(self, sent: tuple[Handoff, float], attempt: int = 0, epoch: int | None = None) -> dict:
         """Decode side: continue a request prefilled elsewhere (``sent`` from
@@ -244,10 +231,7 @@ class InstanceWorker:
         rid = h.request.req_id
 
         def adopt():
-            if epoch is not None and epoch < self.epoch:
-                raise KeyError(f"stale hand-off of {rid} (sent in epoch {epoch} < {self.epoch}: instance fenced)")
-            if attempt < self.fences.get(rid, 0):
-                raise KeyError(f"stale hand-off of {rid} (attempt {attempt} < {self.fences[rid]})")
+            self.adopts.fences.check(rid, attempt, epoch)
             self.reserved.pop(rid, None)
             streamed = h.kv is None
             if streamed:
@@ -255,28 +239,27 @@ class InstanceWorker:
                 nbytes = sum(k.nbytes + v.nbytes for k, v in self.inbound.streams[rid].pieces.values())
             else:
                 nbytes = sum(k.nbytes + v.nbytes for k, v in h.kv)
-            self.adopt_wait.append(h)
-            self._adopt_waiting()
+            self.adopts.deliver(h, attempt=attempt, epoch=epoch)
+            self.adopts.adopt_ready(self._adopt_one)
             return {"bytes": nbytes, "seconds": time.time() - sent_at, "after_prefill_s": self.core.clock() - h.time,
                     "layers": self.num_layers, "streamed": streamed}
         return self._call(adopt, False)
 
-    def _adopt_waiting(self) -> None:
-        """Adopt waiting hand-offs in order while their KV fits (and, streamed, has all arrived)."""
-        while self.adopt_wait:
-            h = self.adopt_wait[0]
-            rid = h.request.req_id
-            if h.kv is None:
-                if not self.inbound.complete(rid):
-                    return
-                h = dataclasses.replace(h, kv=self.inbound.kv_for_adopt(rid))
-            try:
-                self.core.adopt(h)
-            except OutOfBlocksError:
-                self.inbound.import_failed(rid)
-                return
-            self.inbound.adopted(rid)
-            self.adopt_wait.pop(0)
+    def _adopt_one(self, h: Handoff) -> Request | None:
+        """Adopt ``h`` now (the queue's ``adopt``): None while its streamed layers have not all
+        arrived; raises OutOfBlocksError (nothing kept) when its KV does not fit."""
+        rid = h.request.req_id
+        if h.kv is None:
+            if not self.inbound.complete(rid):
+                return None
+            h = dataclasses.replace(h, kv=self.inbound.kv_for_adopt(rid))
+        try:
+            req = self.core.adopt(h)
+        except OutOfBlocksError:
+            self.inbound.import_failed(rid)
+            raise
+        self.inbound.adopted(rid)
+        return req
 
     # -- the loop ----------------------------------------------------------------------------------------
     def step(self, epoch: int | None = None) -> dict:
@@ -286,7 +269,7 @@ class InstanceWorker:
         requests wait in the outbox for :meth:`take_handoff`. ``epoch``: the front end's epoch of
         this instance when it asked; a step of an older epoch (asked before the instance was fenced
         by :meth:`reset`) runs nothing and answers no events, not busy, ``"fenced": True``."""
-        if epoch is not None and epoch < self.epoch:
+        if self.adopts.fences.stale_epoch(epoch):
             return {"events": [], "busy": False, "step_s": 0.0, "report": None, "fenced": True}
         with self._lock:
             if self._stall_s:
@@ -295,7 +278,7 @@ class InstanceWorker:
             self._drain(self._at_boundary)
             self._drain(self._between)
             self.inbound.drain()
-            self._adopt_waiting()
+            self.adopts.adopt_ready(self._adopt_one)
             t0 = time.perf_counter()
             events = []
             if self.core.has_unfinished():
@@ -305,9 +288,9 @@ class InstanceWorker:
                     events.append((ev.request.req_id, ev.token, ev.finish_reason, ev.handed_off,
                                    ev.request.num_cached_tokens))
                     if ev.finish_reason is not None:
-                        self.streamed_to.pop(ev.request.req_id, None)
+                        self.outbox.finished(ev.request.req_id)
                 for h in self.core.handoffs:
-                    self.outbox[h.request.req_id] = h
+                    self.outbox.put(h)
                 self.core.handoffs.clear()
             self._busy_until = 0.0
             self._drain(self._at_boundary)
@@ -316,17 +299,17 @@ class InstanceWorker:
                     "report": self._report()}
 
     def has_work(self) -> bool:
-        return self.core.has_unfinished() or bool(self.adopt_wait)
+        return self.core.has_unfinished() or bool(self.adopts)
 
     def check_integrity(self, expect_empty: bool = False) -> None:
         """The core's check; when ``expect_empty`` also no outbox, waiting hand-off or reservation."""
         def check():
             self.core.check_integrity(expect_empty=expect_empty)
-            if expect_empty and (self.outbox or self.adopt_wait or self.reserved or self.inbound.pending()
-                                 or self.streamed_to):
-                raise AssertionError(f"instance {self.instance_id}: outbox {sorted(self.outbox)}, "
-                                     f"waiting {len(self.adopt_wait)}, reserved {sorted(self.reserved)}, "
-                                     f"streams in {sorted(self.inbound.streams)}, out {sorted(self.streamed_to)}")
+            out = self.outbox
+            if expect_empty and (out or self.adopts or self.reserved or self.inbound.pending() or out.streamed_to):
+                raise AssertionError(f"instance {self.instance_id}: outbox {sorted(out)}, "
+                                     f"waiting {len(self.adopts)}, reserved {sorted(self.reserved)}, "
+                                     f"streams in {sorted(self.inbound.streams)}, out {sorted(out.streamed_to)}")
         return self._call(check, False)
 
     def reset(self, epoch: int | None = None) -> int:
@@ -338,18 +321,14 @@ class InstanceWorker:
         frozen instance that wakes holds nothing of the requests that moved away. Returns how
         many requests it dropped."""
         def reset():
-            if epoch is not None:
-                self.epoch = max(self.epoch, epoch)
             rids = (set(self.core.scheduler.requests) | set(self.outbox) | set(self.reserved)
-                    | set(self.inbound.streams) | {h.request.req_id for h in self.adopt_wait})
+                    | set(self.inbound.streams) | self.adopts.ids())
             for rid in rids:
                 self.reserved.pop(rid, None)
-                self.outbox.pop(rid, None)
                 self.inbound.drop(rid)
                 self.core.abort(rid)
-            self.streamed_to.clear()
-            self.adopt_wait.clear()
-            self.fences.clear()
+            self.outbox.clear()
+            self.adopts.reset(epoch)
             return len(rids)
         return self._call(reset, False)
 
@@ -360,7 +339,7 @@ class InstanceWorker:
 
     def fence_epoch(self) -> int:
         """Answers at once: this instance's epoch (its fencing token, see :meth:`reset`)."""
-        return self.epoch
+        return self.adopts.fences.epoch
 
     def ping(self) -> str:
         """This process's boot id (:meth:`describe`): the front end tells a restarted instance
@@ -383,7 +362,7 @@ class InstanceWorker:
             now = self.core.clock()
             moved = [r for r in sched.decoding()]
             for r in moved:
-                self.outbox[r.req_id] = self.core.export(r, now)
+                self.outbox.put(self.core.export(r, now))
             return [r.req_id for r in moved]
         return self._call(switch, False)
 

@@ -22,7 +22,6 @@ import math
 from dataclasses import dataclass
 
 from ..core.config import SchedulerConfig
-from ..core.block_manager import OutOfBlocksError
 from ..instance.core import Handoff
 from ..instance.interface import ROLES, Instance
 from ..instance.messages import InstanceReport, LatencyIncrement, MigrationCandidate, RequestInfo
@@ -45,45 +44,38 @@ class Output:
 
 class _Node(SimInstance):
     """SimInstance releasing deliveries at their delivery time (not the request's arrival): a
-    request joins the EDF queue; a :class:`~laser.instance.core.Handoff` is adopted (the core's
-    :meth:`~laser.instance.core.InstanceCore.adopt`) once the KV pool holds it."""
+    request joins the EDF queue; a :class:`~laser.instance.core.Handoff` joins the adopt queue
+    (:attr:`adopts`, adopted by the core's :meth:`~laser.instance.core.InstanceCore.adopt` in
+    order once the KV pool holds it)."""
 
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
-        self.deliveries: list[tuple[float, int, Request | Handoff]] = []  # heap by delivery time
-        self.adopt_wait: list[Handoff] = []  # decode hand-offs waiting for KV blocks
+        self.deliveries: list[tuple[float, int, Request]] = []  # heap by delivery time
         self._seq = itertools.count()
 
     def deliver(self, item: Request | Handoff, at: float) -> None:
-        heapq.heappush(self.deliveries, (at, next(self._seq), item))
+        if isinstance(item, Handoff):
+            self.adopts.deliver(item, at)
+        else:
+            heapq.heappush(self.deliveries, (at, next(self._seq), item))
 
     def _release(self) -> None:
         t = self.clock.t
         while self.deliveries and self.deliveries[0][0] <= t:
-            item = heapq.heappop(self.deliveries)[2]
-            if isinstance(item, Handoff):
-                self.adopt_wait.append(item)
-            else:
-                self.add_request(item)
-        while self.adopt_wait:
-            try:
-                self.adopt(self.adopt_wait[0])
-            except OutOfBlocksError:
-                break
-            self.adopt_wait.pop(0)
+            self.add_request(heapq.heappop(self.deliveries)[2])
+        self.adopts.adopt_ready(self.adopt, t)
 
     def next_release(self) -> float:
         """Delivery time of the next request or hand-off not yet released (inf when none)."""
-        return self.deliveries[0][0] if self.deliveries else math.inf
+        return min(self.deliveries[0][0] if self.deliveries else math.inf, self.adopts.next_due())
 
     def adopting(self) -> list[Request]:
         """Hand-offs on their way here or waiting for KV blocks (their prefill-side requests)."""
-        return [d[2].request for d in self.deliveries if isinstance(d[2], Handoff)] + [
-            h.request for h in self.adopt_wait]
+        return self.adopts.requests()
 
     def queued(self) -> list[Request]:
         """Requests delivered later to this instance's prefill queue."""
-        return [d[2] for d in self.deliveries if not isinstance(d[2], Handoff)]
+        return [d[2] for d in self.deliveries]
 
 
 class SimClusterInstance(Instance):
@@ -141,12 +133,10 @@ class SimClusterInstance(Instance):
     def abort(self, req_id: str, at: float) -> bool:
         self._version += 1
         self.reserved.pop(req_id, None)
-        before = len(self.sim.deliveries) + len(self.sim.adopt_wait)
-        self.sim.deliveries = [d for d in self.sim.deliveries
-                               if (d[2].request if isinstance(d[2], Handoff) else d[2]).req_id != req_id]
+        before = len(self.sim.deliveries)
+        self.sim.deliveries = [d for d in self.sim.deliveries if d[2].req_id != req_id]
         heapq.heapify(self.sim.deliveries)
-        self.sim.adopt_wait = [h for h in self.sim.adopt_wait if h.request.req_id != req_id]
-        dropped = before != len(self.sim.deliveries) + len(self.sim.adopt_wait)
+        dropped = self.sim.adopts.drop(req_id) or before != len(self.sim.deliveries)
         return self.scheduler.abort(req_id, at) is not None or dropped
 
     def reserve(self, info: RequestInfo) -> None:
@@ -196,10 +186,10 @@ class SimClusterInstance(Instance):
 
     # -- driven by the cluster simulator ------------------------------------------------------
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.sim.adopt_wait)
+        return self.scheduler.has_unfinished() or self.sim.adopts.num_waiting() > 0
 
     def next_delivery(self) -> float:
-        return self.sim.deliveries[0][0] if self.sim.deliveries else math.inf
+        return self.sim.next_release()
 
     def begin(self, now: float) -> float | None:
         """Start the next step at ``max(own clock, now)``; its predicted end (s), or None when
@@ -244,5 +234,5 @@ class SimClusterInstance(Instance):
 
     def check_integrity(self, expect_empty: bool = False) -> None:
         self.scheduler.check_integrity(expect_empty=expect_empty)
-        if expect_empty and (self.sim.deliveries or self.sim.adopt_wait or self.reserved):
+        if expect_empty and (self.sim.deliveries or self.sim.adopts or self.reserved):
             raise AssertionError(f"instance {self.instance_id}: deliveries or reservations remain")

@@ -27,6 +27,7 @@ from ..core.block_manager import BlockManager, OutOfBlocksError
 from ..core.config import SchedulerConfig
 from ..core.walk import walk
 from ..instance.core import Handoff, InstanceCore, make_scheduler
+from ..instance.handoff import AdoptQueue
 from ..core.intermediate_cache import IntermediateCache
 from ..core.plan import LayerStep, StepPlan, StepResult
 from ..core.request import Request
@@ -280,7 +281,7 @@ class SimInstance(InstanceCore):
         super().__init__(make_scheduler(cfg, num_layers, self.bm, self.icache, latency_model, clock), executor, clock)
         self.arrival_hook = self._release
         self._arrivals: list[Request] = []  # sorted by arrival_time
-        self.pending: list[Handoff] = []  # decode role: hand-offs by the time they reach this instance
+        self.adopts = AdoptQueue()  # decode role: hand-offs by the time they reach this instance
         self.adopted: dict[str, Request] = {}  # req_id -> this instance's copy of a handed-off request
         self.finished: list[Request] = []
 
@@ -291,37 +292,27 @@ class SimInstance(InstanceCore):
 
     def receive(self, h: Handoff, at: float) -> None:
         """Decode role: a hand-off that reaches this instance at virtual time ``at``."""
-        self.pending.append(dataclasses.replace(h, time=at))
-        self.pending.sort(key=lambda x: x.time)
+        self.adopts.deliver(dataclasses.replace(h, time=at), at)
 
     def _release(self) -> None:
         t = self.clock.t
         while self._arrivals and self._arrivals[0].arrival_time <= t:
             self.add_request(self._arrivals.pop(0))
-        while self.pending and self.pending[0].time <= t:
-            try:
-                req = self.adopt(self.pending[0])
-            except OutOfBlocksError:
-                break  # waits until the pool frees
+        for req in self.adopts.adopt_ready(self.adopt, t):  # (one that does not fit waits for the pool)
             self.adopted[req.req_id] = req
-            self.pending.pop(0)
 
     def next_release(self) -> float:
         """Virtual time of the next arrival or hand-off not yet due (inf when none); a hand-off
         already due but waiting for KV blocks does not count (nothing frees blocks mid-step)."""
         t = self.clock.t
         nxt = self._arrivals[0].arrival_time if self._arrivals else math.inf
-        for h in self.pending:
-            if h.time > t:
-                return min(nxt, h.time)
-        return nxt
+        return min(nxt, self.adopts.next_due(after=t))
 
     def next_event(self) -> float:
         """Virtual time of this instance's next action (now while it has work)."""
         if self.has_unfinished():
             return self.clock.t
-        return min(self._arrivals[0].arrival_time if self._arrivals else math.inf,
-                   self.pending[0].time if self.pending else math.inf)
+        return min(self._arrivals[0].arrival_time if self._arrivals else math.inf, self.adopts.earliest())
 
     def run(self, until: float = float("inf"), max_steps: int = 1_000_000,
             before_step: Callable[[], None] | None = None) -> list[Request]:
