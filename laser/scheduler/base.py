@@ -139,7 +139,8 @@ class Scheduler(ABC):
         """A work running ``num_tokens`` new tokens of ``req`` through every layer."""
         start = req.num_computed_tokens
         return Work(
-            req.req_id, start, num_tokens, 0, self.num_layers, sample=start + num_tokens == req.num_tokens
+            req.req_id, start, num_tokens, 0, self.num_layers, sample=start + num_tokens == req.num_tokens,
+            masked=req.masked,
         )
 
     def prefill_remaining(self, req: Request) -> int:

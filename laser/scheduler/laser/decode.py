@@ -137,6 +137,9 @@ class _LayerLoad:
         self.shared = shared
         self.layer = layer
         self.const = lm.embed_time(len(reqs)) + lm.head_time(len(reqs))
+        masked = sum(1 for r in reqs if r.masked)
+        if masked:  # grammar masks of their sampled rows (PlanCost's term)
+            self.const += lm.mask_time(masked)
         self.full = 0
         self.num_partial = 0  # requests with L < N (0: every row of ``partial`` is zero)
         self._partial: list[list[int]] | None = None  # built when first needed (``partial``)
