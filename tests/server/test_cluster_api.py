@@ -102,6 +102,7 @@ def post(srv, path: str, body: dict, die: bool = False) -> dict:
         assert r.status_code == 200, r.text
         out = r.json()
         assert not die or out["slo"]["failovers"] == 1
+        out["choices"].sort(key=lambda c: c["index"])
         return out
     choices: dict[int, dict] = {}
     last = None
