@@ -138,7 +138,9 @@ class ModelInstance:
         from ..profiler import load_or_create
         from ..profiler.mask import estimate_mask_row_s
 
-        tok = getattr(self, "tokenizer", None) or self.model_path  # (an Engine has loaded it already)
+        tok = getattr(self, "tokenizer", None)  # an Engine has loaded it already
+        if tok is None:
+            tok = self.model_path
         lm = None
         if profile == "auto":
             lm = load_or_create(self.runner, None, create=True, grammar_tokenizer=tok)
