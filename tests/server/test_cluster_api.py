@@ -38,7 +38,7 @@ TOL = 1e-5  # fp32: the same rows in other batch shapes
 
 def _kw(model_dir) -> dict:
     return dict(model=str(model_dir), policy="laser", dtype="float32", cache=CacheConfig(num_blocks=256),
-                max_model_len=256, scheduler=SchedulerConfig(policy="laser", max_num_batched_tokens=CHUNK))
+                max_model_len=1024, scheduler=SchedulerConfig(policy="laser", max_num_batched_tokens=CHUNK))
 
 
 class DiesMidStream(LocalHandle):

@@ -231,11 +231,14 @@ class _LayerLoad:
 @dataclass(frozen=True, slots=True)
 class DecodeCandidate:
     """A request about to join a decode instance, as Alg. 1 sees it: ``num_tokens`` is its
-    context (prompt + the first token), ``slo`` its targets (only ``slo.tbt`` is used)."""
+    context (prompt + the first token), ``slo`` its targets (only ``slo.tbt`` is used);
+    ``masked``: its sampled rows go through a grammar mask (``Request.masked``; the controller's
+    :class:`~laser.instance.messages.RequestInfo` does not say, so False)."""
 
     req_id: str
     num_tokens: int
     slo: SLO
+    masked: bool = False
 
 
 #: Granularity (tokens) of the prefill chunk :func:`exec_plan` prices iterations with.
