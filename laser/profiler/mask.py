@@ -19,9 +19,10 @@ import torch
 
 #: Seconds of one grammar mask per vocabulary entry: measured with :func:`measure_mask_row_s`
 #: (the JSON schema of :data:`SCHEMA`, the embedded SmolLM2's tokenizer, 49152 entries) on an
-#: AVX2 AMD EPYC, 1 thread, shared with other jobs (``benchmarks/sampling_cost.py`` prints
+#: AVX2 AMD EPYC, 1 thread, shared with other jobs (load ~2.5): medians 0.77-1.18 ms per row
+#: over 3 runs, the best 0.77 ms = 15.6 ns per entry (``benchmarks/sampling_cost.py`` prints
 #: it; docs/benchmarks.md). The mask walks the token trie: its cost grows with the vocabulary.
-MASK_S_PER_VOCAB_ENTRY = 1.4e-8
+MASK_S_PER_VOCAB_ENTRY = 1.56e-8
 
 #: The grammar :func:`measure_mask_row_s` times: a JSON object with a free string and an array of
 #: strings (both wide: most tokens are allowed inside a string, the mask's costly case).
