@@ -38,10 +38,11 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import time
 from typing import Callable
 
-from ..controller.base import Controller
+from ..controller.base import Controller, prefill_load_key
 from ..core.request import SLO, InvalidRequestError, Phase, Request, SamplingParams
 from ..frontend.inputs import InputProcessor
 from ..frontend.outputs import OutputProcessor, RequestOutput
@@ -146,9 +147,19 @@ class ClusterEngine(Transfers, Recovery, Availability):
         """The front end stands in for a scheduler where AsyncEngine lists requests (``.requests``)."""
         return self
 
-    def admission_snapshot(self, *args):
-        """No single queue to publish (admission predicts a prompt alone)."""
-        return None
+    def admission_report(self, now: float):
+        """The :class:`~laser.scheduler.report.SchedulerReport` cluster admission predicts from:
+        that of the live prefill (or mixed) instance with the least prefill work queued as of
+        its last step (:func:`laser.controller.base.prefill_load_key`: where the controller's
+        fallback routes a request; a feasible instance the controller prefers has no more work).
+        Its time is the front end's ``now`` and it is not busy: instance clocks are their own,
+        so the rest of a step in flight is not counted. None before any instance reported."""
+        reps = [r for iid, r in self.last_reports.items()
+                if r is not None and r.role != "decode" and self.handles[iid].alive]
+        if not reps:
+            return None
+        rep = min(reps, key=prefill_load_key).scheduler
+        return dataclasses.replace(rep, time=now, busy=False)
 
     def predict_prefill_seconds(self, num_tokens: int) -> float:
         return self.latency_model.predict_prefill(num_tokens)

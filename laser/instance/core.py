@@ -130,11 +130,11 @@ class InstanceCore:
         """Told (plan, seconds on ``clock``) after every step that ran its plan to the end: the
         online calibration of the model the scheduler plans with, when it has one
         (:class:`laser.latency.CalibratedLatencyModel`); None otherwise."""
-        return getattr(self.scheduler.latency_model, "observe_step", None)
+        return self.scheduler.step_observer
 
     @property
     def role(self) -> str:
-        return self.scheduler.config.role
+        return self.scheduler.role
 
     # -- requests ----------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -203,14 +203,15 @@ class InstanceCore:
         result = self.executor.execute(plan, self.scheduler.requests, stop_at=self._stop_at)
         now = self.clock()
         t2 = self._perf()
-        if observe is not None and result.stopped_layer >= plan.last_layer:
+        if observe is not None and result.stopped_layer >= plan.last_layer and not result.exit_layers:
+            # (a step where tokens exited early ran fewer layers than the plan it would be judged by)
             observe(plan, now - c1)  # the instance's clock: wall time, or virtual in the simulator
         events = []
         hands_off = self.role == "prefill"
         if result.prompt_logprobs:
             self._keep_prompt_logprobs(result.prompt_logprobs)
         extra = result.extra_tokens
-        for req in self.scheduler.update(plan, result.stopped_layer, result.sampled, now):
+        for req in self.scheduler.update(plan, result.stopped_layer, result.sampled, now, result.exit_layers):
             lp = result.logprobs.get(req.req_id)
             if lp is not None:
                 req.output_logprobs.append(lp)
@@ -282,6 +283,8 @@ class InstanceCore:
         req.prompt_logprobs = None if src.prompt_logprobs is None else list(src.prompt_logprobs)
         req.num_computed_tokens = src.num_computed_tokens
         req.num_tbt_misses = src.num_tbt_misses
+        req.num_depth_tokens, req.depth_layers = src.num_depth_tokens, src.depth_layers
+        req.expected_layers = src.expected_layers
         req.tbt_infeasible = src.tbt_infeasible
         req.phase = Phase.DECODE
         self.executor.import_kv(req, h.kv)
@@ -289,5 +292,9 @@ class InstanceCore:
         return req
 
     def check_integrity(self, expect_empty: bool = False) -> None:
-        """Verify block manager, intermediate cache and scheduler state (tests, idle time)."""
+        """Verify block manager, intermediate cache and scheduler state, and (the torch executor)
+        that no K/V slot a request reads or holds as computed was left unwritten (tests, idle time)."""
         self.scheduler.check_integrity(expect_empty=expect_empty)
+        check = getattr(self.executor, "check_integrity", None)
+        if check is not None:
+            check(self.scheduler.running)

@@ -69,6 +69,7 @@ class InstanceWorker:
         self.role = role
         self.boot_id = uuid.uuid4().hex  # a new process (an actor its host restarted) has a new one
         self.mi = ModelInstance(**kw)
+        self._bm = self.mi.kv_cache.block_manager  # this instance's KV pool (its scheduler allocates in it)
         self.core = self.mi.core
         # structured output's masks: the tokenizer (and llguidance's form of it) is loaded when the
         # first structured request arrives; a request's matcher follows its tokens, so a hand-off
@@ -93,10 +94,10 @@ class InstanceWorker:
 
     def describe(self) -> dict:
         """Static facts the front end and the controller need (picklable)."""
-        bm = self.core.scheduler.bm
+        bm = self._bm
         return dict(instance_id=self.instance_id, role=self.role, latency_model=self.latency_model,
                     num_layers=self.num_layers, max_model_len=self.mi.max_model_len,
-                    total_blocks=bm.num_blocks, block_size=bm.block_size, policy=self.core.scheduler.name,
+                    total_blocks=bm.num_blocks, block_size=bm.block_size, policy=self.core.scheduler.report().policy,
                     boot_id=self.boot_id)
 
     # -- command plumbing --------------------------------------------------------------------------
@@ -169,13 +170,13 @@ class InstanceWorker:
 
     def _report(self) -> InstanceReport:
         now = self.core.clock()
-        return build_report(self.instance_id, self.role, self.core.scheduler, self.mi.icache, now,
+        return build_report(self.instance_id, self.role, self.core.scheduler, self._bm, self.mi.icache, now,
                             max(now, self._busy_until), (), [h.request for h in self.adopt_wait],
                             len(self.reserved))
 
     def latency_increment(self, info: RequestInfo) -> LatencyIncrement:
-        return self._call(lambda: decode_increment(self.instance_id, self.core.scheduler, self.latency_model,
-                                                   self.num_layers, info, [h.request for h in self.adopt_wait],
+        return self._call(lambda: decode_increment(self.instance_id, self.core.scheduler, self._bm,
+                                                   self.latency_model, info, [h.request for h in self.adopt_wait],
                                                    self.reserved), True)
 
     def reserve(self, info: RequestInfo) -> None:
@@ -192,8 +193,8 @@ class InstanceWorker:
         :func:`laser.instance.state.migration_candidate`), None when none must."""
         if self.role != "decode":
             return None
-        return self._call(lambda: migration_candidate(self.instance_id, self.core.scheduler, self.latency_model,
-                                                      self.num_layers, expected_output), False)
+        return self._call(lambda: migration_candidate(self.instance_id, self.core.scheduler, self._bm,
+                                                      self.latency_model, expected_output), False)
 
     def migrate_out(self, req_id: str) -> None:
         """Decode role, between steps: export a decoding request (its KV, freed here) into the outbox; :meth:`take_handoff` / ``adopt`` / :meth:`confirm` move it
@@ -386,10 +387,8 @@ class InstanceWorker:
         their first token as usual. Raises ConfigError for an unknown role."""
         def switch():
             sched = self.core.scheduler
-            sched.config = dataclasses.replace(sched.config, role=role)
+            sched.set_role(role)
             self.role = role
-            if hasattr(sched, "replan_needed"):
-                sched.replan_needed = True
             if role != "prefill":
                 return []
             now = self.core.clock()

@@ -219,10 +219,11 @@ class RequestFields:
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 structured_output=structured,
+                dynamic_depth=body.dynamic_depth,
             )
             sp.check_vocab(self.ae.engine.model_config.vocab_size)
             return sp
         except InvalidRequestError as e:
             msg = str(e)
-            field = msg.split()[0].rstrip(":")
+            field = msg.split()[0].rstrip(":").split(".")[0]
             raise APIError(400, msg, "invalid_value", field if field in type(body).model_fields else None) from None

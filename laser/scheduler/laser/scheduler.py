@@ -12,7 +12,8 @@ in-flight chunk parks its hidden state in the intermediate cache (decode tokens 
 to the end of their layer groups: parking them would put the next step into their
 token gap), and the next
 ``schedule`` re-plans with the newcomer in EDF position: merged if the merge meets its
-deadline, otherwise first.
+deadline, otherwise first -- and alone, the paused chunks resuming after it, where they can wait
+and merging them would delay its first token more than it saves (``PrefillPlanner.holds_back``).
 
 Decode (§6.2, Alg. 1). Decode request r has a plan (L_r, O_r): with K_r = ceil(N/L_r)
 layer groups, group g (layers ((g-1)L, gL]) runs in iteration i iff
@@ -118,7 +119,9 @@ class LaserScheduler(Scheduler):
         if self.config.role == "mixed" and self.plans:
             self.replan_needed = True
         if self.step.in_step and self.config.role != "decode":
-            self.step.arrival_stops(req, self.clock(), self.prefill_alone(req), len(self.waiting), self.plans)
+            key = self.queue_key(req)
+            leads = all(w is req or key < self.queue_key(w) for w in self.waiting)
+            self.step.arrival_stops(req, self.clock(), self.prefill_alone(req), leads, self.plans)
 
     def prefill_alone(self, req: Request) -> float:
         """Predicted seconds of ``req``'s prefill left (after its cached or computed prefix), run alone."""
@@ -245,7 +248,7 @@ class LaserScheduler(Scheduler):
         self._step_triage = None
         self.step.begin(plan, self.plans, self.clock())
 
-    def update(self, plan, stopped_layer, sampled, now):
+    def update(self, plan, stopped_layer, sampled, now, exit_layers=None):
         self.step.end()
         if plan.works:
             # A stop pauses prefill work only: the decode works ran their layer groups, so
@@ -264,7 +267,9 @@ class LaserScheduler(Scheduler):
                     self.replan_needed = True
             if complete or dec:
                 self.iteration += 1
-        out = super().update(plan, stopped_layer, sampled, now)
+        out = super().update(plan, stopped_layer, sampled, now, exit_layers)
+        if exit_layers:
+            self._restart_exited(exit_layers)
         for req in out:
             if req.num_output_tokens == 1 and req.req_id not in self.plans:
                 self.replan_needed = True  # a new decode request
@@ -272,6 +277,17 @@ class LaserScheduler(Scheduler):
                 self._p99_lost.add(req.req_id)
                 self.replan_needed = True  # it has nothing left to keep: T_g may be released
         return out
+
+    def _restart_exited(self, exit_layers: dict[str, int]) -> None:
+        """A reduced request (L < N) whose token left the model early (dynamic depth) starts its
+        next token now: its plan's offset moves so that its first group runs in the coming
+        iteration (:meth:`_LayerLoad.best_offset`'s rule), instead of waiting out the groups the
+        exit skipped."""
+        n = self.num_layers
+        for rid in exit_layers:
+            p = self.plans.get(rid)
+            if p is not None and p.layers < n:
+                self.plans[rid] = DecodePlan(p.layers, (self.iteration - 1) % p.groups(n))
 
     # -- prefill (§6.1) ---------------------------------------------------------------------------
     def _pending_prefills(self) -> list[Request]:
@@ -411,9 +427,15 @@ class LaserScheduler(Scheduler):
         plans = {r.req_id: given.get(r.req_id, DecodePlan(n, 0)) for r in decoding}
         return _LayerLoad(self.lm, n, self.iteration, decoding, plans, self.decode_memo).predict()
 
+    def on_role_change(self) -> None:
+        self.replan_needed = True
+
     def planning_report(self) -> dict:
-        """Alg. 1's state for :meth:`Scheduler.report` (T_g, its margin, the plans, the memo)."""
+        """Alg. 1's part of :meth:`Scheduler.report` (the prefill share, T_g and its margin, the
+        last iteration, the layer stops)."""
         return dict(prefill_share=self.max_prefill_share, tg_margin=self.tg_margin, t_g=self.t_g,
-                    last_iteration_s=self.last_iteration_s, iteration=self.iteration, plans=self.plans,
-                    planning_margin=self.planning_margin(), decode_memo=self.decode_memo,
-                    layer_stops=self.step.num_stops)
+                    last_iteration_s=self.last_iteration_s, layer_stops=self.step.num_stops)
+
+    def decode_state(self) -> tuple:
+        """Alg. 1's live state: (iteration, plans, the margin it plans to, its price memo)."""
+        return self.iteration, self.plans, self.planning_margin(), self.decode_memo
