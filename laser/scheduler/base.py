@@ -396,7 +396,7 @@ class Scheduler(ABC):
                 exited = exit_layers.get(w.req_id) if exit_layers else None
                 if exited is not None:
                     reached = n
-                    w = Work(w.req_id, w.token_start, 1, w.layer_start, n, True)
+                    w = Work(w.req_id, w.token_start, 1, w.layer_start, n, True, w.masked)
                 if reached == n:
                     self.record_depth(req, n if exited is None else exited)
             if reached == n:
