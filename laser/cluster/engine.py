@@ -80,10 +80,6 @@ class ClusterEngine(Transfers, Recovery, Availability):
             chunk (False: all layers at the hand-off).
     """
 
-    #: Token events from the instances carry no log-probabilities yet: the server answers a
-    #: request for them with a 400 (laser.server.generation).
-    serves_logprobs = False
-
     def __init__(self, handles: list[InstanceHandle], controller: Controller, tokenizer, model_config,
                  model_name: str, slo_classes, step_timeout_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic, stream_kv: bool = True,
@@ -102,7 +98,13 @@ class ClusterEngine(Transfers, Recovery, Availability):
         self.model_name = model_name
         self.slo_classes = slo_classes
         self.max_model_len = min(h.describe["max_model_len"] for h in handles)
-        self.inputs = InputProcessor(tokenizer, model_config.vocab_size, self.max_model_len, slo_classes)
+        from ..model.structured import GrammarBackend
+
+        # checks (and, for tool calls, spells) a request's grammar here; each instance masks with its own
+        eos = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
+        self.grammars = GrammarBackend(tokenizer, model_config.vocab_size, eos)
+        self.inputs = InputProcessor(tokenizer, model_config.vocab_size, self.max_model_len, slo_classes,
+                                     self.grammars)
         self.outputs = OutputProcessor(tokenizer)
         entry = next((h for h in handles if h.role != "decode"), handles[0])
         self.latency_model = entry.latency_model
@@ -394,7 +396,7 @@ class ClusterEngine(Transfers, Recovery, Availability):
     def _on_events(self, iid: int, events: list) -> list[RequestOutput]:
         outs = []
         now = self.clock()
-        for rid, token, reason, handed_off, cached in events:
+        for rid, token, reason, handed_off, cached, logprob, prompt_logprobs in events:
             t = self.requests.get(rid)
             if t is not None and t.transfer is not None and t.transfer.dst == iid:
                 t.owner = iid  # adopted (its adopt answer may come after this step's)
@@ -405,6 +407,10 @@ class ClusterEngine(Transfers, Recovery, Availability):
                 req.num_cached_tokens = cached
             req.output_token_ids.append(token)
             req.token_times.append(now)
+            if logprob is not None:  # the instance's sampler computed it (SamplingParams.logprobs)
+                req.output_logprobs.append(logprob)
+            if prompt_logprobs is not None and req.prompt_logprobs is None:  # (a re-prefill sends them again)
+                req.prompt_logprobs = prompt_logprobs
             if rid in self._recovering:
                 self.stats.recovery_seconds.append(now - self._recovering.pop(rid))
             # never "handed off" to the consumer: the stream goes on here, whichever instance holds it

@@ -33,6 +33,9 @@ class Work:
     layer_end: int
     # Sample a token after the last layer (False for a non-final prefill chunk).
     sample: bool = False
+    # The sampled row goes through a grammar mask (the request has structured output):
+    # priced as the latency model's ``mask_time`` on top of the LM head
+    masked: bool = False
 
     @property
     def context_len(self) -> int:

@@ -345,6 +345,12 @@ class Request:
 
     # -- derived counts -------------------------------------------------------------
     @property
+    def masked(self) -> bool:
+        """Its sampled rows go through a grammar mask (``structured_output``): plans price it
+        (:attr:`laser.core.plan.Work.masked`, ``LatencyModel.mask_time``)."""
+        return self.sampling_params.structured_output is not None
+
+    @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 

@@ -46,7 +46,7 @@ class InputProcessor:
         max_model_len: context length in tokens; a prompt must be shorter.
         slo_classes: the SLO class table that resolves a class name (``None``: the default class).
         grammars: the :class:`~laser.model.structured.GrammarBackend` that checks a request's
-            structured output (``None``: structured output is refused, e.g. on a cluster).
+            structured output (``None``: structured output is refused).
     """
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, slo_classes, grammars=None,
@@ -164,7 +164,7 @@ class InputProcessor:
         if sp.structured_output is not None:
             if self.grammars is None:
                 raise InvalidRequestError("structured_output: guided decoding is not served by this front end "
-                                          "(a cluster's instances have no grammar backend)")
+                                          "(it has no grammar backend)")
             err = self.grammars.validate(*sp.structured_output)
             if err is not None:
                 raise InvalidRequestError(f"structured_output: {err}")

@@ -67,6 +67,12 @@ class TokenEvent:
     handed_off: bool = False  # prefill role: left for a decode instance after this token
     # tokens the request got in this step, ``token`` the last of them (> 1: a self-speculative step)
     num_tokens: int = 1
+    # SamplingParams.logprobs: ``token``'s raw TokenLogprob (None when not asked)
+    logprob: object = None
+    # SamplingParams.prompt_logprobs: the request's prompt logprobs, complete, on the event of the
+    # step whose prefill chunk computed the last of them (None otherwise): a front end that keeps
+    # no copy of the request (a cluster's) gets them with its first token
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -209,6 +215,7 @@ class InstanceCore:
             lp = result.logprobs.get(req.req_id)
             if lp is not None:
                 req.output_logprobs.append(lp)
+            plp = req.prompt_logprobs if req.req_id in result.prompt_logprobs else None
             reason = self.finish_reason(req)
             got = 1
             for tok in extra.get(req.req_id, ()) if reason is None else ():
@@ -217,7 +224,8 @@ class InstanceCore:
                 reason = self.finish_reason(req)
                 if reason is not None:
                     break
-            ev = TokenEvent(req, req.output_token_ids[-1], reason, num_tokens=got)
+            ev = TokenEvent(req, req.output_token_ids[-1], reason, num_tokens=got, logprob=lp,
+                            prompt_logprobs=None if plp is None else list(plp))
             if reason is not None:
                 self.finish(req, reason)
             elif hands_off:

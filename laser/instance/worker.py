@@ -36,6 +36,7 @@ import uuid
 
 from ..core.block_manager import OutOfBlocksError
 from ..core.request import Request
+from ..model.structured import GrammarBackend
 from .core import Handoff
 from .handoff import AdoptQueue, Outbox
 from .kv_stream import InboundKV
@@ -71,6 +72,11 @@ class InstanceWorker:
         self.mi = ModelInstance(**kw)
         self._bm = self.mi.kv_cache.block_manager  # this instance's KV pool (its scheduler allocates in it)
         self.core = self.mi.core
+        # structured output's masks: the tokenizer (and llguidance's form of it) is loaded when the
+        # first structured request arrives; a request's matcher follows its tokens, so a hand-off
+        # or a re-prefill carries nothing more (laser.model.structured)
+        self.grammars = self.mi.runner.sampler.grammars = GrammarBackend(
+            self.mi.model_path, self.mi.model_config.vocab_size, self.core.eos_ids)
         self.latency_model = self.mi.latency_model
         self.num_layers = self.mi.model_config.num_layers
         self.reserved: dict[str, RequestInfo] = {}
@@ -133,6 +139,8 @@ class InstanceWorker:
         def add():
             self.reserved.pop(req.req_id, None)
             self.core.add_request(req)
+            if req.sampling_params.structured_output is not None:
+                self.grammars.prepare()
             if stream is not None:
                 sink, key, dst = stream
                 rid = req.req_id
@@ -239,6 +247,8 @@ class InstanceWorker:
                 nbytes = sum(k.nbytes + v.nbytes for k, v in self.inbound.streams[rid].pieces.values())
             else:
                 nbytes = sum(k.nbytes + v.nbytes for k, v in h.kv)
+            if h.request.sampling_params.structured_output is not None:
+                self.grammars.prepare()
             self.adopts.deliver(h, attempt=attempt, epoch=epoch)
             self.adopts.adopt_ready(self._adopt_one)
             return {"bytes": nbytes, "seconds": time.time() - sent_at, "after_prefill_s": self.core.clock() - h.time,
@@ -264,7 +274,8 @@ class InstanceWorker:
     # -- the loop ----------------------------------------------------------------------------------------
     def step(self, epoch: int | None = None) -> dict:
         """One scheduling step. Returns ``{"events": [(req_id, token, finish_reason,
-        handed_off)], "busy": more work left, "step_s": seconds, "report": the instance's
+        handed_off, cached prompt tokens, the token's TokenLogprob or None, the complete prompt
+        logprobs or None: see :class:`~laser.instance.core.TokenEvent`)], "busy": more work left, "step_s": seconds, "report": the instance's
         :class:`InstanceReport` after it (the front end's per-instance gauges)}``; handed-off
         requests wait in the outbox for :meth:`take_handoff`. ``epoch``: the front end's epoch of
         this instance when it asked; a step of an older epoch (asked before the instance was fenced
@@ -286,7 +297,7 @@ class InstanceWorker:
                 self._busy_until = self.core.clock() + (self.core.scheduler.report().last_iteration_s or 0.0)
                 for ev in self.core.step():
                     events.append((ev.request.req_id, ev.token, ev.finish_reason, ev.handed_off,
-                                   ev.request.num_cached_tokens))
+                                   ev.request.num_cached_tokens, ev.logprob, ev.prompt_logprobs))
                     if ev.finish_reason is not None:
                         self.outbox.finished(ev.request.req_id)
                 for h in self.core.handoffs:

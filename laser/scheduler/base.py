@@ -153,7 +153,8 @@ class Scheduler(ABC):
         """A work running ``num_tokens`` new tokens of ``req`` through every layer."""
         start = req.num_computed_tokens
         return Work(
-            req.req_id, start, num_tokens, 0, self.num_layers, sample=start + num_tokens == req.num_tokens
+            req.req_id, start, num_tokens, 0, self.num_layers, sample=start + num_tokens == req.num_tokens,
+            masked=req.masked,
         )
 
     def prefill_remaining(self, req: Request) -> int:
@@ -395,7 +396,7 @@ class Scheduler(ABC):
                 exited = exit_layers.get(w.req_id) if exit_layers else None
                 if exited is not None:
                     reached = n
-                    w = Work(w.req_id, w.token_start, 1, w.layer_start, n, True)
+                    w = Work(w.req_id, w.token_start, 1, w.layer_start, n, True, w.masked)
                 if reached == n:
                     self.record_depth(req, n if exited is None else exited)
             if reached == n:

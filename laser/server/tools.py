@@ -119,20 +119,18 @@ async def tool_constraint(srv, plan: ToolPlan | None, structured: tuple[str, str
     request's response_format / guided decoding, or None).
 
     Raises:
-        APIError: 400 naming ``tool_choice``: both a tool grammar and another constraint; a
-        cluster (no grammar backend yet).
+        APIError: 400 naming ``tool_choice``: both a tool grammar and another constraint.
     """
     if plan is None or plan.choice == "auto":
         return structured
     if structured is not None:
         raise _bad("tool_choice", "required or a named function (a grammar) cannot be combined with "
                                   "response_format or guided decoding")
-    backend = getattr(srv.ae.engine, "grammars", None)
-    literal = backend.lark_literal if backend is not None else json.dumps
+    literal = srv.ae.engine.grammars.lark_literal
     text = await asyncio.get_running_loop().run_in_executor(  # the first one builds llguidance's tokenizer
         None, functools.partial(tool_call_grammar, plan.functions, plan.parallel, CALL_OPEN, CALL_CLOSE, literal))
     grammar = ("lark", text)
-    await srv.check_grammar("tool_choice", grammar, "required or a named function")
+    await srv.check_grammar("tool_choice", grammar)
     return grammar
 
 

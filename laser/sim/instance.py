@@ -240,6 +240,9 @@ class SimExecutor:
             self.park(active, active, layer)
             return
         self.clock.t += self.lm.head_time(len(active))
+        masked = sum(1 for w in active if w.masked and w.sample)
+        if masked:  # grammar masks (structured output), as PlanCost prices them
+            self.clock.t += self.lm.mask_time(masked)
         self._res.sampled.update({w.req_id: 0 for w in active if w.sample})
 
 

@@ -393,10 +393,11 @@ def test_bad_tool_input_is_400_naming_the_field(served, extra, param):
     assert ok.status_code == 200  # everyone else is still served
 
 
-def test_a_cluster_parses_auto_and_refuses_grammar_tool_choices(tiny_llama):
-    """A cluster front end (one in-process instance) has no grammar backend (structured output is
-    a 400 there): tool_choice required / named is a 400 naming tool_choice; auto needs no grammar
-    and is served (the prompt rendered and the output parsed in the front end)."""
+def test_a_cluster_parses_auto_and_enforces_grammar_tool_choices(tiny_llama):
+    """A cluster front end (one in-process mixed instance): tool_choice required / named is
+    enforced by the instance's sampler with the grammar the front end spelled (a call of the
+    named function that validates); auto needs no grammar and is served (the prompt rendered and
+    the output parsed in the front end)."""
     from laser.cluster.engine import ClusterEngine
     from laser.cluster.handles import LocalHandle
     from laser.controller import get_controller
@@ -412,8 +413,13 @@ def test_a_cluster_parses_auto_and_refuses_grammar_tool_choices(tiny_llama):
     try:
         url = srv.url + "/v1/chat/completions"
         for choice in ["required", {"type": "function", "function": {"name": "get_weather"}}]:
-            r = httpx.post(url, json={"messages": MSGS, "tools": [WEATHER], "tool_choice": choice}, timeout=60)
-            assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+            r = httpx.post(url, json={"messages": MSGS, "tools": [WEATHER], "tool_choice": choice, "max_tokens": 200},
+                           timeout=120)
+            assert r.status_code == 200, r.text
+            ch = r.json()["choices"][0]
+            calls = [(c.function.name, c.function.arguments) for c in
+                     openai.types.chat.ChatCompletion.model_validate(r.json()).choices[0].message.tool_calls or []]
+            _check_calls(calls, [WEATHER], ch["finish_reason"], exactly_one=True)
         r = httpx.post(url, json={"messages": MSGS, "tools": [WEATHER], "max_tokens": 8, "temperature": 0,
                                   "return_token_ids": True}, timeout=120)
         assert r.status_code == 200, r.text

@@ -144,6 +144,9 @@ class _LayerLoad:
         self.shared = shared
         self.layer = layer
         self.const = lm.embed_time(len(reqs)) + lm.head_time(len(reqs))
+        masked = sum(1 for r in reqs if r.masked)
+        if masked:  # grammar masks of their sampled rows (PlanCost's term)
+            self.const += lm.mask_time(masked)
         self.full = 0
         self.num_partial = 0  # requests with L < N or an expected depth < N (0: every row of ``partial`` is zero)
         self._partial: list[list[int]] | None = None  # built when first needed (``partial``)
@@ -248,11 +251,14 @@ class _LayerLoad:
 @dataclass(frozen=True, slots=True)
 class DecodeCandidate:
     """A request about to join a decode instance, as Alg. 1 sees it: ``num_tokens`` is its
-    context (prompt + the first token), ``slo`` its targets (only ``slo.tbt`` is used)."""
+    context (prompt + the first token), ``slo`` its targets (only ``slo.tbt`` is used);
+    ``masked``: its sampled rows go through a grammar mask (``Request.masked``; the controller's
+    :class:`~laser.instance.messages.RequestInfo` does not say, so False)."""
 
     req_id: str
     num_tokens: int
     slo: SLO
+    masked: bool = False
 
 
 #: Granularity (tokens) of the prefill chunk :func:`exec_plan` prices iterations with.

@@ -223,7 +223,7 @@ class LaserScheduler(Scheduler):
                 if not covers(rid, c - 1):
                     return None  # not one uniform block short: the generic path decides
                 grow.append(r)
-            works.append(Work(rid, c - 1, 1, 0, n, True))
+            works.append(Work(rid, c - 1, 1, 0, n, True, r.masked))
             ctx.append(c)
         if len(grow) > self.bm.min_free():
             return None  # someone would be preempted
@@ -234,6 +234,9 @@ class LaserScheduler(Scheduler):
         lm = self.lm
         # PlanCost's sum for one segment of n layers (its 0.0 + n*t is n*t: prices are >= 0)
         decode_time = n * lm.layer_time((1,) * b, tuple(ctx)) + lm.embed_time(b) + lm.head_time(b)
+        masked = sum(1 for w in works if w.masked)
+        if masked:  # (PlanCost's grammar-mask term)
+            decode_time += lm.mask_time(masked)
         budget = max(0.0, self._iteration_limit(now, decode_time) - decode_time)
         self.prefill_rate = rules.prefill_share(budget, decode_time)
         plan = StepPlan(n, works, predicted=(lm, decode_time))
@@ -362,7 +365,7 @@ class LaserScheduler(Scheduler):
             if p is None:
                 continue
             end = group_end(r, p, n)
-            works.append(Work(r.req_id, r.num_tokens - 1, 1, r.next_layer, end, sample=end == n))
+            works.append(Work(r.req_id, r.num_tokens - 1, 1, r.next_layer, end, sample=end == n, masked=r.masked))
         return works
 
     def _replan(self, decoding: list[Request]) -> None:
