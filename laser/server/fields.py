@@ -139,6 +139,11 @@ class RequestFields:
                                "response_format")
             found.append(("response_format", ("json", as_json(rf.json_schema.schema_))))
         so = body.structured_outputs
+        if so is not None and so.json_ is None and so.regex is None and so.choice is None and so.grammar is None:
+            given = sorted(so.model_extra or {})
+            raise APIError(400, "structured_outputs: give one of json, regex, choice or grammar"
+                           + (f" (got {', '.join(given)}: not supported)" if given else ""), "invalid_value",
+                           "structured_outputs")
         for field, v, kind in (("guided_json", body.guided_json, "json"), ("guided_regex", body.guided_regex, "regex"),
                                ("guided_choice", body.guided_choice, "choice"),
                                ("guided_grammar", body.guided_grammar, "lark"),

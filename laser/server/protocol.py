@@ -43,7 +43,10 @@ class ResponseFormat(_Request):
 
 
 class StructuredOutputs(_Request):
-    """vLLM's ``structured_outputs`` (one of its fields)."""
+    """vLLM's ``structured_outputs`` (one of its fields; other keys are kept so that a request
+    naming none of these four is refused with their names, not served unconstrained)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     json_: dict | str | None = Field(None, alias="json")
     regex: str | None = None

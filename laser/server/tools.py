@@ -29,8 +29,9 @@ from .errors import APIError
 from .protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, ToolDefinition
 from .tool_parser import ToolCallParser, parse_tool_calls
 
-#: The parameters of a function defined without any (no arguments).
-NO_PARAMETERS = {"type": "object", "properties": {}}
+#: The parameters of a function defined without any: no arguments (``{}``, OpenAI's reading of a
+#: missing ``parameters``; a bare object schema would let the grammar produce any keys).
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -546,6 +546,8 @@ STRUCTURED_BAD = [
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
     ({"structured_outputs": {"regex": "a+"}, "response_format": {"type": "json_object"}}, "structured_outputs"),
+    ({"structured_outputs": {"xml": "a"}}, "structured_outputs"),  # no supported key: not served unconstrained
+    ({"structured_outputs": {}}, "structured_outputs"),
 ]
 
 

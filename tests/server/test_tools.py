@@ -276,6 +276,21 @@ def test_required_and_named_always_yield_valid_calls(served, seed):
                                             r.usage.completion_tokens)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_function_without_parameters_gets_empty_arguments(served, seed):
+    """A tool defined without ``parameters`` takes no arguments (OpenAI's reading): a required
+    call's arguments are exactly ``{}``, sampled or greedy (a bare object schema let the grammar
+    write any keys: a fresh-user try got nested junk until the length limit)."""
+    _, client, _, _ = served
+    tools = [{"type": "function", "function": {"name": "ping"}}]
+    r = client.chat.completions.create(model="tiny", messages=MSGS, tools=tools, tool_choice="required",
+                                       parallel_tool_calls=False, max_tokens=60, temperature=[0, 1.0][seed % 2],
+                                       seed=seed)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls", ch
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in ch.message.tool_calls] == [("ping", {})]
+
+
 def _generated_tokens(srv) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
