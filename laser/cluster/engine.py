@@ -326,7 +326,7 @@ class ClusterEngine(Transfers, Recovery, Availability):
             if h.alive and iid not in self._steps:
                 self._steps[iid] = call = h.submit("step", h.epoch)
                 call.started = self.monotonic()
-                h.answer_by = call.started + self._step_deadline(iid)
+                h.answer_by, h.step_future = call.started + self._step_deadline(iid), call.future
                 self._step_gen[iid] = self._work_sent[iid]
         outs: list[RequestOutput] = []
         futs = [c.future for c in self._steps.values()] + [t.transfer.adopt.future for t in self._transfers]
@@ -348,7 +348,7 @@ class ClusterEngine(Transfers, Recovery, Availability):
                 continue  # its instance failed while an earlier answer was handled
             if call.future.done():
                 del self._steps[iid]
-                call.handle.answer_by = None
+                call.handle.answer_by = call.handle.step_future = None
                 try:
                     res = call.handle.result(call)
                 except InstanceFailure as e:

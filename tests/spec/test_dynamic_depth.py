@@ -203,7 +203,7 @@ def test_alg1_fewer_layer_slots_for_a_shallow_request():
     class R:
         def __init__(self, rid, tbt, depth=None):
             self.req_id, self.num_tokens, self.slo = rid, 200, SLO(ttft=None, tbt=tbt)
-            self.expected_layers = depth
+            self.expected_layers, self.masked = depth, False
 
     lm = SimpleLatencyModel(num_layers=30, per_layer=1e-4, per_token=1e-3)
     n = 30
