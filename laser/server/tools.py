@@ -50,8 +50,13 @@ class ToolPlan:
     functions: list[tuple[str, dict]]
     parallel: bool
 
+    @property
+    def calls_only(self) -> bool:
+        """The grammar allows only call blocks (``required`` / ``named``): no content is sent."""
+        return self.choice != "auto"
+
     def parser(self) -> ToolCallParser:
-        return ToolCallParser(self.parallel)
+        return ToolCallParser(self.parallel, self.calls_only)
 
 
 def _bad(field: str, msg: str) -> APIError:
@@ -189,7 +194,7 @@ def finish_reason(reason: str | None, calls: list) -> str | None:
 
 def answer_message(plan: ToolPlan, text: str, reason: str | None) -> dict:
     """The ``message`` and ``finish_reason`` of a whole chat choice with tools."""
-    content, calls = parse_tool_calls(text, plan.parallel)
+    content, calls = parse_tool_calls(text, plan.parallel, plan.calls_only)
     msg = {"role": "assistant", "content": content}
     if calls:
         msg["tool_calls"] = calls

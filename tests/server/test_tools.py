@@ -169,6 +169,24 @@ def test_parser_results_on_fixed_strings():
             json.loads(args)
 
 
+def test_calls_only_never_sends_content_even_when_a_block_is_cut():
+    """tool_choice required / named (the grammar writes only call blocks): a block cut by the
+    length limit is dropped, not sent as content, whole or streamed at every split (a fresh-user
+    try got ``content: "<tool_call>"`` at max_tokens 5 and after two complete calls at 80)."""
+    from laser.server.tool_parser import ToolCallParser
+
+    call = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+    for text, want in [("<tool_call>", []), ("<tool_", []), (call + call + "<tool_call>\n{\"na", [("f", '{"a": 1}')] * 2),
+                       (call, [("f", '{"a": 1}')])]:
+        content, cs = parse_tool_calls(text, True, calls_only=True)
+        assert content is None and [(x["function"]["name"], x["function"]["arguments"]) for x in cs] == want
+        for cut in range(len(text) + 1):
+            p = ToolCallParser(True, calls_only=True)
+            sent = p.feed(text[:cut])[0] + p.feed(text[cut:])[0] + p.finish()[0]
+            assert sent == "" and len(p.calls) == len(want), (text, cut)
+    assert parse_tool_calls("<tool_call>")[0] == "<tool_call>"  # auto: the text as written
+
+
 def test_template_detection_and_fallback_prompt(smollm2_dir):
     from transformers import AutoTokenizer
 
