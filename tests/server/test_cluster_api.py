@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from laser.cluster.engine import ClusterEngine
-from laser.cluster.handles import InstanceFailure, LocalHandle
+from laser.cluster.handles import LocalHandle
 from laser.controller import get_controller
 from laser.core.config import CacheConfig, SchedulerConfig
 from laser.core.slo import SLOClasses
@@ -29,7 +29,7 @@ from laser.instance.worker import InstanceWorker
 from laser.model.loader import load_config, load_tokenizer
 from laser.server.app import build_app
 from laser.server.cli import LiveServer
-from simutil import random_schema
+from simutil import DiesMidStream, random_schema
 
 CHUNK = 16
 PROMPT = [(7 * i + 3) % 500 + 100 for i in range(40)]  # 40 token ids: 3 prefill chunks
@@ -39,24 +39,6 @@ TOL = 1e-5  # fp32: the same rows in other batch shapes
 def _kw(model_dir) -> dict:
     return dict(model=str(model_dir), policy="laser", dtype="float32", cache=CacheConfig(num_blocks=256),
                 max_model_len=1024, scheduler=SchedulerConfig(policy="laser", max_num_batched_tokens=CHUNK))
-
-
-class DiesMidStream(LocalHandle):
-    """A decode instance that dies at its 4th step with token events while ``deaths_left[0]`` > 0
-    (shared by the decode instances: the next one holding a stream dies)."""
-
-    deaths_left = [0]
-    tokens = 0
-
-    def call(self, method, *args, timeout=None):
-        out = super().call(method, *args, timeout=timeout)
-        if method == "step" and out["events"]:
-            self.tokens += 1
-            if self.tokens >= 4 and self.deaths_left[0] > 0:
-                self.deaths_left[0] -= 1
-                self.kill()
-                raise InstanceFailure(self.instance_id, "killed mid-stream")
-        return out
 
 
 def _cluster_server(model_dir, decode: int, handle=LocalHandle) -> LiveServer:

@@ -591,25 +591,13 @@ def test_a_failed_over_seeded_request_says_so_and_keeps_its_sample(tiny_llama, l
     single engine's tokens, and its ``slo`` object -- the JSON body's, and a stream's final chunk's
     -- says it failed over and kept its seed; ``/metrics`` counts the seeded re-prefills."""
     from laser.cluster.engine import ClusterEngine
-    from laser.cluster.handles import InstanceFailure, LocalHandle
+    from laser.cluster.handles import LocalHandle
     from laser.controller import get_controller
     from laser.core.slo import SLOClasses
     from laser.instance.worker import InstanceWorker
     from laser.model.loader import load_config, load_tokenizer
 
-    class DiesMidStream(LocalHandle):
-        deaths_left = [0]  # shared by the decode instances: the next one holding a stream dies
-        tokens = 0
-
-        def call(self, method, *args, timeout=None):
-            out = super().call(method, *args, timeout=timeout)
-            if method == "step" and out["events"]:
-                self.tokens += 1
-                if self.tokens >= 4 and self.deaths_left[0] > 0:
-                    self.deaths_left[0] -= 1
-                    self.kill()
-                    raise InstanceFailure(self.instance_id, "killed mid-stream")
-            return out
+    from simutil import DiesMidStream
 
     body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0.8, "seed": 7, "ignore_eos": True,
             "return_token_ids": True, "slo_class": "chat"}
