@@ -28,31 +28,14 @@ decision against the request's TTFT target, the share decided right and the fals
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 
+from laser.bench.cluster import table1_requests
 from laser.core.config import SchedulerConfig
 from laser.core.request import SLO, Request, SamplingParams
 from laser.scheduler import ttft
 from laser.sim.cluster import ClusterSim, ClusterSpec, paper_config
 from laser.sim.instance import SimInstance
-
-CLASSES = [("chat", 350.9, 187.9, 0.25, 0.1), ("code", 201.5, 105.2, 0.125, 0.05),
-           ("summarization", 2084.5, 95.7, 2.0, 0.2)]
-
-
-def table1(n: int, rate: float, seed: int, scale: float = 1.0) -> list[Request]:
-    """Poisson arrivals, lognormal lengths with Table 1 means (times ``scale``), 1:1:1 mix."""
-    rng = random.Random(seed)
-    t, out = 0.0, []
-    for i in range(n):
-        t += rng.expovariate(rate)
-        name, p, o, ttft_s, tbt = CLASSES[i % 3]
-        lp = max(1, round(rng.lognormvariate(0, 0.5) * p * scale / 1.1331))
-        lo = max(1, round(rng.lognormvariate(0, 0.5) * o * scale / 1.1331))
-        out.append(Request([1] * lp, SamplingParams(max_tokens=lo, ignore_eos=True), SLO(ttft_s, tbt, name),
-                           arrival_time=t, req_id=f"r{i}"))
-    return out
 
 
 class RecordingInstance(SimInstance):
@@ -170,10 +153,10 @@ def main() -> None:
             _print(f"cluster-burst{n}", p, "-", run_cluster(burst(n, gap), cfg, p))
     for rate in (float(x) for x in args.rates.split(",")):
         for p in args.policies.split(","):
-            _print("inproc", p, f"{rate:g}", run_inproc(p, table1(args.requests, rate, args.seed), cfg.latency_model,
+            _print("inproc", p, f"{rate:g}", run_inproc(p, table1_requests(args.requests, rate, args.seed), cfg.latency_model,
                                                        cfg.num_blocks))
         for p in args.cluster_policies.split(","):
-            _print("cluster", p, f"{4 * rate:g}", run_cluster(table1(args.requests, 4 * rate, args.seed), cfg, p))
+            _print("cluster", p, f"{4 * rate:g}", run_cluster(table1_requests(args.requests, 4 * rate, args.seed), cfg, p))
 
 
 if __name__ == "__main__":
