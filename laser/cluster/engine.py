@@ -103,8 +103,9 @@ class ClusterEngine(Transfers, Recovery, Availability):
         # checks (and, for tool calls, spells) a request's grammar here; each instance masks with its own
         eos = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
         self.grammars = GrammarBackend(tokenizer, model_config.vocab_size, eos)
+        # dynamic depth is accepted when every instance loaded exit heads (start_cluster(exits=...))
         self.inputs = InputProcessor(tokenizer, model_config.vocab_size, self.max_model_len, slo_classes,
-                                     self.grammars)
+                                     self.grammars, serves_exits=all(h.describe.get("serves_exits") for h in handles))
         self.outputs = OutputProcessor(tokenizer)
         entry = next((h for h in handles if h.role != "decode"), handles[0])
         self.latency_model = entry.latency_model
@@ -239,6 +240,8 @@ class ClusterEngine(Transfers, Recovery, Availability):
             r.output_token_ids = list(req.output_token_ids)
             r.token_times = list(req.token_times)
             r.phase = Phase.PREFILL
+            r.num_depth_tokens, r.depth_layers = req.num_depth_tokens, req.depth_layers  # (dynamic depth's so far)
+            r.expected_layers = req.mean_depth
         return r
 
     def _dispatch(self, t: Tracked) -> None:
@@ -396,7 +399,7 @@ class ClusterEngine(Transfers, Recovery, Availability):
     def _on_events(self, iid: int, events: list) -> list[RequestOutput]:
         outs = []
         now = self.clock()
-        for rid, token, reason, handed_off, cached, logprob, prompt_logprobs in events:
+        for rid, token, reason, handed_off, cached, logprob, prompt_logprobs, depth in events:
             t = self.requests.get(rid)
             if t is not None and t.transfer is not None and t.transfer.dst == iid:
                 t.owner = iid  # adopted (its adopt answer may come after this step's)
@@ -411,6 +414,8 @@ class ClusterEngine(Transfers, Recovery, Availability):
                 req.output_logprobs.append(logprob)
             if prompt_logprobs is not None and req.prompt_logprobs is None:  # (a re-prefill sends them again)
                 req.prompt_logprobs = prompt_logprobs
+            if depth is not None:  # dynamic depth: the instance's totals (the response's mean depth)
+                req.num_depth_tokens, req.depth_layers = depth
             if rid in self._recovering:
                 self.stats.recovery_seconds.append(now - self._recovering.pop(rid))
             # never "handed off" to the consumer: the stream goes on here, whichever instance holds it

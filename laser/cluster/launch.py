@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from ..controller.base import Controller
 from .engine import ClusterEngine
 
@@ -12,15 +14,41 @@ def instance_roles(prefill: int, decode: int, mixed: int) -> list[tuple[int, str
     return list(enumerate(roles))
 
 
+def check_speculation(ctrl: Controller, model_dir, speculative=None, exits=None) -> None:
+    """Refuse, before any instance starts, what its instances would refuse as they start:
+    ``speculative`` with a controller whose instance policy cannot speculate
+    (:func:`laser.spec.self_spec.check_policy`), and speculation or ``exits`` without trained
+    exits where they are looked for (:func:`laser.spec.self_spec.load_exits`). Raises ConfigError."""
+    named = isinstance(exits, (str, os.PathLike))  # a file (or "auto"), not heads already loaded
+    if speculative is None and not named:
+        return
+    from ..core.config import ConfigError
+    from ..spec.self_spec import check_policy, load_exits
+
+    if speculative is not None:
+        try:
+            check_policy(ctrl.instance_policy)
+        except ConfigError as e:
+            raise ConfigError(f"{e} (the {ctrl.name} controller's instances run {ctrl.instance_policy!r}: use "
+                              "--controller distserve or colocated)") from None
+        load_exits(model_dir, speculative.exits_path)
+    if named:
+        load_exits(model_dir, None if exits == "auto" else str(exits))
+
+
 def start_cluster(controller: str | Controller, prefill: int = 0, decode: int = 0, mixed: int = 0, *,
                   model: str | None = None, dtype: str = "auto", quantization: str = "auto", cache=None, scheduler=None, slo_classes=None,
                   latency_profile: str | None = None, max_model_len: int | None = None, seed: int = 0,
                   threads_per_instance: int | None = None, use_ray: bool = True, ray_address: str | None = None,
                   call_timeout_s: float = 5.0, step_timeout_s: float = 60.0, stall_timeout_s: float | None = None,
                   stream_kv: bool = True, max_restarts: int = 0, latency_calibration: bool = True,
-                  jitter_margin: bool | None = None) -> ClusterEngine:
+                  jitter_margin: bool | None = None, speculative=None, exits=None) -> ClusterEngine:
     """Start the instances (Ray actors, or in process with ``use_ray=False``) and the front end.
     ``dtype``, ``quantization``, ``latency_calibration``, ``jitter_margin``: each instance's, as :class:`~laser.frontend.engine.Engine`'s.
+    ``speculative`` (a :class:`laser.spec.SpeculativeConfig`): the decode and mixed instances
+    decode greedy requests self-speculatively; ``exits`` (as the Engine's: heads, a file or
+    ``"auto"``): every instance serves dynamic-depth requests (so a prefill instance serving as
+    mixed does too).
 
     The instances run the controller's ``instance_policy`` scheduler; ``scheduler`` gives the
     other scheduler knobs. With Ray, a local cluster is started with one CPU per instance
@@ -28,7 +56,8 @@ def start_cluster(controller: str | Controller, prefill: int = 0, decode: int = 
     Ray restarts a dead instance actor (it rejoins empty; in process: ignored); ``stall_timeout_s``:
     :class:`ClusterEngine`'s (a decode step over it marks its instance stalled).
     Raises ValueError (bad layout for the controller, or a controller whose roles run different
-    policies: simulator only) or InstanceFailure (an actor did not start).
+    policies: simulator only), ConfigError (``speculative`` with a controller whose instance
+    policy cannot speculate) or InstanceFailure (an actor did not start: e.g. no exits there).
     """
     import dataclasses
 
@@ -44,11 +73,13 @@ def start_cluster(controller: str | Controller, prefill: int = 0, decode: int = 
     if not specs:
         raise ValueError("a cluster needs at least one instance")
     path = resolve_model(model)
+    check_speculation(ctrl, path, speculative, exits)
     tokenizer = load_tokenizer(path)
     sched = dataclasses.replace(scheduler or SchedulerConfig(), policy=ctrl.instance_policy)
     kwargs = dict(model=model, policy=ctrl.instance_policy, dtype=dtype, quantization=quantization, cache=cache, scheduler=sched,
                   latency_profile=latency_profile, seed=seed, max_model_len=max_model_len,
                   latency_calibration=latency_calibration, jitter_margin=jitter_margin,
+                  speculative=speculative, exits=exits,
                   extra_eos_ids=() if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,))
     if use_ray:
         from . import ray_actors

@@ -166,9 +166,13 @@ class BlockManager:
 
     def covers(self, req_id: str, num_tokens: int) -> bool:
         """Whether ``req_id`` already holds the blocks for ``num_tokens`` tokens at every layer
-        (the same blocks at each: then allocating them is a no-op)."""
+        (then allocating them is a no-op) -- the same blocks at each, or not (a request whose KV
+        was imported layer by layer: a hand-off's)."""
         rb = self._reqs.get(req_id)
-        return rb is not None and rb.uniform and -(-num_tokens // self.block_size) <= rb.count[0]
+        if rb is None:
+            return False
+        need = -(-num_tokens // self.block_size)
+        return need <= rb.count[0] if rb.uniform else need <= min(rb.count)
 
     def has(self, req_id: str) -> bool:
         return req_id in self._reqs

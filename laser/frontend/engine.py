@@ -71,8 +71,7 @@ class Engine(ModelInstance):
         LatencyProfileError: ``latency_profile`` names an unusable profile file.
     """
 
-    def __init__(self, model: str | None = None, slo_classes: SLOClasses | None = None, speculative=None,
-                 exits=None, **kwargs):
+    def __init__(self, model: str | None = None, slo_classes: SLOClasses | None = None, **kwargs):
         path = resolve_model(model)
         load_config(path)  # a bad config is reported as such, before the tokenizer trips over it
         self.tokenizer = load_tokenizer(path)
@@ -83,21 +82,9 @@ class Engine(ModelInstance):
 
         self.grammars = self.runner.sampler.grammars = GrammarBackend(self.tokenizer, self.model_config.vocab_size,
                                                                       self.core.eos_ids)
-        if exits is not None:
-            from ..model.exits import ExitHeads
-            from ..spec.self_spec import load_exits
-
-            self.runner.set_exits(exits if isinstance(exits, ExitHeads) else
-                                  load_exits(self.model_path, None if exits == "auto" else str(exits)))
         self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
-                                     self.slo_classes, self.grammars, serves_exits=exits is not None)
+                                     self.slo_classes, self.grammars, serves_exits=self.serves_exits)
         self.outputs = OutputProcessor(self.tokenizer)
-        # Self-speculative decoding (laser.spec): the executor that drafts and verifies, or None.
-        self.speculator = None
-        if speculative is not None:
-            from ..spec import enable_self_speculation
-
-            enable_self_speculation(self, speculative)
 
     # -- the core's state, read through (the core owns it) ------------------------------------------------
     @property

@@ -74,6 +74,23 @@ class TokenEvent:
     # no copy of the request (a cluster's) gets them with its first token
     prompt_logprobs: list | None = None
 
+    def wire(self) -> list[tuple]:
+        """The event as a cluster instance's step answer carries it
+        (:meth:`laser.instance.worker.InstanceWorker.step`): one tuple per token it got, in
+        order, ``(req_id, token, finish_reason, handed_off, cached prompt tokens, logprob,
+        prompt logprobs, depth)`` -- the reason and hand-off on the last token only, the prompt
+        logprobs on the first; ``depth``: the request's dynamic-depth totals
+        ``(decode tokens, layers they ran)`` so far (None when it has none), which the front
+        end reports (:attr:`laser.core.request.Request.mean_depth`)."""
+        req = self.request
+        n = self.num_tokens
+        toks = req.output_token_ids[len(req.output_token_ids) - n:] if n > 1 else [self.token]
+        depth = (req.num_depth_tokens, req.depth_layers) if req.num_depth_tokens else None
+        last = n - 1
+        return [(req.req_id, tok, self.finish_reason if i == last else None, self.handed_off and i == last,
+                 req.num_cached_tokens, self.logprob if i == last else None,
+                 self.prompt_logprobs if i == 0 else None, depth) for i, tok in enumerate(toks)]
+
 
 @dataclass
 class StepStats:

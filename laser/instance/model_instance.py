@@ -61,13 +61,17 @@ def planning_model(latency_model, latency_calibration: bool = True, jitter_margi
 class ModelInstance:
     """Model + KV pool + scheduler + core of one instance (see :class:`laser.frontend.engine.Engine` for
     the arguments). ``extra_eos_ids``: end-of-sequence ids beyond the model config's (the
-    tokenizer's, which a front end knows).
+    tokenizer's, which a front end knows). ``speculative`` and ``exits`` (the Engine's): this
+    instance decodes greedy requests self-speculatively / serves dynamic-depth requests
+    (:meth:`enable_dynamic_depth`); a single engine and a cluster's instance
+    (:class:`~laser.instance.worker.InstanceWorker`) both enable them here.
 
     Raises:
         ModelLoadError: the model path is unusable. ConfigError: bad config values, or
         ``jitter_margin`` without ``latency_calibration`` (the spread it divides the margins by
-        is measured by the calibration). LatencyProfileError: ``latency_profile`` names an
-        unusable profile file.
+        is measured by the calibration), or speculation / exits that cannot be served (no
+        exits trained, a policy or role that cannot speculate). LatencyProfileError:
+        ``latency_profile`` names an unusable profile file.
     """
 
     def __init__(
@@ -87,6 +91,8 @@ class ModelInstance:
         latency_calibration: bool = True,
         jitter_margin: bool | None = None,
         enable_prefix_caching: bool | None = None,
+        speculative=None,
+        exits=None,
     ):
         check_jitter_margin(latency_calibration, jitter_margin)  # before loading anything
         path = resolve_model(model)
@@ -130,6 +136,27 @@ class ModelInstance:
         sched = make_scheduler(sched_cfg, self.model_config.num_layers, self.kv_cache.block_manager,
                                self.icache, self.latency_model, clock)
         self.core = InstanceCore(sched, self.runner, clock, eos_ids=eos_ids, max_model_len=self.max_model_len)
+        self.serves_exits = False
+        if exits is not None:
+            self.enable_dynamic_depth(exits)
+        # Self-speculative decoding (laser.spec): the executor that drafts and verifies, or None.
+        self.speculator = None
+        if speculative is not None:
+            from ..spec import enable_self_speculation
+
+            enable_self_speculation(self, speculative)
+
+    def enable_dynamic_depth(self, exits) -> None:
+        """Serve dynamic-depth requests (lossy early exit, :mod:`laser.core.depth`) with trained
+        exit heads: a :class:`laser.model.exits.ExitHeads`, a path to a file of them, or
+        ``"auto"`` (the model's, from ``laser train-exits``). Raises ConfigError when there are
+        none there (:func:`laser.spec.self_spec.load_exits`)."""
+        from ..model.exits import ExitHeads
+        from ..spec.self_spec import load_exits
+
+        self.runner.set_exits(exits if isinstance(exits, ExitHeads) else
+                              load_exits(self.model_path, None if exits == "auto" else str(exits)))
+        self.serves_exits = True
 
     def _load_latency_model(self, profile: str | None):
         """The profiled model (or the roofline estimate), with a grammar mask cost per sampled

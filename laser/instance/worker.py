@@ -51,8 +51,9 @@ class InstanceWorker:
     Args:
         instance_id: unique id in the cluster. role: the instance role.
         engine_kwargs: :class:`ModelInstance` arguments (model path, policy, dtype, cache,
-            scheduler config, latency_profile, seed, max_model_len, extra_eos_ids); the
-            scheduler config's role is set to ``role``.
+            scheduler config, latency_profile, seed, max_model_len, extra_eos_ids, speculative,
+            exits); the scheduler config's role is set to ``role`` (a prefill instance does not
+            speculate: it makes no decode token).
         threads: torch intra-op threads of this instance (None: torch's default).
     """
 
@@ -66,6 +67,8 @@ class InstanceWorker:
         kw = dict(engine_kwargs)
         sched = kw.pop("scheduler", None) or SchedulerConfig(policy=kw.get("policy", "laser"))
         kw["scheduler"] = dataclasses.replace(sched, role=role)
+        if role == "prefill":  # self-speculation drafts decode tokens: a prefill instance makes one
+            kw.pop("speculative", None)
         self.instance_id = instance_id
         self.role = role
         self.boot_id = uuid.uuid4().hex  # a new process (an actor its host restarted) has a new one
@@ -98,7 +101,7 @@ class InstanceWorker:
         return dict(instance_id=self.instance_id, role=self.role, latency_model=self.latency_model,
                     num_layers=self.num_layers, max_model_len=self.mi.max_model_len,
                     total_blocks=bm.num_blocks, block_size=bm.block_size, policy=self.core.scheduler.report().policy,
-                    boot_id=self.boot_id)
+                    boot_id=self.boot_id, serves_exits=self.mi.serves_exits)
 
     # -- command plumbing --------------------------------------------------------------------------
     def _drain(self, q: collections.deque) -> None:
@@ -275,7 +278,8 @@ class InstanceWorker:
     def step(self, epoch: int | None = None) -> dict:
         """One scheduling step. Returns ``{"events": [(req_id, token, finish_reason,
         handed_off, cached prompt tokens, the token's TokenLogprob or None, the complete prompt
-        logprobs or None: see :class:`~laser.instance.core.TokenEvent`)], "busy": more work left, "step_s": seconds, "report": the instance's
+        logprobs or None, dynamic-depth totals or None), one per token (a self-speculative step
+        gives a request several): see :meth:`~laser.instance.core.TokenEvent.wire`], "busy": more work left, "step_s": seconds, "report": the instance's
         :class:`InstanceReport` after it (the front end's per-instance gauges)}``; handed-off
         requests wait in the outbox for :meth:`take_handoff`. ``epoch``: the front end's epoch of
         this instance when it asked; a step of an older epoch (asked before the instance was fenced
@@ -296,8 +300,7 @@ class InstanceWorker:
                 # the report's busy_until: the step runs about as long as the last one
                 self._busy_until = self.core.clock() + (self.core.scheduler.report().last_iteration_s or 0.0)
                 for ev in self.core.step():
-                    events.append((ev.request.req_id, ev.token, ev.finish_reason, ev.handed_off,
-                                   ev.request.num_cached_tokens, ev.logprob, ev.prompt_logprobs))
+                    events.extend(ev.wire())
                     if ev.finish_reason is not None:
                         self.outbox.finished(ev.request.req_id)
                 for h in self.core.handoffs:

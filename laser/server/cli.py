@@ -98,29 +98,28 @@ def _warmup(engine) -> None:
 
 def build_cluster(args):
     """A :class:`~laser.cluster.engine.ClusterEngine` over Ray instance actors from the CLI flags."""
-    from ..cli import engine_configs
+    from ..cli import engine_configs, speculative_config
     from ..cluster.launch import start_cluster
+    from ..core.config import ConfigError
 
     if min(args.prefill_instances, args.decode_instances, args.mixed_instances) < 0:
         raise SystemExit("laser: error: instance counts must be >= 0")
-    if getattr(args, "speculative", None):
-        raise SystemExit("laser: error: --speculative runs in a single-process server (no --*-instances): Ray "
-                         "instances send one token per step")
-    if getattr(args, "dynamic_depth", None):
-        raise SystemExit("laser: error: --dynamic-depth runs in a single-process server (no --*-instances): the "
-                         "Ray instances load no exit heads yet")
     name = args.controller or ("colocated" if args.mixed_instances else "laser")
     cache, sched, slo = engine_configs(args)
     if args.outage_wait < 0:
         raise SystemExit("laser: error: --outage-wait must be >= 0")
-    cl = start_cluster(name, args.prefill_instances, args.decode_instances, args.mixed_instances,
-                         model=args.model, dtype=args.dtype, quantization=args.quantization, cache=cache,
-                         scheduler=sched, slo_classes=slo,
-                         latency_profile=args.latency_profile, max_model_len=args.max_model_len,
-                         threads_per_instance=args.threads_per_instance, ray_address=args.ray_address,
-                         call_timeout_s=args.call_timeout, step_timeout_s=args.step_timeout,
-                         stall_timeout_s=args.stall_timeout, max_restarts=args.instance_restarts, latency_calibration=args.latency_calibration,
-                         jitter_margin=args.jitter_margin)
+    try:
+        cl = start_cluster(name, args.prefill_instances, args.decode_instances, args.mixed_instances,
+                           model=args.model, dtype=args.dtype, quantization=args.quantization, cache=cache,
+                           scheduler=sched, slo_classes=slo,
+                           latency_profile=args.latency_profile, max_model_len=args.max_model_len,
+                           threads_per_instance=args.threads_per_instance, ray_address=args.ray_address,
+                           call_timeout_s=args.call_timeout, step_timeout_s=args.step_timeout,
+                           stall_timeout_s=args.stall_timeout, max_restarts=args.instance_restarts, latency_calibration=args.latency_calibration,
+                           jitter_margin=args.jitter_margin, speculative=speculative_config(args),
+                           exits=getattr(args, "dynamic_depth", None))
+    except ConfigError as e:
+        raise SystemExit(f"laser: error: {e}") from None
     cl.outage_wait_s = args.outage_wait
     return cl
 

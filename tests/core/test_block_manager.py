@@ -168,6 +168,21 @@ def test_layer_prefix_request_holds_nothing_above():
     bm.check_integrity(expect_empty=True)
 
 
+def test_covers_a_request_allocated_layer_by_layer():
+    """A request whose KV was imported one layer at a time (a hand-off) holds its blocks at every
+    layer without the same-blocks fast path: ``covers`` says so (a dynamic-depth exit on a
+    decode instance needs it), and not past what the emptiest layer holds."""
+    bm = BlockManager(NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE)
+    bm.allocate("x", 5, range(1, 2))  # another request's block at layer 1: ids differ there
+    for layer in range(NUM_LAYERS):
+        bm.allocate("a", 9, range(layer, layer + 1))
+    assert bm.covers("a", 9) and bm.covers("a", 3 * BLOCK_SIZE)
+    assert not bm.covers("a", 3 * BLOCK_SIZE + 1) and not bm.covers("b", 1)
+    bm.allocate("a", 3 * BLOCK_SIZE + 1, range(0, NUM_LAYERS - 1))  # the last layer lags
+    assert not bm.covers("a", 3 * BLOCK_SIZE + 1)
+    bm.check_integrity()
+
+
 def test_same_block_ids_across_layers_in_the_common_case():
     """Requests that always allocate over every layer never get per-layer override tables,
     even through random growth and frees; neither does one allocated in two layer ranges."""
