@@ -154,19 +154,12 @@ def goodput(engine, heads, hist, rates, num_requests, slo_scale, length_scale, m
     from laser.core.metrics import record_from_request, summarize
     from laser.core.request import Request, SamplingParams
     from laser.core.slo import SLOClasses
-    from laser.model.llama import Linear
     from laser.sim.instance import SimDepth, SimInstance
 
-    cfg = engine.model.config
-    n = cfg.num_layers
-    L = engine.model.layers[0]
-    layer_params = sum(m.numel() for m in (L.qkv, L.o, L.gate_up, L.down))
-    H = cfg.hidden_size
-    rank = next(iter(heads.adapters.values()))["w1"].shape[0]
-    dm = SimDepth(tuple(sorted(hist.items())), frozenset(heads.depths),
-                  head_fraction=(heads.vocab.numel() * H + 2 * rank * H) / engine.model.lm_head_w.numel(),
-                  fill_fraction=(2 * cfg.kv_size * H if isinstance(L.qkv, Linear) else L.qkv.numel()) / layer_params,
-                  seed=seed)
+    n = engine.model.config.num_layers
+    cost = heads.cost(engine.model)  # what the engine's own plans price the exits with
+    dm = SimDepth(tuple(sorted(hist.items())), cost.exit_layers, head_fraction=cost.head_fraction,
+                  fill_fraction=cost.fill_fraction, seed=seed)
     classes = SLOClasses.load(scale=slo_scale)
     lm = engine.latency_model
     work = sample_mix({"chat": 1, "code": 1}, num_requests, seed=seed, length_scale=length_scale,

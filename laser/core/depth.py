@@ -18,6 +18,7 @@ A request that does not opt in runs exactly as before (no exit check touches it)
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 from .request import InvalidRequestError
@@ -105,3 +106,64 @@ def expected_layers(req, num_layers: int) -> int:
     if e is None:
         return num_layers
     return max(1, min(num_layers, math.ceil(e - 1e-9)))
+
+
+def exit_plan(req, token_start: int, num_tokens: int, num_layers: int) -> tuple[int, int]:
+    """``(depth, exit_from)`` of a work of ``req`` running ``num_tokens`` tokens from
+    ``token_start`` through every layer (:attr:`laser.core.plan.Work.depth` /
+    ``exit_from``): for a decode token of a request that opted in -- the tokens the exit check
+    looks at (:meth:`laser.model.runner.ModelRunner.early_exit`) -- its expected layers
+    (:func:`expected_layers`) and its min depth; ``(0, 0)`` for any other work (priced as before)."""
+    dd = getattr(getattr(req, "sampling_params", None), "dynamic_depth", None)
+    if dd is None or num_tokens != 1 or not req.output_token_ids or token_start != req.num_tokens - 1:
+        return 0, 0
+    return expected_layers(req, num_layers), dd.min_layers(num_layers)
+
+
+@dataclass(frozen=True)
+class ExitCost:
+    """What dynamic depth adds to the price of the decode tokens that may exit, beyond the layers
+    they run: the one owner of that rule, for the plans' price
+    (:class:`laser.core.pricing.PlanCost`, through ``LatencyModel.exit_cost``) and the
+    simulator's clock (:class:`laser.sim.instance.SimDepth`).
+
+    A token expected to run ``d`` layers whose min depth is ``m`` is checked by the exit head at
+    every exit layer ``k`` with ``m <= k <= d`` (``k < N``: the exits it passes, and the one it
+    leaves by), each check ``head_fraction`` x the LM head's time per row (a batched check of
+    ``r`` rows: ``head_fraction * lm.head_time(r)``); one that leaves at ``d < N`` skips the LM
+    head and fills the K/V of its ``N - d`` skipped layers, ``fill_fraction`` x a layer's
+    stateless time per layer (:meth:`laser.model.runner.ModelRunner.early_exit`).
+    ``exit_layers``: the layers with an exit head (1..N-1).
+    """
+
+    exit_layers: frozenset[int]
+    head_fraction: float = 0.0
+    fill_fraction: float = 0.0
+
+    def check_layers(self, depth: int, exit_from: int, num_layers: int) -> list[int]:
+        """The exit layers a token of expected ``depth`` and min depth ``exit_from`` is checked at."""
+        return sorted(k for k in self.exit_layers if exit_from <= k <= depth and k < num_layers)
+
+    def check_time(self, lm, rows: int) -> float:
+        """One exit layer's check of ``rows`` rows (seconds; 0.0 for none)."""
+        return self.head_fraction * lm.head_time(rows) if rows else 0.0
+
+    def fill_time(self, lm, skipped: int, rows: int) -> float:
+        """The K/V fill of ``skipped`` layers for ``rows`` rows that left together (seconds)."""
+        return self.fill_fraction * skipped * lm.stateless_time(rows) if rows and skipped else 0.0
+
+    def price(self, lm, num_layers: int, works) -> float:
+        """The exit checks and fills of ``works`` (:class:`laser.core.plan.Work` s; those with
+        ``exit_from`` count), seconds: per exit layer, one batched check of the works checked
+        there; per expected depth ``d < N``, one fill of the works leaving there."""
+        rows: Counter = Counter()
+        leave: Counter = Counter()
+        for w in works:
+            if not w.exit_from:
+                continue
+            d = w.priced_end
+            rows.update(self.check_layers(d, w.exit_from, num_layers))
+            if d < num_layers:
+                leave[d] += 1
+        return (sum(self.check_time(lm, r) for _, r in sorted(rows.items()))
+                + sum(self.fill_time(lm, num_layers - d, c) for d, c in sorted(leave.items())))

@@ -36,11 +36,21 @@ class Work:
     # The sampled row goes through a grammar mask (the request has structured output):
     # priced as the latency model's ``mask_time`` on top of the LM head
     masked: bool = False
+    # Dynamic depth (laser.core.depth.exit_plan): a decode token that may exit early is priced
+    # at ``depth`` layers (its expected depth; 0: at ``layer_end``) plus an exit check at every
+    # exit layer from ``exit_from`` (its min depth; 0: none) up to it. Executors ignore both.
+    depth: int = 0
+    exit_from: int = 0
 
     @property
     def context_len(self) -> int:
         """KV length this work attends to after writing its own tokens (tokens)."""
         return self.token_start + self.num_tokens
+
+    @property
+    def priced_end(self) -> int:
+        """The layer a plan's price runs this work to: its expected exit ``depth``, else ``layer_end``."""
+        return self.depth or self.layer_end
 
     @property
     def is_decode(self) -> bool:

@@ -15,6 +15,12 @@ class PlanCost:
     samples through a grammar, ``Work.masked``, one row of ``lm.mask_time``: a plan without
     such a work is priced by the same sum as before). The Laser scheduler builds a plan work by
     work: :meth:`with_work` prices adding a work only over the segments it overlaps.
+
+    Dynamic depth (:mod:`laser.core.depth`): a decode token that may exit early
+    (``Work.exit_from``) runs in the segments up to its expected depth (``Work.priced_end``),
+    pays the LM head only when that is the last layer, and adds its exit checks and K/V fill
+    as the latency model's ``exit_cost`` (:class:`~laser.core.depth.ExitCost`) prices them
+    (none when the model has no ``exit_cost``). Every other work is priced as before.
     """
 
     def __init__(self, lm, num_layers: int, works: list[Work]):
@@ -28,11 +34,11 @@ class PlanCost:
 
     def _rebuild(self) -> None:
         lm, ws, memo = self.lm, self.works, self._memo
-        bounds = sorted({0, self.n} | {w.layer_start for w in ws} | {w.layer_end for w in ws})
+        bounds = sorted({0, self.n} | {w.layer_start for w in ws} | {w.priced_end for w in ws})
         self.segs = []  # (a, b, q, c, per-layer time)
         layers = 0.0
         for a, b in zip(bounds, bounds[1:]):
-            act = [w for w in ws if w.layer_start <= a < w.layer_end]
+            act = [w for w in ws if w.layer_start <= a < w.priced_end]
             q = tuple([w.num_tokens for w in act])
             c = tuple([w.token_start + w.num_tokens for w in act])  # context_len
             t = memo.get((q, c))
@@ -41,18 +47,25 @@ class PlanCost:
             self.segs.append((a, b, q, c, t))
             layers += (b - a) * t
         self.embed_tokens = sum(w.num_tokens for w in ws if w.layer_start == 0)
-        self.final = sum(1 for w in ws if w.layer_end == self.n)
-        self.masked = sum(1 for w in ws if w.masked and w.sample and w.layer_end == self.n)
+        self.final = sum(1 for w in ws if w.priced_end == self.n)
+        self.masked = sum(1 for w in ws if w.masked and w.sample and w.priced_end == self.n)
         self.total = layers + lm.embed_time(self.embed_tokens) + lm.head_time(self.final)
         if self.masked:
             self.total += lm.mask_time(self.masked)
         self._layers = layers
+        self._exiting = [w for w in ws if w.exit_from]  # dynamic depth: their checks and fills
+        self.exits = self._exit_price(self._exiting) if self._exiting else 0.0
+        self.total += self.exits
+
+    def _exit_price(self, works: list[Work]) -> float:
+        cost = getattr(self.lm, "exit_cost", None)
+        return cost.price(self.lm, self.n, works) if cost is not None else 0.0
 
     def with_work(self, w: Work) -> float:
         """Predicted time of the plan plus ``w`` (seconds)."""
         lm, memo = self.lm, self._memo
         t = self._layers
-        lo, hi = w.layer_start, w.layer_end
+        lo, hi = w.layer_start, w.priced_end
         for a, b, q, c, per in self.segs:
             o = min(b, hi) - max(a, lo)
             if o > 0:
@@ -65,7 +78,10 @@ class PlanCost:
         f = self.final + (1 if hi == self.n else 0)
         t = t + lm.embed_time(e) + lm.head_time(f)
         m = self.masked + (1 if w.masked and w.sample and hi == self.n else 0)
-        return t + lm.mask_time(m) if m else t
+        t = t + lm.mask_time(m) if m else t
+        if w.exit_from:
+            return t + self._exit_price(self._exiting + [w])
+        return t + self.exits if self._exiting else t
 
     def add(self, w: Work) -> None:
         self.works.append(w)

@@ -220,8 +220,10 @@ class InstanceCore:
         result = self.executor.execute(plan, self.scheduler.requests, stop_at=self._stop_at)
         now = self.clock()
         t2 = self._perf()
-        if observe is not None and result.stopped_layer >= plan.last_layer and not result.exit_layers:
-            # (a step where tokens exited early ran fewer layers than the plan it would be judged by)
+        if (observe is not None and result.stopped_layer >= plan.last_layer and not result.exit_layers
+                and not any(w.exit_from for w in plan.works)):
+            # (a step where tokens exited early ran fewer layers than the plan it would be judged
+            # by; one priced with tokens that may exit, at their expected depth, is not judged either)
             observe(plan, now - c1)  # the instance's clock: wall time, or virtual in the simulator
         events = []
         hands_off = self.role == "prefill"

@@ -154,8 +154,11 @@ class ModelInstance:
         from ..model.exits import ExitHeads
         from ..spec.self_spec import load_exits
 
-        self.runner.set_exits(exits if isinstance(exits, ExitHeads) else
-                              load_exits(self.model_path, None if exits == "auto" else str(exits)))
+        heads = exits if isinstance(exits, ExitHeads) else load_exits(self.model_path,
+                                                                       None if exits == "auto" else str(exits))
+        self.runner.set_exits(heads)
+        # the plans price a token that may exit at its expected depth, plus its exit checks
+        self.latency_model.exit_cost = heads.cost(self.model)
         self.serves_exits = True
 
     def _load_latency_model(self, profile: str | None):

@@ -119,6 +119,10 @@ class LatencyModel:
     #: profiler (:func:`laser.profiler.mask.measure_mask_row_s`) or estimated from the vocabulary
     #: (:func:`laser.profiler.mask.estimate_mask_row_s`).
     mask_row_s: float = 0.0
+    #: Dynamic depth's exit checks and K/V fill (:class:`laser.core.depth.ExitCost`) of the
+    #: exit heads the instance serves with (set by it: ``ModelInstance.enable_dynamic_depth``,
+    #: ``SimInstance(depth_model=...)``); None: a plan prices none.
+    exit_cost = None
 
     def timing_spread(self) -> float:
         """How much longer than predicted a step may run in the worst few percent of steps

@@ -83,6 +83,15 @@ class ScaledLatencyModel(LatencyModel):
     def mask_time(self, n_rows: int) -> float:
         return self.factor * self.inner.mask_time(n_rows)
 
+    @property
+    def exit_cost(self):  # type: ignore[override]
+        """``inner``'s (fractions of its head and layer times, which this model scales)."""
+        return self.inner.exit_cost
+
+    @exit_cost.setter
+    def exit_cost(self, cost) -> None:
+        self.inner.exit_cost = cost
+
     def layer_time(self, query_lens: Sequence[int], context_lens: Sequence[int]) -> float:
         return self.factor * self.inner.layer_time(query_lens, context_lens)
 

@@ -120,6 +120,24 @@ class ExitHeads:
         """Hidden states after ``depth`` layers [R, H] -> draft token ids [R] int64 (greedy)."""
         return self.vocab[self.draft_logits(depth, hidden).argmax(dim=-1)]
 
+    def cost(self, model):
+        """What these exits add to the price of a decode token that may exit on ``model``
+        (:class:`laser.core.depth.ExitCost`, by weights read): a check reads the adapter
+        (``2 x rank x H``) and the draft head (``K x H``) where the LM head reads ``V x H``; a
+        skipped layer's K/V fill reads the K/V rows of its QKV weight of the layer's weights."""
+        from ..core.depth import ExitCost
+        from .llama import Linear
+
+        cfg = model.config
+        H = cfg.hidden_size
+        L = model.layers[0]
+        layer_params = sum(m.numel() for m in (L.qkv, L.o, L.gate_up, L.down))
+        rank = next(iter(self.adapters.values()))["w1"].shape[0]
+        return ExitCost(frozenset(self.depths),
+                        head_fraction=(self.vocab.numel() * H + 2 * rank * H) / model.lm_head_w.numel(),
+                        fill_fraction=(2 * cfg.kv_size * H if isinstance(L.qkv, Linear) else L.qkv.numel())
+                        / layer_params)
+
     # -- persistence --------------------------------------------------------------------------
     def save(self, path: Path, model_key: str) -> None:
         path = Path(path)

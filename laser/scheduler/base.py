@@ -28,7 +28,7 @@ from typing import Callable
 
 from ..core.block_manager import BlockManager
 from ..core.config import SchedulerConfig
-from ..core.depth import DepthMeans
+from ..core.depth import DepthMeans, exit_plan
 from ..core.intermediate_cache import IntermediateCache
 from ..core.plan import StepPlan, Work
 from ..core.request import SLO_EPS, Phase, Request
@@ -150,11 +150,13 @@ class Scheduler(ABC):
 
     # -- helpers for policies --------------------------------------------------------------------
     def full_work(self, req: Request, num_tokens: int) -> Work:
-        """A work running ``num_tokens`` new tokens of ``req`` through every layer."""
+        """A work running ``num_tokens`` new tokens of ``req`` through every layer (a decode token
+        that may exit early priced at its expected depth: :func:`laser.core.depth.exit_plan`)."""
         start = req.num_computed_tokens
+        n = self.num_layers
         return Work(
-            req.req_id, start, num_tokens, 0, self.num_layers, sample=start + num_tokens == req.num_tokens,
-            masked=req.masked,
+            req.req_id, start, num_tokens, 0, n, start + num_tokens == req.num_tokens, req.masked,
+            *exit_plan(req, start, num_tokens, n),
         )
 
     def prefill_remaining(self, req: Request) -> int:

@@ -25,6 +25,7 @@ from typing import Callable
 
 from ..core.block_manager import BlockManager, OutOfBlocksError
 from ..core.config import SchedulerConfig
+from ..core.depth import ExitCost
 from ..core.walk import walk
 from ..instance.core import Handoff, InstanceCore, make_scheduler
 from ..instance.handoff import AdoptQueue
@@ -67,6 +68,12 @@ class SimDepth:
     head_fraction: float = 0.0
     fill_fraction: float = 0.0
     seed: int = 0
+
+    @property
+    def cost(self) -> ExitCost:
+        """The exit checks' and fills' price (:class:`laser.core.depth.ExitCost`: the rule the
+        plans are priced by, so the simulated clock and the scheduler's price agree)."""
+        return ExitCost(self.exit_layers, self.head_fraction, self.fill_fraction)
 
     def depth(self, req_id: str, position: int) -> int:
         import zlib
@@ -224,11 +231,12 @@ class SimExecutor:
             checked += 1
             if dm.depth(w.req_id, w.token_start) == layer:
                 gone.append(w)
+        cost = dm.cost
         if checked:
-            self.clock.t += dm.head_fraction * self.lm.head_time(checked)
+            self.clock.t += cost.check_time(self.lm, checked)
         if not gone:
             return active
-        self.clock.t += dm.fill_fraction * (n - layer) * self.lm.stateless_time(len(gone))
+        self.clock.t += cost.fill_time(self.lm, n - layer, len(gone))
         ids = {id(w) for w in gone}
         for w in gone:
             self._res.sampled[w.req_id] = 0
@@ -281,6 +289,8 @@ class SimInstance(InstanceCore):
                                record_plans)
         executor.next_release = self.next_release
         executor.depth_model = depth_model
+        if depth_model is not None:  # the scheduler prices exits as the simulated machine runs them
+            latency_model.exit_cost = depth_model.cost
         super().__init__(make_scheduler(cfg, num_layers, self.bm, self.icache, latency_model, clock), executor, clock)
         self.arrival_hook = self._release
         self._arrivals: list[Request] = []  # sorted by arrival_time

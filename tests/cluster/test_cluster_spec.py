@@ -105,7 +105,10 @@ def test_dynamic_depth_on_a_cluster(tiny_llama, exits_file):
     reqs = [single.add_request(p, sp) for p, sp in zip(prompts, sps)]
     while single.has_unfinished():
         single.step()
+    cost = single.latency_model.exit_cost  # the plans price exits with these heads' checks
+    assert cost.exit_layers == {1, 2} and 0 < cost.head_fraction < 1 and 0 < cost.fill_fraction < 1
     cl = _cluster(tiny_llama, exits=exits_file)
+    assert all(h.latency_model.exit_cost == cost for h in cl.handles.values())
     outs = _run(cl, sps, prompts)
     assert [o.token_ids for o in outs] == [r.output_token_ids for r in reqs]
     deep = outs[0]

@@ -12,7 +12,8 @@ import math
 from dataclasses import dataclass
 
 from ...latency import LatencyModel
-from ...core.depth import expected_layers
+from ...core.depth import exit_plan, expected_layers
+from ...core.plan import Work
 from ...core.request import SLO
 from ..util import ceil_div
 
@@ -108,7 +109,9 @@ class _LayerLoad:
     layers per token (:func:`~laser.core.depth.expected_layers`: its running mean depth) occupies
     layers ``[0, d)`` of every iteration, not all N (``depths``: req id -> d for those); a token
     that needs more runs them anyway, and the running mean follows. Reduced plans keep their N-layer
-    groups (an early exit restarts the cycle: ``LaserScheduler._restart_exited``).
+    groups (an early exit restarts the cycle: ``LaserScheduler._restart_exited``). The exit checks,
+    the K/V fill and the LM head of those tokens are in :attr:`const` as a plan prices them
+    (:meth:`_price_exits`).
     """
 
     HORIZON = 12
@@ -164,6 +167,27 @@ class _LayerLoad:
                 self.full += 1  # (what ``add`` does for a full-depth plan, in line)
             else:
                 self.add(p)
+        if self.depths or getattr(lm, "exit_cost", None) is not None:
+            self._price_exits(lm, reqs, plans)
+
+    def _price_exits(self, lm: LatencyModel, reqs: list, plans: dict[str, DecodePlan]) -> None:
+        """Dynamic depth in :attr:`const`, as a plan is priced (:class:`~laser.core.pricing.PlanCost`,
+        :func:`~laser.core.depth.exit_plan`): a full-depth request whose token may exit pays its
+        exit checks (and K/V fill), and its LM head row only when it is expected to run every layer."""
+        n = self.n
+        ex = []
+        for r in reqs:
+            d, f = exit_plan(r, r.num_tokens - 1, 1, n)
+            if f and plans[r.req_id].layers >= n:
+                ex.append(Work(r.req_id, r.num_tokens - 1, 1, 0, n, True, depth=d, exit_from=f))
+        if not ex:
+            return
+        leaving = sum(1 for w in ex if w.priced_end < n)
+        if leaving:
+            self.const += lm.head_time(len(reqs) - leaving) - lm.head_time(len(reqs))
+        cost = getattr(lm, "exit_cost", None)
+        if cost is not None:
+            self.const += cost.price(lm, n, ex)
 
     @property
     def partial(self) -> list[list[int]]:

@@ -44,6 +44,7 @@ from __future__ import annotations
 import math
 import time
 
+from ...core.depth import exit_plan
 from ...core.plan import StepPlan, Work
 from ...core.pricing import PlanCost
 from ...core.request import Phase, Request
@@ -220,7 +221,8 @@ class LaserScheduler(Scheduler):
                 if not covers(rid, c - 1):
                     return None  # not one uniform block short: the generic path decides
                 grow.append(r)
-            works.append(Work(rid, c - 1, 1, 0, n, True, r.masked))
+            works.append(Work(rid, c - 1, 1, 0, n, True, r.masked) if r.sampling_params.dynamic_depth is None
+                         else Work(rid, c - 1, 1, 0, n, True, r.masked, *exit_plan(r, c - 1, 1, n)))
             ctx.append(c)
         if len(grow) > self.bm.min_free():
             return None  # someone would be preempted
@@ -362,7 +364,10 @@ class LaserScheduler(Scheduler):
             if p is None:
                 continue
             end = group_end(r, p, n)
-            works.append(Work(r.req_id, r.num_tokens - 1, 1, r.next_layer, end, sample=end == n, masked=r.masked))
+            # (a full-depth token that may exit early is priced at its expected depth; a reduced
+            # plan's group keeps its layers: an exit restarts its cycle, _restart_exited)
+            depth = exit_plan(r, r.num_tokens - 1, 1, n) if r.next_layer == 0 and end == n else (0, 0)
+            works.append(Work(r.req_id, r.num_tokens - 1, 1, r.next_layer, end, end == n, r.masked, *depth))
         return works
 
     def _replan(self, decoding: list[Request]) -> None:
