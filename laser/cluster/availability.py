@@ -139,7 +139,7 @@ class Availability:
                 if t is None or t.owner != iid:
                     self._drop_on_live(rid, {iid})
                     continue
-                t.decode = None
+                t.decode = t.direct = None
                 self._pending.append(rid)
 
     def _finish_self_adoptions(self) -> None:
@@ -179,7 +179,7 @@ class Availability:
         when it started waiting; False when none may return (nothing to wait for)."""
         if not self._probes or self.outage_wait_s <= 0:
             return False
-        t.owner, t.decode = -1, None
+        t.owner, t.decode, t.direct = -1, None, None
         self._parked.append(t.req.req_id)
         self._wait_until.setdefault(t.req.req_id, time.monotonic() + self.outage_wait_s)
         return True

@@ -7,7 +7,9 @@ actor is threaded (``max_concurrency``) so the controller's questions are answer
 next layer boundary of a running step instead of after it. :class:`RayHandle` is the
 controller's handle (every call with a timeout; a dead actor or a missed timeout raises
 :class:`~laser.cluster.handles.InstanceFailure`). KV hand-offs go actor to actor through
-Ray's object store (``adopt.remote(take_handoff.remote(id))``), never through the front end.
+Ray's object store, never through the front end: the prefill actor streams the layers and then
+hands the request to the decode actor chosen at routing itself (:class:`RayKVSink`); the front
+end's pull (``adopt.remote(take_handoff.remote(id))``) is the fall-back.
 """
 
 from __future__ import annotations
@@ -121,10 +123,12 @@ class RayHandle(InstanceHandle):
 
 
 class RayKVSink:
-    """Streams a request's layers to an instance actor: one fire-and-forget actor call per
-    layer, its K/V as numpy arrays (Ray moves them through the object store and the receiver
-    reads them without a copy). Runs inside the prefill actor; a dead receiver is ignored (the
-    front end re-sends the whole KV to another decode instance at the hand-off)."""
+    """A :class:`~laser.instance.kv_stream.KVSink` into an instance actor, used by another actor:
+    one fire-and-forget actor call per streamed layer, its K/V as numpy arrays (Ray moves them
+    through the object store and the receiver reads them without a copy), then one for the
+    hand-off itself (``adopt``) and one back for its ``confirm``. The calls are submitted in
+    order by one thread per process, off the sender's layer loop; a dead receiver is ignored (the
+    front end sees it fail and re-sends the hand-off from the prefill instance's outbox)."""
 
     _sender = None  # one thread per process submits the calls, off the prefill's layer loop
 
@@ -136,15 +140,24 @@ class RayKVSink:
 
         if k.dtype != torch.bfloat16:  # numpy has no bfloat16: those go as tensors
             k, v = k.numpy(), v.numpy()
+        self._send_call("receive_kv_layer", req_id, key, layer, k, v)
+
+    def adopt(self, sent, attempt, epoch, reply) -> None:
+        self._send_call("adopt", sent, attempt, epoch, reply)
+
+    def confirm(self, req_id) -> None:
+        self._send_call("confirm", req_id)
+
+    def _send_call(self, method: str, *args) -> None:
         if RayKVSink._sender is None:
             import concurrent.futures
 
             RayKVSink._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-stream")
-        RayKVSink._sender.submit(self._submit, req_id, key, layer, k, v)
+        RayKVSink._sender.submit(self._submit, method, *args)
 
-    def _submit(self, req_id, key, layer, k, v) -> None:
+    def _submit(self, method: str, *args) -> None:
         try:
-            self.actor.receive_kv_layer.remote(req_id, key, layer, k, v)
+            getattr(self.actor, method).remote(*args)
         except RayActorError:
             pass
 

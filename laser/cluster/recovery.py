@@ -75,7 +75,7 @@ class Recovery:
                 if tr.src != iid:  # the decode side died: the prefill instance still holds the KV
                     self.stats.resends += 1
                     t.req.num_failovers += 1
-                    t.decode = None
+                    t.decode = t.direct = None  # the front end pulls it to another decode instance
                     self._pending.append(t.req.req_id)
                     continue
                 self._resume(t, now)
@@ -83,8 +83,8 @@ class Recovery:
                 if t.req.req_id in self._pending:
                     self._pending.remove(t.req.req_id)
                 self._resume(t, now)
-            elif t.decode == iid:
-                t.decode = None  # chosen at arrival; re-chosen at the hand-off
+            elif t.decode == iid:  # chosen at arrival; the front end pulls it at the hand-off instead
+                t.decode = t.direct = t.early = None
 
     def _probe_dead(self) -> None:
         """Ping dead instances that may come back; one that answers is reset (emptied: a restarted

@@ -25,16 +25,26 @@ class Tracked:
     owner: int  # instance that holds it now (its prefill instance until adopted)
     decode: int | None = None  # decode instance chosen (reserved) or holding it
     transfer: "Transfer | None" = None
-    restarts: int = 0
+    restarts: int = 0  # its attempt number: re-prefills count up
+    direct: int | None = None  # the decode instance its prefill instance hands it to by itself
+    # a direct adoption read before the prefill's hand-off event: (adopt's answer, refusal, the
+    # decode instance's events for it meanwhile), applied when that event is read
+    early: tuple | None = None
 
 
 @dataclass
 class Transfer:
+    """A hand-off or migration on its way from instance ``src`` to ``dst``: pulled by the front
+    end (``take`` / ``adopt`` calls) or ``direct`` (the prefill instance sends it by itself;
+    the decode instance's step answers say when it arrived), since ``started`` (monotonic s)."""
+
     src: int
     dst: int
-    take: Call
-    adopt: Call
+    take: Call | None
+    adopt: Call | None
     migration: bool = False  # a decode -> decode move (else the prefill -> decode hand-off)
+    direct: bool = False
+    started: float = 0.0
 
 
 @dataclass

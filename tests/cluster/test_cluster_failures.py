@@ -368,7 +368,7 @@ def test_frozen_decode_instance_is_failed_over_within_its_stall_timeout_and_fenc
     assert victim not in cl.last_reports  # /metrics no longer shows the moved requests as decoding there
     assert all(cl.requests[r].owner != victim for r in moved if r in cl.requests)
     handles[victim].thaw()  # it finishes the step it froze in, then runs the fence
-    assert handles[victim].worker.epoch == handles[victim].epoch == 1
+    assert handles[victim].worker.fence_epoch() == handles[victim].epoch == 1
     assert pool.min_free() == pool.num_blocks and not handles[victim].worker.core.scheduler.requests
     done.update(_collect(cl.drain(120), streams))
     assert handles[victim].alive and cl.stats.rejoins == 1
