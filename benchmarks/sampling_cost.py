@@ -9,8 +9,11 @@ median:
 * ``penalties``: presence + frequency + repetition penalties over a 2000-token context;
 * ``logprobs``: top-5 raw logprobs of the sampled token;
 * ``grammar``: a JSON-schema mask (llguidance) at each step, the matcher advanced by the
-  sampled token (the grammar's per-token cost: the number the latency model's sampling term
-  would take).
+  sampled token (the grammar's per-token cost);
+
+then the grammar mask alone per sampled row, as ``laser profile`` measures it for the latency
+model's sampling term (:func:`laser.profiler.mask.measure_mask_row_s`), and that per vocabulary
+entry (the figure :data:`laser.profiler.mask.MASK_S_PER_VOCAB_ENTRY` is set from).
 
 Run from the repository root::
 
@@ -30,10 +33,7 @@ from laser.model.loader import load_tokenizer, resolve_model
 from laser.core.request import Request, SamplingParams
 from laser.model.sampler import Sampler
 from laser.model.structured import GrammarBackend
-
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 400},
-                                           "tags": {"type": "array", "items": {"type": "string"}}},
-          "required": ["name", "tags"]}
+from laser.profiler.mask import MASK_S_PER_VOCAB_ENTRY, SCHEMA, measure_mask_row_s
 
 
 def main() -> None:
@@ -77,6 +77,12 @@ def main() -> None:
         base = min(times["plain"])
         for name, ts in times.items():  # min: a busy machine only adds time; the median shows how much
             print(f"{batch:>5} {name:>10} {min(ts) * 1e3:>9.3f} {min(ts) / base:>8.2f} {statistics.median(ts) * 1e3:>10.3f}")
+    # the latency model's grammar term: what `laser profile` measures (laser.profiler.mask), and the
+    # per-vocabulary-entry figure its estimate uses where no profile measured it
+    mask_s = min(measure_mask_row_s(tok, V, eos, seed=r) for r in range(3))
+    print(f"grammar mask per sampled row (laser.profiler.mask.measure_mask_row_s, best of 3 medians): "
+          f"{mask_s * 1e3:.3f} ms = {mask_s / V * 1e9:.1f} ns per vocabulary entry "
+          f"(MASK_S_PER_VOCAB_ENTRY = {MASK_S_PER_VOCAB_ENTRY * 1e9:.1f} ns)")
 
 
 if __name__ == "__main__":

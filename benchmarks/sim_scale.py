@@ -29,32 +29,14 @@ import hashlib
 import json
 import os
 import platform
-import random
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from laser.core.request import SLO, Request, SamplingParams
+from laser.bench.cluster import table1_requests
 from laser.sim.cluster import ClusterSim, ClusterSpec, paper_config
-
-CLASSES = [("chat", 350.9, 187.9, 0.25, 0.1), ("code", 201.5, 105.2, 0.125, 0.05),
-           ("summarization", 2084.5, 95.7, 2.0, 0.2)]
-
-
-def workload(n: int, rate: float, seed: int = 0) -> list[Request]:
-    """Poisson arrivals; lognormal lengths (sigma 0.5) with Table 1 means; 1:1:1 mix."""
-    rng = random.Random(seed)
-    t, out = 0.0, []
-    for i in range(n):
-        t += rng.expovariate(rate)
-        name, p, o, ttft, tbt = CLASSES[i % 3]
-        lp = max(1, round(rng.lognormvariate(0, 0.5) * p / 1.1331))  # E[lognormal(0, .5)] = 1.1331
-        lo = max(1, round(rng.lognormvariate(0, 0.5) * o / 1.1331))
-        out.append(Request([1] * lp, SamplingParams(max_tokens=lo, ignore_eos=True), SLO(ttft, tbt, name),
-                           arrival_time=t, req_id=f"r{i}"))
-    return out
 
 
 def _time_parts(ctl, names: tuple[str, ...]) -> dict[str, float]:
@@ -77,7 +59,7 @@ def scale_run(n: int, rate: float, spec: str, parts: bool = False) -> dict:
     cfg = paper_config("qwen2.5-14b", "a100")
     sim = ClusterSim("laser", ClusterSpec.parse(spec), cfg)
     acc = _time_parts(sim.controller, ("select_prefill", "assign_decode")) if parts else {}
-    reqs = workload(n, rate)
+    reqs = table1_requests(n, rate)
     cpu = time.process_time()
     res = sim.run(reqs)
     cpu = time.process_time() - cpu

@@ -115,6 +115,10 @@ def add_engine_args(p: argparse.ArgumentParser, policy_default: str = "laser") -
                    help="tokens drafted per step (default: the one recommended when trained)")
     s.add_argument("--speculative-exits", default=None,
                    help="exit heads file (default: the model's, beside the model cache)")
+    p.add_argument("--dynamic-depth", nargs="?", const="auto", default=None, metavar="EXITS",
+                   help="serve lossy dynamic depth (opt-in per request, field dynamic_depth, or per SLO class, "
+                        "entry \"dynamic_depth\" in --slo-config): greedy decode tokens may leave the model at "
+                        "a trained exit; EXITS: an exit heads file (default: the model's, from `laser train-exits`)")
 
 
 def set_threads(threads: int | None) -> int:
@@ -171,6 +175,7 @@ def build_engine(args, **overrides):
         latency_calibration=getattr(args, "latency_calibration", True),
         jitter_margin=getattr(args, "jitter_margin", None),
         speculative=speculative_config(args),
+        exits=getattr(args, "dynamic_depth", None),
         **overrides,
     )
 
@@ -213,7 +218,7 @@ def cmd_generate(args) -> int:
     n = req.num_output_tokens
     print(
         f"[laser] {n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s), TTFT {req.token_times[0] - req.arrival_time:.3f} s, "
-        f"model load {load_s:.1f} s, policy {engine.scheduler.name}, weights {engine.model.weights_tag}",
+        f"model load {load_s:.1f} s, policy {engine.scheduler.report().policy}, weights {engine.model.weights_tag}",
         file=sys.stderr,
     )
     return 0 if text is not None else 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from laser.core.config import SchedulerConfig
 from laser.core.request import Request
+from laser.cluster.handles import InstanceFailure, LocalHandle
 from laser.sim import SimInstance
 
 
@@ -97,3 +98,21 @@ def random_prompts(n: int, seed: int) -> list[list[int]]:
 
     rng = random.Random(seed)
     return [[rng.randrange(3, 500) for _ in range(rng.randrange(4, 60))] for _ in range(n)]
+
+
+class DiesMidStream(LocalHandle):
+    """A decode instance that dies at its 4th step with token events while ``deaths_left[0]`` > 0
+    (shared by the decode instances: the next one holding a stream dies)."""
+
+    deaths_left = [0]
+    tokens = 0
+
+    def call(self, method, *args, timeout=None):
+        out = super().call(method, *args, timeout=timeout)
+        if method == "step" and out["events"]:
+            self.tokens += 1
+            if self.tokens >= 4 and self.deaths_left[0] > 0:
+                self.deaths_left[0] -= 1
+                self.kill()
+                raise InstanceFailure(self.instance_id, "killed mid-stream")
+        return out

@@ -11,17 +11,39 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 import time
 from typing import Sequence
 
 from laser.bench.runner import RunOutput, Target, _slo_for, _summary_duration, tbt_token_budget
 from laser.bench.workloads import WorkloadRequest
 from laser.core.metrics import record_from_request
-from laser.core.request import Request, SamplingParams
+from laser.core.request import SLO, Request, SamplingParams
 
 #: Paper Table 1: class -> (mean input tokens, mean output tokens).
 TABLE1 = {"chat": (350.9, 187.9), "code": (201.5, 105.2), "summarization": (2084.5, 95.7)}
 
+
+#: Table 1's classes with the paper's SLOs: (name, mean input, mean output, TTFT s, TBT s).
+TABLE1_CLASSES = [("chat", 350.9, 187.9, 0.25, 0.1), ("code", 201.5, 105.2, 0.125, 0.05),
+                  ("summarization", 2084.5, 95.7, 2.0, 0.2)]
+
+
+def table1_requests(n: int, rate: float, seed: int = 0, scale: float = 1.0) -> list[Request]:
+    """``n`` synthetic requests of paper Table 1 (the simulator's golden runs, ``sim_scale.py``,
+    ``ttft_predictors.py``): Poisson arrivals at ``rate`` req/s, classes in turn (1:1:1), token-id-1
+    prompts and outputs with lognormal(0, 0.5) lengths whose means are Table 1's times ``scale``
+    (divided by E[lognormal(0, 0.5)] = 1.1331), the paper's SLOs; ``req_id`` ``r<i>``."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for i in range(n):
+        t += rng.expovariate(rate)
+        name, p, o, ttft, tbt = TABLE1_CLASSES[i % 3]
+        lp = max(1, round(rng.lognormvariate(0, 0.5) * p * scale / 1.1331))
+        lo = max(1, round(rng.lognormvariate(0, 0.5) * o * scale / 1.1331))
+        out.append(Request([1] * lp, SamplingParams(max_tokens=lo, ignore_eos=True), SLO(ttft, tbt, name),
+                           arrival_time=t, req_id=f"r{i}"))
+    return out
 
 def rescale_to_table1(requests: Sequence[WorkloadRequest], max_len: int | None = None) -> tuple[list[WorkloadRequest], dict]:
     """Multiply each class's prompt and output lengths so their means equal Table 1's

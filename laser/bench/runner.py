@@ -152,8 +152,9 @@ class EngineTarget(Target):
             records.append(record_from_request(r) if r is not None else missing_record(i, wr, _slo_for(slos, wr.slo_class), t0))
         for e in self.engines:
             e.check_integrity(expect_empty=True)
-        queries = sum(e.scheduler.prefix_cache_queries for e in self.engines)
-        hits = sum(e.scheduler.prefix_cache_hits for e in self.engines)
+        counters = [e.scheduler.report().counters for e in self.engines]
+        queries = sum(c["prefix_cache_queries"] for c in counters)
+        hits = sum(c["prefix_cache_hits"] for c in counters)
         return RunOutput(records, _summary_duration(records), wall, stopped, target.busy_s, span,
                          hits / queries if queries else None)
 

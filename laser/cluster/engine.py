@@ -39,10 +39,11 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import time
 from typing import Callable
 
-from ..controller.base import Controller
+from ..controller.base import Controller, prefill_load_key
 from ..core.request import SLO, InvalidRequestError, Phase, Request, SamplingParams
 from ..frontend.inputs import InputProcessor
 from ..frontend.outputs import OutputProcessor, RequestOutput
@@ -81,10 +82,6 @@ class ClusterEngine(Transfers, Recovery, Availability):
             chunk (False: all layers at the hand-off).
     """
 
-    #: Token events from the instances carry no log-probabilities yet: the server answers a
-    #: request for them with a 400 (laser.server.generation).
-    serves_logprobs = False
-
     def __init__(self, handles: list[InstanceHandle], controller: Controller, tokenizer, model_config,
                  model_name: str, slo_classes, step_timeout_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic, stream_kv: bool = True,
@@ -103,7 +100,13 @@ class ClusterEngine(Transfers, Recovery, Availability):
         self.model_name = model_name
         self.slo_classes = slo_classes
         self.max_model_len = min(h.describe["max_model_len"] for h in handles)
-        self.inputs = InputProcessor(tokenizer, model_config.vocab_size, self.max_model_len, slo_classes)
+        from ..model.structured import GrammarBackend
+
+        # checks (and, for tool calls, spells) a request's grammar here; each instance masks with its own
+        eos = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
+        self.grammars = GrammarBackend(tokenizer, model_config.vocab_size, eos)
+        self.inputs = InputProcessor(tokenizer, model_config.vocab_size, self.max_model_len, slo_classes,
+                                     self.grammars)
         self.outputs = OutputProcessor(tokenizer)
         entry = next((h for h in handles if h.role != "decode"), handles[0])
         self.latency_model = entry.latency_model
@@ -146,9 +149,19 @@ class ClusterEngine(Transfers, Recovery, Availability):
         """The front end stands in for a scheduler where AsyncEngine lists requests (``.requests``)."""
         return self
 
-    def admission_snapshot(self, *args):
-        """No single queue to publish (admission predicts a prompt alone)."""
-        return None
+    def admission_report(self, now: float):
+        """The :class:`~laser.scheduler.report.SchedulerReport` cluster admission predicts from:
+        that of the live prefill (or mixed) instance with the least prefill work queued as of
+        its last step (:func:`laser.controller.base.prefill_load_key`: where the controller's
+        fallback routes a request; a feasible instance the controller prefers has no more work).
+        Its time is the front end's ``now`` and it is not busy: instance clocks are their own,
+        so the rest of a step in flight is not counted. None before any instance reported."""
+        reps = [r for iid, r in self.last_reports.items()
+                if r is not None and r.role != "decode" and self.handles[iid].alive]
+        if not reps:
+            return None
+        rep = min(reps, key=prefill_load_key).scheduler
+        return dataclasses.replace(rep, time=now, busy=False)
 
     def predict_prefill_seconds(self, num_tokens: int) -> float:
         return self.latency_model.predict_prefill(num_tokens)
@@ -322,7 +335,7 @@ class ClusterEngine(Transfers, Recovery, Availability):
             if h.alive and iid not in self._steps:
                 self._steps[iid] = call = h.submit("step", h.epoch)
                 call.started = self.monotonic()
-                h.answer_by = call.started + self._step_deadline(iid)
+                h.answer_by, h.step_future = call.started + self._step_deadline(iid), call.future
                 self._step_gen[iid] = self._work_sent[iid]
         outs: list[RequestOutput] = []
         futs = [c.future for c in self._steps.values()] + [t.transfer.adopt.future for t in self._transfers
@@ -346,7 +359,7 @@ class ClusterEngine(Transfers, Recovery, Availability):
                 continue  # its instance failed while an earlier answer was handled
             if call.future.done():
                 del self._steps[iid]
-                call.handle.answer_by = None
+                call.handle.answer_by = call.handle.step_future = None
                 try:
                     res = call.handle.result(call)
                 except InstanceFailure as e:
@@ -401,14 +414,16 @@ class ClusterEngine(Transfers, Recovery, Availability):
         return outs
 
     def _on_event(self, iid: int, now: float, rid: str, token: int, reason, handed_off: bool,
-                  cached: int) -> list[RequestOutput]:
-        """One token of ``rid`` from instance ``iid``: its outputs (more than one when a direct
-        hand-off's early decode tokens follow it)."""
+                  cached: int, logprob=None, prompt_logprobs=None) -> list[RequestOutput]:
+        """One token of ``rid`` from instance ``iid`` (a step answer's event, see
+        :meth:`~laser.instance.worker.InstanceWorker.step`): its outputs (more than one when a
+        direct hand-off's early decode tokens follow it)."""
         t = self.requests.get(rid)
         if t is not None and t.transfer is not None and t.transfer.dst == iid:
             t.owner = iid  # adopted (its adopt answer may come after this step's)
         if t is not None and t.owner != iid and t.early is not None and t.direct == iid:
-            t.early[2].append((rid, token, reason, handed_off, cached))  # before the prefill's hand-off event
+            # before the prefill's hand-off event
+            t.early[2].append((rid, token, reason, handed_off, cached, logprob, prompt_logprobs))
             return []
         if t is None or t.owner != iid:
             return []  # aborted, or a stale token of an instance the request left
@@ -417,6 +432,10 @@ class ClusterEngine(Transfers, Recovery, Availability):
             req.num_cached_tokens = cached
         req.output_token_ids.append(token)
         req.token_times.append(now)
+        if logprob is not None:  # the instance's sampler computed it (SamplingParams.logprobs)
+            req.output_logprobs.append(logprob)
+        if prompt_logprobs is not None and req.prompt_logprobs is None:  # (a re-prefill sends them again)
+            req.prompt_logprobs = prompt_logprobs
         if rid in self._recovering:
             self.stats.recovery_seconds.append(now - self._recovering.pop(rid))
         # never "handed off" to the consumer: the stream goes on here, whichever instance holds it

@@ -66,6 +66,10 @@ class InstanceHandle(Instance):
         # ``time.monotonic()`` by which the step in flight must answer (None: no step in flight); a
         # synchronous call never waits past it: an instance that misses it is stalled anyway.
         self.answer_by: float | None = None
+        # The step call in flight (None: none), so that a step that has answered -- its result not
+        # collected yet because the front end was held by another call -- does not cut a call's
+        # timeout: the instance is not stalled.
+        self.step_future: concurrent.futures.Future | None = None
         # With no step in flight, an answer is due within this many seconds (None: the call
         # timeout): a decode instance that is idle answers at once, so one silent for its stall
         # deadline is frozen -- whether it froze inside a step or between two.
@@ -78,7 +82,8 @@ class InstanceHandle(Instance):
         detected."""
         t = self.call_timeout_s if timeout is None else timeout
         if self.answer_by is not None:
-            t = min(t, max(0.0, self.answer_by - time.monotonic()))
+            if self.step_future is None or not self.step_future.done():
+                t = min(t, max(0.0, self.answer_by - time.monotonic()))
         elif self.idle_answer_s is not None:
             t = min(t, self.idle_answer_s)
         return t

@@ -57,7 +57,7 @@ class Recovery:
         before its failure; it rejoins only through a probe (:meth:`_probe_dead`). Its last
         report stops counting them at once (the ``/metrics`` gauges)."""
         h.epoch += 1
-        h.answer_by = None
+        h.answer_by = h.step_future = None
         self.last_reports.pop(h.instance_id, None)
         self._fences.append(h.submit("reset", h.epoch))
 

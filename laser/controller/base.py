@@ -123,7 +123,7 @@ def prefill_load_key(rep: InstanceReport) -> tuple[int, int]:
 
 def mixed_load_key(rep: InstanceReport) -> tuple[float, int]:
     """Colocated least-loaded order: KV demand in blocks (held + the queued prompts')."""
-    queued = sum(-(-e.remaining_tokens // rep.block_size) for e in rep.queue)
+    queued = sum(-(-e.prefill_tokens // rep.block_size) for e in rep.queue)
     return (rep.used_blocks + queued, rep.num_requests)
 
 

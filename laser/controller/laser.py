@@ -1,7 +1,7 @@
 """``laser``: the paper's global controller (PPoPP'26 §7).
 
 Prefill selection (§7.1): for each prefill instance, simulate its EDF queue with the
-request inserted (:func:`edf_finish_times`) from its last report; an instance is
+request inserted (:func:`laser.scheduler.ttft.finish_times`) from its last report; an instance is
 feasible when every deadline that held without the newcomer still holds; take the
 feasible instance with the largest minimum slack (ties, such as +inf when nothing has a TTFT
 target: the fewest queued prefill tokens), else the one with the fewest queued
@@ -18,7 +18,7 @@ became inf. Groups (§7.2.2): :class:`~laser.controller.groups.GroupManager`.
 
 Decode->decode migration (§8, CONTROLLER.md A8.4, D9): between its steps a decode instance
 whose KV memory or T_g broke names the request that should leave
-(:func:`laser.instance.state.migration_victim`); Alg. 2 over the other decode instances
+(:func:`laser.scheduler.migration.migration_victim`); Alg. 2 over the other decode instances
 picks its destination, which must answer a finite increment (else it stays: moving it
 would break another instance).
 """
@@ -27,54 +27,31 @@ from __future__ import annotations
 
 import math
 
+from ..core.request import SLO
 from ..instance.messages import InstanceReport, MigrationCandidate, RequestInfo
+from ..scheduler.ttft import finish_times
 from .base import Controller, Route, prefill_load_key, register
 from .groups import GroupManager
 
 
-def edf_finish_times(rep: InstanceReport, lm, num_layers: int, now: float,
-                     extra: RequestInfo | None = None, cached: int = 0) -> list[tuple[str, float, float]]:
-    """Estimated prefill finish of every queued request on the instance of ``rep``, in EDF
-    order (best-effort entries last), with ``extra`` inserted (``cached`` of its prompt tokens
-    found in the instance's prefix cache: only the rest is priced): ``[(req_id, deadline, finish)]``.
-
-    Model of the instance's layer-level chunked prefill (§6.1): the queue drains in EDF
-    order after the executing step (``busy_until``); request q finishes when a merged
-    batch of the first q entries would (``N`` layer calls of the batch, embedding, LM
-    head) -- the instance merges work while deadlines hold, so a later entry never delays
-    an earlier one. Seconds; inf deadlines for best effort.
-    """
-    entries = [(e.best_effort, e.deadline, e.req_id, e.remaining_tokens, e.prompt_len) for e in rep.queue]
-    if extra is not None:
-        entries.append((extra.ttft is None, extra.ttft_deadline, extra.req_id, extra.prompt_len - cached,
-                        extra.prompt_len))
-    entries.sort(key=lambda e: (e[0], e[1]))
-    t0 = max(now, rep.busy_until)
-    out = []
-    tokens = 0
-    attn = 0.0
-    for k, (_, deadline, rid, rem, plen) in enumerate(entries, 1):
-        if rem <= 0:
-            out.append((rid, deadline, t0))
-            continue
-        tokens += rem
-        attn += lm.attention_time((rem,), (plen,))
-        per_layer = lm.stateless_time(tokens) + attn + lm.layer_overhead_s
-        out.append((rid, deadline, t0 + num_layers * per_layer + lm.embed_time(tokens) + lm.head_time(k)))
-    return out
-
-
 def prefill_slack(rep: InstanceReport, lm, num_layers: int, info: RequestInfo, now: float, cached: int = 0) -> float:
-    """min over queued requests of (deadline − estimated finish) with ``info`` inserted
-    (``cached`` of its prompt tokens already in the instance's prefix cache), over the
-    requests whose deadline held without it (and ``info`` itself); −inf-like negative when
-    one of them would miss. +inf when none has a deadline."""
-    before = {rid: f <= d for rid, d, f in edf_finish_times(rep, lm, num_layers, now)}
+    """min over queued requests of (deadline − predicted prefill finish) with ``info`` inserted
+    (``cached`` of its prompt tokens already in the instance's prefix cache: only the rest is
+    priced), over the requests whose deadline held without it (and ``info`` itself); negative
+    when one of them would miss; +inf when none has a deadline. Finishes from the one TTFT
+    predictor (:func:`laser.scheduler.ttft.finish_times`: a prefill instance's queue drains as one
+    merged batch growing in queue order), starting at the end of the executing step
+    (``busy_until``)."""
+    start = max(now, rep.busy_until)
+    sched = rep.scheduler
+    before = {e.req_id: f <= e.deadline for e, f in finish_times(sched, lm, start, num_layers=num_layers)}
+    newcomer = sched.entry(info.prompt_len, info.arrival_time, SLO(info.ttft, info.tbt, info.slo_name),
+                           cached=cached, req_id=info.req_id)
     slack = math.inf
-    for rid, d, f in edf_finish_times(rep, lm, num_layers, now, info, cached):
-        if math.isinf(d) or not before.get(rid, True):
+    for e, f in finish_times(sched, lm, start, newcomer, num_layers=num_layers):
+        if math.isinf(e.deadline) or not before.get(e.req_id, True):
             continue
-        slack = min(slack, d - f)
+        slack = min(slack, e.deadline - f)
     return slack
 
 

@@ -33,6 +33,9 @@ class Work:
     layer_end: int
     # Sample a token after the last layer (False for a non-final prefill chunk).
     sample: bool = False
+    # The sampled row goes through a grammar mask (the request has structured output):
+    # priced as the latency model's ``mask_time`` on top of the LM head
+    masked: bool = False
 
     @property
     def context_len(self) -> int:
@@ -156,6 +159,10 @@ class StepResult:
     # req_id -> tokens after the ``sampled`` one, in order: a self-speculative step's accepted
     # tokens (laser.spec). The finish rule sees each in turn; the ones after a finish are dropped.
     extra_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> the layer a decode token of a dynamic-depth request exited after (its ``sampled``
+    # token came from that exit; the later layers' K/V of its position were filled from the exit
+    # state: the work counts as having reached the last layer). laser.core.depth.
+    exit_layers: dict[str, int] = field(default_factory=dict)
     # req_id -> [V] float32 logits tensor (torch executor, only with ``return_logits``).
     logits: dict = field(default_factory=dict)
     # req_id -> the sampled token's raw TokenLogprob (requests with SamplingParams.logprobs).

@@ -11,9 +11,10 @@ class PlanCost:
 
     The plan's layers split into segments where the batch is constant; each segment costs
     (its layers) x ``lm.layer_time`` of its batch, plus the embedding of works starting at
-    layer 0 and the LM head for works ending at the last layer. The Laser scheduler builds a
-    plan work by work: :meth:`with_work` prices adding a work only over the segments it
-    overlaps.
+    layer 0 and the LM head for works ending at the last layer (plus, for each of them that
+    samples through a grammar, ``Work.masked``, one row of ``lm.mask_time``: a plan without
+    such a work is priced by the same sum as before). The Laser scheduler builds a plan work by
+    work: :meth:`with_work` prices adding a work only over the segments it overlaps.
     """
 
     def __init__(self, lm, num_layers: int, works: list[Work]):
@@ -41,7 +42,10 @@ class PlanCost:
             layers += (b - a) * t
         self.embed_tokens = sum(w.num_tokens for w in ws if w.layer_start == 0)
         self.final = sum(1 for w in ws if w.layer_end == self.n)
+        self.masked = sum(1 for w in ws if w.masked and w.sample and w.layer_end == self.n)
         self.total = layers + lm.embed_time(self.embed_tokens) + lm.head_time(self.final)
+        if self.masked:
+            self.total += lm.mask_time(self.masked)
         self._layers = layers
 
     def with_work(self, w: Work) -> float:
@@ -59,7 +63,9 @@ class PlanCost:
                 t += o * (t2 - per)
         e = self.embed_tokens + (w.num_tokens if lo == 0 else 0)
         f = self.final + (1 if hi == self.n else 0)
-        return t + lm.embed_time(e) + lm.head_time(f)
+        t = t + lm.embed_time(e) + lm.head_time(f)
+        m = self.masked + (1 if w.masked and w.sample and hi == self.n else 0)
+        return t + lm.mask_time(m) if m else t
 
     def add(self, w: Work) -> None:
         self.works.append(w)

@@ -127,6 +127,9 @@ class SamplingParams:
     # Structured output: (kind, spec), kind "json" (a JSON schema as JSON text), "regex" or
     # "lark" (laser.model.structured); None: free text.
     structured_output: tuple[str, str] | None = None
+    # Lossy dynamic depth (laser.core.depth.DynamicDepth; a dict or True is accepted): decode
+    # tokens may leave the model at a trained exit. None: every token runs every layer.
+    dynamic_depth: object = None
 
     def __post_init__(self):
         """Normalise ``stop``/``stop_token_ids`` to tuples and check every field.
@@ -194,7 +197,15 @@ class SamplingParams:
             v = getattr(self, f)
             if v is not None and not (integer(v) and 0 <= v <= MAX_LOGPROBS):
                 raise InvalidRequestError(f"{f} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
+        if self.dynamic_depth is not None:
+            from .depth import DynamicDepth
+
+            object.__setattr__(self, "dynamic_depth", DynamicDepth.parse(self.dynamic_depth))
         so = self.structured_output
+        if self.dynamic_depth is not None and not (self.temperature < 1e-5 and self.logprobs is None
+                                                   and not self.processes_logits):
+            raise InvalidRequestError("dynamic_depth needs greedy decoding (temperature 0) without logprobs, "
+                                      "logit_bias, penalties, min_tokens or structured output")
         if so is not None:
             if not (isinstance(so, tuple) and len(so) == 2 and so[0] in ("json", "regex", "lark")
                     and isinstance(so[1], str)):
@@ -207,6 +218,13 @@ class SamplingParams:
         False for a request without these fields, which then takes no extra work."""
         return bool(self.logit_bias or self.min_tokens or self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1.0 or self.structured_output is not None)
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy, with no logit processing and no log-probabilities: the argmax of the raw
+        logits is the whole sampling step (what self-speculation's verification and a dynamic-depth
+        exit may replace with their own argmax)."""
+        return self.greedy and not self.processes_logits and self.logprobs is None
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise InvalidRequestError (naming ``logit_bias``) for a biased token id outside
@@ -307,6 +325,17 @@ class Request:
     num_cached_tokens: int = 0
     # Hashes of its full blocks so far (laser.core.block_manager.hash_blocks; grows with the tokens).
     block_hashes: list = field(default_factory=list, repr=False)
+    # Dynamic depth (SamplingParams.dynamic_depth): decode tokens counted and the layers they ran
+    # (an early exit at layer k counts k); ``expected_layers`` the depth the scheduler plans its
+    # next tokens with (running mean, seeded by its SLO class's: laser.core.depth). None: full.
+    num_depth_tokens: int = 0
+    depth_layers: int = 0
+    expected_layers: float | None = None
+
+    @property
+    def mean_depth(self) -> float | None:
+        """Mean layers run per decode token so far (None before any, or when not opted in)."""
+        return self.depth_layers / self.num_depth_tokens if self.num_depth_tokens else None
 
     def __post_init__(self):
         if not self.req_id:
@@ -315,6 +344,12 @@ class Request:
             raise InvalidRequestError("prompt is empty")
 
     # -- derived counts -------------------------------------------------------------
+    @property
+    def masked(self) -> bool:
+        """Its sampled rows go through a grammar mask (``structured_output``): plans price it
+        (:attr:`laser.core.plan.Work.masked`, ``LatencyModel.mask_time``)."""
+        return self.sampling_params.structured_output is not None
+
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .depth import DynamicDepth
 from .request import SLO, InvalidRequestError
 
 TIERS = ("hot", "warm", "cold", "best_effort")
@@ -40,11 +41,20 @@ class SLOClasses:
         self.raw = {k: v for k, v in classes.items() if not k.startswith("_")}
         self.classes: dict[str, SLO] = {}
         self.demote_to: dict[str, str] = {}  # hot class -> the warm class it is demoted to
+        # class -> the dynamic depth its requests get (config entry "dynamic_depth": true or
+        # {"threshold": .., "min_depth": ..}; laser.core.depth): lossy early exit, opted in per class
+        self.dynamic_depth: dict[str, DynamicDepth] = {}
         for name, spec in self.raw.items():
             t, b = spec.get("ttft"), spec.get("tbt")
             tier = spec.get("tier") or ("best_effort" if t is None and b is None else "hot")
             if tier not in TIERS:
                 raise ValueError(f"SLO class {name!r}: tier must be one of {TIERS}, got {tier!r}")
+            try:
+                dd = DynamicDepth.parse(spec.get("dynamic_depth"), f"SLO class {name!r}: dynamic_depth")
+            except InvalidRequestError as e:
+                raise ValueError(str(e)) from None
+            if dd is not None:
+                self.dynamic_depth[name] = dd
             self.classes[name] = SLO(
                 ttft=None if t is None else t * scale, tbt=None if b is None else b * scale, name=name,
                 tier=tier, demotable=bool(spec.get("demotable", False)),

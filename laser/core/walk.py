@@ -19,7 +19,13 @@ Rules, at each boundary ``j`` (in this order):
 
 At the end, works still active either finish the last layer (sampled) or park at it.
 
-Segment mode: with no ``stop_at`` and an executor that has ``run_layers(layers, active)``,
+Early exits (dynamic depth, :mod:`laser.core.depth`): an executor whose ``exit_layers`` (a set,
+for this plan; empty or absent: none) holds boundary ``j`` is asked ``early_exit(active, j)``
+after layer ``j - 1`` ran (``j`` below the model's last layer); the works it returns as gone
+left the model there (the executor produced their tokens and filled their later layers' KV),
+and the batch is composed anew at ``j``.
+
+Segment mode: with no ``stop_at``, no early exits and an executor that has ``run_layers(layers, active)``,
 the walker visits only the boundaries where the batch changes and hands the executor each
 constant-composition segment at once (the simulator prices it with one latency-model call).
 The rules and their order are the same; the torch executor has no ``run_layers`` and always
@@ -58,6 +64,9 @@ class LayerExecutor(Protocol):
     def finish(self, active: list[Work], layer: int) -> None:
         """Works active at the plan's last layer: sample (``layer == N``) or park at ``layer``."""
 
+    # optional: exit_layers (a set of boundaries) and
+    # early_exit(active, layer) -> the works still active (the others left the model at ``layer``)
+
 
 def walk(plan: StepPlan, ex: LayerExecutor, stop_at: Callable[[int], bool] | None = None) -> int:
     """Run ``plan`` on ``ex`` layer by layer. Returns the stopped layer: ``plan.last_layer`` when
@@ -70,13 +79,19 @@ def walk(plan: StepPlan, ex: LayerExecutor, stop_at: Callable[[int], bool] | Non
     starts, ends = plan.boundaries()
     change_points = sorted(set(starts) | set(ends))
     run_layers = getattr(ex, "run_layers", None)
-    if stop_at is None and run_layers is not None:
+    if stop_at is None and run_layers is not None and not getattr(ex, "exit_layers", None):
         return _walk_segments(plan, ex, starts, ends, change_points, run_layers)
     changes = set(change_points)
+    exits = getattr(ex, "exit_layers", None)
     active: list[Work] = []
     first, last = plan.first_layer, plan.last_layer
     stopped: int | None = None
     for j in range(first, last):
+        if exits and j in exits and active:
+            kept = ex.early_exit(active, j)
+            if len(kept) != len(active):
+                active = kept
+                changes.add(j)  # composed anew below (nothing joins or leaves otherwise)
         changed = j in changes
         if changed:
             leaving = [w for w in ends.get(j, ()) if w in active]  # (a stop may have parked it)
@@ -99,6 +114,8 @@ def walk(plan: StepPlan, ex: LayerExecutor, stop_at: Callable[[int], bool] | Non
                 ex.compose(active, range(j, next((c for c in change_points if c > j), last)))
         if active:
             ex.run_layer(j, active)
+    if exits and last in exits and active:
+        active = ex.early_exit(active, last)
     if active:
         ex.finish(active, last)
     return last if stopped is None else stopped

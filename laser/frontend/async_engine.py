@@ -272,9 +272,9 @@ class AsyncEngine(EngineThread):
         the tokens of each prompt the prefix cache holds, :meth:`cached_prompt_tokens`, priced as
         computed already).
 
-        The predicted TTFT (:func:`laser.frontend.admission.predict_ttft`) counts, from ``arrival``
+        The predicted TTFT (:func:`laser.scheduler.ttft.predict_ttft`) counts, from ``arrival``
         (engine clock; default now), the rest of the running step and the prefill of every
-        request ahead in the queue order — from the snapshot the engine thread published
+        request ahead in the queue order — from the report the engine thread published
         after its last step plus the requests admitted since — so it needs no engine step.
 
         Raises EngineStoppedError (draining/dead), QueueFullError (bounded queue full) or
@@ -297,13 +297,13 @@ class AsyncEngine(EngineThread):
         warm = self.slo_classes.demotion_target(slo)
         for i, n in enumerate(prompt_lens):
             c = cached[i] if cached else 0
-            entry = qa.entry(n, arrival, slo.ttft, slo.tbt, slo.name, now, cached=c)
+            entry = qa.entry(n, arrival, slo, cached=c)
             pred = None
             if slo.ttft is not None and qa.latency_model is not None:
                 pred = qa.predict(entry, now, arrival, view)
             if warm is not None and pred is not None and pred > slo.ttft:
                 # pressure: the target is missed behind the queue ahead -> served as warm
-                entry = qa.entry(n, arrival, warm.ttft, warm.tbt, warm.name, now, cached=c)
+                entry = qa.entry(n, arrival, warm, cached=c)
                 view = qa.with_entry(view, entry)
                 out.append(Admission(warm, slo, pred, True, entry, "warm"))
                 continue
@@ -312,7 +312,7 @@ class AsyncEngine(EngineThread):
                     raise SLOInfeasibleError(pred, slo, sum(e.key <= entry.key for e in view.queue))
                 if self.on_infeasible == "demote":
                     be = self.slo_classes.get("best_effort")
-                    entry = qa.entry(n, arrival, be.ttft, be.tbt, be.name, now, cached=c)
+                    entry = qa.entry(n, arrival, be, cached=c)
                     view = qa.with_entry(view, entry)
                     out.append(Admission(be, slo, pred, True, entry, "best_effort"))
                     continue
@@ -468,15 +468,15 @@ class AsyncEngine(EngineThread):
 
     # -- statistics (read from the event loop; approximate, never blocks the engine) -----------------------
     def class_counts(self) -> tuple[dict[str, int], dict[str, int]]:
-        """(running, waiting) request counts per SLO class, as of the last published snapshot."""
+        """(running, waiting) request counts per SLO class, as of the last published report."""
         c = self.counters()
         return dict(c.get("running", {})), dict(c.get("waiting", {}))
 
     def counters(self) -> dict:
         """The scheduler's observability counters as of the last step (see
-        :func:`laser.frontend.admission.snapshot_of`); empty before the first step."""
-        snap = self.queue_admission.snapshot
-        return snap.counters if snap is not None else {}
+        :meth:`laser.scheduler.base.Scheduler.report`); empty before the first step."""
+        rep = self.queue_admission.report
+        return rep.counters if rep is not None else {}
 
     def kv_cache_usage(self) -> float:
         try:

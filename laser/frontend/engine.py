@@ -60,6 +60,10 @@ class Engine(ModelInstance):
         seed: seed of the shared sampling generator.
         speculative: a :class:`laser.spec.SpeculativeConfig` to decode greedy requests
             self-speculatively from trained early exits (policies ``vllm``/``sarathi``).
+        exits: trained exit heads that serve dynamic-depth requests (lossy early exit, opt-in per
+            request or SLO class: :mod:`laser.core.depth`): a :class:`laser.model.exits.ExitHeads`,
+            a path to a file of them, or ``"auto"`` (the model's, trained by ``laser train-exits``;
+            ConfigError when there are none). None: no early exits (a request asking is refused).
         enable_prefix_caching: override ``cache.enable_prefix_caching`` (automatic prefix caching,
             on by default: :mod:`laser.core.block_manager`); vLLM's ``LLM(enable_prefix_caching=...)``.
     Raises:
@@ -67,7 +71,8 @@ class Engine(ModelInstance):
         LatencyProfileError: ``latency_profile`` names an unusable profile file.
     """
 
-    def __init__(self, model: str | None = None, slo_classes: SLOClasses | None = None, speculative=None, **kwargs):
+    def __init__(self, model: str | None = None, slo_classes: SLOClasses | None = None, speculative=None,
+                 exits=None, **kwargs):
         path = resolve_model(model)
         load_config(path)  # a bad config is reported as such, before the tokenizer trips over it
         self.tokenizer = load_tokenizer(path)
@@ -78,8 +83,14 @@ class Engine(ModelInstance):
 
         self.grammars = self.runner.sampler.grammars = GrammarBackend(self.tokenizer, self.model_config.vocab_size,
                                                                       self.core.eos_ids)
+        if exits is not None:
+            from ..model.exits import ExitHeads
+            from ..spec.self_spec import load_exits
+
+            self.runner.set_exits(exits if isinstance(exits, ExitHeads) else
+                                  load_exits(self.model_path, None if exits == "auto" else str(exits)))
         self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
-                                     self.slo_classes, self.grammars)
+                                     self.slo_classes, self.grammars, serves_exits=exits is not None)
         self.outputs = OutputProcessor(self.tokenizer)
         # Self-speculative decoding (laser.spec): the executor that drafts and verifies, or None.
         self.speculator = None

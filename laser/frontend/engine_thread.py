@@ -4,7 +4,7 @@ Its loop: run the queued commands (adds first, then aborts and anything else) ->
 -> hand the step's outputs to the event loop with one ``loop.call_soon_threadsafe``; arrivals are
 also added at every layer boundary (the engine's arrival hook). With nothing to run it waits on
 an event and checks the allocators' integrity once. After every step it publishes the
-scheduler snapshot that admission reads.
+scheduler report that admission reads.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import collections
 import logging
 import time
 
-from .admission import EngineStepError, EngineStoppedError, snapshot_of
+from .admission import EngineStepError, EngineStoppedError
 
 log = logging.getLogger("laser.frontend.async_engine")
 
@@ -110,21 +110,20 @@ class EngineThread:
             self._post(self._on_failed, [rid], error)
 
     def _publish(self, step_s: float) -> None:
-        """Engine thread: publish the scheduler snapshot (admission, metrics) after a step."""
-        make = getattr(self.engine, "admission_snapshot", None)  # a cluster front end has its own
+        """Engine thread: publish the scheduler's report (admission, metrics) after a step; a
+        cluster front end publishes the report of the prefill instance a request would go to
+        (:meth:`laser.cluster.engine.ClusterEngine.admission_report`)."""
+        make = getattr(self.engine, "admission_report", None)
         try:
-            if make is not None:
-                snap = make(self.engine.clock(), self._num_adds_run, step_s)
-                if snap is None:
-                    return
-            else:
-                snap = snapshot_of(self.engine.scheduler, self.engine.clock(), self._num_adds_run, step_s)
+            now = self.engine.clock()
+            rep = make(now) if make is not None else self.engine.scheduler.report(now)
         except Exception:  # noqa: BLE001 - observability must never stop serving
-            if not getattr(self, "_snapshot_failed", False):
-                self._snapshot_failed = True
-                log.exception("cannot snapshot the scheduler; admission sees no queue")
+            if not getattr(self, "_report_failed", False):
+                self._report_failed = True
+                log.exception("cannot report the scheduler; admission sees no queue")
             return
-        self.queue_admission.publish(snap)
+        if rep is not None:
+            self.queue_admission.publish(rep, self._num_adds_run, step_s)
 
     def _fail_all(self, error: BaseException) -> None:
         eng = self.engine

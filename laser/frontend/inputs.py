@@ -15,6 +15,7 @@ its tokenizer thread its own :class:`InputProcessor` over a copy (:meth:`InputPr
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any, Callable
 
 from ..core.request import SLO, InvalidRequestError, Request, SamplingParams
@@ -45,20 +46,23 @@ class InputProcessor:
         max_model_len: context length in tokens; a prompt must be shorter.
         slo_classes: the SLO class table that resolves a class name (``None``: the default class).
         grammars: the :class:`~laser.model.structured.GrammarBackend` that checks a request's
-            structured output (``None``: structured output is refused, e.g. on a cluster).
+            structured output (``None``: structured output is refused).
     """
 
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, slo_classes, grammars=None):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, slo_classes, grammars=None,
+                 serves_exits: bool = False):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.slo_classes = slo_classes
         self.grammars = grammars
+        # trained exit heads are loaded (dynamic-depth requests are served; laser.core.depth)
+        self.serves_exits = serves_exits
 
     def copy(self) -> "InputProcessor":
         """A processor over a private copy of the tokenizer (for another thread)."""
         return InputProcessor(copy.deepcopy(self.tokenizer), self.vocab_size, self.max_model_len, self.slo_classes,
-                              self.grammars)
+                              self.grammars, self.serves_exits)
 
     # -- prompts ---------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int] | list[dict], tools: list[dict] | None = None) -> list[int]:
@@ -122,6 +126,21 @@ class InputProcessor:
         self.check_length(ids)
         return ids
 
+    def apply_dynamic_depth(self, sp: SamplingParams, slo: SLO) -> SamplingParams:
+        """``sp`` with its SLO class's dynamic depth (:attr:`SLOClasses.dynamic_depth`) when the
+        request sets none and may exit early (plain greedy) and exits are served. Raises
+        InvalidRequestError (naming ``dynamic_depth``) for a request asking for it where no exit
+        heads are loaded."""
+        if sp.dynamic_depth is not None:
+            if not self.serves_exits:
+                raise InvalidRequestError("dynamic_depth: this server has no trained exit heads (train them with "
+                                          "`laser train-exits`, serve with --dynamic-depth)")
+            return sp
+        dd = getattr(self.slo_classes, "dynamic_depth", {}).get(slo.name)
+        if dd is None or not self.serves_exits or not sp.plain_greedy:
+            return sp
+        return dataclasses.replace(sp, dynamic_depth=dd)
+
     # -- requests --------------------------------------------------------------------------------
     def resolve_slo(self, slo: SLO | str | None) -> SLO:
         """An SLO, a class name of the table, or None (the default class). Raises InvalidRequestError."""
@@ -145,12 +164,13 @@ class InputProcessor:
         if sp.structured_output is not None:
             if self.grammars is None:
                 raise InvalidRequestError("structured_output: guided decoding is not served by this front end "
-                                          "(a cluster's instances have no grammar backend)")
+                                          "(it has no grammar backend)")
             err = self.grammars.validate(*sp.structured_output)
             if err is not None:
                 raise InvalidRequestError(f"structured_output: {err}")
         ids = self.tokenize(prompt)
         slo_obj = self.resolve_slo(slo)
+        sp = self.apply_dynamic_depth(sp, slo_obj)
         if req_id is not None and in_use(req_id):
             raise InvalidRequestError(f"request id {req_id!r} is already in use")
         return Request(prompt_token_ids=ids, sampling_params=sp, slo=slo_obj,

@@ -9,6 +9,27 @@ from .outputs import RequestOutput
 from ..core.request import SLO, InvalidRequestError, SamplingParams
 
 
+def check_tools(tools) -> None:
+    """Raise InvalidRequestError naming ``tools[i]`` unless ``tools`` is a list of OpenAI
+    function definitions: ``{"type": "function", "function": {"name": <non-empty str>,
+    "parameters": <an object schema, optional>}}`` with distinct names."""
+    if not isinstance(tools, (list, tuple)):
+        raise InvalidRequestError(f"tools must be a list of function definitions, got {type(tools).__name__}")
+    names = set()
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise InvalidRequestError(f"tools[{i}]: must be {{'type': 'function', 'function': {{'name': ...}}}}")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidRequestError(f"tools[{i}].function.name: must be a non-empty string")
+        if name in names:
+            raise InvalidRequestError(f"tools[{i}].function.name: {name!r} is given twice")
+        names.add(name)
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise InvalidRequestError(f"tools[{i}].function.parameters: must be a JSON schema object")
+
+
 class LLM:
     """Batch generation over one in-process :class:`~laser.frontend.engine.Engine`.
 
@@ -39,16 +60,30 @@ class LLM:
             raise ValueError("need one sampling_params / slo per prompt, or a single one")
         return self._run(self._add(zip(prompts, sps, slos)), use_tqdm)
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None, slo=None):
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None, slo=None,
+             tools: list[dict] | None = None):
         """Generate replies to one conversation or a list of them (chat template applied).
-        Raises InvalidRequestError for a malformed conversation (before anything runs), also
-        for ``messages`` that is not a list (a plain prompt string: use :meth:`generate`)."""
+
+        ``tools``: OpenAI function definitions (``{"type": "function", "function": {"name": ...,
+        "parameters": {...}}}``) offered to the model, as vLLM's ``LLM.chat(messages, tools=...)``:
+        rendered by the chat template when it knows tools, else by the fallback prompt format
+        (:mod:`laser.frontend.tool_prompt`); the reply's text holds any ``<tool_call>`` blocks
+        (:func:`laser.server.tool_parser.parse_tool_calls` reads them). For calls enforced by a
+        grammar, give a ``structured_output`` in ``sampling_params``
+        (:func:`laser.model.structured.tool_call_grammar`).
+
+        Raises InvalidRequestError for a malformed conversation or tool definition (before
+        anything runs), also for ``messages`` that is not a list (a plain prompt string: use
+        :meth:`generate`)."""
         if not isinstance(messages, (list, tuple)):
             raise InvalidRequestError(
                 "messages must be a list of {'role': ..., 'content': ...} dicts (one conversation) or a list of "
                 f"such lists, got {type(messages).__name__}" + (" (for a plain prompt use LLM.generate)"
                                                                 if isinstance(messages, str) else ""))
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        if tools:
+            check_tools(tools)
+            convs = [self.engine.inputs.encode_prompt(list(c), list(tools)) for c in convs]
         return self._run(self._add((c, sampling_params, slo) for c in convs), False)
 
     def _add(self, items) -> list[str]:

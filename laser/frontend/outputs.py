@@ -145,6 +145,10 @@ class RequestOutput:
     # seeded sampled stream was kept (None: no fail-over, or no seed); see Request.seed_kept.
     num_failovers: int = 0
     seed_kept: bool | None = None
+    # Dynamic depth (SamplingParams.dynamic_depth): decode tokens so far and the mean layers they
+    # ran (Request.mean_depth); 0 / None when the request did not opt in.
+    num_depth_tokens: int = 0
+    mean_depth: float | None = None
     # SamplingParams.logprobs: one TokenLogprob per output token so far (None when not asked).
     logprobs: list | None = None
     # SamplingParams.prompt_logprobs: per prompt position, None at position 0 (None when not asked).
@@ -154,6 +158,11 @@ class RequestOutput:
 def failover_fields(req: Request) -> dict:
     """The fail-over fields of a :class:`RequestOutput` of ``req`` (nothing when it never failed over)."""
     return {"num_failovers": req.num_failovers, "seed_kept": req.seed_kept} if req.num_failovers else {}
+
+
+def depth_fields(req: Request) -> dict:
+    """The dynamic-depth fields of a :class:`RequestOutput` of ``req`` (nothing when it ran none)."""
+    return {"num_depth_tokens": req.num_depth_tokens, "mean_depth": req.mean_depth} if req.num_depth_tokens else {}
 
 
 def logprob_fields(req: Request) -> dict:
@@ -232,7 +241,7 @@ class OutputProcessor:
             new_token_ids=new, finished=finished, finish_reason=finish_reason, slo=req.slo, request=req,
             handed_off=handed_off, arrival_time=req.arrival_time, token_times=tuple(req.token_times),
             miss_causes=req.miss_causes if finished else (), num_cached_tokens=req.num_cached_tokens,
-            **failover_fields(req), **logprob_fields(req)), stop
+            **failover_fields(req), **depth_fields(req), **logprob_fields(req)), stop
 
     def final(self, req: Request, reason: str) -> RequestOutput:
         """The last output of a tracked request that ends without a new token (``reason``,
@@ -243,4 +252,4 @@ class OutputProcessor:
             token_ids=list(req.output_token_ids), delta_text=text.delta(True), new_token_ids=[], finished=True,
             finish_reason=reason, slo=req.slo, request=req, arrival_time=req.arrival_time,
             token_times=tuple(req.token_times), miss_causes=req.miss_causes, num_cached_tokens=req.num_cached_tokens,
-            **failover_fields(req), **logprob_fields(req))
+            **failover_fields(req), **depth_fields(req), **logprob_fields(req))

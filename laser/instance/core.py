@@ -67,6 +67,12 @@ class TokenEvent:
     handed_off: bool = False  # prefill role: left for a decode instance after this token
     # tokens the request got in this step, ``token`` the last of them (> 1: a self-speculative step)
     num_tokens: int = 1
+    # SamplingParams.logprobs: ``token``'s raw TokenLogprob (None when not asked)
+    logprob: object = None
+    # SamplingParams.prompt_logprobs: the request's prompt logprobs, complete, on the event of the
+    # step whose prefill chunk computed the last of them (None otherwise): a front end that keeps
+    # no copy of the request (a cluster's) gets them with its first token
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -124,11 +130,11 @@ class InstanceCore:
         """Told (plan, seconds on ``clock``) after every step that ran its plan to the end: the
         online calibration of the model the scheduler plans with, when it has one
         (:class:`laser.latency.CalibratedLatencyModel`); None otherwise."""
-        return getattr(self.scheduler.latency_model, "observe_step", None)
+        return self.scheduler.step_observer
 
     @property
     def role(self) -> str:
-        return self.scheduler.config.role
+        return self.scheduler.role
 
     # -- requests ----------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -197,17 +203,19 @@ class InstanceCore:
         result = self.executor.execute(plan, self.scheduler.requests, stop_at=self._stop_at)
         now = self.clock()
         t2 = self._perf()
-        if observe is not None and result.stopped_layer >= plan.last_layer:
+        if observe is not None and result.stopped_layer >= plan.last_layer and not result.exit_layers:
+            # (a step where tokens exited early ran fewer layers than the plan it would be judged by)
             observe(plan, now - c1)  # the instance's clock: wall time, or virtual in the simulator
         events = []
         hands_off = self.role == "prefill"
         if result.prompt_logprobs:
             self._keep_prompt_logprobs(result.prompt_logprobs)
         extra = result.extra_tokens
-        for req in self.scheduler.update(plan, result.stopped_layer, result.sampled, now):
+        for req in self.scheduler.update(plan, result.stopped_layer, result.sampled, now, result.exit_layers):
             lp = result.logprobs.get(req.req_id)
             if lp is not None:
                 req.output_logprobs.append(lp)
+            plp = req.prompt_logprobs if req.req_id in result.prompt_logprobs else None
             reason = self.finish_reason(req)
             got = 1
             for tok in extra.get(req.req_id, ()) if reason is None else ():
@@ -216,7 +224,8 @@ class InstanceCore:
                 reason = self.finish_reason(req)
                 if reason is not None:
                     break
-            ev = TokenEvent(req, req.output_token_ids[-1], reason, num_tokens=got)
+            ev = TokenEvent(req, req.output_token_ids[-1], reason, num_tokens=got, logprob=lp,
+                            prompt_logprobs=None if plp is None else list(plp))
             if reason is not None:
                 self.finish(req, reason)
             elif hands_off:
@@ -274,6 +283,8 @@ class InstanceCore:
         req.prompt_logprobs = None if src.prompt_logprobs is None else list(src.prompt_logprobs)
         req.num_computed_tokens = src.num_computed_tokens
         req.num_tbt_misses = src.num_tbt_misses
+        req.num_depth_tokens, req.depth_layers = src.num_depth_tokens, src.depth_layers
+        req.expected_layers = src.expected_layers
         req.tbt_infeasible = src.tbt_infeasible
         req.phase = Phase.DECODE
         self.executor.import_kv(req, h.kv)
@@ -281,5 +292,9 @@ class InstanceCore:
         return req
 
     def check_integrity(self, expect_empty: bool = False) -> None:
-        """Verify block manager, intermediate cache and scheduler state (tests, idle time)."""
+        """Verify block manager, intermediate cache and scheduler state, and (the torch executor)
+        that no K/V slot a request reads or holds as computed was left unwritten (tests, idle time)."""
         self.scheduler.check_integrity(expect_empty=expect_empty)
+        check = getattr(self.executor, "check_integrity", None)
+        if check is not None:
+            check(self.scheduler.running)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..scheduler.report import QueueEntry, SchedulerReport
+
 
 @dataclass(frozen=True, slots=True)
 class RequestInfo:
@@ -43,49 +45,61 @@ class RequestInfo:
 
 
 @dataclass(frozen=True, slots=True)
-class PrefillQueueEntry:
-    """One queued or partly prefilled request on an instance (§7.1 report)."""
-
-    req_id: str
-    deadline: float  # arrival + TTFT target; inf for best effort
-    remaining_tokens: int  # prompt tokens still to prefill (an in-flight chunk counts)
-    prompt_len: int
-    best_effort: bool = False  # demoted or without a TTFT target: ordered after the rest
-
-
-@dataclass(frozen=True, slots=True)
 class InstanceReport:
     """An instance's state for the controller (§7.1 "scheduling decisions and request
     statistics"; CONTROLLER.md A0 lists the fields).
 
-    ``busy_until``: predicted end of the executing step (== ``time`` when idle).
-    ``queue``: requests with prefill work left, in the instance's EDF order.
-    ``t_g``: tightest TBT target of its decode requests (inf: none); ``iteration_s``:
-    last measured decode iteration (None: none yet). ``cached_blocks``: hashes of (up to a
-    bound) the KV blocks in its prefix cache, the most recently used first
-    (:meth:`laser.core.block_manager.BlockManager.summary`); ``prefix_root``: the root of its hash
-    chains (requests are hashed with it; instances of one model and dtype share it).
+    ``scheduler``: its scheduler's :class:`~laser.scheduler.report.SchedulerReport` (the queue of
+    requests with prefill work left, in the scheduler's order, including those delivered and not
+    yet added; the decode contexts; T_g; the counters) -- the one picture of its queue, read by
+    the controller and cluster admission alike. ``busy_until``: predicted end of the executing
+    step (== ``time`` when idle). ``num_decoding`` / ``sum_context`` count the hand-offs on their
+    way too. ``cached_blocks``: hashes of (up to a bound) the KV blocks in its prefix cache, the
+    most recently used first (:meth:`laser.core.block_manager.BlockManager.summary`);
+    ``prefix_root``: the root of its hash chains (requests are hashed with it; instances of one
+    model and dtype share it).
     """
 
     instance_id: int
     role: str  # prefill | decode | mixed
     time: float
     busy_until: float
-    queue: tuple[PrefillQueueEntry, ...]
+    scheduler: SchedulerReport
     num_decoding: int
     num_reserved: int
     sum_context: int
     free_blocks: int
     total_blocks: int
     block_size: int
-    t_g: float
-    iteration_s: float | None
     icache_used: int
     icache_capacity: int
     cached_blocks: frozenset = frozenset()
     prefix_root: bytes = b""
-    prefix_cache_queries: int = 0  # prompt tokens looked up in its prefix cache (vLLM's counter), so far
-    prefix_cache_hits: int = 0  # of them, found cached
+
+    @property
+    def queue(self) -> tuple[QueueEntry, ...]:
+        """Requests with prefill work left, in the instance's queue order."""
+        return self.scheduler.queue
+
+    @property
+    def t_g(self) -> float:
+        """Tightest TBT target of its decode requests (seconds; inf: none)."""
+        return self.scheduler.t_g
+
+    @property
+    def iteration_s(self) -> float | None:
+        """Last measured decode iteration (seconds; None: none yet)."""
+        return self.scheduler.last_iteration_s
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens looked up in its prefix cache so far (vLLM's counter)."""
+        return self.scheduler.counters.get("prefix_cache_queries", 0)
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Of :attr:`prefix_cache_queries`, the tokens found cached."""
+        return self.scheduler.counters.get("prefix_cache_hits", 0)
 
     def cached_prefix_tokens(self, info: RequestInfo) -> int:
         """Prompt tokens of ``info`` this instance's prefix cache holds, as its scheduler would
@@ -103,7 +117,7 @@ class InstanceReport:
     @property
     def pending_prefill_tokens(self) -> int:
         """Queued plus unfinished prompt tokens (the prefill fallback's "fewest tokens")."""
-        return sum(e.remaining_tokens for e in self.queue)
+        return self.scheduler.pending_prefill_tokens
 
     @property
     def used_blocks(self) -> int:

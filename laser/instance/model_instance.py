@@ -132,17 +132,29 @@ class ModelInstance:
         self.core = InstanceCore(sched, self.runner, clock, eos_ids=eos_ids, max_model_len=self.max_model_len)
 
     def _load_latency_model(self, profile: str | None):
+        """The profiled model (or the roofline estimate), with a grammar mask cost per sampled
+        row: the profile's measurement, else :func:`~laser.profiler.mask.estimate_mask_row_s`."""
         from ..latency import AnalyticLatencyModel, LatencyProfileError, ModelShape
         from ..profiler import load_or_create
+        from ..profiler.mask import estimate_mask_row_s
 
+        tok = getattr(self, "tokenizer", None)  # an Engine has loaded it already
+        if tok is None:
+            tok = self.model_path
+        lm = None
         if profile == "auto":
-            return load_or_create(self.runner, None, create=True)
-        if profile is not None:
+            lm = load_or_create(self.runner, None, create=True, grammar_tokenizer=tok)
+        elif profile is not None:
             # the user's own file: use it, or say why not -- never profile over it
-            return load_or_create(self.runner, profile, create=not os.path.exists(profile))
-        try:
-            return load_or_create(self.runner, None, create=False)
-        except LatencyProfileError:
-            log.info("no latency profile for this setup yet: using a roofline estimate (run `laser profile`)")
-        shape = ModelShape.from_hf_config(self.model_config.hf_config.to_dict())
-        return AnalyticLatencyModel(shape, "cpu-2core", dtype_bytes=torch.finfo(self.dtype).bits // 8)
+            lm = load_or_create(self.runner, profile, create=not os.path.exists(profile), grammar_tokenizer=tok)
+        else:
+            try:
+                lm = load_or_create(self.runner, None, create=False)
+            except LatencyProfileError:
+                log.info("no latency profile for this setup yet: using a roofline estimate (run `laser profile`)")
+        if lm is None:
+            shape = ModelShape.from_hf_config(self.model_config.hf_config.to_dict())
+            lm = AnalyticLatencyModel(shape, "cpu-2core", dtype_bytes=torch.finfo(self.dtype).bits // 8)
+        if not lm.mask_row_s:  # not measured (a profile made before it was, the roofline)
+            lm.mask_row_s = estimate_mask_row_s(self.model_config.vocab_size)
+        return lm

@@ -41,6 +41,7 @@ import uuid
 
 from ..core.block_manager import OutOfBlocksError
 from ..core.request import Request
+from ..model.structured import GrammarBackend
 from .core import Handoff
 from .handoff import AdoptQueue, DirectRoute, Outbox
 from .kv_stream import InboundKV
@@ -80,7 +81,13 @@ class InstanceWorker:
         self.role = role
         self.boot_id = uuid.uuid4().hex  # a new process (an actor its host restarted) has a new one
         self.mi = ModelInstance(**kw)
+        self._bm = self.mi.kv_cache.block_manager  # this instance's KV pool (its scheduler allocates in it)
         self.core = self.mi.core
+        # structured output's masks: the tokenizer (and llguidance's form of it) is loaded when the
+        # first structured request arrives; a request's matcher follows its tokens, so a hand-off
+        # or a re-prefill carries nothing more (laser.model.structured)
+        self.grammars = self.mi.runner.sampler.grammars = GrammarBackend(
+            self.mi.model_path, self.mi.model_config.vocab_size, self.core.eos_ids)
         self.latency_model = self.mi.latency_model
         self.num_layers = self.mi.model_config.num_layers
         self.reserved: dict[str, RequestInfo] = {}
@@ -102,10 +109,10 @@ class InstanceWorker:
 
     def describe(self) -> dict:
         """Static facts the front end and the controller need (picklable)."""
-        bm = self.core.scheduler.bm
+        bm = self._bm
         return dict(instance_id=self.instance_id, role=self.role, latency_model=self.latency_model,
                     num_layers=self.num_layers, max_model_len=self.mi.max_model_len,
-                    total_blocks=bm.num_blocks, block_size=bm.block_size, policy=self.core.scheduler.name,
+                    total_blocks=bm.num_blocks, block_size=bm.block_size, policy=self.core.scheduler.report().policy,
                     boot_id=self.boot_id)
 
     # -- command plumbing --------------------------------------------------------------------------
@@ -148,6 +155,8 @@ class InstanceWorker:
         def add():
             self.reserved.pop(req.req_id, None)
             self.core.add_request(req)
+            if req.sampling_params.structured_output is not None:
+                self.grammars.prepare()
             if route is not None:
                 rid, peer, key = req.req_id, route.peer, route.stream_key
                 self.outbox.route(rid, route)
@@ -172,13 +181,13 @@ class InstanceWorker:
 
     def _report(self) -> InstanceReport:
         now = self.core.clock()
-        return build_report(self.instance_id, self.role, self.core.scheduler, self.mi.icache, now,
+        return build_report(self.instance_id, self.role, self.core.scheduler, self._bm, self.mi.icache, now,
                             max(now, self._busy_until), (), self.adopts.requests(),
                             len(self.reserved))
 
     def latency_increment(self, info: RequestInfo) -> LatencyIncrement:
-        return self._call(lambda: decode_increment(self.instance_id, self.core.scheduler, self.latency_model,
-                                                   self.num_layers, info, self.adopts.requests(),
+        return self._call(lambda: decode_increment(self.instance_id, self.core.scheduler, self._bm,
+                                                   self.latency_model, info, self.adopts.requests(),
                                                    self.reserved), True)
 
     def reserve(self, info: RequestInfo) -> None:
@@ -195,8 +204,8 @@ class InstanceWorker:
         :func:`laser.instance.state.migration_candidate`), None when none must."""
         if self.role != "decode":
             return None
-        return self._call(lambda: migration_candidate(self.instance_id, self.core.scheduler, self.latency_model,
-                                                      self.num_layers, expected_output), False)
+        return self._call(lambda: migration_candidate(self.instance_id, self.core.scheduler, self._bm,
+                                                      self.latency_model, expected_output), False)
 
     def migrate_out(self, req_id: str) -> None:
         """Decode role, between steps: export a decoding request (its KV, freed here) into the outbox; :meth:`take_handoff` / ``adopt`` / :meth:`confirm` move it
@@ -261,6 +270,8 @@ class InstanceWorker:
                 nbytes = sum(k.nbytes + v.nbytes for k, v in self.inbound.streams[rid].pieces.values())
             else:
                 nbytes = sum(k.nbytes + v.nbytes for k, v in h.kv)
+            if h.request.sampling_params.structured_output is not None:
+                self.grammars.prepare()
             self.adopts.deliver(h, attempt=attempt, epoch=epoch)
             self.adopts.adopt_ready(self._adopt_one)
             return {"bytes": nbytes, "seconds": time.time() - sent_at, "after_prefill_s": self.core.clock() - h.time,
@@ -305,14 +316,15 @@ class InstanceWorker:
     # -- the loop ----------------------------------------------------------------------------------------
     def step(self, epoch: int | None = None) -> dict:
         """One scheduling step. Returns ``{"events": [(req_id, token, finish_reason,
-        handed_off, cached tokens)], "adopted": direct hand-offs taken since the last answer
-        (``(req_id, attempt, adopt's answer or None, refusal or None)``, see :meth:`adopt`), "busy":
-        more work left, "step_s": seconds, "report": the instance's :class:`InstanceReport` after it
-        (the front end's per-instance gauges)}``. Handed-off requests wait in the outbox (for
-        :meth:`take_handoff`, or :meth:`confirm`); one with a route (:meth:`add_request`) is sent
-        to its decode instance after the step, by this call. ``epoch``: the front end's epoch of
-        this instance when it asked; a step of an older epoch (asked before the instance was fenced
-        by :meth:`reset`) runs nothing and answers no events, not busy, ``"fenced": True``.
+        handed_off, cached prompt tokens, the token's TokenLogprob or None, the complete prompt
+        logprobs or None: see :class:`~laser.instance.core.TokenEvent`)], "adopted": direct hand-offs
+        taken since the last answer (``(req_id, attempt, adopt's answer or None, refusal or None)``,
+        see :meth:`adopt`), "busy": more work left, "step_s": seconds, "report": the instance's
+        :class:`InstanceReport` after it (the front end's per-instance gauges)}``. Handed-off requests
+        wait in the outbox (for :meth:`take_handoff`, or :meth:`confirm`); one with a route
+        (:meth:`add_request`) is sent to its decode instance after the step, by this call.
+        ``epoch``: the front end's epoch of this instance when it asked; a step of an older epoch
+        (asked before the instance was fenced by :meth:`reset`) runs nothing and answers no events, not busy, ``"fenced": True``.
         With nothing to run, it first waits up to ``IDLE_STEP_WAIT_S`` for a hand-off or layer to
         arrive (the front end steps a decode instance a hand-off is on its way to)."""
         if self.adopts.fences.stale_epoch(epoch):
@@ -342,7 +354,7 @@ class InstanceWorker:
             self._busy_until = self.core.clock() + (self.core.scheduler.report().last_iteration_s or 0.0)
             for ev in self.core.step():
                 events.append((ev.request.req_id, ev.token, ev.finish_reason, ev.handed_off,
-                               ev.request.num_cached_tokens))
+                               ev.request.num_cached_tokens, ev.logprob, ev.prompt_logprobs))
                 if ev.finish_reason is not None:
                     self.outbox.finished(ev.request.req_id)
             sends = [s for s in map(self.outbox.direct, self.core.handoffs) if s is not None]
@@ -420,10 +432,8 @@ class InstanceWorker:
         their first token as usual. Raises ConfigError for an unknown role."""
         def switch():
             sched = self.core.scheduler
-            sched.config = dataclasses.replace(sched.config, role=role)
+            sched.set_role(role)
             self.role = role
-            if hasattr(sched, "replan_needed"):
-                sched.replan_needed = True
             if role != "prefill":
                 return []
             now = self.core.clock()

@@ -114,6 +114,11 @@ class LatencyModel:
 
     num_layers: int
     layer_overhead_s: float = 0.0
+    #: Seconds one grammar mask adds to sampling one row (structured output: llguidance's
+    #: next-token mask filled and applied to a [vocab] row); 0.0: not measured. Measured by the
+    #: profiler (:func:`laser.profiler.mask.measure_mask_row_s`) or estimated from the vocabulary
+    #: (:func:`laser.profiler.mask.estimate_mask_row_s`).
+    mask_row_s: float = 0.0
 
     def timing_spread(self) -> float:
         """How much longer than predicted a step may run in the worst few percent of steps
@@ -139,6 +144,13 @@ class LatencyModel:
     def head_time(self, n_rows: int) -> float:
         """Final norm + LM head + sampling on ``n_rows`` rows (0 for 0 rows)."""
         raise NotImplementedError
+
+    def mask_time(self, n_rows: int) -> float:
+        """Grammar masks of ``n_rows`` sampled rows (``n_rows`` x :attr:`mask_row_s`; 0.0 for
+        none): the sampling term's share of structured output, which the LM head's fit does not
+        see (the profiler samples plain rows). vLLM applies the same bitmask per row before its
+        sampler (``apply_grammar_bitmask``)."""
+        return n_rows * self.mask_row_s if n_rows else 0.0
 
     # -- derived ----------------------------------------------------------------------
     def layer_time(self, query_lens: Sequence[int], context_lens: Sequence[int]) -> float:

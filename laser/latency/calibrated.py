@@ -76,6 +76,13 @@ class ScaledLatencyModel(LatencyModel):
     def head_time(self, n_rows: int) -> float:
         return self.factor * self.inner.head_time(n_rows)
 
+    @property
+    def mask_row_s(self) -> float:  # type: ignore[override]
+        return self.factor * self.inner.mask_row_s
+
+    def mask_time(self, n_rows: int) -> float:
+        return self.factor * self.inner.mask_time(n_rows)
+
     def layer_time(self, query_lens: Sequence[int], context_lens: Sequence[int]) -> float:
         return self.factor * self.inner.layer_time(query_lens, context_lens)
 

@@ -172,6 +172,8 @@ class FittedLatencyModel(LatencyModel):
     layer_overhead_s: float = 0.0
     # Attention inside a whole layer call costs this much more than alone (cache interference).
     layer_attention_scale: float = 1.0
+    # One grammar mask per sampled row, seconds (LatencyModel.mask_time); 0.0: not measured.
+    mask_row_s: float = 0.0
     # Setup the profile was taken on: model_id, dtype, hardware, threads, created, laser_version, ...
     metadata: dict = field(default_factory=dict)
     # Fit diagnostics: chosen widths / feature set, CV and in-sample relative errors.
@@ -214,8 +216,10 @@ class FittedLatencyModel(LatencyModel):
         from .fitting import DEFAULT_FORM, FORMS, fit
 
         form = self.report.get("form")
-        return fit(self.samples, num_layers=self.num_layers, metadata=self.metadata, widths=widths, folds=folds,
-                   form=form if form in FORMS else DEFAULT_FORM)
+        model = fit(self.samples, num_layers=self.num_layers, metadata=self.metadata, widths=widths, folds=folds,
+                    form=form if form in FORMS else DEFAULT_FORM)
+        model.mask_row_s = self.mask_row_s  # measured apart from the samples (laser.profiler.mask)
+        return model
 
     # -- file -------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -232,6 +236,7 @@ class FittedLatencyModel(LatencyModel):
                 "head": self.head.to_dict(),
                 "layer_overhead_s": self.layer_overhead_s,
                 "layer_attention_scale": self.layer_attention_scale,
+                "mask_row_s": self.mask_row_s,
             },
             "report": self.report,
             "samples": encode_samples(self.samples),
@@ -258,6 +263,7 @@ class FittedLatencyModel(LatencyModel):
                 head=PiecewiseLinear.from_dict(m["head"]),
                 layer_overhead_s=float(m.get("layer_overhead_s", 0.0)),
                 layer_attention_scale=float(m.get("layer_attention_scale", 1.0)),
+                mask_row_s=float(m.get("mask_row_s", 0.0)),  # (absent from profiles made before it was measured)
                 metadata={k: v for k, v in meta.items() if k != "num_layers"},
                 report=dict(d.get("report", {})),
                 samples=samples,
@@ -279,6 +285,8 @@ class FittedLatencyModel(LatencyModel):
             raise ValueError(f"layer_overhead_s must be finite and >= 0, got {self.layer_overhead_s}")
         if not (math.isfinite(self.layer_attention_scale) and self.layer_attention_scale > 0):
             raise ValueError(f"layer_attention_scale must be finite and > 0, got {self.layer_attention_scale}")
+        if not (math.isfinite(self.mask_row_s) and self.mask_row_s >= 0):
+            raise ValueError(f"mask_row_s must be finite and >= 0, got {self.mask_row_s}")
         probes = [self.layer_time((n,), (n,)) for n in (1, 7, 64, 512, 4096)]
         probes += [self.layer_time((1,) * b, (512,) * b) for b in (1, 16, 64)]
         probes += [self.layer_time((100, 1), (300, 900))]

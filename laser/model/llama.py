@@ -247,6 +247,33 @@ class LlamaModel:
         k = self._norm(qkv[:, c.q_size : c.q_size + c.kv_size].view(T, kvh, d), L.k_norm)
         return _rope(q, cos, sin), _rope(k, cos, sin), v
 
+    def kv_projection(self, i: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Layer ``i``'s K and V of ``hidden`` [T, H] alone: norm, the K/V rows of the fused QKV
+        projection, QK-norm and RoPE on k (no query, attention or MLP). cos/sin [T, head_dim].
+        Returns k, v [T, kvh, d] in the model's dtype: what :meth:`qkv` returns for them. What an
+        early exit writes into the layers it skips (CALM's KV propagation, Schuster et al.
+        NeurIPS'22 §3.2; :meth:`laser.model.runner.ModelRunner.early_exit`)."""
+        c = self.config
+        L = self.layers[i]
+        T = hidden.shape[0]
+        kvh, d = c.num_kv_heads, c.head_dim
+        x = self._norm(hidden, L.ln1)
+        lin = L.qkv
+        if isinstance(lin, Linear):
+            b = None if lin.b is None else lin.b[c.q_size:]
+            if lin.wt is not None:
+                wt = lin.wt[:, c.q_size:]  # [H, 2 kvh d]: the K/V columns of the transposed copy
+                kv = torch.mm(x, wt) if b is None else torch.addmm(b, x, wt)
+            else:
+                kv = F.linear(x, lin.w[c.q_size:], b)
+        else:  # quantized: the fused matmul, the K/V part kept
+            kv = lin(x)[:, c.q_size:]
+        k = kv[:, : c.kv_size].view(T, kvh, d)
+        v = kv[:, c.kv_size :].view(T, kvh, d)
+        if L.k_norm is not None:
+            k = self._norm(k, L.k_norm)
+        return _rope(k, cos, sin), v
+
     def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         """Write the new tokens' K/V [T, kvh, d] into layer ``i``'s cache slots, then attend.
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ..core.intermediate_cache import IntermediateCache
@@ -46,6 +47,15 @@ class ModelRunner:
         # here until the hand-off exports them (:meth:`export_kv`), so no layer is copied twice.
         self.kv_streams: dict[str, Callable[[int, torch.Tensor, torch.Tensor], None]] = {}
         self._streamed: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        # Dynamic depth (laser.core.depth): trained exit heads (set_exits), the boundaries the
+        # walker asks early_exit at in the running step (empty unless a work opted in).
+        self.exits = None
+        self.exit_layers: frozenset[int] = frozenset()
+        self._exit_boundaries: frozenset[int] = frozenset()
+        # KV written, per request: [N] int64, positions 0..wm[l]-1 of layer l hold K/V this
+        # runner wrote (or imported); reads past them are recorded in kv_gaps (check_integrity).
+        self._kv_written: dict[str, np.ndarray] = {}
+        self.kv_gaps: list[tuple[str, int, int, int]] = []  # (req id, layer, written, needed)
 
     @torch.inference_mode()
     def execute(
@@ -68,9 +78,134 @@ class ModelRunner:
         self._hidden = None
         self._meta = None
         self._res = res = StepResult(stopped_layer=0)
+        ex = self.exits
+        self.exit_layers = (self._exit_boundaries if ex is not None and any(
+            w.num_tokens == 1 and requests[w.req_id].sampling_params.dynamic_depth is not None for w in plan.works)
+                            else frozenset())
         res.stopped_layer = walk(plan, self, stop_at)
         self._hidden = self._meta = self._requests = None
+        self.exit_layers = frozenset()
         return res
+
+    # -- dynamic depth (laser.core.depth) -----------------------------------------------------------
+    def set_exits(self, heads) -> None:
+        """Serve dynamic-depth requests with ``heads`` (:class:`laser.model.exits.ExitHeads`, bound
+        here to the model; None: no early exits, every request runs every layer)."""
+        self.exits = None if heads is None else heads.bind(self.model)
+        self._exit_boundaries = frozenset() if heads is None else frozenset(
+            k for k in heads.depths if 0 < k < self.num_layers)
+
+    def early_exit(self, active: list[Work], layer: int) -> list[Work]:
+        """The walker's exit check at boundary ``layer`` (the hidden rows are after ``layer``
+        layers). Each decode work of a dynamic-depth request that is at least its
+        ``min_depth`` deep and plain greedy (:attr:`SamplingParams.plain_greedy`) exits when the
+        exit head's top-1 probability (softmax over the head's draft vocabulary) is at least its
+        ``threshold``: its token is that top-1 token, and layers ``layer..N-1`` get the position's
+        K/V from the exit hidden state through their K/V projections only
+        (:meth:`LlamaModel.kv_projection`; CALM's propagation, Schuster et al. NeurIPS'22 §3.2),
+        so later tokens attend to a K/V at every layer. Records the token in the step result's
+        ``sampled`` and the layer in ``exit_layers``; the exited rows leave the hidden state.
+        Returns the works still active (``active`` itself when none exits)."""
+        reqs, n = self._requests, self.num_layers
+        rows = self._rows(active)
+        cand = []
+        for i, w in enumerate(active):
+            if w.num_tokens != 1:
+                continue
+            r = reqs[w.req_id]
+            sp = r.sampling_params
+            dd = sp.dynamic_depth
+            if (dd is None or layer < dd.min_layers(n) or not r.output_token_ids or w.token_start != r.num_tokens - 1
+                    or not sp.plain_greedy or not self.bm.covers(w.req_id, w.context_len)):
+                continue
+            cand.append((i, w, dd.threshold))
+        if not cand:
+            return active
+        t0 = time.perf_counter()
+        hid = self._hidden
+        idx = torch.tensor([rows[i][0] for i, _, _ in cand])
+        h = hid.index_select(0, idx)
+        logits = self.exits.draft_logits(layer, h).float()
+        top, arg = torch.softmax(logits, dim=-1).max(dim=-1)
+        go = [j for j, (_, _, thr) in enumerate(cand) if top[j].item() >= thr]
+        if not go:
+            self._res.compute_seconds += time.perf_counter() - t0
+            return active
+        toks = self.exits.vocab[arg[go]].tolist()
+        gone = [cand[j][1] for j in go]
+        hx = h[go] if len(go) < len(cand) else h
+        pos = torch.tensor([w.token_start for w in gone])
+        cos, sin = self.model.rope_cos[pos], self.model.rope_sin[pos]
+        bs, kv = self.bm.block_size, self.kv_cache.kv
+        for l in range(layer, n):
+            k, v = self.model.kv_projection(l, hx, cos, sin)
+            slots = torch.tensor([self.bm.table(w.req_id, l)[w.token_start // bs] * bs + w.token_start % bs
+                                  for w in gone], dtype=torch.long)
+            kv[l, 0].index_copy_(0, slots, k)
+            kv[l, 1].index_copy_(0, slots, v)
+        res = self._res
+        for w, t in zip(gone, toks):
+            res.sampled[w.req_id] = t
+            res.exit_layers[w.req_id] = layer
+            self._wrote(w, w.layer_start, n)
+        res.compute_seconds += time.perf_counter() - t0
+        res.num_layer_calls += n - layer  # the K/V projections of the skipped layers (one batched call each)
+        ids = {id(w) for w in gone}
+        keep = [w for w in active if id(w) not in ids]
+        if keep:
+            parts = [hid[a:b] for w, (a, b) in zip(active, rows) if id(w) not in ids]
+            self._hidden = torch.cat(parts) if len(parts) > 1 else parts[0]
+        else:
+            self._hidden = None
+        return keep
+
+    # -- KV written (check_integrity: no later token reads a slot nothing wrote) -----------------
+    def _wrote(self, w: Work, start: int, end: int) -> None:
+        """``w``'s positions are written at layers ``[start, end)`` (it ran them, or an exit filled them)."""
+        wm = self._kv_written.get(w.req_id)
+        if wm is not None and end > start:
+            seg = wm[start:end]
+            np.maximum(seg, w.context_len, out=seg, where=seg >= w.token_start)
+
+    def _check_reads(self, w: Work) -> None:
+        """Before ``w`` runs: its earlier positions must be written at every layer it runs. A request
+        first seen here starts from what it holds (a prefix-cache hit); a fresh prefill from 0 restarts
+        the count (after a preemption freed its KV)."""
+        wm = self._kv_written.get(w.req_id)
+        if wm is None or (w.token_start == 0 and w.layer_start == 0):
+            self._kv_written[w.req_id] = np.full(self.num_layers, w.token_start, dtype=np.int64)
+            return
+        seg = wm[w.layer_start:w.layer_end]
+        low = int(seg.min())
+        if low < w.token_start:
+            layer = w.layer_start + int(seg.argmin())
+            self.kv_gaps.append((w.req_id, layer, low, w.token_start))
+
+    def mark_kv_written(self, req_id: str, layers: range, num_tokens: int) -> None:
+        """Positions ``0..num_tokens-1`` of ``req_id`` are written at ``layers`` by a caller that runs
+        layers itself (self-speculation's draft and verify passes)."""
+        wm = self._kv_written.get(req_id)
+        if wm is not None:
+            seg = wm[layers.start:layers.stop]
+            np.maximum(seg, num_tokens, out=seg)
+
+    def check_integrity(self, running) -> None:
+        """Raise AssertionError when a work read a K/V slot nothing wrote (an uninitialised slot:
+        recorded as it joined a step), or a running request's computed tokens lack K/V at some
+        layer (``num_computed_tokens`` at every layer, its in-flight chunk below ``next_layer``)."""
+        if self.kv_gaps:
+            rid, layer, have, need = self.kv_gaps[0]
+            raise AssertionError(f"uninitialised KV slot: {rid} read positions 0..{need - 1} at layer {layer}, "
+                                 f"only 0..{have - 1} written ({len(self.kv_gaps)} such reads)")
+        for r in running:
+            wm = self._kv_written.get(r.req_id)
+            if wm is None or not self.bm.has(r.req_id):
+                continue
+            for layer in range(self.num_layers):
+                need = r.num_computed_tokens + (r.chunk_tokens if layer < r.next_layer else 0)
+                if wm[layer] < need:
+                    raise AssertionError(f"uninitialised KV slot: {r.req_id} has {need} tokens computed at layer "
+                                         f"{layer}, K/V written for {int(wm[layer])}")
 
     # -- the instance core's executor hooks (laser.instance.core.Executor) ---------------------------
     def export_kv(self, req: Request) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -103,9 +238,11 @@ class ModelRunner:
         except Exception:
             self.bm.free(req.req_id)
             raise
+        self._kv_written[req.req_id] = np.full(self.num_layers, req.num_computed_tokens, dtype=np.int64)
 
     def release(self, req_id: str) -> None:
         self.sampler.release(req_id)
+        self._kv_written.pop(req_id, None)
         self.kv_streams.pop(req_id, None)
         self._streamed.pop(req_id, None)
 
@@ -117,6 +254,7 @@ class ModelRunner:
         hidden = self._hidden
         for w, (a, b) in zip(active, self._rows(active)):
             if id(w) in leave_ids:
+                self._wrote(w, w.layer_start, layer)
                 if layer < self.num_layers:
                     self.icache.put(w.req_id, hidden[a:b].clone(), w.num_tokens)
             else:
@@ -126,6 +264,8 @@ class ModelRunner:
         return keep
 
     def join(self, active, joining):
+        for w in joining:
+            self._check_reads(w)
         hidden = self._hidden
         entries = [(w, hidden[a:b]) for w, (a, b) in zip(active, self._rows(active))]
         embed_works = [w for w in joining if w.layer_start == 0]
@@ -187,6 +327,8 @@ class ModelRunner:
         if layer < self.num_layers:
             self.park(active, active, layer)
             return
+        for w in active:
+            self._wrote(w, w.layer_start, layer)
         rows = self._rows(active)
         for w, (a, b) in zip(active, rows):
             if requests[w.req_id].sampling_params.prompt_logprobs is not None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from typing import Callable
 
@@ -86,7 +87,10 @@ class GrammarBackend:
     """Grammar masks of one engine's structured requests.
 
     Args:
-        tokenizer: the engine's Hugging Face tokenizer (a fast one).
+        tokenizer: the engine's Hugging Face tokenizer (a fast one), or the model directory
+            (``str`` / ``os.PathLike``) to load it from on first use (a cluster instance, which
+            has no front end, loads the model's tokenizer only once a structured request
+            reaches it).
         vocab_size: the model's vocabulary (logits row length, >= the tokenizer's).
         eos_ids: ids that end a request (allowed once the grammar is complete).
     """
@@ -106,6 +110,10 @@ class GrammarBackend:
             if self._tok is None:
                 import llguidance.hf
 
+                if isinstance(self._hf, (str, os.PathLike)):  # the model directory (see __init__)
+                    from .loader import load_tokenizer
+
+                    self._hf = load_tokenizer(self._hf)
                 eos = self._hf.eos_token_id if self._hf.eos_token_id is not None else (self.eos_ids or [None])[0]
                 self._tok = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size, eos_token=eos)
             return self._tok
@@ -128,6 +136,12 @@ class GrammarBackend:
         except (ValueError, TypeError) as e:
             return str(e)
         return err or None
+
+    def prepare(self) -> None:
+        """Build :attr:`ll_tokenizer` in a helper thread now unless built (a cluster instance
+        that just got a structured request: its next step does not wait the whole build)."""
+        if self._tok is None:
+            threading.Thread(target=lambda: self.ll_tokenizer, name="llguidance-tokenizer", daemon=True).start()
 
     def release(self, req_id: str) -> None:
         self._state.pop(req_id, None)

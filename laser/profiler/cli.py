@@ -114,6 +114,8 @@ def summary_lines(lm) -> list[str]:
            f"{getattr(lm, 'layer_attention_scale', 1.0):.3f} inside a layer"]
     if "layer" in rep:
         out[-1] += f" (whole-layer fit error {100 * rep['layer']['error']:.1f}%)"
+    if lm.mask_row_s:
+        out.append(f"  grammar mask (structured output): {lm.mask_row_s * 1e3:.3f} ms per sampled row")
     out.append("  predicted (one layer / whole iteration):")
     for b in (1, 16, 64):
         ctx = [512] * b

@@ -314,12 +314,23 @@ def fit_profile(obj, samples: list, stats: dict, seconds: float, threads: int | 
 
 def profile(obj, path: str | os.PathLike | None = None, *, grid: ProfileGrid | None = None,
             progress: bool | None = None, budget_s: float = 40.0, seed: int = 0,
-            threads: int | None = None) -> FittedLatencyModel:
-    """Profile ``obj`` (an Engine or a ModelRunner), fit, and save to ``path`` when given."""
+            threads: int | None = None, grammar_tokenizer=None) -> FittedLatencyModel:
+    """Profile ``obj`` (an Engine or a ModelRunner), fit, and save to ``path`` when given.
+    ``grammar_tokenizer`` (a Hugging Face tokenizer or the model directory; default: an Engine's
+    tokenizer): measure the grammar mask per sampled row with it (``mask_row_s``,
+    :mod:`laser.profiler.mask`); without one it stays 0.0 (not measured)."""
     t0 = time.perf_counter()
     stats: dict = {}
-    samples = collect_samples(runner_of(obj), grid, progress=progress, budget_s=budget_s, seed=seed, stats=stats)
+    runner = runner_of(obj)
+    samples = collect_samples(runner, grid, progress=progress, budget_s=budget_s, seed=seed, stats=stats)
+    tok = grammar_tokenizer if grammar_tokenizer is not None else getattr(obj, "tokenizer", None)
+    mask_s = 0.0
+    if tok is not None:
+        from .mask import measure_mask_row_s
+
+        mask_s = measure_mask_row_s(tok, runner.model.config.vocab_size, runner.sampler.eos_ids, seed=seed)
     model = fit_profile(obj, samples, stats, time.perf_counter() - t0, threads)
+    model.mask_row_s = mask_s
     if path is not None:
         model.save(path)
     return model
@@ -375,7 +386,7 @@ def _warn_if_measured_busy(model: FittedLatencyModel, path) -> None:
 
 def load_or_create(engine_or_model_runner, path: str | os.PathLike | None = None, create: bool = True, *,
                    progress: bool | None = None, grid: ProfileGrid | None = None,
-                   budget_s: float = 40.0) -> FittedLatencyModel:
+                   budget_s: float = 40.0, grammar_tokenizer=None) -> FittedLatencyModel:
     """The fitted latency model of this engine's setup: loaded from ``path`` (default:
     :func:`default_profile_path` of model, dtype, hardware, threads and executor path) when present and
     made for the same setup; otherwise profiled now and saved there.
@@ -385,7 +396,8 @@ def load_or_create(engine_or_model_runner, path: str | os.PathLike | None = None
     ``create=False``, which raises :class:`LatencyProfileError` instead of profiling. With
     ``create``, a loaded profile is also checked against the machine as it runs now
     (:func:`machine_ratio`); one off by more than :data:`STALE_RATIO` either way is replaced.
-    A profile that cannot be saved is logged and still returned.
+    A profile that cannot be saved is logged and still returned. ``grammar_tokenizer``: see
+    :func:`profile` (a new profile's grammar mask measurement).
     """
     obj = engine_or_model_runner
     runner = runner_of(obj)
@@ -412,7 +424,7 @@ def load_or_create(engine_or_model_runner, path: str | os.PathLike | None = None
         if not create:
             raise
         log.warning("%s -- profiling now (under a minute on quiet cores; minutes on a busy machine)", e)
-    model = profile(obj, None, grid=grid, progress=progress, budget_s=budget_s)
+    model = profile(obj, None, grid=grid, progress=progress, budget_s=budget_s, grammar_tokenizer=grammar_tokenizer)
     try:
         model.save(path)
         log.info("latency profile saved to %s", path)

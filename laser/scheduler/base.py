@@ -20,7 +20,7 @@ never stop.
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -28,10 +28,11 @@ from typing import Callable
 
 from ..core.block_manager import BlockManager
 from ..core.config import SchedulerConfig
+from ..core.depth import DepthMeans
 from ..core.intermediate_cache import IntermediateCache
 from ..core.plan import StepPlan, Work
 from ..core.request import SLO_EPS, Phase, Request
-from .report import SchedulerReport
+from .report import QueueEntry, SchedulerReport, queue_key
 
 
 class Scheduler(ABC):
@@ -70,31 +71,22 @@ class Scheduler(ABC):
         self.prefix_cache_refound = 0
         self._prefix_version = -1  # bm.cache_version at the last refresh_prefixes
         self.step_index = 0
+        self.depth_means = DepthMeans()  # dynamic depth: layers per decode token, per SLO class
 
     # -- queue ----------------------------------------------------------------------------
     def queue_key(self, req: Request) -> tuple[float, float]:
-        """EDF: arrival + TTFT target (best effort and demoted requests age: arrival +
-        best_effort_deadline_s); FCFS: arrival. A request room was made for (``boosted``) first.
-
-        A cold request of a batch job carries its own EDF key in ``slo.deadline``: the latest time
-        its job can start it and still finish in its window (job deadline minus the job's remaining
-        work at the rate the whole machine gives; :func:`laser.batch.estimate.start_by`). Far from
-        the deadline that key sorts behind hot, warm and best-effort work; it overtakes them as the
-        job's slack runs out.
-        """
-        if req.boosted:  # room was made for it: admitted first
-            return (-math.inf, req.arrival_time)
-        if self.config.queue_order == "fcfs":
-            return (req.arrival_time, 0.0)
-        if req.slo.deadline is not None:
-            return (req.slo.deadline, req.arrival_time)
-        ttft = req.slo.ttft if req.slo.ttft is not None and not req.demoted else self.config.best_effort_deadline_s
-        return (req.arrival_time + ttft, req.arrival_time)
+        """``req``'s place in the queue order: :func:`laser.scheduler.report.queue_key` (EDF or
+        FCFS; boosted first; a batch job's cold request by its own deadline; best effort and
+        demoted requests age at ``best_effort_deadline_s``)."""
+        cfg = self.config
+        return queue_key(cfg.queue_order, cfg.best_effort_deadline_s, req.arrival_time, req.slo, req.demoted,
+                         req.boosted)
 
     def add_request(self, req: Request) -> None:
         if req.req_id in self.requests:
             raise ValueError(f"duplicate request id {req.req_id}")
         self.requests[req.req_id] = req
+        self.expect_depth(req)
         self.lookup_prefix(req)  # priced by what it still has to compute from the start
         self.waiting.append(req)
         self.waiting.sort(key=self.queue_key)
@@ -105,8 +97,30 @@ class Scheduler(ABC):
         if req.req_id in self.requests:
             raise ValueError(f"duplicate request id {req.req_id}")
         self.requests[req.req_id] = req
+        self.expect_depth(req)
         self.running.append(req)
         self.on_adopt(req)
+
+    @property
+    def role(self) -> str:
+        """The instance role it schedules for: ``prefill``, ``decode`` or ``mixed``."""
+        return self.config.role
+
+    @property
+    def step_observer(self) -> Callable | None:
+        """``observe_step(plan, seconds)`` of the latency model it plans with, when that model
+        calibrates itself online (:class:`laser.latency.CalibratedLatencyModel`); None otherwise.
+        The instance core tells it every step that ran its plan to the end."""
+        return getattr(self.latency_model, "observe_step", None)
+
+    def set_role(self, role: str) -> None:
+        """Serve as ``role`` (``prefill``, ``decode`` or ``mixed``) from the next step on (a
+        prefill instance serving as mixed while its cluster has no decode instance, and back)."""
+        self.config = dataclasses.replace(self.config, role=role)
+        self.on_role_change()
+
+    def on_role_change(self) -> None:
+        """Hook: the role changed (Laser replans its decode)."""
 
     def on_adopt(self, req: Request) -> None:
         """Hook: a decode-phase request joined (Laser replans)."""
@@ -139,7 +153,8 @@ class Scheduler(ABC):
         """A work running ``num_tokens`` new tokens of ``req`` through every layer."""
         start = req.num_computed_tokens
         return Work(
-            req.req_id, start, num_tokens, 0, self.num_layers, sample=start + num_tokens == req.num_tokens
+            req.req_id, start, num_tokens, 0, self.num_layers, sample=start + num_tokens == req.num_tokens,
+            masked=req.masked,
         )
 
     def prefill_remaining(self, req: Request) -> int:
@@ -357,12 +372,15 @@ class Scheduler(ABC):
         return [r for r in ok if id(r) in running]
 
     # -- after a step ---------------------------------------------------------------------------
-    def update(self, plan: StepPlan, stopped_layer: int, sampled: dict[str, int], now: float) -> list[Request]:
+    def update(self, plan: StepPlan, stopped_layer: int, sampled: dict[str, int], now: float,
+               exit_layers: dict[str, int] | None = None) -> list[Request]:
         """Record progress of every work; return requests that got a new token.
 
         A work that reached the last layer completes its tokens; one that stopped
         earlier (``stopped_layer``, see :meth:`~laser.core.plan.Work.reached`) or ends before the
-        last layer stays in flight at the layer it reached.
+        last layer stays in flight at the layer it reached. ``exit_layers`` (req_id -> layer):
+        decode tokens of dynamic-depth requests that left the model early (their K/V filled at
+        every later layer: they count as complete; :meth:`record_depth`).
         """
         n = self.num_layers
         out = []
@@ -374,6 +392,13 @@ class Scheduler(ABC):
             if req is None:  # aborted while the step ran
                 continue
             reached = w.reached(stopped_layer)
+            if req.sampling_params.dynamic_depth is not None and w.num_tokens == 1 and req.output_token_ids:
+                exited = exit_layers.get(w.req_id) if exit_layers else None
+                if exited is not None:
+                    reached = n
+                    w = Work(w.req_id, w.token_start, 1, w.layer_start, n, True, w.masked)
+                if reached == n:
+                    self.record_depth(req, n if exited is None else exited)
             if reached == n:
                 req.num_computed_tokens = w.context_len
                 req.chunk_tokens = 0
@@ -395,6 +420,21 @@ class Scheduler(ABC):
         self.step_index += 1
         self.enforce_icache_capacity()
         return out
+
+    def record_depth(self, req: Request, depth: int) -> None:
+        """A decode token of dynamic-depth ``req`` ran ``depth`` layers: update its running mean
+        and its class's (:class:`laser.core.depth.DepthMeans`), and the depth Alg. 1 plans it
+        with (``req.expected_layers``)."""
+        req.num_depth_tokens += 1
+        req.depth_layers += depth
+        self.depth_means.update(req.slo.name, depth)
+        req.expected_layers = req.depth_layers / req.num_depth_tokens
+
+    def expect_depth(self, req: Request) -> None:
+        """Seed a dynamic-depth request's expected depth from its SLO class's running mean (a
+        request with tokens of its own keeps its own mean)."""
+        if req.sampling_params.dynamic_depth is not None and not req.num_depth_tokens:
+            req.expected_layers = self.depth_means.expected(req.slo.name)
 
     def append_token(self, req: Request, token: int, now: float) -> None:
         """Record one more decoded token of ``req`` in the step :meth:`update` just recorded
@@ -453,13 +493,44 @@ class Scheduler(ABC):
 
 
     # -- the one picture read outside the scheduler package ----------------------------------------
-    def report(self) -> SchedulerReport:
-        """The :class:`SchedulerReport` of this scheduler now (call on the thread that owns it).
-        Admission, the instance reports and the metrics read this, never its attributes."""
+    def report(self, now: float | None = None, pending: list[Request] = ()) -> SchedulerReport:
+        """The :class:`SchedulerReport` of this scheduler at ``now`` (default: its clock); call on
+        the thread that owns it. Admission, the instance reports and the metrics read this, never
+        its attributes.
+
+        ``pending``: requests delivered to the instance but not yet added here (they queue for
+        prefill too). ``counters`` holds copies of the observability state: ``preemptions``
+        {(cause, class): n}, ``recomputes`` {(kind, class): n}, ``recomputed_tokens`` {(kind,
+        class): tokens}, ``icache_tokens`` / ``icache_capacity`` (tokens), ``icache_evictions``
+        (total), ``layer_stops`` (Laser's stops at a layer boundary), ``latency_calibration``
+        (the factor the planning model's predictions are scaled by; :mod:`laser.latency.calibrated`),
+        ``latency_timing_spread`` (the model's ``timing_spread()``), ``running`` / ``waiting``
+        {class: n}, ``prefix_cache_queries`` / ``prefix_cache_hits`` (prompt tokens looked up /
+        found cached at first admissions), ``prefix_cache_refound`` (tokens preempted requests
+        found again of their own), ``prefix_cache_evictions`` (cached blocks evicted).
+        """
         cfg = self.config
         lm = self.latency_model
         icache = self.icache
         planning = self.planning_report()
+        queue, dec_ctx, dec_tbt = [], [], []
+        running: Counter[str] = Counter()
+        waiting: Counter[str] = Counter()
+        prefilling = []
+        for r in self.running:
+            running[r.slo.name] += 1
+            if r.phase == Phase.DECODE:
+                dec_ctx.append(r.num_tokens)
+                dec_tbt.append(r.slo.tbt)
+            else:
+                prefilling.append(r)
+        for r in self.waiting:
+            waiting[r.slo.name] += 1
+        key = self.queue_key
+        for r in sorted(prefilling + list(self.waiting) + list(pending), key=key):
+            queue.append(QueueEntry(key(r), r.num_tokens - r.num_computed_tokens, r.num_tokens, r.slo.tbt,
+                                    r.slo.name, r.req_id, r.ttft_deadline, r.num_prompt_tokens,
+                                    r.demoted or r.slo.ttft is None))
         counters = {
             "preemptions": dict(self.preemptions),
             "recomputes": dict(self.recomputes),
@@ -472,21 +543,50 @@ class Scheduler(ABC):
             "latency_calibration": float(getattr(lm, "factor", 1.0)),
             # ... and the spread of its slow steps that divides Laser's planning margins (1.0 without one)
             "latency_timing_spread": float(lm.timing_spread() if hasattr(lm, "timing_spread") else 1.0),
+            "running": dict(running),
+            "waiting": dict(waiting),
             # prefix cache, tokens (vLLM's prefix_cache_queries / _hits) and blocks evicted
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,
             "prefix_cache_refound": self.prefix_cache_refound,
             "prefix_cache_evictions": self.bm.num_evictions,
         }
-        return SchedulerReport(policy=self.name, queue_order=cfg.queue_order,
+        return SchedulerReport(policy=self.name, role=cfg.role, queue_order=cfg.queue_order,
                                best_effort_deadline_s=cfg.best_effort_deadline_s,
                                chunk_tokens=cfg.max_num_batched_tokens, busy=bool(self.requests),
+                               time=self.clock() if now is None else now, queue=tuple(queue),
+                               decode_contexts=tuple(dec_ctx), decode_tbts=tuple(dec_tbt),
                                counters=counters, **planning)
 
     def planning_report(self) -> dict:
         """A policy's own :class:`SchedulerReport` fields (layer-level decode planning), by name;
         ``layer_stops``: its stops at a layer boundary. None for iteration-level policies."""
         return {}
+
+    def decode_state(self) -> tuple:
+        """Layer-level decode planning's live state (Laser's Alg. 1): (iteration counter, decode
+        plans by request id, the fraction of T_g it plans to, its price memo); an iteration-level
+        policy: (0, {}, 1.0, None). Read on the owning thread by :meth:`latency_increment` and
+        :func:`laser.scheduler.migration.migration_victim`."""
+        return 0, {}, 1.0, None
+
+    def latency_increment(self, latency_model, joining: list, candidate):
+        """Alg. 2 lines 1-9 (:func:`laser.scheduler.laser.increment.latency_increment`) of
+        ``candidate`` (a :class:`~laser.scheduler.laser.decode.DecodeCandidate`) joining the
+        decoding requests plus ``joining`` (requests or candidates on their way: hand-offs,
+        reservations), priced with ``latency_model`` from this scheduler's Alg. 1 state.
+        Changes nothing."""
+        from .laser.increment import latency_increment
+
+        iteration, plans, margin, memo = self.decode_state()
+        return latency_increment(latency_model, self.num_layers, iteration, self.decoding() + list(joining), plans,
+                                 candidate, margin, memo)
+
+    def migration_victim(self, latency_model, exclude=frozenset()) -> tuple[Request, str] | None:
+        """:func:`laser.scheduler.migration.migration_victim` of this (decode) scheduler."""
+        from .migration import migration_victim
+
+        return migration_victim(self, latency_model, self.num_layers, exclude)
 
 
 def prefill_left(req: Request) -> int:

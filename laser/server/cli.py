@@ -106,6 +106,9 @@ def build_cluster(args):
     if getattr(args, "speculative", None):
         raise SystemExit("laser: error: --speculative runs in a single-process server (no --*-instances): Ray "
                          "instances send one token per step")
+    if getattr(args, "dynamic_depth", None):
+        raise SystemExit("laser: error: --dynamic-depth runs in a single-process server (no --*-instances): the "
+                         "Ray instances load no exit heads yet")
     name = args.controller or ("colocated" if args.mixed_instances else "laser")
     cache, sched, slo = engine_configs(args)
     if args.outage_wait < 0:
@@ -203,7 +206,7 @@ def cmd_serve(args) -> int:
 def _what(engine) -> str:
     handles = getattr(engine, "handles", None)
     if handles is None:
-        return f"policy {engine.scheduler.name}"
+        return f"policy {engine.scheduler.report().policy}"
     roles = ", ".join(f"{h.instance_id}:{h.role}" for h in handles.values())
     return f"controller {engine.controller.name} over instances {roles}"
 

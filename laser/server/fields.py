@@ -123,7 +123,7 @@ class RequestFields:
 
         Raises:
             APIError: 400 naming the field: two constraints, a schema or regex that does not
-            compile, ``json_schema`` without a schema; a cluster (no grammar backend yet).
+            compile, ``json_schema`` without a schema.
         """
         found: list[tuple[str, tuple[str, str]]] = []
 
@@ -139,6 +139,11 @@ class RequestFields:
                                "response_format")
             found.append(("response_format", ("json", as_json(rf.json_schema.schema_))))
         so = body.structured_outputs
+        if so is not None and so.json_ is None and so.regex is None and so.choice is None and so.grammar is None:
+            given = sorted(so.model_extra or {})
+            raise APIError(400, "structured_outputs: give one of json, regex, choice or grammar"
+                           + (f" (got {', '.join(given)}: not supported)" if given else ""), "invalid_value",
+                           "structured_outputs")
         for field, v, kind in (("guided_json", body.guided_json, "json"), ("guided_regex", body.guided_regex, "regex"),
                                ("guided_choice", body.guided_choice, "choice"),
                                ("guided_grammar", body.guided_grammar, "lark"),
@@ -163,20 +168,17 @@ class RequestFields:
             raise APIError(400, f"{found[1][0]}: give one structured output constraint, got {names}",
                            "invalid_value", found[1][0])
         field, spec = found[0]
-        await self.check_grammar(field, spec, "structured output")
+        await self.check_grammar(field, spec)
         return spec
 
-    async def check_grammar(self, field: str, spec: tuple[str, str], what: str) -> None:
-        """Compile ``spec`` (kind, grammar) against the tokenizer in a helper thread.
+    async def check_grammar(self, field: str, spec: tuple[str, str]) -> None:
+        """Compile ``spec`` (kind, grammar) against the tokenizer in a helper thread (the engine's
+        grammar backend: a single engine's, or a cluster front end's, which checks for its instances).
 
         Raises:
-            APIError: 400 naming ``field``: the grammar does not compile; a cluster (its front
-            end has no grammar backend yet: ``what`` is not supported).
+            APIError: 400 naming ``field``: the grammar does not compile.
         """
-        backend = getattr(self.ae.engine, "grammars", None)
-        if backend is None:
-            raise APIError(400, f"{field}: {what} is not supported by a cluster yet", "unsupported_parameter", field)
-        err = await asyncio.get_running_loop().run_in_executor(None, backend.validate, *spec)
+        err = await asyncio.get_running_loop().run_in_executor(None, self.ae.engine.grammars.validate, *spec)
         if err is not None:
             raise APIError(400, f"{field}: {err}", "invalid_value", field)
 
@@ -203,9 +205,6 @@ class RequestFields:
         else:
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
             prompt_logprobs = None
-        if logprobs is not None and not getattr(self.ae.engine, "serves_logprobs", True):
-            raise APIError(400, "logprobs: log-probabilities are not supported by a cluster yet",
-                           "unsupported_parameter", "logprobs")
         try:
             sp = SamplingParams(
                 max_tokens=max_tokens,
@@ -225,10 +224,11 @@ class RequestFields:
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 structured_output=structured,
+                dynamic_depth=body.dynamic_depth,
             )
             sp.check_vocab(self.ae.engine.model_config.vocab_size)
             return sp
         except InvalidRequestError as e:
             msg = str(e)
-            field = msg.split()[0].rstrip(":")
+            field = msg.split()[0].rstrip(":").split(".")[0]
             raise APIError(400, msg, "invalid_value", field if field in type(body).model_fields else None) from None

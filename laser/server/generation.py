@@ -289,5 +289,11 @@ class Generation(RequestFields):
         prompt = sum(len(s.ids) for s in subs[::n])
         cached = sum(s.final.num_cached_tokens if s.final is not None else 0 for s in subs[::n])
         completion = sum(len(s.final.token_ids) if s.final is not None else 0 for s in subs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+               "prompt_tokens_details": {"cached_tokens": cached}}
+        deep = [s.final for s in subs if s.final is not None and s.final.num_depth_tokens]
+        if deep:  # dynamic depth (laser.core.depth): the mean layers its decode tokens ran
+            tokens = sum(f.num_depth_tokens for f in deep)
+            out["dynamic_depth"] = {"decode_tokens": tokens,
+                                    "mean_layers": sum(f.mean_depth * f.num_depth_tokens for f in deep) / tokens}
+        return out

@@ -284,7 +284,7 @@ class _ClusterCollector:
 
 
 class _SchedulerCollector:
-    """Scheduler counters from the snapshot the engine thread publishes after each step
+    """Scheduler counters from the report the engine thread publishes after each step
     (:meth:`laser.frontend.async_engine.AsyncEngine.counters`): never reads live engine state."""
 
     def __init__(self, metrics: ServerMetrics):

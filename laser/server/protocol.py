@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from ..core.request import MAX_LOGPROBS
 
@@ -43,7 +43,10 @@ class ResponseFormat(_Request):
 
 
 class StructuredOutputs(_Request):
-    """vLLM's ``structured_outputs`` (one of its fields)."""
+    """vLLM's ``structured_outputs`` (one of its fields; other keys are kept so that a request
+    naming none of these four is refused with their names, not served unconstrained)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     json_: dict | str | None = Field(None, alias="json")
     regex: str | None = None
@@ -83,6 +86,10 @@ class _Common(_Request):
     tbt_slo_ms: float | None = Field(None, gt=0, description="time-between-tokens (P99) target, ms")
     slo_demotable: bool | None = Field(None, description="a hot request that may be served as warm under "
                                        "pressure (also header x-slo-demotable; default: the class's setting)")
+    # -- Laser extension: lossy dynamic depth (laser.core.depth; greedy requests, a server with exits)
+    dynamic_depth: StrictBool | dict | None = Field(None, description="decode tokens may leave the model at a trained "
+                                              "exit: true, or {threshold: top-1 probability in (0, 1], min_depth: "
+                                              "layers}; usage.dynamic_depth reports the mean layers used")
     # -- structured output (one of these; docs/server.md)
     response_format: ResponseFormat | None = Field(None, description="json_object or json_schema constrain the "
                                                    "output (grammar mask)")

@@ -53,8 +53,11 @@ class ToolCallParser:
     ``{"index", "function": {"arguments": fragment}}``). :attr:`calls` holds the calls so far.
     """
 
-    def __init__(self, parallel: bool = True):
+    def __init__(self, parallel: bool = True, calls_only: bool = False):
         self.parallel = parallel
+        # tool_choice required / named: the grammar lets the model write only call blocks, so any
+        # text is a block cut short by the length limit and is dropped, never sent as content
+        self.calls_only = calls_only
         self.calls: list[dict] = []  # {"id", "type", "function": {"name", "arguments"}}
         self._buf = ""  # text not consumed yet
         self._state = "text"  # text | head (after <tool_call>) | args (in the arguments) | tail (to </tool_call>)
@@ -72,7 +75,7 @@ class ToolCallParser:
         content, deltas = [], []
         while self._step(content, deltas):
             pass
-        return "".join(content), _merge(deltas)
+        return "" if self.calls_only else "".join(content), _merge(deltas)
 
     def finish(self) -> tuple[str, list[dict]]:
         """End of the output: flush held text, resolve an unterminated block."""
@@ -85,7 +88,7 @@ class ToolCallParser:
         if not self.calls:
             content.append(self._ws)
         self._ws = ""
-        return "".join(content), _merge(deltas)
+        return "" if self.calls_only else "".join(content), _merge(deltas)
 
     # -- the state machine ---------------------------------------------------------------------
     def _step(self, content: list, deltas: list) -> bool:
@@ -235,11 +238,12 @@ def _merge(deltas: list[dict]) -> list[dict]:
     return out
 
 
-def parse_tool_calls(text: str, parallel: bool = True) -> tuple[str | None, list[dict]]:
+def parse_tool_calls(text: str, parallel: bool = True, calls_only: bool = False) -> tuple[str | None, list[dict]]:
     """(content, calls) of a whole output: the content None when calls were found and no text
-    is left; each call ``{"id", "type": "function", "function": {"name", "arguments"}}``."""
-    p = ToolCallParser(parallel)
+    is left, or always with ``calls_only`` (see :class:`ToolCallParser`); each call
+    ``{"id", "type": "function", "function": {"name", "arguments"}}``."""
+    p = ToolCallParser(parallel, calls_only)
     head, _ = p.feed(text)
     tail, _ = p.finish()
     content = head + tail
-    return (content or None) if p.calls else content, p.calls
+    return (content or None) if p.calls or calls_only else content, p.calls

@@ -29,8 +29,9 @@ from .errors import APIError
 from .protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, ToolDefinition
 from .tool_parser import ToolCallParser, parse_tool_calls
 
-#: The parameters of a function defined without any (no arguments).
-NO_PARAMETERS = {"type": "object", "properties": {}}
+#: The parameters of a function defined without any: no arguments (``{}``, OpenAI's reading of a
+#: missing ``parameters``; a bare object schema would let the grammar produce any keys).
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +50,13 @@ class ToolPlan:
     functions: list[tuple[str, dict]]
     parallel: bool
 
+    @property
+    def calls_only(self) -> bool:
+        """The grammar allows only call blocks (``required`` / ``named``): no content is sent."""
+        return self.choice != "auto"
+
     def parser(self) -> ToolCallParser:
-        return ToolCallParser(self.parallel)
+        return ToolCallParser(self.parallel, self.calls_only)
 
 
 def _bad(field: str, msg: str) -> APIError:
@@ -119,20 +125,18 @@ async def tool_constraint(srv, plan: ToolPlan | None, structured: tuple[str, str
     request's response_format / guided decoding, or None).
 
     Raises:
-        APIError: 400 naming ``tool_choice``: both a tool grammar and another constraint; a
-        cluster (no grammar backend yet).
+        APIError: 400 naming ``tool_choice``: both a tool grammar and another constraint.
     """
     if plan is None or plan.choice == "auto":
         return structured
     if structured is not None:
         raise _bad("tool_choice", "required or a named function (a grammar) cannot be combined with "
                                   "response_format or guided decoding")
-    backend = getattr(srv.ae.engine, "grammars", None)
-    literal = backend.lark_literal if backend is not None else json.dumps
+    literal = srv.ae.engine.grammars.lark_literal
     text = await asyncio.get_running_loop().run_in_executor(  # the first one builds llguidance's tokenizer
         None, functools.partial(tool_call_grammar, plan.functions, plan.parallel, CALL_OPEN, CALL_CLOSE, literal))
     grammar = ("lark", text)
-    await srv.check_grammar("tool_choice", grammar, "required or a named function")
+    await srv.check_grammar("tool_choice", grammar)
     return grammar
 
 
@@ -190,7 +194,7 @@ def finish_reason(reason: str | None, calls: list) -> str | None:
 
 def answer_message(plan: ToolPlan, text: str, reason: str | None) -> dict:
     """The ``message`` and ``finish_reason`` of a whole chat choice with tools."""
-    content, calls = parse_tool_calls(text, plan.parallel)
+    content, calls = parse_tool_calls(text, plan.parallel, plan.calls_only)
     msg = {"role": "assistant", "content": content}
     if calls:
         msg["tool_calls"] = calls

@@ -262,7 +262,7 @@ class _ClusterRun:
         self.final: dict[str, Request] = {}
         self.done: dict[str, int] = {}
         self.stats = {"decision_s": 0.0, "transfers": 0, "transfer_s": 0.0, "migrations": 0}
-        self.capacity = min(i.scheduler.bm.num_blocks * i.scheduler.bm.block_size for i in self.inst)
+        self.capacity = min(i.sim.bm.num_blocks * i.sim.bm.block_size for i in self.inst)
 
     def start(self, i: SimClusterInstance, t: float):
         if i.plan is not None:
@@ -280,7 +280,7 @@ class _ClusterRun:
             return
         hashes = ()
         if cfg.enable_prefix_caching and cfg.cache_aware_routing:  # the front end's hashes
-            bm = inst[0].scheduler.bm
+            bm = inst[0].sim.bm
             hashes = tuple(bm.block_hashes(req.block_hashes, req.prompt_token_ids))
         info = RequestInfo(req.req_id, req.arrival_time, req.num_prompt_tokens, req.slo.ttft, req.slo.tbt,
                            req.slo.name, ctl.expected_output(req.slo.name), hashes)

@@ -154,23 +154,22 @@ class SimClusterInstance(Instance):
         if self._report is not None and self._report[0] == key:
             return self._report[1]
         busy_until = self.plan_end if self.plan is not None else self.clock
-        rep = build_report(self.instance_id, self.role, self.scheduler, self.sim.icache, self.clock, busy_until,
-                           self.sim.queued(), self.sim.adopting(), len(self.reserved))
+        rep = build_report(self.instance_id, self.role, self.scheduler, self.sim.bm, self.sim.icache, self.clock,
+                           busy_until, self.sim.queued(), self.sim.adopting(), len(self.reserved))
         self._report = (key, rep)
         return rep
 
     def latency_increment(self, info: RequestInfo) -> LatencyIncrement:
         """Alg. 2 lines 1-9 (:func:`laser.instance.state.decode_increment`) over the decoding
         requests, the hand-offs on their way and the reservations."""
-        return decode_increment(self.instance_id, self.scheduler, self.latency_model, self.num_layers, info,
+        return decode_increment(self.instance_id, self.scheduler, self.sim.bm, self.latency_model, info,
                                 self.sim.adopting(), self.reserved)
 
     def migration_candidate(self, expected_output: dict[str, float]) -> MigrationCandidate | None:
         """Decode role, between steps (:func:`laser.instance.state.migration_candidate`)."""
         if self.role != "decode" or self.plan is not None:
             return None
-        return migration_candidate(self.instance_id, self.scheduler, self.latency_model, self.num_layers,
-                                   expected_output)
+        return migration_candidate(self.instance_id, self.scheduler, self.sim.bm, self.latency_model, expected_output)
 
     def migrate_out(self, req_id: str) -> Handoff:
         """Export a decoding request for another decode instance, between steps: its KV leaves

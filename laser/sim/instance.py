@@ -51,6 +51,36 @@ class SimStats:
     plans: list[StepPlan] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class SimDepth:
+    """Dynamic depth in the simulator (:mod:`laser.core.depth`): how many layers a decode token of
+    a request that opted in runs, drawn from ``histogram`` (layers -> weight; measured on the
+    real model, e.g. by ``benchmarks/dynamic_depth.py``) by a hash of (request id, position,
+    ``seed``) -- the same draw whatever the schedule. ``exit_layers``: the boundaries with an exit
+    head (where the exit head's check is priced for every opted-in token at least ``min_depth``
+    deep: ``head_fraction`` x the LM head's time per row); a token that exits at ``k`` also pays
+    its skipped layers' K/V projections: ``fill_fraction`` x a layer's stateless time per layer
+    (the K/V rows of the fused QKV weight over a layer's weights)."""
+
+    histogram: tuple[tuple[int, float], ...]
+    exit_layers: frozenset[int]
+    head_fraction: float = 0.0
+    fill_fraction: float = 0.0
+    seed: int = 0
+
+    def depth(self, req_id: str, position: int) -> int:
+        import zlib
+
+        u = zlib.crc32(f"{req_id}:{position}:{self.seed}".encode()) / 2**32
+        total = sum(w for _, w in self.histogram)
+        acc = 0.0
+        for d, w in self.histogram:
+            acc += w / total
+            if u < acc:
+                return d
+        return self.histogram[-1][0]
+
+
 class SimExecutor:
     """The simulated executor: each layer call advances the virtual clock by the latency model's
     prediction; paused works park in the intermediate cache as token counts (no payload);
@@ -84,6 +114,11 @@ class SimExecutor:
         # () -> virtual time of the next delivery the arrival hook could release (None: no fast path)
         self.next_release = None
         self.fast_steps = 0
+        # dynamic depth (SimDepth; None: every token runs every layer) and the walker's exit
+        # boundaries in the running step
+        self.depth_model: SimDepth | None = None
+        self.exit_layers: frozenset[int] = frozenset()
+        self._requests = None
 
     # -- laser.instance.core.Executor ------------------------------------------------------------------
     def execute(self, plan: StepPlan, requests, stop_at=None) -> StepResult:
@@ -100,6 +135,11 @@ class SimExecutor:
                 whole = whole and w.layer_end == n
             else:
                 whole = False
+        dm = self.depth_model
+        self.exit_layers = frozenset()
+        if dm is not None and any(w.num_tokens == 1 and requests[w.req_id].sampling_params.dynamic_depth is not None
+                                  for w in works):
+            self.exit_layers, self._requests, whole = dm.exit_layers, requests, False
         if stop_at is not None and self.next_release is not None and works:
             end = t0 + self.lm.predict_iteration(plan)
             if self.next_release() > end + self.QUIET_MARGIN_S:
@@ -118,6 +158,7 @@ class SimExecutor:
         else:
             res.stopped_layer = walk(plan, self, stop_at)
         res.compute_seconds = self.clock.t - t0
+        self.exit_layers, self._requests = frozenset(), None
         self.stats.steps += 1
         self.stats.busy_s += self.clock.t - t0
         return res
@@ -167,12 +208,42 @@ class SimExecutor:
         self.stats.layer_calls += len(layers)
         self._res.num_layer_calls += len(layers)
 
+    def early_exit(self, active, layer):
+        """The walker's exit check (see :meth:`laser.model.runner.ModelRunner.early_exit`): each
+        eligible decode work whose drawn depth (:class:`SimDepth`) is ``layer`` leaves, its token
+        sampled (id 0), its skipped layers' K/V fill and every eligible work's exit-head check priced."""
+        dm, reqs, n = self.depth_model, self._requests, self.n
+        gone, checked = [], 0
+        for w in active:
+            if w.num_tokens != 1:
+                continue
+            r = reqs[w.req_id]
+            dd = r.sampling_params.dynamic_depth
+            if dd is None or layer < dd.min_layers(n) or not r.output_token_ids or w.token_start != r.num_tokens - 1:
+                continue
+            checked += 1
+            if dm.depth(w.req_id, w.token_start) == layer:
+                gone.append(w)
+        if checked:
+            self.clock.t += dm.head_fraction * self.lm.head_time(checked)
+        if not gone:
+            return active
+        self.clock.t += dm.fill_fraction * (n - layer) * self.lm.stateless_time(len(gone))
+        ids = {id(w) for w in gone}
+        for w in gone:
+            self._res.sampled[w.req_id] = 0
+            self._res.exit_layers[w.req_id] = layer
+        return [w for w in active if id(w) not in ids]
+
     def finish(self, active, layer) -> None:
         if layer < self.n:
             self.park(active, active, layer)
             return
         self.clock.t += self.lm.head_time(len(active))
-        self._res.sampled = {w.req_id: 0 for w in active if w.sample}
+        masked = sum(1 for w in active if w.masked and w.sample)
+        if masked:  # grammar masks (structured output), as PlanCost prices them
+            self.clock.t += self.lm.mask_time(masked)
+        self._res.sampled.update({w.req_id: 0 for w in active if w.sample})
 
 
 class SimInstance(InstanceCore):
@@ -191,11 +262,13 @@ class SimInstance(InstanceCore):
             factor from the simulated steps, as a real instance does.
         enable_prefix_caching: model the prefix cache (:mod:`laser.core.block_manager`, the engine's
             code): off by default, as simulated requests usually carry dummy token ids.
+        depth_model: dynamic depth of the requests that opt in (:class:`SimDepth`); None: none exits.
     """
 
     def __init__(self, policy: str, num_layers: int, latency_model, config: SchedulerConfig | None = None,
                  num_blocks: int = 4096, block_size: int = 16, icache_tokens: int = 16384,
-                 record_plans: bool = False, machine_model=None, enable_prefix_caching: bool = False):
+                 record_plans: bool = False, machine_model=None, enable_prefix_caching: bool = False,
+                 depth_model: SimDepth | None = None):
         cfg = dataclasses.replace(config or SchedulerConfig(), policy=policy)
         clock = VirtualClock()
         self.lm = latency_model
@@ -207,6 +280,7 @@ class SimInstance(InstanceCore):
         executor = SimExecutor(machine_model or latency_model, num_layers, self.bm, self.icache, clock, self.stats,
                                record_plans)
         executor.next_release = self.next_release
+        executor.depth_model = depth_model
         super().__init__(make_scheduler(cfg, num_layers, self.bm, self.icache, latency_model, clock), executor, clock)
         self.arrival_hook = self._release
         self._arrivals: list[Request] = []  # sorted by arrival_time

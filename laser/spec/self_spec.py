@@ -83,7 +83,7 @@ class SpecStats:
 def speculable(sp) -> bool:
     """Whether a request with sampling params ``sp`` can be decoded self-speculatively: greedy,
     with no logit processing that verification would have to repeat."""
-    return sp.greedy and not sp.processes_logits and sp.logprobs is None
+    return sp.plain_greedy
 
 
 class SelfSpeculator:
@@ -204,6 +204,7 @@ class SelfSpeculator:
                 res.extra_tokens[w.req_id] = v[1 : a + 1]
             # the blocks grown for rejected drafts go back (the request now has n + a + 1 tokens)
             runner.bm.trim(w.req_id, w.token_start + a + 2)
+            runner.mark_kv_written(w.req_id, range(N), w.token_start + a + 1)
             st.steps += 1
             st.drafted += g
             st.accepted += a

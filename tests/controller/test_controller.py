@@ -10,7 +10,7 @@ import pytest
 
 from laser.controller import get_controller
 from laser.controller.groups import GroupManager, largest_remainder
-from laser.controller.laser import edf_finish_times
+from laser.scheduler.ttft import finish_times
 from laser.instance.messages import RequestInfo
 from laser.latency import SimpleLatencyModel
 from laser.instance.core import Handoff
@@ -155,7 +155,7 @@ def test_infeasible_request_goes_to_fewest_tokens_and_keeps_admitted_deadlines()
     ctl = get_controller("laser")()
     ctl.attach([a, b, decode_instance(2, [])])
     rep = a.report()
-    assert all(f <= d for _, d, f in edf_finish_times(rep, LM, N, 0.0))
+    assert all(f <= e.deadline for e, f in finish_times(rep.scheduler, LM, 0.0, num_layers=N))
     urgent = info("urgent", prompt=200, ttft=0.03)  # cannot make 30 ms anywhere
     pid, demoted = ctl.select_prefill(urgent, 0.0)
     assert (pid, demoted) == (0, True)  # fewest queued prefill tokens
@@ -270,20 +270,27 @@ class ReportedPrefill:
 
 def hand_report(iid: int, queue=(), cached=frozenset()):
     from laser.instance.messages import InstanceReport
+    from laser.scheduler.report import SchedulerReport
 
-    return InstanceReport(iid, "prefill", 0.0, 0.0, tuple(queue), 0, 0, 0, 4096, 4096, 16, math.inf, None, 0,
+    return InstanceReport(iid, "prefill", 0.0, 0.0, SchedulerReport(role="prefill", queue=tuple(queue)), 0, 0, 0, 4096, 4096, 16, 0,
                           16384, cached_blocks=frozenset(cached))
+
+
+def queued(req_id: str, deadline: float, tokens: int):
+    """A queued prompt of ``tokens`` tokens with TTFT deadline ``deadline`` (seconds)."""
+    from laser.scheduler.report import QueueEntry
+
+    return QueueEntry((deadline, 0.0), tokens, tokens, None, "chat", req_id, deadline, tokens)
 
 
 def test_prefill_prefers_the_instance_holding_the_prefix_unless_a_deadline_breaks():
     from laser.core.block_manager import hash_blocks, prefix_root
-    from laser.instance.messages import PrefillQueueEntry
 
     prompt = list(range(1000))
     hashes = tuple(hash_blocks([], prompt, 16, prefix_root("")))
     req = RequestInfo("new", 0.0, 1000, 0.5, 0.05, "chat", 8, hashes)
     # instance 0 is idle, instance 1 has one short prompt queued but holds the 992-token prefix
-    light = PrefillQueueEntry("q", 1.0, 100, 100)
+    light = queued("q", 1.0, 100)
     idle, holder = hand_report(0), hand_report(1, [light], hashes)
     assert holder.cached_prefix_tokens(req) == 992 and idle.cached_prefix_tokens(req) == 0
     ctl = get_controller("laser")()
@@ -299,14 +306,14 @@ def test_prefill_prefers_the_instance_holding_the_prefix_unless_a_deadline_break
     # the holder only its 8 uncached tokens run, but they delay the long prompt by 4 x 0.08 ms:
     # 84.32 ms past its 84.2 ms deadline. The hit is not taken.
     lm = SimpleLatencyModel(num_layers=N, per_layer=1e-3, per_token=1e-5)
-    tight = PrefillQueueEntry("tight", 0.0842, 2000, 2000)
+    tight = queued("tight", 0.0842, 2000)
     busy_holder = hand_report(1, [tight], hashes)
     ctl = get_controller("laser")()
     ctl.attach([ReportedPrefill(0, idle, lm), ReportedPrefill(1, busy_holder, lm), decode_instance(2, [])])
     early = RequestInfo("early", 0.0, 1000, 0.08, 0.05, "chat", 8, hashes)
     assert ctl.select_prefill(early, 0.0) == (0, False)
     # with room for it, the holder is chosen again
-    roomy = hand_report(1, [PrefillQueueEntry("roomy", 0.09, 2000, 2000)], hashes)
+    roomy = hand_report(1, [queued("roomy", 0.09, 2000)], hashes)
     ctl = get_controller("laser")()
     ctl.attach([ReportedPrefill(0, idle, lm), ReportedPrefill(1, roomy, lm), decode_instance(2, [])])
     assert ctl.select_prefill(early, 0.0) == (1, False)
@@ -321,7 +328,6 @@ def test_least_loaded_baselines_route_to_the_prefix_unless_its_queue_outweighs_t
     work (SGLang's cache-aware router's balance rule, in the load's unit), not beyond; without
     hashes the choice is the plain least-loaded one."""
     from laser.core.block_manager import hash_blocks, prefix_root
-    from laser.instance.messages import PrefillQueueEntry
 
     prompt = list(range(1000))
     hashes = tuple(hash_blocks([], prompt, 16, prefix_root("")))
@@ -330,7 +336,7 @@ def test_least_loaded_baselines_route_to_the_prefix_unless_its_queue_outweighs_t
     for name in ("distserve", "colocated", "colocated-laser"):
         for extra, want in ((500, 1), (2000, 0)):  # holder's queue: shorter / longer than the 992 cached tokens
             idle = hand_report(0)
-            holder = hand_report(1, [PrefillQueueEntry("q", 1.0, extra, extra)], hashes)
+            holder = hand_report(1, [queued("q", 1.0, extra)], hashes)
             ctl = get_controller(name)()
             insts = [ReportedPrefill(0, idle), ReportedPrefill(1, holder)]
             if ctl.disaggregated:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from laser.controller.laser import LaserController
 from laser.instance.core import Handoff
-from laser.instance.state import migration_victim
+from laser.scheduler.migration import migration_victim
 from laser.latency import SimpleLatencyModel
 from laser.core.request import SLO, Request, SamplingParams
 from laser.sim.cluster import ClusterConfig, ClusterSim, ClusterSpec

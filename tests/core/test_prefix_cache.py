@@ -337,7 +337,6 @@ def test_caching_off_publishes_nothing():
 def test_queue_is_priced_by_tokens_left_to_compute(cached_engine, policy):
     """A waiting request with a cached prefix is priced by the tokens it still has to compute:
     in the admission snapshot's queue, and by Laser's slack (``prefill_alone``)."""
-    from laser.frontend.admission import snapshot_of
 
     bm = cached_engine.kv_cache.block_manager
     bm.reset_prefix_cache()
@@ -347,7 +346,7 @@ def test_queue_is_priced_by_tokens_left_to_compute(cached_engine, policy):
     prompt = BASE[: 4 * BS] + [5, 6, 7]
     r = cached_engine.add_request(prompt, SamplingParams(max_tokens=2, **GREEDY), SLO(ttft=1.0, tbt=0.5))
     assert r.num_computed_tokens == 4 * BS  # found on arrival, before any step
-    (entry,) = snapshot_of(sched, 0.0).queue
+    (entry,) = sched.report(0.0).queue
     assert entry.prefill_tokens == 3 and entry.context_len == len(prompt)
     if policy == "laser":
         assert sched.prefill_alone(r) == LM.predict_prefill(3, context_start=4 * BS)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from laser.frontend.admission import QueueAwareAdmission, QueueEntry, SchedulerSnapshot, predict_ttft, snapshot_of
+from laser.frontend.admission import QueueAwareAdmission
+from laser.scheduler.report import QueueEntry, SchedulerReport
+from laser.scheduler.ttft import predict_ttft
 from laser.latency import SimpleLatencyModel
 from laser.core.request import SLO, Request, SamplingParams
 from laser.sim.instance import SimInstance
@@ -21,11 +23,11 @@ def _burst(policy: str, queue_aware: bool = True):
     the queue-aware prediction (or, for comparison, by the prefill alone)."""
     sim = SimInstance(policy, N, LM, num_blocks=20000)
     qa = QueueAwareAdmission(LM)
-    qa.publish(snapshot_of(sim.scheduler, 0.0))  # what the engine thread published last
+    qa.publish(sim.scheduler.report(0.0))  # what the engine thread published last
     admitted, preds, rejected = [], {}, 0
     for i in range(40):
         t = i * 1e-4
-        e = qa.entry(1000, t, CHAT.ttft, CHAT.tbt, CHAT.name, t)
+        e = qa.entry(1000, t, CHAT)
         p = qa.predict(e, t, t) if queue_aware else LM.predict_prefill(1000)
         if p > CHAT.ttft:
             rejected += 1
@@ -59,15 +61,16 @@ def test_prefill_alone_admits_everyone_and_most_miss():
 
 def test_edf_position_decides_what_is_ahead():
     """A stricter newcomer is predicted ahead of looser queued work; a looser one behind it."""
-    snap = SchedulerSnapshot(time=0.0, queue=(QueueEntry((5.0, 0.0), 1000, 1000),), policy="vllm")
+    rep = SchedulerReport(time=0.0, queue=(QueueEntry((5.0, 0.0), 1000, 1000),), policy="vllm")
     one = LM.predict_prefill(1000)
-    tight = QueueEntry(snap.queue_key(0.1, 0.5), 1000, 1000)
-    loose = QueueEntry(snap.queue_key(0.1, 10.0), 1000, 1000)
-    assert predict_ttft(snap, tight, LM, now=0.1) == pytest.approx(one)
-    assert predict_ttft(snap, loose, LM, now=0.1) == pytest.approx(2 * one)
+    tight = rep.entry(1000, 0.1, SLO(0.5, None))
+    loose = rep.entry(1000, 0.1, SLO(10.0, None))
+    assert predict_ttft(rep, tight, LM, 0.1, model="chunked") == pytest.approx(one)
+    assert predict_ttft(rep, loose, LM, 0.1, model="chunked") == pytest.approx(2 * one)
     # the rest of the step in progress and the time since arrival count too
-    busy = SchedulerSnapshot(time=0.0, busy=True, last_step_s=0.3, policy="vllm")
-    assert predict_ttft(busy, tight, LM, now=0.1, arrival=0.05) == pytest.approx(0.05 + 0.2 + one)
+    qa = QueueAwareAdmission(LM)
+    qa.publish(SchedulerReport(time=0.0, busy=True, policy="vllm"), last_step_s=0.3)
+    assert qa.predict(tight, now=0.1, arrival=0.05) == pytest.approx(0.05 + 0.2 + one)
 
 
 def test_decoding_requests_slow_the_prefill_down():
@@ -75,24 +78,24 @@ def test_decoding_requests_slow_the_prefill_down():
     base = dict(time=0.0, decode_contexts=ctx, decode_tbts=(0.1,) * 32)
     e = QueueEntry((1.0, 0.0), 1000, 1000)
     alone = LM.predict_prefill(1000)
-    assert predict_ttft(SchedulerSnapshot(**base, policy="vllm"), e, LM, 0.0) == pytest.approx(alone)
-    laser = predict_ttft(SchedulerSnapshot(**base, policy="laser", prefill_share=0.3, tg_margin=0.9, chunk_tokens=4096),
-                         e, LM, 0.0)
+    assert predict_ttft(SchedulerReport(**base, policy="vllm"), e, LM, 0.0, model="chunked") == pytest.approx(alone)
+    laser = predict_ttft(SchedulerReport(**base, policy="laser", prefill_share=0.3, tg_margin=0.9, chunk_tokens=4096),
+                         e, LM, 0.0, model="chunked")
     assert laser > alone * 1.1
-    sarathi = predict_ttft(SchedulerSnapshot(**base, policy="sarathi", chunk_tokens=4096), e, LM, 0.0)
+    sarathi = predict_ttft(SchedulerReport(**base, policy="sarathi", chunk_tokens=4096), e, LM, 0.0, model="chunked")
     assert alone < sarathi < laser
 
 
-def test_pending_admissions_count_until_a_snapshot_holds_them():
+def test_pending_admissions_count_until_a_report_holds_them():
     qa = QueueAwareAdmission(LM)
-    qa.publish(SchedulerSnapshot(time=0.0, policy="vllm", num_adds=0))
-    e1 = qa.entry(1000, 0.0, 1.0, None, now=0.0)
+    qa.publish(SchedulerReport(time=0.0, policy="vllm"), num_adds=0)
+    e1 = qa.entry(1000, 0.0, SLO(1.0, None))
     qa.admitted(1, e1)
-    e2 = qa.entry(1000, 0.0, 1.0, None, now=0.0)
+    e2 = qa.entry(1000, 0.0, SLO(1.0, None))
     assert qa.predict(e2, 0.0) == pytest.approx(2 * LM.predict_prefill(1000))  # e1 ahead (equal key)
-    # the engine ran the add and published: e1 is now in the snapshot's queue, not twice
-    qa.publish(SchedulerSnapshot(time=0.0, policy="vllm", num_adds=1, queue=(e1,)))
+    # the engine ran the add and published: e1 is now in the report's queue, not twice
+    qa.publish(SchedulerReport(time=0.0, policy="vllm", queue=(e1,)), num_adds=1)
     assert qa.predict(e2, 0.0) == pytest.approx(2 * LM.predict_prefill(1000))
     # e1 finished its prefill
-    qa.publish(SchedulerSnapshot(time=0.0, policy="vllm", num_adds=1))
+    qa.publish(SchedulerReport(time=0.0, policy="vllm"), num_adds=1)
     assert qa.predict(e2, 0.0) == pytest.approx(LM.predict_prefill(1000))

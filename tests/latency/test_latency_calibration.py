@@ -60,9 +60,8 @@ def test_an_engine_observes_every_complete_step(tiny_llama):
         steps += 1
     assert m.observed == steps
     assert m.factor == m.hi  # a real step takes far longer than 1 ns per layer: capped
-    from laser.frontend.admission import snapshot_of
 
-    counters = snapshot_of(e.scheduler, 0.0).counters
+    counters = e.scheduler.report(0.0).counters
     assert counters["latency_calibration"] == m.hi  # what /metrics exports
     assert counters["latency_timing_spread"] == m.timing_spread() >= 1.0
     plain = Engine(str(tiny_llama), policy="laser", dtype="float32", cache=CacheConfig(kv_cache_gib=0.01),

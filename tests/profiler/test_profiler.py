@@ -60,6 +60,12 @@ def test_profile_gives_usable_model(engine, fitted):
     plan = StepPlan(lm.num_layers, [Work("a", 0, 64, 0, lm.num_layers, True), Work("b", 10, 1, 0, 2)])
     assert lm.predict_iteration(plan) > 0
     assert lm.max_tokens_within(lm.predict_prefill(100, layers=1), layers=1) >= 1
+    # The grammar mask of a structured request's sampled row, measured with llguidance on the
+    # engine's tokenizer (laser.profiler.mask), prices masked rows only.
+    assert 0.0 < lm.mask_row_s < 1.0
+    assert lm.predict_iteration(StepPlan(lm.num_layers, [Work("a", 9, 1, 0, lm.num_layers, True, True)])) == \
+        pytest.approx(lm.predict_iteration(StepPlan(lm.num_layers, [Work("a", 9, 1, 0, lm.num_layers, True)]))
+                      + lm.mask_row_s)
     # Profiling leaves the engine's KV pool as it was.
     engine.kv_cache.block_manager.check_integrity(expect_empty=True)
 
@@ -72,6 +78,7 @@ def test_profile_round_trips_through_its_file(engine, fitted, tmp_path, monkeypa
     assert isinstance(lm, FittedLatencyModel)
     assert lm.metadata["shape"] == fitted.metadata["shape"]
     assert len(lm.samples) == len(fitted.samples)
+    assert lm.mask_row_s == fitted.mask_row_s
     for q, c in [((1,), (5,)), ((1,) * 7, tuple(range(10, 17))), ((300,), (500,)), ((1, 1, 40), (9, 99, 40))]:
         assert lm.layer_time(q, c) == pytest.approx(fitted.layer_time(q, c), rel=1e-12)
     assert lm.head_time(3) == pytest.approx(fitted.head_time(3), rel=1e-12)

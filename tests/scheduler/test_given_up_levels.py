@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from laser.instance.core import Handoff
-from laser.instance.state import migration_victim
+from laser.scheduler.migration import migration_victim
 from laser.core.request import SLO, Request, SamplingParams
 from laser.scheduler.laser.decode import DecodeCandidate, exec_plan
 from laser.scheduler.laser.increment import latency_increment

@@ -186,7 +186,7 @@ def test_a_released_decode_instance_does_not_ask_to_migrate_for_an_slo():
     such moves in the tight-2P2D-laser-2000 cluster scenario, none before the release rule).
     Only a memory shortfall moves a request off a released instance."""
     from laser.core.block_manager import BlockManager
-    from laser.instance.state import migration_victim
+    from laser.scheduler.migration import migration_victim
     from laser.core.intermediate_cache import IntermediateCache
     from laser.core.request import Phase
     from laser.scheduler.laser.scheduler import LaserScheduler

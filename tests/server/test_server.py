@@ -499,7 +499,7 @@ def test_usage_reports_cached_prompt_tokens(live, client):
     chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 32
     engine_idle_and_clean(live)
-    q1, h1 = counters()  # (the snapshot is published after each step: the last one is in)
+    q1, h1 = counters()  # (the report is published after each step: the last one is in)
     assert q1 - q0 == 3 * 40 and h1 - h0 == 64
 
 

@@ -1,12 +1,11 @@
 """Scheduler observability on /metrics (issue 11, item 8): preemptions by cause, intermediate
-cache tokens and evictions, recomputes, per class — from the snapshot the engine publishes."""
+cache tokens and evictions, recomputes, per class — from the report the engine publishes."""
 
 from __future__ import annotations
 
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from laser.frontend.admission import snapshot_of
 from laser.latency import SimpleLatencyModel
 from laser.core.request import SLO, Request, SamplingParams
 from laser.server.metrics import ServerMetrics
@@ -48,7 +47,7 @@ def test_kv_preemptions_and_recomputes_are_counted_by_cause_and_class():
     assert {cause for cause, _ in sched.preemptions} == {"kv"}
     assert sched.recomputes[("preemption", "best_effort")] > 0  # the loosest are the victims
     m = ServerMetrics("tiny")
-    m.async_engine = _Published(snapshot_of(sched, sim.clock.t).counters)
+    m.async_engine = _Published(sched.report(sim.clock.t).counters)
     s = _samples(m)
     for (cause, cls), n in sched.preemptions.items():
         assert s[("laser:preemptions_total", (("cause", cause), ("slo_class", cls)))] == n
@@ -64,7 +63,7 @@ def test_count_preemption_is_open_to_new_causes():
     sim.scheduler.count_preemption("slo", req)
     assert sim.scheduler.num_preemptions == 2
     m = ServerMetrics("tiny")
-    m.async_engine = _Published(snapshot_of(sim.scheduler, 0.0).counters)
+    m.async_engine = _Published(sim.scheduler.report(0.0).counters)
     s = _samples(m)
     assert s[("laser:preemptions_total", (("cause", "running_cap"), ("slo_class", "chat")))] == 1
 
@@ -81,7 +80,7 @@ def test_intermediate_cache_tokens_and_evictions():
     assert sched.recomputes == {("icache_eviction", "best_effort"): 1}
     assert sched.recomputed_tokens[("icache_eviction", "best_effort")] == 48
     m = ServerMetrics("tiny")
-    m.async_engine = _Published(snapshot_of(sched, 0.0).counters)
+    m.async_engine = _Published(sched.report(0.0).counters)
     s = _samples(m)
     assert s[("laser:intermediate_cache_tokens", ())] == 48
     assert s[("laser:intermediate_cache_capacity_tokens", ())] == 64

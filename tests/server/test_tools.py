@@ -169,6 +169,24 @@ def test_parser_results_on_fixed_strings():
             json.loads(args)
 
 
+def test_calls_only_never_sends_content_even_when_a_block_is_cut():
+    """tool_choice required / named (the grammar writes only call blocks): a block cut by the
+    length limit is dropped, not sent as content, whole or streamed at every split (a fresh-user
+    try got ``content: "<tool_call>"`` at max_tokens 5 and after two complete calls at 80)."""
+    from laser.server.tool_parser import ToolCallParser
+
+    call = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+    for text, want in [("<tool_call>", []), ("<tool_", []), (call + call + "<tool_call>\n{\"na", [("f", '{"a": 1}')] * 2),
+                       (call, [("f", '{"a": 1}')])]:
+        content, cs = parse_tool_calls(text, True, calls_only=True)
+        assert content is None and [(x["function"]["name"], x["function"]["arguments"]) for x in cs] == want
+        for cut in range(len(text) + 1):
+            p = ToolCallParser(True, calls_only=True)
+            sent = p.feed(text[:cut])[0] + p.feed(text[cut:])[0] + p.finish()[0]
+            assert sent == "" and len(p.calls) == len(want), (text, cut)
+    assert parse_tool_calls("<tool_call>")[0] == "<tool_call>"  # auto: the text as written
+
+
 def test_template_detection_and_fallback_prompt(smollm2_dir):
     from transformers import AutoTokenizer
 
@@ -274,6 +292,21 @@ def test_required_and_named_always_yield_valid_calls(served, seed):
         assert (s_calls, reason, usage) == ([(c.function.name, c.function.arguments)
                                              for c in ch.message.tool_calls or []], ch.finish_reason,
                                             r.usage.completion_tokens)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_function_without_parameters_gets_empty_arguments(served, seed):
+    """A tool defined without ``parameters`` takes no arguments (OpenAI's reading): a required
+    call's arguments are exactly ``{}``, sampled or greedy (a bare object schema let the grammar
+    write any keys: a fresh-user try got nested junk until the length limit)."""
+    _, client, _, _ = served
+    tools = [{"type": "function", "function": {"name": "ping"}}]
+    r = client.chat.completions.create(model="tiny", messages=MSGS, tools=tools, tool_choice="required",
+                                       parallel_tool_calls=False, max_tokens=60, temperature=[0, 1.0][seed % 2],
+                                       seed=seed)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls", ch
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in ch.message.tool_calls] == [("ping", {})]
 
 
 def _generated_tokens(srv) -> float:
@@ -393,10 +426,11 @@ def test_bad_tool_input_is_400_naming_the_field(served, extra, param):
     assert ok.status_code == 200  # everyone else is still served
 
 
-def test_a_cluster_parses_auto_and_refuses_grammar_tool_choices(tiny_llama):
-    """A cluster front end (one in-process instance) has no grammar backend (structured output is
-    a 400 there): tool_choice required / named is a 400 naming tool_choice; auto needs no grammar
-    and is served (the prompt rendered and the output parsed in the front end)."""
+def test_a_cluster_parses_auto_and_enforces_grammar_tool_choices(tiny_llama):
+    """A cluster front end (one in-process mixed instance): tool_choice required / named is
+    enforced by the instance's sampler with the grammar the front end spelled (a call of the
+    named function that validates); auto needs no grammar and is served (the prompt rendered and
+    the output parsed in the front end)."""
     from laser.cluster.engine import ClusterEngine
     from laser.cluster.handles import LocalHandle
     from laser.controller import get_controller
@@ -412,8 +446,13 @@ def test_a_cluster_parses_auto_and_refuses_grammar_tool_choices(tiny_llama):
     try:
         url = srv.url + "/v1/chat/completions"
         for choice in ["required", {"type": "function", "function": {"name": "get_weather"}}]:
-            r = httpx.post(url, json={"messages": MSGS, "tools": [WEATHER], "tool_choice": choice}, timeout=60)
-            assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+            r = httpx.post(url, json={"messages": MSGS, "tools": [WEATHER], "tool_choice": choice, "max_tokens": 200},
+                           timeout=120)
+            assert r.status_code == 200, r.text
+            ch = r.json()["choices"][0]
+            calls = [(c.function.name, c.function.arguments) for c in
+                     openai.types.chat.ChatCompletion.model_validate(r.json()).choices[0].message.tool_calls or []]
+            _check_calls(calls, [WEATHER], ch["finish_reason"], exactly_one=True)
         r = httpx.post(url, json={"messages": MSGS, "tools": [WEATHER], "max_tokens": 8, "temperature": 0,
                                   "return_token_ids": True}, timeout=120)
         assert r.status_code == 200, r.text

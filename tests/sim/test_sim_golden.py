@@ -21,14 +21,13 @@ import sys
 
 import pytest
 
+from laser.bench.cluster import table1_requests
 from laser.controller.laser import LaserController
 from laser.latency import SimpleLatencyModel
 from laser.core.request import SLO, Request, SamplingParams
 from laser.sim.cluster import ClusterConfig, ClusterSim, ClusterSpec, paper_config
 
 SMALL = SimpleLatencyModel(num_layers=4, per_layer=2e-4, per_token=2e-6, per_context=1e-8)
-CLASSES = [("chat", 350.9, 187.9, 0.25, 0.1), ("code", 201.5, 105.2, 0.125, 0.05),
-           ("summarization", 2084.5, 95.7, 2.0, 0.2)]
 
 
 class _Pinned(LaserController):
@@ -41,20 +40,6 @@ class _Pinned(LaserController):
 
     def at_handoff(self, info, chosen, now):
         return self.decode[0].instance_id
-
-
-def _table1(n: int, rate: float, seed: int, scale: float = 1.0) -> list[Request]:
-    """Poisson arrivals, lognormal lengths with Table 1 means (times ``scale``), 1:1:1 mix."""
-    rng = random.Random(seed)
-    t, out = 0.0, []
-    for i in range(n):
-        t += rng.expovariate(rate)
-        name, p, o, ttft, tbt = CLASSES[i % 3]
-        lp = max(1, round(rng.lognormvariate(0, 0.5) * p * scale / 1.1331))
-        lo = max(1, round(rng.lognormvariate(0, 0.5) * o * scale / 1.1331))
-        out.append(Request([1] * lp, SamplingParams(max_tokens=lo, ignore_eos=True), SLO(ttft, tbt, name),
-                           arrival_time=t, req_id=f"r{i}"))
-    return out
 
 
 def _pinned_requests(n: int) -> list[Request]:
@@ -82,20 +67,20 @@ def _small(num_blocks: int) -> ClusterConfig:
 
 SCENARIOS = {
     "paper-2P2D-laser": lambda: (ClusterSim("laser", ClusterSpec.parse("2P2D"), paper_config("qwen2.5-14b", "a100")),
-                                 _table1(60, 12.0, seed=3)),
+                                 table1_requests(60, 12.0, seed=3)),
     "migration-memory": lambda: (ClusterSim(_Pinned(), ClusterSpec.parse("1P2D"), _small(64)), _pinned_requests(3)),
     "migration-and-recompute": lambda: (ClusterSim(_Pinned(), ClusterSpec.parse("1P2D"), _small(40)),
                                         _pinned_requests(4)),
     "small-2P2D-laser": lambda: (ClusterSim("laser", ClusterSpec.parse("2P2D"), _small(160)),
-                                 _table1(80, 150.0, seed=5, scale=0.1)),
+                                 table1_requests(80, 150.0, seed=5, scale=0.1)),
     "small-2P2D-distserve": lambda: (ClusterSim("distserve", ClusterSpec.parse("2P2D"), _small(160)),
-                                     _table1(60, 150.0, seed=6, scale=0.1)),
+                                     table1_requests(60, 150.0, seed=6, scale=0.1)),
     "tight-2P2D-laser-800": lambda: (ClusterSim("laser", ClusterSpec.parse("2P2D"), _small(160)),
                                      _tight(80, 800.0, seed=9)),
     "tight-2P2D-laser-2000": lambda: (ClusterSim("laser", ClusterSpec.parse("2P2D"), _small(160)),
                                       _tight(80, 2000.0, seed=9)),
     "small-3M-colocated": lambda: (ClusterSim("colocated", ClusterSpec.parse("3M"), _small(160)),
-                                   _table1(60, 150.0, seed=7, scale=0.1)),
+                                   table1_requests(60, 150.0, seed=7, scale=0.1)),
 }
 
 #: SHA-256 (first 16 hex digits) of every request's times, recorded before speed-up step 3.

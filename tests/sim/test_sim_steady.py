@@ -149,7 +149,7 @@ def test_reused_report_equals_a_fresh_one(monkeypatch):
         cached = self._report
         rep = original(self)
         busy = self.plan_end if self.plan is not None else self.clock
-        fresh = build_report(self.instance_id, self.role, self.scheduler, self.sim.icache, self.clock, busy,
+        fresh = build_report(self.instance_id, self.role, self.scheduler, self.sim.bm, self.sim.icache, self.clock, busy,
                              self.sim.queued(), self.sim.adopting(), len(self.reserved))
         assert rep == fresh
         checked["n"] += 1

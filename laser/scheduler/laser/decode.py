@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from ...latency import LatencyModel
+from ...core.depth import expected_layers
 from ...core.request import SLO
 from ..util import ceil_div
 
@@ -102,6 +103,12 @@ class _LayerLoad:
     adds to them -- on a GPU, nearly nothing while the call is bound by its weight read, and
     a prefill token's compute once the prefill makes it compute-bound (priced alone, a
     decode batch is weight-bound there, and cutting its layers looks like it saves nothing).
+
+    Dynamic depth (:mod:`laser.core.depth`): a full-depth request expected to run ``d < N``
+    layers per token (:func:`~laser.core.depth.expected_layers`: its running mean depth) occupies
+    layers ``[0, d)`` of every iteration, not all N (``depths``: req id -> d for those); a token
+    that needs more runs them anyway, and the running mean follows. Reduced plans keep their N-layer
+    groups (an early exit restarts the cycle: ``LaserScheduler._restart_exited``).
     """
 
     HORIZON = 12
@@ -137,15 +144,23 @@ class _LayerLoad:
         self.shared = shared
         self.layer = layer
         self.const = lm.embed_time(len(reqs)) + lm.head_time(len(reqs))
+        masked = sum(1 for r in reqs if r.masked)
+        if masked:  # grammar masks of their sampled rows (PlanCost's term)
+            self.const += lm.mask_time(masked)
         self.full = 0
-        self.num_partial = 0  # requests with L < N (0: every row of ``partial`` is zero)
+        self.num_partial = 0  # requests with L < N or an expected depth < N (0: every row of ``partial`` is zero)
         self._partial: list[list[int]] | None = None  # built when first needed (``partial``)
         self.times: list[float] | None = None  # per iteration; None = recompute
         self._row_memo: dict[tuple, float] = {}  # (full, row) -> that iteration's layer time
         n = self.n
+        self.depths: dict[str, int] = {}
         for r in reqs:
             p = plans[r.req_id]
-            if p.layers >= n:
+            d = expected_layers(r, n)
+            if d < n:
+                self.depths[r.req_id] = d
+                self.add(p, depth=d)
+            elif p.layers >= n:
                 self.full += 1  # (what ``add`` does for a full-depth plan, in line)
             else:
                 self.add(p)
@@ -158,7 +173,9 @@ class _LayerLoad:
             rows = self._partial = [[0] * self.n for _ in range(self.HORIZON)]
         return rows
 
-    def _span(self, p: DecodePlan, h: int) -> tuple[int, int]:
+    def _span(self, p: DecodePlan, h: int, depth: int | None = None) -> tuple[int, int]:
+        if p.layers >= self.n:
+            return 0, depth  # a full-depth plan expected to run ``depth`` layers per token
         k = p.groups(self.n)
         g = (self.it0 + h - p.offset - 1) % k + 1  # the group that runs in this iteration
         return (g - 1) * p.layers, min(self.n, g * p.layers)
@@ -183,13 +200,15 @@ class _LayerLoad:
             self.times = times
         return self.times
 
-    def _delta(self, p: DecodePlan, h: int, d: int) -> float:
-        a, b = self._span(p, h)
+    def _delta(self, p: DecodePlan, h: int, d: int, depth: int | None = None) -> float:
+        a, b = self._span(p, h, depth)
         row, lt, f = self.partial[h], self.layer, self.full
         return sum(lt(f + row[j] + d) - lt(f + row[j]) for j in range(a, b))
 
-    def add(self, p: DecodePlan, d: int = 1) -> None:
-        if p.layers >= self.n:
+    def add(self, p: DecodePlan, d: int = 1, depth: int | None = None) -> None:
+        """Count ``d`` requests of plan ``p`` (``depth``: layers per token a full-depth plan is
+        expected to run, None = all N)."""
+        if p.layers >= self.n and (depth is None or depth >= self.n):
             self.full += d
             self.times = None
             return
@@ -197,14 +216,18 @@ class _LayerLoad:
         times = self.times
         for h in range(self.HORIZON):
             if times is not None:
-                times[h] += self._delta(p, h, d)
-            a, b = self._span(p, h)
+                times[h] += self._delta(p, h, d, depth)
+            a, b = self._span(p, h, depth)
             row = self.partial[h]
             for j in range(a, b):
                 row[j] += d
 
-    def remove(self, p: DecodePlan) -> None:
-        self.add(p, -1)
+    def remove(self, p: DecodePlan, depth: int | None = None) -> None:
+        self.add(p, -1, depth)
+
+    def slots(self) -> int:
+        """Layer slots the counted requests occupy over the ``HORIZON`` iterations (request-layers)."""
+        return self.full * self.n * self.HORIZON + (sum(map(sum, self._partial)) if self._partial else 0)
 
     def predict(self) -> float:
         return max(self._times()) + self.const
@@ -228,11 +251,14 @@ class _LayerLoad:
 @dataclass(frozen=True, slots=True)
 class DecodeCandidate:
     """A request about to join a decode instance, as Alg. 1 sees it: ``num_tokens`` is its
-    context (prompt + the first token), ``slo`` its targets (only ``slo.tbt`` is used)."""
+    context (prompt + the first token), ``slo`` its targets (only ``slo.tbt`` is used);
+    ``masked``: its sampled rows go through a grammar mask (``Request.masked``; the controller's
+    :class:`~laser.instance.messages.RequestInfo` does not say, so False)."""
 
     req_id: str
     num_tokens: int
     slo: SLO
+    masked: bool = False
 
 
 #: Granularity (tokens) of the prefill chunk :func:`exec_plan` prices iterations with.
@@ -317,7 +343,7 @@ def _relax_and_restore(load: "_LayerLoad", plans: dict[str, DecodePlan], decodin
         L = 1 if slo == math.inf else relaxed_layers(n, t_g, slo)  # best effort: 1 layer
         if L >= n:
             continue
-        load.remove(plans[r.req_id])
+        load.remove(plans[r.req_id], load.depths.get(r.req_id))
         plans[r.req_id] = load.best_offset(L)
         load.add(plans[r.req_id])
     # restore: the strictest reduced request first; revert (and stop) if it breaks the target
@@ -327,10 +353,11 @@ def _relax_and_restore(load: "_LayerLoad", plans: dict[str, DecodePlan], decodin
         if load.predict() >= target:
             break
         old = plans[r.req_id]
+        depth = load.depths.get(r.req_id)
         load.remove(old)
-        load.add(DecodePlan(n, 0))
+        load.add(DecodePlan(n, 0), depth=depth)
         if load.predict() > target:
-            load.remove(DecodePlan(n, 0))
+            load.remove(DecodePlan(n, 0), depth)
             load.add(old)
             break
         plans[r.req_id] = DecodePlan(n, 0)
@@ -376,7 +403,7 @@ def _keep_reduced_within(load: "_LayerLoad", plans: dict[str, DecodePlan], decod
             layers = ceil_div(n, k)
             load.remove(old)
             plans[r.req_id] = load.best_offset(layers) if layers < n else DecodePlan(n, 0)
-            load.add(plans[r.req_id])
+            load.add(plans[r.req_id], depth=load.depths.get(r.req_id))
     return changed
 
 

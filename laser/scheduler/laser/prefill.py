@@ -108,12 +108,12 @@ class PrefillPlanner:
             start, left = r.num_computed_tokens, r.num_tokens - r.num_computed_tokens
             if r.in_flight:  # the chunk has run layers [0, next_layer) already
                 if priced:
-                    work.add(Work(r.req_id, start, r.chunk_tokens, r.next_layer, n, left == r.chunk_tokens))
+                    work.add(Work(r.req_id, start, r.chunk_tokens, r.next_layer, n, left == r.chunk_tokens, r.masked))
                 tokens += r.chunk_tokens * (n - r.next_layer) / n
                 start, left = start + r.chunk_tokens, left - r.chunk_tokens
             if left > 0:
                 if priced:
-                    work.add(Work(r.req_id, start, left, 0, n, True))
+                    work.add(Work(r.req_id, start, left, 0, n, True, r.masked))
                 tokens += left
             ttft = r.slo.ttft if r.slo.ttft is not None else self.best_effort_deadline_s
             slack = r.arrival_time + ttft - now
@@ -186,7 +186,7 @@ class PrefillPlanner:
                 return False
 
         def mk(k, end, r=r, start=start, lo=lo):
-            return Work(r.req_id, start, k, lo, end, sample=end == n and start + k == r.num_tokens)
+            return Work(r.req_id, start, k, lo, end, sample=end == n and start + k == r.num_tokens, masked=r.masked)
 
         if r.demoted or given_up:
             w = self.fit(cost, mk, k, lo, r.in_flight, limit, bounds.late, bounds.now)

@@ -220,7 +220,7 @@ class LaserScheduler(Scheduler):
                 if not covers(rid, c - 1):
                     return None  # not one uniform block short: the generic path decides
                 grow.append(r)
-            works.append(Work(rid, c - 1, 1, 0, n, True))
+            works.append(Work(rid, c - 1, 1, 0, n, True, r.masked))
             ctx.append(c)
         if len(grow) > self.bm.min_free():
             return None  # someone would be preempted
@@ -231,6 +231,9 @@ class LaserScheduler(Scheduler):
         lm = self.lm
         # PlanCost's sum for one segment of n layers (its 0.0 + n*t is n*t: prices are >= 0)
         decode_time = n * lm.layer_time((1,) * b, tuple(ctx)) + lm.embed_time(b) + lm.head_time(b)
+        masked = sum(1 for w in works if w.masked)
+        if masked:  # (PlanCost's grammar-mask term)
+            decode_time += lm.mask_time(masked)
         budget = max(0.0, self._iteration_limit(now, decode_time) - decode_time)
         self.prefill_rate = rules.prefill_share(budget, decode_time)
         plan = StepPlan(n, works, predicted=(lm, decode_time))
@@ -242,7 +245,7 @@ class LaserScheduler(Scheduler):
         self._step_triage = None
         self.step.begin(plan, self.plans, self.clock())
 
-    def update(self, plan, stopped_layer, sampled, now):
+    def update(self, plan, stopped_layer, sampled, now, exit_layers=None):
         self.step.end()
         if plan.works:
             # A stop pauses prefill work only: the decode works ran their layer groups, so
@@ -261,7 +264,9 @@ class LaserScheduler(Scheduler):
                     self.replan_needed = True
             if complete or dec:
                 self.iteration += 1
-        out = super().update(plan, stopped_layer, sampled, now)
+        out = super().update(plan, stopped_layer, sampled, now, exit_layers)
+        if exit_layers:
+            self._restart_exited(exit_layers)
         for req in out:
             if req.num_output_tokens == 1 and req.req_id not in self.plans:
                 self.replan_needed = True  # a new decode request
@@ -269,6 +274,17 @@ class LaserScheduler(Scheduler):
                 self._p99_lost.add(req.req_id)
                 self.replan_needed = True  # it has nothing left to keep: T_g may be released
         return out
+
+    def _restart_exited(self, exit_layers: dict[str, int]) -> None:
+        """A reduced request (L < N) whose token left the model early (dynamic depth) starts its
+        next token now: its plan's offset moves so that its first group runs in the coming
+        iteration (:meth:`_LayerLoad.best_offset`'s rule), instead of waiting out the groups the
+        exit skipped."""
+        n = self.num_layers
+        for rid in exit_layers:
+            p = self.plans.get(rid)
+            if p is not None and p.layers < n:
+                self.plans[rid] = DecodePlan(p.layers, (self.iteration - 1) % p.groups(n))
 
     # -- prefill (§6.1) ---------------------------------------------------------------------------
     def _pending_prefills(self) -> list[Request]:
@@ -346,7 +362,7 @@ class LaserScheduler(Scheduler):
             if p is None:
                 continue
             end = group_end(r, p, n)
-            works.append(Work(r.req_id, r.num_tokens - 1, 1, r.next_layer, end, sample=end == n))
+            works.append(Work(r.req_id, r.num_tokens - 1, 1, r.next_layer, end, sample=end == n, masked=r.masked))
         return works
 
     def _replan(self, decoding: list[Request]) -> None:
@@ -408,9 +424,15 @@ class LaserScheduler(Scheduler):
         plans = {r.req_id: given.get(r.req_id, DecodePlan(n, 0)) for r in decoding}
         return _LayerLoad(self.lm, n, self.iteration, decoding, plans, self.decode_memo).predict()
 
+    def on_role_change(self) -> None:
+        self.replan_needed = True
+
     def planning_report(self) -> dict:
-        """Alg. 1's state for :meth:`Scheduler.report` (T_g, its margin, the plans, the memo)."""
+        """Alg. 1's part of :meth:`Scheduler.report` (the prefill share, T_g and its margin, the
+        last iteration, the layer stops)."""
         return dict(prefill_share=self.max_prefill_share, tg_margin=self.tg_margin, t_g=self.t_g,
-                    last_iteration_s=self.last_iteration_s, iteration=self.iteration, plans=self.plans,
-                    planning_margin=self.planning_margin(), decode_memo=self.decode_memo,
-                    layer_stops=self.step.num_stops)
+                    last_iteration_s=self.last_iteration_s, layer_stops=self.step.num_stops)
+
+    def decode_state(self) -> tuple:
+        """Alg. 1's live state: (iteration, plans, the margin it plans to, its price memo)."""
+        return self.iteration, self.plans, self.planning_margin(), self.decode_memo

@@ -96,7 +96,7 @@ class StepWatch:
             if w.req_id in decode_ids:
                 if w.layer_end > j:
                     dec.append(Work(w.req_id, w.token_start, w.num_tokens, max(w.layer_start, j), w.layer_end,
-                                    w.sample))
+                                    w.sample, w.masked))
             elif w.layer_end > j:
                 paused += 1
         prefill_rest = self.remaining_from(j) - (PlanCost(self.lm, n, dec).total if dec else 0.0)

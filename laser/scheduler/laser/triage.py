@@ -74,7 +74,7 @@ def triage(cands: Sequence[Request], now: float, lm: LatencyModel, num_layers: i
     kept: list[tuple[Request, Work]] = []  # the savable prefills so far, in EDF order
     ahead = PlanCost(lm, n, [])  # ``kept``, merged in one pass
     for r in cands[:max_candidates]:
-        w = Work(r.req_id, r.num_computed_tokens, r.num_tokens - r.num_computed_tokens, 0, n, True)
+        w = Work(r.req_id, r.num_computed_tokens, r.num_tokens - r.num_computed_tokens, 0, n, True, r.masked)
         if w.num_tokens <= 0:
             continue
 
@@ -112,7 +112,7 @@ def _room(cands: Sequence[Request], hopeless: list[Request], kept: list[tuple[Re
     room = len(kept)
     if hopeless and kept:
         ids = {id(q) for q in hopeless}
-        given = [Work(q.req_id, q.num_computed_tokens, q.num_tokens - q.num_computed_tokens, 0, n, True)
+        given = [Work(q.req_id, q.num_computed_tokens, q.num_tokens - q.num_computed_tokens, 0, n, True, q.masked)
                  for q in cands if id(q) in ids]
         pre = PlanCost(lm, n, given)
         ends = []
