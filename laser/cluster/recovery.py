@@ -75,6 +75,7 @@ class Recovery:
                 if tr.src != iid:  # the decode side died: the prefill instance still holds the KV
                     self.stats.resends += 1
                     t.req.num_failovers += 1
+                    t.resend = True
                     t.decode = t.direct = None  # the front end pulls it to another decode instance
                     self._pending.append(t.req.req_id)
                     continue
@@ -135,11 +136,13 @@ class Recovery:
             self._parked.clear()
             self._stranded.clear()
 
-    def _resume(self, t: Tracked, failed_at: float) -> None:
-        """Re-prefill ``t`` (prompt + streamed tokens) on a live instance, original deadline kept."""
+    def _resume(self, t: Tracked, failed_at: float, counted: bool = False) -> None:
+        """Re-prefill ``t`` (prompt + streamed tokens) on a live instance, original deadline kept;
+        ``counted``: its fail-over was counted already (a re-send that found nothing to send)."""
         self.stats.recoveries += 1
         t.restarts += 1
-        t.req.num_failovers += 1
+        t.req.num_failovers += not counted
+        t.resend = False
         self.stats.seeded_recoveries += bool(t.req.seed_kept)
         # drop what live instances still hold of it, and refuse a late adoption of the old attempt
         self._drop_on_live(t.req.req_id, {t.owner, t.decode}, t.restarts)

@@ -30,6 +30,10 @@ class Tracked:
     # a direct adoption read before the prefill's hand-off event: (adopt's answer, refusal, the
     # decode instance's events for it meanwhile), applied when that event is read
     early: tuple | None = None
+    # its hand-off is being re-sent after its decode instance died (that fail-over is counted): if
+    # the prefill instance no longer holds it (a direct hand-off that decode instance had confirmed),
+    # the re-prefill that follows is the same fail-over, not another one
+    resend: bool = False
 
 
 @dataclass

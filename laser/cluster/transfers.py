@@ -173,7 +173,7 @@ class Transfers:
             except KeyError as e:
                 self._lost_handoff(t, tr, e)
                 continue
-            t.transfer = None
+            t.transfer, t.resend = None, False
             t.owner = tr.dst
             self._mark_busy(tr.dst)
             self._count_transfer(m, tr.migration)
@@ -202,4 +202,4 @@ class Transfers:
         if self.requests.get(t.req.req_id) is t and t.transfer is tr:
             log.warning("hand-off of %s lost (%s); re-prefilling it", t.req.req_id, e)
             t.transfer = None
-            self._resume(t, self.clock())
+            self._resume(t, self.clock(), counted=t.resend)
