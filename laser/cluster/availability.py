@@ -56,7 +56,11 @@ class Availability:
     def poll_idle(self) -> float:
         """While no request is in flight (the server's engine thread calls it when idle): ping
         the live instances (:meth:`_check_health`) and the dead ones that may return, so a
-        restarted instance rejoins now. Returns seconds until the next poll is due."""
+        restarted instance rejoins now; a node started again (:mod:`.node`) serves. Returns
+        seconds until the next poll is due."""
+        self._poll_node_restart()
+        if self.restarting_node:
+            return min(self.health_probe_s, 0.1)
         self._check_health(time.monotonic())
         if self._probes or self._parked or self._stranded:
             self._probe_dead()

@@ -28,10 +28,12 @@ do seeded sampled ones (a draw's generator is a function of seed and position,
 :func:`laser.model.sampler.draw_seed`); the response and ``/metrics`` say a request failed over.
 While idle the instances are pinged, so a restarted one rejoins without a request; with no decode
 instance left the prefill instances serve as mixed; a request that finds a needed role gone
-waits, bounded, for it to return, else fails with a 503-class error (:mod:`.availability`).
+waits, bounded, for it to return, else fails with a 503-class error (:mod:`.availability`); a
+lost Ray node is started again with its instances, or reported so the server exits (:mod:`.node`).
 
 The jobs live in their own modules: hand-offs and migrations (:mod:`.transfers`), failure
-recovery (:mod:`.recovery`), staying available (:mod:`.availability`), the records
+recovery (:mod:`.recovery`), staying available (:mod:`.availability`), the lost node
+(:mod:`.node`), the records
 (:mod:`.state`), starting a cluster (:mod:`.launch`).
 """
 
@@ -51,6 +53,7 @@ from ..instance.handoff import DirectRoute
 from ..instance.messages import RequestInfo
 from .availability import Availability
 from .handles import Call, InstanceFailure, InstanceHandle
+from .node import NodeRestart
 from .recovery import Recovery
 from .state import ClusterError, ClusterStats, Tracked
 from .transfers import Transfers
@@ -64,7 +67,7 @@ STALL_FACTOR = 10.0
 STALL_DECAY = 0.9
 
 
-class ClusterEngine(Transfers, Recovery, Availability):
+class ClusterEngine(Transfers, Recovery, Availability, NodeRestart):
     """Engine-like front end over ``handles`` driven by ``controller``.
 
     Args:

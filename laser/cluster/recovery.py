@@ -47,6 +47,7 @@ class Recovery:
         self._busy.discard(iid)
         if not self._serve_with_live():  # (prefill instances serve as mixed when the decode role is lost)
             self._strand(iid)  # its requests move when an instance rejoins
+            self._check_node()  # (none alive: was it the node itself? then it starts again)
             return
         self._move_requests_of(iid)
 

@@ -69,5 +69,6 @@ class ClusterStats:
     recovery_seconds: list[float] = field(default_factory=list)  # failure -> next token
     instance_failures: int = 0
     rejoins: int = 0  # dead instances that answered again (restarted by Ray) and rejoined, empty
+    node_restarts: int = 0  # times the lost node was started again with its instances (node.py)
     routes: int = 0
     route_seconds: float = 0.0
