@@ -5,7 +5,7 @@ request crosses at most 15 files"), in process and on an in-process cluster (1 p
 One non-streamed ``POST /v1/chat/completions`` (4 tokens, greedy) goes through the real server
 (uvicorn + the FastAPI app + ``AsyncEngine``) over a tiny random-weight Llama built as the tests
 build it, after one warm-up request. A profile hook on every thread (set before the server's
-threads start, active only during the measured request) records two counts per file of
+threads start, active only during the measured request) records three counts per file of
 ``laser/``:
 
 * **executed**: every named function of ``laser/`` that ran during the request (any helper,
