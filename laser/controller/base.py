@@ -3,8 +3,8 @@
 A controller is torch-free policy code, like a scheduler: it sees instances only through
 :class:`laser.instance.Instance` (reports, ``latency_increment``) and answers, for every
 arriving request, where its prefill runs and (on a disaggregated cluster) which decode
-instance receives its KV. The cluster simulator (:mod:`laser.sim.cluster`) drives it now;
-a Ray deployment drives the same code next.
+instance receives its KV. The cluster simulator (:mod:`laser.sim.cluster`) and the cluster
+front end (:mod:`laser.cluster.engine`, in process or over Ray actors) drive the same code.
 """
 
 from __future__ import annotations
