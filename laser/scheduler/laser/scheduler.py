@@ -12,7 +12,8 @@ in-flight chunk parks its hidden state in the intermediate cache (decode tokens 
 to the end of their layer groups: parking them would put the next step into their
 token gap), and the next
 ``schedule`` re-plans with the newcomer in EDF position: merged if the merge meets its
-deadline, otherwise first.
+deadline, otherwise first -- and alone, the paused chunks resuming after it, where they can wait
+and merging them would delay its first token more than it saves (``PrefillPlanner.holds_back``).
 
 Decode (§6.2, Alg. 1). Decode request r has a plan (L_r, O_r): with K_r = ceil(N/L_r)
 layer groups, group g (layers ((g-1)L, gL]) runs in iteration i iff
@@ -118,7 +119,9 @@ class LaserScheduler(Scheduler):
         if self.config.role == "mixed" and self.plans:
             self.replan_needed = True
         if self.step.in_step and self.config.role != "decode":
-            self.step.arrival_stops(req, self.clock(), self.prefill_alone(req), len(self.waiting), self.plans)
+            key = self.queue_key(req)
+            leads = all(w is req or key < self.queue_key(w) for w in self.waiting)
+            self.step.arrival_stops(req, self.clock(), self.prefill_alone(req), leads, self.plans)
 
     def prefill_alone(self, req: Request) -> float:
         """Predicted seconds of ``req``'s prefill left (after its cached or computed prefix), run alone."""
