@@ -335,8 +335,34 @@ class LaserScheduler(Scheduler):
         """The EDF merge of prefill work into the step (:meth:`PrefillPlanner.merge`)."""
         order = self.triage(now)
         queued = {id(r) for r in self.waiting}  # not running yet: each one takes a running slot
+        share: list[float] = []  # later_prefill_share(), asked at most once per step
+
+        def later_share() -> float:
+            if not share:
+                share.append(self.later_prefill_share())
+            return share[0]
+
         return self.prefill.merge(self._pending_prefills(), order, queued, len(self.running), now, cost, budget,
-                                  self._kv)
+                                  self._kv, later_share)
+
+    def later_prefill_share(self) -> float:
+        """Share of an iteration that prefill gets while every request now running or waiting
+        decodes (:func:`~.budget.prefill_share` of what ``planning_margin() * T_g`` leaves beside
+        one full-depth decode iteration of all of them, T_g the tightest TBT target among them that
+        may still be met: Alg. 1's T_g of the decoding ones, the targets of the pending ones not
+        given up or demoted; 1.0 with none). A lower bound: Alg. 1 runs looser streams on fewer
+        layers per iteration, and some streams finish first. What prefill work held back from a
+        step gets when it runs (:meth:`PrefillPlanner.holds_back`)."""
+        pending = [r for r in self._pending_prefills() if r.phase != Phase.DECODE]
+        t_g = self.t_g
+        for r in pending:
+            if r.slo.tbt is not None and not (r.given_up or r.demoted):
+                t_g = min(t_g, r.slo.tbt)
+        if not math.isfinite(t_g):
+            return 1.0
+        contexts = [r.num_tokens for r in self.running] + [r.num_tokens for r in self.waiting]
+        decode_time = self.lm.predict_decode_iteration(contexts)
+        return rules.prefill_share(max(0.0, self.planning_margin() * t_g - decode_time), decode_time)
 
     # -- decode (§6.2) -------------------------------------------------------------------------
     def _decode_works(self, now: float) -> list[Work]:
