@@ -91,7 +91,7 @@ GOLDEN = {
     "small-2P2D-distserve": "9697e0b63f128459",
     "small-2P2D-laser": "61799cc73e869d91",
     "small-3M-colocated": "a31f6d6f730862f5",
-    "tight-2P2D-laser-2000": "a0de20da77d85676",
+    "tight-2P2D-laser-2000": "7961744c235908f6",
     "tight-2P2D-laser-800": "e4cf319765861f14",
 }
 

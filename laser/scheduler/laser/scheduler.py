@@ -352,7 +352,10 @@ class LaserScheduler(Scheduler):
         may still be met: Alg. 1's T_g of the decoding ones, the targets of the pending ones not
         given up or demoted; 1.0 with none). A lower bound: Alg. 1 runs looser streams on fewer
         layers per iteration, and some streams finish first. What prefill work held back from a
-        step gets when it runs (:meth:`PrefillPlanner.holds_back`)."""
+        step gets when it runs (:meth:`PrefillPlanner.holds_back`). 1.0 on a prefill instance (it
+        decodes nothing: held-back work there runs with the whole machine)."""
+        if self.config.role == "prefill":
+            return 1.0
         pending = [r for r in self._pending_prefills() if r.phase != Phase.DECODE]
         t_g = self.t_g
         for r in pending:
