@@ -49,15 +49,19 @@ BEST = SLO(name="best_effort")
 
 
 def req(prompt: int, arrival: float, slo: SLO, max_tokens: int, name: str) -> Request:
+    """A greedy request of ``prompt`` dummy tokens arriving at ``arrival`` (s) that runs ``max_tokens``."""
     return Request([7] * prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), slo,
                    arrival_time=arrival, req_id=name)
 
 
 def ttft(r: Request) -> float:
+    """Seconds from ``r``'s arrival to its first token."""
     return r.token_times[0] - r.arrival_time
 
 
 def simulate(reqs: list[Request], planning, machine=None, num_blocks: int = 8192, before_step=None) -> SimInstance:
+    """Run ``reqs`` on one simulated Laser instance planning with ``planning`` (the clock runs on
+    ``machine``, default ``planning``) to the end; checks the instance is empty and consistent."""
     sim = SimInstance("laser", N, planning, SchedulerConfig(policy="laser"), num_blocks=num_blocks,
                       machine_model=machine)
     for r in reqs:
@@ -68,6 +72,7 @@ def simulate(reqs: list[Request], planning, machine=None, num_blocks: int = 8192
 
 
 def shorts() -> str:
+    """The ``shorts`` scenario (module docstring); returns its line."""
     long_ = req(2000, 0.0, SUMM, 16, "long")
     chats = [req(32, 0.1 + 0.1 * k, CHAT, 16, f"chat{k}") for k in range(6)]
     simulate([long_] + chats, LM)
@@ -94,10 +99,12 @@ def burst_run(n: int, order: str, slower: float, gap: float, with_long: bool = T
 
 
 def met(rs: list[Request], slo: SLO) -> int:
+    """How many of ``rs`` got their first token within ``slo``'s TTFT target."""
     return sum(ttft(r) <= slo.ttft for r in rs)
 
 
 def burst(gap: float, slower: float) -> str:
+    """The ``burst`` scenario: 16 + 16 prompts, a pair every ``gap`` s, ``slower`` x the profile."""
     chats, longs = burst_run(16, "long-first", slower, gap / 2)
     alone, _ = burst_run(16, "long-first", slower, gap / 2, with_long=False)
     late = sorted(round(ttft(c), 2) for c in chats if ttft(c) > CHAT.ttft)
@@ -106,6 +113,7 @@ def burst(gap: float, slower: float) -> str:
 
 
 def grid() -> str:
+    """The ``grid`` scenario (36 bursts); returns its line."""
     tot = [0, 0, 0.0, 0]
     for n in (12, 16):
         for order in ("long-first", "chat-first", "longs-then-chats"):
@@ -122,6 +130,7 @@ def grid() -> str:
 
 
 def kv() -> str:
+    """The ``kv`` scenario (seven arrival times of the chats); returns its line."""
     lasts, finish = [], 0.0
     for arrival in (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0):
         bes = [req(600, 0.0, BEST, 128, f"be{k}") for k in range(8)]
@@ -134,6 +143,7 @@ def kv() -> str:
 
 
 def code() -> str:
+    """The ``code`` scenario (a jittery machine, seed 7); returns its line."""
     lm = SimpleLatencyModel(num_layers=30, per_layer=1.0e-3, per_token=3.6e-4, per_context=2e-8)
     code_slo, loose = SLO(ttft=5.0, tbt=0.1, name="code"), SLO(ttft=5.0, tbt=0.4, name="chat")
     machine = ScaledLatencyModel(lm, 1.0)
