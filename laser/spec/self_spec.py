@@ -38,7 +38,10 @@ Integration: :class:`SelfSpeculator` is the instance's executor. It takes a sche
 runs every *eligible* work speculatively -- a decode token through all layers of a greedy
 or sampled request (:func:`speculable`) -- and the rest of the plan as usual
 (:func:`laser.core.walk.walk`). Requests asking for logprobs or structured output, and greedy
-requests with logit processing, decode normally.
+requests with logit processing, decode normally. Under the ``laser`` policy a request Alg. 1
+keeps at full depth speculates (its plan and Alg. 1 price the draft passes and the verify chunk:
+:mod:`laser.core.speculation`); one it relaxed to layer groups decodes them plainly, and
+prefill chunks paused at a layer boundary resume as without speculation.
 """
 
 from __future__ import annotations
@@ -52,12 +55,15 @@ import torch
 
 from ..core.config import ConfigError
 from ..core.plan import StepPlan, StepResult, Work
+from ..core.speculation import SpecShape, speculates
 from .rejection import rejection_sample
 
 log = logging.getLogger(__name__)
 
-#: Scheduling policies whose plans self-speculation runs (every decode work spans all layers).
-SUPPORTED_POLICIES = ("vllm", "sarathi")
+#: Scheduling policies whose plans self-speculation runs: every decode work of vllm's and sarathi's
+#: spans all layers; laser's full-depth ones do (its reduced plans' layer groups decode plainly) and
+#: it prices them at their speculative cost (laser.core.speculation).
+SUPPORTED_POLICIES = ("vllm", "sarathi", "laser")
 
 
 @dataclass(frozen=True)
@@ -93,11 +99,8 @@ class SpecStats:
         return self.emitted / self.steps if self.steps else 0.0
 
 
-def speculable(sp) -> bool:
-    """Whether a request with sampling params ``sp`` can be decoded self-speculatively: greedy
-    with no logit processing (verification is an argmax), or sampled (the rejection rule) without
-    logprobs and structured output (whose grammar state follows the request's own tokens)."""
-    return sp.plain_greedy or (not sp.greedy and sp.logprobs is None and sp.structured_output is None)
+#: Whether a request with these sampling params is decoded self-speculatively.
+speculable = speculates
 
 
 class SelfSpeculator:
@@ -125,6 +128,7 @@ class SelfSpeculator:
         self.k = exit_layer
         self.g = draft_tokens
         self.max_model_len = max_model_len
+        self.shape = SpecShape(exit_layer, draft_tokens, max_model_len)  # what the schedulers price
         self.stats = SpecStats()
 
     def __getattr__(self, name):  # export_kv, import_kv, release, sampler state, kv_streams, ...
@@ -151,12 +155,10 @@ class SelfSpeculator:
 
     def _draft_len(self, w: Work, req, N: int) -> int:
         """Draft length for work ``w`` (0: run it normally), its blocks grown for the drafts."""
-        if not (w.is_decode and w.sample and w.layer_start == 0 and w.layer_end == N and speculable(req.sampling_params)):
+        if not (w.is_decode and w.sample and w.layer_start == 0 and w.layer_end == N):
             return 0
         n = req.num_tokens
-        # emitted tokens <= g + 1 must fit max_tokens; draft positions n-1..n-1+g the context
-        g_max = min(self.g, req.sampling_params.max_tokens - req.num_output_tokens - 1, self.max_model_len - n)
-        g = g_max
+        g = g_max = self.shape.draft_len(req)
         bm = self.runner.bm
         while g > 0 and not bm.can_allocate(req.req_id, n + g):
             g -= 1
@@ -274,8 +276,7 @@ class SelfSpeculator:
 def check_policy(policy: str) -> None:
     """Raise ConfigError when ``policy`` cannot run self-speculation."""
     if policy not in SUPPORTED_POLICIES:
-        raise ConfigError(f"--speculative self runs with --policy {' or '.join(SUPPORTED_POLICIES)}, not {policy!r}: "
-                          "the laser policy's per-layer decode budgets do not price draft and verify passes yet")
+        raise ConfigError(f"--speculative self runs with --policy {', '.join(SUPPORTED_POLICIES)}, not {policy!r}")
 
 
 def load_exits(model_dir: Path, path: str | None = None):
@@ -308,5 +309,6 @@ def enable_self_speculation(instance, config: SpeculativeConfig, heads=None) -> 
     g = config.draft_tokens or rec.get("draft_tokens") or 3
     spec = SelfSpeculator(instance.runner, heads, int(k), int(g), instance.max_model_len)
     instance.core.executor = instance.speculator = spec
+    instance.core.scheduler.speculation = spec.shape
     log.info("self-speculative decoding: exit after layer %d, %d draft tokens", k, g)
     return spec

@@ -144,9 +144,10 @@ def test_logprob_requests_decode_normally(ref, spec_engine):
 
 def test_unsupported_setups_are_refused(tiny_llama, spec_engine, tmp_path, monkeypatch):
     spec_engine.set_policy("vllm")
-    _speculate(spec_engine, 2, 2)
-    with pytest.raises(ConfigError, match="--policy vllm or sarathi"):
-        spec_engine.set_policy("laser")
+    spec = _speculate(spec_engine, 2, 2)
+    spec_engine.set_policy("laser")  # the laser policy prices speculation (tests/spec/test_spec_laser.py)
+    assert spec_engine.scheduler.speculation == spec.shape
+    spec_engine.set_policy("vllm")
     monkeypatch.setenv("LASER_CACHE_DIR", str(tmp_path))
     with pytest.raises(ConfigError, match="laser train-exits"):
         Engine(str(tiny_llama), policy="vllm", dtype="float32", cache=SMALL, latency_calibration=False,

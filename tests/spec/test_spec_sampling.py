@@ -101,7 +101,7 @@ SAMPLED = [
 ]
 
 
-@pytest.mark.parametrize("policy", ["vllm", "sarathi"])
+@pytest.mark.parametrize("policy", ["vllm", "sarathi", "laser"])
 def test_seeded_sampled_requests_reproducible_alone_and_batched(engine, policy):
     engine.set_policy(policy)
     spec = _speculate(engine, 2, 3)
