@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from laser.core.config import CacheConfig, SchedulerConfig
+from laser.core.plan import StepPlan
 from laser.core.request import SLO, SamplingParams
 from laser.core.speculation import spec_decode_time
 from laser.frontend.engine import Engine
@@ -130,6 +131,11 @@ def test_laser_plan_prices_the_speculative_step(tiny_llama):
     want_t = spec_decode_time(LM, 4, 2, [(c, 3) for c in ctx])
     assert plan.predicted[1] == pytest.approx(want_t)
     assert plan.predicted[1] > LM.predict_decode_iteration(tuple(ctx))  # dearer than a plain decode step
+    # re-priced from the plan alone (the calibration's inner model, the arrival rule): the same
+    assert LM.predict_iteration(StepPlan(4, plan.works, speculative=plan.speculative)) == pytest.approx(want_t)
+    sched.step.begin(plan, sched.plans, 0.0)
+    assert sched.step.remaining_from(0) == pytest.approx(want_t)
+    sched.step.end()
     e.core.execute(plan)
     while e.has_unfinished():
         e.step()

@@ -154,14 +154,16 @@ class LaserScheduler(Scheduler):
         self.refresh_prefixes()  # the queue is priced by the tokens left after cached prefixes
         self.preempt_for_stricter()
         works = self._decode_works(now) if self.config.role != "prefill" else []
-        cost = PlanCost(self.lm, self.num_layers, works, *self._spec_pricing(works))  # the plan's price, work by work
+        spec = self._spec_pricing(works)
+        cost = PlanCost(self.lm, self.num_layers, works, *spec)  # the plan's price, grown work by work
         budget = self._prefill_budget(now, cost.total) if works else self._no_decode_budget()
         works += self._prefill_works(now, cost, budget)
         priced = bool(works)  # cost prices exactly ``works``
         if not works:
             works = self._skip_to_due_decode(now)
         self.relieve_deadlock(works)
-        plan = StepPlan(self.num_layers, works, predicted=(self.lm, cost.total) if priced else None)
+        plan = StepPlan(self.num_layers, works, predicted=(self.lm, cost.total) if priced else None,
+                        speculative=spec if spec[0] else None)
         self._begin_step(plan)
         return plan
 
