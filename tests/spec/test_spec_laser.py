@@ -7,6 +7,8 @@ passes (laser.core.speculation)."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from laser.core.config import CacheConfig, SchedulerConfig
 from laser.core.plan import StepPlan
@@ -141,3 +143,34 @@ def test_laser_plan_prices_the_speculative_step(tiny_llama):
         e.step()
     e.check_integrity(expect_empty=True)
     assert spec.stats.steps > 0
+
+
+@pytest.fixture(scope="module")
+def spec_engine(near):
+    e = Engine(near, policy="laser", dtype="float32", latency_calibration=False)
+    return e, _speculate(e, 2, 2)
+
+
+_slos = st.sampled_from([SLO(), _CODE, _CHAT, _SUMM, SLO(ttft=0.0005, tbt=0.001, name="tight")])
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+@given(reqs=st.lists(st.tuples(st.lists(st.integers(3, 900), min_size=1, max_size=40), st.integers(1, 16), _slos,
+                               st.integers(0, 40)), min_size=1, max_size=6),
+       budget=st.integers(4, 64), icache=st.sampled_from([1, 8, 16384]), per_layer=st.sampled_from([1e-4, 1e-3]))
+def test_laser_greedy_invariant_random_arrivals(spec_engine, ref, reqs, budget, icache, per_layer):
+    """tests/test_invariance.py's property under laser with self-speculation: random prompts,
+    arrivals at random layer boundaries, budgets and intermediate-cache sizes."""
+    e, spec = spec_engine
+    lm = SimpleLatencyModel(num_layers=4, per_layer=per_layer, per_token=2e-5, per_context=1e-6)
+    e.reconfigure(SchedulerConfig(policy="laser", role="mixed", max_num_batched_tokens=budget), lm,
+                  intermediate_cache_tokens=icache, clock=FakeClock())
+    steps = spec.stats.steps
+    got = replay_at_layer_boundaries(e, [e], reqs, _greedy)
+    for (prompt, n, _, _), r in zip(reqs, got):
+        w = ref.add_request(list(prompt), _greedy(n))
+        while ref.has_unfinished():
+            ref.step()
+        assert r.output_token_ids == w.output_token_ids
+    e.check_integrity(expect_empty=True)
+    assert spec.stats.steps > steps or all(n <= 2 for _, n, _, _ in reqs)  # (n <= 2: nothing to draft)
