@@ -14,6 +14,7 @@ from laser.core.config import CacheConfig, SchedulerConfig
 from laser.core.plan import StepPlan
 from laser.core.request import SLO, SamplingParams
 from laser.core.speculation import spec_decode_time
+from laser.frontend.disagg import DisaggregatedPair
 from laser.frontend.engine import Engine
 from laser.latency import SimpleLatencyModel
 from simutil import FakeClock, replay_at_layer_boundaries
@@ -151,26 +152,50 @@ def spec_engine(near):
     return e, _speculate(e, 2, 2)
 
 
+@pytest.fixture(scope="module")
+def prefill_engine(near):
+    return Engine(near, policy="laser", dtype="float32", latency_calibration=False)
+
+
 _slos = st.sampled_from([SLO(), _CODE, _CHAT, _SUMM, SLO(ttft=0.0005, tbt=0.001, name="tight")])
 
 
 @settings(max_examples=8, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
 @given(reqs=st.lists(st.tuples(st.lists(st.integers(3, 900), min_size=1, max_size=40), st.integers(1, 16), _slos,
                                st.integers(0, 40)), min_size=1, max_size=6),
-       budget=st.integers(4, 64), icache=st.sampled_from([1, 8, 16384]), per_layer=st.sampled_from([1e-4, 1e-3]))
-def test_laser_greedy_invariant_random_arrivals(spec_engine, ref, reqs, budget, icache, per_layer):
+       budget=st.integers(4, 64), icache=st.sampled_from([1, 8, 16384]), per_layer=st.sampled_from([1e-4, 1e-3]),
+       disaggregated=st.booleans())
+def test_laser_greedy_invariant_random_arrivals(spec_engine, prefill_engine, ref, reqs, budget, icache, per_layer,
+                                                disaggregated):
     """tests/test_invariance.py's property under laser with self-speculation: random prompts,
-    arrivals at random layer boundaries, budgets and intermediate-cache sizes."""
+    arrivals at random layer boundaries, budgets and intermediate-cache sizes, on a mixed instance
+    or on a speculating decode instance fed by a prefill one."""
     e, spec = spec_engine
     lm = SimpleLatencyModel(num_layers=4, per_layer=per_layer, per_token=2e-5, per_context=1e-6)
-    e.reconfigure(SchedulerConfig(policy="laser", role="mixed", max_num_batched_tokens=budget), lm,
-                  intermediate_cache_tokens=icache, clock=FakeClock())
+    clock = FakeClock()
+    e.reconfigure(SchedulerConfig(policy="laser", role="decode" if disaggregated else "mixed",
+                                  max_num_batched_tokens=budget), lm, intermediate_cache_tokens=icache, clock=clock)
+    target, engines = e, [e]
+    if disaggregated:
+        prefill_engine.reconfigure(SchedulerConfig(policy="laser", role="prefill", max_num_batched_tokens=budget), lm,
+                                   intermediate_cache_tokens=icache, clock=clock)
+        target, engines = DisaggregatedPair(prefill_engine, e), [prefill_engine, e]
     steps = spec.stats.steps
-    got = replay_at_layer_boundaries(e, [e], reqs, _greedy)
+    got = replay_at_layer_boundaries(target, engines, reqs, _greedy)
     for (prompt, n, _, _), r in zip(reqs, got):
         w = ref.add_request(list(prompt), _greedy(n))
         while ref.has_unfinished():
             ref.step()
         assert r.output_token_ids == w.output_token_ids
-    e.check_integrity(expect_empty=True)
+    for x in engines:
+        x.check_integrity(expect_empty=True)
     assert spec.stats.steps > steps or all(n <= 2 for _, n, _, _ in reqs)  # (n <= 2: nothing to draft)
+    SEEN["disaggregated" if disaggregated else "mixed"] += spec.stats.steps > steps
+
+
+SEEN = {"mixed": 0, "disaggregated": 0}  # examples that speculated, per set-up
+
+
+def test_random_arrivals_speculated_in_both_setups():
+    """The property test above is meaningful only if both set-ups speculated."""
+    assert all(SEEN.values()), SEEN
