@@ -56,7 +56,11 @@ class Availability:
     def poll_idle(self) -> float:
         """While no request is in flight (the server's engine thread calls it when idle): ping
         the live instances (:meth:`_check_health`) and the dead ones that may return, so a
-        restarted instance rejoins now. Returns seconds until the next poll is due."""
+        restarted instance rejoins now; a node started again (:mod:`.node`) serves. Returns
+        seconds until the next poll is due."""
+        self._poll_node_restart()
+        if self.restarting_node:
+            return min(self.health_probe_s, 0.1)
         self._check_health(time.monotonic())
         if self._probes or self._parked or self._stranded:
             self._probe_dead()
@@ -139,7 +143,7 @@ class Availability:
                 if t is None or t.owner != iid:
                     self._drop_on_live(rid, {iid})
                     continue
-                t.decode = None
+                t.decode = t.direct = None
                 self._pending.append(rid)
 
     def _finish_self_adoptions(self) -> None:
@@ -179,7 +183,7 @@ class Availability:
         when it started waiting; False when none may return (nothing to wait for)."""
         if not self._probes or self.outage_wait_s <= 0:
             return False
-        t.owner, t.decode = -1, None
+        t.owner, t.decode, t.direct = -1, None, None
         self._parked.append(t.req.req_id)
         self._wait_until.setdefault(t.req.req_id, time.monotonic() + self.outage_wait_s)
         return True

@@ -11,11 +11,12 @@ or Ray actors).
 Per request (PPoPP'26 §7, CONTROLLER.md D1): the controller routes it at arrival (prefill
 instance, and on a disaggregated cluster the decode instance, which reserves room); while its
 final prefill chunk runs, the prefill instance streams each finished layer's K/V straight to
-that decode instance (``stream_kv``; a controller that picks the decode instance only at the
-hand-off, like ``distserve``, gets the KV whole then); after its first token the prefill
-instance exports the request (and the KV, if not streamed there); the front end
-has the decode instance pull it (``adopt(take_handoff)``, instance to instance) and tells the
-prefill instance to drop its copy once the decode instance holds it.
+that decode instance (``stream_kv``); after its first token the prefill instance hands the
+request (and the KV, if not streamed there) to it by itself and the decode instance confirms
+back -- the front end learns the adoption from the decode instance's step answer (:mod:`.transfers`).
+A request without a live decode instance chosen at arrival (``distserve`` picks at the
+hand-off; the chosen one died) is pulled by the front end instead: ``at_handoff``,
+``adopt(take_handoff)`` instance to instance, then ``confirm``.
 
 Failures (CONTROLLER.md A9, D10, C2, C6): every call has a timeout and every step a longer
 one; an instance that dies or misses one is marked dead, the controller is re-attached to the
@@ -27,10 +28,12 @@ do seeded sampled ones (a draw's generator is a function of seed and position,
 :func:`laser.model.sampler.draw_seed`); the response and ``/metrics`` say a request failed over.
 While idle the instances are pinged, so a restarted one rejoins without a request; with no decode
 instance left the prefill instances serve as mixed; a request that finds a needed role gone
-waits, bounded, for it to return, else fails with a 503-class error (:mod:`.availability`).
+waits, bounded, for it to return, else fails with a 503-class error (:mod:`.availability`); a
+lost Ray node is started again with its instances, or reported so the server exits (:mod:`.node`).
 
 The jobs live in their own modules: hand-offs and migrations (:mod:`.transfers`), failure
-recovery (:mod:`.recovery`), staying available (:mod:`.availability`), the records
+recovery (:mod:`.recovery`), staying available (:mod:`.availability`), the lost node
+(:mod:`.node`), the records
 (:mod:`.state`), starting a cluster (:mod:`.launch`).
 """
 
@@ -46,9 +49,11 @@ from ..controller.base import Controller, prefill_load_key
 from ..core.request import SLO, InvalidRequestError, Phase, Request, SamplingParams
 from ..frontend.inputs import InputProcessor
 from ..frontend.outputs import OutputProcessor, RequestOutput
+from ..instance.handoff import DirectRoute
 from ..instance.messages import RequestInfo
 from .availability import Availability
 from .handles import Call, InstanceFailure, InstanceHandle
+from .node import NodeRestart
 from .recovery import Recovery
 from .state import ClusterError, ClusterStats, Tracked
 from .transfers import Transfers
@@ -62,7 +67,7 @@ STALL_FACTOR = 10.0
 STALL_DECAY = 0.9
 
 
-class ClusterEngine(Transfers, Recovery, Availability):
+class ClusterEngine(Transfers, Recovery, Availability, NodeRestart):
     """Engine-like front end over ``handles`` driven by ``controller``.
 
     Args:
@@ -280,16 +285,21 @@ class ClusterEngine(Transfers, Recovery, Availability):
                     self._fail_instance(e.instance_id, e)
 
     def _send(self, t: Tracked, prefill: int, decode: int | None) -> None:
-        """Give ``t`` to its prefill instance; with a decode instance chosen already (and
-        ``stream_kv``), that one expects its KV layer by layer, straight from the prefill instance."""
+        """Give ``t`` to its prefill instance; with a decode instance chosen already, the prefill
+        instance hands it there by itself after its first token (a
+        :class:`~laser.instance.handoff.DirectRoute`), streaming its KV layer by layer during
+        the final prefill chunk when ``stream_kv`` (the decode instance expects it)."""
         req = self._copy_for_instance(t.req)
-        if not self.stream_kv or decode is None:
+        t.direct, t.early = None, None
+        if decode is None or decode == prefill:
             self.handles[prefill].add_request(req)
             return
-        key = (t.restarts, prefill)  # a re-prefill's stream never mixes with a lost one's
-        dst = self.handles[decode]
-        dst.call("expect_kv", req.req_id, key)
-        self.handles[prefill].call("add_request", req, (dst.kv_sink(), key, decode))
+        key = (t.restarts, prefill) if self.stream_kv else None  # a re-prefill's stream never mixes with a lost one's
+        src, dst = self.handles[prefill], self.handles[decode]
+        if key is not None:
+            dst.call("expect_kv", req.req_id, key)
+        src.call("add_request", req, DirectRoute(decode, dst.kv_sink(), src.kv_sink(), t.restarts, dst.epoch, key))
+        t.direct = decode
 
     def _require_roles(self) -> None:
         live = [h for h in self.handles.values() if h.alive]
@@ -310,7 +320,9 @@ class ClusterEngine(Transfers, Recovery, Availability):
         return True
 
     def _release_everywhere(self, t: Tracked) -> None:
-        self._drop_on_live(t.req.req_id, {t.owner, t.decode, t.transfer.src if t.transfer else None})
+        # a hand-off on its way (sent directly by its prefill instance) is refused when it arrives
+        fence = None if t.transfer is None else t.restarts + 1
+        self._drop_on_live(t.req.req_id, {t.owner, t.decode, t.transfer.src if t.transfer else None}, fence)
         if t in self._transfers:
             self._transfers.remove(t)
 
@@ -329,7 +341,8 @@ class ClusterEngine(Transfers, Recovery, Availability):
                 h.answer_by, h.step_future = call.started + self._step_deadline(iid), call.future
                 self._step_gen[iid] = self._work_sent[iid]
         outs: list[RequestOutput] = []
-        futs = [c.future for c in self._steps.values()] + [t.transfer.adopt.future for t in self._transfers]
+        futs = [c.future for c in self._steps.values()] + [t.transfer.adopt.future for t in self._transfers
+                                                             if not t.transfer.direct]
         if not futs and (self._parked or self._stranded):
             time.sleep(min(wait_s, 0.01))  # requests wait for an instance to return: no busy loop
         end = time.monotonic() + wait_s
@@ -343,7 +356,8 @@ class ClusterEngine(Transfers, Recovery, Availability):
         self._poll_transfers()  # first: a decode step may already carry an adopted request's token
         self._poll_confirms()
         now = self.monotonic()
-        for iid, call in list(self._steps.items()):
+        # prefill answers first: a decode answer may carry a direct hand-off whose first token is in one
+        for iid, call in sorted(self._steps.items(), key=lambda kv: self.handles[kv[0]].role == "decode"):
             if self._steps.get(iid) is not call:
                 continue  # its instance failed while an earlier answer was handled
             if call.future.done():
@@ -357,9 +371,11 @@ class ClusterEngine(Transfers, Recovery, Availability):
                 self._note_step_time(iid, now - call.started)
                 if self.handles[iid].role == "decode":  # frozen between two steps: caught as in one
                     call.handle.idle_answer_s = self._step_deadline(iid)
-                if not res["busy"] and self._step_gen.get(iid) == self._work_sent[iid]:
-                    self._busy.discard(iid)  # idle, and given nothing since this step started
+                if not res["busy"] and self._step_gen.get(iid) == self._work_sent[iid] and not self._direct_to(iid):
+                    self._busy.discard(iid)  # idle, given nothing since this step started, nothing on its way
                 self.last_reports[iid] = res.get("report")
+                for rec in res.get("adopted", ()):
+                    self._on_adopted(iid, *rec)
                 outs.extend(self._on_events(iid, res["events"]))
                 if self.handles[iid].role == "decode":
                     self._maybe_migrate(iid)
@@ -396,44 +412,53 @@ class ClusterEngine(Transfers, Recovery, Availability):
     def _on_events(self, iid: int, events: list) -> list[RequestOutput]:
         outs = []
         now = self.clock()
-        for rid, token, reason, handed_off, cached, logprob, prompt_logprobs in events:
-            t = self.requests.get(rid)
-            if t is not None and t.transfer is not None and t.transfer.dst == iid:
-                t.owner = iid  # adopted (its adopt answer may come after this step's)
-            if t is None or t.owner != iid:
-                continue  # aborted, or a stale token of an instance the request left
-            req = t.req
-            if not req.output_token_ids:  # the prefill that made the first token read this many from its cache
-                req.num_cached_tokens = cached
-            req.output_token_ids.append(token)
-            req.token_times.append(now)
-            if logprob is not None:  # the instance's sampler computed it (SamplingParams.logprobs)
-                req.output_logprobs.append(logprob)
-            if prompt_logprobs is not None and req.prompt_logprobs is None:  # (a re-prefill sends them again)
-                req.prompt_logprobs = prompt_logprobs
-            if rid in self._recovering:
-                self.stats.recovery_seconds.append(now - self._recovering.pop(rid))
-            # never "handed off" to the consumer: the stream goes on here, whichever instance holds it
-            # (AsyncEngine ends a stream at a handed-off output: a served 1P1D request hung)
-            out, stop = self.outputs.process(req, token, reason)
-            if stop:  # a stop string: the instance still has it
-                try:
-                    self.handles[iid].abort(rid)
-                except InstanceFailure as e:
-                    self._fail_instance(e.instance_id, e)
-            reason = out.finish_reason
-            handed_off = handed_off and reason is None
-            finished = reason is not None
-            if finished:
-                req.finish_reason = reason
-                del self.requests[rid]
-                if t.decode is not None and t.decode != iid:
-                    self._release_reservation(t)
-                self.controller.on_finish(req.slo.name, req.num_output_tokens, now, req.slo.tbt_or_inf)
-            elif handed_off:
-                self._pending.append(rid)
-            outs.append(out)
+        for ev in events:
+            outs.extend(self._on_event(iid, now, *ev))
         return outs
+
+    def _on_event(self, iid: int, now: float, rid: str, token: int, reason, handed_off: bool,
+                  cached: int, logprob=None, prompt_logprobs=None) -> list[RequestOutput]:
+        """One token of ``rid`` from instance ``iid`` (a step answer's event, see
+        :meth:`~laser.instance.worker.InstanceWorker.step`): its outputs (more than one when a
+        direct hand-off's early decode tokens follow it)."""
+        t = self.requests.get(rid)
+        if t is not None and t.transfer is not None and t.transfer.dst == iid:
+            t.owner = iid  # adopted (its adopt answer may come after this step's)
+        if t is not None and t.owner != iid and t.early is not None and t.direct == iid:
+            # before the prefill's hand-off event
+            t.early[2].append((rid, token, reason, handed_off, cached, logprob, prompt_logprobs))
+            return []
+        if t is None or t.owner != iid:
+            return []  # aborted, or a stale token of an instance the request left
+        req = t.req
+        if not req.output_token_ids:  # the prefill that made the first token read this many from its cache
+            req.num_cached_tokens = cached
+        req.output_token_ids.append(token)
+        req.token_times.append(now)
+        if logprob is not None:  # the instance's sampler computed it (SamplingParams.logprobs)
+            req.output_logprobs.append(logprob)
+        if prompt_logprobs is not None and req.prompt_logprobs is None:  # (a re-prefill sends them again)
+            req.prompt_logprobs = prompt_logprobs
+        if rid in self._recovering:
+            self.stats.recovery_seconds.append(now - self._recovering.pop(rid))
+        # never "handed off" to the consumer: the stream goes on here, whichever instance holds it
+        # (AsyncEngine ends a stream at a handed-off output: a served 1P1D request hung)
+        out, stop = self.outputs.process(req, token, reason)
+        if stop:  # a stop string: the instance still has it
+            try:
+                self.handles[iid].abort(rid)
+            except InstanceFailure as e:
+                self._fail_instance(e.instance_id, e)
+        reason = out.finish_reason
+        if reason is not None:
+            req.finish_reason = reason
+            del self.requests[rid]
+            if t.decode is not None and t.decode != iid:  # (a stop string at a hand-off: refuse it there)
+                self._drop_on_live(rid, {t.decode}, t.restarts + 1 if handed_off else None)
+            self.controller.on_finish(req.slo.name, req.num_output_tokens, now, req.slo.tbt_or_inf)
+        elif handed_off:
+            return [out] + self._handed_off(t, iid)
+        return [out]
 
     def _release_reservation(self, t: Tracked) -> None:
         """Cancel ``t``'s reservation on its decode instance, and any KV streamed there."""

@@ -112,8 +112,9 @@ class InstanceHandle(Instance):
         raise NotImplementedError
 
     def kv_sink(self):
-        """A picklable :class:`~laser.instance.kv_stream.KVSink` into this instance, for a prefill
-        instance to stream a request's layers to it directly."""
+        """A picklable :class:`~laser.instance.kv_stream.KVSink` into this instance: a prefill
+        instance streams a request's layers and hands the request to it directly, and it
+        confirms to the prefill instance through the prefill instance's own."""
         raise NotImplementedError
 
     # -- Instance interface ----------------------------------------------------------------------------
@@ -176,7 +177,27 @@ class LocalHandle(InstanceHandle):
         self._killed = True
         self._restarting = restart and self._restart is not None
 
-    def kv_sink(self):
-        from ..instance.kv_stream import LocalKVSink
+    def kv_sink(self) -> "LocalKVSink":
+        return LocalKVSink(self)
 
-        return LocalKVSink(self.worker)
+
+class LocalKVSink:
+    """A :class:`~laser.instance.kv_stream.KVSink` into an in-process instance (its handle's
+    worker): a killed one receives nothing, as a dead actor does (the front end's next call to it
+    finds it dead)."""
+
+    def __init__(self, handle: LocalHandle):
+        self.handle = handle
+
+    def _call(self, method: str, *args) -> None:
+        if not self.handle._killed:
+            getattr(self.handle.worker, method)(*args)
+
+    def send(self, req_id, key, layer, k, v) -> None:
+        self._call("receive_kv_layer", req_id, key, layer, k, v)
+
+    def adopt(self, sent, attempt, epoch, reply) -> None:
+        self._call("adopt", sent, attempt, epoch, reply)
+
+    def confirm(self, req_id) -> None:
+        self._call("confirm", req_id)

@@ -24,7 +24,8 @@ def start_cluster(controller: str | Controller, prefill: int = 0, decode: int = 
 
     The instances run the controller's ``instance_policy`` scheduler; ``scheduler`` gives the
     other scheduler knobs. With Ray, a local cluster is started with one CPU per instance
-    thread unless Ray is already up or ``ray_address`` names one to join; ``max_restarts``: times
+    thread unless Ray is already up or ``ray_address`` names one to join (a local cluster it
+    started is started again, with the instances, if its node dies: :mod:`.node`); ``max_restarts``: times
     Ray restarts a dead instance actor (it rejoins empty; in process: ignored); ``stall_timeout_s``:
     :class:`ClusterEngine`'s (a decode step over it marks its instance stalled).
     Raises ValueError (bad layout for the controller, or a controller whose roles run different
@@ -50,12 +51,13 @@ def start_cluster(controller: str | Controller, prefill: int = 0, decode: int = 
                   latency_profile=latency_profile, seed=seed, max_model_len=max_model_len,
                   latency_calibration=latency_calibration, jitter_margin=jitter_margin,
                   extra_eos_ids=() if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,))
+    node = None
     if use_ray:
         from . import ray_actors
 
-        ray_actors.init_local_ray(len(specs) * (threads_per_instance or 1), ray_address)
-        handles = ray_actors.start_instances(specs, kwargs, threads_per_instance, call_timeout_s,
-                                             max_restarts=max_restarts)
+        node = ray_actors.RayNode(len(specs) * (threads_per_instance or 1), ray_address, specs, kwargs,
+                                  threads_per_instance, call_timeout_s, max_restarts)
+        handles = node.start()
     else:
         from .handles import LocalHandle
         from ..instance.worker import InstanceWorker
@@ -67,6 +69,8 @@ def start_cluster(controller: str | Controller, prefill: int = 0, decode: int = 
                    for i, role in specs]
         for h in handles:
             h.restarts_left = max_restarts
-    return ClusterEngine(handles, ctrl, tokenizer, load_config(path), "smollm2" if model is None else str(model),
-                         slo_classes or SLOClasses.load(), step_timeout_s=step_timeout_s, stream_kv=stream_kv,
-                         stall_timeout_s=stall_timeout_s)
+    engine = ClusterEngine(handles, ctrl, tokenizer, load_config(path), "smollm2" if model is None else str(model),
+                           slo_classes or SLOClasses.load(), step_timeout_s=step_timeout_s, stream_kv=stream_kv,
+                           stall_timeout_s=stall_timeout_s)
+    engine.node = node  # a lost Ray node is started again (this process started it) or reported (laser.cluster.node)
+    return engine

@@ -7,7 +7,9 @@ actor is threaded (``max_concurrency``) so the controller's questions are answer
 next layer boundary of a running step instead of after it. :class:`RayHandle` is the
 controller's handle (every call with a timeout; a dead actor or a missed timeout raises
 :class:`~laser.cluster.handles.InstanceFailure`). KV hand-offs go actor to actor through
-Ray's object store (``adopt.remote(take_handoff.remote(id))``), never through the front end.
+Ray's object store, never through the front end: the prefill actor streams the layers and then
+hands the request to the decode actor chosen at routing itself (:class:`RayKVSink`); the front
+end's pull (``adopt.remote(take_handoff.remote(id))``) is the fall-back.
 """
 
 from __future__ import annotations
@@ -25,16 +27,17 @@ OBJECT_STORE_BYTES = 300 << 20
 _ACTOR_CLASS = None
 
 
-def init_local_ray(num_cpus: int, address: str | None = None) -> None:
+def init_local_ray(num_cpus: int, address: str | None = None) -> bool:
     """Start a local Ray cluster (no dashboard, a small object store) or join ``address``.
-    A no-op when Ray is already initialised."""
+    A no-op when Ray is already initialised. True when this call started a local cluster."""
     if ray.is_initialized():
-        return
+        return False
     if address:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
-    else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES,
-                 log_to_driver=False)
+        return False
+    ray.init(num_cpus=num_cpus, include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES,
+             log_to_driver=False)
+    return True
 
 
 def shutdown() -> None:
@@ -71,6 +74,63 @@ def start_instances(specs: list[tuple[int, str]], engine_kwargs: dict, threads: 
         h.restarts_left = max_restarts
         handles.append(h)
     return handles
+
+
+class RayNode:
+    """The Ray node a cluster's instance actors run on, and how to start them: the ``node`` of
+    :class:`~laser.cluster.node.NodeRestart` (issue 28 item 5). :meth:`start` starts (or joins)
+    Ray and the actors; ``owned``: this process started that local Ray cluster, so
+    :meth:`restart` may start it again -- ``ray.shutdown``, then Ray and the actors with the same
+    settings. Arguments: those of :func:`init_local_ray` and :func:`start_instances`."""
+
+    def __init__(self, num_cpus: int, address: str | None, specs: list[tuple[int, str]], engine_kwargs: dict,
+                 threads: int | None, call_timeout_s: float, max_restarts: int):
+        self.num_cpus, self.address = num_cpus, address
+        self._start_args = (specs, engine_kwargs, threads, call_timeout_s)
+        self.max_restarts = max_restarts
+        self.owned = False
+
+    def start(self) -> list["RayHandle"]:
+        """Start (or join) Ray, then the instance actors. Raises InstanceFailure (an actor did
+        not start)."""
+        self.owned = init_local_ray(self.num_cpus, self.address) or self.owned
+        return start_instances(*self._start_args, max_restarts=self.max_restarts)
+
+    def restart(self) -> list["RayHandle"]:
+        """Shut this process's Ray session down and :meth:`start` again (``owned`` only: a
+        local cluster; raises RuntimeError otherwise)."""
+        if not self.owned:
+            raise RuntimeError("this process did not start the Ray cluster: it cannot start it again")
+        ray.shutdown()
+        return self.start()
+
+    def lost(self) -> str | None:
+        """Why the Ray node this process runs on is gone -- its raylet or GCS process exited
+        (a node this process started), its raylet refuses connections (one it joined), Ray is
+        not running here -- or None while it is up (or when this Ray cannot tell: its internals
+        moved)."""
+        import socket
+
+        from ray._private import ray_constants, worker
+
+        node = worker.global_worker.node if ray.is_initialized() else None
+        if node is None:
+            return "Ray is not running in this process"
+        fatal = (ray_constants.PROCESS_TYPE_RAYLET, ray_constants.PROCESS_TYPE_GCS_SERVER)
+        try:
+            dead = sorted({kind for kind, _ in node.dead_processes() if kind in fatal})
+            path = node.raylet_socket_name
+        except AttributeError:
+            return None
+        if dead:
+            return f"its {' and '.join(dead)} process exited"
+        if path and not path.startswith("tcp://"):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                try:
+                    s.connect(path)
+                except OSError as e:
+                    return f"its raylet does not answer ({e.strerror or e})"
+        return None
 
 
 class RayHandle(InstanceHandle):
@@ -121,10 +181,12 @@ class RayHandle(InstanceHandle):
 
 
 class RayKVSink:
-    """Streams a request's layers to an instance actor: one fire-and-forget actor call per
-    layer, its K/V as numpy arrays (Ray moves them through the object store and the receiver
-    reads them without a copy). Runs inside the prefill actor; a dead receiver is ignored (the
-    front end re-sends the whole KV to another decode instance at the hand-off)."""
+    """A :class:`~laser.instance.kv_stream.KVSink` into an instance actor, used by another actor:
+    one fire-and-forget actor call per streamed layer, its K/V as numpy arrays (Ray moves them
+    through the object store and the receiver reads them without a copy), then one for the
+    hand-off itself (``adopt``) and one back for its ``confirm``. The calls are submitted in
+    order by one thread per process, off the sender's layer loop; a dead receiver is ignored (the
+    front end sees it fail and re-sends the hand-off from the prefill instance's outbox)."""
 
     _sender = None  # one thread per process submits the calls, off the prefill's layer loop
 
@@ -136,15 +198,24 @@ class RayKVSink:
 
         if k.dtype != torch.bfloat16:  # numpy has no bfloat16: those go as tensors
             k, v = k.numpy(), v.numpy()
+        self._send_call("receive_kv_layer", req_id, key, layer, k, v)
+
+    def adopt(self, sent, attempt, epoch, reply) -> None:
+        self._send_call("adopt", sent, attempt, epoch, reply)
+
+    def confirm(self, req_id) -> None:
+        self._send_call("confirm", req_id)
+
+    def _send_call(self, method: str, *args) -> None:
         if RayKVSink._sender is None:
             import concurrent.futures
 
             RayKVSink._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-stream")
-        RayKVSink._sender.submit(self._submit, req_id, key, layer, k, v)
+        RayKVSink._sender.submit(self._submit, method, *args)
 
-    def _submit(self, req_id, key, layer, k, v) -> None:
+    def _submit(self, method: str, *args) -> None:
         try:
-            self.actor.receive_kv_layer.remote(req_id, key, layer, k, v)
+            getattr(self.actor, method).remote(*args)
         except RayActorError:
             pass
 

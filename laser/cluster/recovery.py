@@ -47,6 +47,7 @@ class Recovery:
         self._busy.discard(iid)
         if not self._serve_with_live():  # (prefill instances serve as mixed when the decode role is lost)
             self._strand(iid)  # its requests move when an instance rejoins
+            self._check_node()  # (none alive: was it the node itself? then it starts again)
             return
         self._move_requests_of(iid)
 
@@ -75,7 +76,8 @@ class Recovery:
                 if tr.src != iid:  # the decode side died: the prefill instance still holds the KV
                     self.stats.resends += 1
                     t.req.num_failovers += 1
-                    t.decode = None
+                    t.resend = True
+                    t.decode = t.direct = None  # the front end pulls it to another decode instance
                     self._pending.append(t.req.req_id)
                     continue
                 self._resume(t, now)
@@ -83,8 +85,8 @@ class Recovery:
                 if t.req.req_id in self._pending:
                     self._pending.remove(t.req.req_id)
                 self._resume(t, now)
-            elif t.decode == iid:
-                t.decode = None  # chosen at arrival; re-chosen at the hand-off
+            elif t.decode == iid:  # chosen at arrival; the front end pulls it at the hand-off instead
+                t.decode = t.direct = t.early = None
 
     def _probe_dead(self) -> None:
         """Ping dead instances that may come back; one that answers is reset (emptied: a restarted
@@ -135,11 +137,13 @@ class Recovery:
             self._parked.clear()
             self._stranded.clear()
 
-    def _resume(self, t: Tracked, failed_at: float) -> None:
-        """Re-prefill ``t`` (prompt + streamed tokens) on a live instance, original deadline kept."""
+    def _resume(self, t: Tracked, failed_at: float, counted: bool = False) -> None:
+        """Re-prefill ``t`` (prompt + streamed tokens) on a live instance, original deadline kept;
+        ``counted``: its fail-over was counted already (a re-send that found nothing to send)."""
         self.stats.recoveries += 1
         t.restarts += 1
-        t.req.num_failovers += 1
+        t.req.num_failovers += not counted
+        t.resend = False
         self.stats.seeded_recoveries += bool(t.req.seed_kept)
         # drop what live instances still hold of it, and refuse a late adoption of the old attempt
         self._drop_on_live(t.req.req_id, {t.owner, t.decode}, t.restarts)

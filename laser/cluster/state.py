@@ -25,16 +25,30 @@ class Tracked:
     owner: int  # instance that holds it now (its prefill instance until adopted)
     decode: int | None = None  # decode instance chosen (reserved) or holding it
     transfer: "Transfer | None" = None
-    restarts: int = 0
+    restarts: int = 0  # its attempt number: re-prefills count up
+    direct: int | None = None  # the decode instance its prefill instance hands it to by itself
+    # a direct adoption read before the prefill's hand-off event: (adopt's answer, refusal, the
+    # decode instance's events for it meanwhile), applied when that event is read
+    early: tuple | None = None
+    # its hand-off is being re-sent after its decode instance died (that fail-over is counted): if
+    # the prefill instance no longer holds it (a direct hand-off that decode instance had confirmed),
+    # the re-prefill that follows is the same fail-over, not another one
+    resend: bool = False
 
 
 @dataclass
 class Transfer:
+    """A hand-off or migration on its way from instance ``src`` to ``dst``: pulled by the front
+    end (``take`` / ``adopt`` calls) or ``direct`` (the prefill instance sends it by itself;
+    the decode instance's step answers say when it arrived), since ``started`` (monotonic s)."""
+
     src: int
     dst: int
-    take: Call
-    adopt: Call
+    take: Call | None
+    adopt: Call | None
     migration: bool = False  # a decode -> decode move (else the prefill -> decode hand-off)
+    direct: bool = False
+    started: float = 0.0
 
 
 @dataclass
@@ -55,5 +69,6 @@ class ClusterStats:
     recovery_seconds: list[float] = field(default_factory=list)  # failure -> next token
     instance_failures: int = 0
     rejoins: int = 0  # dead instances that answered again (restarted by Ray) and rejoined, empty
+    node_restarts: int = 0  # times the lost node was started again with its instances (node.py)
     routes: int = 0
     route_seconds: float = 0.0

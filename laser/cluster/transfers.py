@@ -1,8 +1,14 @@
 """Prefill -> decode hand-offs and decode -> decode migrations, seen from the cluster front end.
 
-The KV moves instance to instance (``take_handoff`` on the sender feeds ``adopt`` on the
-receiver); the front end starts each move, polls its answers and tells the sender to drop its
-copy once the receiver holds it (CONTROLLER.md D1, D9).
+A hand-off goes instance to instance by itself (:class:`~laser.instance.handoff.DirectRoute`):
+the decode instance chosen when the request was routed gets the request and its KV from the
+prefill instance and confirms to it; the front end only watches -- it reads the hand-off in the
+prefill instance's step answer, the adoption in the decode instance's, and steps the decode
+instance meanwhile. Control passes through the front end only when that route is gone (no
+decode instance was chosen at routing, like ``distserve``; the chosen one died; the prefill
+instances leave the mixed fall-back) and for decode -> decode migrations: then it *pulls* --
+``take_handoff`` on the sender feeds ``adopt`` on the receiver, the front end polls the answers
+and tells the sender to drop its copy (``confirm``) once the receiver holds it (CONTROLLER.md D1, D9).
 """
 
 from __future__ import annotations
@@ -21,7 +27,67 @@ class Transfers:
     owns the state they use (``requests``, ``handles``, ``controller``, ``_pending``,
     ``_transfers``, ``_confirms``, ``stats``) and calls them from its step."""
 
+    def _handed_off(self, t: Tracked, src: int) -> list:
+        """``t`` left prefill instance ``src`` after its first token: it is on its way to the
+        decode instance chosen at routing (a direct hand-off; the outputs of decode tokens read
+        before this event follow), or, with no live one, waits for the front end's pull."""
+        d = t.direct
+        if d is None or d != t.decode or not self.handles[d].alive:
+            self._pending.append(t.req.req_id)
+            return []
+        t.transfer = Transfer(src, d, None, None, direct=True, started=time.monotonic())
+        self._transfers.append(t)
+        self._mark_busy(d)
+        if t.early is None:
+            return []
+        m, error, events = t.early
+        t.early = None
+        self._direct_done(t, m, error)
+        return self._on_events(d, events)
+
+    def _direct_to(self, iid: int) -> bool:
+        """A direct hand-off is on its way to instance ``iid`` (step it until it arrives)."""
+        return any(t.transfer is not None and t.transfer.direct and t.transfer.dst == iid for t in self._transfers)
+
+    def _on_adopted(self, iid: int, rid: str, attempt: int, m: dict | None, error: str | None) -> None:
+        """Decode instance ``iid`` took (``m``: adopt's answer) or refused (``error``) a direct
+        hand-off of ``rid``'s attempt ``attempt``."""
+        t = self.requests.get(rid)
+        if t is None or attempt != t.restarts or t.direct != iid:
+            return  # finished, aborted or moved on meanwhile
+        tr = t.transfer
+        if tr is not None and tr.direct and tr.dst == iid:
+            self._direct_done(t, m, error)
+        elif tr is None and t.owner != iid:  # the prefill's step answer with the hand-off is not read yet
+            t.early = (m, error, [])
+
+    def _direct_done(self, t: Tracked, m: dict | None, error: str | None) -> None:
+        """The direct hand-off in flight for ``t`` arrived (``m``) or was refused (``error``)."""
+        tr = t.transfer
+        self._transfers.remove(t)
+        if error is not None:
+            self._lost_handoff(t, tr, KeyError(error))
+            return
+        t.transfer = None
+        t.owner = tr.dst
+        self._mark_busy(tr.dst)
+        self._count_transfer(m, False)
+
+    def _count_transfer(self, m: dict, migration: bool) -> None:
+        """Add adopt's answer ``m`` to the transfer statistics."""
+        if migration:
+            self.stats.migration_seconds.append(m["seconds"])
+            return
+        self.stats.transfers += 1
+        self.stats.transfer_bytes += m["bytes"]
+        self.stats.transfer_seconds.append(m["seconds"])
+        self.stats.transfer_layers = m["layers"]
+        self.stats.streamed_transfers += m["streamed"]
+        self.stats.handoff_seconds.append(m["after_prefill_s"])
+
     def _start_transfers(self) -> None:
+        """Pull the hand-offs that have no direct route (see the module's docstring): the
+        controller's ``at_handoff`` picks the decode instance."""
         while self._pending:
             rid = self._pending.pop(0)
             t = self.requests.get(rid)
@@ -77,6 +143,10 @@ class Transfers:
             tr = t.transfer
             if tr is None or t not in self._transfers:
                 continue  # moved on while an earlier transfer's failure was handled
+            if tr.direct:  # sent when its prefill step ended: the decode side has not answered it
+                if time.monotonic() - tr.started > self.step_timeout_s:
+                    self._fail_instance(tr.dst, "direct hand-off not adopted in time", timed_out=True)
+                continue
             if not tr.adopt.future.done():
                 if time.monotonic() - tr.adopt.started > self.step_timeout_s:
                     if tr.take.future.done():
@@ -103,18 +173,10 @@ class Transfers:
             except KeyError as e:
                 self._lost_handoff(t, tr, e)
                 continue
-            t.transfer = None
+            t.transfer, t.resend = None, False
             t.owner = tr.dst
             self._mark_busy(tr.dst)
-            if tr.migration:
-                self.stats.migration_seconds.append(m["seconds"])
-            else:
-                self.stats.transfers += 1
-                self.stats.transfer_bytes += m["bytes"]
-                self.stats.transfer_seconds.append(m["seconds"])
-                self.stats.transfer_layers = m["layers"]
-                self.stats.streamed_transfers += m["streamed"]
-                self.stats.handoff_seconds.append(m["after_prefill_s"])
+            self._count_transfer(m, tr.migration)
             # the prefill side drops its copy when it next can (a layer boundary); nothing waits
             # for the answer: a prefill instance that fails now has nothing of this request left to lose
             self._confirms.append(src.submit("confirm", rid))
@@ -140,4 +202,4 @@ class Transfers:
         if self.requests.get(t.req.req_id) is t and t.transfer is tr:
             log.warning("hand-off of %s lost (%s); re-prefilling it", t.req.req_id, e)
             t.transfer = None
-            self._resume(t, self.clock())
+            self._resume(t, self.clock(), counted=t.resend)

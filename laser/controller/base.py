@@ -3,8 +3,8 @@
 A controller is torch-free policy code, like a scheduler: it sees instances only through
 :class:`laser.instance.Instance` (reports, ``latency_increment``) and answers, for every
 arriving request, where its prefill runs and (on a disaggregated cluster) which decode
-instance receives its KV. The cluster simulator (:mod:`laser.sim.cluster`) drives it now;
-a Ray deployment drives the same code next.
+instance receives its KV. The cluster simulator (:mod:`laser.sim.cluster`) and the cluster
+front end (:mod:`laser.cluster.engine`, in process or over Ray actors) drive the same code.
 """
 
 from __future__ import annotations
@@ -84,7 +84,14 @@ class Controller(ABC):
 
     def at_handoff(self, info: RequestInfo, chosen: int | None, now: float) -> int:
         """The decode instance that receives the KV when prefill ends (``chosen``: the one
-        picked at arrival, if any). Default: keep it, else the least-loaded."""
+        picked at arrival, if any). Default: keep it, else the least-loaded.
+
+        On a real cluster (:mod:`laser.cluster`) the decode instance is chosen once, at routing:
+        the prefill instance hands the request to it by itself, and this is asked only as the
+        fall-back -- when no decode instance was chosen at routing (``route`` gave none, e.g.
+        ``distserve``), or the chosen one died (``chosen`` is then None), or the prefill
+        instances leave the mixed fall-back. The cluster simulator (:mod:`laser.sim.cluster`)
+        still asks it at every hand-off."""
         return chosen if chosen is not None else least_loaded_decode(self.decode).instance_id
 
     def plan_migration(self, src: Instance, now: float) -> tuple[MigrationCandidate, int] | None:

@@ -195,7 +195,10 @@ class LaserController(Controller):
         return Route(p, d, demoted)
 
     def at_handoff(self, info: RequestInfo, chosen: int | None, now: float) -> int:
-        """Re-check the decode instance chosen at arrival (D1); re-run Alg. 2 if it now answers inf."""
+        """Re-check the decode instance chosen at arrival (D1); re-run Alg. 2 if it now answers inf.
+        Asked at every hand-off by the cluster simulator only; on a real cluster the prefill
+        instance hands off to the chosen instance directly and this runs only as the fall-back
+        (see :meth:`Controller.at_handoff`)."""
         if chosen is not None and self.instances[chosen].latency_increment(info).feasible:
             return chosen
         if chosen is not None:

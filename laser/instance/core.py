@@ -13,7 +13,7 @@ without any front-end work: no tokenizer, detokenizer, stop strings or SSE. It o
 
 ``step()`` = schedule -> execute -> update (nano-vllm ``llm_engine.py``); the front end
 (:class:`laser.frontend.engine.Engine`) turns its :class:`TokenEvent` s into text. The same core is the
-body of a simulated instance and, next, of a Ray actor.
+body of a simulated instance and of a Ray actor (:mod:`laser.instance.worker`).
 """
 
 from __future__ import annotations

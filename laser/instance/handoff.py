@@ -9,7 +9,10 @@ between the two:
 * :class:`Outbox` (prefill side): each exported hand-off, kept until the decode instance
   confirms it holds the request -- so a decode instance that dies mid-transfer costs a re-send,
   not a re-prefill (vLLM's ``request_finished`` -> ``delay_free``; DistServe frees on
-  ``clear_migrated_blocks_callback``) -- and the decode instance its KV streams to, if any.
+  ``clear_migrated_blocks_callback``) -- and each request's :class:`DirectRoute`: the decode
+  instance chosen when the request was routed, which the prefill instance streams the KV to
+  and hands the request to itself, instance to instance, after the first token (the cluster
+  front end learns the outcome from the decode instance's step answers).
 * :class:`AdoptQueue` (decode side): hand-offs delivered (or due at a virtual time), adopted
   in delivery order as the KV pool can hold them (DistServe's decoding-stage ``post_process``
   admits migrations only when their blocks fit); a hand-off that does not fit blocks the ones
@@ -31,13 +34,13 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from ..core.block_manager import OutOfBlocksError
 from ..core.request import Request
 from .core import Handoff
 
-__all__ = ["AdoptQueue", "Fences", "Outbox", "StaleHandoff"]
+__all__ = ["AdoptQueue", "DirectRoute", "Fences", "Outbox", "StaleHandoff"]
 
 
 class StaleHandoff(KeyError):
@@ -48,12 +51,36 @@ class StaleHandoff(KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+@dataclass(frozen=True)
+class DirectRoute:
+    """Where a prefill instance hands a request off by itself: the decode instance chosen when
+    the request was routed (picklable: it travels with the request to a Ray actor).
+
+    ``peer``: a channel into decode instance ``dst`` (:class:`~laser.instance.kv_stream.KVSink`:
+    ``send`` a streamed layer, ``adopt`` the hand-off); ``reply``: a channel back into the
+    prefill instance, whose ``confirm`` the decode instance calls once it holds the request.
+    ``attempt`` / ``epoch``: the front end's attempt of the request and epoch of ``dst`` when it
+    routed it (the decode side's :class:`Fences` refuse stale ones). ``stream_key``: the KV
+    streams layer by layer during the final prefill chunk under this key; None: the whole KV
+    goes with the hand-off.
+    """
+
+    dst: int
+    peer: Any
+    reply: Any
+    attempt: int = 0
+    epoch: int | None = None
+    stream_key: Any = None
+
+
 class Outbox:
-    """Prefill side: exported hand-offs by request id, kept until :meth:`confirm`, and the
-    decode instance each request's KV is streamed to (``stream_to``)."""
+    """Prefill side: exported hand-offs by request id, kept until :meth:`confirm`; the
+    :class:`DirectRoute` of each request routed with one, and the decode instance each
+    request's KV is streamed to."""
 
     def __init__(self):
         self.handoffs: dict[str, Handoff] = {}
+        self.routes: dict[str, DirectRoute] = {}  # req id -> where it goes by itself after its first token
         self.streamed_to: dict[str, int] = {}  # req id -> decode instance id its layers go to
 
     def __contains__(self, req_id: str) -> bool:
@@ -69,9 +96,20 @@ class Outbox:
         """Keep ``h`` (a hand-off after the first token, or a decode request migrating out)."""
         self.handoffs[h.request.req_id] = h
 
-    def stream_to(self, req_id: str, dst: int) -> None:
-        """``req_id``'s KV streams to decode instance ``dst`` layer by layer during its prefill."""
-        self.streamed_to[req_id] = dst
+    def route(self, req_id: str, route: DirectRoute) -> None:
+        """``req_id`` goes to ``route.dst`` by itself (and streams its KV there if
+        ``route.stream_key`` is set)."""
+        self.routes[req_id] = route
+        if route.stream_key is not None:
+            self.streamed_to[req_id] = route.dst
+
+    def direct(self, h: Handoff) -> tuple[DirectRoute, Handoff] | None:
+        """Keep ``h`` (:meth:`put`); when its request has a route, the route and what to send
+        along it (without the KV when streamed there), else None (the front end pulls it)."""
+        self.put(h)
+        rid = h.request.req_id
+        route = self.routes.get(rid)
+        return None if route is None else (route, self.take(rid, route.dst))
 
     def take(self, req_id: str, dst: int | None = None) -> Handoff:
         """``req_id``'s hand-off (kept here until :meth:`confirm`), without its KV (``kv=None``)
@@ -85,21 +123,22 @@ class Outbox:
         return h
 
     def confirm(self, req_id: str) -> None:
-        """The decode instance holds ``req_id``: drop the kept copy (and its stream record)."""
-        self.handoffs.pop(req_id, None)
-        self.streamed_to.pop(req_id, None)
+        """The decode instance holds ``req_id``: drop the kept copy (and its route)."""
+        self.drop(req_id)
 
     def finished(self, req_id: str) -> None:
-        """``req_id`` finished here (no hand-off): forget where its KV would have streamed."""
+        """``req_id`` finished here (no hand-off): forget its route."""
         self.streamed_to.pop(req_id, None)
+        self.routes.pop(req_id, None)
 
     def drop(self, req_id: str) -> bool:
         """Forget everything of ``req_id`` (aborted). True if a hand-off was kept."""
-        self.streamed_to.pop(req_id, None)
+        self.finished(req_id)
         return self.handoffs.pop(req_id, None) is not None
 
     def clear(self) -> None:
         self.handoffs.clear()
+        self.routes.clear()
         self.streamed_to.clear()
 
 

@@ -1,7 +1,8 @@
 """The interface between the global controller and one instance (PPoPP'26 §7).
 
-A simulated instance (:class:`laser.sim.cluster_instance.SimClusterInstance`) implements it
-now; a real engine (in process or a Ray actor) next. Arguments and answers are plain
+A simulated instance (:class:`laser.sim.cluster_instance.SimClusterInstance`) implements it,
+and so does a real instance (:class:`laser.instance.worker.InstanceWorker`, in process or as
+a Ray actor). Arguments and answers are plain
 data (:mod:`laser.instance.messages`). Torch-free.
 """
 

@@ -22,22 +22,21 @@ from typing import Any, Protocol
 
 
 class KVSink(Protocol):
-    """Where a prefill instance sends a request's layers (a decode instance, in process or a
-    Ray actor). Picklable; ``send`` does not wait for the receiver."""
+    """A channel from one instance into another (in process or a Ray actor): a prefill instance
+    sends a request's layers and then the request itself to its decode instance, which confirms
+    back through the prefill instance's own sink (:class:`~laser.instance.handoff.DirectRoute`).
+    Picklable; no method waits for the receiver, and a dead receiver is ignored (the front end
+    sees the instance fail and moves the request)."""
 
     def send(self, req_id: str, key: Any, layer: int, k, v) -> None:
         """Deliver layer ``layer``'s K and V (``[T, kv_heads, head_dim]`` each, T = the request's
         computed tokens) of stream ``(req_id, key)``."""
 
+    def adopt(self, sent: tuple, attempt: int, epoch: int | None, reply: "KVSink") -> None:
+        """Hand the request over: the receiver's ``InstanceWorker.adopt(sent, attempt, epoch, reply)``."""
 
-class LocalKVSink:
-    """A sink into an :class:`~laser.instance.worker.InstanceWorker` of this process."""
-
-    def __init__(self, worker):
-        self.worker = worker
-
-    def send(self, req_id, key, layer, k, v) -> None:
-        self.worker.receive_kv_layer(req_id, key, layer, k, v)
+    def confirm(self, req_id: str) -> None:
+        """Tell the sender the receiver holds ``req_id`` (``InstanceWorker.confirm``)."""
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Messages between the global controller and its instances (PPoPP'26 §7, Fig. 4).
 
 Plain, picklable dataclasses of numbers and strings: they cross a process boundary (a
-Ray actor next) unchanged. Torch-free. Times are absolute seconds on the cluster's
+Ray actor's calls) unchanged. Torch-free. Times are absolute seconds on the cluster's
 clock (virtual in the simulator); token counts are tokens.
 """
 

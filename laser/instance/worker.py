@@ -15,14 +15,19 @@ It has no tokenizer, detokenizer or stop strings: the front end
   next request's long prefill step, and neither do the decode tokens after it;
 * state changes that must not happen mid-step (``abort``, ``adopt``) run between steps.
 
-The prefill -> decode hand-off (CONTROLLER.md A8, C3): when the decode instance was chosen at
-arrival, the prefill instance streams the request's K/V layer by layer while its final chunk
-runs (``add_request(req, stream)``; the decode side :class:`~laser.instance.kv_stream.InboundKV`
-writes each layer into blocks it allocates). After the first token the prefill instance keeps
-the exported KV in an outbox; the decode instance pulls it with
-``adopt(take_handoff(id, dst))`` -- without the KV when it was streamed to ``dst`` -- and the
-prefill instance drops it only on ``confirm`` (a decode instance that dies mid-transfer costs a
-re-send, not a re-prefill).
+The prefill -> decode hand-off (CONTROLLER.md A8, C3), instance to instance
+(:mod:`laser.instance.handoff` keeps its state): the decode instance is chosen when the request
+is routed and comes with it (``add_request(req, route)``). The prefill instance streams the
+request's K/V there layer by layer while its final chunk runs (the decode side's
+:class:`~laser.instance.kv_stream.InboundKV` writes each layer into blocks it allocates); after
+the first token it keeps the exported request in its outbox and hands it over itself
+(``route.peer.adopt``: without the KV when it was streamed); the decode instance adopts it
+(in order, when its KV fits), calls the sender's ``confirm`` -- the prefill instance drops its
+copy only then, so a decode instance that dies mid-transfer costs a re-send, not a re-prefill
+-- and reports the adoption in its next step answer, which is how the front end learns it.
+A request without a route (no decode instance chosen at routing, the chosen one died, a
+decode -> decode migration) is pulled by the front end: ``adopt(take_handoff(id, dst))``, then
+``confirm``.
 """
 
 from __future__ import annotations
@@ -38,11 +43,17 @@ from ..core.block_manager import OutOfBlocksError
 from ..core.request import Request
 from ..model.structured import GrammarBackend
 from .core import Handoff
-from .handoff import AdoptQueue, Outbox
+from .handoff import AdoptQueue, DirectRoute, Outbox
 from .kv_stream import InboundKV
 from .messages import InstanceReport, LatencyIncrement, RequestInfo
 from .model_instance import ModelInstance
 from .state import build_report, decode_increment, migration_candidate
+
+
+#: Seconds a step with nothing to run waits for a hand-off or a streamed layer to arrive.
+IDLE_STEP_WAIT_S = 0.002
+#: Seconds an idle instance's integrity check waits for the confirms of its direct hand-offs.
+CONFIRM_WAIT_S = 1.0
 
 
 class InstanceWorker:
@@ -90,6 +101,10 @@ class InstanceWorker:
         self._between: collections.deque = collections.deque()
         self._stall_s = 0.0
         self._busy_until = 0.0
+        # decode side: direct hand-offs taken since the last step answer, (req id, attempt,
+        # adopt's answer or None, the refusal or None): the front end learns the outcome from them
+        self._adoptions: list[tuple] = []
+        self._wake = threading.Event()  # set by an arriving hand-off or layer (an idle step waits for one)
         self.core.arrival_hook = self._drain_boundary
 
     def describe(self) -> dict:
@@ -131,21 +146,22 @@ class InstanceWorker:
         return fut.result()
 
     # -- the Instance interface (controller side) --------------------------------------------------------
-    def add_request(self, req: Request, stream: tuple | None = None) -> None:
+    def add_request(self, req: Request, route: DirectRoute | None = None) -> None:
         """Queue ``req`` for prefill (a recovered request carries its output so far and is
-        re-prefilled: prompt + output). ``stream``: ``(sink, key, decode_id)`` -- send each
-        layer of its final prefill chunk to ``sink`` (a :class:`~laser.instance.kv_stream.KVSink`
-        of instance ``decode_id``) as soon as it is written. Raises ValueError on a duplicate id."""
+        re-prefilled: prompt + output). ``route``: the decode instance chosen for it -- with a
+        ``stream_key``, send each layer of its final prefill chunk there (``route.peer.send``) as
+        soon as it is written; after its first token hand it there directly
+        (``route.peer.adopt``, see :meth:`step`). Raises ValueError on a duplicate id."""
         def add():
             self.reserved.pop(req.req_id, None)
             self.core.add_request(req)
             if req.sampling_params.structured_output is not None:
                 self.grammars.prepare()
-            if stream is not None:
-                sink, key, dst = stream
-                rid = req.req_id
-                self.mi.runner.kv_streams[rid] = lambda layer, k, v: sink.send(rid, key, layer, k, v)
-                self.outbox.stream_to(rid, dst)
+            if route is not None:
+                rid, peer, key = req.req_id, route.peer, route.stream_key
+                self.outbox.route(rid, route)
+                if key is not None:
+                    self.mi.runner.kv_streams[rid] = lambda layer, k, v: peer.send(rid, key, layer, k, v)
         return self._call(add, True)
 
     def abort(self, req_id: str, fence: int | None = None) -> bool:
@@ -212,6 +228,7 @@ class InstanceWorker:
         """One streamed layer (K, V ``[T, kv_heads, head_dim]``, tensors or arrays). Answers at
         once from any thread; the stepping thread writes it at its next layer boundary."""
         self.inbound.receive(req_id, key, layer, k, v)
+        self._wake.set()
 
     # -- hand-off ----------------------------------------------------------------------------------------
     def take_handoff(self, req_id: str, dst: int | None = None) -> tuple[Handoff, float]:
@@ -224,9 +241,10 @@ class InstanceWorker:
         """Prefill side: the decode instance holds ``req_id``'s KV; drop the exported copy."""
         self._call(lambda: self.outbox.confirm(req_id), True)
 
-    def adopt(self, sent: tuple[Handoff, float], attempt: int = 0, epoch: int | None = None) -> dict:
-        """Decode side: continue a request prefilled elsewhere (``sent`` from
-        :meth:`take_handoff`). Waits in order for KV blocks when the pool is full.
+    def adopt(self, sent: tuple[Handoff, float], attempt: int = 0, epoch: int | None = None, reply=None) -> dict:
+        """Decode side: continue a request prefilled elsewhere (``sent``: from :meth:`take_handoff`,
+        or sent directly by the prefill instance, see :meth:`step`). Waits in order for KV blocks
+        when the pool is full.
         A hand-off without KV (streamed) takes its layers from :attr:`inbound` and waits until
         all have arrived. Returns ``{"bytes": KV bytes, "seconds": send -> adopt (wall clock),
         "after_prefill_s": prefill end -> adopt (the shared host clock), "layers", "streamed"}``;
@@ -234,7 +252,12 @@ class InstanceWorker:
         streamed layers still on their way. ``attempt``: the front end's attempt number of the
         request (re-prefills count up); ``epoch``: the front end's epoch of this instance when it
         sent the hand-off. Raises KeyError for a stream this instance does not expect (aborted), a
-        stale attempt (fenced by :meth:`abort`) or a stale epoch (fenced by :meth:`reset`)."""
+        stale attempt (fenced by :meth:`abort`) or a stale epoch (fenced by :meth:`reset`).
+
+        ``reply``: a direct hand-off (nobody waits for this answer): the sender's channel, whose
+        ``confirm`` is called once the request is held here; the answer or the refusal goes to the
+        front end in the next :meth:`step` answer (``"adopted"``) and this returns the answer, or
+        None when refused (it raises nothing)."""
         h, sent_at = sent
         rid = h.request.req_id
 
@@ -253,7 +276,26 @@ class InstanceWorker:
             self.adopts.adopt_ready(self._adopt_one)
             return {"bytes": nbytes, "seconds": time.time() - sent_at, "after_prefill_s": self.core.clock() - h.time,
                     "layers": self.num_layers, "streamed": streamed}
-        return self._call(adopt, False)
+        if reply is None:
+            return self._call(adopt, False)
+        try:
+            m = self._call(lambda: self._log_adoption(rid, attempt, adopt), False)
+        except KeyError:
+            return None  # (logged for the front end)
+        finally:
+            self._wake.set()
+        reply.confirm(rid)  # (outside this instance's lock: in process the sender's step called this)
+        return m
+
+    def _log_adoption(self, rid: str, attempt: int, adopt) -> dict:
+        """Run ``adopt`` and record its answer or refusal for the front end (:meth:`step`)."""
+        try:
+            m = adopt()
+        except KeyError as e:
+            self._adoptions.append((rid, attempt, None, str(e)))
+            raise
+        self._adoptions.append((rid, attempt, m, None))
+        return m
 
     def _adopt_one(self, h: Handoff) -> Request | None:
         """Adopt ``h`` now (the queue's ``adopt``): None while its streamed layers have not all
@@ -275,45 +317,68 @@ class InstanceWorker:
     def step(self, epoch: int | None = None) -> dict:
         """One scheduling step. Returns ``{"events": [(req_id, token, finish_reason,
         handed_off, cached prompt tokens, the token's TokenLogprob or None, the complete prompt
-        logprobs or None: see :class:`~laser.instance.core.TokenEvent`)], "busy": more work left, "step_s": seconds, "report": the instance's
-        :class:`InstanceReport` after it (the front end's per-instance gauges)}``; handed-off
-        requests wait in the outbox for :meth:`take_handoff`. ``epoch``: the front end's epoch of
-        this instance when it asked; a step of an older epoch (asked before the instance was fenced
-        by :meth:`reset`) runs nothing and answers no events, not busy, ``"fenced": True``."""
+        logprobs or None: see :class:`~laser.instance.core.TokenEvent`)], "adopted": direct hand-offs
+        taken since the last answer (``(req_id, attempt, adopt's answer or None, refusal or None)``,
+        see :meth:`adopt`), "busy": more work left, "step_s": seconds, "report": the instance's
+        :class:`InstanceReport` after it (the front end's per-instance gauges)}``. Handed-off requests
+        wait in the outbox (for :meth:`take_handoff`, or :meth:`confirm`); one with a route
+        (:meth:`add_request`) is sent to its decode instance after the step, by this call.
+        ``epoch``: the front end's epoch of this instance when it asked; a step of an older epoch
+        (asked before the instance was fenced by :meth:`reset`) runs nothing and answers no events, not busy, ``"fenced": True``.
+        With nothing to run, it first waits up to ``IDLE_STEP_WAIT_S`` for a hand-off or layer to
+        arrive (the front end steps a decode instance a hand-off is on its way to)."""
         if self.adopts.fences.stale_epoch(epoch):
-            return {"events": [], "busy": False, "step_s": 0.0, "report": None, "fenced": True}
+            return {"events": [], "adopted": [], "busy": False, "step_s": 0.0, "report": None, "fenced": True}
+        if not self.has_work():
+            self._wake.wait(IDLE_STEP_WAIT_S)
+        self._wake.clear()
         with self._lock:
-            if self._stall_s:
-                stall, self._stall_s = self._stall_s, 0.0
-                time.sleep(stall)
-            self._drain(self._at_boundary)
-            self._drain(self._between)
-            self.inbound.drain()
-            self.adopts.adopt_ready(self._adopt_one)
-            t0 = time.perf_counter()
-            events = []
-            if self.core.has_unfinished():
-                # the report's busy_until: the step runs about as long as the last one
-                self._busy_until = self.core.clock() + (self.core.scheduler.report().last_iteration_s or 0.0)
-                for ev in self.core.step():
-                    events.append((ev.request.req_id, ev.token, ev.finish_reason, ev.handed_off,
-                                   ev.request.num_cached_tokens, ev.logprob, ev.prompt_logprobs))
-                    if ev.finish_reason is not None:
-                        self.outbox.finished(ev.request.req_id)
-                for h in self.core.handoffs:
-                    self.outbox.put(h)
-                self.core.handoffs.clear()
-            self._busy_until = 0.0
-            self._drain(self._at_boundary)
-            self._drain(self._between)
-            return {"events": events, "busy": self.has_work(), "step_s": time.perf_counter() - t0,
-                    "report": self._report()}
+            res, sends = self._step()
+        for route, h in sends:  # straight to the decode instances chosen at routing (not under the lock)
+            route.peer.adopt((h, time.time()), route.attempt, route.epoch, route.reply)
+        return res
+
+    def _step(self) -> tuple[dict, list]:
+        """:meth:`step`'s body, under the lock: its answer and the direct hand-offs to send."""
+        if self._stall_s:
+            stall, self._stall_s = self._stall_s, 0.0
+            time.sleep(stall)
+        self._drain(self._at_boundary)
+        self._drain(self._between)
+        self.inbound.drain()
+        self.adopts.adopt_ready(self._adopt_one)
+        t0 = time.perf_counter()
+        events = []
+        if self.core.has_unfinished():
+            # the report's busy_until: the step runs about as long as the last one
+            self._busy_until = self.core.clock() + (self.core.scheduler.report().last_iteration_s or 0.0)
+            for ev in self.core.step():
+                events.append((ev.request.req_id, ev.token, ev.finish_reason, ev.handed_off,
+                               ev.request.num_cached_tokens, ev.logprob, ev.prompt_logprobs))
+                if ev.finish_reason is not None:
+                    self.outbox.finished(ev.request.req_id)
+            sends = [s for s in map(self.outbox.direct, self.core.handoffs) if s is not None]
+            self.core.handoffs.clear()
+        else:
+            sends = []
+        self._busy_until = 0.0
+        self._drain(self._at_boundary)
+        self._drain(self._between)
+        adopted, self._adoptions = self._adoptions, []
+        return {"events": events, "adopted": adopted, "busy": self.has_work(),
+                "step_s": time.perf_counter() - t0, "report": self._report()}, sends
 
     def has_work(self) -> bool:
         return self.core.has_unfinished() or bool(self.adopts)
 
     def check_integrity(self, expect_empty: bool = False) -> None:
-        """The core's check; when ``expect_empty`` also no outbox, waiting hand-off or reservation."""
+        """The core's check; when ``expect_empty`` also no outbox, waiting hand-off or reservation
+        (a direct hand-off's ``confirm`` still on its way from the decode instance is waited for,
+        up to ``CONFIRM_WAIT_S``). Raises AssertionError."""
+        end = time.monotonic() + CONFIRM_WAIT_S
+        while expect_empty and self.outbox and time.monotonic() < end:
+            time.sleep(0.002)
+
         def check():
             self.core.check_integrity(expect_empty=expect_empty)
             out = self.outbox
@@ -340,6 +405,7 @@ class InstanceWorker:
                 self.core.abort(rid)
             self.outbox.clear()
             self.adopts.reset(epoch)
+            self._adoptions.clear()
             return len(rids)
         return self._call(reset, False)
 

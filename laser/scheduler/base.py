@@ -32,7 +32,8 @@ from ..core.depth import DepthMeans
 from ..core.intermediate_cache import IntermediateCache
 from ..core.plan import StepPlan, Work
 from ..core.request import SLO_EPS, Phase, Request
-from .report import QueueEntry, SchedulerReport, queue_key
+from . import preemption
+from .report import SchedulerReport, queue_key, take_report
 
 
 class Scheduler(ABC):
@@ -276,104 +277,30 @@ class Scheduler(ABC):
     def on_preempt(self, req: Request, was_decoding: bool) -> None:
         """Hook: ``req`` was preempted (Laser drops its decode plan)."""
 
-    def slo_rank(self, req: Request) -> tuple[float, float]:
-        """Class strictness for priority preemption, smaller = stricter: (TTFT target, TBT
-        target); best effort is (inf, inf)."""
-        return (req.slo.ttft_or_inf, req.slo.tbt_or_inf)
-
-    def _victim_key(self, r: Request):
-        # least strict class first; among equals the one preempted least often (no victim is
-        # hit again and again), then the latest deadline
-        return (self.slo_rank(r), -r.num_preemptions, self.queue_key(r))
-
+    # -- priority preemption (laser.scheduler.preemption chooses; preempt acts) ------------------
     def preempt_for_stricter(self) -> None:
-        """Priority preemption before a step is planned (vLLM's ``priority`` policy). A waiting
-        request blocked by ``max_num_seqs`` or short of KV for its first chunk preempts running
-        requests of strictly looser SLO classes (:meth:`make_room`) and is admitted first
-        (``boosted``). Policies call this at the top of ``schedule``; it costs one pass over
-        the waiting queue only while something waits and the cap or the pool is short."""
-        if not self.waiting or not self.running:
-            return
-        cap = self.config.max_num_seqs - sum(r.boosted for r in self.waiting)
-        reserved = 0  # blocks per layer promised to boosted requests
-        changed = False
-        for req in list(self.waiting):
-            if req.boosted or req not in self.waiting:
-                continue
-            need = self.bm.blocks_needed(req.num_tokens)  # its whole prompt (a partial fit can deadlock)
-
-            def fits(need=need):
-                return len(self.running) < cap and self.bm.min_free() - reserved >= need
-
-            if fits():
-                continue
-            cause = "running_cap" if len(self.running) >= cap else "slo"
-            if not self.make_room(req, fits, cause, need_blocks=need + reserved):
-                continue
-            req.boosted = True
-            cap -= 1
-            reserved += need
-            changed = True
-        if changed:
+        """Priority preemption before a step is planned (vLLM's ``priority`` policy): a waiting
+        request blocked by ``max_num_seqs`` or short of KV preempts running requests of strictly
+        looser SLO classes (:meth:`make_room`) and is admitted first (``boosted``;
+        :func:`laser.scheduler.preemption.boost_stricter`). Policies call this at the top of
+        ``schedule``; it costs one pass over the waiting queue only while something waits and the
+        cap or the pool is short."""
+        if preemption.boost_stricter(self.waiting, self.running, self.config.max_num_seqs, self.bm, self.make_room):
             self.waiting.sort(key=self.queue_key)
 
     def make_room(self, req: Request, fits: Callable[[], bool], cause: str, protected: set[str] = frozenset(),
                   need_blocks: int | None = None) -> bool:
-        """Priority preemption (vLLM's ``priority`` scheduling policy): until ``fits()`` holds,
-        preempt the least strict running request of a strictly less strict class than ``req``
-        (:meth:`slo_rank`; never one in ``protected``, the requests already in this step's
-        plan). ``fits`` may allocate (it is :meth:`try_allocate` for KV). Returns ``fits()``.
-
-        ``need_blocks``: KV blocks per layer ``req`` needs; when even every eligible victim's
-        blocks would not free that many, nobody is preempted (no preemption for nothing).
-        Only strictly looser classes are victims, so two requests can never preempt each other
-        back and forth."""
-        if fits():
-            return True
-        rank = self.slo_rank(req)
-        victims = [r for r in self.running if r is not req and r.req_id not in protected and self.slo_rank(r) > rank]
-        if need_blocks is not None:
-            held = sum(self.bm.num_held(r.req_id, 0) for r in victims)
-            if self.bm.min_free() + held < need_blocks:
-                return False
-        while not fits():
-            victims = [r for r in victims if r in self.running]
-            if not victims:
-                return False
-            self.preempt(max(victims, key=self._victim_key), cause)
-        return True
+        """:func:`laser.scheduler.preemption.make_room` over this scheduler's running requests:
+        preempt strictly looser classes than ``req`` (never one in ``protected``) until ``fits()``;
+        returns ``fits()``."""
+        return preemption.make_room(req, fits, self.running, self.preempt, self.bm, self.queue_key, cause, protected,
+                                    need_blocks)
 
     def preempt_for_decode(self, needed: list[Request]) -> list[Request]:
-        """Make room for one more decode block for each of ``needed`` (in priority order).
-
-        Preempts the least strict running requests first (class, then fewest preemptions so
-        far, then latest deadline), never one of a stricter class than the request that needs
-        the block: that one is preempted itself instead. Returns the requests of ``needed``
-        that got their block.
-        """
-        ok = []
-        running = set(map(id, self.running))  # ids of self.running, kept in step with it below
-        covers = self.bm.covers
-        for req in needed:
-            if id(req) not in running:  # preempted as a victim of an earlier one
-                continue
-            if covers(req.req_id, req.num_tokens):  # its block holds the new token already
-                ok.append(req)
-                continue
-            rank = None
-            while not self.try_allocate(req, req.num_tokens):
-                rank = self.slo_rank(req) if rank is None else rank
-                victims = [r for r in self.running if r is not req and self.slo_rank(r) >= rank]
-                if not victims:
-                    self.preempt(req)
-                    running.discard(id(req))
-                    break
-                victim = max(victims, key=self._victim_key)
-                self.preempt(victim)
-                running.discard(id(victim))
-            else:
-                ok.append(req)
-        return [r for r in ok if id(r) in running]
+        """:func:`laser.scheduler.preemption.preempt_for_decode`: one more decode block for each of
+        ``needed`` (priority order); returns those that got it."""
+        return preemption.preempt_for_decode(needed, self.running, self.preempt, self.bm, self.try_allocate,
+                                             self.queue_key)
 
     # -- after a step ---------------------------------------------------------------------------
     def update(self, plan: StepPlan, stopped_layer: int, sampled: dict[str, int], now: float,
@@ -495,7 +422,6 @@ class Scheduler(ABC):
         if expect_empty and self.requests:
             raise AssertionError(f"unfinished requests remain: {list(self.requests)[:10]}")
 
-
     # -- the one picture read outside the scheduler package ----------------------------------------
     def report(self, now: float | None = None, pending: list[Request] = ()) -> SchedulerReport:
         """The :class:`SchedulerReport` of this scheduler at ``now`` (default: its clock); call on
@@ -513,28 +439,8 @@ class Scheduler(ABC):
         found cached at first admissions), ``prefix_cache_refound`` (tokens preempted requests
         found again of their own), ``prefix_cache_evictions`` (cached blocks evicted).
         """
-        cfg = self.config
         lm = self.latency_model
         icache = self.icache
-        planning = self.planning_report()
-        queue, dec_ctx, dec_tbt = [], [], []
-        running: Counter[str] = Counter()
-        waiting: Counter[str] = Counter()
-        prefilling = []
-        for r in self.running:
-            running[r.slo.name] += 1
-            if r.phase == Phase.DECODE:
-                dec_ctx.append(r.num_tokens)
-                dec_tbt.append(r.slo.tbt)
-            else:
-                prefilling.append(r)
-        for r in self.waiting:
-            waiting[r.slo.name] += 1
-        key = self.queue_key
-        for r in sorted(prefilling + list(self.waiting) + list(pending), key=key):
-            queue.append(QueueEntry(key(r), r.num_tokens - r.num_computed_tokens, r.num_tokens, r.slo.tbt,
-                                    r.slo.name, r.req_id, r.ttft_deadline, r.num_prompt_tokens,
-                                    r.demoted or r.slo.ttft is None))
         counters = {
             "preemptions": dict(self.preemptions),
             "recomputes": dict(self.recomputes),
@@ -542,25 +448,18 @@ class Scheduler(ABC):
             "icache_tokens": icache.used_tokens,
             "icache_capacity": icache.capacity_tokens,
             "icache_evictions": icache.num_evictions,
-            "layer_stops": planning.pop("layer_stops", 0),
             # the online calibration factor of the model the scheduler plans with (1.0 without one)
             "latency_calibration": float(getattr(lm, "factor", 1.0)),
             # ... and the spread of its slow steps that divides Laser's planning margins (1.0 without one)
             "latency_timing_spread": float(lm.timing_spread() if hasattr(lm, "timing_spread") else 1.0),
-            "running": dict(running),
-            "waiting": dict(waiting),
             # prefix cache, tokens (vLLM's prefix_cache_queries / _hits) and blocks evicted
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,
             "prefix_cache_refound": self.prefix_cache_refound,
             "prefix_cache_evictions": self.bm.num_evictions,
         }
-        return SchedulerReport(policy=self.name, role=cfg.role, queue_order=cfg.queue_order,
-                               best_effort_deadline_s=cfg.best_effort_deadline_s,
-                               chunk_tokens=cfg.max_num_batched_tokens, busy=bool(self.requests),
-                               time=self.clock() if now is None else now, queue=tuple(queue),
-                               decode_contexts=tuple(dec_ctx), decode_tbts=tuple(dec_tbt),
-                               counters=counters, **planning)
+        return take_report(self.name, self.config, self.clock() if now is None else now, bool(self.requests),
+                           self.running, self.waiting, pending, self.queue_key, self.planning_report(), counters)
 
     def planning_report(self) -> dict:
         """A policy's own :class:`SchedulerReport` fields (layer-level decode planning), by name;

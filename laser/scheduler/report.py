@@ -1,14 +1,17 @@
-"""What is read of a scheduler outside the scheduler package: :class:`SchedulerReport`, built by
-:meth:`laser.scheduler.base.Scheduler.report`, its :class:`QueueEntry` rows, and the queue
-ordering rule :func:`queue_key` that the scheduler sorts by and admission keys new requests by.
-Torch-free."""
+"""What is read of a scheduler outside the scheduler package: :class:`SchedulerReport`, taken by
+:func:`take_report` (for :meth:`laser.scheduler.base.Scheduler.report`), its :class:`QueueEntry`
+rows, and the queue ordering rule :func:`queue_key` that the scheduler sorts by and admission
+keys new requests by. Torch-free."""
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable
 
-from ..core.request import SLO
+from ..core.config import SchedulerConfig
+from ..core.request import SLO, Phase, Request
 
 
 def queue_key(queue_order: str, best_effort_deadline_s: float, arrival: float, slo: SLO,
@@ -131,3 +134,36 @@ class SchedulerReport:
     def pending_prefill_tokens(self) -> int:
         """Prompt tokens left to prefill over the queue (tokens)."""
         return sum(e.prefill_tokens for e in self.queue)
+
+
+def take_report(policy: str, config: SchedulerConfig, time: float, busy: bool, running: Iterable[Request],
+                waiting: Iterable[Request], pending: Iterable[Request],
+                key: Callable[[Request], tuple[float, float]], planning: dict, counters: dict) -> SchedulerReport:
+    """The :class:`SchedulerReport` of a scheduler (policy ``policy``, config ``config``) at
+    ``time`` (seconds) from its queues: ``running`` (holding KV, prefilling or decoding),
+    ``waiting`` and ``pending`` (delivered to the instance, not yet added), ordered by ``key``
+    (its queue key); ``planning``: the policy's own report fields (``layer_stops`` is moved into
+    the counters); ``counters``: its observability copies, to which ``running`` / ``waiting``
+    {class: n} and ``layer_stops`` are added."""
+    queue, dec_ctx, dec_tbt, prefilling = [], [], [], []
+    by_class: Counter[str] = Counter()
+    for r in running:
+        by_class[r.slo.name] += 1
+        if r.phase == Phase.DECODE:
+            dec_ctx.append(r.num_tokens)
+            dec_tbt.append(r.slo.tbt)
+        else:
+            prefilling.append(r)
+    waiting = list(waiting)
+    for r in sorted(prefilling + waiting + list(pending), key=key):
+        queue.append(QueueEntry(key(r), r.num_tokens - r.num_computed_tokens, r.num_tokens, r.slo.tbt,
+                                r.slo.name, r.req_id, r.ttft_deadline, r.num_prompt_tokens,
+                                r.demoted or r.slo.ttft is None))
+    planning = dict(planning)
+    counters = {**counters, "layer_stops": planning.pop("layer_stops", 0), "running": dict(by_class),
+                "waiting": dict(Counter(r.slo.name for r in waiting))}
+    return SchedulerReport(policy=policy, role=config.role, queue_order=config.queue_order,
+                           best_effort_deadline_s=config.best_effort_deadline_s,
+                           chunk_tokens=config.max_num_batched_tokens, busy=busy, time=time, queue=tuple(queue),
+                           decode_contexts=tuple(dec_ctx), decode_tbts=tuple(dec_tbt), counters=counters,
+                           **planning)

@@ -9,6 +9,9 @@ import sys
 
 log = logging.getLogger("laser.server")
 
+#: ``laser serve``'s exit status when its cluster lost its Ray node for good (a supervisor restarts it).
+EXIT_NODE_LOST = 3
+
 
 def register(subparsers) -> None:
     """Add the ``serve`` subcommand (called by ``laser.cli.main``)."""
@@ -125,6 +128,25 @@ def build_cluster(args):
     return cl
 
 
+def exit_when_node_lost(engine) -> list[str]:
+    """Make the server exit (SIGTERM to itself: it drains, then ``laser serve`` returns
+    ``EXIT_NODE_LOST``) when ``engine``'s cluster lost its Ray node and cannot start it again
+    (:mod:`laser.cluster.node`: it joined a Ray cluster it did not start, or restarts failed), so
+    that a supervisor restarts it. Returns the list the reason is appended to."""
+    import signal
+
+    lost: list[str] = []
+
+    def on_node_lost(why: str) -> None:
+        lost.append(why)
+        print(f"[laser] fatal: {why}; exiting with status {EXIT_NODE_LOST} so that a supervisor restarts "
+              "the server", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    engine.on_node_lost = on_node_lost
+    return lost
+
+
 def port_unavailable(host: str, port: int) -> str | None:
     """Why ``host:port`` cannot be listened on now, or None. Checked before the model loads
     (minutes on first use: dequantising, profiling), so a taken port is reported at once;
@@ -171,8 +193,10 @@ def cmd_serve(args) -> int:
     except DataDirInUseError as e:
         print(f"laser: error: --data-dir: {e}", file=sys.stderr)
         return 2
+    node_lost: list[str] = []
     if args.prefill_instances or args.decode_instances or args.mixed_instances:
         engine = build_cluster(args)
+        node_lost = exit_when_node_lost(engine)
     else:
         engine = build_engine(args, max_model_len=args.max_model_len)
     if not args.no_warmup:
@@ -200,7 +224,7 @@ def cmd_serve(args) -> int:
         server.run()
     except KeyboardInterrupt:
         pass
-    return 0
+    return EXIT_NODE_LOST if node_lost else 0
 
 
 def _what(engine) -> str:

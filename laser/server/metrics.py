@@ -239,6 +239,8 @@ class _ClusterCollector:
              "(draws are a function of seed and position).", st.seeded_recoveries),
             ("migrations", "Decode -> decode moves of a running request (KV memory or T_g broke).", st.migrations),
             ("instance_rejoins", "Dead instances that came back (restarted) and rejoined, empty.", st.rejoins),
+            ("node_restarts", "Times the lost local Ray node was started again with its instances.",
+             st.node_restarts),
             ("recovery_seconds", "Seconds from an instance failure to the next token of each recovered "
              "request, summed.", sum(st.recovery_seconds)),
             ("controller_decisions", "Requests routed by the global controller.", st.routes),

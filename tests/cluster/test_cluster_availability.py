@@ -228,3 +228,82 @@ def test_outage_answers_503_with_retry_after_and_streams_end_with_an_error(serve
         time.sleep(0.05)
     r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+
+
+class _Node:
+    """Stands in for the Ray node of in-process instances (laser.cluster.node; the real one:
+    tests/cluster/test_ray_node_restart.py): gone once every instance is killed; ``restart``
+    builds fresh workers, as RayNode.restart relaunches the actors on a new Ray session."""
+
+    def __init__(self, cl, owned: bool):
+        self.cl, self.owned, self.asked = cl, owned, 0
+
+    def lost(self):
+        self.asked += 1
+        return "its raylet process exited" if all(h._killed for h in self.cl.handles.values()) else None
+
+    def restart(self):
+        from laser.cluster.handles import LocalHandle
+
+        return [LocalHandle(h._restart(), h.call_timeout_s, restart=h._restart) for h in self.cl.handles.values()]
+
+
+@pytest.mark.parametrize("owned", [True, False])
+def test_lost_node_is_started_again_or_reported(tiny_llama, single, owned):
+    """Every instance dies with their node (a request in flight): a node this process started is
+    started again -- a request meanwhile gets a ClusterError (503), the one in flight ends with
+    one, and after the restart a request is served with its no-failure tokens; a node it joined
+    is reported through ``on_node_lost`` (the server exits). The node is asked only when no
+    instance is alive."""
+    prompts = random_prompts(2, 8)
+    ref = _reference(single, prompts)
+    cl = _cluster(tiny_llama)
+    cl.node, lost = _Node(cl, owned), []
+    cl.on_node_lost = lost.append
+    cl.add_request(prompts[0], SP, slo="chat", req_id="0")
+    cl.handles[1].kill()
+    streams, done = {}, {}
+    _run(cl, streams, done, until=lambda: not cl.handles[1].alive)
+    assert cl.node.asked == 0  # the prefill instance serves as mixed
+    cl.handles[0].kill()
+    _run(cl, streams, done)
+    assert done["0"][1] == "abort" and [rid for rid, _ in cl.take_failed()] == ["0"]
+    with pytest.raises(ClusterError):
+        cl.add_request(prompts[1], SP, slo="chat", req_id="1")
+    if not owned:
+        assert not cl.restarting_node and len(lost) == 1 and "did not start it" in lost[0]
+        return
+    deadline = time.monotonic() + 60
+    while cl.stats.node_restarts == 0:
+        assert time.monotonic() < deadline and not lost
+        time.sleep(cl.poll_idle())
+    assert cl.can_serve() and all(h.alive for h in cl.handles.values())
+    cl.add_request(prompts[1], SP, slo="chat", req_id="1")
+    _run(cl, streams, done)
+    assert done["1"] == (ref["1"], "length")
+    cl.check_integrity(expect_empty=True)
+
+
+def test_server_exits_for_its_supervisor_when_the_node_is_lost(capsys):
+    """``laser serve`` over a cluster it cannot start again: the node loss (``on_node_lost``)
+    prints why and stops the server with SIGTERM (it drains), and ``laser serve`` then exits with
+    ``EXIT_NODE_LOST`` (non-zero) so that a supervisor restarts it."""
+    import signal
+    import types
+
+    from laser.server.cli import EXIT_NODE_LOST, exit_when_node_lost
+
+    got = []
+    old = signal.signal(signal.SIGTERM, lambda *a: got.append(a[0]))
+    try:
+        engine = types.SimpleNamespace()
+        lost = exit_when_node_lost(engine)
+        engine.on_node_lost("the Ray node of this cluster is gone (its raylet process exited)")
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert got == [signal.SIGTERM] and lost and EXIT_NODE_LOST != 0
+    err = capsys.readouterr().err
+    assert "raylet process exited" in err and f"exiting with status {EXIT_NODE_LOST}" in err

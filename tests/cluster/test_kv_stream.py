@@ -7,6 +7,7 @@ final prefill chunk or sent at the hand-off.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from laser.cluster.launch import start_cluster
@@ -87,3 +88,41 @@ def test_stale_stream_pieces_are_dropped(tiny_llama):
     assert kv.block_manager.num_free(1) == 8 - 2
     assert inb.drop("r") and not inb.pending()
     kv.block_manager.check_integrity(expect_empty=True)
+
+
+def test_the_prefill_instance_hands_off_to_the_decode_instance_chosen_at_routing(tiny_llama, monkeypatch):
+    """Issue 27 item 2: the decode instance is chosen once, at routing, and the prefill instance
+    hands the request (and the KV it did not stream) to it by itself. The front end makes no call
+    of the hand-off (``take_handoff``, ``adopt``, ``confirm``: before, three front-end rounds per
+    hand-off) and asks no second choice (``at_handoff``); it learns the adoption from the decode
+    instance's step answers."""
+    from laser.cluster.handles import LocalHandle, LocalKVSink
+
+    peer_calls, front_calls = [], []  # (method, instance id): instance to instance, front end to instance
+    call, peer_call = LocalHandle.call, LocalKVSink._call
+
+    def recording_call(self, method, *args, timeout=None):
+        front_calls.append((method, self.instance_id))
+        return call(self, method, *args, timeout=timeout)
+
+    def peer(self, method, *args):
+        peer_calls.append((method, self.handle.instance_id))
+        return peer_call(self, method, *args)
+
+    monkeypatch.setattr(LocalHandle, "call", recording_call)
+    monkeypatch.setattr(LocalKVSink, "_call", peer)
+    prompts = [[(7 + 5 * i + j) % 400 + 3 for j in range(6 + 11 * i)] for i in range(3)]
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for stream in (True, False):
+        cl = start_cluster("laser", 1, 1, stream_kv=stream, model=str(tiny_llama), dtype="float32", scheduler=SCHED,
+                           use_ray=False)
+        monkeypatch.setattr(cl.controller, "at_handoff", lambda *a: pytest.fail("decode instance chosen twice"))
+        peer_calls.clear(), front_calls.clear()
+        for i, p in enumerate(prompts):
+            cl.add_request(p, sp, slo="chat", req_id=str(i))
+        done = {o.req_id: o.token_ids for o in cl.drain(120) if o.finished}
+        assert sorted(done) == ["0", "1", "2"] and all(len(v) == 4 for v in done.values())
+        assert cl.stats.transfers == 3 and cl.stats.streamed_transfers == (3 if stream else 0)
+        assert not {m for m, _ in front_calls} & {"take_handoff", "adopt", "confirm"}
+        assert peer_calls.count(("adopt", 1)) == 3 and peer_calls.count(("confirm", 0)) == 3
+        cl.check_integrity(expect_empty=True)

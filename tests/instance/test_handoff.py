@@ -11,7 +11,7 @@ import pytest
 from laser.core.config import SchedulerConfig
 from laser.core.request import Phase, Request, SamplingParams
 from laser.instance.core import Handoff
-from laser.instance.handoff import AdoptQueue, Outbox, StaleHandoff
+from laser.instance.handoff import AdoptQueue, DirectRoute, Outbox, StaleHandoff
 from laser.latency import SimpleLatencyModel
 from laser.sim import SimInstance
 
@@ -80,14 +80,16 @@ def test_fences_refuse_a_stale_attempt_and_an_older_epoch():
 def test_outbox_keeps_a_hand_off_until_confirmed_and_leaves_out_kv_streamed_to_the_taker():
     box = Outbox()
     h = Handoff(_handoff("r", 8).request, [("k", "v")], 0.0)
-    box.stream_to("r", 2)
-    box.put(h)
+    box.route("r", DirectRoute(2, peer=None, reply=None, attempt=0, epoch=0, stream_key=(0, 1)))
+    route, sent = box.direct(h)  # kept, and what goes to the decode instance chosen at routing
+    assert route.dst == 2 and sent.kv is None  # the layers went there already
     assert box.take("r", 2).kv is None and box.take("r", 3).kv == [("k", "v")] and box.take("r").kv
     assert "r" in box  # taking keeps it: a decode instance that dies mid-transfer costs a re-send
     box.confirm("r")
-    assert "r" not in box and not box.streamed_to
+    assert "r" not in box and not box.streamed_to and not box.routes
     with pytest.raises(KeyError):
         box.take("r")
-    box.put(h)
-    box.stream_to("r", 2)
-    assert box.drop("r") and not box and not box.streamed_to and not box.drop("r")
+    box.route("r", DirectRoute(2, None, None))  # not streamed: the whole KV goes with the hand-off
+    assert box.direct(h)[1].kv == [("k", "v")]
+    assert box.drop("r") and not box and not box.routes and not box.drop("r")
+    assert box.direct(h) is None  # no route (e.g. a migration): the front end pulls it

@@ -1,5 +1,5 @@
 """The budget rules this project added to Laser's iteration budget T_g (PPoPP'26 §6.2 plans decode
-iterations to T_g, the tightest TBT target present, and leaves the rest of an iteration to prefill;
+iterations to T_g, the tightest TBT target it can meet, and leaves the rest of an iteration to prefill;
 the paper is silent on what follows). Each rule is a pure function of explicit inputs, stated
 with the case it exists for; :class:`~laser.scheduler.laser.scheduler.LaserScheduler` owns the
 state (T_g, the plans, the requests) and calls them. Torch-free.

@@ -312,9 +312,10 @@ def exec_plan(lm: LatencyModel, num_layers: int, iteration: int, decoding: list,
     next looser target is T_g, and those requests run at full depth; our rule, the paper is
     silent). Alg. 1 plans
     iterations to ``T_g * target_factor`` seconds:
-    while too slow, the most relaxed full-depth request drops to ``ceil(N*T_g/SLO_r)``
-    layers per iteration (rounded so that its ``ceil(N/L)`` iterations of T_g fit its target:
-    :func:`relaxed_layers`), its first group in the coming iteration
+    while too slow, the most relaxed full-depth request drops to ``L = ceil(N/K)`` layers per
+    iteration, ``K = floor(SLO_r/T_g)`` (:func:`relaxed_layers`: its ``ceil(N/L)`` iterations of
+    T_g fit its target; the paper's ``ceil(N*T_g/SLO_r)`` when ``SLO_r/T_g`` is whole; best
+    effort drops to 1 layer), its first group in the coming iteration
     (:meth:`_LayerLoad.best_offset`); while there is headroom, the strictest reduced request
     is restored to ``L = N`` (reverted and stop if that breaks the target). ``prefill_rate`` (tokens/s, a mixed instance's pending prefill demand):
     every iteration is priced with ``prefill_rate * T_g * target_factor`` prefill tokens

@@ -17,11 +17,12 @@ deadline, otherwise first.
 Decode (§6.2, Alg. 1). Decode request r has a plan (L_r, O_r): with K_r = ceil(N/L_r)
 layer groups, group g (layers ((g-1)L, gL]) runs in iteration i iff
 ``(i - g - O_r) mod K_r == 0`` — one group per iteration, a token every K_r
-iterations. T_g is the tightest TBT target present. While the predicted iteration time
-exceeds T_g, the most relaxed full-depth request gets ``L = ceil(N/K)`` with
-``K = floor(SLO_r/T_g)`` (:func:`~.decode.relaxed_layers`; the paper's ``ceil(N*T_g/SLO_r)`` when
-``SLO_r/T_g`` is whole), its first group in the coming iteration (the paper balances layer load by the offset; a
-later start stretches the gap in progress); while it is below T_g, the strictest reduced
+iterations. T_g is the tightest TBT target that can be met (one out of reach alone, or whose
+requests alone at full depth overload it, is skipped: :func:`~.decode.exec_plan`). While the
+predicted iteration time exceeds T_g, the most relaxed full-depth request gets ``L = ceil(N/K)``
+with ``K = floor(SLO_r/T_g)`` (:func:`~.decode.relaxed_layers`; the paper's ``ceil(N*T_g/SLO_r)``
+when ``SLO_r/T_g`` is whole; best effort: 1 layer), its first group in the coming iteration
+(the paper balances layer load by the offset; a later start stretches the gap in progress); while it is below T_g, the strictest reduced
 request is restored to L = N (reverted if that breaks T_g). Plans change only on arrival,
 departure, or when the measured iteration time nears T_g.
 
