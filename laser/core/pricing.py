@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .plan import Work
+from .speculation import spec_decode_time
 
 
 class PlanCost:
@@ -15,11 +16,25 @@ class PlanCost:
     samples through a grammar, ``Work.masked``, one row of ``lm.mask_time``: a plan without
     such a work is priced by the same sum as before). The Laser scheduler builds a plan work by
     work: :meth:`with_work` prices adding a work only over the segments it overlaps.
+
+    Self-speculation: ``drafts`` (req id -> draft length ``g > 0``) names the decode works the
+    executor runs speculatively, after the step's layer calls and apart from them; they are left
+    out of the segments and priced by :func:`laser.core.speculation.spec_decode_time` with
+    ``exit_layer`` (``spec_seconds``, part of ``total``).
     """
 
-    def __init__(self, lm, num_layers: int, works: list[Work]):
+    def __init__(self, lm, num_layers: int, works: list[Work], drafts: dict[str, int] | None = None,
+                 exit_layer: int = 0):
         self.lm = lm
         self.n = num_layers
+        self.spec_seconds = 0.0
+        if drafts:
+            spec = [w for w in works if w.req_id in drafts and w.is_decode and w.layer_start == 0
+                    and w.layer_end == num_layers]
+            self.spec_seconds = spec_decode_time(lm, num_layers, exit_layer,
+                                                 [(w.context_len, drafts[w.req_id]) for w in spec])
+            gone = {id(w) for w in spec}
+            works = [w for w in works if id(w) not in gone]
         self.works = list(works)
         # (query lens, context lens) -> lm.layer_time: a batch priced by with_work is not
         # priced again when the work is added (the latency model is deterministic)
@@ -46,6 +61,7 @@ class PlanCost:
         self.total = layers + lm.embed_time(self.embed_tokens) + lm.head_time(self.final)
         if self.masked:
             self.total += lm.mask_time(self.masked)
+        self.total += self.spec_seconds
         self._layers = layers
 
     def with_work(self, w: Work) -> float:
@@ -65,7 +81,7 @@ class PlanCost:
         f = self.final + (1 if hi == self.n else 0)
         t = t + lm.embed_time(e) + lm.head_time(f)
         m = self.masked + (1 if w.masked and w.sample and hi == self.n else 0)
-        return t + lm.mask_time(m) if m else t
+        return (t + lm.mask_time(m) if m else t) + self.spec_seconds
 
     def add(self, w: Work) -> None:
         self.works.append(w)

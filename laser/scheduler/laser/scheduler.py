@@ -158,16 +158,33 @@ class LaserScheduler(Scheduler):
         self.refresh_prefixes()  # the queue is priced by the tokens left after cached prefixes
         self.preempt_for_stricter()
         works = self._decode_works(now) if self.config.role != "prefill" else []
-        cost = PlanCost(self.lm, self.num_layers, works)  # the plan's price, grown work by work
+        spec = self._spec_pricing(works)
+        cost = PlanCost(self.lm, self.num_layers, works, *spec)  # the plan's price, grown work by work
         budget = self._prefill_budget(now, cost.total) if works else self._no_decode_budget()
         works += self._prefill_works(now, cost, budget)
         priced = bool(works)  # cost prices exactly ``works``
         if not works:
             works = self._skip_to_due_decode(now)
         self.relieve_deadlock(works)
-        plan = StepPlan(self.num_layers, works, predicted=(self.lm, cost.total) if priced else None)
+        plan = StepPlan(self.num_layers, works, predicted=(self.lm, cost.total) if priced else None,
+                        speculative=spec if spec[0] else None)
         self._begin_step(plan)
         return plan
+
+    def _spec_pricing(self, works: list[Work]) -> tuple[dict[str, int], int]:
+        """(req id -> draft length, exit layer) of the decode works the executor will run
+        self-speculatively (:mod:`laser.core.speculation`: a speculating request's token through
+        every layer), for :class:`PlanCost`; empty without speculation."""
+        sh = self.speculation
+        if sh is None:
+            return {}, 0
+        n, reqs, drafts = self.num_layers, self.requests, {}
+        for w in works:
+            if w.is_decode and w.sample and w.layer_start == 0 and w.layer_end == n:
+                g = sh.draft_len(reqs[w.req_id])
+                if g:
+                    drafts[w.req_id] = g
+        return drafts, sh.exit_layer
 
     def _prefill_budget(self, now: float, decode_time: float) -> float:
         """Seconds of prefill the step may carry beside ``decode_time`` seconds of decode
@@ -210,7 +227,8 @@ class LaserScheduler(Scheduler):
         order (kept: a decode instance spends 92-94 % of its steps here; without it the 16P16D
         simulation took 1.33x the CPU, docs/benchmarks.md). None, having changed nothing, when
         the state is not steady."""
-        if self.config.role != "decode" or self.waiting or self.replan_needed or not self.running:
+        if (self.config.role != "decode" or self.waiting or self.replan_needed or not self.running
+                or self.speculation is not None):  # (speculating tokens: the generic path prices them)
             return None
         n, plans, covers, decode = self.num_layers, self.plans, self.bm.covers, Phase.DECODE
         grow = []  # requests whose new token starts a block
@@ -415,10 +433,10 @@ class LaserScheduler(Scheduler):
             rate = self.prefill_demand(self.clock()).rate
             self.plans, self.t_g, _ = exec_plan(self.lm, self.num_layers, self.iteration, decoding, self.plans,
                                                 self.planning_margin(), self.decode_memo, rate,
-                                                self.config.max_num_batched_tokens)
+                                                self.config.max_num_batched_tokens, self.speculation)
         else:
             self.plans, self.t_g, _ = exec_plan(self.lm, self.num_layers, self.iteration, decoding, self.plans,
-                                                self.plan_target_factor(), self.decode_memo)
+                                                self.plan_target_factor(), self.decode_memo, spec=self.speculation)
         for r in decoding:
             if not r.tbt_infeasible and tbt_infeasible(self.lm, r, self.decode_memo):
                 r.tbt_infeasible = True  # served as well as possible; metrics say so
@@ -455,7 +473,8 @@ class LaserScheduler(Scheduler):
         given = plans if plans is not None else self.plans
         n = self.num_layers
         plans = {r.req_id: given.get(r.req_id, DecodePlan(n, 0)) for r in decoding}
-        return _LayerLoad(self.lm, n, self.iteration, decoding, plans, self.decode_memo).predict()
+        return _LayerLoad(self.lm, n, self.iteration, decoding, plans, self.decode_memo,
+                          spec=self.speculation).predict()
 
     def on_role_change(self) -> None:
         self.replan_needed = True

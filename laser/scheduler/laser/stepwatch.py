@@ -26,6 +26,7 @@ class StepWatch:
         self.in_step = False
         self.plan = StepPlan(num_layers, [])
         self._cum: list[float] | None = []  # predicted seconds to finish layers < j of the plan
+        self._spec_s = 0.0  # predicted seconds of the plan's self-speculative passes (after its layers)
         self.first = 0
         self.cur_layer = 0
         self.stop_pending = False
@@ -38,6 +39,7 @@ class StepWatch:
         """A step of ``plan`` starts at ``start`` (seconds); ``decode_ids``: the requests with decode plans."""
         self.plan = plan
         self._cum = None  # built on the first arrival during the step (remaining_from)
+        self._spec_s = 0.0
         self.first = plan.first_layer if plan.works else 0
         self.cur_layer = self.first
         self.in_step = bool(plan.works)
@@ -117,10 +119,12 @@ class StepWatch:
             if plan.works:
                 first = plan.first_layer
                 cum.extend([0.0] * first)
-                for a, b, _, _, t in PlanCost(self.lm, self.num_layers, plan.works).segs:
+                cost = PlanCost(self.lm, self.num_layers, plan.works, *(plan.speculative or ()))
+                for a, b, _, _, t in cost.segs:
                     if b <= first or a >= plan.last_layer:
                         continue
                     for _ in range(max(a, first), b):
                         cum.append(cum[-1] + t)
+                self._spec_s = cost.spec_seconds  # self-speculative passes: after the layer calls
         j = min(max(layer, self.first), len(cum) - 1)
-        return cum[-1] - cum[j]
+        return cum[-1] - cum[j] + self._spec_s if self._spec_s else cum[-1] - cum[j]
