@@ -212,6 +212,10 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", default="vllm", help="scheduling policy of the engine (default %(default)s)")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved plain/spec rounds (default %(default)s)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                    help="weights as served (default %(default)s: the GGUF's own precision; quantized kernels "
+                         "pick their path by row count, so a verify chunk and a plain decode step can round "
+                         "differently: use none for bit-identical output)")
     ap.add_argument("--prompt-offset", type=int, default=1000,
                     help="first dataset item of the prompts (training uses 0..prompts+eval)")
     ap.add_argument("--pareto", action="store_true", help="lossy early exit: depth / agreement / perplexity table")
@@ -244,7 +248,8 @@ def main(argv=None) -> int:
     from laser.spec.self_spec import SelfSpeculator, load_exits
 
     torch.set_num_threads(args.threads)
-    engine = Engine(args.model, policy=args.policy, dtype="float32", latency_calibration=False)
+    engine = Engine(args.model, policy=args.policy, dtype="float32", latency_calibration=False,
+                    quantization=args.quantization)
     heads = load_exits(engine.model_path, args.exits)
     if heads.report:
         print(format_report(heads.report))
@@ -255,7 +260,8 @@ def main(argv=None) -> int:
     runner = engine.runner
     cpu = cpu_hardware_string()
     kind = "greedy" if args.temperature <= 0 else f"sampled (temperature {args.temperature})"
-    print(f"\nCPU: {cpu}; torch threads {args.threads}; fp32; policy {args.policy}; {args.max_tokens} {kind} tokens "
+    print(f"\nCPU: {cpu}; torch threads {args.threads}; fp32; weights {args.quantization}; policy {args.policy}; "
+          f"{args.max_tokens} {kind} tokens "
           f"per request; "
           f"{args.rounds} interleaved rounds (machine possibly shared: ratios are the robust figure)")
     print(f"{'batch':>5} {'exit':>4} {'draft':>5} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} "
@@ -300,7 +306,8 @@ def main_lossy(args) -> int:
 
     torch.set_num_threads(args.threads)
     heads = load_exits(resolve_model(args.model), args.exits)
-    engine = Engine(args.model, policy="vllm", dtype="float32", latency_calibration=False, exits=heads)
+    engine = Engine(args.model, policy="vllm", dtype="float32", latency_calibration=False, exits=heads,
+                    quantization=args.quantization)
     n = engine.model.config.num_layers
     from laser.core.depth import DynamicDepth
 
