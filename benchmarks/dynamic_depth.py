@@ -45,12 +45,14 @@ import time
 from laser.latency import cpu_hardware_string
 
 
-def _decode(engine, prompts, max_tokens):
-    """Greedy-generate; returns (token lists, decode seconds, decode tokens)."""
+def _decode(engine, prompts, max_tokens, temperature=0.0):
+    """Generate (greedy, or sampled at ``temperature`` with a seed per prompt); returns (token
+    lists, decode seconds, decode tokens)."""
     from laser.core.request import SamplingParams
 
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    reqs = [engine.add_request(p, sp) for p in prompts]
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
+                                                 seed=i if temperature > 0 else None))
+            for i, p in enumerate(prompts)]
     while any(r.num_output_tokens == 0 for r in reqs):
         engine.step()
     t0 = time.perf_counter()
@@ -197,8 +199,16 @@ def main(argv=None) -> int:
     ap.add_argument("--settings", nargs="+", default=None,
                     help="exit_layer:draft_tokens pairs (default: the one recommended when trained)")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampled requests (seeded; speculative sampling's rejection rule): the 'same' column is "
+                         "then n/a, the distribution is what tests/spec/test_spec_sampling.py checks")
+    ap.add_argument("--policy", default="vllm", help="scheduling policy of the engine (default %(default)s)")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved plain/spec rounds (default %(default)s)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                    help="weights as served (default %(default)s: the GGUF's own precision; quantized kernels "
+                         "pick their path by row count, so a verify chunk and a plain decode step can round "
+                         "differently: use none for bit-identical output)")
     ap.add_argument("--prompt-offset", type=int, default=1000,
                     help="first dataset item of the prompts (training uses 0..prompts+eval)")
     ap.add_argument("--pareto", action="store_true", help="lossy early exit: depth / agreement / perplexity table")
@@ -231,7 +241,8 @@ def main(argv=None) -> int:
     from laser.spec.self_spec import SelfSpeculator, load_exits
 
     torch.set_num_threads(args.threads)
-    engine = Engine(args.model, policy="vllm", dtype="float32", latency_calibration=False)
+    engine = Engine(args.model, policy=args.policy, dtype="float32", latency_calibration=False,
+                    quantization=args.quantization)
     heads = load_exits(engine.model_path, args.exits)
     if heads.report:
         print(format_report(heads.report))
@@ -241,7 +252,10 @@ def main(argv=None) -> int:
     prompts = training_prompts(engine.tokenizer, max(args.batch), offset=args.prompt_offset, max_prompt_tokens=96)
     runner = engine.runner
     cpu = cpu_hardware_string()
-    print(f"\nCPU: {cpu}; torch threads {args.threads}; fp32; {args.max_tokens} greedy tokens per request; "
+    kind = "greedy" if args.temperature <= 0 else f"sampled (temperature {args.temperature})"
+    print(f"\nCPU: {cpu}; torch threads {args.threads}; fp32; weights {args.quantization}; policy {args.policy}; "
+          f"{args.max_tokens} {kind} tokens "
+          f"per request; "
           f"{args.rounds} interleaved rounds (machine possibly shared: ratios are the robust figure)")
     print(f"{'batch':>5} {'exit':>4} {'draft':>5} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} "
           f"{'accept':>6} {'tok/step':>8} {'same':>5}")
@@ -250,23 +264,27 @@ def main(argv=None) -> int:
         ps = prompts[:B]
         for k, g in settings:
             spec = SelfSpeculator(runner, heads, k, g, engine.max_model_len)
+            engine.scheduler.speculation = spec.shape  # (the laser policy prices the speculative steps)
             plain_r, spec_r, ratios = [], [], []
             same = True
             for _ in range(args.rounds):
                 engine.core.executor = runner
-                want, dt_p, n_p = _decode(engine, ps, args.max_tokens)
+                engine.scheduler.speculation = None
+                want, dt_p, n_p = _decode(engine, ps, args.max_tokens, args.temperature)
                 engine.core.executor = spec
-                got, dt_s, n_s = _decode(engine, ps, args.max_tokens)
-                same &= got == want
+                engine.scheduler.speculation = spec.shape
+                got, dt_s, n_s = _decode(engine, ps, args.max_tokens, args.temperature)
+                same &= got == want or args.temperature > 0
                 plain_r.append(n_p / dt_p)
                 spec_r.append(n_s / dt_s)
                 ratios.append((n_s / dt_s) / (n_p / dt_p))
             engine.core.executor = runner
+            engine.scheduler.speculation = None
             ok &= same
             st = spec.stats
             print(f"{B:>5} {k:>4} {g:>5} {statistics.median(plain_r):>11.1f} {statistics.median(spec_r):>10.1f} "
                   f"{statistics.median(ratios):>5.2f}x {st.acceptance:>6.1%} {st.tokens_per_step:>8.2f} "
-                  f"{'yes' if same else 'NO':>5}")
+                  f"{'n/a' if args.temperature > 0 else 'yes' if same else 'NO':>5}")
     return 0 if ok else 1
 
 
@@ -281,7 +299,8 @@ def main_lossy(args) -> int:
 
     torch.set_num_threads(args.threads)
     heads = load_exits(resolve_model(args.model), args.exits)
-    engine = Engine(args.model, policy="vllm", dtype="float32", latency_calibration=False, exits=heads)
+    engine = Engine(args.model, policy="vllm", dtype="float32", latency_calibration=False, exits=heads,
+                    quantization=args.quantization)
     n = engine.model.config.num_layers
     from laser.core.depth import DynamicDepth
 

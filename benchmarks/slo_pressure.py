@@ -10,9 +10,15 @@ summarization 8 s / 0.8 s TTFT / TBT):
   kv       KV pool of ~4,000 tokens: eight best_effort requests of 600 tokens (128 tokens);
            four 32-token chat requests (16 tokens) at t=0.3 s.
   long     four code streams (64 tokens, 128 tokens); a 2,000-token summarization request at t=2 s.
+  burst    eight summarization prompts (1,500 tokens, 16 tokens) interleaved with eight chats
+           (200 tokens, 16 tokens), 40 ms apart: all within 0.32 s (issue 28, item 1).
+  shorts   a 2,000-token summarization request at t=0; six 32-token chats (16 tokens) 100 ms
+           apart from t=0.3 s, while its prefill runs (issue 28, item 1: first tokens near their
+           idle cost).
 
 Prints, per scenario and policy, the TTFT and P99 TBT of the tight requests against their
-targets, preemptions by cause, and whether every request produced all its tokens.
+targets, per class how many met their TTFT target and the mean TTFT, preemptions by cause, and
+whether every request produced all its tokens.
 
     .venv/bin/python benchmarks/slo_pressure.py [--policies laser,sarathi] [--threads 1] [--json out.json]
 """
@@ -49,6 +55,13 @@ SCENARIOS = {
                stream=[(0.0, 600, "best_effort", 128)] * 8 + [(0.3, 32, "chat", 16)] * 4, tight="chat"),
     "long": dict(config={}, kv_tokens=None,
                  stream=[(0.0, 64, "code", 128)] * 4 + [(2.0, 2000, "summarization", 8)], tight="code,summarization"),
+    "burst": dict(config={}, kv_tokens=None,
+                  stream=[x for k in range(8) for x in ((0.04 * k, 1500, "summarization", 16),
+                                                        (0.04 * k + 0.02, 200, "chat", 16))],
+                  tight="chat,summarization"),
+    "shorts": dict(config={}, kv_tokens=None,
+                   stream=[(0.0, 2000, "summarization", 8)] + [(0.3 + 0.1 * k, 32, "chat", 16) for k in range(6)],
+                   tight="chat,summarization"),
 }
 
 
@@ -61,6 +74,8 @@ def run(name: str, policy: str, args, slos: SLOClasses, profile: str | None) -> 
     sc = dict(SCENARIOS[name])
     if name == "long" and args.long_prompt != 2000:
         sc["stream"] = sc["stream"][:-1] + [(2.0, args.long_prompt, "summarization", 8)]
+    if name in ("burst", "shorts") and args.prompt_scale != 1.0:
+        sc["stream"] = [(t, max(16, round(n * args.prompt_scale)), cls, m) for t, n, cls, m in sc["stream"]]
     cache = CacheConfig(num_blocks=sc["kv_tokens"] // 16, block_size=16) if sc["kv_tokens"] else CacheConfig()
     eng = Engine(None, policy=policy, dtype=args.dtype, cache=cache, slo_classes=slos,
                  scheduler=SchedulerConfig(policy=policy, **sc["config"]), latency_profile=profile,
@@ -76,8 +91,15 @@ def run(name: str, policy: str, args, slos: SLOClasses, profile: str | None) -> 
         rows.append({"id": r.req_id, "class": r.slo.name, "ttft_s": r.token_times[0] - r.arrival_time if r.token_times else None,
                      "ttft_target_s": r.slo.ttft, "p99_tbt_s": p99(r.token_times), "tbt_target_s": r.slo.tbt})
     complete = all(r.num_output_tokens == r.sampling_params.max_tokens for r in reqs)
+    by_class = {}
+    for c in tight:
+        ts = [row["ttft_s"] for row in rows if row["class"] == c and row["ttft_s"] is not None]
+        target = next((row["ttft_target_s"] for row in rows if row["class"] == c), None)
+        by_class[c] = {"n": sum(row["class"] == c for row in rows), "ttft_met": sum(t <= target for t in ts),
+                       "mean_ttft_s": float(np.mean(ts)) if ts else None}
     pre = {f"{c}/{k}": v for (c, k), v in eng.scheduler.preemptions.items()}
-    return {"scenario": name, "policy": policy, "tight": rows, "all_complete": complete, "preemptions": pre,
+    return {"scenario": name, "policy": policy, "tight": rows, "by_class": by_class, "all_complete": complete,
+            "preemptions": pre,
             "max_preemptions_per_request": max(r.num_preemptions for r in reqs)}
 
 
@@ -92,6 +114,10 @@ def main() -> None:
     ap.add_argument("--long-prompt", type=int, default=2000,
                     help="prompt tokens of the long scenario's summarization request (the issue's 2,000 need "
                          "~2.2 s alone on its CPU; pick the length that takes as long alone on a slower one)")
+    ap.add_argument("--prompt-scale", type=float, default=1.0,
+                    help="prompt lengths of the burst and shorts scenarios times this (at least 16 tokens): the "
+                         "issue's lengths assume ~2,000 prefill tok/s for a 200-token prompt; on a slower CPU pick "
+                         "the factor that keeps their times alone")
     ap.add_argument("--jitter-margin", action=argparse.BooleanOptionalAction, default=None,
                     help="Laser's margins divided by the measured timing spread (as `laser serve`: on by default)")
     ap.add_argument("--timeout", type=float, default=120.0)
@@ -111,6 +137,9 @@ def main() -> None:
                 tbt = "-" if row["p99_tbt_s"] is None else f"{row['p99_tbt_s']:.3f}"
                 print(f"{name:5s} {policy:8s} {row['id']:24s} TTFT {ttft} s (target {row['ttft_target_s']}) "
                       f"P99 TBT {tbt} s (target {row['tbt_target_s']})")
+            for c, v in res["by_class"].items():
+                mean = "-" if v["mean_ttft_s"] is None else f"{v['mean_ttft_s']:.3f}"
+                print(f"{name:5s} {policy:8s} {c}: TTFT met {v['ttft_met']}/{v['n']}, mean TTFT {mean} s")
             print(f"{name:5s} {policy:8s} complete={res['all_complete']} preemptions={res['preemptions']} "
                   f"max per request={res['max_preemptions_per_request']}")
     if args.json:

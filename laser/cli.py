@@ -105,8 +105,8 @@ def add_engine_args(p: argparse.ArgumentParser, policy_default: str = "laser") -
                         "per iteration (default: on with the calibration; --no-jitter-margin: fixed margins)")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch intra-op threads (default: the number of physical cores)")
-    s = p.add_argument_group("speculative decoding (greedy requests; policies vllm and sarathi: on a cluster the "
-                             "distserve or colocated controller, whose decode and mixed instances speculate)")
+    s = p.add_argument_group("speculative decoding (greedy and sampled requests; every policy; on a cluster its "
+                             "decode and mixed instances speculate)")
     s.add_argument("--speculative", default=None, choices=["self"],
                    help="'self': draft with the first layers and a trained exit head, verify with the rest "
                         "(lossless; exits from `laser train-exits`)")

@@ -107,6 +107,10 @@ class StepPlan:
     # (``LatencyModel.predict_iteration`` returns it for that model instead of re-pricing).
     # Plans are not changed after scheduling; None = not priced.
     predicted: tuple | None = field(default=None, compare=False, repr=False)
+    # (req id -> draft length, exit layer): the decode works the scheduler priced as run
+    # self-speculatively (laser.core.speculation; :class:`laser.core.pricing.PlanCost`'s
+    # ``drafts``), so a re-pricing (the calibration's, the arrival rule's) prices them alike.
+    speculative: tuple | None = field(default=None, compare=False, repr=False)
 
     def __bool__(self) -> bool:
         return bool(self.works)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .plan import Work
+from .speculation import spec_decode_time
 
 
 class PlanCost:
@@ -21,11 +22,25 @@ class PlanCost:
     pays the LM head only when that is the last layer, and adds its exit checks and K/V fill
     as the latency model's ``exit_cost`` (:class:`~laser.core.depth.ExitCost`) prices them
     (none when the model has no ``exit_cost``). Every other work is priced as before.
+
+    Self-speculation: ``drafts`` (req id -> draft length ``g > 0``) names the decode works the
+    executor runs speculatively, after the step's layer calls and apart from them; they are left
+    out of the segments and priced by :func:`laser.core.speculation.spec_decode_time` with
+    ``exit_layer`` (``spec_seconds``, part of ``total``).
     """
 
-    def __init__(self, lm, num_layers: int, works: list[Work]):
+    def __init__(self, lm, num_layers: int, works: list[Work], drafts: dict[str, int] | None = None,
+                 exit_layer: int = 0):
         self.lm = lm
         self.n = num_layers
+        self.spec_seconds = 0.0
+        if drafts:
+            spec = [w for w in works if w.req_id in drafts and w.is_decode and w.layer_start == 0
+                    and w.layer_end == num_layers]
+            self.spec_seconds = spec_decode_time(lm, num_layers, exit_layer,
+                                                 [(w.context_len, drafts[w.req_id]) for w in spec])
+            gone = {id(w) for w in spec}
+            works = [w for w in works if id(w) not in gone]
         self.works = list(works)
         # (query lens, context lens) -> lm.layer_time: a batch priced by with_work is not
         # priced again when the work is added (the latency model is deterministic)
@@ -52,6 +67,7 @@ class PlanCost:
         self.total = layers + lm.embed_time(self.embed_tokens) + lm.head_time(self.final)
         if self.masked:
             self.total += lm.mask_time(self.masked)
+        self.total += self.spec_seconds
         self._layers = layers
         self._exiting = [w for w in ws if w.exit_from]  # dynamic depth: their checks and fills
         self.exits = self._exit_price(self._exiting) if self._exiting else 0.0
@@ -79,6 +95,7 @@ class PlanCost:
         t = t + lm.embed_time(e) + lm.head_time(f)
         m = self.masked + (1 if w.masked and w.sample and hi == self.n else 0)
         t = t + lm.mask_time(m) if m else t
+        t = t + self.spec_seconds
         if w.exit_from:
             return t + self._exit_price(self._exiting + [w])
         return t + self.exits if self._exiting else t

@@ -59,7 +59,8 @@ class Engine(ModelInstance):
         clock: time source in seconds (monotonic by default).
         seed: seed of the shared sampling generator.
         speculative: a :class:`laser.spec.SpeculativeConfig` to decode greedy requests
-            self-speculatively from trained early exits (policies ``vllm``/``sarathi``).
+            self-speculatively from trained early exits (any policy; ``laser`` prices the draft and
+            verify passes in its plans).
         exits: trained exit heads that serve dynamic-depth requests (lossy early exit, opt-in per
             request or SLO class: :mod:`laser.core.depth`): a :class:`laser.model.exits.ExitHeads`,
             a path to a file of them, or ``"auto"`` (the model's, trained by ``laser train-exits``;
@@ -144,6 +145,8 @@ class Engine(ModelInstance):
             self.clock = self.core.clock = clock
         self.core.scheduler = make_scheduler(scheduler, self.model_config.num_layers, self.kv_cache.block_manager,
                                              self.icache, self.latency_model, self.clock)
+        if self.speculator is not None:
+            self.core.scheduler.speculation = self.speculator.shape
         self.scheduler_config = scheduler
 
     def predict_prefill_seconds(self, num_tokens: int) -> float:

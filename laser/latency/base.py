@@ -176,7 +176,7 @@ class LatencyModel:
             return p[1]
         from laser.core.pricing import PlanCost
 
-        return PlanCost(self, plan.num_layers, plan.works).total if plan.works else 0.0
+        return PlanCost(self, plan.num_layers, plan.works, *(plan.speculative or ())).total if plan.works else 0.0
 
     def predict_prefill(self, prompt_len: int, layers: int | None = None, context_start: int = 0) -> float:
         """A prefill chunk of ``prompt_len`` tokens after ``context_start`` cached tokens, alone.

@@ -83,7 +83,7 @@ class Sampler:
         if self.grammars is not None:
             self.grammars.release(req_id)
 
-    def process_logits(self, row: torch.Tensor, req: Request) -> torch.Tensor:
+    def process_logits(self, row: torch.Tensor, req: Request, extra: list[int] = ()) -> torch.Tensor:
         """``req``'s logit bias, min_tokens mask and penalties applied to one row (vLLM's order
         and formulas: ``LogitBiasLogitsProcessor``, ``MinTokensLogitsProcessor``,
         ``apply_penalties``).
@@ -92,6 +92,9 @@ class Sampler:
             row: [V] float32 logits of ``req``'s next token; modified in place and returned
                 (the caller passes a copy).
             req: the request; ``output_token_ids`` are the tokens generated so far.
+            extra: tokens taken as generated after them (a speculative step's drafts before this
+                position: :mod:`laser.spec`); they count for min_tokens and the penalties.
+                Not valid with structured output (the grammar state is the request's own).
         """
         sp = req.sampling_params
         V = row.shape[0]
@@ -102,7 +105,7 @@ class Sampler:
         if sp.logit_bias:
             ids = torch.tensor([t for t, _ in sp.logit_bias], dtype=torch.long)
             row.index_add_(0, ids, torch.tensor([b for _, b in sp.logit_bias], dtype=row.dtype))
-        if sp.min_tokens and req.num_output_tokens < sp.min_tokens:
+        if sp.min_tokens and req.num_output_tokens + len(extra) < sp.min_tokens:
             stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_ids)
             ids = [t for t in stop if t < V]
             if ids:
@@ -113,7 +116,7 @@ class Sampler:
                     row[idx] = kept  # a complete grammar allows only EOS: the grammar wins
         rp, fp, pp = sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty
         if rp != 1.0 or fp or pp:
-            counts, seen_any = self._counts(req, V)
+            counts, seen_any = self._counts(req, V, extra)
             if rp != 1.0:  # prompt and output tokens (vLLM: prompt_mask | output_mask)
                 scale = torch.where(seen_any, torch.tensor(rp, dtype=row.dtype), torch.tensor(1.0, dtype=row.dtype))
                 row = torch.where(row > 0, row / scale, row * scale)
@@ -123,10 +126,11 @@ class Sampler:
                 row -= pp * (counts > 0).to(row.dtype)
         return row
 
-    def _counts(self, req: Request, V: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _counts(self, req: Request, V: int, extra: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """(output token counts [V] float32, seen in prompt or output [V] bool) of ``req``: a cache
         advanced by the tokens generated since the last call, rebuilt from the request's own
-        tokens when missing (a hand-off, a re-prefill) -- the request's tokens are the truth."""
+        tokens when missing (a hand-off, a re-prefill) -- the request's tokens are the truth.
+        ``extra``: tokens counted on top, in fresh tensors (the cache keeps the request's own)."""
         out = req.output_token_ids
         st = self._pen.get(req.req_id)
         if st is None or st[2] > len(out) or st[0].shape[0] != V:
@@ -139,7 +143,12 @@ class Sampler:
             st[0].index_put_((new,), torch.ones(len(new)), accumulate=True)
             st[1][new] = True
             st[2] = len(out)
-        return st[0], st[1]
+        if not extra:
+            return st[0], st[1]
+        new = torch.tensor(list(extra), dtype=torch.long)
+        seen = st[1].clone()
+        seen[new] = True
+        return st[0].index_add(0, new, torch.ones(len(new))), seen
 
     def sample(self, logits: torch.Tensor, reqs: list[Request],
                logprobs: dict[str, TokenLogprob] | None = None) -> list[int]:
@@ -161,31 +170,57 @@ class Sampler:
             sp = req.sampling_params
             if sp.greedy:
                 continue
-            row = logits[r] / sp.temperature
-            if sp.min_p > 0:
-                probs = row.softmax(-1)
-                row = row.masked_fill(probs < sp.min_p * probs.max(), float("-inf"))
-            if sp.top_k > 0 and sp.top_k < row.shape[0]:
-                kth = torch.topk(row, sp.top_k).values[-1]
-                row = row.masked_fill(row < kth, float("-inf"))
-            if sp.top_p < 1.0:
-                # stable: equal logits keep index order, so the first kept token is exactly
-                # row.argmax() (the first maximum), the greedy token when temperature is 1
-                sorted_logits, idx = torch.sort(row, descending=True, stable=True)
-                probs = sorted_logits.softmax(-1)
-                # keep the smallest prefix whose mass reaches top_p, and always the top-1 token
-                # (its exclusive cumulative mass is 0, but a top_p below float32's range, e.g.
-                # 1e-300, compares as 0 >= 0: without this, every token would be masked)
-                drop = probs.cumsum(-1) - probs >= sp.top_p
-                drop[0] = False
-                sorted_logits[drop] = float("-inf")
-                row = torch.full_like(row, float("-inf")).scatter(0, idx, sorted_logits)
+            row = self.filter_logits(logits[r], sp)
             gen = self._generator(req)
             out[r] = int(torch.multinomial(row.softmax(-1), 1, generator=gen))
         for k, r in enumerate(want_lp):
             sp = reqs[r].sampling_params
             logprobs[reqs[r].req_id] = logprob_entries(raw[k:k + 1], torch.tensor([out[r]]), sp.logprobs)[0]
         return out
+
+    @staticmethod
+    def filter_logits(row: torch.Tensor, sp) -> torch.Tensor:
+        """Temperature, min-p, top-k and top-p (vLLM's v1 sampler's order) applied to one row of
+        processed logits (:meth:`process_logits`) of a non-greedy request with sampling params
+        ``sp``: [V] float32 -> a new [V] float32 row whose softmax is the distribution drawn from
+        (removed tokens at -inf; the top-1 token always kept)."""
+        row = row / sp.temperature
+        if sp.min_p > 0:
+            probs = row.softmax(-1)
+            row = row.masked_fill(probs < sp.min_p * probs.max(), float("-inf"))
+        if sp.top_k > 0 and sp.top_k < row.shape[0]:
+            kth = torch.topk(row, sp.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        if sp.top_p < 1.0:
+            # stable: equal logits keep index order, so the first kept token is exactly
+            # row.argmax() (the first maximum), the greedy token when temperature is 1
+            sorted_logits, idx = torch.sort(row, descending=True, stable=True)
+            probs = sorted_logits.softmax(-1)
+            # keep the smallest prefix whose mass reaches top_p, and always the top-1 token
+            # (its exclusive cumulative mass is 0, but a top_p below float32's range, e.g.
+            # 1e-300, compares as 0 >= 0: without this, every token would be masked)
+            drop = probs.cumsum(-1) - probs >= sp.top_p
+            drop[0] = False
+            sorted_logits[drop] = float("-inf")
+            row = torch.full_like(row, float("-inf")).scatter(0, idx, sorted_logits)
+        return row
+
+    def sampling_probs(self, logits: torch.Tensor, req: Request, extra: list[int] = ()) -> torch.Tensor:
+        """The distribution :meth:`sample` draws ``req``'s next token from: [V] float32 raw logits
+        -> [V] float32 probabilities after the logits processing (:meth:`process_logits`, with
+        ``extra`` tokens taken as generated) and :meth:`filter_logits`. For a non-greedy request
+        (speculative sampling's target and draft distributions, :mod:`laser.spec`)."""
+        row = logits.float().clone()
+        if req.sampling_params.processes_logits:
+            row = self.process_logits(row, req, extra)
+        return self.filter_logits(row, req.sampling_params).softmax(-1)
+
+    def generator_at(self, req: Request, k: int) -> torch.Generator:
+        """The generator of ``req``'s ``k``-th draw: the shared one for an unseeded request, else
+        a fresh generator seeded with :func:`draw_seed` ``(seed, k)`` (a speculative step holds
+        one per position it drafts)."""
+        seed = req.sampling_params.seed
+        return self._shared if seed is None else torch.Generator().manual_seed(draw_seed(seed, k))
 
     def _generator(self, req: Request) -> torch.Generator:
         """The shared generator, or a seeded request's generator set for its next draw."""

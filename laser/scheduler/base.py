@@ -73,6 +73,10 @@ class Scheduler(ABC):
         self._prefix_version = -1  # bm.cache_version at the last refresh_prefixes
         self.step_index = 0
         self.depth_means = DepthMeans()  # dynamic depth: layers per decode token, per SLO class
+        # Self-speculative decoding on this instance (laser.core.speculation.SpecShape, set with its
+        # executor: laser.spec.enable_self_speculation), None without: the Laser scheduler prices
+        # speculating decode works by it.
+        self.speculation = None
 
     # -- queue ----------------------------------------------------------------------------
     def queue_key(self, req: Request) -> tuple[float, float]:

@@ -15,6 +15,18 @@ and exit-query reuse). For a decoding request with tokens ``t_0..t_{n-1}`` (KV o
    gets ``v_1..v_{a+1}`` (``v_{a+1}`` is the correction, or the bonus token when all ``g``
    matched: the last draft pass fed ``d_g`` exactly so that it can be verified).
 
+A **sampled** request drafts ``d_i ~ q_i`` instead, ``q_i`` the exit head's distribution mapped
+from the draft vocabulary onto the full one (other tokens at probability 0) after the request's
+own sampling transforms (:meth:`laser.model.sampler.Sampler.sampling_probs`: bias, min_tokens,
+penalties counting the drafts before ``i``, temperature, min-p, top-k, top-p); verification
+computes the full model's ``p_0..p_g`` the same way and keeps tokens by the speculative-sampling
+rejection rule (:func:`laser.spec.rejection.rejection_sample`), so each emitted token is
+distributed exactly as plain sampling's. A seeded request draws position ``j``'s (its ``j``-th
+generated token's) draft, uniform and residual or bonus token from a generator seeded with
+``draw_seed(seed, j)``: its output depends on its seed, its draft lengths and the logits only, not
+on what it is batched with (a draft shortened for want of KV blocks, or a step decoded plainly,
+draws differently: reproducible on the same setup and load, as vLLM's seeded speculation).
+
 Every emitted token is the full model's argmax given the tokens before it, so greedy output
 equals plain decoding (fp32; the same tolerance as chunked prefill vs. decode). Rejected
 positions' KV lies beyond the request's context: never attended to, overwritten by the next
@@ -24,10 +36,12 @@ that are free: when the pool is short the draft is shortened, down to plain deco
 
 Integration: :class:`SelfSpeculator` is the instance's executor. It takes a scheduler's plan,
 runs every *eligible* work speculatively -- a decode token through all layers of a greedy
-request (``vllm`` and ``sarathi`` plan only such decode works; ``laser``'s per-layer decode
-budgets do not price draft/verify passes, so it is refused) -- and the rest of the plan as
-usual (:func:`laser.core.walk.walk`). Sampled (non-greedy) requests decode normally: the
-rejection rule for sampled speculation is not implemented.
+or sampled request (:func:`speculable`) -- and the rest of the plan as usual
+(:func:`laser.core.walk.walk`). Requests asking for logprobs or structured output, and greedy
+requests with logit processing, decode normally. Under the ``laser`` policy a request Alg. 1
+keeps at full depth speculates (its plan and Alg. 1 price the draft passes and the verify chunk:
+:mod:`laser.core.speculation`); one it relaxed to layer groups decodes them plainly, and
+prefill chunks paused at a layer boundary resume as without speculation.
 """
 
 from __future__ import annotations
@@ -41,11 +55,15 @@ import torch
 
 from ..core.config import ConfigError
 from ..core.plan import StepPlan, StepResult, Work
+from ..core.speculation import SpecShape, speculates
+from .rejection import rejection_sample
 
 log = logging.getLogger(__name__)
 
-#: Scheduling policies whose plans self-speculation runs (every decode work spans all layers).
-SUPPORTED_POLICIES = ("vllm", "sarathi")
+#: Scheduling policies whose plans self-speculation runs: every decode work of vllm's and sarathi's
+#: spans all layers; laser's full-depth ones do (its reduced plans' layer groups decode plainly) and
+#: it prices them at their speculative cost (laser.core.speculation).
+SUPPORTED_POLICIES = ("vllm", "sarathi", "laser")
 
 
 @dataclass(frozen=True)
@@ -69,6 +87,7 @@ class SpecStats:
     accepted: int = 0  # draft tokens accepted
     emitted: int = 0  # tokens produced (accepted + one correction/bonus per step)
     fallbacks: int = 0  # eligible decode works run normally (no free block for the draft)
+    sampled_steps: int = 0  # of ``steps``, those of sampled (non-greedy) requests
 
     @property
     def acceptance(self) -> float:
@@ -80,10 +99,8 @@ class SpecStats:
         return self.emitted / self.steps if self.steps else 0.0
 
 
-def speculable(sp) -> bool:
-    """Whether a request with sampling params ``sp`` can be decoded self-speculatively: greedy,
-    with no logit processing that verification would have to repeat."""
-    return sp.plain_greedy
+#: Whether a request with these sampling params is decoded self-speculatively.
+speculable = speculates
 
 
 class SelfSpeculator:
@@ -111,6 +128,7 @@ class SelfSpeculator:
         self.k = exit_layer
         self.g = draft_tokens
         self.max_model_len = max_model_len
+        self.shape = SpecShape(exit_layer, draft_tokens, max_model_len)  # what the schedulers price
         self.stats = SpecStats()
 
     def __getattr__(self, name):  # export_kv, import_kv, release, sampler state, kv_streams, ...
@@ -137,12 +155,10 @@ class SelfSpeculator:
 
     def _draft_len(self, w: Work, req, N: int) -> int:
         """Draft length for work ``w`` (0: run it normally), its blocks grown for the drafts."""
-        if not (w.is_decode and w.sample and w.layer_start == 0 and w.layer_end == N and speculable(req.sampling_params)):
+        if not (w.is_decode and w.sample and w.layer_start == 0 and w.layer_end == N):
             return 0
         n = req.num_tokens
-        # emitted tokens <= g + 1 must fit max_tokens; draft positions n-1..n-1+g the context
-        g_max = min(self.g, req.sampling_params.max_tokens - req.num_output_tokens - 1, self.max_model_len - n)
-        g = g_max
+        g = g_max = self.shape.draft_len(req)
         bm = self.runner.bm
         while g > 0 and not bm.can_allocate(req.req_id, n + g):
             g -= 1
@@ -161,9 +177,14 @@ class SelfSpeculator:
         ws = [w for w, _ in spec]
         gs = [g for _, g in spec]
         R = len(ws)
-        feed = [requests[w.req_id].all_token_ids[w.token_start] for w in ws]
+        reqs = [requests[w.req_id] for w in ws]
+        feed = [req.all_token_ids[w.token_start] for req, w in zip(reqs, ws)]
         drafts: list[list[int]] = [[] for _ in range(R)]
         rows: list[list[torch.Tensor]] = [[] for _ in range(R)]
+        # sampled requests: each drafted position's q [V] and generator (module doc)
+        sampled = [not req.sampling_params.greedy for req in reqs]
+        qs: list[list[torch.Tensor]] = [[] for _ in range(R)]
+        gens: list[list[torch.Generator]] = [[] for _ in range(R)]
         layer_calls = 0
         for i in range(max(gs) + 1):  # pass i feeds position token_start + i
             act = [r for r in range(R) if i <= gs[r]]
@@ -177,9 +198,15 @@ class SelfSpeculator:
                 rows[r].append(h[j])
             head = [j for j, r in enumerate(act) if i < gs[r]]
             if head:
-                toks = self.heads.draft_tokens(k, h[head] if len(head) < len(act) else h).tolist()
-                for j, t in zip(head, toks):
+                lg = self.heads.draft_logits(k, h[head] if len(head) < len(act) else h)
+                toks = self.heads.vocab[lg.argmax(dim=-1)].tolist()
+                for n, (j, t) in enumerate(zip(head, toks)):
                     r = act[j]
+                    if sampled[r]:
+                        t = self._draw_draft(reqs[r], lg[n], drafts[r], qs[r], gens[r])
+                        if t is None:  # the transforms left no draft token: verify what was drafted
+                            gs[r] = i
+                            continue
                     drafts[r].append(t)
                     feed[r] = t
         # verify: g + 1 positions per request, layers k..N-1, one chunk each
@@ -189,16 +216,22 @@ class SelfSpeculator:
         for layer in range(k, N):
             hv = model.forward_layer(layer, hv, meta)
         layer_calls += N - k
-        verified = model.compute_logits(hv).argmax(dim=-1).tolist()
+        logits = model.compute_logits(hv)
+        verified = logits.argmax(dim=-1).tolist()
         st = self.stats
         off = 0
         for r, w in enumerate(ws):
             g = gs[r]
-            v = verified[off : off + g + 1]
+            if sampled[r]:
+                v = self._verify_sampled(reqs[r], logits[off : off + g + 1], drafts[r], qs[r], gens[r])
+                a = len(v) - 1
+                st.sampled_steps += 1
+            else:
+                v = verified[off : off + g + 1]
+                a = 0
+                while a < g and drafts[r][a] == v[a]:
+                    a += 1
             off += g + 1
-            a = 0
-            while a < g and drafts[r][a] == v[a]:
-                a += 1
             res.sampled[w.req_id] = v[0]
             if a:
                 res.extra_tokens[w.req_id] = v[1 : a + 1]
@@ -212,12 +245,38 @@ class SelfSpeculator:
         res.compute_seconds += time.perf_counter() - t0
         res.num_layer_calls += layer_calls
 
+    def _draw_draft(self, req, draft_logits: torch.Tensor, drafted: list[int], qs: list, gens: list) -> int | None:
+        """Draw a sampled request's next draft token from ``q``: ``draft_logits`` [K] (the exit
+        head's, over its draft vocabulary) scattered onto the full vocabulary (-inf elsewhere) and
+        put through the request's sampling transforms with ``drafted`` taken as generated. Appends
+        ``q`` [V] float32 and the position's generator to ``qs`` / ``gens``. None (nothing
+        appended) when no token is left."""
+        sampler = self.runner.sampler
+        row = torch.full((self.runner.model.lm_head_w.shape[0],), float("-inf"))
+        row[self.heads.vocab] = draft_logits.float()
+        q = sampler.sampling_probs(row, req, drafted)
+        if not bool(torch.isfinite(q).all()):
+            return None
+        gen = sampler.generator_at(req, req.num_output_tokens + len(drafted))
+        qs.append(q)
+        gens.append(gen)
+        return int(torch.multinomial(q, 1, generator=gen))
+
+    def _verify_sampled(self, req, logits: torch.Tensor, drafted: list[int], qs: list, gens: list) -> list[int]:
+        """The tokens a sampled request keeps: ``logits`` [g + 1, V] (the full model's at the
+        drafted positions) -> the target distributions, then the rejection rule."""
+        sampler = self.runner.sampler
+        g = len(drafted)
+        p = torch.stack([sampler.sampling_probs(logits[i], req, drafted[:i]) for i in range(g + 1)])
+        q = torch.stack(qs) if g else p.new_zeros((0, p.shape[1]))
+        bonus = sampler.generator_at(req, req.num_output_tokens + g)
+        return rejection_sample(torch.tensor(drafted, dtype=torch.long), q, p, [*gens, bonus])
+
 
 def check_policy(policy: str) -> None:
     """Raise ConfigError when ``policy`` cannot run self-speculation."""
     if policy not in SUPPORTED_POLICIES:
-        raise ConfigError(f"--speculative self runs with --policy {' or '.join(SUPPORTED_POLICIES)}, not {policy!r}: "
-                          "the laser policy's per-layer decode budgets do not price draft and verify passes yet")
+        raise ConfigError(f"--speculative self runs with --policy {', '.join(SUPPORTED_POLICIES)}, not {policy!r}")
 
 
 def load_exits(model_dir: Path, path: str | None = None):
@@ -250,5 +309,6 @@ def enable_self_speculation(instance, config: SpeculativeConfig, heads=None) -> 
     g = config.draft_tokens or rec.get("draft_tokens") or 3
     spec = SelfSpeculator(instance.runner, heads, int(k), int(g), instance.max_model_len)
     instance.core.executor = instance.speculator = spec
+    instance.core.scheduler.speculation = spec.shape
     log.info("self-speculative decoding: exit after layer %d, %d draft tokens", k, g)
     return spec

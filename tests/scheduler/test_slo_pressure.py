@@ -5,11 +5,13 @@ schedule can meet stops costing everyone else throughput."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
 from laser.core.config import SchedulerConfig
-from laser.latency import SimpleLatencyModel
+from laser.latency import CalibratedLatencyModel, ScaledLatencyModel, SimpleLatencyModel
 from laser.core.request import SLO, Request, SamplingParams
 from laser.sim import SimInstance
 from simutil import run_sim
@@ -111,19 +113,28 @@ def test_work_merged_after_a_tight_request_leaves_its_ttft_margin(arrival):
     """Chat requests arriving during a best-effort prefill under KV pressure: the best-effort
     work merged into their steps is sized so that their first tokens come within
     ``ttft_margin`` of the TTFT target, not at its last millisecond (a real step running 10 %
-    over its prediction then still meets it); best-effort work still rides in those steps."""
-    bes = [req(600, 0.0, BEST, 128, f"be{k}") for k in range(8)]
-    chats = [req(32, arrival, CHAT, 16, f"chat{k}") for k in range(4)]
-    sim = SimInstance("laser", N, LM, SchedulerConfig(), num_blocks=256, record_plans=True)
-    for r in bes + chats:
-        sim.submit(r)
-    sim.run(max_steps=2_000_000)
-    sim.check_integrity(expect_empty=True)
-    for c in chats:  # (with no margin they come at 1.000 s, the last millisecond of the target)
-        assert ttft(c) <= 0.9 * CHAT.ttft + 1e-9, (c.req_id, ttft(c))
-    mixed = any(any(w.req_id.startswith("chat") and w.num_tokens > 1 for w in p.works)
-                and any(w.req_id.startswith("be") for w in p.works) for p in sim.stats.plans)
-    assert mixed, "no best-effort work was merged beside the chat prefills"
+    over its prediction then still meets it); best-effort work still rides in those steps.
+    Checked with every merge the deadlines allow (``first_token_stretch`` unbounded); by default
+    best-effort work that can wait is held back from the steps that complete the chats'
+    prefills (``PrefillPlanner.holds_back``, issue 28), and their first tokens come far sooner."""
+    for stretch in (math.inf, None):
+        bes = [req(600, 0.0, BEST, 128, f"be{k}") for k in range(8)]
+        chats = [req(32, arrival, CHAT, 16, f"chat{k}") for k in range(4)]
+        sim = SimInstance("laser", N, LM, SchedulerConfig(), num_blocks=256, record_plans=True)
+        if stretch is not None:
+            sim.scheduler.prefill.first_token_stretch = stretch
+        for r in bes + chats:
+            sim.submit(r)
+        sim.run(max_steps=2_000_000)
+        sim.check_integrity(expect_empty=True)
+        for c in chats:  # (with no margin they come at 1.000 s, the last millisecond of the target)
+            assert ttft(c) <= 0.9 * CHAT.ttft + 1e-9, (c.req_id, ttft(c))
+        if stretch is not None:
+            mixed = any(any(w.req_id.startswith("chat") and w.num_tokens > 1 for w in p.works)
+                        and any(w.req_id.startswith("be") for w in p.works) for p in sim.stats.plans)
+            assert mixed, "no best-effort work was merged beside the chat prefills"
+        else:  # (every merge allowed: 0.90 s)
+            assert max(ttft(c) for c in chats) <= 0.3, [round(ttft(c), 3) for c in chats]
 
 
 def test_long_prefill_meets_its_deadline_beside_tight_decodes():
@@ -257,7 +268,6 @@ def _interactive_beside_background(seed: int, jitter_margin) -> dict[str, tuple[
     import random
 
     from laser.instance.model_instance import planning_model
-    from laser.latency import ScaledLatencyModel
     from laser.core.metrics import record_from_request
 
     rng, jr = random.Random(seed), random.Random(seed + 100)
@@ -301,3 +311,79 @@ def test_interactive_work_beside_background_load_keeps_its_targets_on_a_jittery_
             met[name][0] += ok
             met[name][1] += n
     assert all(ok >= 0.9 * n for ok, n in met.values()), met
+
+
+def test_short_chats_arriving_during_a_long_prefill_get_their_first_token_near_their_idle_cost():
+    """Issue 28, item 1: one 2,000-token summarization prefill running (2.2 s alone), six 32-token
+    chats arriving 100 ms apart (65 ms alone). Each chat stopped the long prefill at a layer
+    boundary, caught up and merged with the rest of its chunk, so its first token came only with
+    the long chunk's: mean TTFT 0.57 s, 8.8x its idle cost (the real server: 0.4-0.7 s against
+    45 ms). A chat now runs alone at that boundary and the long chunk resumes at its layer after
+    it (layer-level chunked prefill, §6.1); the long prompt still meets its target."""
+    long_ = req(2000, 0.0, SUMM, 16, "long")
+    chats = [req(32, 0.1 + 0.1 * k, CHAT, 16, f"chat{k}") for k in range(6)]
+    sim = run("laser", [long_] + chats)
+    idle = LM.predict_prefill(32)
+    mean = sum(ttft(c) for c in chats) / len(chats)
+    assert mean <= 2 * idle, ([round(ttft(c), 3) for c in chats], idle)
+    assert ttft(long_) <= SUMM.ttft, ttft(long_)
+    assert sim.scheduler.num_step_preemptions >= len(chats) - 1
+
+
+def _burst(with_long: bool, slower: float) -> tuple[list[Request], list[Request]]:
+    """16 summarization prompts (1,500 tokens, 8 s) interleaved with 16 chats (200 tokens, 1 s),
+    10 ms apart (all within 0.32 s): a 200-token prefill takes ~0.1 s, a 1,500-token one ~0.6 s,
+    times ``slower`` -- not every long prompt can make 8 s. With ``slower`` > 1 the machine is that
+    much slower than the profile the scheduler starts from, and it learns the factor from the steps
+    (as a real instance does). Without ``with_long`` only the chats. Returns (chats, long prompts)."""
+    profile = SimpleLatencyModel(num_layers=N, per_layer=0.7e-3, per_token=1e-5, per_context=2e-8)
+    chats, longs = [], []
+    for k in range(16):
+        if with_long:
+            longs.append(req(1500, 0.02 * k, SUMM, 64, f"long{k}"))
+        chats.append(req(200, 0.02 * k + 0.01, CHAT, 64, f"chat{k}"))
+    planning = CalibratedLatencyModel(profile) if slower != 1.0 else profile
+    sim = SimInstance("laser", N, planning, SchedulerConfig(), num_blocks=8192,
+                      machine_model=ScaledLatencyModel(profile, slower))
+    for r in longs + chats:
+        sim.submit(r)
+    sim.run(max_steps=2_000_000)
+    sim.check_integrity(expect_empty=True)
+    return chats, longs
+
+
+@pytest.mark.parametrize("slower, min_long", [(1.0, 12), (1.3, 9)])
+def test_burst_of_long_and_short_prompts_serves_every_chat_it_can_reach(slower, min_long):
+    """Issue 28, item 1: long summarization prompts and short chats interleaved within a fraction
+    of a second. A chat that arrived while a long prompt's chunk ran was merged with it and got its
+    first token with the chunk's, so chats that could have made 1 s missed, and the triage gave
+    them up behind every long prompt: on the exact model 14 of 16 chats met 1 s (one at 8.2 s)
+    where all 16 make it with no long prompt around; on a machine 1.3x slower than the profile 9
+    (five at 8.1-8.3 s, as on the real server: 6.1-6.4 s) where 12 do. Every chat that makes its
+    target with no long prompt around must make it in the burst as well (now 16 and 12), and the
+    long prompts keep about what they made (``min_long`` of 16 meet 8 s; were 12 and 10: the
+    machine cannot serve all of them)."""
+    alone, _ = _burst(False, slower)
+    chats, longs = _burst(True, slower)
+    reachable = sum(ttft(c) <= CHAT.ttft for c in alone)
+    met = sum(ttft(c) <= CHAT.ttft for c in chats)
+    assert met >= reachable, (reachable, [round(ttft(c), 2) for c in chats])
+    assert sum(ttft(r) <= SUMM.ttft for r in longs) >= min_long, [round(ttft(r), 2) for r in longs]
+
+
+def test_prefills_are_not_held_back_into_decode_that_leaves_them_no_room():
+    """Eleven 16-token prompts at once (0.2 s of prefill each alone), one a code stream (0.1 s
+    TBT), ten loose (5 s TTFT, 0.4 s TBT). The first step has no decode; the hold-back rule judged
+    the loose prompts able to wait with the whole machine after it and ran three of the eleven. But
+    every later iteration is bound by the code stream's T_g, and beside eleven decode streams T_g
+    leaves prefill nothing: the held-back prefills then needed knowing breaks of T_g (on a jittery
+    machine one 0.7 s step, two code gaps over target: tests/latency/test_latency_calibration.py).
+    Work may wait only for the share T_g will leave it (``LaserScheduler.later_prefill_share``):
+    here all eleven run in the first step, and no code gap is over its target."""
+    lm = SimpleLatencyModel(num_layers=N, per_layer=1.0e-3, per_token=3.6e-4, per_context=2e-8)
+    code, loose = SLO(ttft=5.0, tbt=0.1, name="code"), SLO(ttft=5.0, tbt=0.4, name="chat")
+    reqs = [req(16, 0.0, code, 300, "code")] + [req(16, 0.0, loose, 300, f"loose{k}") for k in range(10)]
+    sim = run_sim("laser", reqs, lm, N, config=SchedulerConfig(), record_plans=True)
+    first = sim.stats.plans[0]
+    assert {w.req_id for w in first.works if w.sample} == {r.req_id for r in reqs}, first.works
+    assert int((np.diff(reqs[0].token_times) > code.tbt).sum()) == 0

@@ -87,12 +87,12 @@ SCENARIOS = {
 GOLDEN = {
     "migration-and-recompute": "c0b0a24ee8af23c9",
     "migration-memory": "28523728201b4296",
-    "paper-2P2D-laser": "eeb06b97c60be7ce",
+    "paper-2P2D-laser": "45507ef1494bf60c",
     "small-2P2D-distserve": "9697e0b63f128459",
     "small-2P2D-laser": "61799cc73e869d91",
     "small-3M-colocated": "a31f6d6f730862f5",
-    "tight-2P2D-laser-2000": "1cd4dd3fcbb42442",
-    "tight-2P2D-laser-800": "2550e374f14973e0",
+    "tight-2P2D-laser-2000": "7961744c235908f6",
+    "tight-2P2D-laser-800": "e4cf319765861f14",
 }
 
 

@@ -130,9 +130,9 @@ def test_small_kv_pool_fallback_and_preemption(tiny_llama, ref):
     assert spec.stats.fallbacks > 0
 
 
-def test_sampled_requests_decode_normally(ref, spec_engine):
-    """Sampled (seeded) requests are not speculated: their draws match the plain engine's."""
-    sps = [SamplingParams(max_tokens=12, temperature=0.8, seed=7 + i) for i in range(3)]
+def test_logprob_requests_decode_normally(ref, spec_engine):
+    """Requests asking for logprobs are not speculated: their seeded draws match the plain engine's."""
+    sps = [SamplingParams(max_tokens=12, temperature=0.8, seed=7 + i, logprobs=1) for i in range(3)]
     ref.set_policy("vllm")
     spec_engine.set_policy("vllm")
     want = _run(ref, PROMPTS[:3], sps)
@@ -144,9 +144,10 @@ def test_sampled_requests_decode_normally(ref, spec_engine):
 
 def test_unsupported_setups_are_refused(tiny_llama, spec_engine, tmp_path, monkeypatch):
     spec_engine.set_policy("vllm")
-    _speculate(spec_engine, 2, 2)
-    with pytest.raises(ConfigError, match="--policy vllm or sarathi"):
-        spec_engine.set_policy("laser")
+    spec = _speculate(spec_engine, 2, 2)
+    spec_engine.set_policy("laser")  # the laser policy prices speculation (tests/spec/test_spec_laser.py)
+    assert spec_engine.scheduler.speculation == spec.shape
+    spec_engine.set_policy("vllm")
     monkeypatch.setenv("LASER_CACHE_DIR", str(tmp_path))
     with pytest.raises(ConfigError, match="laser train-exits"):
         Engine(str(tiny_llama), policy="vllm", dtype="float32", cache=SMALL, latency_calibration=False,

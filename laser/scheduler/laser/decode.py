@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from ...latency import LatencyModel
 from ...core.depth import exit_plan, expected_layers
 from ...core.plan import Work
+from ...core.speculation import SpecShape, spec_decode_time
 from ...core.request import SLO
 from ..util import ceil_div
 
@@ -112,12 +113,19 @@ class _LayerLoad:
     groups (an early exit restarts the cycle: ``LaserScheduler._restart_exited``). The exit checks,
     the K/V fill and the LM head of those tokens are in :attr:`const` as a plan prices them
     (:meth:`_price_exits`).
+
+    Self-speculation (``spec``, :mod:`laser.core.speculation`): a request that speculates
+    (``spec_ids``: :meth:`SpecShape.draft_len` > 0) at full depth runs its token's draft passes
+    and verify chunk after the iteration's layer calls: the ``num_spec`` of them are priced
+    together by :func:`~laser.core.speculation.spec_decode_time` (at the batch's mean context and
+    ``g`` drafts each) on top of the layer rows, not in them. Relaxed (L < N) it decodes its groups
+    plainly and counts in ``partial`` like any other; :meth:`add` / :meth:`remove` take its id.
     """
 
     HORIZON = 12
 
     def __init__(self, lm: LatencyModel, num_layers: int, iteration: int, reqs: list, plans: dict[str, DecodePlan],
-                 shared: DecodeMemo | None = None, background: int = 0):
+                 shared: DecodeMemo | None = None, background: int = 0, spec: SpecShape | None = None):
         self.n = num_layers
         self.it0 = iteration
         ctx = round(sum(r.num_tokens for r in reqs) / max(1, len(reqs)))
@@ -146,7 +154,13 @@ class _LayerLoad:
         self.ctx = ctx
         self.shared = shared
         self.layer = layer
-        self.const = lm.embed_time(len(reqs)) + lm.head_time(len(reqs))
+        self.spec = spec
+        self.spec_ids = {r.req_id for r in reqs if spec.draft_len(r) > 0} if spec is not None else set()
+        self.num_spec = 0  # speculating requests at full depth
+        self._spec_memo: dict[int, float] = {}
+        self._lm, self._fix = lm, fix
+        plain = len(reqs) - sum(1 for r in reqs if plans[r.req_id].layers >= num_layers and r.req_id in self.spec_ids)
+        self.const = lm.embed_time(plain) + lm.head_time(plain)
         masked = sum(1 for r in reqs if r.masked)
         if masked:  # grammar masks of their sampled rows (PlanCost's term)
             self.const += lm.mask_time(masked)
@@ -159,6 +173,9 @@ class _LayerLoad:
         self.depths: dict[str, int] = {}
         for r in reqs:
             p = plans[r.req_id]
+            if p.layers >= n and r.req_id in self.spec_ids:
+                self.num_spec += 1
+                continue
             d = expected_layers(r, n)
             if d < n:
                 self.depths[r.req_id] = d
@@ -173,10 +190,13 @@ class _LayerLoad:
     def _price_exits(self, lm: LatencyModel, reqs: list, plans: dict[str, DecodePlan]) -> None:
         """Dynamic depth in :attr:`const`, as a plan is priced (:class:`~laser.core.pricing.PlanCost`,
         :func:`~laser.core.depth.exit_plan`): a full-depth request whose token may exit pays its
-        exit checks (and K/V fill), and its LM head row only when it is expected to run every layer."""
+        exit checks (and K/V fill), and its LM head row only when it is expected to run every layer
+        (a request that speculates is priced by its draft and verify passes instead)."""
         n = self.n
         ex = []
         for r in reqs:
+            if r.req_id in self.spec_ids and plans[r.req_id].layers >= n:
+                continue
             d, f = exit_plan(r, r.num_tokens - 1, 1, n)
             if f and plans[r.req_id].layers >= n:
                 ex.append(Work(r.req_id, r.num_tokens - 1, 1, 0, n, True, depth=d, exit_from=f))
@@ -184,7 +204,8 @@ class _LayerLoad:
             return
         leaving = sum(1 for w in ex if w.priced_end < n)
         if leaving:
-            self.const += lm.head_time(len(reqs) - leaving) - lm.head_time(len(reqs))
+            rows = len(reqs) - self.num_spec  # the LM head rows in ``const``
+            self.const += lm.head_time(rows - leaving) - lm.head_time(rows)
         cost = getattr(lm, "exit_cost", None)
         if cost is not None:
             self.const += cost.price(lm, n, ex)
@@ -229,9 +250,13 @@ class _LayerLoad:
         row, lt, f = self.partial[h], self.layer, self.full
         return sum(lt(f + row[j] + d) - lt(f + row[j]) for j in range(a, b))
 
-    def add(self, p: DecodePlan, d: int = 1, depth: int | None = None) -> None:
+    def add(self, p: DecodePlan, d: int = 1, depth: int | None = None, rid: str | None = None) -> None:
         """Count ``d`` requests of plan ``p`` (``depth``: layers per token a full-depth plan is
-        expected to run, None = all N)."""
+        expected to run, None = all N; ``rid``: the request's id, which says whether it speculates
+        at full depth)."""
+        if p.layers >= self.n and rid in self.spec_ids:
+            self.num_spec += d
+            return
         if p.layers >= self.n and (depth is None or depth >= self.n):
             self.full += d
             self.times = None
@@ -246,15 +271,28 @@ class _LayerLoad:
             for j in range(a, b):
                 row[j] += d
 
-    def remove(self, p: DecodePlan, depth: int | None = None) -> None:
-        self.add(p, -1, depth)
+    def remove(self, p: DecodePlan, depth: int | None = None, rid: str | None = None) -> None:
+        self.add(p, -1, depth, rid)
 
     def slots(self) -> int:
         """Layer slots the counted requests occupy over the ``HORIZON`` iterations (request-layers)."""
-        return self.full * self.n * self.HORIZON + (sum(map(sum, self._partial)) if self._partial else 0)
+        return (self.full + self.num_spec) * self.n * self.HORIZON + (sum(map(sum, self._partial)) if self._partial else 0)
+
+    def spec_time(self) -> float:
+        """Seconds of the speculating requests' draft passes and verify chunk in an iteration."""
+        b = self.num_spec
+        if not b:
+            return 0.0
+        t = self._spec_memo.get(b)
+        if t is None:
+            sp = self.spec
+            t = self._spec_memo[b] = spec_decode_time(self._lm, self.n, sp.exit_layer,
+                                                      [(self.ctx, sp.draft_tokens)] * b) * self._fix
+        return t
 
     def predict(self) -> float:
-        return max(self._times()) + self.const
+        t = max(self._times()) + self.const
+        return t + self.spec_time() if self.num_spec else t
 
     def best_offset(self, L: int) -> DecodePlan:
         """Offset of a new plan with L layers: the one whose first group runs in the coming
@@ -291,7 +329,8 @@ PREFILL_QUANTUM = 16
 
 def exec_plan(lm: LatencyModel, num_layers: int, iteration: int, decoding: list, plans: dict[str, DecodePlan],
               target_factor: float = 1.0, memo: DecodeMemo | None = None, prefill_rate: float = 0.0,
-              max_prefill_tokens: int = 0) -> tuple[dict[str, DecodePlan], float, "_LayerLoad | None"]:
+              max_prefill_tokens: int = 0, spec: SpecShape | None = None
+              ) -> tuple[dict[str, DecodePlan], float, "_LayerLoad | None"]:
     """Algorithm 1 (PPoPP'26 §6.2.2), ``ExecPlan(N, R, L, O, R*)``: plans for ``decoding``.
 
     ``decoding``: requests (or :class:`DecodeCandidate`) with ``req_id``, ``num_tokens``,
@@ -314,7 +353,9 @@ def exec_plan(lm: LatencyModel, num_layers: int, iteration: int, decoding: list,
     over T_g after the relax loop (T_g cannot be held), each reduced request whose token gap
     ``ceil(N/L) * iteration`` would break ``target_factor`` times its own TBT target gets fewer,
     longer groups until it fits (:func:`_keep_reduced_within`; our rule, Alg. 1 assumes
-    iterations of T_g). Returns ``(plans, T_g, load)``;
+    iterations of T_g). ``spec``: the instance's self-speculation; a speculating request at full depth is
+    priced at its speculative step's cost (:class:`_LayerLoad`), and relaxing it stops its
+    speculation. Returns ``(plans, T_g, load)``;
     ``load`` (None when no request has a TBT
     target) prices the returned plans (:meth:`_LayerLoad.predict`, seconds). Pure: the
     input ``plans`` dict is not changed. ``memo``: the caller's :class:`DecodeMemo` of ``lm``
@@ -336,13 +377,13 @@ def exec_plan(lm: LatencyModel, num_layers: int, iteration: int, decoding: list,
         if prefill_rate > 0 and max_prefill_tokens > 0:
             q = PREFILL_QUANTUM
             background = min(max_prefill_tokens, q * math.ceil(prefill_rate * target / q))
-        load = _LayerLoad(lm, n, iteration, decoding, plans, memo, background)
+        load = _LayerLoad(lm, n, iteration, decoding, plans, memo, background, spec)
         _relax_and_restore(load, plans, decoding, n, t_g, target)
         # (judged on the decode work alone: the priced prefill gives way to the TBT gaps)
-        bare = load if not background else _LayerLoad(lm, n, iteration, decoding, plans, memo)
+        bare = load if not background else _LayerLoad(lm, n, iteration, decoding, plans, memo, spec=spec)
         if bare.predict() > t_g and _keep_reduced_within(bare, plans, decoding, n, target_factor) and background:
-            load = _LayerLoad(lm, n, iteration, decoding, plans, memo, background)
-        if load.predict() <= t_g or not _overloaded(lm, n, iteration, decoding, t_g, floor, memo):
+            load = _LayerLoad(lm, n, iteration, decoding, plans, memo, background, spec)
+        if load.predict() <= t_g or not _overloaded(lm, n, iteration, decoding, t_g, floor, memo, spec):
             return plans, t_g, load
         # Overload: the requests at T_g (and tighter) alone, at full depth, already take longer
         # than T_g, so every one of them misses whatever is cut for them; they run at full
@@ -368,7 +409,7 @@ def _relax_and_restore(load: "_LayerLoad", plans: dict[str, DecodePlan], decodin
         L = 1 if slo == math.inf else relaxed_layers(n, t_g, slo)  # best effort: 1 layer
         if L >= n:
             continue
-        load.remove(plans[r.req_id], load.depths.get(r.req_id))
+        load.remove(plans[r.req_id], load.depths.get(r.req_id), r.req_id)
         plans[r.req_id] = load.best_offset(L)
         load.add(plans[r.req_id])
     # restore: the strictest reduced request first; revert (and stop) if it breaks the target
@@ -380,9 +421,9 @@ def _relax_and_restore(load: "_LayerLoad", plans: dict[str, DecodePlan], decodin
         old = plans[r.req_id]
         depth = load.depths.get(r.req_id)
         load.remove(old)
-        load.add(DecodePlan(n, 0), depth=depth)
+        load.add(DecodePlan(n, 0), depth=depth, rid=r.req_id)
         if load.predict() > target:
-            load.remove(DecodePlan(n, 0), depth)
+            load.remove(DecodePlan(n, 0), depth, r.req_id)
             load.add(old)
             break
         plans[r.req_id] = DecodePlan(n, 0)
@@ -428,17 +469,17 @@ def _keep_reduced_within(load: "_LayerLoad", plans: dict[str, DecodePlan], decod
             layers = ceil_div(n, k)
             load.remove(old)
             plans[r.req_id] = load.best_offset(layers) if layers < n else DecodePlan(n, 0)
-            load.add(plans[r.req_id], depth=load.depths.get(r.req_id))
+            load.add(plans[r.req_id], depth=load.depths.get(r.req_id), rid=r.req_id)
     return changed
 
 
 def _overloaded(lm: LatencyModel, n: int, iteration: int, decoding: list, t_g: float, floor: float,
-                memo: DecodeMemo | None) -> bool:
+                memo: DecodeMemo | None, spec: SpecShape | None = None) -> bool:
     """Whether the requests whose targets set T_g (TBT in (``floor``, ``t_g``]), decoding alone at
-    full depth, take longer than ``t_g`` seconds per iteration."""
+    full depth (speculating where they do), take longer than ``t_g`` seconds per iteration."""
     tight = [r for r in decoding if r.slo.tbt is not None and floor < r.slo.tbt <= t_g]
     full = {r.req_id: DecodePlan(n, 0) for r in tight}
-    return _LayerLoad(lm, n, iteration, tight, full, memo).predict() > t_g
+    return _LayerLoad(lm, n, iteration, tight, full, memo, spec=spec).predict() > t_g
 
 
 def _tightest_feasible_tbt(lm: LatencyModel, decoding: list, memo: DecodeMemo | None, floor: float = 0.0) -> float:

@@ -11,6 +11,7 @@ admission) are passed in as :class:`KVActions`. Torch-free.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -57,6 +58,14 @@ class PrefillPlanner:
     #: admitted when it meets its full deadline. With ``--jitter-margin`` the margin is divided
     #: by the latency model's measured ``timing_spread()`` (steps that run over their prediction).
     ttft_margin = 0.9
+    #: Work that can wait is held back from a step that completes prefills only when merging it
+    #: would cost their first tokens at least this many times what waiting costs the prompts
+    #: behind it (:meth:`holds_back`): the machine time a merge saves also serves the prompts
+    #: that arrive later, which the queue of now does not count -- near a tie, merge.
+    merge_preference = 2.0
+    #: ... and only when it would stretch the time to the step's first completed prefill beyond
+    #: this factor (a first token may wait for little work: the paper's Fig. 1b merge).
+    first_token_stretch = 2.0
     #: Smallest prefill chunk worth a layer call (tokens).
     min_chunk = 16
     #: Work merged after a late request's last chunk may delay its first token by this
@@ -125,22 +134,30 @@ class PrefillPlanner:
 
     # -- the EDF merge (§6.1) -----------------------------------------------------------------------
     def merge(self, cands: Sequence[Request], order: Triage, queued: set[int], num_running: int, now: float,
-              cost: PlanCost, budget: float, kv: KVActions) -> list[Work]:
+              cost: PlanCost, budget: float, kv: KVActions, later_share: Callable[[], float]) -> list[Work]:
         """EDF merge of prefill layer-work into the step (``cands`` in ``order``; ``queued``: ids of
         the waiting ones, each of which takes one of the ``max_num_seqs - num_running`` free
         running slots), within ``budget`` seconds beyond the decode part (``cost``: the price of the
         decode works; each merged work is added to it) and without breaking any included TTFT
         deadline that was being met (:class:`_Bounds`). The most urgent prefill advances at least
-        one layer when nothing else was merged. Allocates KV and admits through ``kv``."""
+        one layer when nothing else was merged. Allocates KV and admits through ``kv``.
+        ``later_share()``: the share of an iteration that prefill work held back from this step
+        will get when it runs (:meth:`holds_back`; asked only then)."""
         n = self.num_layers
         limit = cost.total + budget
         bounds = _Bounds(now, decode_s=cost.total)
         works: list[Work] = []
         tokens = 0
         misses = alloc_misses = 0
+        firsts = 0.0  # summed ttft_weight of the prefills the step completes
+        first_at = 0.0  # the step's price when it first completed one (seconds)
+        held = 0.0  # summed ttft_weight of the prefills held back from the step
+        deferred = 0.0  # predicted seconds (alone) of the savable work held back from the step
         ttft_margin = self.ttft_margin / self.lm.timing_spread()
         slots = self.max_num_seqs - num_running
-        for r in sorted(cands, key=order.key):
+        cands = sorted(cands, key=order.key)
+        behind: list[float] = []  # summed ttft_weight of cands[i:] (built when first needed)
+        for i, r in enumerate(cands):
             # a preempted request with outputs waits in the PREFILL phase: it counts too
             # (and a running chunk behind it still proceeds)
             waiting = id(r) in queued
@@ -153,6 +170,17 @@ class PrefillPlanner:
                 break
             if w is None:
                 misses += 1
+                if misses >= self.max_misses:
+                    break
+                continue
+            if firsts and not behind:
+                behind = list(itertools.accumulate([self.ttft_weight(q) for q in reversed(cands)]))[::-1]
+            if firsts and self.holds_back(r, w, cost, first_at, firsts + held, behind[i], bounds.decode_s, order,
+                                          ttft_margin, now, deferred, later_share):
+                held += self.ttft_weight(r)  # it waits for this step's end too
+                if not order.is_given_up(r):
+                    deferred += self.alone(w) + self.rest(r, w)  # it runs before those behind it
+                misses += 1  # it runs in a coming step, after the first tokens of this one
                 if misses >= self.max_misses:
                     break
                 continue
@@ -169,8 +197,82 @@ class PrefillPlanner:
             works.append(w)
             cost.add(w)
             tokens += w.num_tokens
+            if w.sample:
+                if not firsts:
+                    first_at = cost.total
+                firsts += self.ttft_weight(r)
             bounds.include(r, w, cost.total, ttft_margin, self.rest(r, w), self.late_delay_share, n)
         return works
+
+    def ttft_weight(self, r: Request) -> float:
+        """What a second of ``r``'s TTFT weighs when a merge trades one request's first token
+        against others' (:meth:`holds_back`): 1 / its TTFT target (seconds), 1 / the best-effort
+        aging deadline without one or when demoted -- a second matters as much to a 1 s chat as
+        eight to an 8 s summarization."""
+        if r.slo.ttft is not None and not r.demoted:
+            return 1.0 / r.slo.ttft
+        return 1.0 / self.best_effort_deadline_s
+
+    def alone(self, w: Work) -> float:
+        """Predicted seconds of work ``w`` run as a step of its own."""
+        return PlanCost(self.lm, self.num_layers, [w]).total
+
+    def holds_back(self, r: Request, w: Work, cost: PlanCost, first_at: float, firsts: float, behind: float,
+                   decode_s: float, order: Triage, ttft_margin: float, now: float, deferred: float,
+                   later_share: Callable[[], float]) -> bool:
+        """Whether work ``w`` of ``r``, next in prefill order, waits for a coming step instead of
+        joining this one, which already completes prefills (their first tokens come at its end,
+        ``cost.total`` seconds from ``now``; the first of them was merged when the step cost
+        ``first_at`` seconds; ``firsts``: their summed :meth:`ttft_weight`, and those of the
+        prefills held back from it, which wait for its end too).
+
+        Work that keeps the step within ``first_token_stretch`` x ``first_at`` joins (a newcomer
+        catching up to a running chunk, PPoPP'26 Fig. 1b). Beyond that, merging delays each of the
+        step's first tokens by what ``w`` adds to the step (``extra``); waiting delays ``r`` and
+        every prefill after it in the order (``behind``: their summed weights, ``r``'s included)
+        by what the merge saves (``w`` alone less ``extra``: the share of the layer calls it would
+        ride on, and the decode part of one more step, ``decode_s`` seconds: a prompt left for the
+        next step waits its decode works too). ``w`` waits when the weighted delay of merging is
+        over ``merge_preference`` times the weighted delay of waiting and ``r`` can wait; given-up
+        work can wait. On a GPU a few prompt tokens ride on the layer calls' weight reads
+        (``extra`` is small: they join); on a CPU a layer call costs about its tokens, so a long
+        prompt's chunk waits behind short prompts' first tokens -- the order that lowers the mean
+        TTFT -- while short prompts of the same class still merge (each saves every prompt behind
+        it the layer calls it shares).
+
+        ``r`` can wait when its prefill still ends within ``ttft_margin`` of its TTFT target (by
+        its queue deadline without one: best effort, demoted) run after this step at the share of
+        each iteration it will get then: ``later_share()``, what T_g leaves beside the decode
+        streams of every request now running or pending (:meth:`~.scheduler.LaserScheduler.later_prefill_share`),
+        behind the savable work held back before it (``deferred`` seconds, alone). Work held back
+        from a step without decode would otherwise run later beside the streams this step starts,
+        squeezed into what their T_g leaves, or as one oversized step that breaks their token gaps.
+        Returns False (merge) or True (wait); changes nothing.
+
+        Case (issue 28): short chats arriving while a 2,000-token prefill ran were merged with the
+        rest of its chunk -- their first token came with the long chunk's, 0.4-0.7 s against 45 ms
+        alone. Layer-level chunked prefill (PPoPP'26 §6.1) pauses the long chunk at a layer
+        boundary; the newcomer now runs alone, and the chunk resumes at its layer after it.
+        Case (the share): eleven 16-token prompts at once, one a code stream (0.1 s TBT), the rest
+        loose (5 s TTFT): with ``w`` judged alone at the whole machine, the loose prefills were held
+        back from the first step (no decode yet) and later needed a 0.7 s knowing break of T_g
+        beside the code stream (two gaps over its target); beside eleven decode streams T_g leaves
+        prefill nothing, and they merge into the first step."""
+        merged = cost.with_work(w)
+        if merged <= self.first_token_stretch * first_at:
+            return False
+        extra = merged - cost.total
+        alone = self.alone(w)
+        if firsts * extra <= self.merge_preference * behind * (alone - extra + decode_s):
+            return False
+        if order.is_given_up(r):
+            return True
+        if r.slo.ttft is not None and not r.demoted:
+            deadline = r.arrival_time + ttft_margin * r.slo.ttft
+        else:
+            deadline = order.queue_key(r)[0]
+        share = later_share()
+        return share > 0.0 and now + cost.total + (deferred + alone + self.rest(r, w)) / share <= deadline
 
     def _candidate_work(self, r: Request, cost: PlanCost, limit: float, bounds: "_Bounds", given_up: bool,
                         works: list[Work], tokens: int) -> Work | None | bool:

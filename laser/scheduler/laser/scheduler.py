@@ -12,7 +12,8 @@ in-flight chunk parks its hidden state in the intermediate cache (decode tokens 
 to the end of their layer groups: parking them would put the next step into their
 token gap), and the next
 ``schedule`` re-plans with the newcomer in EDF position: merged if the merge meets its
-deadline, otherwise first.
+deadline, otherwise first -- and alone, the paused chunks resuming after it, where they can wait
+and merging them would delay its first token more than it saves (``PrefillPlanner.holds_back``).
 
 Decode (§6.2, Alg. 1). Decode request r has a plan (L_r, O_r): with K_r = ceil(N/L_r)
 layer groups, group g (layers ((g-1)L, gL]) runs in iteration i iff
@@ -120,7 +121,9 @@ class LaserScheduler(Scheduler):
         if self.config.role == "mixed" and self.plans:
             self.replan_needed = True
         if self.step.in_step and self.config.role != "decode":
-            self.step.arrival_stops(req, self.clock(), self.prefill_alone(req), len(self.waiting), self.plans)
+            key = self.queue_key(req)
+            leads = all(w is req or key < self.queue_key(w) for w in self.waiting)
+            self.step.arrival_stops(req, self.clock(), self.prefill_alone(req), leads, self.plans)
 
     def prefill_alone(self, req: Request) -> float:
         """Predicted seconds of ``req``'s prefill left (after its cached or computed prefix), run alone."""
@@ -156,16 +159,33 @@ class LaserScheduler(Scheduler):
         self.refresh_prefixes()  # the queue is priced by the tokens left after cached prefixes
         self.preempt_for_stricter()
         works = self._decode_works(now) if self.config.role != "prefill" else []
-        cost = PlanCost(self.lm, self.num_layers, works)  # the plan's price, grown work by work
+        spec = self._spec_pricing(works)
+        cost = PlanCost(self.lm, self.num_layers, works, *spec)  # the plan's price, grown work by work
         budget = self._prefill_budget(now, cost.total) if works else self._no_decode_budget()
         works += self._prefill_works(now, cost, budget)
         priced = bool(works)  # cost prices exactly ``works``
         if not works:
             works = self._skip_to_due_decode(now)
         self.relieve_deadlock(works)
-        plan = StepPlan(self.num_layers, works, predicted=(self.lm, cost.total) if priced else None)
+        plan = StepPlan(self.num_layers, works, predicted=(self.lm, cost.total) if priced else None,
+                        speculative=spec if spec[0] else None)
         self._begin_step(plan)
         return plan
+
+    def _spec_pricing(self, works: list[Work]) -> tuple[dict[str, int], int]:
+        """(req id -> draft length, exit layer) of the decode works the executor will run
+        self-speculatively (:mod:`laser.core.speculation`: a speculating request's token through
+        every layer), for :class:`PlanCost`; empty without speculation."""
+        sh = self.speculation
+        if sh is None:
+            return {}, 0
+        n, reqs, drafts = self.num_layers, self.requests, {}
+        for w in works:
+            if w.is_decode and w.sample and w.layer_start == 0 and w.layer_end == n:
+                g = sh.draft_len(reqs[w.req_id])
+                if g:
+                    drafts[w.req_id] = g
+        return drafts, sh.exit_layer
 
     def _prefill_budget(self, now: float, decode_time: float) -> float:
         """Seconds of prefill the step may carry beside ``decode_time`` seconds of decode
@@ -208,7 +228,8 @@ class LaserScheduler(Scheduler):
         order (kept: a decode instance spends 92-94 % of its steps here; without it the 16P16D
         simulation took 1.33x the CPU, docs/benchmarks.md). None, having changed nothing, when
         the state is not steady."""
-        if self.config.role != "decode" or self.waiting or self.replan_needed or not self.running:
+        if (self.config.role != "decode" or self.waiting or self.replan_needed or not self.running
+                or self.speculation is not None):  # (speculating tokens: the generic path prices them)
             return None
         n, plans, covers, decode = self.num_layers, self.plans, self.bm.covers, Phase.DECODE
         grow = []  # requests whose new token starts a block
@@ -335,8 +356,37 @@ class LaserScheduler(Scheduler):
         """The EDF merge of prefill work into the step (:meth:`PrefillPlanner.merge`)."""
         order = self.triage(now)
         queued = {id(r) for r in self.waiting}  # not running yet: each one takes a running slot
+        share: list[float] = []  # later_prefill_share(), asked at most once per step
+
+        def later_share() -> float:
+            if not share:
+                share.append(self.later_prefill_share())
+            return share[0]
+
         return self.prefill.merge(self._pending_prefills(), order, queued, len(self.running), now, cost, budget,
-                                  self._kv)
+                                  self._kv, later_share)
+
+    def later_prefill_share(self) -> float:
+        """Share of an iteration that prefill gets while every request now running or waiting
+        decodes (:func:`~.budget.prefill_share` of what ``planning_margin() * T_g`` leaves beside
+        one full-depth decode iteration of all of them, T_g the tightest TBT target among them that
+        may still be met: Alg. 1's T_g of the decoding ones, the targets of the pending ones not
+        given up or demoted; 1.0 with none). A lower bound: Alg. 1 runs looser streams on fewer
+        layers per iteration, and some streams finish first. What prefill work held back from a
+        step gets when it runs (:meth:`PrefillPlanner.holds_back`). 1.0 on a prefill instance (it
+        decodes nothing: held-back work there runs with the whole machine)."""
+        if self.config.role == "prefill":
+            return 1.0
+        pending = [r for r in self._pending_prefills() if r.phase != Phase.DECODE]
+        t_g = self.t_g
+        for r in pending:
+            if r.slo.tbt is not None and not (r.given_up or r.demoted):
+                t_g = min(t_g, r.slo.tbt)
+        if not math.isfinite(t_g):
+            return 1.0
+        contexts = [r.num_tokens for r in self.running] + [r.num_tokens for r in self.waiting]
+        decode_time = self.lm.predict_decode_iteration(contexts)
+        return rules.prefill_share(max(0.0, self.planning_margin() * t_g - decode_time), decode_time)
 
     # -- decode (§6.2) -------------------------------------------------------------------------
     def _decode_works(self, now: float) -> list[Work]:
@@ -388,10 +438,10 @@ class LaserScheduler(Scheduler):
             rate = self.prefill_demand(self.clock()).rate
             self.plans, self.t_g, _ = exec_plan(self.lm, self.num_layers, self.iteration, decoding, self.plans,
                                                 self.planning_margin(), self.decode_memo, rate,
-                                                self.config.max_num_batched_tokens)
+                                                self.config.max_num_batched_tokens, self.speculation)
         else:
             self.plans, self.t_g, _ = exec_plan(self.lm, self.num_layers, self.iteration, decoding, self.plans,
-                                                self.plan_target_factor(), self.decode_memo)
+                                                self.plan_target_factor(), self.decode_memo, spec=self.speculation)
         for r in decoding:
             if not r.tbt_infeasible and tbt_infeasible(self.lm, r, self.decode_memo):
                 r.tbt_infeasible = True  # served as well as possible; metrics say so
@@ -428,7 +478,8 @@ class LaserScheduler(Scheduler):
         given = plans if plans is not None else self.plans
         n = self.num_layers
         plans = {r.req_id: given.get(r.req_id, DecodePlan(n, 0)) for r in decoding}
-        return _LayerLoad(self.lm, n, self.iteration, decoding, plans, self.decode_memo).predict()
+        return _LayerLoad(self.lm, n, self.iteration, decoding, plans, self.decode_memo,
+                          spec=self.speculation).predict()
 
     def on_role_change(self) -> None:
         self.replan_needed = True
