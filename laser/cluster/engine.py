@@ -46,7 +46,7 @@ import time
 from typing import Callable
 
 from ..controller.base import Controller, prefill_load_key
-from ..core.request import SLO, InvalidRequestError, Phase, Request, SamplingParams
+from ..core.request import SLO, InvalidRequestError, Request, SamplingParams
 from ..frontend.inputs import InputProcessor
 from ..frontend.outputs import OutputProcessor, RequestOutput
 from ..instance.handoff import DirectRoute
@@ -237,18 +237,6 @@ class ClusterEngine(Transfers, Recovery, Availability, NodeRestart):
         root, bs = self._hash_root
         return tuple(hash_blocks([], req.all_token_ids, bs, root)) if root else ()
 
-    def _copy_for_instance(self, req: Request) -> Request:
-        """What an instance gets: the request, with the output so far (re-prefilled with the prompt)."""
-        r = Request(prompt_token_ids=list(req.prompt_token_ids), sampling_params=req.sampling_params, slo=req.slo,
-                    arrival_time=req.arrival_time, req_id=req.req_id)
-        if req.output_token_ids:
-            r.output_token_ids = list(req.output_token_ids)
-            r.token_times = list(req.token_times)
-            r.phase = Phase.PREFILL
-            r.num_depth_tokens, r.depth_layers = req.num_depth_tokens, req.depth_layers  # (dynamic depth's so far)
-            r.expected_layers = req.mean_depth
-        return r
-
     def _dispatch(self, t: Tracked) -> None:
         """Route ``t`` (controller) and send it to its prefill instance, marking dead whatever
         fails to answer on the way and routing again (what the failed try left on a live
@@ -292,7 +280,7 @@ class ClusterEngine(Transfers, Recovery, Availability, NodeRestart):
         instance hands it there by itself after its first token (a
         :class:`~laser.instance.handoff.DirectRoute`), streaming its KV layer by layer during
         the final prefill chunk when ``stream_kv`` (the decode instance expects it)."""
-        req = self._copy_for_instance(t.req)
+        req = t.req.copy_for_instance()
         t.direct, t.early = None, None
         if decode is None or decode == prefill:
             self.handles[prefill].add_request(req)

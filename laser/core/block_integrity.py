@@ -4,10 +4,17 @@ the simulator runs it at the end of every run, the tests after every scenario. T
 
 from __future__ import annotations
 
-from .block_manager import BlockManager, BlockManagerIntegrityError
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .block_manager import BlockManager
 
 
-def check_integrity(bm: BlockManager, expect_empty: bool = False) -> None:
+class BlockManagerIntegrityError(AssertionError):
+    """``check_integrity`` found a leaked, double-owned or out-of-range block."""
+
+
+def check_integrity(bm: "BlockManager", expect_empty: bool = False) -> None:
     """Verify, per layer, that every block is free, owned by exactly one request, or
     published (held by any number of requests, or evictable); that each published block's
     reference count is the number of requests holding it, it is evictable exactly when that

@@ -25,15 +25,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from .block_integrity import BlockManagerIntegrityError  # noqa: F401 (re-exported)
 from .prefix_hash import cache_summary, hash_blocks, prefix_root  # noqa: F401 (the last two re-exported)
 
 
 class OutOfBlocksError(RuntimeError):
     """The KV cache pool of some layer has no free block left. Nothing was allocated."""
-
-
-class BlockManagerIntegrityError(AssertionError):
-    """``check_integrity`` found a leaked, double-owned or out-of-range block."""
 
 
 _NEVER = 1 << 62  # _ReqBlocks.num_offered of a request whose blocks are never published
@@ -496,7 +493,6 @@ class BlockManager:
         if shared:
             self._release(sorted(shared, key=shared.get))
 
-    # -- integrity ----------------------------------------------------------------------
     def check_integrity(self, expect_empty: bool = False) -> None:
         """:func:`laser.core.block_integrity.check_integrity` (raises BlockManagerIntegrityError)."""
         from .block_integrity import check_integrity

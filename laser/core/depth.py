@@ -96,6 +96,21 @@ class DepthMeans:
         """Class name -> mean depth (layers) so far."""
         return {k: self._sum[k] / n for k, n in self._n.items() if n}
 
+    def record(self, req, depth: int) -> None:
+        """A decode token of dynamic-depth ``req`` (a :class:`~laser.core.request.Request`) ran
+        ``depth`` layers: update its running mean, its class's, and the depth Alg. 1 plans it
+        with (``req.expected_layers``)."""
+        req.num_depth_tokens += 1
+        req.depth_layers += depth
+        self.update(req.slo.name, depth)
+        req.expected_layers = req.depth_layers / req.num_depth_tokens
+
+    def seed(self, req) -> None:
+        """Seed a dynamic-depth request's expected depth from its SLO class's running mean (a
+        request with tokens of its own keeps its own mean; a request not opting in: nothing)."""
+        if req.sampling_params.dynamic_depth is not None and not req.num_depth_tokens:
+            req.expected_layers = self.expected(req.slo.name)
+
 
 def expected_layers(req, num_layers: int) -> int:
     """Layers per decode token a scheduler plans ``req`` with: ``num_layers`` unless it opted in

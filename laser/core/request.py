@@ -337,6 +337,20 @@ class Request:
         """Mean layers run per decode token so far (None before any, or when not opted in)."""
         return self.depth_layers / self.num_depth_tokens if self.num_depth_tokens else None
 
+    def copy_for_instance(self) -> "Request":
+        """What a cluster instance gets of this front-end request: the same id, prompt,
+        sampling, SLO and arrival; with output so far, a request to re-prefill prompt + output
+        (its token times and dynamic-depth totals carried, so TBT and the mean depth continue)."""
+        r = Request(prompt_token_ids=list(self.prompt_token_ids), sampling_params=self.sampling_params, slo=self.slo,
+                    arrival_time=self.arrival_time, req_id=self.req_id)
+        if self.output_token_ids:
+            r.output_token_ids = list(self.output_token_ids)
+            r.token_times = list(self.token_times)
+            r.phase = Phase.PREFILL
+            r.num_depth_tokens, r.depth_layers = self.num_depth_tokens, self.depth_layers
+            r.expected_layers = self.mean_depth
+        return r
+
     def __post_init__(self):
         if not self.req_id:
             self.req_id = f"req-{next(_ids)}"

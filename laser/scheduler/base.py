@@ -91,7 +91,7 @@ class Scheduler(ABC):
         if req.req_id in self.requests:
             raise ValueError(f"duplicate request id {req.req_id}")
         self.requests[req.req_id] = req
-        self.expect_depth(req)
+        self.depth_means.seed(req)
         self.lookup_prefix(req)  # priced by what it still has to compute from the start
         self.waiting.append(req)
         self.waiting.sort(key=self.queue_key)
@@ -102,7 +102,7 @@ class Scheduler(ABC):
         if req.req_id in self.requests:
             raise ValueError(f"duplicate request id {req.req_id}")
         self.requests[req.req_id] = req
-        self.expect_depth(req)
+        self.depth_means.seed(req)
         self.running.append(req)
         self.on_adopt(req)
 
@@ -313,7 +313,7 @@ class Scheduler(ABC):
         earlier (``stopped_layer``, see :meth:`~laser.core.plan.Work.reached`) or ends before the
         last layer stays in flight at the layer it reached. ``exit_layers`` (req_id -> layer):
         decode tokens of dynamic-depth requests that left the model early (their K/V filled at
-        every later layer: they count as complete; :meth:`record_depth`).
+        every later layer: they count as complete; :meth:`laser.core.depth.DepthMeans.record`).
         """
         n = self.num_layers
         out = []
@@ -331,7 +331,7 @@ class Scheduler(ABC):
                     reached = n
                     w = Work(w.req_id, w.token_start, 1, w.layer_start, n, True, w.masked)
                 if reached == n:
-                    self.record_depth(req, n if exited is None else exited)
+                    self.depth_means.record(req, n if exited is None else exited)
             if reached == n:
                 req.num_computed_tokens = w.context_len
                 req.chunk_tokens = 0
@@ -353,21 +353,6 @@ class Scheduler(ABC):
         self.step_index += 1
         self.enforce_icache_capacity()
         return out
-
-    def record_depth(self, req: Request, depth: int) -> None:
-        """A decode token of dynamic-depth ``req`` ran ``depth`` layers: update its running mean
-        and its class's (:class:`laser.core.depth.DepthMeans`), and the depth Alg. 1 plans it
-        with (``req.expected_layers``)."""
-        req.num_depth_tokens += 1
-        req.depth_layers += depth
-        self.depth_means.update(req.slo.name, depth)
-        req.expected_layers = req.depth_layers / req.num_depth_tokens
-
-    def expect_depth(self, req: Request) -> None:
-        """Seed a dynamic-depth request's expected depth from its SLO class's running mean (a
-        request with tokens of its own keeps its own mean)."""
-        if req.sampling_params.dynamic_depth is not None and not req.num_depth_tokens:
-            req.expected_layers = self.depth_means.expected(req.slo.name)
 
     def append_token(self, req: Request, token: int, now: float) -> None:
         """Record one more decoded token of ``req`` in the step :meth:`update` just recorded

@@ -17,6 +17,7 @@ from ...core.plan import Work
 from ...core.speculation import SpecShape, spec_decode_time
 from ...core.request import SLO
 from ..util import ceil_div
+from .memo import DecodeMemo, layer_price, memo_for
 
 
 @dataclass(slots=True)
@@ -28,66 +29,6 @@ class DecodePlan:
 
     def groups(self, n: int) -> int:
         return ceil_div(n, self.layers)
-
-
-class DecodeMemo:
-    """Prices that Alg. 1 and Alg. 2 ask for again and again, memoised for one latency model
-    (``lm``; deterministic, so a memoised price is the same number): one decode layer of
-    ``c`` requests at mean context ``ctx`` (seconds) and :func:`tbt_infeasible` per (context,
-    TBT target). A :class:`~laser.latency.ScaledLatencyModel` (a real instance's online
-    calibration) changes its factor in place: its inner model's prices are memoised and
-    scaled by the factor of the moment. Owned by a Laser scheduler and shared by its replans
-    and its instance's ``LatencyIncrement`` answers; cleared when it holds more than
-    ``MAX_ENTRIES`` prices."""
-
-    MAX_ENTRIES = 1 << 18
-
-    def __init__(self, lm: LatencyModel):
-        from laser.latency import ScaledLatencyModel
-
-        self.lm = lm
-        self._scaled = lm if isinstance(lm, ScaledLatencyModel) else None
-        self._base = lm.inner if self._scaled is not None else lm  # what the memo prices
-        self.layers: dict[tuple[int, int], float] = {}
-        self.single: dict[int, float] = {}  # decode iteration of one request at a context, unscaled
-
-    @property
-    def factor(self) -> float:
-        """The scale of the memoised prices now (1.0 unless ``lm`` is a scaled model)."""
-        return self._scaled.factor if self._scaled is not None else 1.0
-
-    def layer_time(self, c: int, ctx: int, background: int = 0) -> float:
-        """One layer call of ``c`` decode tokens at context ``ctx`` each, beside a prefill
-        chunk of ``background`` tokens (seconds; see :class:`_LayerLoad`)."""
-        key = (c, ctx, background)
-        t = self.layers.get(key)
-        if t is None:
-            if len(self.layers) > self.MAX_ENTRIES:
-                self.layers.clear()
-            t = self.layers[key] = _layer_price(self._base, c, ctx, background)
-        return t if self._scaled is None else t * self._scaled.factor
-
-    def tbt_infeasible(self, num_tokens: int, tbt: float) -> bool:
-        """True when one decode iteration of a request at context ``num_tokens`` alone takes
-        longer than ``tbt``."""
-        t = self.single.get(num_tokens)
-        if t is None:
-            if len(self.single) > self.MAX_ENTRIES:
-                self.single.clear()
-            t = self.single[num_tokens] = self._base.predict_decode_iteration((num_tokens,))
-        return (t if self._scaled is None else t * self._scaled.factor) > tbt
-
-
-def _layer_price(lm: LatencyModel, c: int, ctx: int, background: int) -> float:
-    """One layer call of ``c`` decode tokens at context ``ctx`` plus one prefill chunk of
-    ``background`` tokens (a fresh chunk: context = its length), seconds; 0 when empty."""
-    if background > 0:
-        return lm.layer_time((1,) * c + (background,), (ctx,) * c + (background,))
-    return lm.layer_time((1,) * c, (ctx,) * c) if c else 0.0
-
-
-def _memo_for(lm: LatencyModel, memo: "DecodeMemo | None") -> "DecodeMemo | None":
-    return memo if memo is not None and memo.lm is lm else None
 
 
 class _LayerLoad:
@@ -129,7 +70,7 @@ class _LayerLoad:
         self.n = num_layers
         self.it0 = iteration
         ctx = round(sum(r.num_tokens for r in reqs) / max(1, len(reqs)))
-        shared = _memo_for(lm, shared)
+        shared = memo_for(lm, shared)
         # The mean context prices the batch as the model would its real contexts only if the
         # model is linear in them; a fitted model need not be (one long summarization stream
         # among short ones cost 272 ms where the mean priced 144 ms, and T_g broke unseen):
@@ -148,7 +89,7 @@ class _LayerLoad:
             def layer(c: int) -> float:
                 t = memo.get(c)
                 if t is None:
-                    t = memo[c] = _layer_price(lm, c, ctx, background) * fix
+                    t = memo[c] = layer_price(lm, c, ctx, background) * fix
                 return t
 
         self.ctx = ctx
@@ -504,7 +445,7 @@ def tbt_infeasible(lm: LatencyModel, r, memo: DecodeMemo | None = None) -> bool:
     tbt = r.slo.tbt
     if tbt is None:
         return False
-    memo = _memo_for(lm, memo)
+    memo = memo_for(lm, memo)
     if memo is not None:
         return memo.tbt_infeasible(r.num_tokens, tbt)
     return lm.predict_decode_iteration((r.num_tokens,)) > tbt
