@@ -290,14 +290,15 @@ def long_context_llama(tmp_path_factory, smollm2_dir):
     return d
 
 
-def test_sigterm_drains_short_and_aborts_long(long_context_llama):
+def test_sigterm_drains_short_and_aborts_long(long_context_llama, tmp_path):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "laser.cli", "serve", "--model", str(long_context_llama), "--policy", "sarathi",
          "--dtype", "float32", "--kv-cache-gib", "0.13", "--max-model-len", str(LONG_CONTEXT), "--port", str(port),
-         "--shutdown-timeout", "2", "--threads", "1", "--log-level", "warning"],
+         "--shutdown-timeout", "2", "--threads", "1", "--log-level", "warning",
+         "--data-dir", str(tmp_path / "batches")],  # its own Batch API store: a server on the default one may run
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
