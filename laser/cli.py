@@ -182,8 +182,17 @@ def build_engine(args, **overrides):
 
 
 def speculative_config(args):
-    """The :class:`laser.spec.SpeculativeConfig` of ``--speculative`` flags, None without them."""
+    """The :class:`laser.spec.SpeculativeConfig` of ``--speculative`` flags, None without them.
+    Raises ConfigError for a ``--speculative-*`` option without ``--speculative self`` (it would
+    be ignored)."""
     if getattr(args, "speculative", None) is None:
+        given = [f for f, v in (("--speculative-exit-layer", getattr(args, "speculative_exit_layer", None)),
+                                ("--speculative-draft-tokens", getattr(args, "speculative_draft_tokens", None)),
+                                ("--speculative-exits", getattr(args, "speculative_exits", None))) if v is not None]
+        if given:
+            from .core.config import ConfigError
+
+            raise ConfigError(f"{', '.join(given)} needs --speculative self")
         return None
     from .spec import SpeculativeConfig
 

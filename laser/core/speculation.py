@@ -21,7 +21,10 @@ def speculates(sp) -> bool:
     """Whether a request with sampling params ``sp`` is decoded self-speculatively: greedy with
     no logit processing (verification is an argmax), or sampled (the rejection rule,
     :mod:`laser.spec.rejection`) without logprobs and structured output (whose grammar state
-    follows the request's own tokens)."""
+    follows the request's own tokens). A request that opted into dynamic depth (lossy early exit,
+    :mod:`laser.core.depth`) does not: its tokens leave the model at an exit, not at a verify."""
+    if getattr(sp, "dynamic_depth", None) is not None:
+        return False
     return sp.plain_greedy or (not sp.greedy and sp.logprobs is None and sp.structured_output is None)
 
 

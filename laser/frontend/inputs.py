@@ -133,8 +133,8 @@ class InputProcessor:
         heads are loaded."""
         if sp.dynamic_depth is not None:
             if not self.serves_exits:
-                raise InvalidRequestError("dynamic_depth: this server has no trained exit heads (train them with "
-                                          "`laser train-exits`, serve with --dynamic-depth)")
+                raise InvalidRequestError("dynamic_depth: this server does not serve early exits (start it with "
+                                          "--dynamic-depth; exits are trained with `laser train-exits`)")
             return sp
         dd = getattr(self.slo_classes, "dynamic_depth", {}).get(slo.name)
         if dd is None or not self.serves_exits or not sp.plain_greedy:

@@ -150,9 +150,19 @@ class ExitHeads:
     @classmethod
     def load(cls, path: Path, model_key: str | None = None) -> "ExitHeads":
         """Load exits saved by :meth:`save`. Raises FileNotFoundError when missing and
-        ValueError when the file is for another model (``model_key``) or format."""
-        d = torch.load(Path(path), map_location="cpu", weights_only=True)
-        if d.get("version") != FORMAT_VERSION:
+        ValueError when the file is for another model (``model_key``) or format, or is not an
+        exits file at all."""
+        import pickle
+
+        try:
+            d = torch.load(Path(path), map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as e:
+            if isinstance(e, FileNotFoundError):
+                raise
+            raise ValueError(f"{path} is not a trained exits file (made by `laser train-exits`): "
+                             f"{type(e).__name__}") from None
+        if not isinstance(d, dict) or d.get("version") != FORMAT_VERSION:
+            d = d if isinstance(d, dict) else {}
             raise ValueError(f"{path}: exit heads of format {d.get('version')}, expected {FORMAT_VERSION} "
                              "(re-run `laser train-exits`)")
         if model_key is not None and d["model_key"] != model_key:

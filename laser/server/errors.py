@@ -3,6 +3,8 @@ readable message made of a pydantic validation error. Shared by every route modu
 
 from __future__ import annotations
 
+import re
+
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
@@ -35,6 +37,13 @@ def unavailable(exc: BaseException) -> APIError:
 
     retry = max(1, math.ceil(getattr(exc, "retry_after_s", 1.0)))
     return APIError(503, str(exc), "unavailable", headers={"retry-after": str(retry)})
+
+
+def param_of(message: str) -> str | None:
+    """The request field a front-end error message names (``"dynamic_depth: ..."`` ->
+    ``"dynamic_depth"``), or None when it does not start with a field name."""
+    head, sep, _ = message.partition(":")
+    return head if sep and re.fullmatch(r"[a-z][a-z0-9_]*", head) else None
 
 
 def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict:

@@ -24,7 +24,7 @@ from ..frontend.async_engine import (
 )
 from ..core.request import SLO, InvalidRequestError, SamplingParams
 from ..frontend.inputs import ContextLengthError
-from .errors import APIError, unavailable
+from .errors import APIError, param_of, unavailable
 from .fields import RequestFields
 from .metrics import ServerMetrics, slo_outcome
 from .token_texts import TokenTexts
@@ -216,7 +216,7 @@ class Generation(RequestFields):
             return
         self.abort(subs)
         if isinstance(err, InvalidRequestError):
-            raise APIError(400, str(err), "invalid_value")
+            raise APIError(400, str(err), "invalid_value", param_of(str(err)))
         if isinstance(err, EngineStoppedError):
             raise APIError(503, str(err), "unavailable")
         if isinstance(err, EngineUnavailableError):

@@ -45,6 +45,10 @@ def test_draft_len_and_who_speculates():
     assert not speculates(_req(8, logprobs=1).sampling_params)
     assert not speculates(_req(8, presence_penalty=0.5).sampling_params)  # greedy with processing
     assert speculates(_req(8, temperature=0.8, presence_penalty=0.5).sampling_params)
+    # a dynamic-depth request leaves the model at an exit; it is not verified (a fresh user's
+    # server with both flags decoded it speculatively at full depth)
+    assert not speculates(_req(8, dynamic_depth=True).sampling_params)
+    assert sh.draft_len(_req(8, dynamic_depth={"threshold": 0.9})) == 0
 
 
 def test_plan_cost_prices_speculating_works_apart():

@@ -315,6 +315,8 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 5000}]}, {}, "context", "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, {},
      "max_tokens", "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": 0,
+                              "dynamic_depth": True}, {}, "start it with --dynamic-depth", "dynamic_depth"),
 ]
 
 

@@ -154,6 +154,11 @@ def test_unsupported_setups_are_refused(tiny_llama, spec_engine, tmp_path, monke
                speculative=SpeculativeConfig())
     with pytest.raises(ConfigError, match="no trained exit after layer 3"):
         _speculate(spec_engine, 3, 2, heads=_all_vocab_heads(spec_engine, 2))
+    bad = tmp_path / "garbage.pt"
+    bad.write_text("garbage")  # not a torch file: a clear error, not torch's unpickling traceback
+    with pytest.raises(ConfigError, match="not a trained exits file"):
+        Engine(str(tiny_llama), policy="vllm", dtype="float32", cache=SMALL, latency_calibration=False,
+               speculative=SpeculativeConfig(exits_path=str(bad)))
 
 
 def test_train_exits_saves_and_loads(spec_engine, tiny_llama, tmp_path, monkeypatch):
@@ -176,3 +181,14 @@ def test_train_exits_saves_and_loads(spec_engine, tiny_llama, tmp_path, monkeypa
     assert spec.k == 2 and spec.heads.vocab.numel() == 256
     with pytest.raises(ValueError, match="trained for"):
         ExitHeads.load(path, "another-model")
+
+
+@pytest.mark.parametrize("flag,value", [("--speculative-exits", "exits.pt"), ("--speculative-exit-layer", "4"),
+                                        ("--speculative-draft-tokens", "2")])
+def test_speculative_options_without_the_flag_are_refused(capsys, flag, value):
+    """A ``--speculative-*`` option without ``--speculative self`` is refused before the model
+    loads (a fresh user's server ignored it silently)."""
+    from laser import cli
+
+    assert cli.main(["generate", "--prompt", "x", "--model", "/nonexistent-model", flag, value]) == 2
+    assert f"{flag} needs --speculative self" in capsys.readouterr().err
