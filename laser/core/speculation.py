@@ -37,6 +37,15 @@ class SpecShape:
     draft_tokens: int
     max_model_len: int
 
+    def work_draft_len(self, w, req, num_layers: int) -> int:
+        """:meth:`draft_len` of ``req`` for its work ``w`` (a :class:`laser.core.plan.Work`) in a
+        plan of ``num_layers`` layers: only a decode token that samples through every layer is
+        run speculatively (0 for any other work). The one rule of which works the executor
+        speculates and the plans price as such."""
+        if not (w.is_decode and w.sample and w.layer_start == 0 and w.layer_end == num_layers):
+            return 0
+        return self.draft_len(req)
+
     def draft_len(self, req) -> int:
         """Tokens a step may draft for ``req`` (its next token's work through every layer): ``g``,
         less what its ``max_tokens`` (emitted tokens <= drafts + 1) and the context limit (draft

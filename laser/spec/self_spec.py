@@ -36,7 +36,7 @@ that are free: when the pool is short the draft is shortened, down to plain deco
 
 Integration: :class:`SelfSpeculator` is the instance's executor. It takes a scheduler's plan,
 runs every *eligible* work speculatively -- a decode token through all layers of a greedy
-or sampled request (:func:`speculable`) -- and the rest of the plan as usual
+or sampled request (:func:`laser.core.speculation.speculates`) -- and the rest of the plan as usual
 (:func:`laser.core.walk.walk`). Requests asking for logprobs or structured output, and greedy
 requests with logit processing, decode normally. Under the ``laser`` policy a request Alg. 1
 keeps at full depth speculates (its plan and Alg. 1 price the draft passes and the verify chunk:
@@ -55,7 +55,7 @@ import torch
 
 from ..core.config import ConfigError
 from ..core.plan import StepPlan, StepResult, Work
-from ..core.speculation import SpecShape, speculates
+from ..core.speculation import SpecShape
 from .rejection import rejection_sample
 
 log = logging.getLogger(__name__)
@@ -99,10 +99,6 @@ class SpecStats:
         return self.emitted / self.steps if self.steps else 0.0
 
 
-#: Whether a request with these sampling params is decoded self-speculatively.
-speculable = speculates
-
-
 class SelfSpeculator:
     """An instance executor that decodes greedy requests self-speculatively (see the module doc).
 
@@ -125,11 +121,13 @@ class SelfSpeculator:
             raise ConfigError(f"speculative draft length must be >= 1, got {draft_tokens}")
         self.runner = runner
         self.heads = heads.bind(runner.model)
-        self.k = exit_layer
-        self.g = draft_tokens
-        self.max_model_len = max_model_len
-        self.shape = SpecShape(exit_layer, draft_tokens, max_model_len)  # what the schedulers price
+        self.shape = SpecShape(exit_layer, draft_tokens, max_model_len)  # what the schedulers price too
         self.stats = SpecStats()
+
+    @property
+    def k(self) -> int:
+        """Layers run before the exit (``shape.exit_layer``)."""
+        return self.shape.exit_layer
 
     def __getattr__(self, name):  # export_kv, import_kv, release, sampler state, kv_streams, ...
         return getattr(self.runner, name)
@@ -155,10 +153,10 @@ class SelfSpeculator:
 
     def _draft_len(self, w: Work, req, N: int) -> int:
         """Draft length for work ``w`` (0: run it normally), its blocks grown for the drafts."""
-        if not (w.is_decode and w.sample and w.layer_start == 0 and w.layer_end == N):
+        g = g_max = self.shape.work_draft_len(w, req, N)
+        if not g:
             return 0
         n = req.num_tokens
-        g = g_max = self.shape.draft_len(req)
         bm = self.runner.bm
         while g > 0 and not bm.can_allocate(req.req_id, n + g):
             g -= 1

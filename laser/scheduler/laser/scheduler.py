@@ -181,10 +181,9 @@ class LaserScheduler(Scheduler):
             return {}, 0
         n, reqs, drafts = self.num_layers, self.requests, {}
         for w in works:
-            if w.is_decode and w.sample and w.layer_start == 0 and w.layer_end == n:
-                g = sh.draft_len(reqs[w.req_id])
-                if g:
-                    drafts[w.req_id] = g
+            g = sh.work_draft_len(w, reqs[w.req_id], n)
+            if g:
+                drafts[w.req_id] = g
         return drafts, sh.exit_layer
 
     def _prefill_budget(self, now: float, decode_time: float) -> float:
