@@ -182,6 +182,14 @@ class InstanceCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def has_request(self, req_id: str) -> bool:
+        """``req_id`` is an unfinished request here."""
+        return self.scheduler.has_request(req_id)
+
+    def request_ids(self) -> list[str]:
+        """The ids of the unfinished requests, oldest first."""
+        return self.scheduler.request_ids()
+
     def finish_reason(self, req: Request) -> str | None:
         """The finished-request rule (one owner), for ``req``'s newest token: ``stop`` on EOS
         (unless ``ignore_eos``) or a stop token id; ``length`` at ``max_tokens`` or the context
