@@ -271,7 +271,7 @@ class InstanceCore:
         """Store each prefill chunk's prompt log-probabilities on its request, by position (a
         chunk recomputed after a preemption overwrites its own positions)."""
         for rid, (start, entries) in chunks.items():
-            req = self.scheduler.requests.get(rid)
+            req = self.scheduler.get_request(rid)
             if req is None:
                 continue
             if req.prompt_logprobs is None:

@@ -144,6 +144,10 @@ class Scheduler(ABC):
         """The ids of the unfinished requests, oldest first."""
         return list(self.requests)
 
+    def get_request(self, req_id: str) -> Request | None:
+        """The unfinished request ``req_id``, or None."""
+        return self.requests.get(req_id)
+
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
