@@ -17,6 +17,10 @@ Three rules, on top of :mod:`.recovery` (which moves the requests of a dead inst
   none may return, or none did in time, it fails with a :class:`~.state.ClusterError` -- an
   HTTP 503 with ``Retry-After`` before its stream started, an SSE error event (or a 503 body)
   after -- never a 500 and never a stream silently cut with ``finish_reason="abort"``.
+
+:class:`Availability` owns the health pings in flight, the instances serving as mixed, and the
+requests waiting for a role to return (parked ones, those of stranded dead instances) with
+their deadlines.
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ import time
 
 from ..controller.baselines import ColocatedController
 from ..instance.messages import RequestInfo
-from .handles import InstanceFailure, InstanceHandle
-from .state import ClusterError, Tracked
+from .handles import Call, InstanceFailure, InstanceHandle
+from .state import ClusterError, ClusterState, Tracked
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +52,49 @@ class MixedFallback(ColocatedController):
 
 
 class Availability:
-    """The availability steps of :class:`~laser.cluster.engine.ClusterEngine`, which owns the
-    state they use (``handles``, ``controller``, ``main_controller``, ``_fallback``,
-    ``_health``, ``_wait_until``, ``_failed``, and the recovery state) and calls them."""
+    """The availability rules of :class:`~laser.cluster.engine.ClusterEngine` (the module docstring).
+
+    Args:
+        state: the cluster's table (its router is switched to :class:`MixedFallback` and back).
+        recovery: the failure handling (a failed ping marks its instance dead; a request that
+            waited in vain is given up on). transfers: the hand-off tracker (a request decoding
+            on a fallback instance is pulled to a returning decode instance).
+
+    :meth:`connect` gives the node restart (``poll_idle`` looks after it). ``health_probe_s``:
+    while idle every live instance is pinged this often; ``outage_wait_s``: a request waits this
+    long for an instance of a needed role to return.
+    """
+
+    def __init__(self, state: ClusterState, recovery, transfers):
+        self.state = state
+        self.recovery = recovery
+        self.transfers = transfers
+        self.node_restart = None
+        self.health_probe_s = 1.0
+        self.outage_wait_s = 30.0
+        self._health: dict[int, "Call | float"] = {}  # live instance id -> its ping in flight, or next ping at
+        self._fallback: set[int] = set()  # prefill instances serving as mixed (no live decode instance)
+        self._parked: list[str] = []  # requests that found no live instance; they wait for one to rejoin
+        self._stranded: set[int] = set()  # dead instances whose requests wait for a needed role to return
+        self._wait_until: dict[str, float] = {}  # waiting req id -> when it fails if still waiting
+
+    def connect(self, node_restart) -> None:
+        """The lost-node part :meth:`poll_idle` looks after (built after this one)."""
+        self.node_restart = node_restart
+
+    def waiting(self) -> bool:
+        """Requests wait for an instance of a needed role to return (parked, or stranded)."""
+        return bool(self._parked or self._stranded)
+
+    def forget_calls(self) -> None:
+        """The instances' node is gone: forget the health pings in flight (:mod:`.node`)."""
+        self._health.clear()
+
+    def node_back(self) -> None:
+        """A lost node came back with its instances in their own roles: none serves as mixed and
+        the main controller routes again (the caller re-attaches it)."""
+        self._fallback.clear()
+        self.state.controller = self.state.main_controller
 
     # -- idle probing ---------------------------------------------------------------------------------
     def poll_idle(self) -> float:
@@ -58,19 +102,21 @@ class Availability:
         the live instances (:meth:`_check_health`) and the dead ones that may return, so a
         restarted instance rejoins now; a node started again (:mod:`.node`) serves. Returns
         seconds until the next poll is due."""
-        self._poll_node_restart()
-        if self.restarting_node:
+        self.node_restart.poll()
+        if self.node_restart.restarting:
             return min(self.health_probe_s, 0.1)
         self._check_health(time.monotonic())
-        if self._probes or self._parked or self._stranded:
-            self._probe_dead()
-        return min(self.health_probe_s, self.rejoin_probe_s) if self._probes else self.health_probe_s
+        if self.recovery.may_return() or self.waiting():
+            self.recovery.probe_dead()
+        if self.recovery.may_return():
+            return min(self.health_probe_s, self.recovery.rejoin_probe_s)
+        return self.health_probe_s
 
     def _check_health(self, now: float) -> None:
         """One health ping in flight per live instance, every ``health_probe_s``: a failed one,
         one past the call timeout, or a new boot id (a restarted process, empty) marks it dead;
         a restarted or late one is then probed until it rejoins."""
-        for iid, h in self.handles.items():
+        for iid, h in self.state.handles.items():
             if not h.alive:
                 self._health.pop(iid, None)
                 continue
@@ -82,27 +128,27 @@ class Availability:
             if not ping.future.done():
                 if now - ping.started > h.call_timeout_s:
                     del self._health[iid]
-                    self._fail_instance(iid, f"no answer to a health ping within {h.call_timeout_s:.3g} s",
-                                        timed_out=True)
+                    self.recovery.fail_instance(iid, f"no answer to a health ping within {h.call_timeout_s:.3g} s",
+                                                timed_out=True)
                 continue
             self._health[iid] = now + self.health_probe_s
             try:
                 boot = h.result(ping)
             except InstanceFailure as e:
-                self._fail_instance(iid, e)
+                self.recovery.fail_instance(iid, e)
                 continue
             if boot != h.describe.get("boot_id", boot):
-                self._fail_instance(iid, "restarted by its host (a new process, empty)")
-                self._probes.setdefault(iid, [now, now, None])  # it answers: it rejoins at the next probe
+                self.recovery.fail_instance(iid, "restarted by its host (a new process, empty)")
+                self.recovery.probe_soon(iid, now)  # it answers: it rejoins at the next probe
 
     # -- mixed fallback ---------------------------------------------------------------------------------
-    def _serve_with_live(self) -> bool:
+    def serve_with_live(self) -> bool:
         """Fit the roles to the live instances (:meth:`_sync_roles`) and attach the controller to
         them; False (logged) when no live instance of a needed role remains."""
         self._sync_roles()
         try:
-            self._require_roles()
-            self.controller.attach([h for h in self.handles.values() if h.alive])
+            self.state.require_roles()
+            self.state.controller.attach(self.state.live())
         except (ClusterError, ValueError) as e:
             log.error("cluster cannot serve until an instance returns: %s", e)
             return False
@@ -112,9 +158,9 @@ class Availability:
         """No live decode instance on a disaggregated cluster: the live prefill instances serve
         as mixed (:class:`MixedFallback` routes); a decode instance is live again: they go back
         to prefill (:meth:`_leave_fallback`)."""
-        if not self.main_controller.disaggregated:
+        if not self.state.main_controller.disaggregated:
             return
-        live = [h for h in self.handles.values() if h.alive]
+        live = self.state.live()
         if any(h.role == "decode" for h in live):
             if self._fallback:
                 self._leave_fallback()
@@ -123,40 +169,29 @@ class Availability:
         if prefill and not self._fallback:
             log.warning("no live decode instance: prefill instances %s serve as mixed until one returns",
                         [h.instance_id for h in prefill])
-            self.controller = MixedFallback(lambda rid: self.requests[rid].owner)
+            self.state.controller = MixedFallback(lambda rid: self.state.requests[rid].owner)
         for h in prefill:
             if h.alive and self._set_role(h, "mixed") is not None:
                 self._fallback.add(h.instance_id)
 
     def _leave_fallback(self) -> None:
         """Give the prefill instances serving as mixed their role back; each request decoding
-        on one is handed off to a decode instance with its KV (:meth:`_start_transfers`)."""
+        on one is handed off to a decode instance with its KV
+        (:meth:`~.transfers.HandoffTracker.start_pulls`)."""
         ids, self._fallback = sorted(self._fallback), set()  # (a failure met on the way re-fits the roles)
         log.warning("a decode instance is back: instances %s serve as prefill again", ids)
-        self.controller = self.main_controller
-        self._finish_self_adoptions()
+        self.state.controller = self.state.main_controller
+        self.transfers.finish_self_adoptions()
         for iid in ids:
-            h = self.handles[iid]
+            h = self.state.handles[iid]
             moved = self._set_role(h, "prefill") if h.alive else None
             for rid in moved or ():
-                t = self.requests.get(rid)
+                t = self.state.requests.get(rid)
                 if t is None or t.owner != iid:
-                    self._drop_on_live(rid, {iid})
+                    self.recovery.drop_on_live(rid, {iid})
                     continue
                 t.decode = t.direct = None
-                self._pending.append(rid)
-
-    def _finish_self_adoptions(self) -> None:
-        """Wait for the hand-offs a fallback instance is adopting itself (one call each): adopted
-        first, they decode there and move on with the others."""
-        for t in list(self._transfers):
-            tr = t.transfer
-            if tr is not None and tr.src == tr.dst:
-                try:
-                    self.handles[tr.dst].result(tr.adopt, timeout=self.handles[tr.dst].call_timeout_s)
-                except Exception:  # noqa: BLE001 - _poll_transfers reads the same answer and handles it
-                    pass
-        self._poll_transfers()
+                self.transfers.pend(rid)
 
     def _set_role(self, h: InstanceHandle, role: str) -> list[str] | None:
         """Switch ``h`` to ``role`` (its ``set_role``): the ids of the requests it exported, or
@@ -164,12 +199,12 @@ class Availability:
         try:
             moved = h.call("set_role", role)
         except InstanceFailure as e:
-            self._fail_instance(e.instance_id, e)
+            self.recovery.fail_instance(e.instance_id, e)
             return None
         h.role = role
         return moved
 
-    def _restore_role(self, h: InstanceHandle) -> None:
+    def restore_role(self, h: InstanceHandle) -> None:
         """A rejoining instance serves its own role again (it may have left as a mixed one); a
         health ping sent before it failed is forgotten."""
         self._fallback.discard(h.instance_id)
@@ -178,42 +213,59 @@ class Availability:
         h.call("set_role", h.role)
 
     # -- bounded waits and errors -------------------------------------------------------------------
-    def _wait_for_return(self, t: Tracked) -> bool:
+    def wait_for_return(self, t: Tracked) -> bool:
         """Park ``t`` until an instance of a needed role returns, at most ``outage_wait_s`` from
         when it started waiting; False when none may return (nothing to wait for)."""
-        if not self._probes or self.outage_wait_s <= 0:
+        if not self.recovery.may_return() or self.outage_wait_s <= 0:
             return False
         t.owner, t.decode, t.direct = -1, None, None
         self._parked.append(t.req.req_id)
         self._wait_until.setdefault(t.req.req_id, time.monotonic() + self.outage_wait_s)
         return True
 
-    def _strand(self, iid: int) -> None:
+    def strand(self, iid: int) -> None:
         """Dead ``iid``'s requests wait (no live instance of a needed role): bounded as parked ones."""
         self._stranded.add(iid)
         until = time.monotonic() + self.outage_wait_s
-        for rid, t in self.requests.items():
+        for rid, t in self.state.requests.items():
             tr = t.transfer
             if t.owner == iid or (tr is not None and iid in (tr.src, tr.dst)):
                 self._wait_until.setdefault(rid, until)
 
-    def _expire_waits(self) -> None:
+    def expire_waits(self) -> None:
         """Fail the requests that waited ``outage_wait_s`` for a returning instance in vain."""
         now = time.monotonic()
         for rid, until in list(self._wait_until.items()):
-            t = self.requests.get(rid)
+            t = self.state.requests.get(rid)
+            tr = None if t is None else t.transfer
             waiting = t is not None and (rid in self._parked or t.owner in self._stranded
-                                         or (t.transfer is not None and {t.transfer.src, t.transfer.dst} & self._stranded))
+                                         or (tr is not None and {tr.src, tr.dst} & self._stranded))
             if not waiting:
                 del self._wait_until[rid]
             elif now >= until:
                 del self._wait_until[rid]
                 if rid in self._parked:
                     self._parked.remove(rid)
-                self._give_up(t, f"no instance of a needed role came back within {self.outage_wait_s:.3g} s")
+                self.recovery.give_up(t, f"no instance of a needed role came back within {self.outage_wait_s:.3g} s")
 
-    def take_failed(self) -> list[tuple[str, ClusterError]]:
-        """Requests given up on since the last call, each with the error its client gets (the
-        server's engine thread ends their streams with it)."""
-        failed, self._failed = self._failed, []
-        return failed
+    def stranded_ids(self) -> list[int]:
+        """The dead instances whose requests wait for a role to return, in id order."""
+        return sorted(self._stranded)
+
+    def take_waiting(self) -> list[str]:
+        """An instance rejoined and the cluster serves: no instance is stranded any more; the
+        parked requests, which the caller re-prefills."""
+        self._stranded.clear()
+        parked, self._parked = self._parked, []
+        return parked
+
+    def give_up_waiting(self) -> None:
+        """No dead instance may return: every request still waiting is lost (given up on)."""
+        dead = self._stranded
+        for t in list(self.state.requests.values()):
+            tr = t.transfer
+            if (t.req.req_id in self._parked or t.owner in dead
+                    or (tr is not None and {tr.src, tr.dst} & dead)):
+                self.recovery.give_up(t, "no live instance of a needed role")
+        self._parked.clear()
+        self._stranded.clear()

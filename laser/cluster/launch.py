@@ -103,5 +103,5 @@ def start_cluster(controller: str | Controller, prefill: int = 0, decode: int = 
     engine = ClusterEngine(handles, ctrl, tokenizer, load_config(path), "smollm2" if model is None else str(model),
                            slo_classes or SLOClasses.load(), step_timeout_s=step_timeout_s, stream_kv=stream_kv,
                            stall_timeout_s=stall_timeout_s)
-    engine.node = node  # a lost Ray node is started again (this process started it) or reported (laser.cluster.node)
+    engine.node_restart.node = node  # a lost Ray node is started again (this process started it) or reported (laser.cluster.node)
     return engine

@@ -25,6 +25,8 @@ import concurrent.futures
 import logging
 from typing import Callable
 
+from .state import ClusterState
+
 log = logging.getLogger(__name__)
 
 #: Consecutive failed restarts of the node before the front end gives up (``on_node_lost``).
@@ -37,28 +39,37 @@ _RESTARTER: concurrent.futures.ThreadPoolExecutor | None = None
 
 
 class NodeRestart:
-    """The node steps of :class:`~laser.cluster.engine.ClusterEngine`, which owns the state they
-    use (``handles``, ``controller``, ``main_controller``, the recovery and availability state)
-    and calls them (:meth:`_check_node` when an instance's loss leaves none alive,
-    :meth:`_poll_node_restart` from ``poll_idle``)."""
+    """The lost-node rule of :class:`~laser.cluster.engine.ClusterEngine` (the module docstring):
+    :meth:`check` when an instance's loss leaves none alive, :meth:`poll` from the idle poll.
 
-    #: The node the instances run on (:class:`~.ray_actors.RayNode`; None: not known, e.g. in process).
-    node = None
-    #: Called with the reason when the node is gone and cannot be started again from here (the
-    #: server exits non-zero then); None: requests keep failing with 503.
-    on_node_lost: Callable[[str], None] | None = None
-    _node_restart: concurrent.futures.Future | None = None  # the new handles, while a restart runs
-    _node_restart_failures = 0
+    Args:
+        state: the cluster's table (its ``handles`` are replaced by the restarted node's).
+        steps / recovery / transfers / availability: the parts whose calls in flight to the lost
+            instances are forgotten, and that serve with the new ones.
+
+    ``node``: the node the instances run on (:class:`~.ray_actors.RayNode`; None: not known,
+    e.g. in process). ``on_node_lost``: called with the reason when the node is gone and cannot
+    be started again from here (the server exits non-zero then); None: requests keep failing
+    with 503.
+    """
+
+    def __init__(self, state: ClusterState, steps, recovery, transfers, availability):
+        self.state = state
+        self.steps, self.recovery, self.transfers, self.availability = steps, recovery, transfers, availability
+        self.node = None
+        self.on_node_lost: Callable[[str], None] | None = None
+        self._restart: concurrent.futures.Future | None = None  # the new handles, while a restart runs
+        self._restart_failures = 0
 
     @property
-    def restarting_node(self) -> bool:
+    def restarting(self) -> bool:
         """The node is being started again (its instances are not back yet)."""
-        return self._node_restart is not None
+        return self._restart is not None
 
-    def _check_node(self) -> None:
+    def check(self) -> None:
         """No instance is alive: if the node they ran on is gone, start it again (when this
         process started it) or report it (``on_node_lost``), see the module docstring."""
-        if self.node is None or self._node_restart is not None or any(h.alive for h in self.handles.values()):
+        if self.node is None or self._restart is not None or any(h.alive for h in self.state.handles.values()):
             return
         why = self.node.lost()
         if why is None:
@@ -70,47 +81,44 @@ class NodeRestart:
             if self.on_node_lost is not None:
                 self.on_node_lost(f"the Ray node of this cluster is gone ({why}) and this process did not start it")
             return
-        log.error("the local Ray node is gone (%s): starting it again with its %d instances", why, len(self.handles))
-        self._start_node_restart()
+        log.error("the local Ray node is gone (%s): starting it again with its %d instances", why,
+                  len(self.state.handles))
+        self._start_restart()
 
-    def _start_node_restart(self) -> None:
+    def _start_restart(self) -> None:
         global _RESTARTER
         if _RESTARTER is None:
             _RESTARTER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="laser-node-restart")
-        self._node_restart = _RESTARTER.submit(self.node.restart)
+        self._restart = _RESTARTER.submit(self.node.restart)
 
     def _forget_calls(self) -> None:
         """The instances' node is gone: forget every call in flight to them and stop probing
         them (their Ray session ends; nothing may wait on it)."""
-        for state in (self._probes, self._health, self._steps, self._step_gen, self.last_reports):
-            state.clear()
-        self._fences.clear()
-        self._confirms.clear()
-        self._busy.clear()
+        for part in (self.recovery, self.availability, self.steps, self.transfers):
+            part.forget_calls()
 
-    def _poll_node_restart(self) -> None:
+    def poll(self) -> None:
         """A node restart finished: serve with its instances (or try again, at most
         ``MAX_NODE_RESTARTS`` times in a row, then ``on_node_lost``)."""
-        f = self._node_restart
+        f = self._restart
         if f is None or not f.done():
             return
-        self._node_restart = None
+        self._restart = None
         try:
             handles = f.result()
         except Exception as e:  # noqa: BLE001 - a failed start is retried, then reported
-            self._node_restart_failures += 1
-            log.exception("starting the Ray node again failed (%d of %d)", self._node_restart_failures,
+            self._restart_failures += 1
+            log.exception("starting the Ray node again failed (%d of %d)", self._restart_failures,
                           MAX_NODE_RESTARTS)
-            if self._node_restart_failures < MAX_NODE_RESTARTS:
-                self._start_node_restart()
+            if self._restart_failures < MAX_NODE_RESTARTS:
+                self._start_restart()
             elif self.on_node_lost is not None:
                 self.on_node_lost(f"the node could not be started again: {type(e).__name__}: {e}")
             return
-        self._node_restart_failures = 0
-        self.handles = {h.instance_id: h for h in handles}
-        self._fallback.clear()
-        self.controller = self.main_controller
-        self.stats.node_restarts += 1
+        self._restart_failures = 0
+        self.state.handles = {h.instance_id: h for h in handles}
+        self.availability.node_back()
+        self.state.stats.node_restarts += 1
         log.warning("the Ray node is back: instances %s serve again",
                     [f"{h.instance_id}:{h.role}" for h in handles])
-        self._serve_with_live()
+        self.availability.serve_with_live()

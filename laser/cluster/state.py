@@ -1,14 +1,16 @@
-"""The cluster front end's records: its copy of each request and of each transfer, its counters.
-Torch-free."""
+"""The cluster front end's records: the table every part reads (:class:`ClusterState`: the
+instances, the requests, the router, the counters), its copy of each request and of each
+transfer. Torch-free."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ..core.request import Request
 from ..frontend.admission import EngineUnavailableError
 from ..instance.messages import RequestInfo
-from .handles import Call
+from .handles import Call, InstanceHandle
 
 
 class ClusterError(EngineUnavailableError, RuntimeError):
@@ -72,3 +74,32 @@ class ClusterStats:
     node_restarts: int = 0  # times the lost node was started again with its instances (node.py)
     routes: int = 0
     route_seconds: float = 0.0
+
+
+class ClusterState:
+    """The one owner of what every part of :class:`~laser.cluster.engine.ClusterEngine` reads:
+    the instances (``handles``: id -> :class:`~.handles.InstanceHandle`, replaced whole when a
+    lost node comes back), the request table (``requests``: req id -> :class:`Tracked`), the
+    router now (``controller``: ``main_controller``, or the mixed fallback's while a
+    disaggregated cluster has no decode instance), the counters (``stats``) and the cluster
+    clock (``clock``, seconds). The parts own the rest (in flight, waiting, probing) themselves
+    (vLLM v1's engine-core client keeps one table of its engines the same way)."""
+
+    def __init__(self, handles: list[InstanceHandle], controller, clock: Callable[[], float]):
+        self.handles: dict[int, InstanceHandle] = {h.instance_id: h for h in handles}
+        self.controller = controller
+        self.main_controller = controller
+        self.clock = clock
+        self.requests: dict[str, Tracked] = {}
+        self.stats = ClusterStats()
+
+    def live(self) -> list[InstanceHandle]:
+        """The instances not marked dead, in id order of insertion."""
+        return [h for h in self.handles.values() if h.alive]
+
+    def require_roles(self) -> None:
+        """Raises ClusterError unless a live instance of every role the router needs remains."""
+        live = self.live()
+        roles = {h.role for h in live}
+        if self.controller.disaggregated and not {"prefill", "decode"} <= roles or not live:
+            raise ClusterError(f"no live instance of a needed role (live: {sorted(roles) or 'none'})")

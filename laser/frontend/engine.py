@@ -173,12 +173,12 @@ class Engine(ModelInstance):
         """Validate (:meth:`InputProcessor.process`) and enqueue a request. Raises
         InvalidRequestError (nothing is enqueued)."""
         return self.add_processed(self.inputs.process(prompt, sampling_params, slo, req_id, arrival_time,
-                                                      self.clock, self.scheduler.requests.__contains__))
+                                                      self.clock, self.core.has_request))
 
     def add_processed(self, req: Request) -> Request:
         """Enqueue a request the input path built (:meth:`InputProcessor.process`). Raises
         InvalidRequestError when its id is in use (nothing is enqueued)."""
-        if req.req_id in self.scheduler.requests:
+        if self.core.has_request(req.req_id):
             raise InvalidRequestError(f"request id {req.req_id!r} is already in use")
         self.core.add_request(req)
         self.outputs.add_request(req)
@@ -191,6 +191,10 @@ class Engine(ModelInstance):
 
     def has_unfinished(self) -> bool:
         return self.core.has_unfinished()
+
+    def request_ids(self) -> list[str]:
+        """The ids of the unfinished requests."""
+        return self.core.request_ids()
 
     # -- the loop ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

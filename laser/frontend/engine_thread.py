@@ -127,7 +127,7 @@ class EngineThread:
 
     def _fail_all(self, error: BaseException) -> None:
         eng = self.engine
-        ids = list(eng.scheduler.requests)
+        ids = eng.request_ids()
         try:
             for rid in ids:
                 eng.abort(rid)
@@ -139,7 +139,7 @@ class EngineThread:
 
     def _abort_requests(self) -> None:
         eng = self.engine
-        ids = list(eng.scheduler.requests)
+        ids = eng.request_ids()
         try:
             for rid in ids:
                 eng.abort(rid)

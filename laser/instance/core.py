@@ -182,6 +182,14 @@ class InstanceCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def has_request(self, req_id: str) -> bool:
+        """``req_id`` is an unfinished request here."""
+        return self.scheduler.has_request(req_id)
+
+    def request_ids(self) -> list[str]:
+        """The ids of the unfinished requests, oldest first."""
+        return self.scheduler.request_ids()
+
     def finish_reason(self, req: Request) -> str | None:
         """The finished-request rule (one owner), for ``req``'s newest token: ``stop`` on EOS
         (unless ``ignore_eos``) or a stop token id; ``length`` at ``max_tokens`` or the context
@@ -263,7 +271,7 @@ class InstanceCore:
         """Store each prefill chunk's prompt log-probabilities on its request, by position (a
         chunk recomputed after a preemption overwrites its own positions)."""
         for rid, (start, entries) in chunks.items():
-            req = self.scheduler.requests.get(rid)
+            req = self.scheduler.get_request(rid)
             if req is None:
                 continue
             if req.prompt_logprobs is None:

@@ -216,7 +216,7 @@ class InstanceWorker:
         decoding here."""
         def out():
             sched = self.core.scheduler
-            req = sched.requests.get(req_id)
+            req = sched.get_request(req_id)
             if req is None or req not in sched.decoding():
                 raise KeyError(f"{req_id} is not decoding on instance {self.instance_id}")
             self.outbox.put(self.core.export(req, self.core.clock()))
@@ -400,7 +400,7 @@ class InstanceWorker:
         frozen instance that wakes holds nothing of the requests that moved away. Returns how
         many requests it dropped."""
         def reset():
-            rids = (set(self.core.scheduler.requests) | set(self.outbox) | set(self.reserved)
+            rids = (set(self.core.request_ids()) | set(self.outbox) | set(self.reserved)
                     | set(self.inbound.streams) | self.adopts.ids())
             for rid in rids:
                 self.reserved.pop(rid, None)

@@ -136,6 +136,18 @@ class Scheduler(ABC):
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def has_request(self, req_id: str) -> bool:
+        """``req_id`` is an unfinished request here."""
+        return req_id in self.requests
+
+    def request_ids(self) -> list[str]:
+        """The ids of the unfinished requests, oldest first."""
+        return list(self.requests)
+
+    def get_request(self, req_id: str) -> Request | None:
+        """The unfinished request ``req_id``, or None."""
+        return self.requests.get(req_id)
+
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)

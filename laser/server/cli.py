@@ -123,7 +123,7 @@ def build_cluster(args):
                            exits=getattr(args, "dynamic_depth", None))
     except ConfigError as e:
         raise SystemExit(f"laser: error: {e}") from None
-    cl.outage_wait_s = args.outage_wait
+    cl.availability.outage_wait_s = args.outage_wait
     return cl
 
 
@@ -142,7 +142,7 @@ def exit_when_node_lost(engine) -> list[str]:
               "the server", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    engine.on_node_lost = on_node_lost
+    engine.node_restart.on_node_lost = on_node_lost
     return lost
 
 

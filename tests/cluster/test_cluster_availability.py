@@ -50,7 +50,7 @@ def _reference(engine, prompts, sp=SP):
 def _cluster(tiny_llama, restarts=0):
     cl = start_cluster("laser", 1, 1, model=str(tiny_llama), dtype="float32", scheduler=SCHED, use_ray=False,
                        max_restarts=restarts)
-    cl.health_probe_s = cl.rejoin_probe_s = 0.0
+    cl.availability.health_probe_s = cl.recovery.rejoin_probe_s = 0.0
     return cl
 
 
@@ -70,7 +70,7 @@ def _poll_until(cl, cond, polls=50):
         if cond():
             return
         cl.poll_idle()
-    raise AssertionError(f"not reached after {polls} idle polls: alive {cl.alive()}, probes {sorted(cl._probes)}")
+    raise AssertionError(f"not reached after {polls} idle polls: alive {cl.alive()}, probes {cl.recovery.probed()}")
 
 
 @pytest.mark.parametrize("how", ["killed", "restarted fast"])
@@ -124,7 +124,7 @@ def test_a_wait_that_runs_out_fails_with_an_error_not_an_abort(tiny_llama):
     ClusterError its client gets (take_failed), not only a final ``abort``; with nothing that
     may return at all, a new request is refused at once with a ClusterError (HTTP 503)."""
     cl = _cluster(tiny_llama, restarts=1)
-    cl.outage_wait_s = 1e-3
+    cl.availability.outage_wait_s = 1e-3
     cl.handles[0].kill()
     cl.add_request([5, 6, 7], SP, req_id="w")
     streams, done = {}, {}
@@ -209,7 +209,7 @@ def test_outage_answers_503_with_retry_after_and_streams_end_with_an_error(serve
     ClusterError``), a streaming one an SSE error event that the ``openai`` client raises; once
     it returns the server serves again and /health says ok."""
     srv, cl = served
-    cl.outage_wait_s = 0.2
+    cl.availability.outage_wait_s = 0.2
     cl.handles[0].kill()
     body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 3, "temperature": 0}
     r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
@@ -258,20 +258,20 @@ def test_lost_node_is_started_again_or_reported(tiny_llama, single, owned):
     prompts = random_prompts(2, 8)
     ref = _reference(single, prompts)
     cl = _cluster(tiny_llama)
-    cl.node, lost = _Node(cl, owned), []
-    cl.on_node_lost = lost.append
+    node, lost = _Node(cl, owned), []
+    cl.node_restart.node, cl.node_restart.on_node_lost = node, lost.append
     cl.add_request(prompts[0], SP, slo="chat", req_id="0")
     cl.handles[1].kill()
     streams, done = {}, {}
     _run(cl, streams, done, until=lambda: not cl.handles[1].alive)
-    assert cl.node.asked == 0  # the prefill instance serves as mixed
+    assert node.asked == 0  # the prefill instance serves as mixed
     cl.handles[0].kill()
     _run(cl, streams, done)
     assert done["0"][1] == "abort" and [rid for rid, _ in cl.take_failed()] == ["0"]
     with pytest.raises(ClusterError):
         cl.add_request(prompts[1], SP, slo="chat", req_id="1")
     if not owned:
-        assert not cl.restarting_node and len(lost) == 1 and "did not start it" in lost[0]
+        assert not cl.node_restart.restarting and len(lost) == 1 and "did not start it" in lost[0]
         return
     deadline = time.monotonic() + 60
     while cl.stats.node_restarts == 0:
@@ -296,9 +296,9 @@ def test_server_exits_for_its_supervisor_when_the_node_is_lost(capsys):
     got = []
     old = signal.signal(signal.SIGTERM, lambda *a: got.append(a[0]))
     try:
-        engine = types.SimpleNamespace()
+        engine = types.SimpleNamespace(node_restart=types.SimpleNamespace())
         lost = exit_when_node_lost(engine)
-        engine.on_node_lost("the Ray node of this cluster is gone (its raylet process exited)")
+        engine.node_restart.on_node_lost("the Ray node of this cluster is gone (its raylet process exited)")
         deadline = time.monotonic() + 10
         while not got and time.monotonic() < deadline:
             time.sleep(0.01)

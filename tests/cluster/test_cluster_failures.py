@@ -231,14 +231,14 @@ def test_instance_that_only_missed_a_timeout_rejoins(tiny_llama, single):
     ref = _reference(single, prompts)
     kw = dict(model=str(tiny_llama), dtype="float32", scheduler=SCHED, use_ray=False)
     cl = start_cluster("laser", 1, 1, **kw)
-    cl.rejoin_probe_s = 0.0
+    cl.recovery.rejoin_probe_s = 0.0
     for i, p in enumerate(prompts):
         cl.add_request(p, SP, slo=CLASSES[i % 4], req_id=str(i))
     streams, done = {}, {}
     for o in cl.step(wait_s=0.0):
         streams.setdefault(o.req_id, []).extend(o.new_token_ids)
     assert cl.handles[0].restarts_left == 0
-    cl._fail_instance(0, InstanceFailure(0, "no answer within 5 s", timed_out=True))
+    cl.recovery.fail_instance(0, InstanceFailure(0, "no answer within 5 s", timed_out=True))
     assert not cl.handles[0].alive and not cl.can_serve()
     for o in cl.drain(60):
         streams.setdefault(o.req_id, []).extend(o.new_token_ids)
@@ -347,7 +347,7 @@ def test_frozen_decode_instance_is_failed_over_within_its_stall_timeout_and_fenc
                [(0, "prefill"), (1, "decode"), (2, "decode")]]
     cl = ClusterEngine(handles, get_controller("laser")(), load_tokenizer(str(tiny_llama)),
                        load_config(str(tiny_llama)), "tiny", SLOClasses.load(), stall_timeout_s=2.0)
-    cl.monotonic, cl.rejoin_probe_s = clock, 0.0
+    cl.steps.monotonic, cl.recovery.rejoin_probe_s = clock, 0.0
     for i, p in enumerate(prompts[:4]):
         cl.add_request(p, sp, slo=CLASSES[i % 4], req_id=str(i))
     streams, done = {}, {}

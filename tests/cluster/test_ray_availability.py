@@ -39,7 +39,7 @@ def actors(tiny_llama):
 def _front(tiny_llama, handles):
     cl = ClusterEngine(handles, get_controller("laser")(), load_tokenizer(str(tiny_llama)), load_config(str(tiny_llama)),
                        "tiny", SLOClasses.load())
-    cl.health_probe_s = cl.rejoin_probe_s = 0.2
+    cl.availability.health_probe_s = cl.recovery.rejoin_probe_s = 0.2
     return cl
 
 

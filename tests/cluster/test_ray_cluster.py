@@ -161,7 +161,7 @@ def test_restarted_decode_actor_rejoins(tiny_llama, cluster, single):
     live_p = [i for i in (0, 1, 2) if _alive(cluster[i])]
     cluster[live_p[0]].call("reset")  # a prefill actor stalled by the test before may still hold its requests
     cl = front(tiny_llama, cluster, live_p[:1] + [5])
-    cl.rejoin_probe_s = 0.2
+    cl.recovery.rejoin_probe_s = 0.2
     for i, p in enumerate(prompts):
         cl.add_request(p, GREEDY, slo=CLASSES[i % len(CLASSES)], req_id=str(i))
     streams, done = {}, {}
@@ -214,7 +214,7 @@ def test_frozen_decode_actor_is_failed_over_fenced_and_rejoins(tiny_llama, clust
     for i in live_p + live_d:
         cluster[i].call("reset")  # what earlier tests left
     cl = front(tiny_llama, cluster, live_p + live_d, call_timeout_s=30.0)
-    cl.stall_timeout_s, cl.rejoin_probe_s = 2.0, 0.2
+    cl.steps.stall_timeout_s, cl.recovery.rejoin_probe_s = 2.0, 0.2
     for i, p in enumerate(prompts[:4]):
         cl.add_request(p, long_sp, slo=CLASSES[i % len(CLASSES)], req_id=str(i))
     cl.add_request(prompts[4], seeded, slo="chat", req_id="seeded")

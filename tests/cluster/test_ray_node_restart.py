@@ -40,7 +40,7 @@ def server(tiny_llama):
         ray.shutdown()
     cl = start_cluster("laser", prefill=1, decode=1, model=str(tiny_llama), dtype="float32",
                        scheduler=SchedulerConfig(max_num_batched_tokens=64), call_timeout_s=10.0)
-    cl.health_probe_s = 0.2
+    cl.availability.health_probe_s = 0.2
     srv = LiveServer(build_app(AsyncEngine(cl), served_model_names=["tiny"]))
     yield srv, cl
     srv.stop()
@@ -49,21 +49,21 @@ def server(tiny_llama):
 
 def test_killed_local_ray_node_is_started_again_and_serves(server):
     srv, cl = server
-    assert cl.node is not None and cl.node.owned
+    assert cl.node_restart.node is not None and cl.node_restart.node.owned
     with httpx.Client(base_url=srv.url, timeout=120) as c:
         before = c.post("/v1/completions", json=BODY)
         assert before.status_code == 200, before.text
         first_actor_ids = {h.actor._actor_id for h in cl.handles.values()}
         _kill_raylet()
         deadline = time.monotonic() + 300  # (a hang guard: Ray notices in seconds)
-        while not cl.restarting_node:  # the idle pings find every instance dead, then the node gone
+        while not cl.node_restart.restarting:  # the idle pings find every instance dead, then the node gone
             assert time.monotonic() < deadline, f"node loss not noticed: alive {cl.alive()}"
             time.sleep(0.05)
         during = c.post("/v1/completions", json=BODY)  # the node starts again in the background
         assert during.status_code == 503, during.text
         assert int(during.headers["retry-after"]) >= 1
         assert c.get("/health").status_code == 503
-        while cl.restarting_node or not cl.can_serve():
+        while cl.node_restart.restarting or not cl.can_serve():
             assert time.monotonic() < deadline, "the node was not started again"
             time.sleep(0.05)
         after = c.post("/v1/completions", json=BODY)
