@@ -68,7 +68,7 @@ def test_an_engine_observes_every_complete_step(tiny_llama):
                    latency_model=LM)
     assert plain.core.step_observer is None and plain.latency_model is LM
     plain.set_policy("laser", m)  # a calibrated model given later is observed from then on
-    assert plain.core.step_observer == m.observe_step
+    assert plain.core.step_observer == plain.scheduler.observe_step and plain.scheduler.latency_model is m
 
 
 def test_a_machine_slower_than_its_profile_breaks_tbt_unless_laser_calibrates():
