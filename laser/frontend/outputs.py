@@ -154,6 +154,19 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: per prompt position, None at position 0 (None when not asked).
     prompt_logprobs: list | None = None
 
+    def slo_outcome(self) -> tuple[bool, bool]:
+        """(TTFT met, P99 TBT met) of this finished request, by the rule of
+        :class:`laser.core.metrics.RequestRecord` (one owner), on the copies this output holds."""
+        from ..core.metrics import SLO_EPS, RequestRecord
+
+        rec = RequestRecord(req_id=self.req_id, slo_class=self.slo.name, ttft_slo=self.slo.ttft,
+                            tbt_slo=self.slo.tbt, arrival_time=self.arrival_time,
+                            token_times=list(self.token_times), finished=True)
+        ttft_ok = rec.ttft_slo is None or (rec.ttft is not None and rec.ttft <= rec.ttft_slo + SLO_EPS)
+        p99 = rec.p99_tbt
+        tbt_ok = rec.tbt_slo is None or p99 is None or p99 <= rec.tbt_slo + SLO_EPS
+        return ttft_ok, tbt_ok
+
 
 def failover_fields(req: Request) -> dict:
     """The fail-over fields of a :class:`RequestOutput` of ``req`` (nothing when it never failed over)."""

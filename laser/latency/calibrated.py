@@ -158,7 +158,11 @@ class CalibratedLatencyModel(ScaledLatencyModel):
         """The ``q`` quantile of the remembered measured / predicted ratios (1.0 before any)."""
         return _quantile(self.ratios, q) if self.ratios else 1.0
 
-    def observe_step(self, plan, measured_s: float) -> None:
-        """Observe a step that ran ``plan`` (a :class:`~laser.core.plan.StepPlan`) to completion."""
-        if plan.works:
-            self.observe(self.inner.predict_iteration(plan), measured_s)
+    def observe_step(self, predicted_s: float, measured_s: float) -> None:
+        """Observe a step that ran its plan to completion: ``predicted_s`` seconds by this model
+        (its current :attr:`factor` times the inner model's prediction; the scheduler priced the
+        plan with it when it built it, :meth:`laser.scheduler.base.Scheduler.observe_step`) and
+        ``measured_s`` seconds of wall time. The factor does not move between the pricing of a
+        plan and its observation (one instance's steps are observed in order), so the inner
+        model's prediction is ``predicted_s / factor`` without pricing the plan again."""
+        self.observe(predicted_s / self.factor, measured_s)

@@ -76,12 +76,13 @@ class Sampler:
         # Structured output's masks (laser.model.structured.GrammarBackend; set by a front end that
         # has the tokenizer). None: a structured request is an error here.
         self.grammars = None
+        self._grammar: dict = {}  # structured requests: req id -> GrammarState (their matcher)
 
     def release(self, req_id: str) -> None:
+        """Forget ``req_id``'s sampling state (generator, penalty counts, grammar matcher)."""
         self._gens.pop(req_id, None)
         self._pen.pop(req_id, None)
-        if self.grammars is not None:
-            self.grammars.release(req_id)
+        self._grammar.pop(req_id, None)
 
     def process_logits(self, row: torch.Tensor, req: Request, extra: list[int] = ()) -> torch.Tensor:
         """``req``'s logit bias, min_tokens mask and penalties applied to one row (vLLM's order
@@ -101,7 +102,7 @@ class Sampler:
         if sp.structured_output is not None:
             if self.grammars is None:
                 raise RuntimeError("structured output needs a grammar backend (laser.model.structured) on this sampler")
-            row = self.grammars.mask(row, req)
+            self._grammar[req.req_id] = self.grammars.mask(row, req, self._grammar.get(req.req_id))
         if sp.logit_bias:
             ids = torch.tensor([t for t, _ in sp.logit_bias], dtype=torch.long)
             row.index_add_(0, ids, torch.tensor([b for _, b in sp.logit_bias], dtype=row.dtype))

@@ -83,8 +83,21 @@ def tool_call_grammar(functions: list[tuple[str, dict]], parallel: bool, open_ta
                       *rules]) + "\n"
 
 
+class GrammarState:
+    """One request's grammar matcher (llguidance's ``LLMatcher``) and how many of its output
+    tokens it has consumed: the request's own sampling state, kept with the rest of it by the
+    :class:`~laser.model.sampler.Sampler` (which forgets it when the request leaves)."""
+
+    __slots__ = ("matcher", "consumed")
+
+    def __init__(self, matcher):
+        self.matcher = matcher
+        self.consumed = 0
+
+
 class GrammarBackend:
-    """Grammar masks of one engine's structured requests.
+    """Grammar masks of one engine's structured requests (the tokenizer in llguidance's form,
+    grammars compiled against it; each request's matcher is its :class:`GrammarState`).
 
     Args:
         tokenizer: the engine's Hugging Face tokenizer (a fast one), or the model directory
@@ -101,7 +114,6 @@ class GrammarBackend:
         self.eos_ids = sorted(eos_ids)
         self._tok = None
         self._lock = threading.Lock()
-        self._state: dict[str, list] = {}  # req id -> [matcher, tokens consumed]
 
     @property
     def ll_tokenizer(self):
@@ -143,42 +155,43 @@ class GrammarBackend:
         if self._tok is None:
             threading.Thread(target=lambda: self.ll_tokenizer, name="llguidance-tokenizer", daemon=True).start()
 
-    def release(self, req_id: str) -> None:
-        self._state.pop(req_id, None)
-
-    def _matcher(self, req):
+    def _caught_up(self, req, st: GrammarState | None) -> GrammarState:
         from llguidance import LLMatcher
 
         out = req.output_token_ids
-        st = self._state.get(req.req_id)
-        if st is None or st[1] > len(out):
+        if st is None or st.consumed > len(out):
             kind, spec = req.sampling_params.structured_output
-            st = self._state[req.req_id] = [LLMatcher(self.ll_tokenizer, grammar_text(kind, spec)), 0]
-        m = st[0]
-        if st[1] < len(out):  # replay: tokens generated since (or before a hand-off / re-prefill)
-            new = out[st[1]:]
+            st = GrammarState(LLMatcher(self.ll_tokenizer, grammar_text(kind, spec)))
+        m = st.matcher
+        if st.consumed < len(out):  # replay: tokens generated since (or before a hand-off / re-prefill)
+            new = out[st.consumed:]
             if not m.is_stopped():
                 m.consume_tokens(new)
-            st[1] = len(out)
-        return m
+            st.consumed = len(out)
+        return st
 
-    def mask(self, row: torch.Tensor, req) -> torch.Tensor:
-        """Set the logits of tokens the grammar does not allow next to -inf (``row``: [V]
-        float32, modified in place and returned). Once the grammar is complete only EOS stays;
-        a matcher in error (never expected) masks nothing and logs it."""
+    def mask(self, row: torch.Tensor, req, state: GrammarState | None = None) -> GrammarState:
+        """Set the logits of tokens ``req``'s grammar does not allow next to -inf (``row``: [V]
+        float32, modified in place). Once the grammar is complete only EOS stays; a matcher in
+        error (never expected) masks nothing and logs it.
+
+        ``state``: the request's :class:`GrammarState` from the previous call (None at first);
+        returns it caught up with ``req.output_token_ids`` -- a new one when there was none or
+        the request's output is shorter than it consumed (re-prefilled after a preemption)."""
         import llguidance.torch as lt
 
-        m = self._matcher(req)
+        st = self._caught_up(req, state)
+        m = st.matcher
         if m.is_error():
             log.error("grammar of %s in error: %s", req.req_id, m.get_error())
-            return row
+            return st
         if m.is_stopped():
             keep = torch.full_like(row, float("-inf"))
             ids = torch.tensor([t for t in self.eos_ids if t < row.shape[0]], dtype=torch.long)
             keep[ids] = row[ids]
             row.copy_(keep)
-            return row
+            return st
         bits = lt.allocate_token_bitmask(1, self.ll_tokenizer.vocab_size)
         lt.fill_next_token_bitmask(m, bits, 0)
         lt.apply_token_bitmask_inplace(row.view(1, -1), bits)
-        return row
+        return st

@@ -113,10 +113,17 @@ class Scheduler(ABC):
 
     @property
     def step_observer(self) -> Callable | None:
-        """``observe_step(plan, seconds)`` of the latency model it plans with, when that model
-        calibrates itself online (:class:`laser.latency.CalibratedLatencyModel`); None otherwise.
-        The instance core tells it every step that ran its plan to the end."""
-        return getattr(self.latency_model, "observe_step", None)
+        """:meth:`observe_step`, when the latency model it plans with calibrates itself online
+        (:class:`laser.latency.CalibratedLatencyModel`); else None. The instance core calls it."""
+        return self.observe_step if hasattr(self.latency_model, "observe_step") else None
+
+    def observe_step(self, plan: StepPlan, measured_s: float) -> None:
+        """A step ran ``plan`` to its end in ``measured_s`` seconds: the latency model is told that
+        and its prediction of the plan (``plan.predicted``, made when the plan was built; priced
+        now for a policy that builds plans unpriced): two numbers, not the plan."""
+        lm = self.latency_model
+        p = plan.predicted
+        lm.observe_step(p[1] if p is not None and p[0] is lm else lm.predict_iteration(plan), measured_s)
 
     def set_role(self, role: str) -> None:
         """Serve as ``role`` (``prefill``, ``decode`` or ``mixed``) from the next step on (a
@@ -305,16 +312,21 @@ class Scheduler(ABC):
     def make_room(self, req: Request, fits: Callable[[], bool], cause: str, protected: set[str] = frozenset(),
                   need_blocks: int | None = None) -> bool:
         """:func:`laser.scheduler.preemption.make_room` over this scheduler's running requests:
-        preempt strictly looser classes than ``req`` (never one in ``protected``) until ``fits()``;
-        returns ``fits()``."""
+        preempt looser classes than ``req`` (none in ``protected``) until ``fits()``; returns it."""
         return preemption.make_room(req, fits, self.running, self.preempt, self.bm, self.queue_key, cause, protected,
                                     need_blocks)
 
     def preempt_for_decode(self, needed: list[Request]) -> list[Request]:
-        """:func:`laser.scheduler.preemption.preempt_for_decode`: one more decode block for each of
-        ``needed`` (priority order); returns those that got it."""
-        return preemption.preempt_for_decode(needed, self.running, self.preempt, self.bm, self.try_allocate,
-                                             self.queue_key)
+        """One more decode block for each of ``needed`` (priority order); returns those that got it.
+        From the first one short of a block on, :func:`laser.scheduler.preemption.preempt_for_decode`
+        preempts victims for them (while every block fits, nobody is preempted)."""
+        for i, req in enumerate(needed):
+            if not (self.bm.covers(req.req_id, req.num_tokens) or self.try_allocate(req, req.num_tokens)):
+                rest = preemption.preempt_for_decode(needed[i:], self.running, self.preempt, self.bm,
+                                                     self.try_allocate, self.queue_key)
+                live = set(map(id, self.running))  # a request that got its block may have been a victim since
+                return [r for r in needed[:i] if id(r) in live] + rest
+        return list(needed)
 
     # -- after a step ---------------------------------------------------------------------------
     def update(self, plan: StepPlan, stopped_layer: int, sampled: dict[str, int], now: float,

@@ -12,7 +12,7 @@ import math
 from ..core.request import SLO, InvalidRequestError, SamplingParams
 from ..model.structured import choice_grammar
 from .errors import APIError
-from .protocol import MAX_STOP, CompletionRequest, unsupported_chat_fields
+from .protocol import MAX_STOP, CompletionRequest, SLOFields
 
 # Temperatures below this are greedy (as vLLM): dividing logits by ~0 overflows.
 MIN_TEMPERATURE = 1e-5
@@ -24,9 +24,11 @@ class RequestFields:
     """Field parsing of :class:`~laser.server.generation.Generation` (``self.ae``: its engine,
     ``self.batch_slos``: one-use Batch API tokens)."""
 
-    def resolve_slo(self, body, h_class: str | None, h_ttft: str | None, h_tbt: str | None,
+    def resolve_slo(self, asked_for: SLOFields, h_class: str | None, h_ttft: str | None, h_tbt: str | None,
                     headers=None) -> tuple[SLO, SLO | None]:
-        """(the SLO a request is served under, the one it asked for when that differs, else None).
+        """(the SLO a request is served under, the one it asked for when that differs, else None),
+        from its body's SLO fields (``asked_for``, :meth:`~laser.server.protocol._Common.slo_fields`)
+        and its headers.
 
         A line of a Batch API job (``BATCH_SLO_HEADER``) is served under its job's cold SLO; when
         its body names a class or targets of its own (``slo_class: "chat"``), that is what it asked
@@ -41,13 +43,14 @@ class RequestFields:
             if slo is None:
                 raise APIError(400, f"header {BATCH_SLO_HEADER}: unknown token", "invalid_slo", BATCH_SLO_HEADER)
             asked = None
-            if any(getattr(body, f) is not None for f in ("slo_class", "ttft_slo_ms", "tbt_slo_ms", "slo_demotable")):
-                asked = self._requested_slo(body, None, None, None, {})
+            if any(f is not None for f in asked_for):
+                asked = self._requested_slo(asked_for, None, None, None, {})
             return slo, (asked if asked is not None and asked.name != slo.name else None)
-        return self._requested_slo(body, h_class, h_ttft, h_tbt, headers), None
+        return self._requested_slo(asked_for, h_class, h_ttft, h_tbt, headers), None
 
-    def _requested_slo(self, body, h_class: str | None, h_ttft: str | None, h_tbt: str | None, headers) -> SLO:
-        """The SLO a request names by its body fields, else its headers, else the default class."""
+    def _requested_slo(self, body: SLOFields, h_class: str | None, h_ttft: str | None, h_tbt: str | None,
+                       headers) -> SLO:
+        """The SLO a request names by its body's SLO fields, else its headers, else the default class."""
         name = body.slo_class
         if name is not None and not name.strip():
             raise APIError(400, "slo_class must be a non-empty SLO class name", "invalid_slo", "slo_class")
@@ -99,7 +102,7 @@ class RequestFields:
         else:
             if body.top_logprobs is not None and not body.logprobs:
                 raise APIError(400, "top_logprobs: needs logprobs set to true", "invalid_value", "top_logprobs")
-            tool = unsupported_chat_fields(body)
+            tool = body.unsupported_field()
             if tool is not None:
                 bad(*tool)
 

@@ -26,7 +26,7 @@ from ..core.request import SLO, InvalidRequestError, SamplingParams
 from ..frontend.inputs import ContextLengthError
 from .errors import APIError, param_of, unavailable
 from .fields import RequestFields
-from .metrics import ServerMetrics, slo_outcome
+from .metrics import ServerMetrics
 from .token_texts import TokenTexts
 
 async def _wait_disconnect(request: Request) -> None:
@@ -121,7 +121,7 @@ class Generation(RequestFields):
         arrival = self.ae.engine.clock()
         model = self.check_model(body.model)
         self.check_unsupported(body)
-        slo, asked = self.resolve_slo(body, h_class, h_ttft, h_tbt, headers)
+        slo, asked = self.resolve_slo(body.slo_fields(), h_class, h_ttft, h_tbt, headers)
         return arrival, model, slo, self.stop_strings(body), asked
 
     async def encode(self, prompt, param: str, tools: list[dict] | None = None) -> list[int]:
@@ -269,7 +269,7 @@ class Generation(RequestFields):
         if reqs and reqs[0].token_times:
             info["ttft_ms"] = (reqs[0].token_times[0] - reqs[0].arrival_time) * 1e3
         if reqs and all(s.final.finish_reason in ("stop", "length") for s in subs):
-            info["slo_met"] = all(all(slo_outcome(r)) for r in reqs)
+            info["slo_met"] = all(all(r.slo_outcome()) for r in reqs)
         moved = [r for r in reqs if r.num_failovers]
         if moved:
             info["failovers"] = sum(r.num_failovers for r in moved)

@@ -35,22 +35,6 @@ SLACK_BUCKETS = (-10.0, -5.0, -2.0, -1.0, -0.5, -0.25, -0.1, -0.05, -0.01, 0.0, 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
-def slo_outcome(req) -> tuple[bool, bool]:
-    """(TTFT met, P99 TBT met) of a finished request, by :class:`laser.core.metrics.RequestRecord`'s rule.
-    ``req``: anything with ``req_id``, ``slo``, ``arrival_time`` and ``token_times`` (a
-    :class:`~laser.frontend.outputs.RequestOutput` on the server side)."""
-    from ..core.metrics import SLO_EPS, RequestRecord
-
-    rec = RequestRecord(
-        req_id=req.req_id, slo_class=req.slo.name, ttft_slo=req.slo.ttft, tbt_slo=req.slo.tbt,
-        arrival_time=req.arrival_time, token_times=list(req.token_times), finished=True,
-    )
-    ttft_ok = rec.ttft_slo is None or (rec.ttft is not None and rec.ttft <= rec.ttft_slo + SLO_EPS)
-    p99 = rec.p99_tbt
-    tbt_ok = rec.tbt_slo is None or p99 is None or p99 <= rec.tbt_slo + SLO_EPS
-    return ttft_ok, tbt_ok
-
-
 class ServerMetrics:
     """The server's collectors in their own :class:`CollectorRegistry` (several apps per process)."""
 
@@ -147,12 +131,12 @@ class ServerMetrics:
             self.success.labels(m, cls, out.finish_reason).inc()
             if req.token_times:
                 self.e2e.labels(m, cls).observe(req.token_times[-1] - req.arrival_time)
-                ttft_ok, tbt_ok = slo_outcome(req)
+                ttft_ok, tbt_ok = out.slo_outcome()
                 if ttft_ok and tbt_ok:
                     self.attained.labels(m, cls).inc()
                 else:
                     self.missed.labels(m, cls).inc()
-                    for cause in miss_causes(stream, out):
+                    for cause in miss_causes(out.miss_causes, getattr(stream, "admission", None)):
                         self.miss_cause.labels(m, cls, cause).inc()
                     if not ttft_ok:
                         self.ttft_missed.labels(m, cls).inc()
@@ -185,13 +169,13 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-def miss_causes(stream, out) -> tuple[str, ...]:
+def miss_causes(engine_causes: tuple[str, ...], a) -> tuple[str, ...]:
     """Why a finished request that missed its SLO may have: the engine's causes
-    (:attr:`laser.request.Request.miss_causes`, copied into the output) plus the admission's
-    (``demoted``, ``predicted_infeasible``: the TTFT predicted at admission was over the target it
+    (:attr:`laser.core.request.Request.miss_causes`, copied into its output) plus those of its
+    admission ``a`` (:class:`laser.frontend.admission.Admission`, None when it had none:
+    ``demoted``, ``predicted_infeasible``: the TTFT predicted at admission was over the target it
     asked for); ``("unexplained",)`` when none applies."""
-    causes = list(getattr(out, "miss_causes", ()))
-    a = getattr(stream, "admission", None)
+    causes = list(engine_causes)
     if a is not None:
         if a.demoted and "demoted" not in causes:
             causes.append("demoted")

@@ -8,7 +8,7 @@ that names the field, never a silent no-op.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
@@ -52,6 +52,16 @@ class StructuredOutputs(_Request):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+
+
+class SLOFields(NamedTuple):
+    """The SLO fields of a generation request's body (None: not given): a class name, targets in
+    milliseconds, and whether a hot request may be demoted (:meth:`_Common.slo_fields`)."""
+
+    slo_class: str | None
+    ttft_slo_ms: float | None
+    tbt_slo_ms: float | None
+    slo_demotable: bool | None
 
 
 class _Common(_Request):
@@ -99,6 +109,10 @@ class _Common(_Request):
     guided_grammar: str | None = Field(None, description="vLLM extension: a Lark grammar the output follows")
     structured_outputs: StructuredOutputs | None = Field(None, description="vLLM extension: json, regex, choice "
                                                          "or grammar (one)")
+
+    def slo_fields(self) -> SLOFields:
+        """The SLO this request's body asks for (any field None: not given)."""
+        return SLOFields(self.slo_class, self.ttft_slo_ms, self.tbt_slo_ms, self.slo_demotable)
 
 
 class CompletionRequest(_Common):
@@ -172,6 +186,16 @@ class ChatCompletionRequest(_Common):
     parallel_tool_calls: bool | None = Field(None, description="false: at most one call (default true)")
     functions: list[Any] | None = Field(None, description="legacy; not supported")
     function_call: Any = Field(None, description="legacy; not supported (only none/auto)")
+
+    def unsupported_field(self) -> tuple[str, str] | None:
+        """(field, what) of the first legacy function-calling field this request sets that this
+        server cannot honour, or None: ``functions`` / ``function_call`` (superseded by ``tools`` /
+        ``tool_choice``) only at their neutral value (no functions, ``"none"``/``"auto"``)."""
+        if self.functions:
+            return "functions", "function calling (legacy functions; use tools)"
+        if self.function_call not in (None, "none", "auto"):
+            return "function_call", f"function_call {self.function_call!r} (legacy function calling; use tool_choice)"
+        return None
 
 
 class TokenizeRequest(_Request):
@@ -290,17 +314,6 @@ class ErrorResponse(BaseModel):
 
 
 # -- helpers of both endpoints ------------------------------------------------------------------------
-
-
-def unsupported_chat_fields(body: ChatCompletionRequest) -> tuple[str, str] | None:
-    """(field, what) of the first legacy function-calling field a chat request sets that this
-    server cannot honour, or None: ``functions`` / ``function_call`` (superseded by ``tools`` /
-    ``tool_choice``) only at their neutral value (no functions, ``"none"``/``"auto"``)."""
-    if body.functions:
-        return "functions", "function calling (legacy functions; use tools)"
-    if body.function_call not in (None, "none", "auto"):
-        return "function_call", f"function_call {body.function_call!r} (legacy function calling; use tool_choice)"
-    return None
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:

@@ -68,7 +68,7 @@ def test_an_engine_observes_every_complete_step(tiny_llama):
                    latency_model=LM)
     assert plain.core.step_observer is None and plain.latency_model is LM
     plain.set_policy("laser", m)  # a calibrated model given later is observed from then on
-    assert plain.core.step_observer == m.observe_step
+    assert plain.core.step_observer == plain.scheduler.observe_step and plain.scheduler.latency_model is m
 
 
 def test_a_machine_slower_than_its_profile_breaks_tbt_unless_laser_calibrates():
@@ -252,3 +252,25 @@ def test_jitter_margin_without_calibration_is_refused(tiny_llama):
 
     with pytest.raises(ConfigError, match="--jitter-margin needs the online latency calibration"):
         Engine(str(tiny_llama), dtype="float32", latency_calibration=False, jitter_margin=True)
+
+
+def test_a_step_is_observed_by_the_prediction_it_was_planned_with():
+    """The scheduler tells the calibration two numbers -- the prediction it made when it built the
+    plan (``plan.predicted``) and the measured seconds -- and the plan is not priced again; a plan
+    built unpriced (another policy's) is priced once, by the same model."""
+    from laser.core.block_manager import BlockManager
+    from laser.core.config import SchedulerConfig
+    from laser.core.intermediate_cache import IntermediateCache
+    from laser.core.plan import StepPlan, Work
+    from laser.scheduler.laser.scheduler import LaserScheduler
+
+    m = CalibratedLatencyModel(LM, min_steps=1, lo=0.1, hi=10.0)
+    s = LaserScheduler(SchedulerConfig(policy="laser"), 4, BlockManager(4, 64, 16), IntermediateCache(4096), m)
+    assert s.step_observer == s.observe_step
+    works = [Work("a", 0, 8, 0, 4, True)]
+    s.observe_step(StepPlan(4, works, predicted=(m, 0.5)), 1.0)  # as planned: 0.5 s, not LM's price
+    assert m.ratios[-1] == pytest.approx(2.0) and m.factor == pytest.approx(2.0)
+    s.observe_step(StepPlan(4, works, predicted=(m, 0.5)), 1.0)  # 0.5 s at factor 2: 0.25 s unscaled
+    assert m.ratios[-1] == pytest.approx(4.0)
+    s.observe_step(StepPlan(4, works), 3 * LM.predict_iteration(StepPlan(4, works)))  # unpriced: priced now
+    assert m.ratios[-1] == pytest.approx(3.0)

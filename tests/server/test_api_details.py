@@ -164,3 +164,19 @@ def test_chunk_timer_tbt_convention():
     t.feed({"choices": [{"delta": {}, "finish_reason": "stop"}]}, 2.1)
     t.feed({"choices": [], "usage": {"completion_tokens": 4}}, 2.2)
     assert t.token_times() == [1.0, 2.0, 2.0, 2.0]
+
+
+def test_a_request_model_states_its_slo_fields_and_unsupported_legacy_fields():
+    """The body's SLO fields and the legacy fields this server refuses are the request model's own
+    (laser.server.protocol): the field parser sees the four SLO fields, not the body."""
+    from laser.server.protocol import ChatCompletionRequest, CompletionRequest, SLOFields
+
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = ChatCompletionRequest(messages=msgs, slo_class="chat", tbt_slo_ms=50)
+    assert chat.slo_fields() == SLOFields("chat", None, 50, None)
+    assert CompletionRequest(prompt="hi", ttft_slo_ms=200, slo_demotable=True).slo_fields() == \
+        SLOFields(None, 200, None, True)
+    assert chat.unsupported_field() is None
+    assert ChatCompletionRequest(messages=msgs, function_call="auto").unsupported_field() is None
+    assert ChatCompletionRequest(messages=msgs, functions=[{"name": "f"}]).unsupported_field()[0] == "functions"
+    assert ChatCompletionRequest(messages=msgs, function_call={"name": "f"}).unsupported_field()[0] == "function_call"

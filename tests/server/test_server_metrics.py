@@ -95,3 +95,26 @@ def test_metrics_before_the_first_step_are_empty_not_errors():
     m.async_engine = _Published({})
     s = _samples(m)
     assert s[("laser:intermediate_cache_evictions_total", ())] == 0
+
+
+def test_an_output_judges_its_own_slo_and_the_metrics_count_numbers():
+    """A finished output's SLO outcome is its own (RequestOutput.slo_outcome, by RequestRecord's
+    rule); the miss causes the metrics count come from the output's copied causes and the
+    request's admission, not from the request."""
+    from laser.frontend.admission import Admission
+    from laser.frontend.outputs import RequestOutput
+    from laser.server.metrics import miss_causes
+
+    slo = SLO(ttft=0.1, tbt=0.05, name="chat")
+
+    def out(times):
+        return RequestOutput("r", None, [1, 2], "", [5] * len(times), "", [], True, "length", slo,
+                             arrival_time=1.0, token_times=tuple(times))
+
+    assert out([1.05, 1.09, 1.13]).slo_outcome() == (True, True)
+    assert out([1.2, 1.24]).slo_outcome() == (False, True)  # first token 0.2 s after arrival
+    assert out([1.05, 1.2]).slo_outcome() == (True, False)  # its only gap is over 0.05 s
+    assert miss_causes((), None) == ("unexplained",)
+    assert miss_causes(("kv_preempted",), None) == ("kv_preempted",)
+    a = Admission(slo, SLO(ttft=0.05, tbt=0.05, name="code"), predicted_ttft=0.08, demoted=True)
+    assert miss_causes(("kv_preempted",), a) == ("kv_preempted", "demoted", "predicted_infeasible")

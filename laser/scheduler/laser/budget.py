@@ -11,7 +11,7 @@ state (T_g, the plans, the requests) and calls them. Torch-free.
   :func:`triage_rate`): one iteration may run past T_g when a waiting prefill's deadline needs it
   and every decode request can absorb one late gap.
 - **The P99 allowance** (:func:`p99_allowance_left`): who may take that one late gap.
-- **Given-up levels** (:func:`tg_held`, :func:`nothing_to_keep`; Alg. 1's own overload rule is
+- **Given-up levels** (:func:`holds_tg`, :func:`nothing_to_keep`; Alg. 1's own overload rule is
   :func:`~laser.scheduler.laser.decode.level_given_up`): the requests whose target T_g no longer
   holds, and when no target is worth holding at all.
 """
@@ -19,10 +19,9 @@ state (T_g, the plans, the requests) and calls them. Torch-free.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 
 from ...core.request import Phase, Request
-from .decode import DecodePlan
 
 
 def planning_margin(tg_margin: float, timing_spread: float) -> float:
@@ -35,18 +34,16 @@ def planning_margin(tg_margin: float, timing_spread: float) -> float:
     return tg_margin / timing_spread
 
 
-def tg_held(running: Iterable[Request], t_g: float) -> Iterator[Request]:
-    """The decoding requests of ``running`` whose TBT target T_g holds: a target at or above
-    ``t_g`` (seconds) and reachable alone (not ``tbt_infeasible``). None while T_g is inf.
+def holds_tg(r: Request, t_g: float) -> bool:
+    """Whether T_g holds for request ``r``: it is decoding, with a TBT target at or above ``t_g``
+    (seconds) and reachable alone (not ``tbt_infeasible``). No request while T_g is inf.
 
     Case (given-up levels): below T_g, Alg. 1 gave the level up because its own requests overload
     the iteration (:func:`~laser.scheduler.laser.decode.level_given_up`); a target out of reach even
     alone cannot be kept by any plan. Neither limits an iteration (:func:`iteration_limit`) nor
     vetoes a knowing break (:func:`p99_allowance_left`)."""
-    for r in running:
-        tbt = r.slo.tbt
-        if r.phase == Phase.DECODE and tbt is not None and tbt >= t_g and not r.tbt_infeasible:
-            yield r
+    tbt = r.slo.tbt
+    return r.phase == Phase.DECODE and tbt is not None and tbt >= t_g and not r.tbt_infeasible
 
 
 def nothing_to_keep(decoding: Iterable[Request]) -> bool:
@@ -62,7 +59,7 @@ def nothing_to_keep(decoding: Iterable[Request]) -> bool:
 
 
 def p99_allowance_left(held: Iterable[Request]) -> bool:
-    """Whether every request of ``held`` (:func:`tg_held`) whose P99 TBT is not broken already
+    """Whether every request of ``held`` (those :func:`holds_tg` holds for) whose P99 TBT is not broken already
     (:attr:`Request.p99_tbt_broken`) may take one more token gap over its target and still meet its
     P99 TBT (:attr:`Request.tbt_miss_allowance`).
 
@@ -72,39 +69,27 @@ def p99_allowance_left(held: Iterable[Request]) -> bool:
     return all(r.p99_tbt_broken or r.num_tbt_misses + 1 <= r.tbt_miss_allowance for r in held)
 
 
-def iteration_limit(now: float, decode_time: float, t_g: float, margin: float, held: Iterable[Request],
-                    plans: dict[str, DecodePlan], num_layers: int, iteration: int) -> float:
-    """Seconds this iteration may take so that every request of ``held`` (:func:`tg_held`) still
-    gets its token within its TBT target: ``margin * t_g`` (``margin``: :func:`planning_margin`),
-    or less when a request's current token gap is already partly spent -- request r with ``g``
-    iterations left before its token (waiting for its next group's turn in Alg. 1's cycle, then its
-    remaining groups) and ``s`` seconds left of its gap may take ``(s - (1 - margin) * TBT_r) / g``
-    (its TBT slack spread over its remaining iterations). Requests without a token yet or without
-    a plan, or whose gap is lost already (their share, even without the margin, is below
-    ``decode_time``, this iteration's decode seconds), do not limit it; one that makes it only
-    without the margin gets an iteration of decode work alone.
+def iteration_limit(now: float, decode_time: float, t_g: float, margin: float,
+                    gaps: Iterable[tuple[float, float, int]]) -> float:
+    """Seconds this iteration may take so that every request whose T_g holds (:func:`holds_tg`)
+    still gets its token within its TBT target: ``margin * t_g`` (``margin``: :func:`planning_margin`),
+    or less when a request's current token gap is already partly spent. ``gaps``: one
+    ``(last token time, TBT target, g)`` per such request with a token and an Alg. 1 plan, ``g``
+    the iterations left before its next token (:meth:`~.decode.DecodePlan.iterations_left`); one
+    with ``s`` seconds left of its gap may take ``(s - (1 - margin) * TBT_r) / g`` (its TBT slack
+    spread over its remaining iterations). A request whose gap is lost already (its share, even
+    without the margin, is below ``decode_time``, this iteration's decode seconds) does not limit
+    it; one that makes it only without the margin gets an iteration of decode work alone.
 
     Case: Alg. 1 changes a plan mid-token (e.g. T_g rises when the strictest request leaves): the
     reduced request's last group would otherwise run in an iteration sized to the new, looser
     T_g, and its token would come late."""
     limit = t_g * margin
-    n = num_layers
-    for r in held:
-        if not r.token_times:
-            continue
-        tbt = r.slo.tbt
-        p = plans.get(r.req_id)
-        if p is None:
-            continue
-        if p.layers >= n:
-            left = 1
-        else:  # iterations until its next group runs (Alg. 1's cycle), then the rest of the groups
-            k, g = p.groups(n), r.next_layer // p.layers + 1
-            left = (0 if r.next_layer % p.layers else (g + p.offset - iteration) % k) + k - g + 1
-        own = (r.token_times[-1] + tbt * margin - now) / left
+    for last, tbt, left in gaps:
+        own = (last + tbt * margin - now) / left
         if own >= decode_time:
             limit = min(limit, own)
-        elif (r.token_times[-1] + tbt - now) / left >= decode_time:
+        elif (last + tbt - now) / left >= decode_time:
             limit = min(limit, decode_time)  # only without prefill (and the margin) it still makes it
         # else its gap is lost already: holding prefill back saves nobody
     return limit

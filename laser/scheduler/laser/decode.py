@@ -30,6 +30,15 @@ class DecodePlan:
     def groups(self, n: int) -> int:
         return ceil_div(n, self.layers)
 
+    def iterations_left(self, next_layer: int, n: int, iteration: int) -> int:
+        """Iterations until the token of a request at ``next_layer`` (of ``n``) comes, this one
+        included, at scheduler ``iteration``: 1 at full depth; else those until its next group's
+        turn in Alg. 1's cycle (none when it is mid-token), then its remaining groups."""
+        if self.layers >= n:
+            return 1
+        k, g = self.groups(n), next_layer // self.layers + 1
+        return (0 if next_layer % self.layers else (g + self.offset - iteration) % k) + k - g + 1
+
 
 class _LayerLoad:
     """Decode requests per layer over the next ``HORIZON`` iterations, for Alg. 1.

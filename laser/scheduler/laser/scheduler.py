@@ -461,14 +461,16 @@ class LaserScheduler(Scheduler):
         return self.planning_margin() * (1.0 - min(self.max_prefill_share, self.prefill_demand(self.clock()).share))
 
     def _iteration_limit(self, now: float, decode_time: float) -> float:
-        """Seconds this iteration may take (:func:`~.budget.iteration_limit`)."""
-        return rules.iteration_limit(now, decode_time, self.t_g, self.planning_margin(),
-                                     rules.tg_held(self.running, self.t_g), self.plans, self.num_layers,
-                                     self.iteration)
+        """Seconds this iteration may take (:func:`~.budget.iteration_limit` of the token gaps of the
+        requests T_g holds for)."""
+        n, it, t_g, plans = self.num_layers, self.iteration, self.t_g, self.plans
+        gaps = [(r.token_times[-1], r.slo.tbt, p.iterations_left(r.next_layer, n, it)) for r in self.running
+                if rules.holds_tg(r, t_g) and r.token_times and (p := plans.get(r.req_id)) is not None]
+        return rules.iteration_limit(now, decode_time, t_g, self.planning_margin(), gaps)
 
     def _p99_allowance_left(self) -> bool:
         """Whether a knowing break of T_g may spend one late gap (:func:`~.budget.p99_allowance_left`)."""
-        return rules.p99_allowance_left(rules.tg_held(self.running, self.t_g))
+        return rules.p99_allowance_left([r for r in self.running if rules.holds_tg(r, self.t_g)])
 
     def predict_decode(self, decoding: list[Request], plans: dict[str, DecodePlan] | None = None) -> float:
         """Worst predicted decode-only iteration time over the next iterations under ``plans``
