@@ -425,3 +425,28 @@ def test_given_up_chats_are_not_served_behind_long_prompts_with_slack(slower):
     assert last_chat < first_long, ([round(ttft(c), 2) for c in chats], [round(ttft(r), 2) for r in longs])
     met = sum(ttft(c) <= CHAT.ttft for c in chats) + sum(ttft(r) <= SUMM.ttft for r in longs)
     assert met >= {1.0: 11, 1.3: 7}[slower], ([round(ttft(c), 2) for c in chats], [round(ttft(r), 2) for r in longs])
+
+
+def test_given_up_chats_are_not_served_behind_best_effort_work_that_is_late_anyway():
+    """Issue 28 on the real engine (``slo_pressure.py --scenarios kv``: a chat given up among four
+    arriving together got its first token after 26.8 s): under KV pressure eight 1,000-token
+    best-effort requests run (their aging deadline is 30 s; on this CPU their prefills take ~4.5 s
+    each, so the last ones miss it whatever runs first) when six 64-token chats arrive at 0.3 s.
+    The triage rightly gives up three chats to save the others, but placed them behind every
+    best-effort request up to the last one late against its aging deadline -- "it needs the time",
+    though nothing could make it in time: the given-up chats waited ~21-25 s. A given-up request now
+    also goes ahead of savable work that is late even with no given-up work ahead (it makes none of
+    them late): the given-up chats get their first token before any best-effort request that had
+    not started, with as many chats meeting 1 s, and the best-effort work finishes no later."""
+    bes = [req(1000, 0.0, BEST, 128, f"be{k}") for k in range(8)]
+    chats = [req(64, 0.3, CHAT, 16, f"chat{k}") for k in range(6)]
+    sim = run("laser", bes + chats, lm=CPU_FIXED, num_blocks=256)
+    given_up = [c for c in chats if c.given_up]
+    assert given_up  # the case
+    started = [r for r in bes if r.token_times and r.token_times[0] <= 0.3 + CPU_FIXED.predict_prefill(1000)]
+    later = [r for r in bes if r not in started]
+    assert later
+    assert max(c.token_times[0] for c in given_up) < min(r.token_times[0] for r in later), \
+        ([round(ttft(c), 2) for c in chats], [round(r.token_times[0], 2) for r in bes])
+    assert sum(ttft(c) <= CHAT.ttft for c in chats) >= 2
+    assert max(r.token_times[-1] for r in bes) <= 120.0  # (was 124.8 s of virtual time)

@@ -113,9 +113,11 @@ def _places(cands: Sequence[Request], hopeless: list[Request], kept: list[tuple[
     """Where each given-up request goes among the savable ones ``kept`` (in EDF order): the
     given-up ones are placed one by one in EDF order, each before the savable ones (from some
     index on, never before an earlier given-up one's place) whose deadlines still hold with it and
-    every given-up one before it run first, all merged in one pass at ``rate`` -- behind the
-    savable prefills that need the time, ahead of those with room for it. Returns (``id -> tier``,
-    the tier of the savable ones after every given-up one; see :class:`Triage`).
+    every given-up one before it run first, all merged in one pass at ``rate``, or that miss them
+    even with no given-up work ahead (it makes none of them late; until their deadline has passed)
+    -- behind the savable prefills
+    that need the time, ahead of those with room for it. Returns (``id -> tier``, the tier of the
+    savable ones after every given-up one; see :class:`Triage`).
 
     Case (issue 28, a burst of long and short prompts on a CPU, where a layer call's fixed cost
     makes a 20-token chat 28 % of a 150-token prompt): three chats out of reach beside the other
@@ -123,7 +125,9 @@ def _places(cands: Sequence[Request], hopeless: list[Request], kept: list[tuple[
     (the rule before: every given-up prompt ahead of a savable one, or none), the given-up long
     prompts left the savable long prompts no room, so the given-up chats waited behind all of them
     (first tokens at 7.3 s against 1 s); placed one by one, they run before the savable long
-    prompts, which still make their deadlines."""
+    prompts, which still make their deadlines. Case (the same, ``slo_pressure.py --scenarios kv``):
+    a chat given up among four arriving together waited 26.8 s behind best-effort requests whose
+    30 s aging deadline nothing could meet any more ("they need the time")."""
     tiers = {id(q): 0 for q, _ in kept}
     if not hopeless:
         return tiers, 2
@@ -131,6 +135,11 @@ def _places(cands: Sequence[Request], hopeless: list[Request], kept: list[tuple[
     deadlines = [queue_key(q)[0] for q, _ in kept]
     works = {id(q): Work(q.req_id, q.num_computed_tokens, q.num_tokens - q.num_computed_tokens, 0, n, True, q.masked)
              for q in given}
+    alone = PlanCost(lm, n, [])  # the savable ones without any given-up work ahead
+    late = []
+    for (_, x), d in zip(kept, deadlines):
+        alone.add(x)
+        late.append(now < d < now + alone.total / rate)
     places: list[int] = []
     place = 0
     for j in range(len(given)):
@@ -141,9 +150,11 @@ def _places(cands: Sequence[Request], hopeless: list[Request], kept: list[tuple[
                 pre.add(x)
                 ends.append(now + pre.total / rate)
             # (a best-effort request's deadline is its aging deadline, as in EDF: once that is
-            # near, it needs the time too -- else a stream of given-up prompts starves it)
+            # near, it needs the time too -- else a stream of given-up prompts starves it; one
+            # late even with no given-up work ahead is not made late by it, until its deadline
+            # has passed: then it goes first, and aging bounds how long it waits)
             room = len(kept)
-            while room > place and ends[room - 1] <= deadlines[room - 1]:
+            while room > place and (ends[room - 1] <= deadlines[room - 1] or late[room - 1]):
                 room -= 1
             place = room
         places.append(place)
