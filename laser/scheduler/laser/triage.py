@@ -104,19 +104,18 @@ def triage(cands: Sequence[Request], now: float, lm: LatencyModel, num_layers: i
                 ahead.add(w)
                 kept.append((r, w))
                 break
-    tiers, tail = _places(cands, hopeless, kept, now, lm, n, rate, queue_key)
+    tiers, tail = _places(hopeless, kept, now, lm, n, rate, queue_key)
     return Triage(tiers, tuple(hopeless), queue_key, tail)
 
 
-def _places(cands: Sequence[Request], hopeless: list[Request], kept: list[tuple[Request, Work]], now: float,
-            lm: LatencyModel, n: int, rate: float, queue_key: Callable[[Request], tuple]) -> tuple[dict[int, int], int]:
+def _places(hopeless: list[Request], kept: list[tuple[Request, Work]], now: float, lm: LatencyModel, n: int,
+            rate: float, queue_key: Callable[[Request], tuple]) -> tuple[dict[int, int], int]:
     """Where each given-up request goes among the savable ones ``kept`` (in EDF order): the
     given-up ones are placed one by one in EDF order, each before the savable ones (from some
     index on, never before an earlier given-up one's place) whose deadlines still hold with it and
     every given-up one before it run first, all merged in one pass at ``rate``, or that miss them
     even with no given-up work ahead (it makes none of them late; until their deadline has passed)
-    -- behind the savable prefills
-    that need the time, ahead of those with room for it. Returns (``id -> tier``, the tier of the
+    -- behind the savable prefills that need the time, ahead of those with room for it. Returns (``id -> tier``, the tier of the
     savable ones after every given-up one; see :class:`Triage`).
 
     Case (issue 28, a burst of long and short prompts on a CPU, where a layer call's fixed cost
