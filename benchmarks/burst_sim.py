@@ -16,6 +16,11 @@ Scenarios (each prints one line of figures):
   grid     36 bursts: 12 or 16 prompts of each kind, three orders (long first, chat first,
            interleaved; all longs then all chats), 1.0 / 1.3 / 1.6x slower, 10 or 20 ms apart:
            chats / long prompts met, summed mean chat TTFT; chats met without the long prompts.
+  cpu      the real engine's burst (``slo_pressure.py --scenarios burst --prompt-scale 0.1``): eight
+           150-token summarization prompts and eight 20-token chats interleaved 20 ms apart, on a
+           CPU where a layer call's fixed cost dominates (a chat ~0.22 s alone, 28 % of a long
+           prompt; the fitted profile of SmolLM2 on one core of the AVX2 VM), 1.0 / 1.3 / 1.6 /
+           2.0x slower than the profile: chats / long prompts met, the given-up chats' TTFTs.
   kv       KV pool of 256 blocks: eight 600-token best-effort requests (128 tokens) at t=0, four
            32-token chats at t = 0.05 ... 1.0 (seven runs): the chats' last first token, the
            best-effort requests' last finish summed over the runs.
@@ -24,7 +29,7 @@ Scenarios (each prints one line of figures):
            the code stream's token gaps over 0.1 s (a prefill held back from the first step,
            which has no decode, runs later beside the code stream).
 
-    PYTHONPATH=. python benchmarks/burst_sim.py [--scenarios shorts,burst,grid,kv,code]
+    PYTHONPATH=. python benchmarks/burst_sim.py [--scenarios shorts,burst,grid,cpu,kv,code]
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from laser.sim import SimInstance
 N = 30
 LM = SimpleLatencyModel(num_layers=N, per_layer=1.0e-3, per_token=3.6e-5, per_context=2e-8)
 BURST_LM = SimpleLatencyModel(num_layers=N, per_layer=0.7e-3, per_token=1e-5, per_context=2e-8)
+CPU_FIXED = SimpleLatencyModel(num_layers=N, per_layer=4.4e-3, per_token=1.46e-4, per_context=2e-8)
 CHAT = SLO(ttft=1.0, tbt=0.4, name="chat")
 SUMM = SLO(ttft=8.0, tbt=0.8, name="summarization")
 BEST = SLO(name="best_effort")
@@ -129,6 +135,19 @@ def grid() -> str:
             f"summed mean chat TTFT {tot[2]:.1f} s; chats met without the long prompts {tot[3]}")
 
 
+def cpu(slower: float) -> str:
+    """The ``cpu`` scenario at ``slower`` x the profile; returns its line."""
+    reqs = []
+    for k in range(8):
+        reqs += [req(150, 0.04 * k, SUMM, 16, f"long{k}"), req(20, 0.04 * k + 0.02, CHAT, 16, f"chat{k}")]
+    planning = CalibratedLatencyModel(CPU_FIXED) if slower != 1.0 else CPU_FIXED
+    simulate(reqs, planning, machine=ScaledLatencyModel(CPU_FIXED, slower))
+    chats, longs = reqs[1::2], reqs[0::2]
+    given_up = sorted(round(ttft(c), 2) for c in chats if c.given_up)
+    return (f"cpu burst 8+8, {slower}x: chats met {met(chats, CHAT)}/8, long met {met(longs, SUMM)}/8, "
+            f"given-up chats at {given_up}, last chat TTFT {max(ttft(c) for c in chats):.2f} s")
+
+
 def kv() -> str:
     """The ``kv`` scenario (seven arrival times of the chats); returns its line."""
     lasts, finish = [], 0.0
@@ -161,11 +180,11 @@ def code() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scenarios", default="shorts,burst,grid,kv,code")
+    ap.add_argument("--scenarios", default="shorts,burst,grid,cpu,kv,code")
     args = ap.parse_args()
     runs = {"shorts": [shorts], "burst": [lambda: burst(0.02, 1.0), lambda: burst(0.02, 1.3),
                                           lambda: burst(0.04, 1.3)],
-            "grid": [grid], "kv": [kv], "code": [code]}
+            "grid": [grid], "cpu": [lambda s=s: cpu(s) for s in (1.0, 1.3, 1.6, 2.0)], "kv": [kv], "code": [code]}
     for name in args.scenarios.split(","):
         for fn in runs[name]:
             t0 = time.perf_counter()

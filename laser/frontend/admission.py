@@ -86,6 +86,38 @@ class QueueAwareAdmission:
         return predict_ttft(view or self.view(now), entry, self.latency_model, self.start(now),
                             now if arrival is None else arrival, self.model)
 
+    def decide(self, prompt_len: int, slo: SLO, arrival: float, now: float, view: SchedulerReport,
+               on_infeasible: str, slo_classes, cached: int = 0) -> tuple["Admission", SchedulerReport]:
+        """Admission of one prompt of ``prompt_len`` tokens (``cached`` of them in the prefix
+        cache) asking for ``slo``, arriving at ``arrival`` (engine clock; ``now``: the clock now),
+        queued on ``view`` (:meth:`view`, with the prompts admitted before it in this call). The
+        predicted TTFT (:meth:`predict`) decides: within the target, or no target or no latency
+        model -> served as asked; over it -> served as its warm class when it is demotable
+        (``slo_classes.demotion_target``, a :class:`~laser.core.slo.SLOClasses`; issue 14), else
+        by ``on_infeasible``: ``queue`` (served as asked), ``reject`` (raises
+        :class:`SLOInfeasibleError` with the prediction and the requests ahead), ``demote``
+        (served as the ``best_effort`` class; InvalidRequestError when the classes have none).
+        Returns (the :class:`Admission`, ``view`` with it queued). The one rule of in-process
+        admission (:meth:`AsyncEngine.admit`) and of the benchmarks that replay the server's
+        admission (``benchmarks/slo_pressure.py``)."""
+        entry = self.entry(prompt_len, arrival, slo, cached=cached)
+        pred = None
+        if slo.ttft is not None and self.latency_model is not None:
+            pred = self.predict(entry, now, arrival, view)
+        if pred is not None and pred > slo.ttft:
+            warm = slo_classes.demotion_target(slo)
+            if warm is not None:  # pressure: the target is missed behind the queue ahead -> served as warm
+                entry = self.entry(prompt_len, arrival, warm, cached=cached)
+                return Admission(warm, slo, pred, True, entry, "warm"), self.with_entry(view, entry)
+            if on_infeasible == "reject":
+                raise SLOInfeasibleError(pred, slo, sum(e.key <= entry.key for e in view.queue))
+            if on_infeasible == "demote":
+                best_effort = slo_classes.get("best_effort")
+                entry = self.entry(prompt_len, arrival, best_effort, cached=cached)
+                return Admission(best_effort, slo, pred, True, entry, "best_effort"), self.with_entry(view, entry)
+        # (the next prompt of the call queues behind it)
+        return Admission(slo, slo, pred, False, entry), self.with_entry(view, entry)
+
     @staticmethod
     def with_entry(view: SchedulerReport, entry: QueueEntry) -> SchedulerReport:
         """``view`` with ``entry`` queued too (after the entries with the same key)."""

@@ -294,30 +294,10 @@ class AsyncEngine(EngineThread):
         arrival = now if arrival is None else arrival
         view = qa.view(now)
         out = []
-        warm = self.slo_classes.demotion_target(slo)
         for i, n in enumerate(prompt_lens):
-            c = cached[i] if cached else 0
-            entry = qa.entry(n, arrival, slo, cached=c)
-            pred = None
-            if slo.ttft is not None and qa.latency_model is not None:
-                pred = qa.predict(entry, now, arrival, view)
-            if warm is not None and pred is not None and pred > slo.ttft:
-                # pressure: the target is missed behind the queue ahead -> served as warm
-                entry = qa.entry(n, arrival, warm, cached=c)
-                view = qa.with_entry(view, entry)
-                out.append(Admission(warm, slo, pred, True, entry, "warm"))
-                continue
-            if pred is not None and pred > slo.ttft:
-                if self.on_infeasible == "reject":
-                    raise SLOInfeasibleError(pred, slo, sum(e.key <= entry.key for e in view.queue))
-                if self.on_infeasible == "demote":
-                    be = self.slo_classes.get("best_effort")
-                    entry = qa.entry(n, arrival, be, cached=c)
-                    view = qa.with_entry(view, entry)
-                    out.append(Admission(be, slo, pred, True, entry, "best_effort"))
-                    continue
-            view = qa.with_entry(view, entry)  # the next prompt of this call queues behind it
-            out.append(Admission(slo, slo, pred, False, entry))
+            adm, view = qa.decide(n, slo, arrival, now, view, self.on_infeasible, self.slo_classes,
+                                  cached[i] if cached else 0)
+            out.append(adm)
         return out
 
     def queued_interactive_tokens(self) -> int:

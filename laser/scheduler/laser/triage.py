@@ -31,21 +31,26 @@ def may_give_up(r: Request, holds_kv: bool, given_up_before: bool) -> bool:
 
 @dataclass(frozen=True)
 class Triage:
-    """What one triage decided. ``tiers``: ``id(request) -> tier`` (0: savable and urgent, 1:
-    given up, 2: savable with room; requests not listed are tier 2). ``given_up``: the requests
-    it gave up (tier 1), in the order it gave them up. ``queue_key``: the scheduler's EDF key the
-    prefill order falls back on."""
+    """What one triage decided. ``tiers``: ``id(request) -> tier``: even tiers are savable, odd
+    tiers given up, and the prefill order runs them by tier: the savable prefills that need the
+    time before the first given-up one (tier 0), that one (tier 1), the savable ones that need the
+    time before the next given-up one (tier 2), ... and after the last given-up one the savable
+    ones with room for all of them (tier ``tail``; requests not listed have it too). With one
+    given-up request (or none) the tiers are 0, 1, 2 as before. ``given_up``: the requests it gave
+    up, in the order it gave them up. ``queue_key``: the scheduler's EDF key the prefill order
+    falls back on within a tier."""
 
     tiers: dict[int, int]
     given_up: tuple[Request, ...]
     queue_key: Callable[[Request], tuple]
+    tail: int = 2
 
     def key(self, r: Request) -> tuple:
         """Prefill order: ``(tier, *queue_key(r))``."""
-        return (self.tiers.get(id(r), 2), *self.queue_key(r))
+        return (self.tiers.get(id(r), self.tail), *self.queue_key(r))
 
     def is_given_up(self, r: Request) -> bool:
-        return self.tiers.get(id(r)) == 1
+        return self.tiers.get(id(r), 0) % 2 == 1
 
 
 def triage(cands: Sequence[Request], now: float, lm: LatencyModel, num_layers: int, rate: float,
@@ -64,8 +69,9 @@ def triage(cands: Sequence[Request], now: float, lm: LatencyModel, num_layers: i
     given up -- often a long prompt ahead that would make several short ones late, rather than the
     newcomer (a late started request gives up no one: nothing would save it; one that misses even
     run alone from now is given up itself). A given-up request is still served: behind the savable
-    prefills that need the time, ahead of those whose deadlines hold with all given-up work run
-    first (a long prompt with a far deadline must not keep a late short one waiting for seconds).
+    prefills that need the time, ahead of those whose deadlines hold with it and the given-up work
+    before it (EDF) run first (a long prompt with a far deadline must not keep a late short one
+    waiting for seconds; :func:`_places`).
 
     Case: the paper's EDF serves the most urgent first even when it is hopeless; under overload that
     makes every later request late as well. Returns the :class:`Triage`; changes nothing."""
@@ -98,29 +104,61 @@ def triage(cands: Sequence[Request], now: float, lm: LatencyModel, num_layers: i
                 ahead.add(w)
                 kept.append((r, w))
                 break
-    room = _room(cands, hopeless, kept, now, lm, n, rate, queue_key)
-    tiers = {id(q): (0 if i < room else 2) for i, (q, _) in enumerate(kept)}
-    tiers.update((id(q), 1) for q in hopeless)
-    return Triage(tiers, tuple(hopeless), queue_key)
+    tiers, tail = _places(hopeless, kept, now, lm, n, rate, queue_key)
+    return Triage(tiers, tuple(hopeless), queue_key, tail)
 
 
-def _room(cands: Sequence[Request], hopeless: list[Request], kept: list[tuple[Request, Work]], now: float,
-          lm: LatencyModel, n: int, rate: float, queue_key: Callable[[Request], tuple]) -> int:
-    """How many of ``kept`` (in EDF order) need the time before the given-up work: the savable ones
-    from this index on still make their deadlines with all given-up work run before them, so they
-    go after it."""
-    room = len(kept)
-    if hopeless and kept:
-        ids = {id(q) for q in hopeless}
-        given = [Work(q.req_id, q.num_computed_tokens, q.num_tokens - q.num_computed_tokens, 0, n, True, q.masked)
-                 for q in cands if id(q) in ids]
-        pre = PlanCost(lm, n, given)
-        ends = []
-        for _, x in kept:
-            pre.add(x)
-            ends.append(now + pre.total / rate)
-        # (a best-effort request's deadline is its aging deadline, as in EDF: once that is
-        # near, it needs the time too -- else a stream of given-up prompts starves it)
-        while room > 0 and ends[room - 1] <= queue_key(kept[room - 1][0])[0]:
-            room -= 1
-    return room
+def _places(hopeless: list[Request], kept: list[tuple[Request, Work]], now: float, lm: LatencyModel, n: int,
+            rate: float, queue_key: Callable[[Request], tuple]) -> tuple[dict[int, int], int]:
+    """Where each given-up request goes among the savable ones ``kept`` (in EDF order): the
+    given-up ones are placed one by one in EDF order, each before the savable ones (from some
+    index on, never before an earlier given-up one's place) whose deadlines still hold with it and
+    every given-up one before it run first, all merged in one pass at ``rate``, or that miss them
+    even with no given-up work ahead (it makes none of them late; until their deadline has passed)
+    -- behind the savable prefills that need the time, ahead of those with room for it. Returns (``id -> tier``, the tier of the
+    savable ones after every given-up one; see :class:`Triage`).
+
+    Case (issue 28, a burst of long and short prompts on a CPU, where a layer call's fixed cost
+    makes a 20-token chat 28 % of a 150-token prompt): three chats out of reach beside the other
+    chats' decode streams were given up together with three long prompts; judged as one block
+    (the rule before: every given-up prompt ahead of a savable one, or none), the given-up long
+    prompts left the savable long prompts no room, so the given-up chats waited behind all of them
+    (first tokens at 7.3 s against 1 s); placed one by one, they run before the savable long
+    prompts, which still make their deadlines. Case (the same, ``slo_pressure.py --scenarios kv``):
+    a chat given up among four arriving together waited 26.8 s behind best-effort requests whose
+    30 s aging deadline nothing could meet any more ("they need the time")."""
+    tiers = {id(q): 0 for q, _ in kept}
+    if not hopeless:
+        return tiers, 2
+    given = sorted(hopeless, key=queue_key)
+    deadlines = [queue_key(q)[0] for q, _ in kept]
+    works = {id(q): Work(q.req_id, q.num_computed_tokens, q.num_tokens - q.num_computed_tokens, 0, n, True, q.masked)
+             for q in given}
+    alone = PlanCost(lm, n, [])  # the savable ones without any given-up work ahead
+    late = []
+    for (_, x), d in zip(kept, deadlines):
+        alone.add(x)
+        late.append(now < d < now + alone.total / rate)
+    places: list[int] = []
+    place = 0
+    for j in range(len(given)):
+        if place < len(kept):
+            pre = PlanCost(lm, n, [works[id(q)] for q in given[:j + 1]])
+            ends = []
+            for _, x in kept:
+                pre.add(x)
+                ends.append(now + pre.total / rate)
+            # (a best-effort request's deadline is its aging deadline, as in EDF: once that is
+            # near, it needs the time too -- else a stream of given-up prompts starves it; one
+            # late even with no given-up work ahead is not made late by it, until its deadline
+            # has passed: then it goes first, and aging bounds how long it waits)
+            room = len(kept)
+            while room > place and (ends[room - 1] <= deadlines[room - 1] or late[room - 1]):
+                room -= 1
+            place = room
+        places.append(place)
+    for i, (q, _) in enumerate(kept):
+        tiers[id(q)] = 2 * sum(1 for p in places if p <= i)
+    for j, q in enumerate(given):
+        tiers[id(q)] = 2 * j + 1
+    return tiers, 2 * len(given)
