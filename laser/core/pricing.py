@@ -6,6 +6,26 @@ from .plan import Work
 from .speculation import spec_decode_time
 
 
+def has_step_overhead(lm) -> bool:
+    """Whether ``lm`` prices a step's own overhead (``LatencyModel.step_overhead_time`` is not 0
+    everywhere): plans priced by a model without it skip counting compositions."""
+    return bool(getattr(lm, "step_overhead_s", 0.0) or getattr(lm, "compose_overhead_s", 0.0)
+                or getattr(lm, "compose_work_s", 0.0))
+
+
+def plan_compositions(works, num_layers: int) -> tuple[int, int]:
+    """``(compositions, composed works)`` of a plan's works: the segments of layers with a constant,
+    non-empty batch (the walker composes each once: ``laser.core.walk``) and the works summed over
+    them -- what ``LatencyModel.step_overhead_time`` prices (:class:`PlanCost` counts the same)."""
+    bounds = sorted({0, num_layers} | {w.layer_start for w in works} | {w.priced_end for w in works})
+    k = n = 0
+    for a in bounds[:-1]:
+        m = sum(1 for w in works if w.layer_start <= a < w.priced_end)
+        if m:
+            k, n = k + 1, n + m
+    return k, n
+
+
 class PlanCost:
     """Predicted time (seconds) of a plan, with O(segments) marginal costs: the one owner of
     pricing a plan (``LatencyModel.predict_iteration`` is ``PlanCost(...).total``).
@@ -14,8 +34,11 @@ class PlanCost:
     (its layers) x ``lm.layer_time`` of its batch, plus the embedding of works starting at
     layer 0 and the LM head for works ending at the last layer (plus, for each of them that
     samples through a grammar, ``Work.masked``, one row of ``lm.mask_time``: a plan without
-    such a work is priced by the same sum as before). The Laser scheduler builds a plan work by
-    work: :meth:`with_work` prices adding a work only over the segments it overlaps.
+    such a work is priced by the same sum as before), plus the step's own overhead
+    (``lm.step_overhead_time``: once per step, once per segment with a batch -- each is one batch
+    composition of the runner -- and once per work of each such segment; 0.0 for a model that has
+    not measured it). The Laser scheduler builds a plan work by work: :meth:`with_work` prices
+    adding a work only over the segments it overlaps.
 
     Dynamic depth (:mod:`laser.core.depth`): a decode token that may exit early
     (``Work.exit_from``) runs in the segments up to its expected depth (``Work.priced_end``),
@@ -52,6 +75,7 @@ class PlanCost:
         bounds = sorted({0, self.n} | {w.layer_start for w in ws} | {w.priced_end for w in ws})
         self.segs = []  # (a, b, q, c, per-layer time)
         layers = 0.0
+        self._step_terms = has_step_overhead(lm)
         for a, b in zip(bounds, bounds[1:]):
             act = [w for w in ws if w.layer_start <= a < w.priced_end]
             q = tuple([w.num_tokens for w in act])
@@ -65,6 +89,10 @@ class PlanCost:
         self.final = sum(1 for w in ws if w.priced_end == self.n)
         self.masked = sum(1 for w in ws if w.masked and w.sample and w.priced_end == self.n)
         self.total = layers + lm.embed_time(self.embed_tokens) + lm.head_time(self.final)
+        self.compositions = sum(1 for seg in self.segs if seg[2])
+        self.composed = sum(len(seg[2]) for seg in self.segs)
+        self.overhead = lm.step_overhead_time(self.compositions, self.composed) if self._step_terms else 0.0
+        self.total += self.overhead
         if self.masked:
             self.total += lm.mask_time(self.masked)
         self.total += self.spec_seconds
@@ -82,6 +110,8 @@ class PlanCost:
         lm, memo = self.lm, self._memo
         t = self._layers
         lo, hi = w.layer_start, w.priced_end
+        if self._step_terms and hi > lo:
+            t += self._overhead_with(lo, hi)
         for a, b, q, c, per in self.segs:
             o = min(b, hi) - max(a, lo)
             if o > 0:
@@ -99,6 +129,22 @@ class PlanCost:
         if w.exit_from:
             return t + self._exit_price(self._exiting + [w])
         return t + self.exits if self._exiting else t
+
+    def _overhead_with(self, lo: int, hi: int) -> float:
+        """The step overhead with a work over layers ``[lo, hi)`` added: each segment it cuts
+        splits in pieces; a piece inside ``[lo, hi)`` holds the work too."""
+        k, n = 0, 0
+        for a, b, q, _, _ in self.segs:
+            if b <= lo or a >= hi:
+                if q:
+                    k, n = k + 1, n + len(q)
+                continue
+            for x, y in zip((a, max(a, lo), min(b, hi)), (max(a, lo), min(b, hi), b)):
+                if y > x:
+                    inside = lo <= x and y <= hi
+                    if inside or q:
+                        k, n = k + 1, n + len(q) + inside
+        return self.lm.step_overhead_time(k, n)
 
     def add(self, w: Work) -> None:
         self.works.append(w)

@@ -59,6 +59,7 @@ from .base import (
     LayerSample,
     Sample,
     StatelessSample,
+    StepOverheadSample,
 )
 from .features import (
     ATTENTION_FEATURE_SETS,
@@ -79,7 +80,8 @@ __all__ = [
     "CalibratedLatencyModel", "ScaledLatencyModel",
     "DEFAULT_MAX_GATHER_BYTES", "EmbedSample", "FittedLatencyModel", "HARDWARE", "HardwareSpec", "HeadSample",
     "LatencyModel", "LatencyProfileError", "LayerSample", "MODEL_SHAPES", "ModelShape", "PROFILE_FORMAT",
-    "PROFILE_VERSION", "PiecewiseLinear", "Sample", "SimpleLatencyModel", "StatelessSample", "attention_features",
+    "PROFILE_VERSION", "PiecewiseLinear", "Sample", "SimpleLatencyModel", "StatelessSample", "StepOverheadSample",
+    "attention_features",
     "cpu_hardware_string", "decode_groups", "decode_slices", "default_profile_path", "fit",
     "gather_positions_from_metadata", "max_gather_positions",
 ]
