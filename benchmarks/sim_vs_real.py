@@ -92,8 +92,8 @@ def class_table(sim, reals: dict) -> list[str]:
 
 def serve_target(stack: ExitStack, args, policy: str, profile, log_dir: str | None, label: str = "serve"):
     """A ``laser serve`` subprocess building the engine ``args`` describe (``laser.cli.engine_argv``:
-    the in-process engine's flags) with ``policy`` and the latency profile ``profile`` (saved to a
-    file it loads as is), and a warmed-up ``ClientTarget`` on it (returned). The server stops, and
+    the in-process engine's flags) with ``policy`` and the latency profile ``profile`` (a fitted one is
+    saved to a file the server loads as is), and a warmed-up ``ClientTarget`` on it (returned). The server stops, and
     its log is copied to ``log_dir`` (when given), as ``stack`` closes. Raises RuntimeError when the
     server does not start."""
     from laser.bench.client import ClientTarget
@@ -101,9 +101,8 @@ def serve_target(stack: ExitStack, args, policy: str, profile, log_dir: str | No
     from laser.cli import engine_argv
 
     tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="laser-sim-vs-real-")))
-    prof = profile.save(tmp / "profile.json")
-    server = Server(tmp / "data", free_port(), [*engine_argv(args, policy=policy, latency_profile=str(prof)),
-                                                 "--log-level", "warning"])
+    same = {"latency_profile": str(profile.save(tmp / "profile.json"))} if hasattr(profile, "save") else {}
+    server = Server(tmp / "data", free_port(), [*engine_argv(args, policy=policy, **same), "--log-level", "warning"])
     stack.callback(keep_log, server.log_path, log_dir or "", "sim-vs-real")
     stack.callback(server.stop)
     print(f"laser serve ready in {server.start():.0f} s at {server.base_url}", flush=True)
@@ -134,10 +133,12 @@ def main(argv=None) -> int:
     ap.add_argument("--knee", type=float, default=None,
                     help="the simulated knee, req/s, as a previous run printed it: no goodput search")
     ap.add_argument("--log-dir", default=None, help="keep the laser serve log here (default: not kept)")
+    ap.add_argument("--knee-time-cap", type=float, default=180.0,
+                    help="wall seconds after which the simulated knee search starts no new probe (default %(default)s)")
     ap.add_argument("--grid", type=int, default=8, help="goodput search grid points (simulated)")
     ap.add_argument("--bisect", type=int, default=6, help="goodput search bisection steps (simulated)")
-    ap.add_argument("--probe-timeout", type=float, default=120.0,
-                    help="seconds a real run may go on after its last arrival (unfinished: misses)")
+    ap.add_argument("--probe-timeout", type=float, default=60.0,
+                    help="seconds a real run may go on after its last arrival (unfinished: misses; default %(default)s)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     reals = [x.strip() for x in a.real.split(",") if x.strip()]
@@ -174,8 +175,12 @@ def main(argv=None) -> int:
     if a.knee is None:
         sims = Benchmark({"sim": sim}, requests, slos, seed=a.seed)
         cap = saturation_rate(sim, requests, slos)
-        knee = sims.goodput(0.1 * cap, cap, a.grid, a.bisect)["sim"].goodput_rps
-        print(f"simulated knee (goodput of {a.policy} at 90% attainment): {knee:.3f} req/s [SIMULATED]")
+        ts = time.perf_counter()
+        gp = sims.goodput(0.1 * cap, cap, a.grid, a.bisect, time_cap_s=a.knee_time_cap)["sim"]
+        knee = gp.goodput_rps
+        print(f"simulated knee (goodput of {a.policy} at 90% attainment): {knee:.3f} req/s [SIMULATED] "
+              f"({len(gp.probes)} simulated probes, {time.perf_counter() - ts:.0f} s"
+              f"{'; stopped by the ' + gp.capped if gp.capped else ''}; pass --knee {knee:.4g} to reuse it)")
     else:
         knee = a.knee
         print(f"knee given: {knee:.3f} req/s (no search)")

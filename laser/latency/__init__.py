@@ -24,6 +24,13 @@ whose attention streams a large KV cache runs its projections a little slower.)
   (``max_gather_positions``; see :func:`decode_groups`).
 * an iteration adds ``embed(tokens embedded)`` and ``head(rows through the LM head)``;
   the head also keeps measured values for the smallest row counts (not monotone there).
+* and the step's own overhead (``step_overhead_time``): what ``ModelRunner.execute`` costs beyond
+  its layer calls, embedding and head -- once per step, once per batch composition (a segment of
+  layers with the same batch: attention metadata built, rows joined or parked) and once per work
+  of each composition. A per-layer fit spreads it evenly over layers; it is not even (a
+  layer-sliced step of ten compositions pays it ten times), so the profiler measures it on whole
+  steps (``StepOverheadSample``: wall time minus the compute the runner times itself) and the
+  fit prices it apart (form ``padded-step``, the default; 0 in profiles without such samples).
 
 Three implementations of one interface (:class:`LatencyModel`):
 
