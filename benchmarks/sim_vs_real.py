@@ -138,7 +138,8 @@ def main(argv=None) -> int:
     ap.add_argument("--grid", type=int, default=8, help="goodput search grid points (simulated)")
     ap.add_argument("--bisect", type=int, default=6, help="goodput search bisection steps (simulated)")
     ap.add_argument("--probe-timeout", type=float, default=60.0,
-                    help="seconds a real run may go on after its last arrival (unfinished: misses; default %(default)s)")
+                    help="seconds a real run may go on after its last arrival (unfinished: misses; "
+                         "default %(default)s)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     reals = [x.strip() for x in a.real.split(",") if x.strip()]

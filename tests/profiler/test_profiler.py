@@ -82,16 +82,16 @@ def test_profile_measures_the_step_overhead_of_whole_steps(engine, fitted):
     n = engine.model_config.num_layers
     shapes = profiler.ProfileGrid.tiny().step_shapes
     steps = [s for s in fitted.samples if isinstance(s, StepOverheadSample)]
-    want = sorted(plan_compositions([Work(f"w{i}", c - q, q, a, b) for i, (q, c, a, b) in enumerate(step_works(sh, n))],
-                                    n) for sh in shapes)
+    want = sorted(plan_compositions([Work(f"w{i}", c - q, q, a, b) for i, (q, c, a, b) in
+                                     enumerate(step_works(sh, n))], n) for sh in shapes)
     assert sorted((s.compositions, s.composed_works) for s in steps) == want
     assert {k for k, _ in want} >= {1, 2, 3}  # layer-sliced shapes compose more than once
     assert all(0 < s.seconds < 1 for s in steps)
     assert fitted.report["form"] == "padded-step" and "step_overhead" in fitted.report
     assert fitted.step_overhead_time(1, 1) > 0
     plan = StepPlan(n, [Work("a", 9, 1, 0, n, True)])
-    assert fitted.predict_iteration(plan) == pytest.approx(
-        fitted.layer_time((1,), (10,)) * n + fitted.embed_time(1) + fitted.head_time(1) + fitted.step_overhead_time(1, 1))
+    assert fitted.predict_iteration(plan) == pytest.approx(fitted.layer_time((1,), (10,)) * n + fitted.embed_time(1)
+                                                           + fitted.head_time(1) + fitted.step_overhead_time(1, 1))
 
 
 def test_profile_round_trips_through_its_file(engine, fitted, tmp_path, monkeypatch):
