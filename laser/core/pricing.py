@@ -37,8 +37,9 @@ class PlanCost:
     such a work is priced by the same sum as before), plus the step's own overhead
     (``lm.step_overhead_time``: once per step, once per segment with a batch -- each is one batch
     composition of the runner -- and once per work of each such segment; 0.0 for a model that has
-    not measured it). The Laser scheduler builds a plan work by work: :meth:`with_work` prices
-    adding a work only over the segments it overlaps.
+    not measured it; :func:`plan_compositions` counts the same). The Laser scheduler builds a plan
+    work by work: :meth:`with_work` prices adding a work only over the segments it overlaps (a
+    segment it cuts at its first or end layer splits in two compositions).
 
     Dynamic depth (:mod:`laser.core.depth`): a decode token that may exit early
     (``Work.exit_from``) runs in the segments up to its expected depth (``Work.priced_end``),
@@ -110,8 +111,7 @@ class PlanCost:
         lm, memo = self.lm, self._memo
         t = self._layers
         lo, hi = w.layer_start, w.priced_end
-        if self._step_terms and hi > lo:
-            t += self._overhead_with(lo, hi)
+        k, nw = self.compositions, self.composed  # the step overhead's counts, with w added below
         for a, b, q, c, per in self.segs:
             o = min(b, hi) - max(a, lo)
             if o > 0:
@@ -120,6 +120,13 @@ class PlanCost:
                 if t2 is None:
                     t2 = memo[key] = lm.layer_time(*key)
                 t += o * (t2 - per)
+                if q:  # w joins this batch; a cut at lo or hi splits off a piece without it
+                    nw += 1 + len(q) * ((a < lo) + (hi < b))
+                    k += (a < lo) + (hi < b)
+                else:  # a gap: w alone makes it a batch
+                    k, nw = k + 1, nw + 1
+        if self._step_terms:
+            t += lm.step_overhead_time(k, nw)
         e = self.embed_tokens + (w.num_tokens if lo == 0 else 0)
         f = self.final + (1 if hi == self.n else 0)
         t = t + lm.embed_time(e) + lm.head_time(f)
@@ -129,22 +136,6 @@ class PlanCost:
         if w.exit_from:
             return t + self._exit_price(self._exiting + [w])
         return t + self.exits if self._exiting else t
-
-    def _overhead_with(self, lo: int, hi: int) -> float:
-        """The step overhead with a work over layers ``[lo, hi)`` added: each segment it cuts
-        splits in pieces; a piece inside ``[lo, hi)`` holds the work too."""
-        k, n = 0, 0
-        for a, b, q, _, _ in self.segs:
-            if b <= lo or a >= hi:
-                if q:
-                    k, n = k + 1, n + len(q)
-                continue
-            for x, y in zip((a, max(a, lo), min(b, hi)), (max(a, lo), min(b, hi), b)):
-                if y > x:
-                    inside = lo <= x and y <= hi
-                    if inside or q:
-                        k, n = k + 1, n + len(q) + inside
-        return self.lm.step_overhead_time(k, n)
 
     def add(self, w: Work) -> None:
         self.works.append(w)
