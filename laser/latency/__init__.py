@@ -30,7 +30,8 @@ whose attention streams a large KV cache runs its projections a little slower.)
   of each composition. A per-layer fit spreads it evenly over layers; it is not even (a
   layer-sliced step of ten compositions pays it ten times), so the profiler measures it on whole
   steps (``StepOverheadSample``: wall time minus the compute the runner times itself) and the
-  fit prices it apart (form ``padded-step``, the default; 0 in profiles without such samples).
+  form ``padded-step`` prices it apart (not the default form: see ``laser.latency.fitting.FORMS``;
+  0 in other forms and in profiles without such samples).
 
 Three implementations of one interface (:class:`LatencyModel`):
 

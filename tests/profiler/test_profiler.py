@@ -73,8 +73,8 @@ def test_profile_gives_usable_model(engine, fitted):
 def test_profile_measures_the_step_overhead_of_whole_steps(engine, fitted):
     """Issue 26 item 3: whole steps of the grid's shapes (full-depth decode, layer-sliced, a prefill
     chunk beside decode works) run through ``ModelRunner.execute``; what they cost beyond the compute
-    the runner times itself becomes a StepOverheadSample with the plan's compositions, and the fit
-    prices it (per step, per composition, per composed work) in every plan."""
+    the runner times itself becomes a StepOverheadSample with the plan's compositions, and the form
+    ``padded-step`` prices it (per step, per composition, per composed work) in every plan."""
     from laser.core.pricing import plan_compositions
     from laser.latency import StepOverheadSample
     from laser.profiler.grid import step_works
@@ -87,11 +87,14 @@ def test_profile_measures_the_step_overhead_of_whole_steps(engine, fitted):
     assert sorted((s.compositions, s.composed_works) for s in steps) == want
     assert {k for k, _ in want} >= {1, 2, 3}  # layer-sliced shapes compose more than once
     assert all(0 < s.seconds < 1 for s in steps)
-    assert fitted.report["form"] == "padded-step" and "step_overhead" in fitted.report
-    assert fitted.step_overhead_time(1, 1) > 0
+    assert fitted.report["form"] == "padded" and fitted.step_overhead_time(1, 1) == 0.0  # (the default form)
+    from laser.latency.fitting import fit
+
+    stepped = fit(fitted.samples, num_layers=n, metadata=fitted.metadata, form="padded-step")
+    assert "step_overhead" in stepped.report and stepped.step_overhead_time(1, 1) > 0
     plan = StepPlan(n, [Work("a", 9, 1, 0, n, True)])
-    assert fitted.predict_iteration(plan) == pytest.approx(fitted.layer_time((1,), (10,)) * n + fitted.embed_time(1)
-                                                           + fitted.head_time(1) + fitted.step_overhead_time(1, 1))
+    assert stepped.predict_iteration(plan) == pytest.approx(stepped.layer_time((1,), (10,)) * n + stepped.embed_time(1)
+                                                            + stepped.head_time(1) + stepped.step_overhead_time(1, 1))
 
 
 def test_profile_round_trips_through_its_file(engine, fitted, tmp_path, monkeypatch):
