@@ -10,18 +10,24 @@ plan with) and takes it as exact. This benchmark checks that assumption end to e
 2. find the simulated knee -- the goodput of the policy in the simulator (``SimTarget`` on the
    engine's profile; ``laser.bench.goodput.search_goodput``: the highest rate at which >= 90 %
    of requests meet their SLO);
-3. run the real engine in process (``EngineTarget``: ``laser.online.run_online``, arrivals
-   released at layer boundaries in real time) and the simulator at the knee and at 0.8x of it
-   (``--fractions``), on the same arrivals (one ``Benchmark``: common random numbers);
-4. print the attainment per class side by side (sim, real, real - sim), and mean TTFT.
+   (``--knee RPS`` skips the search and uses the rate given, e.g. the knee a previous run printed);
+3. run the simulator and the real engine at the knee and at 0.8x of it (``--fractions``), on the
+   same arrivals (one ``Benchmark``: common random numbers), the real engine in two ways
+   (``--real``): ``inprocess`` (``EngineTarget``: ``laser.online.run_online``, arrivals released at
+   layer boundaries in real time) and ``serve`` (a ``laser serve`` subprocess with the same engine
+   flags and the same profile file, driven through HTTP by ``laser bench``'s client:
+   ``ClientTarget``, streaming, each request carrying its class and targets in headers);
+4. print the attainment per class side by side (sim, each real run, real - sim), and mean TTFT.
 
 Target (issue "the real engine behaves like the simulator"): real within 5 points of sim per
 class at both rates. The real runs are measurements: on a busy machine they are slower than the
 profile says (the online calibration, on by default, scales the plans to the machine as it runs).
 
-Usage (a few minutes on two cores):
+Usage (SmolLM2 defaults: under 12 minutes on a quiet machine with a cached profile; a first run
+profiles first):
     python benchmarks/sim_vs_real.py [--policy laser] [--num-prompts 40] [--length-scale 0.15]
-        [--mix 2:1:1] [--seed 7] [--threads 1] [--fractions 1,0.8] [--json out.json] [-- laser bench flags]
+        [--mix 2:1:1] [--seed 7] [--threads 1] [--fractions 1,0.8] [--real inprocess,serve]
+        [--knee RPS] [--json out.json] [-- laser bench flags]
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -55,22 +63,52 @@ def sim_target(args, policy: str, lm, engine):
                      block_size=bm.block_size, icache_tokens=args.intermediate_cache_tokens, label="sim")
 
 
-def class_table(sim, real) -> list[str]:
-    """Rows: class, sim attainment, real attainment, difference (points), mean TTFT sim/real."""
-    rows = []
-    classes = sorted(set(sim.summary.per_class) | set(real.summary.per_class))
+def class_table(sim, reals: dict) -> list[str]:
+    """Rows: class, sim attainment, then per real run (label -> probe) its attainment and the
+    difference to sim (points), then mean TTFT (ms) of sim and of each real run, and the count."""
+    rows = [f"  {'class':<16} {'sim':>6}" + "".join(f" {lb:>9} {'pts':>6}" for lb in reals)
+            + f"   TTFT ms: {'sim':>6}" + "".join(f" {lb:>9}" for lb in reals) + "  n"]
+    classes = sorted(set(sim.summary.per_class).union(*(r.summary.per_class for r in reals.values())))
+
+    def pick(probe, c):
+        return probe.summary.overall if c == "all" else probe.summary.per_class.get(c)
+
+    def num(x, spec, scale=1.0):
+        return "" if x is None else format(x * scale, spec)
+
     for c in [*classes, "all"]:
-        s = sim.summary.overall if c == "all" else sim.summary.per_class.get(c)
-        r = real.summary.overall if c == "all" else real.summary.per_class.get(c)
-        sa = (s.attainment if s else None)
-        ra = (r.attainment if r else None)
-        d = "" if sa is None or ra is None else f"{100 * (ra - sa):+6.1f}"
-        st = getattr(s, "ttft_mean", None)
-        rt = getattr(r, "ttft_mean", None)
-        rows.append(f"  {c:<16} {'' if sa is None else f'{sa:6.3f}':>6} {'' if ra is None else f'{ra:6.3f}':>6} "
-                    f"{d:>7}   {'' if st is None else f'{st * 1e3:7.0f}':>7} {'' if rt is None else f'{rt * 1e3:7.0f}':>7}"
-                    f"  {getattr(r, 'count', '')}")
+        s = pick(sim, c)
+        sa = getattr(s, "attainment", None)
+        line = f"  {c:<16} {num(sa, '6.3f'):>6}"
+        for r in reals.values():
+            ra = getattr(pick(r, c), "attainment", None)
+            line += f" {num(ra, '9.3f'):>9} {'' if sa is None or ra is None else f'{100 * (ra - sa):+6.1f}':>6}"
+        line += f"            {num(getattr(s, 'ttft_mean', None), '6.0f', 1e3):>6}"
+        line += "".join(f" {num(getattr(pick(r, c), 'ttft_mean', None), '9.0f', 1e3):>9}" for r in reals.values())
+        counts = {getattr(pick(r, c), "count", None) for r in reals.values()} - {None}
+        rows.append(line + f"  {'/'.join(str(n) for n in sorted(counts))}")
     return rows
+
+
+def serve_target(stack: ExitStack, args, policy: str, profile, log_dir: str | None, label: str = "serve"):
+    """A ``laser serve`` subprocess building the engine ``args`` describe (``laser.cli.engine_argv``:
+    the in-process engine's flags) with ``policy`` and the latency profile ``profile`` (a fitted one is
+    saved to a file the server loads as is), and a warmed-up ``ClientTarget`` on it (returned). The server stops, and
+    its log is copied to ``log_dir`` (when given), as ``stack`` closes. Raises RuntimeError when the
+    server does not start."""
+    from laser.bench.client import ClientTarget
+    from laser.bench.serve_proc import Server, free_port, keep_log
+    from laser.cli import engine_argv
+
+    tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="laser-sim-vs-real-")))
+    same = {"latency_profile": str(profile.save(tmp / "profile.json"))} if hasattr(profile, "save") else {}
+    server = Server(tmp / "data", free_port(), [*engine_argv(args, policy=policy, **same), "--log-level", "warning"])
+    stack.callback(keep_log, server.log_path, log_dir or "", "sim-vs-real")
+    stack.callback(server.stop)
+    print(f"laser serve ready in {server.start():.0f} s at {server.base_url}", flush=True)
+    target = ClientTarget(server.base_url, label=label)
+    target.warmup()
+    return target
 
 
 def main(argv=None) -> int:
@@ -90,12 +128,25 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--slo-base", choices=["paper", "measured"], default="measured")
     ap.add_argument("--fractions", default="1,0.8", help="rates to run, as fractions of the simulated knee")
+    ap.add_argument("--real", default="inprocess,serve",
+                    help="real runs: inprocess (EngineTarget), serve (laser serve through HTTP), or both (default)")
+    ap.add_argument("--knee", type=float, default=None,
+                    help="the simulated knee, req/s, as a previous run printed it: no goodput search")
+    ap.add_argument("--log-dir", default=None, help="keep the laser serve log here (default: not kept)")
+    ap.add_argument("--knee-time-cap", type=float, default=180.0,
+                    help="wall seconds after which the simulated knee search starts no new probe (default %(default)s)")
     ap.add_argument("--grid", type=int, default=8, help="goodput search grid points (simulated)")
     ap.add_argument("--bisect", type=int, default=6, help="goodput search bisection steps (simulated)")
-    ap.add_argument("--probe-timeout", type=float, default=120.0,
-                    help="seconds a real run may go on after its last arrival (unfinished: misses)")
+    ap.add_argument("--probe-timeout", type=float, default=60.0,
+                    help="seconds a real run may go on after its last arrival (unfinished: misses; "
+                         "default %(default)s)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    reals = [x.strip() for x in a.real.split(",") if x.strip()]
+    if not reals or set(reals) - {"inprocess", "serve"}:
+        ap.error(f"--real: want inprocess, serve or both, got {a.real!r}")
+    if a.knee is not None and not a.knee > 0:
+        ap.error(f"--knee: want a rate > 0 req/s, got {a.knee}")
 
     from laser.bench.cli import build_targets, build_workload, calibrate_slos, parse_policies
     from laser.bench.runner import Benchmark, saturation_rate
@@ -122,35 +173,47 @@ def main(argv=None) -> int:
     print(f"workload: {wl_desc}")
     print(cal.format())
 
-    sims = Benchmark({"sim": sim}, requests, slos, seed=a.seed)
-    cap = saturation_rate(sim, requests, slos)
-    gp = sims.goodput(0.1 * cap, cap, a.grid, a.bisect)["sim"]
-    knee = gp.goodput_rps
-    print(f"simulated knee (goodput of {a.policy} at 90% attainment): {knee:.3f} req/s [SIMULATED]")
+    if a.knee is None:
+        sims = Benchmark({"sim": sim}, requests, slos, seed=a.seed)
+        cap = saturation_rate(sim, requests, slos)
+        ts = time.perf_counter()
+        gp = sims.goodput(0.1 * cap, cap, a.grid, a.bisect, time_cap_s=a.knee_time_cap)["sim"]
+        knee = gp.goodput_rps
+        print(f"simulated knee (goodput of {a.policy} at 90% attainment): {knee:.3f} req/s [SIMULATED] "
+              f"({len(gp.probes)} simulated probes, {time.perf_counter() - ts:.0f} s"
+              f"{'; stopped by the ' + gp.capped if gp.capped else ''}; pass --knee {knee:.4g} to reuse it)")
+    else:
+        knee = a.knee
+        print(f"knee given: {knee:.3f} req/s (no search)")
     if not knee:
         print("no simulated rate passed: nothing to compare")
         return 1
 
-    both = Benchmark({"sim": sim, "real": real}, requests, slos, seed=a.seed, probe_timeout_s=a.probe_timeout)
-    fractions = [float(x) for x in a.fractions.split(",")]
-    out = {"command": "python benchmarks/sim_vs_real.py " + " ".join(sys.argv[1:]), "workload": wl_desc,
-           "slo": cal.to_dict(), "knee_rps": knee, "profile": {k: meta.get(k) for k in
-                                                              ("created", "threads", "executor", "hardware")},
-           "runs": []}
-    lines = []
-    for f in fractions:
-        rate = knee * f
-        sp = both.probe("sim", rate, early_stop=False)
-        rp = both.probe("real", rate, early_stop=False)
-        lines.append(f"rate {rate:.3f} req/s ({f:g}x knee): attainment per class   [sim = SIMULATED, real = measured; "
-                     f"real run {rp.wall_s:.0f} s]")
-        lines.append(f"  {'class':<16} {'sim':>6} {'real':>6} {'pts':>7}   {'TTFT ms':>7} {'(real)':>7}  n")
-        lines += class_table(sp, rp)
-        out["runs"].append({"fraction": f, "rate_rps": rate,
-                            "sim": {"overall": sp.attainment, "per_class": sp.class_attainment()},
-                            "real": {"overall": rp.attainment, "per_class": rp.class_attainment(),
-                                     "wall_s": rp.wall_s, "unfinished": rp.unfinished}})
-    print("\n".join(lines))
+    with ExitStack() as stack:
+        runs = {"sim": sim}
+        if "inprocess" in reals:
+            runs["inprocess"] = real
+        if "serve" in reals:
+            runs["serve"] = serve_target(stack, args, specs[0][1], profile, a.log_dir)
+        both = Benchmark(runs, requests, slos, seed=a.seed, probe_timeout_s=a.probe_timeout)
+        fractions = [float(x) for x in a.fractions.split(",")]
+        out = {"command": "python benchmarks/sim_vs_real.py " + " ".join(sys.argv[1:]), "workload": wl_desc,
+               "slo": cal.to_dict(), "knee_rps": knee, "knee_given": a.knee is not None,
+               "profile": {k: meta.get(k) for k in ("created", "threads", "executor", "hardware")}, "runs": []}
+        lines = []
+        for f in fractions:
+            rate = knee * f
+            sp = both.probe("sim", rate, early_stop=False)
+            rps = {lb: both.probe(lb, rate, early_stop=False) for lb in runs if lb != "sim"}
+            walls = ", ".join(f"{lb} run {rp.wall_s:.0f} s" for lb, rp in rps.items())
+            lines.append(f"rate {rate:.3f} req/s ({f:g}x knee): attainment per class   [sim = SIMULATED, "
+                         f"{' / '.join(rps)} = measured; {walls}]")
+            lines += class_table(sp, rps)
+            out["runs"].append({"fraction": f, "rate_rps": rate,
+                                "sim": {"overall": sp.attainment, "per_class": sp.class_attainment()},
+                                **{lb: {"overall": rp.attainment, "per_class": rp.class_attainment(),
+                                        "wall_s": rp.wall_s, "unfinished": rp.unfinished} for lb, rp in rps.items()}})
+        print("\n".join(lines))
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     print(f"total wall time {out['wall_s']:.0f} s")
     if a.json:

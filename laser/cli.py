@@ -122,6 +122,38 @@ def add_engine_args(p: argparse.ArgumentParser, policy_default: str = "laser") -
                         "a trained exit; EXITS: an exit heads file (default: the model's, from `laser train-exits`)")
 
 
+def engine_argv(args, **overrides) -> list[str]:
+    """The engine flags of parsed ``args`` (any command's namespace holding :func:`add_engine_args`'
+    destinations: ``laser bench``'s, ``laser profile``'s) written back as command-line flags, so a
+    ``laser serve`` subprocess builds the engine an in-process one was built with. ``overrides``
+    (destination -> value) replace values first. A flag whose value is its default, or absent from
+    ``args``, is left out (the subprocess gets the same default). Raises ``ValueError`` for a value
+    that has no flag spelling (e.g. a boolean flag given a non-boolean)."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_engine_args(p)
+    out: list[str] = []
+    for act in p._actions:
+        if not act.option_strings or act.dest not in overrides and not hasattr(args, act.dest):
+            continue
+        v = overrides[act.dest] if act.dest in overrides else getattr(args, act.dest)
+        if v == act.default:
+            continue
+        flag = act.option_strings[0]
+        if isinstance(act, argparse.BooleanOptionalAction):
+            if v not in (True, False):
+                raise ValueError(f"{flag} takes a boolean, got {v!r}")
+            out.append(flag if v else "--no-" + flag[2:])
+        elif isinstance(act, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            if v not in (True, False):
+                raise ValueError(f"{flag} takes a boolean, got {v!r}")
+            out.append(flag)  # (v differs from the default: the flag was given)
+        elif act.nargs == "?" and v == act.const:
+            out.append(flag)
+        else:
+            out += [flag, str(v)]
+    return out
+
+
 def set_threads(threads: int | None) -> int:
     """Set torch's intra-op threads to ``threads`` (default: physical cores; SMT siblings
     share one core's FMA units, so more threads only add contention). Returns the count."""

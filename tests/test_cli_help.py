@@ -83,3 +83,25 @@ def test_docs_list_every_shipped_slo_class_with_its_targets():
             assert f"`{name}` {c.ttft:g} s / {c.tbt:g} s" in readme, name
         else:
             assert f"`{name}`" in readme, name
+
+
+def test_engine_argv_gives_a_server_the_engine_of_another_command():
+    """``engine_argv`` writes a command's engine flags back as flags (benchmarks start ``laser serve``
+    with the engine they built in process): parsed by ``laser serve``, every engine setting is the
+    same, defaults included; overrides replace values."""
+    from laser.cli import add_engine_args, engine_argv
+
+    subs = _subparsers()
+    bench = subs["bench"].parse_args(["--policies", "sarathi", "--threads", "1", "--dtype", "float32",
+                                      "--kv-cache-gib", "0.5", "--no-latency-calibration", "--no-jitter-margin",
+                                      "--no-enable-prefix-caching", "--dynamic-depth", "--max-num-seqs", "8"])
+    argv = engine_argv(bench, latency_profile="p.json")
+    serve = subs["serve"].parse_args(argv)
+    ref = argparse.ArgumentParser()
+    add_engine_args(ref)
+    dests = [a.dest for a in ref._actions if a.option_strings and a.dest != "help"]
+    for d in dests:
+        want = "p.json" if d == "latency_profile" else getattr(bench, d)
+        assert getattr(serve, d) == want, d
+    assert subs["serve"].parse_args(engine_argv(subs["profile"].parse_args([]))).policy == "vllm"  # (its own default)
+    assert engine_argv(argparse.Namespace()) == []

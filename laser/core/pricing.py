@@ -6,6 +6,26 @@ from .plan import Work
 from .speculation import spec_decode_time
 
 
+def has_step_overhead(lm) -> bool:
+    """Whether ``lm`` prices a step's own overhead (``LatencyModel.step_overhead_time`` is not 0
+    everywhere): plans priced by a model without it skip counting compositions."""
+    return bool(getattr(lm, "step_overhead_s", 0.0) or getattr(lm, "compose_overhead_s", 0.0)
+                or getattr(lm, "compose_work_s", 0.0))
+
+
+def plan_compositions(works, num_layers: int) -> tuple[int, int]:
+    """``(compositions, composed works)`` of a plan's works: the segments of layers with a constant,
+    non-empty batch (the walker composes each once: ``laser.core.walk``) and the works summed over
+    them -- what ``LatencyModel.step_overhead_time`` prices (:class:`PlanCost` counts the same)."""
+    bounds = sorted({0, num_layers} | {w.layer_start for w in works} | {w.priced_end for w in works})
+    k = n = 0
+    for a in bounds[:-1]:
+        m = sum(1 for w in works if w.layer_start <= a < w.priced_end)
+        if m:
+            k, n = k + 1, n + m
+    return k, n
+
+
 class PlanCost:
     """Predicted time (seconds) of a plan, with O(segments) marginal costs: the one owner of
     pricing a plan (``LatencyModel.predict_iteration`` is ``PlanCost(...).total``).
@@ -14,8 +34,12 @@ class PlanCost:
     (its layers) x ``lm.layer_time`` of its batch, plus the embedding of works starting at
     layer 0 and the LM head for works ending at the last layer (plus, for each of them that
     samples through a grammar, ``Work.masked``, one row of ``lm.mask_time``: a plan without
-    such a work is priced by the same sum as before). The Laser scheduler builds a plan work by
-    work: :meth:`with_work` prices adding a work only over the segments it overlaps.
+    such a work is priced by the same sum as before), plus the step's own overhead
+    (``lm.step_overhead_time``: once per step, once per segment with a batch -- each is one batch
+    composition of the runner -- and once per work of each such segment; 0.0 for a model that has
+    not measured it; :func:`plan_compositions` counts the same). The Laser scheduler builds a plan
+    work by work: :meth:`with_work` prices adding a work only over the segments it overlaps (a
+    segment it cuts at its first or end layer splits in two compositions).
 
     Dynamic depth (:mod:`laser.core.depth`): a decode token that may exit early
     (``Work.exit_from``) runs in the segments up to its expected depth (``Work.priced_end``),
@@ -52,6 +76,7 @@ class PlanCost:
         bounds = sorted({0, self.n} | {w.layer_start for w in ws} | {w.priced_end for w in ws})
         self.segs = []  # (a, b, q, c, per-layer time)
         layers = 0.0
+        self._step_terms = has_step_overhead(lm)
         for a, b in zip(bounds, bounds[1:]):
             act = [w for w in ws if w.layer_start <= a < w.priced_end]
             q = tuple([w.num_tokens for w in act])
@@ -65,6 +90,10 @@ class PlanCost:
         self.final = sum(1 for w in ws if w.priced_end == self.n)
         self.masked = sum(1 for w in ws if w.masked and w.sample and w.priced_end == self.n)
         self.total = layers + lm.embed_time(self.embed_tokens) + lm.head_time(self.final)
+        self.compositions = sum(1 for seg in self.segs if seg[2])
+        self.composed = sum(len(seg[2]) for seg in self.segs)
+        self.overhead = lm.step_overhead_time(self.compositions, self.composed) if self._step_terms else 0.0
+        self.total += self.overhead
         if self.masked:
             self.total += lm.mask_time(self.masked)
         self.total += self.spec_seconds
@@ -82,6 +111,7 @@ class PlanCost:
         lm, memo = self.lm, self._memo
         t = self._layers
         lo, hi = w.layer_start, w.priced_end
+        k, nw = self.compositions, self.composed  # the step overhead's counts, with w added below
         for a, b, q, c, per in self.segs:
             o = min(b, hi) - max(a, lo)
             if o > 0:
@@ -90,6 +120,13 @@ class PlanCost:
                 if t2 is None:
                     t2 = memo[key] = lm.layer_time(*key)
                 t += o * (t2 - per)
+                if q:  # w joins this batch; a cut at lo or hi splits off a piece without it
+                    nw += 1 + len(q) * ((a < lo) + (hi < b))
+                    k += (a < lo) + (hi < b)
+                else:  # a gap: w alone makes it a batch
+                    k, nw = k + 1, nw + 1
+        if self._step_terms:
+            t += lm.step_overhead_time(k, nw)
         e = self.embed_tokens + (w.num_tokens if lo == 0 else 0)
         f = self.final + (1 if hi == self.n else 0)
         t = t + lm.embed_time(e) + lm.head_time(f)

@@ -24,6 +24,14 @@ whose attention streams a large KV cache runs its projections a little slower.)
   (``max_gather_positions``; see :func:`decode_groups`).
 * an iteration adds ``embed(tokens embedded)`` and ``head(rows through the LM head)``;
   the head also keeps measured values for the smallest row counts (not monotone there).
+* and the step's own overhead (``step_overhead_time``): what ``ModelRunner.execute`` costs beyond
+  its layer calls, embedding and head -- once per step, once per batch composition (a segment of
+  layers with the same batch: attention metadata built, rows joined or parked) and once per work
+  of each composition. A per-layer fit spreads it evenly over layers; it is not even (a
+  layer-sliced step of ten compositions pays it ten times), so the profiler measures it on whole
+  steps (``StepOverheadSample``: wall time minus the compute the runner times itself) and the
+  form ``padded-step`` prices it apart (not the default form: see ``laser.latency.fitting.FORMS``;
+  0 in other forms and in profiles without such samples).
 
 Three implementations of one interface (:class:`LatencyModel`):
 
@@ -59,6 +67,7 @@ from .base import (
     LayerSample,
     Sample,
     StatelessSample,
+    StepOverheadSample,
 )
 from .features import (
     ATTENTION_FEATURE_SETS,
@@ -79,7 +88,8 @@ __all__ = [
     "CalibratedLatencyModel", "ScaledLatencyModel",
     "DEFAULT_MAX_GATHER_BYTES", "EmbedSample", "FittedLatencyModel", "HARDWARE", "HardwareSpec", "HeadSample",
     "LatencyModel", "LatencyProfileError", "LayerSample", "MODEL_SHAPES", "ModelShape", "PROFILE_FORMAT",
-    "PROFILE_VERSION", "PiecewiseLinear", "Sample", "SimpleLatencyModel", "StatelessSample", "attention_features",
+    "PROFILE_VERSION", "PiecewiseLinear", "Sample", "SimpleLatencyModel", "StatelessSample", "StepOverheadSample",
+    "attention_features",
     "cpu_hardware_string", "decode_groups", "decode_slices", "default_profile_path", "fit",
     "gather_positions_from_metadata", "max_gather_positions",
 ]

@@ -70,7 +70,20 @@ class LayerSample:
     seconds: float
 
 
-Sample = StatelessSample | AttentionSample | EmbedSample | HeadSample | LayerSample
+@dataclass(frozen=True, slots=True)
+class StepOverheadSample:
+    """What a whole step (``ModelRunner.execute`` of a plan) costs beyond its layer calls, embedding
+    and LM head: the runner's wall time minus the compute it times itself
+    (``StepResult.compute_seconds``). ``compositions``: batches the walker composed (one per
+    segment of layers with a constant batch: attention metadata built, rows joined / parked);
+    ``composed_works``: works summed over those batches."""
+
+    compositions: int
+    composed_works: int
+    seconds: float
+
+
+Sample = StatelessSample | AttentionSample | EmbedSample | HeadSample | LayerSample | StepOverheadSample
 
 
 def check_batch(q: Sequence[int], c: Sequence[int]) -> None:
@@ -89,8 +102,8 @@ def check_seconds(s: float) -> None:
 
 
 # Sample kinds as named in profile files.
-SAMPLE_TYPES = (StatelessSample, AttentionSample, EmbedSample, HeadSample, LayerSample)
-SAMPLE_KINDS = ("stateless", "attention", "embed", "head", "layer")
+SAMPLE_TYPES = (StatelessSample, AttentionSample, EmbedSample, HeadSample, LayerSample, StepOverheadSample)
+SAMPLE_KINDS = ("stateless", "attention", "embed", "head", "layer", "step_overhead")
 TYPE_KIND = dict(zip(SAMPLE_TYPES, SAMPLE_KINDS))
 KIND_TYPE = dict(zip(SAMPLE_KINDS, SAMPLE_TYPES))
 
@@ -114,6 +127,13 @@ class LatencyModel:
 
     num_layers: int
     layer_overhead_s: float = 0.0
+    #: What a step costs beyond its layer calls, embedding and LM head (seconds; 0.0: not
+    #: measured): once per step, once per batch composition (a segment of layers with the same
+    #: batch: the runner builds its attention metadata and joins / parks rows), and once per work
+    #: of each composition. Fitted from :class:`StepOverheadSample` s; :meth:`step_overhead_time`.
+    step_overhead_s: float = 0.0
+    compose_overhead_s: float = 0.0
+    compose_work_s: float = 0.0
     #: Seconds one grammar mask adds to sampling one row (structured output: llguidance's
     #: next-token mask filled and applied to a [vocab] row); 0.0: not measured. Measured by the
     #: profiler (:func:`laser.profiler.mask.measure_mask_row_s`) or estimated from the vocabulary
@@ -156,6 +176,17 @@ class LatencyModel:
         sampler (``apply_grammar_bitmask``)."""
         return n_rows * self.mask_row_s if n_rows else 0.0
 
+    def step_overhead_time(self, compositions: int, composed_works: int) -> float:
+        """What a step with ``compositions`` batch compositions holding ``composed_works`` works in
+        all costs beyond its layer calls, embedding and LM head (seconds; 0.0 for no composition):
+        ``step_overhead_s + compose_overhead_s · compositions + compose_work_s · composed_works``.
+        The per-call overhead a per-layer fit cannot see: metadata, joins and parks happen once
+        per batch, not once per layer (vLLM's equivalent is the CPU time of its
+        ``prepare_inputs`` per step)."""
+        if compositions <= 0:
+            return 0.0
+        return self.step_overhead_s + self.compose_overhead_s * compositions + self.compose_work_s * composed_works
+
     # -- derived ----------------------------------------------------------------------
     def layer_time(self, query_lens: Sequence[int], context_lens: Sequence[int]) -> float:
         """One layer call on the batch ``(query_lens[k], context_lens[k])``; 0 if empty."""
@@ -169,7 +200,8 @@ class LatencyModel:
 
     def predict_iteration(self, plan: StepPlan) -> float:
         """Seconds for a whole plan: its layer calls + embedding of works starting at
-        layer 0 + LM head for ``plan.num_final()`` rows. A plan this model priced when it was
+        layer 0 + LM head for ``plan.num_final()`` rows + the step's overhead
+        (:meth:`step_overhead_time` of its batch compositions). A plan this model priced when it was
         built (``plan.predicted``) is not priced again (the same number)."""
         p = plan.predicted
         if p is not None and p[0] is self:
@@ -189,7 +221,7 @@ class LatencyModel:
         t = self.layer_time((prompt_len,), (context_start + prompt_len,))
         if layers is not None:
             return layers * t
-        return self.num_layers * t + self.embed_time(prompt_len) + self.head_time(1)
+        return self.num_layers * t + self.embed_time(prompt_len) + self.head_time(1) + self.step_overhead_time(1, 1)
 
     def predict_decode_iteration(self, context_lens: Sequence[int]) -> float:
         """One decode token for each request (``context_lens`` include the new token)
@@ -198,7 +230,8 @@ class LatencyModel:
         if not b:
             return 0.0
         q = (1,) * b
-        return self.num_layers * self.layer_time(q, context_lens) + self.embed_time(b) + self.head_time(b)
+        return (self.num_layers * self.layer_time(q, context_lens) + self.embed_time(b) + self.head_time(b)
+                + self.step_overhead_time(1, b))
 
     def max_tokens_within(
         self,

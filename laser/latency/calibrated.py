@@ -80,6 +80,21 @@ class ScaledLatencyModel(LatencyModel):
     def mask_row_s(self) -> float:  # type: ignore[override]
         return self.factor * self.inner.mask_row_s
 
+    @property
+    def step_overhead_s(self) -> float:  # type: ignore[override]
+        return self.factor * self.inner.step_overhead_s
+
+    @property
+    def compose_overhead_s(self) -> float:  # type: ignore[override]
+        return self.factor * self.inner.compose_overhead_s
+
+    @property
+    def compose_work_s(self) -> float:  # type: ignore[override]
+        return self.factor * self.inner.compose_work_s
+
+    def step_overhead_time(self, compositions: int, composed_works: int) -> float:
+        return self.factor * self.inner.step_overhead_time(compositions, composed_works)
+
     def mask_time(self, n_rows: int) -> float:
         return self.factor * self.inner.mask_time(n_rows)
 

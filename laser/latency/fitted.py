@@ -174,6 +174,11 @@ class FittedLatencyModel(LatencyModel):
     layer_attention_scale: float = 1.0
     # One grammar mask per sampled row, seconds (LatencyModel.mask_time); 0.0: not measured.
     mask_row_s: float = 0.0
+    # A step's cost beyond its layers, embedding and head (LatencyModel.step_overhead_time): per
+    # step, per batch composition, per composed work; 0.0 without StepOverheadSamples.
+    step_overhead_s: float = 0.0
+    compose_overhead_s: float = 0.0
+    compose_work_s: float = 0.0
     # Setup the profile was taken on: model_id, dtype, hardware, threads, created, laser_version, ...
     metadata: dict = field(default_factory=dict)
     # Fit diagnostics: chosen widths / feature set, CV and in-sample relative errors.
@@ -237,6 +242,9 @@ class FittedLatencyModel(LatencyModel):
                 "layer_overhead_s": self.layer_overhead_s,
                 "layer_attention_scale": self.layer_attention_scale,
                 "mask_row_s": self.mask_row_s,
+                "step_overhead_s": self.step_overhead_s,
+                "compose_overhead_s": self.compose_overhead_s,
+                "compose_work_s": self.compose_work_s,
             },
             "report": self.report,
             "samples": encode_samples(self.samples),
@@ -248,7 +256,8 @@ class FittedLatencyModel(LatencyModel):
 
     @classmethod
     def from_dict(cls, d: dict) -> "FittedLatencyModel":
-        """Inverse of :meth:`to_dict`. Raises :class:`LatencyProfileError` for another format
+        """Inverse of :meth:`to_dict` (a document without the step-overhead terms: 0.0 for them).
+        Raises :class:`LatencyProfileError` for another format
         or version, or a malformed or unusable document (see :meth:`_check`)."""
         check_document(d)
         try:
@@ -264,6 +273,9 @@ class FittedLatencyModel(LatencyModel):
                 layer_overhead_s=float(m.get("layer_overhead_s", 0.0)),
                 layer_attention_scale=float(m.get("layer_attention_scale", 1.0)),
                 mask_row_s=float(m.get("mask_row_s", 0.0)),  # (absent from profiles made before it was measured)
+                step_overhead_s=float(m.get("step_overhead_s", 0.0)),  # (absent before issue 26: 0, not measured)
+                compose_overhead_s=float(m.get("compose_overhead_s", 0.0)),
+                compose_work_s=float(m.get("compose_work_s", 0.0)),
                 metadata={k: v for k, v in meta.items() if k != "num_layers"},
                 report=dict(d.get("report", {})),
                 samples=samples,
@@ -285,8 +297,10 @@ class FittedLatencyModel(LatencyModel):
             raise ValueError(f"layer_overhead_s must be finite and >= 0, got {self.layer_overhead_s}")
         if not (math.isfinite(self.layer_attention_scale) and self.layer_attention_scale > 0):
             raise ValueError(f"layer_attention_scale must be finite and > 0, got {self.layer_attention_scale}")
-        if not (math.isfinite(self.mask_row_s) and self.mask_row_s >= 0):
-            raise ValueError(f"mask_row_s must be finite and >= 0, got {self.mask_row_s}")
+        for name in ("mask_row_s", "step_overhead_s", "compose_overhead_s", "compose_work_s"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be finite and >= 0, got {v}")
         probes = [self.layer_time((n,), (n,)) for n in (1, 7, 64, 512, 4096)]
         probes += [self.layer_time((1,) * b, (512,) * b) for b in (1, 16, 64)]
         probes += [self.layer_time((100, 1), (300, 900))]

@@ -114,6 +114,11 @@ def summary_lines(lm) -> list[str]:
            f"{getattr(lm, 'layer_attention_scale', 1.0):.3f} inside a layer"]
     if "layer" in rep:
         out[-1] += f" (whole-layer fit error {100 * rep['layer']['error']:.1f}%)"
+    if "step_overhead" in rep:
+        so = rep["step_overhead"]
+        out.append(f"  step overhead (beyond layers, embedding, head): {so['step_s'] * 1e6:.0f} us per step + "
+                   f"{so['compose_s'] * 1e6:.0f} us per batch composition + {so['compose_work_s'] * 1e6:.0f} us per "
+                   f"composed work (fit error {100 * so['error']:.1f}%)")
     if lm.mask_row_s:
         out.append(f"  grammar mask (structured output): {lm.mask_row_s * 1e3:.3f} ms per sampled row")
     out.append("  predicted (one layer / whole iteration):")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -38,6 +38,10 @@ class ProfileGrid:
     max_rounds: int = 10
     tol: float = 0.03
     warmup_s: float = 1.0  # spin-up before timing
+    # Whole steps whose overhead beyond layers, embedding and head is measured (StepOverheadSample):
+    # each a list of works (num_tokens, context_len, first layer, end layer) with the layers as
+    # fractions of the model's depth (0.0 .. 1.0; see step_works).
+    step_shapes: list = field(default_factory=list)
 
     @classmethod
     def default(cls, max_tokens: int = 2048, max_context: int = 4096, pool_tokens: int = 1 << 30,
@@ -55,7 +59,9 @@ class ProfileGrid:
         layer = _layer_batches(pts, small, max_tokens, max_batch)
         head = [r for r in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128) if r <= max(max_batch, 1) * 2]
         embed = sorted({n for n in (1, 8, 64, 256, 1024, max_tokens) if n <= max_tokens})
-        return cls(sorted(st), attn, layer, embed, head)
+        steps = _step_shapes(_Points(np.random.default_rng(seed + 1), max(1, min(512, max_context, pool_tokens)),
+                                     pool_tokens, block_size), max_tokens, max_batch)
+        return cls(sorted(st), attn, layer, embed, head, step_shapes=steps)
 
     @classmethod
     def tiny(cls, seed: int = 0, rounds: tuple[int, int] = (2, 3)) -> "ProfileGrid":
@@ -72,12 +78,25 @@ class ProfileGrid:
                 attn.append(((q,), (q + cached,)))
         attn.append(((1, 1, 32), (40, 90, 64)))
         attn.append(((1, 24, 48), (100, 24, 96)))
+        steps = _step_shapes(_Points(rng, 256, 1 << 30, 16), 64, 8)
         return cls(st, attn, attn[::3], [1, 16, 128], [1, 4, 16], min_rounds=rounds[0], max_rounds=rounds[1],
-                   tol=0.05, warmup_s=0.2)
+                   tol=0.05, warmup_s=0.2, step_shapes=steps)
 
     def num_cases(self) -> int:
         return (len(self.stateless_tokens) + len(self.attention_batches) + len(self.layer_batches)
-                + len(self.embed_tokens) + len(self.head_rows))
+                + len(self.embed_tokens) + len(self.head_rows) + len(self.step_shapes))
+
+
+def step_works(shape, num_layers: int) -> list[tuple[int, int, int, int]]:
+    """A :attr:`ProfileGrid.step_shapes` entry for a model of ``num_layers`` layers: works
+    ``(num_tokens, context_len, layer_start, layer_end)``, each layer fraction rounded to a layer
+    and every work at least one layer long."""
+    out = []
+    for q, c, a, b in shape:
+        la = min(num_layers - 1, max(0, round(a * num_layers)))
+        lb = min(num_layers, max(la + 1, round(b * num_layers)))
+        out.append((q, c, la, lb))
+    return out
 
 
 # -- the grid's parts, drawn in this order from one generator (ProfileGrid.default) ----------------
@@ -198,3 +217,22 @@ def _layer_batches(pts: _Points, small: tuple, max_tokens: int, max_batch: int):
             layer.append(clip_batch(list(dq) + [min(q, max_tokens)], list(dc) + [min(q + 64, ctx_cap)]))
     layer = list(dict.fromkeys(layer))
     return layer
+
+
+def _step_shapes(pts: _Points, max_tokens: int, max_batch: int) -> list:
+    """Whole steps for the step-overhead samples: decode steps at full depth (one composition of
+    1..32 works), layer-sliced steps (works leaving or resuming mid-model: two or three
+    compositions) and a prefill chunk beside decode works."""
+    def dec(b, a=0.0, e=1.0):
+        _, c = pts.decode(b, 128)
+        return [(1, ci, a, e) for ci in c]
+
+    chunk = max(2, min(64, max_tokens))
+    shapes = [dec(b) for b in (1, 2, 4, 8, 16, 32) if b <= max_batch]
+    shapes += [dec(2) + dec(2, 0.0, 0.5),  # two leave at half depth: 2 compositions
+               dec(4) + dec(4, 0.5, 1.0),  # four resume at half depth
+               dec(2, 0.0, 1 / 3) + dec(2, 0.0, 2 / 3) + dec(2),  # 3 compositions
+               dec(8, 0.0, 0.5) + dec(8, 0.5, 1.0),  # 2 compositions of 8
+               dec(4) + [(chunk, chunk, 0.0, 1.0)],  # a whole prefill chunk beside decode works
+               dec(4) + [(chunk, 2 * chunk, 0.0, 0.5)]]  # a chunk paused at half depth
+    return [s for s in shapes if len(s) <= max(2, max_batch) * 2]

@@ -24,20 +24,24 @@ from ..latency import (
     LatencyProfileError,
     LayerSample,
     StatelessSample,
+    StepOverheadSample,
     cpu_hardware_string,
     default_profile_path,
 )
 from ..latency.fitting import fit
 from ..model.runner import ModelRunner
 from .calls import ExecutorCalls
-from .grid import ProfileGrid, fit_to_pool
+from ..core.pricing import plan_compositions
+from .grid import ProfileGrid, fit_to_pool, step_works
+from .snapshots import StepOverheadReplay, step_snapshots
 from .timing import Bench, Case, planned_calls, progress_bar
 
 log = logging.getLogger(__name__)
 
 # Bump when what is measured, or how, changes: older profile files are then re-made.
-PROFILER_VERSION = 6  # 4: layer matmuls in per-row-count layouts (laser.model.llama.Linear); 5: typical (median) times;
-# 6: skewed decode batches (padded gather), executor-path label in the key
+PROFILER_VERSION = 7  # 4: layer matmuls in per-row-count layouts (laser.model.llama.Linear); 5: typical (median) times;
+# 6: skewed decode batches (padded gather), executor-path label in the key; 7: whole steps' overhead
+# (StepOverheadSample)
 # Candidate segment widths for the stateless / LM-head fits. On CPUs a single row runs a
 # matrix-vector kernel (one decode token: ~25% cheaper than two), so widths down to 1
 # are offered; cross-validation picks one.
@@ -143,6 +147,16 @@ def profile_cases(calls: ExecutorCalls, grid: ProfileGrid) -> list[Case]:
         cases.append(Case(("embed", n), calls.embed_call(n)))
     for r in grid.head_rows:
         cases.append(Case(("head", r), calls.head_call(r)))
+    if grid.step_shapes:
+        n = calls.num_layers
+        shapes = []
+        for shape in grid.step_shapes:
+            works = step_works(shape, n)
+            q, c = fit_to_pool([w[0] for w in works], [w[1] for w in works], pool, bs)
+            shapes.append([(qi, ci, a, b) for qi, ci, (_, _, a, b) in zip(q, c, works)])
+        for snap in step_snapshots(calls.runner, shapes, seed=len(cases)):
+            k, m = plan_compositions(snap.plan.works, n)
+            cases.append(Case(("step_overhead", snap.index, k, m), StepOverheadReplay(calls.runner, snap, calls.gen)))
     return cases
 
 
@@ -234,6 +248,10 @@ def samples_from_cases(cases: list[Case], tol: float, bench: Bench, stats: dict 
             out.append(LayerSample(args[0], args[1], t))
         elif kind == "embed":
             out.append(EmbedSample(args[0], t))
+        elif kind == "step_overhead":  # what the step cost beyond its timed compute (not its wall time)
+            oh = getattr(cs.run, "overheads", None)
+            if oh:  # (none when the case was never run: timings given by a test)
+                out.append(StepOverheadSample(args[1], args[2], max(float(np.median(oh)), 1e-7)))
         else:
             out.append(HeadSample(args[0], t))
     return out
@@ -263,6 +281,8 @@ def _sample_prediction(model: FittedLatencyModel, s) -> float:
         return model.layer_time(s.query_lens, s.context_lens)
     if isinstance(s, EmbedSample):
         return model.embed_time(s.n_tokens)
+    if isinstance(s, StepOverheadSample):
+        return model.step_overhead_time(s.compositions, s.composed_works)
     return model.head_time(s.n_rows)
 
 

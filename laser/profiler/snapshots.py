@@ -9,6 +9,7 @@ one on the real runner.
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -182,6 +183,37 @@ def small_decode_snapshots(runner: ModelRunner, count: int, *, seed: int = 0, ma
     return out
 
 
+def step_snapshots(runner: ModelRunner, shapes, *, seed: int = 0, policy: str = "step") -> list[PlanSnapshot]:
+    """Plans of given shapes, frozen for replay: each shape is a list of works ``(num_tokens,
+    context_len, layer_start, layer_end)`` (``layer_end == N``: sampled; ``layer_start > 0``:
+    resumed from the intermediate cache). Blocks are allocated in the runner's idle block
+    manager for the replay's tables and freed again. Raises ``ValueError`` for a work outside
+    ``1 <= num_tokens <= context_len`` or ``0 <= layer_start < layer_end <= N``."""
+    bm, n = runner.bm, runner.num_layers
+    rng = np.random.default_rng(seed)
+    sp = SamplingParams(temperature=0.0)
+    out: list[PlanSnapshot] = []
+    for k, shape in enumerate(shapes):
+        reqs, works = {}, []
+        for i, (q, c, a, b) in enumerate(shape):
+            if not (1 <= q <= c and 0 <= a < b <= n):
+                raise ValueError(f"bad work (num_tokens {q}, context {c}, layers [{a}, {b})) for {n} layers")
+            rid = f"{_REQ_PREFIX}-{policy}-{seed}-{k}-{i}"
+            reqs[rid] = Request([int(x) for x in rng.integers(10, 1000, c)], sp, req_id=rid)
+            works.append(Work(rid, c - q, q, a, b, sample=b == n))
+        try:
+            for w in works:
+                bm.allocate(w.req_id, w.context_len)
+            tables = _Tables(bm, list(reqs))
+        finally:
+            for rid in reqs:
+                bm.free(rid)
+        out.append(PlanSnapshot(policy, k, StepPlan(n, works), tables, reqs,
+                                [(w.req_id, w.num_tokens) for w in works if w.layer_start > 0]))
+    bm.check_integrity(expect_empty=True)
+    return out
+
+
 def plan_kind(plan: StepPlan, n: int) -> str:
     if any(w.layer_start > 0 or w.layer_end < n for w in plan.works):
         return "layer-sliced"
@@ -205,6 +237,22 @@ def _spread(snaps: list[PlanSnapshot], keep: int, rng: random.Random) -> list[Pl
             if v and len(out) < keep:
                 out.append(v.pop())
     return sorted(out, key=lambda s: s.index)
+
+
+class StepOverheadReplay:
+    """A :class:`PlanReplay` that keeps, per call, what the step cost beyond the compute the runner
+    times itself (wall time minus ``StepResult.compute_seconds``: batch compositions, joins, parks,
+    the walk): :attr:`overheads` (seconds), whose median is a ``StepOverheadSample``."""
+
+    def __init__(self, runner: ModelRunner, snap: PlanSnapshot, gen: torch.Generator):
+        self.replay = PlanReplay(runner, snap, gen)
+        self.overheads: list[float] = []
+
+    def __call__(self):
+        t0 = time.perf_counter()
+        res = self.replay()
+        self.overheads.append(max(0.0, time.perf_counter() - t0 - res.compute_seconds))
+        return res
 
 
 class PlanReplay:

@@ -31,6 +31,7 @@ from ..instance.core import Handoff, InstanceCore, make_scheduler
 from ..instance.handoff import AdoptQueue
 from ..core.intermediate_cache import IntermediateCache
 from ..core.plan import LayerStep, StepPlan, StepResult
+from ..core.pricing import has_step_overhead
 from ..core.request import Request
 
 
@@ -126,6 +127,7 @@ class SimExecutor:
         self.depth_model: SimDepth | None = None
         self.exit_layers: frozenset[int] = frozenset()
         self._requests = None
+        self._step_terms = False  # (set per step: whether the latency model prices step overhead)
 
     # -- laser.instance.core.Executor ------------------------------------------------------------------
     def execute(self, plan: StepPlan, requests, stop_at=None) -> StepResult:
@@ -155,10 +157,14 @@ class SimExecutor:
                     raise AssertionError("a scheduler stopped a step with no arrival during it")
                 stop_at = None
                 self.fast_steps += 1
+        self._step_terms = has_step_overhead(self.lm)
+        if self._step_terms and works:  # the step's own overhead (LatencyModel.step_overhead_time):
+            self.clock.t += self.lm.step_overhead_s  # once per step here, per composition in compose()
         self.clock.t += self.lm.embed_time(embed)
         if stop_at is None and whole:
             # one segment, every work from embedding to sampling (a decode step at full depth,
             # whole prefills): the walk's segment mode without its bookkeeping
+            self.compose(works, range(n))
             self.run_layers(range(n), works)
             self.finish(works, n)
             res.stopped_layer = n
@@ -197,7 +203,10 @@ class SimExecutor:
         return active + list(joining)
 
     def compose(self, active, layers) -> None:
-        pass
+        """One batch composition: its share of the step overhead (none for a model without it)."""
+        if self._step_terms:
+            lm = self.lm
+            self.clock.t += lm.compose_overhead_s + lm.compose_work_s * len(active)
 
     def run_layer(self, layer, active) -> None:
         if active is not self._priced[0]:  # the walker builds a new list whenever the batch changes

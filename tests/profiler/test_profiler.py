@@ -70,6 +70,33 @@ def test_profile_gives_usable_model(engine, fitted):
     engine.kv_cache.block_manager.check_integrity(expect_empty=True)
 
 
+def test_profile_measures_the_step_overhead_of_whole_steps(engine, fitted):
+    """Issue 26 item 3: whole steps of the grid's shapes (full-depth decode, layer-sliced, a prefill
+    chunk beside decode works) run through ``ModelRunner.execute``; what they cost beyond the compute
+    the runner times itself becomes a StepOverheadSample with the plan's compositions, and the form
+    ``padded-step`` prices it (per step, per composition, per composed work) in every plan."""
+    from laser.core.pricing import plan_compositions
+    from laser.latency import StepOverheadSample
+    from laser.profiler.grid import step_works
+
+    n = engine.model_config.num_layers
+    shapes = profiler.ProfileGrid.tiny().step_shapes
+    steps = [s for s in fitted.samples if isinstance(s, StepOverheadSample)]
+    want = sorted(plan_compositions([Work(f"w{i}", c - q, q, a, b) for i, (q, c, a, b) in
+                                     enumerate(step_works(sh, n))], n) for sh in shapes)
+    assert sorted((s.compositions, s.composed_works) for s in steps) == want
+    assert {k for k, _ in want} >= {1, 2, 3}  # layer-sliced shapes compose more than once
+    assert all(0 < s.seconds < 1 for s in steps)
+    assert fitted.report["form"] == "padded" and fitted.step_overhead_time(1, 1) == 0.0  # (the default form)
+    from laser.latency.fitting import fit
+
+    stepped = fit(fitted.samples, num_layers=n, metadata=fitted.metadata, form="padded-step")
+    assert "step_overhead" in stepped.report and stepped.step_overhead_time(1, 1) > 0
+    plan = StepPlan(n, [Work("a", 9, 1, 0, n, True)])
+    assert stepped.predict_iteration(plan) == pytest.approx(stepped.layer_time((1,), (10,)) * n + stepped.embed_time(1)
+                                                            + stepped.head_time(1) + stepped.step_overhead_time(1, 1))
+
+
 def test_profile_round_trips_through_its_file(engine, fitted, tmp_path, monkeypatch):
     path = fitted.save(tmp_path / "p.json")
     monkeypatch.setattr(profiler.pipeline, "profile", lambda *a, **k: pytest.fail("re-profiled a valid profile"))
@@ -400,6 +427,8 @@ def _busy_machine_timings(cases, bench, calls, warmup_s, desc, progress):
     def cost(kind, *a):
         if kind in ("stateless", "embed", "head"):
             return 2e-5 + 1e-7 * a[0]
+        if kind == "step_overhead":  # (a whole step; its overhead sample is what the replay records)
+            return 1e-3
         q, ctx = a
         attention = 5e-6 * len(q) + 1e-8 * sum(q) + 2e-9 * sum(ctx)
         return attention + (cost("stateless", sum(q)) if kind == "layer" else 0.0)
