@@ -74,6 +74,27 @@ def test_compiled_int8_gemv_matches_math_and_is_batch_invariant(monkeypatch):
     assert QuantLinear(quantize_int8(w), b).path == "aten"
 
 
+def test_model_compiles_its_int8_decode_at_load_and_logits_are_batch_invariant(tiny_llama, monkeypatch, caplog):
+    """A model with an int8 head (a GGUF Q8_0 head under ``auto``) compiles the head's decode
+    graphs at load, says so in the log, and a row's logits do not depend on its batch."""
+    import logging
+
+    from laser.model.llama import LlamaModel
+    from laser.model.loader import load_config, load_weights
+
+    monkeypatch.setenv("LASER_QUANT_GEMV", "compiled")
+    cfg, weights = load_config(tiny_llama), load_weights(tiny_llama)
+    with caplog.at_level(logging.INFO, logger="laser.model.llama"):
+        model = LlamaModel(cfg, weights, torch.float32, {"lm_head.weight": quantize_int8(weights["model.embed_tokens.weight"])})
+    assert model.lm_head_q.path == "compiled-gemv"
+    assert "inductor-compiled GEMV" in caplog.text
+    h = rand(6, cfg.hidden_size, 7)
+    with torch.inference_mode():
+        together = model.compute_logits(h)
+        alone = torch.cat([model.compute_logits(h[i : i + 1]) for i in range(6)])
+    assert torch.equal(together, alone)
+
+
 def test_concat_keeps_integers_or_requantizes_mixed_kinds():
     a, b = quantize_int4(rand(32, 64, 3)), quantize_int4(rand(16, 64, 4))
     ab = concat([a, b])
