@@ -9,9 +9,10 @@ A :class:`QWeight` holds one weight matrix ``[N, K]`` as integers plus scales:
   (``d * q + m``) and Q4_K (``d * sc * q - dmin * m`` per 32-group) map onto it exactly
   (``zero = 0``, ``m + 8 d`` and ``8 d sc - dmin m``).
 
-:class:`QuantLinear` runs ``y = x @ w.T (+ b)`` with ``torch.ops.aten._weight_int8pack_mm`` /
-``_weight_int4pack_mm_for_cpu`` for small row counts (decode), and with a dense matmul over
-the weight dequantized on the fly for many rows (prefill), where the dense GEMM is faster.
+:class:`QuantLinear` runs ``y = x @ w.T (+ b)`` for small row counts (decode) with an
+inductor-compiled GEMV (int8: :class:`CompiledGemv`) or ``torch.ops.aten._weight_int8pack_mm`` /
+``_weight_int4pack_mm_for_cpu``, and with a dense matmul over the weight dequantized on the fly
+for many rows (prefill), where the dense GEMM is faster.
 Same role as gpt-fast's ``WeightOnlyInt8Linear`` / ``WeightOnlyInt4Linear`` and llama.cpp's
 ``ggml_mul_mat`` on quantized tensors (read, not copied).
 """
@@ -121,12 +122,14 @@ class QuantLinear:
     """``y = x @ w.T (+ b)`` for a :class:`QWeight` ``w`` [N, K]: ``x`` [M, K] -> [M, N] in
     ``x``'s dtype. Same call interface as :class:`laser.model.llama.Linear`.
 
-    Up to :attr:`kernel_max_rows` rows run torch's weight-only kernel
-    (``aten._weight_int8pack_mm`` / ``aten._weight_int4pack_mm_for_cpu``) with the activations
-    cast to bfloat16 (the only activation dtype the CPU kernels take fast: fp32 activations
+    Up to :attr:`kernel_max_rows` rows run an int8 weight through :class:`CompiledGemv` (fp32
+    activations; :attr:`path` says which runs, :func:`gemv_enabled` decides), otherwise through
+    torch's weight-only kernel (``aten._weight_int8pack_mm`` / ``aten._weight_int4pack_mm_for_cpu``)
+    with the activations cast to bfloat16 (the only activation dtype the CPU kernels take fast: fp32 activations
     run a scalar path 3-35x slower than fp32 dense here) and a bf16 output cast back; the
-    scales are bf16 too. More rows (prefill) dequantize the weight into ``x``'s dtype and run
-    the dense matmul on the same bf16-rounded activations and scales. The kernels give bit-equal
+    scales are bf16 too (the compiled GEMV uses the same bf16-rounded scales). More rows (prefill)
+    dequantize the weight into ``x``'s dtype and run the dense matmul on the same activations (bf16-
+    rounded where the decode path rounds them) and scales. The kernels give bit-equal
     rows whatever the row count (checked in tests); the two paths agree to float rounding.
     Measured on a 2-core AVX2 EPYC, 1 thread, SmolLM2's 4 weight shapes, interleaved
     against the fp32 :class:`~laser.model.llama.Linear` (busy shared machine, rough):
