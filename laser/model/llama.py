@@ -191,8 +191,9 @@ class LlamaModel:
             qlins.append(self.lm_head_q)
         if qlins:
             log.info(prepare_decode_kernels(qlins))
-            # the decode kernel is part of the format latency depends on (a profile is keyed by it)
-            self.quant_kinds = sorted({m.qw.kind + ("gemv" if m.gemv is not None else "") for m in qlins})
+            if any(m.gemv is not None for m in qlins):
+                # another machine to the latency model: its own profile (laser.profiler.executor_path_of)
+                self.executor_path = "compiled-int8"
 
     def _init_rope(self) -> None:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -384,9 +385,8 @@ class LlamaModel:
 
     @property
     def weights_tag(self) -> str:
-        """The executor's weight format, e.g. ``float32``, ``float32-int4`` or ``float32-int4-int8gemv``
-        (int8 decode through the compiled GEMV): what latency depends on beyond the shape, so a
-        latency profile is keyed by it."""
+        """The executor's weight format, e.g. ``float32`` or ``float32-int4`` (what latency depends
+        on beyond the shape: a latency profile is keyed by it)."""
         name = str(self.dtype).removeprefix("torch.")
         return "-".join([name, *self.quant_kinds])
 

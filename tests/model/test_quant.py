@@ -86,7 +86,8 @@ def test_model_compiles_its_int8_decode_at_load_and_logits_are_batch_invariant(t
     cfg, weights = load_config(tiny_llama), load_weights(tiny_llama)
     with caplog.at_level(logging.INFO, logger="laser.model.llama"):
         model = LlamaModel(cfg, weights, torch.float32, {"lm_head.weight": quantize_int8(weights["model.embed_tokens.weight"])})
-    assert model.lm_head_q.path == "compiled-gemv" and model.weights_tag == "float32-int8gemv"
+    assert model.lm_head_q.path == "compiled-gemv" and model.weights_tag == "float32-int8"
+    assert model.executor_path == "compiled-int8"  # its own latency profile (laser.profiler.executor_path_of)
     assert "inductor-compiled GEMV" in caplog.text
     h = rand(6, cfg.hidden_size, 7)
     with torch.inference_mode():
