@@ -394,7 +394,11 @@ def _compile(fn, example: tuple[torch.Tensor, ...]):
 
     from .loader import cache_dir
 
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    # inductor writes its default into the environment on first use: only a user's own choice stays
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, "", default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
     with torch.inference_mode(False), torch.no_grad():
         gm = make_fx(fn)(*example)
         return inductor_compile(gm, list(example))
