@@ -160,7 +160,8 @@ def main() -> None:
     ap.add_argument("--prefill-lens", default="512")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--quantizations", default="none",
-                    help="comma-separated Laser weight formats to run side by side (none, int8, int4, auto)")
+                    help="comma-separated Laser weight formats to run side by side (none, int8, int4, auto; "
+                         "auto:aten = auto with int8 decode rows through aten's kernel, not the compiled GEMV)")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -169,16 +170,27 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     path = resolve_model(None)
     quants = args.quantizations.split(",")
-    engines = {
-        q: Engine(
-            str(path) if q == "none" else None, policy="vllm", dtype=dtype, quantization=q,
-            scheduler=SchedulerConfig(policy="vllm", max_num_batched_tokens=4096),
-            # 5.8k SmolLM2 tokens: the largest case needs 2.6k. No prefix cache: the repeats send the
-            # same prompts, and a cache hit would skip the prefill being timed
-            cache=CacheConfig(kv_cache_gib=0.25, enable_prefix_caching=False),
-        )
-        for q in quants
-    }
+
+    def make_engine(q: str) -> Engine:
+        """``q``: a quantization, or ``<quantization>:<gemv>`` with the int8 decode kernel
+        (``compiled`` or ``aten``: ``$LASER_QUANT_GEMV``) set while the engine is built."""
+        q, _, gemv = q.partition(":")
+        old = os.environ.get("LASER_QUANT_GEMV")
+        if gemv:
+            os.environ["LASER_QUANT_GEMV"] = gemv
+        try:
+            return Engine(
+                str(path) if q == "none" else None, policy="vllm", dtype=dtype, quantization=q,
+                scheduler=SchedulerConfig(policy="vllm", max_num_batched_tokens=4096),
+                # 5.8k SmolLM2 tokens: the largest case needs 2.6k. No prefix cache: the repeats send the
+                # same prompts, and a cache hit would skip the prefill being timed
+                cache=CacheConfig(kv_cache_gib=0.25, enable_prefix_caching=False),
+            )
+        finally:
+            if gemv:
+                os.environ.pop("LASER_QUANT_GEMV", None) if old is None else os.environ.__setitem__("LASER_QUANT_GEMV", old)
+
+    engines = {q: make_engine(q) for q in quants}
     engine = engines[quants[0]]
     hf = None if args.no_hf else AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     print(f"{cpu_kind()}; {args.dtype}; {torch.get_num_threads()} torch threads; laser weights "

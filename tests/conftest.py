@@ -9,6 +9,9 @@ import pytest
 import torch
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# int8 decode rows through torch's aten kernel unless a test asks for the compiled GEMV
+# (laser.model.quant.CompiledGemv): only the tests that mean to compile do
+os.environ.setdefault("LASER_QUANT_GEMV", "aten")
 
 TINY_CONFIGS = {
     "llama": dict(

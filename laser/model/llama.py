@@ -17,13 +17,16 @@ keeps in the intermediate cache. Attention runs over ragged batches through
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ..core.config import ModelConfig
-from .quant import QuantLinear, concat
+from .quant import QuantLinear, concat, prepare_decode_kernels
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -183,6 +186,14 @@ class LlamaModel:
             self.lm_head_packed = _pack_for_onednn(self.lm_head_w, batch_hint=32)
         self.kv: torch.Tensor | None = None
         self._init_rope()
+        qlins = [m for L in self.layers for m in (L.qkv, L.o, L.gate_up, L.down) if isinstance(m, QuantLinear)]
+        if self.lm_head_q is not None:
+            qlins.append(self.lm_head_q)
+        if qlins:
+            log.info(prepare_decode_kernels(qlins))
+            if any(m.gemv is not None for m in qlins):
+                # another machine to the latency model: its own profile (laser.profiler.executor_path_of)
+                self.executor_path = "compiled-int8"
 
     def _init_rope(self) -> None:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

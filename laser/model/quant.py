@@ -9,9 +9,10 @@ A :class:`QWeight` holds one weight matrix ``[N, K]`` as integers plus scales:
   (``d * q + m``) and Q4_K (``d * sc * q - dmin * m`` per 32-group) map onto it exactly
   (``zero = 0``, ``m + 8 d`` and ``8 d sc - dmin m``).
 
-:class:`QuantLinear` runs ``y = x @ w.T (+ b)`` with ``torch.ops.aten._weight_int8pack_mm`` /
-``_weight_int4pack_mm_for_cpu`` for small row counts (decode), and with a dense matmul over
-the weight dequantized on the fly for many rows (prefill), where the dense GEMM is faster.
+:class:`QuantLinear` runs ``y = x @ w.T (+ b)`` for small row counts (decode) with an
+inductor-compiled GEMV (int8: :class:`CompiledGemv`) or ``torch.ops.aten._weight_int8pack_mm`` /
+``_weight_int4pack_mm_for_cpu``, and with a dense matmul over the weight dequantized on the fly
+for many rows (prefill), where the dense GEMM is faster.
 Same role as gpt-fast's ``WeightOnlyInt8Linear`` / ``WeightOnlyInt4Linear`` and llama.cpp's
 ``ggml_mul_mat`` on quantized tensors (read, not copied).
 """
@@ -121,12 +122,14 @@ class QuantLinear:
     """``y = x @ w.T (+ b)`` for a :class:`QWeight` ``w`` [N, K]: ``x`` [M, K] -> [M, N] in
     ``x``'s dtype. Same call interface as :class:`laser.model.llama.Linear`.
 
-    Up to :attr:`kernel_max_rows` rows run torch's weight-only kernel
-    (``aten._weight_int8pack_mm`` / ``aten._weight_int4pack_mm_for_cpu``) with the activations
-    cast to bfloat16 (the only activation dtype the CPU kernels take fast: fp32 activations
+    Up to :attr:`kernel_max_rows` rows run an int8 weight through :class:`CompiledGemv` (fp32
+    activations; :attr:`path` says which runs, :func:`gemv_enabled` decides), otherwise through
+    torch's weight-only kernel (``aten._weight_int8pack_mm`` / ``aten._weight_int4pack_mm_for_cpu``)
+    with the activations cast to bfloat16 (the only activation dtype the CPU kernels take fast: fp32 activations
     run a scalar path 3-35x slower than fp32 dense here) and a bf16 output cast back; the
-    scales are bf16 too. More rows (prefill) dequantize the weight into ``x``'s dtype and run
-    the dense matmul on the same bf16-rounded activations and scales. The kernels give bit-equal
+    scales are bf16 too (the compiled GEMV uses the same bf16-rounded scales). More rows (prefill)
+    dequantize the weight into ``x``'s dtype and run the dense matmul on the same activations (bf16-
+    rounded where the decode path rounds them) and scales. The kernels give bit-equal
     rows whatever the row count (checked in tests); the two paths agree to float rounding.
     Measured on a 2-core AVX2 EPYC, 1 thread, SmolLM2's 4 weight shapes, interleaved
     against the fp32 :class:`~laser.model.llama.Linear` (busy shared machine, rough):
@@ -137,33 +140,71 @@ class QuantLinear:
         RuntimeError: the kernels are missing from this torch build (at construction).
     """
 
-    __slots__ = ("qw", "b", "packed", "scales", "kernel_max_rows", "act_dtype")
+    __slots__ = ("qw", "b", "packed", "scales", "kernel_max_rows", "act_dtype", "gemv")
     KERNEL_MAX_ROWS = {"int4": 64, "int8": 32}  # crossovers measured (see above)
 
     def __init__(self, qw: QWeight, b: torch.Tensor | None = None):
         self.qw, self.b = qw, b
         self.act_dtype = torch.bfloat16
         self.kernel_max_rows = self.KERNEL_MAX_ROWS[qw.kind]
+        self.gemv: tuple[torch.Tensor, ...] | None = None
         if qw.kind == "int8":
             self.packed = qw.q.contiguous()
             self.scales = qw.scale.to(self.act_dtype)
+            if gemv_enabled() and qw.q.shape[1] % 4 == 0:
+                # fp32 activations, the same bf16-rounded scales as the kernel's
+                self.gemv = (pack_int8_lanes(qw.q), self.scales.float().contiguous())
+                self.act_dtype = torch.float32
         else:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qw.q.to(torch.int32).contiguous(), 1)
             # [K / g, N, 2]: (scale, zero) per group and output
             self.scales = torch.stack([qw.scale, qw.zero], dim=-1).transpose(0, 1).contiguous().to(self.act_dtype)
 
+    @property
+    def path(self) -> str:
+        """Which decode kernel runs: ``"compiled-gemv"`` (:class:`CompiledGemv`) or ``"aten"``."""
+        return "compiled-gemv" if self.gemv is not None else "aten"
+
+    def warm_up(self) -> None:
+        """Compile (or load from the on-disk cache) this weight's decode graphs now, not at the
+        first decode step. No-op on the aten path."""
+        if self.gemv is not None:
+            for rows in (1, GEMV_BLOCK):
+                CompiledGemv.get(self.qw.kind, self.gemv, rows)
+
+    def use_aten(self) -> None:
+        """Run decode rows through the aten kernel (bf16 activations) instead of the compiled GEMV."""
+        if self.gemv is not None:
+            self.gemv, self.act_dtype = None, torch.bfloat16
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        xa = x.to(self.act_dtype)
-        if x.shape[0] <= self.kernel_max_rows:
+        M = x.shape[0]
+        if M <= self.kernel_max_rows and self.gemv is not None:
+            y = self._compiled(x.float().contiguous()).to(x.dtype)
+        elif M <= self.kernel_max_rows:
+            xa = x.to(self.act_dtype).contiguous()
             if self.qw.kind == "int8":
-                y = torch.ops.aten._weight_int8pack_mm(xa.contiguous(), self.packed, self.scales)
+                y = torch.ops.aten._weight_int8pack_mm(xa, self.packed, self.scales)
             else:
-                y = torch.ops.aten._weight_int4pack_mm_for_cpu(xa.contiguous(), self.packed, self.qw.group_size,
-                                                                self.scales)
+                y = torch.ops.aten._weight_int4pack_mm_for_cpu(xa, self.packed, self.qw.group_size, self.scales)
             y = y.to(x.dtype)
         else:
+            xa = x.to(self.act_dtype)
             y = F.linear(xa.to(x.dtype), self.dense_weight(x.dtype)).to(self.act_dtype).to(x.dtype)
         return y if self.b is None else y + self.b
+
+    def _compiled(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 ``x`` [M, K] -> [M, N] through the compiled GEMV: one row alone, else blocks of
+        :data:`GEMV_BLOCK` rows (the last one padded with zero rows)."""
+        kind, args = self.qw.kind, self.gemv
+        M = x.shape[0]
+        if M == 1:
+            return CompiledGemv.get(kind, args, 1)(x, *args)
+        g = CompiledGemv.get(kind, args, GEMV_BLOCK)
+        if M % GEMV_BLOCK:
+            x = torch.cat([x, x.new_zeros(GEMV_BLOCK - M % GEMV_BLOCK, x.shape[1])])
+        out = [g(x[i : i + GEMV_BLOCK], *args) for i in range(0, x.shape[0], GEMV_BLOCK)]
+        return (out[0] if len(out) == 1 else torch.cat(out))[:M]
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight [N, K] the kernel computes with (bf16-rounded scales and zeros), in ``dtype``."""
@@ -253,3 +294,140 @@ def gguf_target(type_name: str, policy: str) -> str:
     if type_name in GGUF_DENSE:
         return "none"
     return "int8" if type_name in GGUF_AUTO_INT8 else "int4"
+
+
+# -- compiled GEMV for decode rows ----------------------------------------------------------------
+#: Rows one compiled GEMV call takes: a single row, or a block of this many (fewer rows are padded
+#: with zero rows). Every decode row of any batch runs through code with the same per-row
+#: arithmetic (see :class:`CompiledGemv`), so a row's result does not depend on its batch.
+GEMV_BLOCK = 4
+
+
+def _int8_gemv(x: torch.Tensor, wf: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The int8 GEMV traced for inductor: ``x`` fp32 [M, K], ``wf`` [N, K / 4] float32 holding
+    int32 bit patterns (byte j of lane i is ``q[n, j K/4 + i]``, see :func:`pack_int8_lanes`),
+    ``scale`` fp32 [N] -> [M, N] fp32. Rows are unrolled so that inductor fuses them into one
+    reduction loop that unpacks each weight vector once for all rows."""
+    M, K = x.shape
+    w = wf.view(torch.int32)
+    xv = x.view(M, 4, K // 4)
+    qs = [((w << (24 - 8 * j)) >> 24).to(torch.float32) for j in range(4)]  # sign-extended bytes
+    rows = []
+    for m in range(M):
+        acc = qs[0] * xv[m, 0]
+        for j in range(1, 4):
+            acc = acc + qs[j] * xv[m, j]
+        rows.append(acc.sum(-1) * scale)
+    return torch.stack(rows)
+
+
+def pack_int8_lanes(q: torch.Tensor) -> torch.Tensor:
+    """int8 ``q`` [N, K] (K a multiple of 4) -> [N, K / 4] float32 whose bits are int32 lanes:
+    byte j of lane i is ``q[n, j K/4 + i]`` (float32 because inductor loads float vectors whole,
+    int vectors through a copy)."""
+    N, K = q.shape
+    b = q.view(N, 4, K // 4).to(torch.int32) & 0xFF
+    lanes = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24)
+    return lanes.contiguous().view(torch.float32)
+
+
+def gemv_enabled() -> bool:
+    """Whether int8 weights run :class:`CompiledGemv` for decode rows: ``$LASER_QUANT_GEMV`` is
+    ``compiled`` (the default) or ``aten`` (torch's ``_weight_int8pack_mm`` with bf16 activations,
+    no compiler needed; the test suite's default, so that tests compile only where they mean to)."""
+    import os
+
+    mode = os.environ.get("LASER_QUANT_GEMV", "compiled")
+    if mode not in ("compiled", "aten"):
+        raise ValueError(f"LASER_QUANT_GEMV={mode!r}: use compiled or aten")
+    return mode == "compiled"
+
+
+class CompiledGemv:
+    """Inductor-compiled int8 GEMVs for decode rows: one graph per weight shape and row count
+    (1 or :data:`GEMV_BLOCK`), compiled on first use and cached on disk by inductor's FX graph
+    cache (``$TORCHINDUCTOR_CACHE_DIR``, default ``<laser cache>/inductor``), so a later start
+    loads them instead of compiling.
+
+    The graph dequantizes inside the reduction (``scale[n] * sum_k q[n, k] x[m, k]``) over weights
+    packed four bytes per 32-bit lane, with fp32 activations and accumulators (the AVX2 path of
+    ``aten._weight_int8pack_mm`` is compute-bound and needs bf16 activations). Measured on a
+    2-core AVX2 EPYC, 1 thread, busy machine: 0.53x the time of ``_weight_int8pack_mm`` for the
+    49k x 576 SmolLM2 head at one row, 0.58x at 4 and at 32 rows; 0.65-0.99x on the layer shapes.
+    (An int4 graph of the same kind was 0.73-0.94x the int4 kernel at one row but 1.5-2.5x at 4
+    rows -- fp32 multiply-adds per row without contraction -- so int4 keeps the aten kernel.)
+
+    Batch invariance: a block's rows are unrolled into one reduction loop with one accumulator
+    per row, each row's terms added in the same order as in the 1-row graph, and inductor
+    compiles with ``-ffp-contract=off`` (no FMA contraction chosen per kernel), so a row's result
+    is bit-equal alone, in any slot of a block, or beside zero padding (checked in
+    ``tests/model/test_quant.py``). Same role as gpt-fast's compiled int8 GEMV (read, not copied).
+    """
+
+    _graphs: dict = {}
+
+    @classmethod
+    def get(cls, kind: str, args: tuple[torch.Tensor, ...], rows: int):
+        """The compiled callable ``(x [rows, K] fp32, *args) -> [rows, N] fp32`` for weight
+        operands ``args`` (:attr:`QuantLinear.gemv`); compiles it on first use.
+
+        Raises:
+            ValueError: ``kind`` is not ``int8``.
+        """
+        if kind != "int8":
+            raise ValueError(f"no compiled GEMV for {kind!r} weights")
+        key = (kind, tuple(tuple(a.shape) for a in args), rows)
+        fn = cls._graphs.get(key)
+        if fn is None:
+            K = args[0].shape[1] * 4
+            fn = cls._graphs[key] = _compile(_int8_gemv, (torch.zeros(rows, K), *args))
+        return fn
+
+
+def _compile(fn, example: tuple[torch.Tensor, ...]):
+    """``fn`` traced to an aten graph at ``example``'s shapes and compiled by inductor (no
+    dynamo: no guards evaluated per call; the caller passes tensors of these shapes)."""
+    import os
+
+    from torch._inductor import compile as inductor_compile
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from .loader import cache_dir
+
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    # inductor writes its default into the environment on first use: only a user's own choice stays
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, "", default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
+    with torch.inference_mode(False), torch.no_grad():
+        gm = make_fx(fn)(*example)
+        return inductor_compile(gm, list(example))
+
+
+def prepare_decode_kernels(linears: list[QuantLinear]) -> str:
+    """Compile (or load from inductor's on-disk cache) the decode graphs of every
+    :class:`QuantLinear` in ``linears`` that runs :class:`CompiledGemv`, so that no decode step
+    compiles; where compiling fails (no C++ compiler, an unsupported CPU) every one falls back to
+    the aten kernel. Returns a sentence for the startup log saying which path runs and what
+    compiling took (seconds)."""
+    import logging
+    import time
+
+    compiled = [lin for lin in linears if lin.gemv is not None]
+    kinds = sorted({lin.qw.kind for lin in linears})
+    if not compiled:
+        return f"quantized decode ({'/'.join(kinds) or 'none'}): torch's aten weight-only kernels"
+    t0 = time.perf_counter()
+    try:
+        for lin in compiled:
+            lin.warm_up()
+    except Exception as e:  # noqa: BLE001 -- inductor raises many kinds; the aten path always works
+        logging.getLogger(__name__).warning("compiled int8 GEMV unavailable (%s: %s); using the aten kernel",
+                                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        for lin in compiled:
+            lin.use_aten()
+        return "quantized decode: torch's aten weight-only kernels (compiling the int8 GEMV failed)"
+    shapes = len({lin.qw.shape for lin in compiled})
+    return (f"quantized decode: int8 weights through an inductor-compiled GEMV ({shapes} weight shapes x rows 1 "
+            f"and {GEMV_BLOCK}, {time.perf_counter() - t0:.1f} s to compile or load from the cache; "
+            f"LASER_QUANT_GEMV=aten for torch's kernel)" + (", int4 through aten's int4 kernel" if "int4" in kinds else ""))

@@ -52,6 +52,50 @@ def test_kernel_matches_dense_math_and_is_batch_invariant(kind):
     torch.testing.assert_close(big[:8], small, rtol=1e-2, atol=2e-2 * float(ref.abs().max()) / 64)
 
 
+def test_compiled_int8_gemv_matches_math_and_is_batch_invariant(monkeypatch):
+    """The inductor-compiled int8 GEMV computes fp32 activations times the weight it holds, and
+    a row's result is bit-equal whatever its batch: alone, in a 4-row block, beside zero padding,
+    at the kernel's largest row count; the prefill path agrees to float rounding."""
+    monkeypatch.setenv("LASER_QUANT_GEMV", "compiled")
+    w, b = rand(96, 128, 5), torch.randn(96)
+    lin = QuantLinear(quantize_int8(w), b)
+    assert lin.path == "compiled-gemv"
+    msg = quant.prepare_decode_kernels([lin])
+    assert "compiled GEMV" in msg and lin.path == "compiled-gemv", msg
+    x = rand(80, 128, 6)
+    ref = x @ lin.dense_weight(torch.float32).t() + b
+    rows = torch.cat([lin(x[i : i + 1]) for i in range(lin.kernel_max_rows)])
+    torch.testing.assert_close(rows, ref[: lin.kernel_max_rows], rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    for a, n in ((0, 4), (3, 4), (2, 3), (5, 2), (1, 9), (0, lin.kernel_max_rows)):
+        assert torch.equal(lin(x[a : a + n]), rows[a : a + n]), (a, n)
+    big = lin(x)
+    torch.testing.assert_close(big, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+    monkeypatch.setenv("LASER_QUANT_GEMV", "aten")
+    assert QuantLinear(quantize_int8(w), b).path == "aten"
+
+
+def test_model_compiles_its_int8_decode_at_load_and_logits_are_batch_invariant(tiny_llama, monkeypatch, caplog):
+    """A model with an int8 head (a GGUF Q8_0 head under ``auto``) compiles the head's decode
+    graphs at load, says so in the log, and a row's logits do not depend on its batch."""
+    import logging
+
+    from laser.model.llama import LlamaModel
+    from laser.model.loader import load_config, load_weights
+
+    monkeypatch.setenv("LASER_QUANT_GEMV", "compiled")
+    cfg, weights = load_config(tiny_llama), load_weights(tiny_llama)
+    with caplog.at_level(logging.INFO, logger="laser.model.llama"):
+        model = LlamaModel(cfg, weights, torch.float32, {"lm_head.weight": quantize_int8(weights["model.embed_tokens.weight"])})
+    assert model.lm_head_q.path == "compiled-gemv" and model.weights_tag == "float32-int8"
+    assert model.executor_path == "compiled-int8"  # its own latency profile (laser.profiler.executor_path_of)
+    assert "inductor-compiled GEMV" in caplog.text
+    h = rand(6, cfg.hidden_size, 7)
+    with torch.inference_mode():
+        together = model.compute_logits(h)
+        alone = torch.cat([model.compute_logits(h[i : i + 1]) for i in range(6)])
+    assert torch.equal(together, alone)
+
+
 def test_concat_keeps_integers_or_requantizes_mixed_kinds():
     a, b = quantize_int4(rand(32, 64, 3)), quantize_int4(rand(16, 64, 4))
     ab = concat([a, b])
