@@ -76,6 +76,11 @@ class LaserScheduler(Scheduler):
     replan_threshold = 0.95
     #: Plan iterations to this fraction of T_g: real iterations run a few % over predictions.
     tg_margin = 0.9
+    #: Most of an iteration that carries SLO work (decode streams or prompts with targets) that
+    #: best-effort work (streams without a TBT target, prompts without a TTFT target) may take
+    #: (fraction; 1.0: the paper's rule, best effort fills every iteration up to T_g). Issue 28,
+    #: item 3: :func:`~.decode.exec_plan`, :meth:`PrefillPlanner.merge`.
+    best_effort_share = 0.2
     #: Build a decode instance's steady steps directly (:meth:`_steady_decode_plan`); tests
     #: switch it off to check that the generic path makes the same plans.
     steady_decode = True
@@ -362,8 +367,10 @@ class LaserScheduler(Scheduler):
                 share.append(self.later_prefill_share())
             return share[0]
 
+        slo_decode = [w for w in cost.works if w.is_decode and self.requests[w.req_id].slo.tbt is not None]
+        slo_decode_s = PlanCost(self.lm, self.num_layers, slo_decode).total if slo_decode else 0.0
         return self.prefill.merge(self._pending_prefills(), order, queued, len(self.running), now, cost, budget,
-                                  self._kv, later_share)
+                                  self._kv, later_share, slo_decode_s, self.best_effort_share)
 
     def later_prefill_share(self) -> float:
         """Share of an iteration that prefill gets while every request now running or waiting
@@ -437,10 +444,12 @@ class LaserScheduler(Scheduler):
             rate = self.prefill_demand(self.clock()).rate
             self.plans, self.t_g, _ = exec_plan(self.lm, self.num_layers, self.iteration, decoding, self.plans,
                                                 self.planning_margin(), self.decode_memo, rate,
-                                                self.config.max_num_batched_tokens, self.speculation)
+                                                self.config.max_num_batched_tokens, self.speculation,
+                                                self.best_effort_share)
         else:
             self.plans, self.t_g, _ = exec_plan(self.lm, self.num_layers, self.iteration, decoding, self.plans,
-                                                self.plan_target_factor(), self.decode_memo, spec=self.speculation)
+                                                self.plan_target_factor(), self.decode_memo, spec=self.speculation,
+                                                best_effort_share=self.best_effort_share)
         for r in decoding:
             if not r.tbt_infeasible and tbt_infeasible(self.lm, r, self.decode_memo):
                 r.tbt_infeasible = True  # served as well as possible; metrics say so
