@@ -17,7 +17,7 @@ from ...core.plan import Work
 from ...core.speculation import SpecShape, spec_decode_time
 from ...core.request import SLO
 from ..util import ceil_div
-from .budget import best_effort_limit
+from .budget import best_effort_limit, yields_to_slo
 from .memo import DecodeMemo, layer_price, memo_for
 
 
@@ -339,8 +339,8 @@ def exec_plan(lm: LatencyModel, num_layers: int, iteration: int, decoding: list,
             background = min(max_prefill_tokens, q * math.ceil(prefill_rate * target / q))
         load = _LayerLoad(lm, n, iteration, decoding, plans, memo, background, spec)
         be_target = target
-        if best_effort_share < 1.0 and any(r.slo.tbt is None for r in decoding):
-            slo = [r for r in decoding if r.slo.tbt is not None]
+        if best_effort_share < 1.0 and any(yields_to_slo(r.slo) for r in decoding):
+            slo = [r for r in decoding if not yields_to_slo(r.slo)]
             slo_price = _LayerLoad(lm, n, iteration, slo, {r.req_id: plans[r.req_id] for r in slo}, memo,
                                    background, spec).predict()
             be_target = min(target, best_effort_limit(slo_price, best_effort_share))
@@ -368,16 +368,17 @@ def _relax_and_restore(load: "_LayerLoad", plans: dict[str, DecodePlan], decodin
         be_target = target
 
     def limit(r) -> float:
-        return be_target if r.slo.tbt is None else target
+        return be_target if yields_to_slo(r.slo) else target
 
     # relax: the most relaxed full-depth request first
+    split = be_target < target  # (the requests that yield relax first and restore last)
     relaxable = () if load.predict() <= min(target, be_target) else sorted(  # (the loop would stop at once)
         (r for r in decoding if plans[r.req_id].layers >= n and r.slo.tbt_or_inf > t_g),
-        key=lambda r: -r.slo.tbt_or_inf,
+        key=lambda r: (split and not yields_to_slo(r.slo), -r.slo.tbt_or_inf),
     )
     for r in relaxable:
         if load.predict() <= limit(r):
-            if r.slo.tbt is None:
+            if yields_to_slo(r.slo):
                 continue  # (within the best-effort limit: the SLO streams after it are judged by target)
             break
         slo = r.slo.tbt_or_inf
@@ -389,7 +390,7 @@ def _relax_and_restore(load: "_LayerLoad", plans: dict[str, DecodePlan], decodin
         load.add(plans[r.req_id])
     # restore: the strictest reduced request first; revert (and stop) if it breaks the target
     reduced = sorted((r for r in decoding if plans[r.req_id].layers < n),
-                     key=lambda r: r.slo.tbt_or_inf) if load.num_partial else ()
+                     key=lambda r: (split and yields_to_slo(r.slo), r.slo.tbt_or_inf)) if load.num_partial else ()
     for r in reduced:
         if load.predict() >= limit(r):
             break

@@ -22,7 +22,7 @@ from ...core.request import Request
 from ...latency import LatencyModel
 from ..base import prefill_left
 from ..util import largest
-from .budget import best_effort_limit
+from .budget import best_effort_limit, yields_to_slo
 from .triage import Triage
 
 
@@ -174,7 +174,7 @@ class PrefillPlanner:
                 if slots <= 0:
                     continue
                 kv.lookup_prefix(r)  # fresh: an allocation above may have evicted its prefix
-            best_effort = r.slo.ttft is None and r.slo.deadline is None
+            best_effort = yields_to_slo(r.slo)
             r_limit = limit
             if best_effort and slo_s > 0.0:
                 r_limit = min(limit, best_effort_limit(slo_s, best_effort_share))

@@ -367,7 +367,7 @@ class LaserScheduler(Scheduler):
                 share.append(self.later_prefill_share())
             return share[0]
 
-        slo_decode = [w for w in cost.works if w.is_decode and self.requests[w.req_id].slo.tbt is not None]
+        slo_decode = [w for w in cost.works if w.is_decode and not rules.yields_to_slo(self.requests[w.req_id].slo)]
         slo_decode_s = PlanCost(self.lm, self.num_layers, slo_decode).total if slo_decode else 0.0
         return self.prefill.merge(self._pending_prefills(), order, queued, len(self.running), now, cost, budget,
                                   self._kv, later_share, slo_decode_s, self.best_effort_share)
