@@ -33,6 +33,11 @@ iteration as fit; a prefill's chunk may thus cross several iterations layer by l
 Alg. 1 prices the iteration with the prefill the pending deadlines need merged into its
 layer calls, so decode layers are cut when prefill needs the compute they take.
 
+Best effort gives way (not in the paper): beside work for requests with SLO targets, best-effort
+decode layers and prompts take at most ``best_effort_share`` of an iteration
+(:func:`~.budget.best_effort_limit`), so the SLO streams keep their own pace instead of a token per
+T_g (issue 28, item 3).
+
 The parts, each a module of this package with explicit inputs (the scheduler owns the state):
 ``prefill.py`` (the EDF merge, ``fit``, what the pending prefills need), ``triage.py``
 (Moore-Hodgson overload triage, pure, computed once per step), ``decode.py`` (Alg. 1, pure),
