@@ -167,7 +167,7 @@ class JobDispatcher:
         urgent = self.urgent_since is not None or self.urgent(now)  # latched: see BatchManager._urgent
         if urgent and self.urgent_since is None:
             self.urgent_since = now - self.t0
-        live = list(self.scheduler.requests.values())
+        live = [self.scheduler.get_request(rid) for rid in self.scheduler.request_ids()]
         interactive = any(r.slo.tier in ("hot", "warm") and not r.token_times for r in live)
         queued = sum(1 for r in live if not r.token_times)
         lat = sum(self._latency) / len(self._latency) if self._latency else None

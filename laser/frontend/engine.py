@@ -146,7 +146,7 @@ class Engine(ModelInstance):
         self.core.scheduler = make_scheduler(scheduler, self.model_config.num_layers, self.kv_cache.block_manager,
                                              self.icache, self.latency_model, self.clock)
         if self.speculator is not None:
-            self.core.scheduler.speculation = self.speculator.shape
+            self.core.scheduler.set_speculation(self.speculator.shape)
         self.scheduler_config = scheduler
 
     def predict_prefill_seconds(self, num_tokens: int) -> float:

@@ -225,7 +225,7 @@ class InstanceCore:
         t1 = self._perf()
         observe = self.step_observer
         c1 = self.clock() if observe is not None else 0.0
-        result = self.executor.execute(plan, self.scheduler.requests, stop_at=self._stop_at)
+        result = self.executor.execute(plan, self.scheduler.requests_of(plan), stop_at=self._stop_at)
         now = self.clock()
         t2 = self._perf()
         if (observe is not None and result.stopped_layer >= plan.last_layer and not result.exit_layers
@@ -324,4 +324,4 @@ class InstanceCore:
         self.scheduler.check_integrity(expect_empty=expect_empty)
         check = getattr(self.executor, "check_integrity", None)
         if check is not None:
-            check(self.scheduler.running)
+            check(self.scheduler.running_requests())

@@ -330,19 +330,7 @@ def fit(samples: Iterable[Sample], *, num_layers: int, metadata: dict | None = N
     widths = DEFAULT_WIDTHS if widths is None else widths
     if small_counts is None:
         small_counts = FORMS[form]["small_counts"]
-    kinds: dict[type, list] = {t: [] for t in SAMPLE_TYPES}
-    for s in samples:
-        if type(s) not in kinds:
-            raise TypeError(f"not a profile sample: {s!r}")
-        check_seconds(s.seconds)
-        if isinstance(s, (AttentionSample, LayerSample)):
-            check_batch(s.query_lens, s.context_lens)
-        elif isinstance(s, StepOverheadSample):
-            if s.compositions < 1 or s.composed_works < s.compositions:
-                raise ValueError(f"need 1 <= compositions <= composed_works: {s!r}")
-        elif (s.n_tokens if hasattr(s, "n_tokens") else s.n_rows) < 1:
-            raise ValueError(f"count must be >= 1: {s!r}")
-        kinds[type(s)].append(s)
+    kinds = _by_kind(samples)
     if num_layers < 1:
         raise ValueError("num_layers must be >= 1")
 
@@ -392,6 +380,25 @@ def fit(samples: Iterable[Sample], *, num_layers: int, metadata: dict | None = N
                               head=head, layer_overhead_s=overhead, layer_attention_scale=scale,
                               step_overhead_s=step_terms[0], compose_overhead_s=step_terms[1],
                               compose_work_s=step_terms[2], metadata=meta, report=report, samples=samples)
+
+
+def _by_kind(samples: Sequence[Sample]) -> dict[type, list]:
+    """``samples`` by sample type, each checked. Raises ``TypeError`` for a non-sample,
+    ``ValueError`` for an invalid one."""
+    kinds: dict[type, list] = {t: [] for t in SAMPLE_TYPES}
+    for s in samples:
+        if type(s) not in kinds:
+            raise TypeError(f"not a profile sample: {s!r}")
+        check_seconds(s.seconds)
+        if isinstance(s, (AttentionSample, LayerSample)):
+            check_batch(s.query_lens, s.context_lens)
+        elif isinstance(s, StepOverheadSample):
+            if s.compositions < 1 or s.composed_works < s.compositions:
+                raise ValueError(f"need 1 <= compositions <= composed_works: {s!r}")
+        elif (s.n_tokens if hasattr(s, "n_tokens") else s.n_rows) < 1:
+            raise ValueError(f"count must be >= 1: {s!r}")
+        kinds[type(s)].append(s)
+    return kinds
 
 
 def _fit_layer_composition(layer: Sequence["LayerSample"], stateless, attention) -> tuple[float, float]:

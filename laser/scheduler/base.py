@@ -1,14 +1,13 @@
 """The scheduler interface every policy implements, and the bookkeeping they share.
 
-A scheduler is torch-free. It owns the request queues and decides, each step, which
-requests run which layers on which tokens (:class:`~laser.core.plan.StepPlan`). It also
-owns allocation decisions: it allocates KV blocks in the block manager for the works
-it plans, and keeps the intermediate cache within capacity.
+A scheduler is torch-free. It owns the request queues and decides, each step, which requests run
+which layers on which tokens (:class:`~laser.core.plan.StepPlan`); it allocates the KV blocks of
+the works it plans and keeps the intermediate cache within capacity.
 
 Contract (one engine step)::
 
     plan = sched.schedule(now)                 # allocate, decide
-    result = runner.execute(plan, sched.requests, stop_at=sched.stop_at)
+    result = runner.execute(plan, sched.requests_of(plan), stop_at=sched.stop_at)
     updated = sched.update(plan, result.stopped_layer, result.sampled, now)
 
 ``stop_at(j)`` is asked at layer boundaries; a policy that returns True pauses every
@@ -64,18 +63,14 @@ class Scheduler(ABC):
         self.preemptions: Counter[tuple[str, str]] = Counter()
         self.recomputes: Counter[tuple[str, str]] = Counter()
         self.recomputed_tokens: Counter[tuple[str, str]] = Counter()
-        # Prefix cache (vLLM's prefix_cache_queries / _hits): prompt tokens looked up at a
-        # request's first admission, and those found cached; tokens a preempted request re-found
-        # of its own on readmission (not a hit).
+        # Prefix cache (vLLM's queries / hits at first admission; re-found on readmission: not a hit)
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.prefix_cache_refound = 0
         self._prefix_version = -1  # bm.cache_version at the last refresh_prefixes
         self.step_index = 0
         self.depth_means = DepthMeans()  # dynamic depth: layers per decode token, per SLO class
-        # Self-speculative decoding on this instance (laser.core.speculation.SpecShape, set with its
-        # executor: laser.spec.enable_self_speculation), None without: the Laser scheduler prices
-        # speculating decode works by it.
+        # Self-speculation's SpecShape (set_speculation), None without: Laser prices decode works by it
         self.speculation = None
 
     # -- queue ----------------------------------------------------------------------------
@@ -113,21 +108,18 @@ class Scheduler(ABC):
 
     @property
     def step_observer(self) -> Callable | None:
-        """:meth:`observe_step`, when the latency model it plans with calibrates itself online
-        (:class:`laser.latency.CalibratedLatencyModel`); else None. The instance core calls it."""
+        """:meth:`observe_step` when its latency model calibrates online (the core calls it); else None."""
         return self.observe_step if hasattr(self.latency_model, "observe_step") else None
 
     def observe_step(self, plan: StepPlan, measured_s: float) -> None:
-        """A step ran ``plan`` to its end in ``measured_s`` seconds: the latency model is told that
-        and its prediction of the plan (``plan.predicted``, made when the plan was built; priced
-        now for a policy that builds plans unpriced): two numbers, not the plan."""
+        """``plan`` ran to its end in ``measured_s`` s: the latency model is told two numbers, that and
+        its prediction (``plan.predicted``, made at planning; priced now for unpriced plans)."""
         lm = self.latency_model
         p = plan.predicted
         lm.observe_step(p[1] if p is not None and p[0] is lm else lm.predict_iteration(plan), measured_s)
 
     def set_role(self, role: str) -> None:
-        """Serve as ``role`` (``prefill``, ``decode`` or ``mixed``) from the next step on (a
-        prefill instance serving as mixed while its cluster has no decode instance, and back)."""
+        """Serve as ``role`` from the next step on (a prefill instance as mixed without decode instances)."""
         self.config = dataclasses.replace(self.config, role=role)
         self.on_role_change()
 
@@ -138,7 +130,7 @@ class Scheduler(ABC):
         """Hook: a decode-phase request joined (Laser replans)."""
 
     def on_arrival(self, req: Request) -> None:
-        """Hook for policies that react to arrivals (Laser's slack check)."""
+        """Hook: a request arrived (Laser's slack check)."""
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -155,13 +147,21 @@ class Scheduler(ABC):
         """The unfinished request ``req_id``, or None."""
         return self.requests.get(req_id)
 
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
+    def requests_of(self, plan) -> dict[str, Request]:
+        """The requests of ``plan``'s works by id (what an executor reads to run the plan)."""
+        return {w.req_id: self.requests[w.req_id] for w in plan.works}
 
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
+    def running_requests(self) -> list[Request]:
+        """The running requests (a copy, in running order)."""
+        return list(self.running)
+
+    def set_speculation(self, shape) -> None:
+        """Price decode works as self-speculative by ``shape`` (a :class:`laser.core.speculation.SpecShape`;
+        None: none), set with the speculating executor (:func:`laser.spec.enable_self_speculation`)."""
+        self.speculation = shape
+
+    num_waiting = property(lambda self: len(self.waiting))
+    num_running = property(lambda self: len(self.running))
 
     # -- decisions ----------------------------------------------------------------------------
     @abstractmethod
@@ -202,14 +202,10 @@ class Scheduler(ABC):
 
     # -- prefix cache (laser.core.block_manager) ----------------------------------------------------
     def lookup_prefix(self, req: Request) -> None:
-        """Set the ``num_computed_tokens`` of ``req``, a request that holds no KV, to its longest
-        cached prefix: whole blocks, at most ``num_tokens - 1`` tokens (the last token is always
-        computed, for its logits -- as vLLM). Every pricing then sees only the tokens left to
-        compute; :meth:`try_allocate` attaches those blocks. A request holding KV, or with a
-        chunk in flight, is left alone. Policies call it right before planning a waiting request
-        (a previous lookup may be stale: blocks get evicted). A request that asks for prompt
-        logprobs computes its whole prompt (their logits come from the last layer of every prompt
-        position; vLLM v1 also skips the cache for them)."""
+        """Set the ``num_computed_tokens`` of ``req`` (holding no KV, no chunk in flight) to its longest
+        cached prefix: whole blocks, at most ``num_tokens - 1`` tokens (the last is computed for its
+        logits, as vLLM); :meth:`try_allocate` attaches them. Called right before planning a waiting
+        request (blocks get evicted). Prompt-logprobs requests compute their whole prompt (vLLM v1)."""
         bm = self.bm
         if (not bm.enable_prefix_caching or req.chunk_tokens or bm.has(req.req_id)
                 or req.sampling_params.prompt_logprobs is not None):
@@ -259,9 +255,8 @@ class Scheduler(ABC):
                 self.prefix_cache_refound += req.num_computed_tokens
 
     def count_preemption(self, cause: str, req: Request | None) -> None:
-        """Count one preemption of ``req`` (the victim) by ``cause`` — e.g. ``kv`` (the pool is
-        short), ``slo`` (a stricter deadline needs the room), ``running_cap`` (max_num_seqs).
-        Every preemption, whatever its mechanism (recompute, KV kept), is counted here once."""
+        """Count one preemption of victim ``req`` by ``cause`` (``kv``: pool short, ``slo``: a stricter
+        deadline, ``running_cap``: max_num_seqs); every preemption, whatever its mechanism, once."""
         self.preemptions[(cause, req.slo.name if req is not None else "")] += 1
         self.num_preemptions += 1
 
@@ -273,18 +268,13 @@ class Scheduler(ABC):
             self.recomputed_tokens[(kind, req.slo.name)] += tokens
 
     def preempt(self, req: Request, cause: str = "kv") -> None:
-        """Recompute preemption (vLLM): free ``req``'s KV and paused state, requeue it.
-
-        Its output so far is kept; it is recomputed (prompt + outputs) when readmitted.
-        ``cause`` labels the preemption counter (:meth:`count_preemption`).
-        """
+        """Recompute preemption (vLLM): free ``req``'s KV and paused state, requeue it; its output is
+        kept and recomputed with the prompt when readmitted. ``cause``: :meth:`count_preemption`."""
         self.count_recompute("preemption", req, req.num_computed_tokens + req.chunk_tokens)
         was_decoding = req.phase == Phase.DECODE
         self.bm.free(req.req_id)
         self.icache.discard(req.req_id)
-        req.num_computed_tokens = 0
-        req.chunk_tokens = 0
-        req.next_layer = 0
+        req.num_computed_tokens = req.chunk_tokens = req.next_layer = 0
         req.phase = Phase.PREFILL if req.output_token_ids else Phase.WAITING
         req.num_preemptions += 1
         self.lookup_prefix(req)  # its own published blocks stay cached: it resumes from them
@@ -478,10 +468,8 @@ class Scheduler(ABC):
         return {}
 
     def decode_state(self) -> tuple:
-        """Layer-level decode planning's live state (Laser's Alg. 1): (iteration counter, decode
-        plans by request id, the fraction of T_g it plans to, its price memo); an iteration-level
-        policy: (0, {}, 1.0, None). Read on the owning thread by :meth:`latency_increment` and
-        :func:`laser.scheduler.migration.migration_victim`."""
+        """Alg. 1's live state: (iteration, decode plans by id, fraction of T_g planned to, price memo);
+        iteration-level policies: (0, {}, 1.0, None). For :meth:`latency_increment` and migration."""
         return 0, {}, 1.0, None
 
     def latency_increment(self, latency_model, joining: list, candidate):

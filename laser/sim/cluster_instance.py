@@ -177,8 +177,8 @@ class SimClusterInstance(Instance):
         :meth:`~laser.instance.core.InstanceCore.export`). Raises KeyError if it is not decoding here."""
         if self.plan is not None:
             raise RuntimeError(f"instance {self.instance_id}: migrate_out during a step")
-        req = self.scheduler.requests[req_id]
-        if req not in self.scheduler.decoding():
+        req = self.scheduler.get_request(req_id)
+        if req is None or req not in self.scheduler.decoding():
             raise KeyError(f"{req_id} is not decoding on instance {self.instance_id}")
         self.migrated_out += 1
         self._version += 1

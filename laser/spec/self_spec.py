@@ -307,6 +307,6 @@ def enable_self_speculation(instance, config: SpeculativeConfig, heads=None) -> 
     g = config.draft_tokens or rec.get("draft_tokens") or 3
     spec = SelfSpeculator(instance.runner, heads, int(k), int(g), instance.max_model_len)
     instance.core.executor = instance.speculator = spec
-    instance.core.scheduler.speculation = spec.shape
+    instance.core.scheduler.set_speculation(spec.shape)
     log.info("self-speculative decoding: exit after layer %d, %d draft tokens", k, g)
     return spec
