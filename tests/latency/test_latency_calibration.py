@@ -97,6 +97,9 @@ def test_a_machine_slower_than_its_profile_breaks_tbt_unless_laser_calibrates():
         plan_lm = CalibratedLatencyModel(lm, min_steps=2) if calibrate else lm
         sim = SimInstance("laser", 30, plan_lm, SchedulerConfig(policy="laser"),
                           machine_model=ScaledLatencyModel(lm, slowdown))
+        # best effort fills each iteration up to T_g (the paper's rule; by default it takes at most
+        # best_effort_share of one, and the gaps keep clear of the target whatever the model's error)
+        sim.scheduler.best_effort_share = 1.0
         sp = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
         codes = [Request([7] * 64, sp, code, arrival_time=0.05 * k, req_id=f"c{k}") for k in range(4)]
         for r in codes + [Request([7] * 600, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True), best,
@@ -168,6 +171,7 @@ def test_laser_widens_its_margins_on_a_machine_whose_steps_jitter():
             machine.factor = rng.uniform(1.12, 1.3) if rng.random() < 0.1 else rng.uniform(0.95, 1.02)
 
         sim = SimInstance("laser", 30, plan_lm, SchedulerConfig(policy="laser"), machine_model=machine)
+        sim.scheduler.best_effort_share = 1.0  # iterations filled to T_g (the paper's rule): the margins matter
         sp = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
         codes = [Request([7] * 64, sp, code, arrival_time=0.05 * k, req_id=f"c{k}") for k in range(4)]
         bests = [Request([7] * 600, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True), best,

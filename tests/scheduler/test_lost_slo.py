@@ -221,6 +221,9 @@ def test_one_gap_over_target_does_not_give_up_a_request_whose_p99_can_still_hold
     code, best = SLO(ttft=0.5, tbt=0.2, name="code"), SLO(name="best_effort")
     machine = ScaledLatencyModel(lm, 1.0)
     sim = SimInstance("laser", 30, lm, SchedulerConfig(policy="laser"), machine_model=machine)
+    # best effort fills each iteration up to T_g (the paper's rule; the default leaves the stream
+    # its own pace: best_effort_share), so the one slow step puts one gap over the target
+    sim.scheduler.best_effort_share = 1.0
     steps = [0]
 
     def jitter():  # step 20 (the stream decoding beside a best-effort prefill) runs 1.2x slower
@@ -255,6 +258,7 @@ def test_t_g_is_released_in_the_step_after_the_last_savable_request_loses_its_p9
     for k in range(3):
         sim.submit(req(3000, 0.3, SLO(name="best_effort"), 4, f"b{k}"))
     sched = sim.scheduler
+    sched.best_effort_share = 1.0  # the prefills fill each iteration up to T_g: the gaps run over
     broken_at = None
     for _ in range(100_000):
         if not sim.has_unfinished() and sim.next_event() == float("inf"):

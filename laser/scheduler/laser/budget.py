@@ -144,3 +144,17 @@ def triage_rate(prefill_rate: float, min_rate: float, break_open: bool) -> float
     Case: judged at the share T_g leaves, a 190-token chat beside one code stream was given up and
     missed, where the break (one iteration that completes the urgent prefill) met both SLOs."""
     return 1.0 if break_open else max(prefill_rate, min_rate)
+
+
+def yields_to_slo(slo) -> bool:
+    """Whether work of a request with ``slo`` (a :class:`~laser.core.request.SLO`) gives way to SLO
+    work under :func:`best_effort_limit`: best effort, no TTFT or TBT target and no batch-job
+    deadline (a cold request with one must finish in its job's window)."""
+    return slo.ttft is None and slo.tbt is None and slo.deadline is None
+
+
+def best_effort_limit(slo_price: float, share: float) -> float:
+    """Seconds an iteration may take with best-effort work in it, when its work for requests
+    with SLO targets costs ``slo_price`` seconds and best effort may take ``share`` (in (0, 1])
+    of it: ``slo_price / (1 - share)`` (inf at 1.0). Our rule (issue 28, item 3)."""
+    return math.inf if share >= 1.0 else slo_price / (1.0 - share)

@@ -17,6 +17,7 @@ from ...core.plan import Work
 from ...core.speculation import SpecShape, spec_decode_time
 from ...core.request import SLO
 from ..util import ceil_div
+from .budget import best_effort_limit, yields_to_slo
 from .memo import DecodeMemo, layer_price, memo_for
 
 
@@ -279,7 +280,7 @@ PREFILL_QUANTUM = 16
 
 def exec_plan(lm: LatencyModel, num_layers: int, iteration: int, decoding: list, plans: dict[str, DecodePlan],
               target_factor: float = 1.0, memo: DecodeMemo | None = None, prefill_rate: float = 0.0,
-              max_prefill_tokens: int = 0, spec: SpecShape | None = None
+              max_prefill_tokens: int = 0, spec: SpecShape | None = None, best_effort_share: float = 1.0
               ) -> tuple[dict[str, DecodePlan], float, "_LayerLoad | None"]:
     """Algorithm 1 (PPoPP'26 §6.2.2), ``ExecPlan(N, R, L, O, R*)``: plans for ``decoding``.
 
@@ -310,6 +311,15 @@ def exec_plan(lm: LatencyModel, num_layers: int, iteration: int, decoding: list,
     target) prices the returned plans (:meth:`_LayerLoad.predict`, seconds). Pure: the
     input ``plans`` dict is not changed. ``memo``: the caller's :class:`DecodeMemo` of ``lm``
     (the same answer, faster).
+
+    ``best_effort_share`` (a fraction in (0, 1]; 1.0: the paper's rule): the most of an iteration
+    that best-effort streams (no TBT target) may take beside the streams with one. Alg. 1's
+    restore loop fills every iteration up to T_g, with best-effort layers too; then the SLO
+    streams get a token per T_g instead of at their own pace, stay in flight several times
+    longer, pile up, and each new SLO prompt's prefill gets only what their decode work leaves
+    (:func:`best_effort_limit`). Below 1.0, a best-effort stream is restored (and relaxed) against
+    ``min(target, best_effort_limit(P, share))`` instead, P the price of the iteration without
+    any best-effort stream: best effort slows down, the SLO streams keep their pace. Our rule.
     """
     n = num_layers
     given = plans
@@ -328,7 +338,13 @@ def exec_plan(lm: LatencyModel, num_layers: int, iteration: int, decoding: list,
             q = PREFILL_QUANTUM
             background = min(max_prefill_tokens, q * math.ceil(prefill_rate * target / q))
         load = _LayerLoad(lm, n, iteration, decoding, plans, memo, background, spec)
-        _relax_and_restore(load, plans, decoding, n, t_g, target)
+        be_target = target
+        if best_effort_share < 1.0 and any(yields_to_slo(r.slo) for r in decoding):
+            slo = [r for r in decoding if not yields_to_slo(r.slo)]
+            slo_price = _LayerLoad(lm, n, iteration, slo, {r.req_id: plans[r.req_id] for r in slo}, memo,
+                                   background, spec).predict()
+            be_target = min(target, best_effort_limit(slo_price, best_effort_share))
+        _relax_and_restore(load, plans, decoding, n, t_g, target, be_target)
         # (judged on the decode work alone: the priced prefill gives way to the TBT gaps)
         bare = load if not background else _LayerLoad(lm, n, iteration, decoding, plans, memo, spec=spec)
         if bare.predict() > t_g and _keep_reduced_within(bare, plans, decoding, n, target_factor) and background:
@@ -343,17 +359,27 @@ def exec_plan(lm: LatencyModel, num_layers: int, iteration: int, decoding: list,
 
 
 def _relax_and_restore(load: "_LayerLoad", plans: dict[str, DecodePlan], decoding: list, n: int, t_g: float,
-                       target: float) -> None:
+                       target: float, be_target: float | None = None) -> None:
     """Alg. 1's two loops on ``load`` and ``plans`` (both changed in place): relax the most
-    relaxed full-depth requests while the iteration is over ``target`` seconds, then restore
-    the strictest reduced ones while it stays under."""
+    relaxed full-depth requests while the iteration is over ``target`` seconds (a best-effort
+    one: over ``be_target``, default ``target``), then restore the strictest reduced ones while
+    it stays under (a best-effort one: under ``be_target``)."""
+    if be_target is None:
+        be_target = target
+
+    def limit(r) -> float:
+        return be_target if yields_to_slo(r.slo) else target
+
     # relax: the most relaxed full-depth request first
-    relaxable = () if load.predict() <= target else sorted(  # (the loop would stop at once)
+    split = be_target < target  # (the requests that yield relax first and restore last)
+    relaxable = () if load.predict() <= min(target, be_target) else sorted(  # (the loop would stop at once)
         (r for r in decoding if plans[r.req_id].layers >= n and r.slo.tbt_or_inf > t_g),
-        key=lambda r: -r.slo.tbt_or_inf,
+        key=lambda r: (split and not yields_to_slo(r.slo), -r.slo.tbt_or_inf),
     )
     for r in relaxable:
-        if load.predict() <= target:
+        if load.predict() <= limit(r):
+            if yields_to_slo(r.slo):
+                continue  # (within the best-effort limit: the SLO streams after it are judged by target)
             break
         slo = r.slo.tbt_or_inf
         L = 1 if slo == math.inf else relaxed_layers(n, t_g, slo)  # best effort: 1 layer
@@ -364,15 +390,15 @@ def _relax_and_restore(load: "_LayerLoad", plans: dict[str, DecodePlan], decodin
         load.add(plans[r.req_id])
     # restore: the strictest reduced request first; revert (and stop) if it breaks the target
     reduced = sorted((r for r in decoding if plans[r.req_id].layers < n),
-                     key=lambda r: r.slo.tbt_or_inf) if load.num_partial else ()
+                     key=lambda r: (split and yields_to_slo(r.slo), r.slo.tbt_or_inf)) if load.num_partial else ()
     for r in reduced:
-        if load.predict() >= target:
+        if load.predict() >= limit(r):
             break
         old = plans[r.req_id]
         depth = load.depths.get(r.req_id)
         load.remove(old)
         load.add(DecodePlan(n, 0), depth=depth, rid=r.req_id)
-        if load.predict() > target:
+        if load.predict() > limit(r):
             load.remove(DecodePlan(n, 0), depth, r.req_id)
             load.add(old)
             break

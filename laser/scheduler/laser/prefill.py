@@ -22,6 +22,7 @@ from ...core.request import Request
 from ...latency import LatencyModel
 from ..base import prefill_left
 from ..util import largest
+from .budget import best_effort_limit, yields_to_slo
 from .triage import Triage
 
 
@@ -134,7 +135,8 @@ class PrefillPlanner:
 
     # -- the EDF merge (§6.1) -----------------------------------------------------------------------
     def merge(self, cands: Sequence[Request], order: Triage, queued: set[int], num_running: int, now: float,
-              cost: PlanCost, budget: float, kv: KVActions, later_share: Callable[[], float]) -> list[Work]:
+              cost: PlanCost, budget: float, kv: KVActions, later_share: Callable[[], float],
+              slo_decode_s: float = 0.0, best_effort_share: float = 1.0) -> list[Work]:
         """EDF merge of prefill layer-work into the step (``cands`` in ``order``; ``queued``: ids of
         the waiting ones, each of which takes one of the ``max_num_seqs - num_running`` free
         running slots), within ``budget`` seconds beyond the decode part (``cost``: the price of the
@@ -142,9 +144,16 @@ class PrefillPlanner:
         deadline that was being met (:class:`_Bounds`). The most urgent prefill advances at least
         one layer when nothing else was merged. Allocates KV and admits through ``kv``.
         ``later_share()``: the share of an iteration that prefill work held back from this step
-        will get when it runs (:meth:`holds_back`; asked only then)."""
+        will get when it runs (:meth:`holds_back`; asked only then).
+
+        A best-effort prompt (no TTFT target, no job deadline) fills the step only up to
+        :func:`~.decode.best_effort_limit` of the step's SLO work (``slo_decode_s``: the price of
+        its decode works for requests with a TBT target, plus the prefill merged for requests with
+        a TTFT target) and ``best_effort_share``; no limit while the step has no SLO work (issue 28,
+        item 3: best effort slows down, the SLO streams keep their pace)."""
         n = self.num_layers
         limit = cost.total + budget
+        slo_s = slo_decode_s  # the step's price for SLO work so far (seconds)
         bounds = _Bounds(now, decode_s=cost.total)
         works: list[Work] = []
         tokens = 0
@@ -165,7 +174,11 @@ class PrefillPlanner:
                 if slots <= 0:
                     continue
                 kv.lookup_prefix(r)  # fresh: an allocation above may have evicted its prefix
-            w = self._candidate_work(r, cost, limit, bounds, order.is_given_up(r), works, tokens)
+            best_effort = yields_to_slo(r.slo)
+            r_limit = limit
+            if best_effort and slo_s > 0.0:
+                r_limit = min(limit, best_effort_limit(slo_s, best_effort_share))
+            w = self._candidate_work(r, cost, r_limit, bounds, order.is_given_up(r), works, tokens)
             if w is False:
                 break
             if w is None:
@@ -195,7 +208,10 @@ class PrefillPlanner:
                 kv.admit(r)
                 slots -= 1
             works.append(w)
+            before = cost.total
             cost.add(w)
+            if not best_effort:
+                slo_s += cost.total - before
             tokens += w.num_tokens
             if w.sample:
                 if not firsts:

@@ -33,6 +33,11 @@ iteration as fit; a prefill's chunk may thus cross several iterations layer by l
 Alg. 1 prices the iteration with the prefill the pending deadlines need merged into its
 layer calls, so decode layers are cut when prefill needs the compute they take.
 
+Best effort gives way (not in the paper): beside work for requests with SLO targets, best-effort
+decode layers and prompts take at most ``best_effort_share`` of an iteration
+(:func:`~.budget.best_effort_limit`), so the SLO streams keep their own pace instead of a token per
+T_g (issue 28, item 3).
+
 The parts, each a module of this package with explicit inputs (the scheduler owns the state):
 ``prefill.py`` (the EDF merge, ``fit``, what the pending prefills need), ``triage.py``
 (Moore-Hodgson overload triage, pure, computed once per step), ``decode.py`` (Alg. 1, pure),
@@ -76,6 +81,11 @@ class LaserScheduler(Scheduler):
     replan_threshold = 0.95
     #: Plan iterations to this fraction of T_g: real iterations run a few % over predictions.
     tg_margin = 0.9
+    #: Most of an iteration that carries SLO work (decode streams or prompts with targets) that
+    #: best-effort work (streams without a TBT target, prompts without a TTFT target) may take
+    #: (fraction; 1.0: the paper's rule, best effort fills every iteration up to T_g). Issue 28,
+    #: item 3: :func:`~.decode.exec_plan`, :meth:`PrefillPlanner.merge`.
+    best_effort_share = 0.2
     #: Build a decode instance's steady steps directly (:meth:`_steady_decode_plan`); tests
     #: switch it off to check that the generic path makes the same plans.
     steady_decode = True
@@ -362,8 +372,10 @@ class LaserScheduler(Scheduler):
                 share.append(self.later_prefill_share())
             return share[0]
 
+        slo_decode = [w for w in cost.works if w.is_decode and not rules.yields_to_slo(self.requests[w.req_id].slo)]
+        slo_decode_s = PlanCost(self.lm, self.num_layers, slo_decode).total if slo_decode else 0.0
         return self.prefill.merge(self._pending_prefills(), order, queued, len(self.running), now, cost, budget,
-                                  self._kv, later_share)
+                                  self._kv, later_share, slo_decode_s, self.best_effort_share)
 
     def later_prefill_share(self) -> float:
         """Share of an iteration that prefill gets while every request now running or waiting
@@ -437,10 +449,12 @@ class LaserScheduler(Scheduler):
             rate = self.prefill_demand(self.clock()).rate
             self.plans, self.t_g, _ = exec_plan(self.lm, self.num_layers, self.iteration, decoding, self.plans,
                                                 self.planning_margin(), self.decode_memo, rate,
-                                                self.config.max_num_batched_tokens, self.speculation)
+                                                self.config.max_num_batched_tokens, self.speculation,
+                                                self.best_effort_share)
         else:
             self.plans, self.t_g, _ = exec_plan(self.lm, self.num_layers, self.iteration, decoding, self.plans,
-                                                self.plan_target_factor(), self.decode_memo, spec=self.speculation)
+                                                self.plan_target_factor(), self.decode_memo, spec=self.speculation,
+                                                best_effort_share=self.best_effort_share)
         for r in decoding:
             if not r.tbt_infeasible and tbt_infeasible(self.lm, r, self.decode_memo):
                 r.tbt_infeasible = True  # served as well as possible; metrics say so
