@@ -260,6 +260,17 @@ def test_a_prompt_saved_only_by_a_knowing_break_of_t_g_is_not_given_up():
     assert all(record_from_request(r).slo_met for r in reqs)
 
 
+def keep_live(sim, loop: list[Request], n: int, prompt_len: int, until: float) -> None:
+    """A closed loop of ``n`` best-effort requests (``prompt_len``-token prompts, 128 tokens): top
+    ``loop`` up to ``n`` unfinished on ``sim`` until its clock reaches ``until`` (seconds)."""
+    live = sum(b.finish_time is None for b in loop)
+    while live < n and sim.clock.t < until:
+        b = req(prompt_len, sim.clock.t, BEST, 128, f"be{len(loop)}")
+        loop.append(b)
+        sim.add_request(b)
+        live += 1
+
+
 def _interactive_beside_background(seed: int, jitter_margin) -> dict[str, tuple[int, int]]:
     """Poisson chat (0.5/s, 200-token prompts) and code (0.25/s, 100) arrivals for 60 s beside a
     closed loop of 12 best-effort requests (512-token prompts, 128 tokens), on a machine where one
@@ -286,12 +297,7 @@ def _interactive_beside_background(seed: int, jitter_margin) -> dict[str, tuple[
 
     def before_step():
         machine.factor = 1.25 if jr.random() < 0.1 else jr.uniform(0.97, 1.05)
-        live = sum(b.finish_time is None for b in background)
-        while live < 12 and sim.clock.t < 60.0:
-            b = req(512, sim.clock.t, BEST, 128, f"be{len(background)}")
-            background.append(b)
-            sim.add_request(b)
-            live += 1
+        keep_live(sim, background, 12, 512, 60.0)
 
     sim.run(max_steps=5_000_000, before_step=before_step)
     sim.check_integrity(expect_empty=True)
@@ -346,12 +352,7 @@ def _beside_closed_loop(seed: int, best_effort_share: float | None, background: 
     loop: list[Request] = []
 
     def before_step():
-        live = sum(b.finish_time is None for b in loop)
-        while live < background and sim.clock.t < duration:
-            b = req(128, sim.clock.t, BEST, 128, f"be{len(loop)}")
-            loop.append(b)
-            sim.add_request(b)
-            live += 1
+        keep_live(sim, loop, background, 128, duration)
 
     sim.run(max_steps=5_000_000, before_step=before_step)
     sim.check_integrity(expect_empty=True)

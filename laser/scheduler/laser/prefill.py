@@ -147,7 +147,7 @@ class PrefillPlanner:
         will get when it runs (:meth:`holds_back`; asked only then).
 
         A best-effort prompt (no TTFT target, no job deadline) fills the step only up to
-        :func:`~.decode.best_effort_limit` of the step's SLO work (``slo_decode_s``: the price of
+        :func:`~.budget.best_effort_limit` of the step's SLO work (``slo_decode_s``: the price of
         its decode works for requests with a TBT target, plus the prefill merged for requests with
         a TTFT target) and ``best_effort_share``; no limit while the step has no SLO work (issue 28,
         item 3: best effort slows down, the SLO streams keep their pace)."""
