@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 
+from ...core.pricing import PlanCost
 from ...core.request import Phase, Request
 
 
@@ -158,3 +159,12 @@ def best_effort_limit(slo_price: float, share: float) -> float:
     with SLO targets costs ``slo_price`` seconds and best effort may take ``share`` (in (0, 1])
     of it: ``slo_price / (1 - share)`` (inf at 1.0). Our rule (issue 28, item 3)."""
     return math.inf if share >= 1.0 else slo_price / (1.0 - share)
+
+
+def slo_decode_price(lm, num_layers: int, works: Iterable, slo_of: Callable) -> float:
+    """Seconds the decode works among ``works`` (:class:`~laser.core.plan.Work`) of requests that do
+    not yield to SLO work (:func:`yields_to_slo` of ``slo_of(req_id)``) cost together
+    (:class:`~laser.core.pricing.PlanCost` under ``lm``); 0.0 without any. The ``P`` of
+    :func:`best_effort_limit` for a step's prefill merge."""
+    slo = [w for w in works if w.is_decode and not yields_to_slo(slo_of(w.req_id))]
+    return PlanCost(lm, num_layers, slo).total if slo else 0.0

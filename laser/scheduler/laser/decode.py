@@ -289,9 +289,7 @@ def exec_plan(lm: LatencyModel, num_layers: int, iteration: int, decoding: list,
     tightest TBT target that can be met at all: not out of reach alone (:func:`tbt_infeasible`),
     and not one whose requests alone at full depth already take longer than it (overload: the
     next looser target is T_g, and those requests run at full depth; our rule, the paper is
-    silent). Alg. 1 plans
-    iterations to ``T_g * target_factor`` seconds:
-    while too slow, the most relaxed full-depth request drops to ``L = ceil(N/K)`` layers per
+    silent). Alg. 1 plans iterations to ``T_g * target_factor`` seconds: while too slow, the most relaxed full-depth request drops to ``L = ceil(N/K)`` layers per
     iteration, ``K = floor(SLO_r/T_g)`` (:func:`relaxed_layers`: its ``ceil(N/L)`` iterations of
     T_g fit its target; the paper's ``ceil(N*T_g/SLO_r)`` when ``SLO_r/T_g`` is whole; best
     effort drops to 1 layer), its first group in the coming iteration
@@ -306,20 +304,14 @@ def exec_plan(lm: LatencyModel, num_layers: int, iteration: int, decoding: list,
     longer groups until it fits (:func:`_keep_reduced_within`; our rule, Alg. 1 assumes
     iterations of T_g). ``spec``: the instance's self-speculation; a speculating request at full depth is
     priced at its speculative step's cost (:class:`_LayerLoad`), and relaxing it stops its
-    speculation. Returns ``(plans, T_g, load)``;
-    ``load`` (None when no request has a TBT
-    target) prices the returned plans (:meth:`_LayerLoad.predict`, seconds). Pure: the
-    input ``plans`` dict is not changed. ``memo``: the caller's :class:`DecodeMemo` of ``lm``
-    (the same answer, faster).
+    speculation. Returns ``(plans, T_g, load)``; ``load`` (None when no request has a TBT target)
+    prices the returned plans (:meth:`_LayerLoad.predict`, seconds). Pure: the input ``plans`` dict
+    is not changed. ``memo``: the caller's :class:`DecodeMemo` of ``lm`` (the same answer, faster).
 
-    ``best_effort_share`` (a fraction in (0, 1]; 1.0: the paper's rule): the most of an iteration
-    that best-effort streams (no TBT target) may take beside the streams with one. Alg. 1's
-    restore loop fills every iteration up to T_g, with best-effort layers too; then the SLO
-    streams get a token per T_g instead of at their own pace, stay in flight several times
-    longer, pile up, and each new SLO prompt's prefill gets only what their decode work leaves
-    (:func:`best_effort_limit`). Below 1.0, a best-effort stream is restored (and relaxed) against
-    ``min(target, best_effort_limit(P, share))`` instead, P the price of the iteration without
-    any best-effort stream: best effort slows down, the SLO streams keep their pace. Our rule.
+    ``best_effort_share`` (in (0, 1]; 1.0: the paper's rule, best effort restored up to T_g too, so
+    SLO streams get a token per T_g and pile up): below 1.0 a best-effort stream is relaxed and
+    restored against ``min(target, best_effort_limit(P, share))``, P the price without best-effort
+    streams: best effort slows down, the SLO streams keep their pace. Our rule (issue 28 item 3).
     """
     n = num_layers
     given = plans
@@ -364,8 +356,7 @@ def _relax_and_restore(load: "_LayerLoad", plans: dict[str, DecodePlan], decodin
     relaxed full-depth requests while the iteration is over ``target`` seconds (a best-effort
     one: over ``be_target``, default ``target``), then restore the strictest reduced ones while
     it stays under (a best-effort one: under ``be_target``)."""
-    if be_target is None:
-        be_target = target
+    be_target = target if be_target is None else be_target
 
     def limit(r) -> float:
         return be_target if yields_to_slo(r.slo) else target

@@ -47,6 +47,38 @@ class KVActions:
     admit: Callable[[Request], None]
 
 
+class _SLOPrice:
+    """A step's price for its SLO work while the prefill merge runs (seconds): the decode part,
+    ``decode_s()`` priced when a best-effort prompt first asks, plus the SLO prefill merged,
+    added in merge order. Gives a best-effort prompt its :func:`best_effort_limit` (issue 28 item 3)."""
+
+    def __init__(self, decode_s: Callable[[], float], share: float):
+        self.decode_s, self.share = decode_s, share
+        self.s: float | None = None
+        self.adds: list[float] = []  # SLO prefill merged before the decode part was priced
+
+    def merge(self, cost: PlanCost, w: Work, best_effort: bool) -> None:
+        """Add ``w`` to the step's ``cost``; its price is SLO work unless ``best_effort``."""
+        before = cost.total
+        cost.add(w)
+        if best_effort:
+            return
+        if self.s is None:
+            self.adds.append(cost.total - before)
+        else:
+            self.s += cost.total - before
+
+    def limit(self, limit: float) -> float:
+        """``limit`` (seconds) for a best-effort prompt: at most :func:`best_effort_limit`."""
+        if self.share >= 1.0:
+            return limit
+        if self.s is None:
+            self.s = self.decode_s()
+            for a in self.adds:
+                self.s += a
+        return min(limit, best_effort_limit(self.s, self.share)) if self.s > 0.0 else limit
+
+
 class PrefillPlanner:
     """Prefill planning of one Laser scheduler (see the module docstring)."""
 
@@ -136,7 +168,7 @@ class PrefillPlanner:
     # -- the EDF merge (§6.1) -----------------------------------------------------------------------
     def merge(self, cands: Sequence[Request], order: Triage, queued: set[int], num_running: int, now: float,
               cost: PlanCost, budget: float, kv: KVActions, later_share: Callable[[], float],
-              slo_decode_s: float = 0.0, best_effort_share: float = 1.0) -> list[Work]:
+              slo_decode_s: Callable[[], float] = lambda: 0.0, best_effort_share: float = 1.0) -> list[Work]:
         """EDF merge of prefill layer-work into the step (``cands`` in ``order``; ``queued``: ids of
         the waiting ones, each of which takes one of the ``max_num_seqs - num_running`` free
         running slots), within ``budget`` seconds beyond the decode part (``cost``: the price of the
@@ -147,13 +179,12 @@ class PrefillPlanner:
         will get when it runs (:meth:`holds_back`; asked only then).
 
         A best-effort prompt (no TTFT target, no job deadline) fills the step only up to
-        :func:`~.budget.best_effort_limit` of the step's SLO work (``slo_decode_s``: the price of
-        its decode works for requests with a TBT target, plus the prefill merged for requests with
-        a TTFT target) and ``best_effort_share``; no limit while the step has no SLO work (issue 28,
-        item 3: best effort slows down, the SLO streams keep their pace)."""
+        :func:`~.budget.best_effort_limit` of ``best_effort_share`` and the step's SLO work
+        (:class:`_SLOPrice`: ``slo_decode_s()``, its SLO decode works, plus the SLO prefill merged);
+        no limit while the step has no SLO work (issue 28 item 3: best effort slows down)."""
         n = self.num_layers
         limit = cost.total + budget
-        slo_s = slo_decode_s  # the step's price for SLO work so far (seconds)
+        slo = _SLOPrice(slo_decode_s, best_effort_share)
         bounds = _Bounds(now, decode_s=cost.total)
         works: list[Work] = []
         tokens = 0
@@ -175,10 +206,8 @@ class PrefillPlanner:
                     continue
                 kv.lookup_prefix(r)  # fresh: an allocation above may have evicted its prefix
             best_effort = yields_to_slo(r.slo)
-            r_limit = limit
-            if best_effort and slo_s > 0.0:
-                r_limit = min(limit, best_effort_limit(slo_s, best_effort_share))
-            w = self._candidate_work(r, cost, r_limit, bounds, order.is_given_up(r), works, tokens)
+            w = self._candidate_work(r, cost, slo.limit(limit) if best_effort else limit, bounds,
+                                     order.is_given_up(r), works, tokens)
             if w is False:
                 break
             if w is None:
@@ -208,10 +237,7 @@ class PrefillPlanner:
                 kv.admit(r)
                 slots -= 1
             works.append(w)
-            before = cost.total
-            cost.add(w)
-            if not best_effort:
-                slo_s += cost.total - before
+            slo.merge(cost, w, best_effort)
             tokens += w.num_tokens
             if w.sample:
                 if not firsts:

@@ -1,31 +1,29 @@
 """``laser``: layer-level chunked prefill and layer-level decode batching (PPoPP'26 §6).
 
-Prefill (§6.1). Queue order is EDF (arrival + TTFT target). Each step the scheduler
-takes prefill requests in EDF order and merges them into one batch while every
-included deadline still holds under the latency model; a request whose whole prompt
-would break a deadline contributes a deadline-sized chunk instead ("split the newcomer
-and merge a chunk of it"). Chunks paused at a layer boundary resume *at that layer*,
-so a newcomer runs alone up to the paused layer and then merges with it. On arrival,
-``slack = deadline - now - predicted prefill``; if the running step's remaining time
-exceeds the slack, the step stops at the next layer boundary (``stop_at``), every
-in-flight chunk parks its hidden state in the intermediate cache (decode tokens run on
-to the end of their layer groups: parking them would put the next step into their
-token gap), and the next
-``schedule`` re-plans with the newcomer in EDF position: merged if the merge meets its
-deadline, otherwise first -- and alone, the paused chunks resuming after it, where they can wait
-and merging them would delay its first token more than it saves (``PrefillPlanner.holds_back``).
+Prefill (§6.1). Queue order is EDF (arrival + TTFT target). Each step the scheduler takes prefill
+requests in EDF order and merges them into one batch while every included deadline still holds
+under the latency model; a request whose whole prompt would break a deadline contributes a
+deadline-sized chunk instead ("split the newcomer and merge a chunk of it"). Chunks paused at a
+layer boundary resume *at that layer*, so a newcomer runs alone up to the paused layer and then
+merges with it. On arrival, ``slack = deadline - now - predicted prefill``; if the running step's
+remaining time exceeds the slack, the step stops at the next layer boundary (``stop_at``), every
+in-flight chunk parks its hidden state in the intermediate cache (decode tokens run on to the end
+of their layer groups: parking them would put the next step into their token gap), and the next
+``schedule`` re-plans with the newcomer in EDF position: merged if the merge meets its deadline,
+otherwise first -- and alone, the paused chunks resuming after it, where they can wait and merging
+them would delay its first token more than it saves (``PrefillPlanner.holds_back``).
 
-Decode (§6.2, Alg. 1). Decode request r has a plan (L_r, O_r): with K_r = ceil(N/L_r)
-layer groups, group g (layers ((g-1)L, gL]) runs in iteration i iff
-``(i - g - O_r) mod K_r == 0`` — one group per iteration, a token every K_r
-iterations. T_g is the tightest TBT target that can be met (one out of reach alone, or whose
-requests alone at full depth overload it, is skipped: :func:`~.decode.exec_plan`). While the
-predicted iteration time exceeds T_g, the most relaxed full-depth request gets ``L = ceil(N/K)``
-with ``K = floor(SLO_r/T_g)`` (:func:`~.decode.relaxed_layers`; the paper's ``ceil(N*T_g/SLO_r)``
-when ``SLO_r/T_g`` is whole; best effort: 1 layer), its first group in the coming iteration
-(the paper balances layer load by the offset; a later start stretches the gap in progress); while it is below T_g, the strictest reduced
-request is restored to L = N (reverted if that breaks T_g). Plans change only on arrival,
-departure, or when the measured iteration time nears T_g.
+Decode (§6.2, Alg. 1). Decode request r has a plan (L_r, O_r): with K_r = ceil(N/L_r) layer groups,
+group g (layers ((g-1)L, gL]) runs in iteration i iff ``(i - g - O_r) mod K_r == 0`` — one group
+per iteration, a token every K_r iterations. T_g is the tightest TBT target that can be met (one
+out of reach alone, or whose requests alone at full depth overload it, is skipped:
+:func:`~.decode.exec_plan`). While the predicted iteration time exceeds T_g, the most relaxed
+full-depth request gets ``L = ceil(N/K)`` with ``K = floor(SLO_r/T_g)`` (:func:`~.decode.relaxed_layers`;
+the paper's ``ceil(N*T_g/SLO_r)`` when ``SLO_r/T_g`` is whole; best effort: 1 layer), its first
+group in the coming iteration (the paper balances layer load by the offset; a later start
+stretches the gap in progress); while it is below T_g, the strictest reduced request is restored
+to L = N (reverted if that breaks T_g). Plans change only on arrival, departure, or when the
+measured iteration time nears T_g.
 
 Colocated (role ``mixed``, not in the paper): prefill layer-work shares iterations with
 decode layer-work and gets the time left under T_g, advancing as many layers per
@@ -33,10 +31,8 @@ iteration as fit; a prefill's chunk may thus cross several iterations layer by l
 Alg. 1 prices the iteration with the prefill the pending deadlines need merged into its
 layer calls, so decode layers are cut when prefill needs the compute they take.
 
-Best effort gives way (not in the paper): beside work for requests with SLO targets, best-effort
-decode layers and prompts take at most ``best_effort_share`` of an iteration
-(:func:`~.budget.best_effort_limit`), so the SLO streams keep their own pace instead of a token per
-T_g (issue 28, item 3).
+Best effort gives way (not in the paper): beside SLO work it takes at most ``best_effort_share`` of an
+iteration (:func:`~.budget.best_effort_limit`), so SLO streams keep their own pace (issue 28 item 3).
 
 The parts, each a module of this package with explicit inputs (the scheduler owns the state):
 ``prefill.py`` (the EDF merge, ``fit``, what the pending prefills need), ``triage.py``
@@ -48,6 +44,7 @@ a step), ``increment.py`` (Alg. 2's ``LatencyIncrement`` for the controller).
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 
@@ -81,10 +78,8 @@ class LaserScheduler(Scheduler):
     replan_threshold = 0.95
     #: Plan iterations to this fraction of T_g: real iterations run a few % over predictions.
     tg_margin = 0.9
-    #: Most of an iteration that carries SLO work (decode streams or prompts with targets) that
-    #: best-effort work (streams without a TBT target, prompts without a TTFT target) may take
-    #: (fraction; 1.0: the paper's rule, best effort fills every iteration up to T_g). Issue 28,
-    #: item 3: :func:`~.decode.exec_plan`, :meth:`PrefillPlanner.merge`.
+    #: Most of an iteration with SLO work that best-effort work may take (fraction; 1.0: the paper's
+    #: rule, best effort fills iterations up to T_g): :func:`~.decode.exec_plan`, :meth:`PrefillPlanner.merge`.
     best_effort_share = 0.2
     #: Build a decode instance's steady steps directly (:meth:`_steady_decode_plan`); tests
     #: switch it off to check that the generic path makes the same plans.
@@ -365,15 +360,10 @@ class LaserScheduler(Scheduler):
         """The EDF merge of prefill work into the step (:meth:`PrefillPlanner.merge`)."""
         order = self.triage(now)
         queued = {id(r) for r in self.waiting}  # not running yet: each one takes a running slot
-        share: list[float] = []  # later_prefill_share(), asked at most once per step
-
-        def later_share() -> float:
-            if not share:
-                share.append(self.later_prefill_share())
-            return share[0]
-
-        slo_decode = [w for w in cost.works if w.is_decode and not rules.yields_to_slo(self.requests[w.req_id].slo)]
-        slo_decode_s = PlanCost(self.lm, self.num_layers, slo_decode).total if slo_decode else 0.0
+        later_share = functools.cache(self.later_prefill_share)  # asked at most once per step
+        # the SLO decode price of the step before the merge adds prefill; priced only if a best-effort prompt asks
+        slo_decode_s = functools.partial(rules.slo_decode_price, self.lm, self.num_layers, list(cost.works),
+                                         lambda rid: self.requests[rid].slo)
         return self.prefill.merge(self._pending_prefills(), order, queued, len(self.running), now, cost, budget,
                                   self._kv, later_share, slo_decode_s, self.best_effort_share)
 
