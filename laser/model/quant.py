@@ -19,6 +19,9 @@ Same role as gpt-fast's ``WeightOnlyInt8Linear`` / ``WeightOnlyInt4Linear`` and 
 
 from __future__ import annotations
 
+import logging
+import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -335,8 +338,6 @@ def gemv_enabled() -> bool:
     """Whether int8 weights run :class:`CompiledGemv` for decode rows: ``$LASER_QUANT_GEMV`` is
     ``compiled`` (the default) or ``aten`` (torch's ``_weight_int8pack_mm`` with bf16 activations,
     no compiler needed; the test suite's default, so that tests compile only where they mean to)."""
-    import os
-
     mode = os.environ.get("LASER_QUANT_GEMV", "compiled")
     if mode not in ("compiled", "aten"):
         raise ValueError(f"LASER_QUANT_GEMV={mode!r}: use compiled or aten")
@@ -387,14 +388,11 @@ class CompiledGemv:
 def _compile(fn, example: tuple[torch.Tensor, ...]):
     """``fn`` traced to an aten graph at ``example``'s shapes and compiled by inductor (no
     dynamo: no guards evaluated per call; the caller passes tensors of these shapes)."""
-    import os
-
     from torch._inductor import compile as inductor_compile
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from .loader import cache_dir
-
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     # inductor writes its default into the environment on first use: only a user's own choice stays
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, "", default_cache_dir()):
@@ -410,9 +408,6 @@ def prepare_decode_kernels(linears: list[QuantLinear]) -> str:
     compiles; where compiling fails (no C++ compiler, an unsupported CPU) every one falls back to
     the aten kernel. Returns a sentence for the startup log saying which path runs and what
     compiling took (seconds)."""
-    import logging
-    import time
-
     compiled = [lin for lin in linears if lin.gemv is not None]
     kinds = sorted({lin.qw.kind for lin in linears})
     if not compiled:
