@@ -56,6 +56,17 @@ def non_negative_float(s: str) -> float:
     return v
 
 
+def share(s: str) -> float:
+    """argparse type: a fraction in (0, 1]."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {s!r}") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {s}")
+    return v
+
+
 def add_engine_args(p: argparse.ArgumentParser, policy_default: str = "laser") -> None:
     """Flags shared by every command that builds an engine."""
     p.add_argument("--model", default=None,
@@ -71,6 +82,11 @@ def add_engine_args(p: argparse.ArgumentParser, policy_default: str = "laser") -
                    help="scheduling policy: vllm, sarathi, laser (default %(default)s)")
     p.add_argument("--queue-order", default="edf", choices=["edf", "fcfs"],
                    help="waiting-queue order: earliest TTFT deadline first (default) or arrival order")
+    p.add_argument("--best-effort-share", type=share, default=0.2,
+                   help="laser: the most of an iteration with SLO work that best-effort work (no target) may "
+                        "take, in (0, 1]; best effort slows down so interactive streams keep their pace "
+                        "(default %(default)s; 1: best effort fills iterations up to the tightest TBT target, "
+                        "the paper's rule)")
     p.add_argument("--kv-cache-gib", type=float, default=1.0,
                    help="KV cache pool size, GiB over all layers (default %(default)s)")
     p.add_argument("--block-size", type=positive_int, default=16, help="KV cache block size, tokens (default 16)")
@@ -185,6 +201,7 @@ def engine_configs(args, role: str = "mixed"):
         queue_order=args.queue_order,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        best_effort_share=args.best_effort_share,
         role=role,
     )
     return cache, sched, SLOClasses.load(args.slo_config, scale=args.slo_scale, default=args.default_slo_class)

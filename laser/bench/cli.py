@@ -150,7 +150,7 @@ def _sched_config(args, policy: str):
     from laser.core.config import SchedulerConfig
 
     return SchedulerConfig(policy=policy, queue_order=args.queue_order, max_num_seqs=args.max_num_seqs,
-                           max_num_batched_tokens=args.max_num_batched_tokens)
+                           max_num_batched_tokens=args.max_num_batched_tokens, best_effort_share=args.best_effort_share)
 
 
 def build_targets(args, specs):

@@ -123,12 +123,13 @@ class ClusterTarget(Target):
 
 def build_cluster_targets(args) -> tuple[dict, object]:
     """(targets by controller label, cluster config) from ``--cluster``, ``--controller``,
-    ``--sim-model``, ``--sim-hardware``."""
+    ``--sim-model``, ``--sim-hardware``, ``--best-effort-share``."""
     from laser.sim.cluster import ClusterSpec, paper_config
 
     spec = ClusterSpec.parse(args.cluster)
     hw = args.sim_hardware or "a100"
     cfg = paper_config(args.sim_model, hw, tp=args.sim_tp, msg_delay_s=args.msg_delay_ms / 1e3)
+    cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, best_effort_share=args.best_effort_share))
     names = [x.strip() for x in (args.controller or "laser,distserve,colocated").split(",") if x.strip()]
     if len(set(names)) != len(names) or not names:
         raise ValueError(f"bad --controller list {args.controller!r}")

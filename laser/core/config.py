@@ -147,6 +147,9 @@ class SchedulerConfig:
     # Bounded aging against starvation: for queue ordering, a best-effort request's
     # deadline is arrival + this many seconds (paper has no best-effort class).
     best_effort_deadline_s: float = 30.0
+    # Laser: most of an iteration with SLO work that best-effort work may take (fraction in (0, 1];
+    # 1.0: the paper's rule, best effort fills iterations up to T_g). Issue 28 item 3.
+    best_effort_share: float = 0.2
 
     def __post_init__(self):
         if self.queue_order not in QUEUE_ORDERS:
@@ -157,6 +160,9 @@ class SchedulerConfig:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.best_effort_deadline_s <= 0:
             raise ConfigError("best_effort_deadline_s must be positive")
+        if not 0.0 < self.best_effort_share <= 1.0:  # (NaN fails too)
+            raise ConfigError(f"best_effort_share must be in (0, 1] (the most of an iteration with SLO work that "
+                              f"best-effort work may take; 1: no limit), got {self.best_effort_share}")
 
 
 def resolve_max_model_len(requested: int | None, max_position: int, pool_tokens: int) -> int:

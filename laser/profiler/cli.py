@@ -25,7 +25,7 @@ import time
 
 # engine flags that do not change what is measured (scheduling, SLOs, online calibration)
 _UNMEASURED_FLAGS = {"policy", "queue_order", "max_num_batched_tokens", "max_num_seqs", "slo_config", "slo_scale",
-                     "default_slo_class", "latency_calibration", "jitter_margin"}
+                     "default_slo_class", "latency_calibration", "jitter_margin", "best_effort_share"}
 
 
 def register(subparsers) -> None:

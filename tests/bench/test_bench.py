@@ -732,7 +732,7 @@ def test_explicit_sim_hardware_is_kept_for_a_cluster():
     from laser.bench.cluster import build_cluster_targets
 
     a = argparse.Namespace(cluster="1P1D", sim_model="qwen2.5-14b", sim_tp=None, msg_delay_ms=1.0,
-                           controller="laser", sim_hardware="h100-sxm")
+                           controller="laser", sim_hardware="h100-sxm", best_effort_share=0.2)
     _, cfg = build_cluster_targets(a)
     assert cfg.latency_model.hardware.name == "h100-sxm"
     a.sim_hardware = None

@@ -78,9 +78,6 @@ class LaserScheduler(Scheduler):
     replan_threshold = 0.95
     #: Plan iterations to this fraction of T_g: real iterations run a few % over predictions.
     tg_margin = 0.9
-    #: Most of an iteration with SLO work that best-effort work may take (fraction; 1.0: the paper's
-    #: rule, best effort fills iterations up to T_g): :func:`~.decode.exec_plan`, :meth:`PrefillPlanner.merge`.
-    best_effort_share = 0.2
     #: Build a decode instance's steady steps directly (:meth:`_steady_decode_plan`); tests
     #: switch it off to check that the generic path makes the same plans.
     steady_decode = True
@@ -92,6 +89,9 @@ class LaserScheduler(Scheduler):
         self.lm: LatencyModel = latency_model or SimpleLatencyModel(
             num_layers=num_layers, per_layer=2e-4, per_token=4e-5, per_context=2e-7
         )
+        #: Most of an iteration with SLO work that best-effort work may take (``--best-effort-share``;
+        #: 1.0: the paper's rule): :func:`~.decode.exec_plan`, :meth:`PrefillPlanner.merge`, Alg. 2.
+        self.best_effort_share = config.best_effort_share
         self.plans: dict[str, DecodePlan] = {}
         self.decode_memo = DecodeMemo(self.lm)  # Alg. 1 / Alg. 2 prices (this scheduler's and its increments')
         self.iteration = 0
