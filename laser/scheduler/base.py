@@ -468,9 +468,11 @@ class Scheduler(ABC):
         return {}
 
     def decode_state(self) -> tuple:
-        """Alg. 1's live state: (iteration, decode plans by id, fraction of T_g planned to, price memo);
-        iteration-level policies: (0, {}, 1.0, None). For :meth:`latency_increment` and migration."""
-        return 0, {}, 1.0, None
+        """Alg. 1's live state: (iteration, decode plans by id, fraction of T_g planned to, price memo,
+        the share of an iteration best effort may take beside SLO work); iteration-level policies:
+        (0, {}, 1.0, None, 1.0). For :meth:`latency_increment` and migration (priced as the
+        scheduler runs its iterations)."""
+        return 0, {}, 1.0, None, 1.0
 
     def latency_increment(self, latency_model, joining: list, candidate):
         """Alg. 2 lines 1-9 (:func:`laser.scheduler.laser.increment.latency_increment`) of
@@ -480,9 +482,9 @@ class Scheduler(ABC):
         Changes nothing."""
         from .laser.increment import latency_increment
 
-        iteration, plans, margin, memo = self.decode_state()
+        iteration, plans, margin, memo, share = self.decode_state()
         return latency_increment(latency_model, self.num_layers, iteration, self.decoding() + list(joining), plans,
-                                 candidate, margin, memo)
+                                 candidate, margin, memo, share)
 
     def migration_victim(self, latency_model, exclude=frozenset()) -> tuple[Request, str] | None:
         """:func:`laser.scheduler.migration.migration_victim` of this (decode) scheduler."""

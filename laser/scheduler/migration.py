@@ -49,7 +49,7 @@ def migration_victim(sched, latency_model, num_layers: int,
     bm = sched.bm
     planning = sched.planning_report()
     t_g, last = planning.get("t_g", math.inf), planning.get("last_iteration_s")
-    iteration, plans, _, memo = sched.decode_state()
+    iteration, plans, _, memo, share = sched.decode_state()
     slo = t_g != math.inf and last is not None and last > t_g  # cheap pre-check of the T_g trigger
     # (a level given up: a request with a tighter target than T_g, reachable alone; the scan is
     # skipped while T_g holds the tightest target on the instance. T_g is inf with no target at
@@ -80,7 +80,8 @@ def migration_victim(sched, latency_model, num_layers: int,
 
     def restores(leaving: list) -> bool:  # Alg. 1 reaches its T_g, no level given up, without ``leaving``
         rest = [x for x in decoding if all(x is not r for r in leaving)]
-        _, t_g2, load = exec_plan(latency_model, num_layers, iteration, rest, plans, factor, memo)
+        _, t_g2, load = exec_plan(latency_model, num_layers, iteration, rest, plans, factor, memo,
+                                  best_effort_share=share)
         return not level_given_up(latency_model, rest, t_g2, memo) and (load is None or load.predict() <= t_g2)
 
     for r in movable[:MIGRATION_TRIES]:

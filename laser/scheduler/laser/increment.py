@@ -27,7 +27,7 @@ class Increment:
 
 def latency_increment(lm: LatencyModel, num_layers: int, iteration: int, decoding: list,
                       plans: dict[str, DecodePlan], candidate, target_factor: float = 1.0,
-                      memo: DecodeMemo | None = None) -> Increment:
+                      memo: DecodeMemo | None = None, best_effort_share: float = 1.0) -> Increment:
     """``LatencyIncrement(r*, d)``, Algorithm 2 lines 1-9 (PPoPP'26 §7.2.1), on copies.
 
     ``Iter`` = predicted worst iteration of the current plans; Alg. 1 (:func:`exec_plan`)
@@ -40,6 +40,11 @@ def latency_increment(lm: LatencyModel, num_layers: int, iteration: int, decodin
     ``sum_{r in R*} Iter*·ceil(N/L*_r) - sum_{r in R} Iter·ceil(N/L_r)`` seconds (each
     request's TBT is its iteration time times its iterations per token). Memory is the
     instance's check, not this function's. ``memo``: a :class:`DecodeMemo` of ``lm``.
+    ``best_effort_share``: the instance scheduler's (:func:`exec_plan`'s rule: beside SLO work best
+    effort takes at most this share of an iteration), so ``L*``, ``Iter*`` and ``T_g*`` are the
+    plans that scheduler will run (1.0, the paper's rule, prices best effort restored up to T_g:
+    an SLO stream's increment on an instance with best-effort streams is then priced against
+    plans it will never run).
     """
     n = num_layers
     cur = {r.req_id: plans.get(r.req_id, DecodePlan(n, 0)) for r in decoding}
@@ -49,7 +54,7 @@ def latency_increment(lm: LatencyModel, num_layers: int, iteration: int, decodin
     else:
         it = before = 0.0
     reqs = list(decoding) + [candidate]
-    new, t_g, load = exec_plan(lm, n, iteration, reqs, cur, target_factor, memo)
+    new, t_g, load = exec_plan(lm, n, iteration, reqs, cur, target_factor, memo, best_effort_share=best_effort_share)
     it_star = (load if load is not None else _LayerLoad(lm, n, iteration, reqs, new, memo)).predict()
     if (it_star > t_g * target_factor or tbt_infeasible(lm, candidate, memo)
             or level_given_up(lm, reqs, t_g, memo)):

@@ -496,5 +496,5 @@ class LaserScheduler(Scheduler):
                     last_iteration_s=self.last_iteration_s, layer_stops=self.step.num_stops)
 
     def decode_state(self) -> tuple:
-        """Alg. 1's live state: (iteration, plans, the margin it plans to, its price memo)."""
-        return self.iteration, self.plans, self.planning_margin(), self.decode_memo
+        """Alg. 1's live state: (iteration, plans, the margin it plans to, its price memo, best-effort share)."""
+        return self.iteration, self.plans, self.planning_margin(), self.decode_memo, self.best_effort_share
