@@ -20,6 +20,7 @@ from ..core.config import CacheConfig, ConfigError, SchedulerConfig, resolve_max
 from ..core.intermediate_cache import IntermediateCache
 from ..model.kv_cache import KVCache
 from ..latency import CalibratedLatencyModel
+from ..latency.calibrated import JITTER_SPREAD_QUANTILE, spread_before_calibration
 from ..model.llama import LlamaModel
 from ..model.loader import (load_config, load_quantized, load_weights, resolve_dtype, resolve_model,
                             resolve_quantization)
@@ -28,11 +29,6 @@ from ..model.sampler import Sampler
 from .core import InstanceCore, make_scheduler
 
 log = logging.getLogger(__name__)
-
-
-#: The quantile of measured / predicted step times whose ratio to the calibration factor divides
-#: Laser's planning margins (``CalibratedLatencyModel(spread_quantile=...)``, the jitter margin).
-JITTER_SPREAD_QUANTILE = 0.98
 
 
 def check_jitter_margin(latency_calibration: bool, jitter_margin: bool | None) -> None:
@@ -49,13 +45,16 @@ def planning_model(latency_model, latency_calibration: bool = True, jitter_margi
     divided by the measured spread of slow steps (``None``, the default: on with the
     calibration). Issue 28: with fixed 10 % margins, a host where one step in ten runs 25 %
     over broke the TBT of interactive streams beside best-effort load (simulated: chat 0.79,
-    code 0.11 attainment; with the spread 0.97 / 0.89). Raises ConfigError for
+    code 0.11 attainment; with the spread 0.97 / 0.89). Until the calibration has its first
+    steps the spread is the one the profile measured over its repeated timings
+    (:func:`~laser.latency.calibrated.spread_before_calibration`). Raises ConfigError for
     ``jitter_margin=True`` without the calibration (which measures the spread)."""
     check_jitter_margin(latency_calibration, jitter_margin)
     if not latency_calibration:
         return latency_model
     on = jitter_margin is None or jitter_margin
-    return CalibratedLatencyModel(latency_model, spread_quantile=JITTER_SPREAD_QUANTILE if on else None)
+    return CalibratedLatencyModel(latency_model, spread_quantile=JITTER_SPREAD_QUANTILE if on else None,
+                                  prior_spread=spread_before_calibration(latency_model))
 
 
 class ModelInstance:

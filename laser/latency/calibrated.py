@@ -31,9 +31,57 @@ LLM serving, DistServe and Llumnix fit their latency models offline only.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from .base import LatencyModel
+
+#: The quantile of measured / predicted step times whose ratio to the calibration factor divides
+#: Laser's planning margins (``CalibratedLatencyModel(spread_quantile=...)``, the jitter margin),
+#: and of a profile's repeats over their case's time (:func:`repeat_spread`).
+JITTER_SPREAD_QUANTILE = 0.98
+#: Most a timing spread divides the planning margins by (``CalibratedLatencyModel(max_spread=...)``).
+MAX_SPREAD = 1.5
+#: The timing spread before the calibration's first ``min_steps`` steps when the profile measured
+#: none (:func:`spread_before_calibration`): what a quiet 2-vCPU VM showed (AVX2 EPYC, fp32; 68 steps of the
+#: KV-pressure scenario: measured / predicted P95 1.12, P80 1.04, max 1.37).
+DEFAULT_PRIOR_SPREAD = 1.1
+#: Fewest repeats of one case, and fewest repeats in all, that :func:`repeat_spread` judges from.
+_MIN_CASE_REPEATS, _MIN_REPEATS = 3, 20
+
+
+def repeat_spread(repeats: Iterable[Sequence[float]], q: float = JITTER_SPREAD_QUANTILE) -> float | None:
+    """The step-time spread a profile measured: the ``q`` quantile of (repeat / its case's median)
+    over the cases of ``repeats`` (one sequence of repeated timings, seconds, per profiled case:
+    the undisturbed ones) with at least 3 repeats, within ``[1, MAX_SPREAD]``; None from fewer
+    than 20 such repeats. A profile's time of a case is its median repeat (:mod:`laser.profiler.timing`),
+    and a step runs this much over its prediction in the worst ``1 - q`` of calls: what
+    :meth:`CalibratedLatencyModel.timing_spread` measures once it has steps, here before it
+    has any (:func:`spread_before_calibration`). Issue 28, item 4."""
+    ratios = []
+    for times in repeats:
+        if len(times) >= _MIN_CASE_REPEATS:
+            med = _quantile(times, 0.5)
+            if med > 0.0:
+                ratios.extend(t / med for t in times)
+    if len(ratios) < _MIN_REPEATS:
+        return None
+    return min(MAX_SPREAD, max(1.0, _quantile(ratios, q)))
+
+
+def spread_before_calibration(model: LatencyModel) -> float:
+    """The timing spread to plan with before the online calibration has steps: the one
+    ``model``'s profile measured (``metadata["measurement"]["timing_spread"]``,
+    :func:`repeat_spread`), at least :data:`DEFAULT_PRIOR_SPREAD` and at most :data:`MAX_SPREAD`;
+    :data:`DEFAULT_PRIOR_SPREAD` for a model without one (older profiles, analytic estimates).
+
+    Case (issue 28, item 4): four 16-token chat streams (0.4 s TBT) started on a VM before the
+    calibration had its first 8 steps; planned to 0.9 / 1.1 of T_g with the profile's median
+    step times, one run's gaps landed 3-10 ms over the target -- and a 16-token stream's P99 is
+    its worst gap."""
+    measured = (getattr(model, "metadata", None) or {}).get("measurement", {}).get("timing_spread")
+    if not isinstance(measured, (int, float)) or measured != measured:
+        return DEFAULT_PRIOR_SPREAD
+    return min(MAX_SPREAD, max(DEFAULT_PRIOR_SPREAD, float(measured)))
 
 
 def _quantile(values: Sequence[float], q: float) -> float:
@@ -131,8 +179,8 @@ class CalibratedLatencyModel(ScaledLatencyModel):
     """
 
     def __init__(self, inner: LatencyModel, window: int = 64, quantile: float = 0.8, min_steps: int = 8,
-                 lo: float = 0.5, hi: float = 4.0, spread_quantile: float | None = None, max_spread: float = 1.5,
-                 prior_spread: float = 1.1):
+                 lo: float = 0.5, hi: float = 4.0, spread_quantile: float | None = None,
+                 max_spread: float = MAX_SPREAD, prior_spread: float = DEFAULT_PRIOR_SPREAD):
         if window < 1 or min_steps < 1 or not 0.0 < quantile <= 1.0 or not 0.0 < lo <= 1.0 <= hi:
             raise ValueError("need window >= 1, min_steps >= 1, 0 < quantile <= 1 and 0 < lo <= 1 <= hi")
         if min_steps > window:  # the window would never hold min_steps ratios: the factor would never move
@@ -165,8 +213,7 @@ class CalibratedLatencyModel(ScaledLatencyModel):
         within ``[1, max_spread]``: how far over its calibrated prediction a step runs in the
         worst ``1 - spread_quantile`` of steps; always 1.0 without a ``spread_quantile`` (the
         default: the fixed margins). ``prior_spread`` until ``min_steps``
-        observations: what a quiet 2-vCPU VM showed (AVX2 EPYC, fp32; 68 steps of the
-        KV-pressure scenario: measured / predicted P95 1.12, P80 1.04, max 1.37)."""
+        observations (:func:`spread_before_calibration`: the spread the profile measured, when it did)."""
         return self._spread
 
     def ratio_quantile(self, q: float) -> float:

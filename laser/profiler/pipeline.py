@@ -28,6 +28,7 @@ from ..latency import (
     cpu_hardware_string,
     default_profile_path,
 )
+from ..latency.calibrated import repeat_spread
 from ..latency.fitting import fit
 from ..model.runner import ModelRunner
 from .calls import ExecutorCalls
@@ -208,7 +209,8 @@ def disturbed_enough_to_warn(info: dict) -> bool:
 
 
 def samples_from_cases(cases: list[Case], tol: float, bench: Bench, stats: dict | None, warn: bool = True) -> list:
-    """Profile samples from measured profile cases; ``stats`` receives how clean they were.
+    """Profile samples from measured profile cases; ``stats`` receives how clean they were, and the
+    spread of their repeats (``timing_spread``, :func:`~laser.latency.calibrated.repeat_spread`).
 
     A case left with only disturbed repeats (the time budget ran out before it could be
     re-measured) is dropped with a warning, unless that would drop every sample of its kind.
@@ -221,7 +223,8 @@ def samples_from_cases(cases: list[Case], tol: float, bench: Bench, stats: dict 
     kept = [c for k, c in enumerate(cases) if k not in drop]
     unsettled = [k for k, c in enumerate(kept) if not c.settled(tol)]
     info = {**disturbance_stats(cases, bench), "unsettled_cases": len(unsettled), "cases": len(cases),
-            "dropped_disturbed": len(drop), "out_of_time": bench.out_of_time, "unsettled_index": unsettled}
+            "dropped_disturbed": len(drop), "out_of_time": bench.out_of_time, "unsettled_index": unsettled,
+            "timing_spread": repeat_spread(c.times for c in kept)}  # (the margin before the calibration's first steps)
     if stats is not None:
         stats.update(info)
     clean, disturbed = info["clean_fraction"], info["disturbed_fraction"]
