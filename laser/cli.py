@@ -56,8 +56,8 @@ def non_negative_float(s: str) -> float:
     return v
 
 
-def share(s: str) -> float:
-    """argparse type: a fraction in (0, 1]."""
+def fraction(s: str) -> float:
+    """argparse type: a number in (0, 1] (a fraction of requests, a share of an iteration)."""
     try:
         v = float(s)
     except ValueError:
@@ -82,7 +82,7 @@ def add_engine_args(p: argparse.ArgumentParser, policy_default: str = "laser") -
                    help="scheduling policy: vllm, sarathi, laser (default %(default)s)")
     p.add_argument("--queue-order", default="edf", choices=["edf", "fcfs"],
                    help="waiting-queue order: earliest TTFT deadline first (default) or arrival order")
-    p.add_argument("--best-effort-share", type=share, default=0.2,
+    p.add_argument("--best-effort-share", type=fraction, default=0.2,
                    help="laser: the most of an iteration with SLO work that best-effort work (no target) may "
                         "take, in (0, 1]; best effort slows down so interactive streams keep their pace "
                         "(default %(default)s; 1: best effort fills iterations up to the tightest TBT target, "

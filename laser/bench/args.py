@@ -46,17 +46,6 @@ def parse_extra_body(s: str) -> dict:
     return v
 
 
-def fraction(s: str) -> float:
-    """argparse type: a number in (0, 1] (a fraction of requests)."""
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {s!r}") from None
-    if not 0 < v <= 1:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {s}")
-    return v
-
-
 def sim_hardware_name(s: str) -> str:
     """argparse type of ``--sim-hardware``: the ``laser.latency.HARDWARE`` entry a name or alias
     (``a100``, ``h100``) denotes. Raises ArgumentTypeError listing the known names."""
@@ -96,7 +85,7 @@ def register(subparsers) -> None:
     from laser.bench.best import DEFAULT_BEST_BASELINE, DEFAULT_BEST_BUDGETS
     from laser.bench.goodput import DEFAULT_MAX_DOUBLINGS
     from laser.bench.calibrate import DEFAULT_TBT_MULTIPLE, DEFAULT_TTFT_MULTIPLE
-    from laser.cli import add_engine_args, non_negative_float, positive_int
+    from laser.cli import add_engine_args, fraction, non_negative_float, positive_int
 
     p = subparsers.add_parser(
         "bench", help="multi-SLO serving benchmark: SLO attainment and goodput per policy",

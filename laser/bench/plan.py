@@ -27,7 +27,8 @@ from laser.bench.cluster import TABLE1
 from laser.core.metrics import record_from_request
 from laser.core.request import SLO, Request, SamplingParams
 # parse_mix: the planner's --mix (and its callers')
-from laser.bench.args import add_sim_model_arg, fraction, parse_mix, sim_hardware_name
+from laser.bench.args import add_sim_model_arg, parse_mix, sim_hardware_name
+from laser.cli import fraction
 
 #: Paper Table 1 SLOs per class: (TTFT s, TBT s).
 TABLE1_SLO = {"chat": (0.25, 0.1), "code": (0.125, 0.05), "summarization": (2.0, 0.2)}

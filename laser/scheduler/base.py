@@ -469,9 +469,8 @@ class Scheduler(ABC):
 
     def decode_state(self) -> tuple:
         """Alg. 1's live state: (iteration, decode plans by id, fraction of T_g planned to, price memo,
-        the share of an iteration best effort may take beside SLO work); iteration-level policies:
-        (0, {}, 1.0, None, 1.0). For :meth:`latency_increment` and migration (priced as the
-        scheduler runs its iterations)."""
+        best-effort share); iteration-level policies: (0, {}, 1.0, None, 1.0). For
+        :meth:`latency_increment` and migration (priced as the scheduler runs its iterations)."""
         return 0, {}, 1.0, None, 1.0
 
     def latency_increment(self, latency_model, joining: list, candidate):
