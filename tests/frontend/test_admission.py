@@ -12,6 +12,7 @@ from laser.scheduler.report import QueueEntry, SchedulerReport
 from laser.scheduler.ttft import predict_ttft
 from laser.latency import SimpleLatencyModel
 from laser.core.request import SLO, Request, SamplingParams
+from laser.sim.admitting import AdmittingSim
 from laser.sim.instance import SimInstance
 
 N = 8
@@ -102,43 +103,6 @@ def test_pending_admissions_count_until_a_report_holds_them():
     assert qa.predict(e2, 0.0) == pytest.approx(LM.predict_prefill(1000))
 
 
-class _AdmittingSim(SimInstance):
-    """A simulated instance behind the server's admission (:meth:`QueueAwareAdmission.decide`): each
-    request is decided when it is released, over the report published before the last step plus
-    the requests admitted since, as the server decides over what its engine thread published."""
-
-    def __init__(self, lm, on_infeasible: str, slos: SLOClasses):
-        super().__init__("laser", 30, lm, num_blocks=8192)
-        self.qa, self.on_infeasible, self.slos = QueueAwareAdmission(lm), on_infeasible, slos
-        self.decisions: dict[str, tuple[str, float]] = {}
-        self.num_adds = 0
-        self._last = (0.0, 0.0)  # (start, end) of the last step, virtual seconds
-
-    def add_request(self, req: Request) -> None:
-        now = self.clock()
-        try:
-            adm, _ = self.qa.decide(req.num_prompt_tokens, req.slo, req.arrival_time, now, self.qa.view(now),
-                                    self.on_infeasible, self.slos)
-        except SLOInfeasibleError as e:
-            self.decisions[req.req_id] = ("rejected", e.predicted_ttft)
-            return
-        self.decisions[req.req_id] = ("demoted" if adm.demoted else "admitted", adm.predicted_ttft)
-        req.slo = adm.slo
-        self.num_adds += 1
-        self.qa.admitted(self.num_adds, adm.entry)
-        super().add_request(req)
-
-    def publish(self) -> None:
-        """The engine thread's publish before a step (the report, the adds it holds, the last step's length)."""
-        self.qa.publish(self.scheduler.report(self.clock()), self.num_adds, self._last[1] - self._last[0])
-
-    def step(self):
-        t0 = self.clock()
-        out = super().step()
-        self._last = (t0, self.clock())
-        return out
-
-
 @pytest.mark.parametrize("on_infeasible", ["reject", "demote"])
 def test_a_burst_on_a_cpu_admits_the_chats_it_serves_in_time_and_says_why_of_the_rest(on_infeasible):
     """Issue 28, item 1 (the real engine's burst: eight 150-token summarization prompts and eight
@@ -150,7 +114,7 @@ def test_a_burst_on_a_cpu_admits_the_chats_it_serves_in_time_and_says_why_of_the
     :meth:`QueueAwareAdmission.decide`, the server's rule."""
     lm = SimpleLatencyModel(num_layers=30, per_layer=4.4e-3, per_token=1.46e-4, per_context=2e-8)
     slos = SLOClasses.load(scale=4.0)
-    sim = _AdmittingSim(lm, on_infeasible, slos)
+    sim = AdmittingSim("laser", 30, lm, on_infeasible, slos)
     reqs = []
     for k in range(8):
         reqs.append(Request([7] * 150, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
@@ -170,3 +134,31 @@ def test_a_burst_on_a_cpu_admits_the_chats_it_serves_in_time_and_says_why_of_the
     assert all(sim.decisions[c.req_id][1] > target for c in others)
     if on_infeasible == "demote":
         assert all(c.slo.name == "best_effort" and c.token_times for c in others)
+
+
+def test_a_replay_with_every_decision_kept_serves_the_same_and_a_forced_admit_changes_only_that():
+    """:class:`AdmittingSim`'s replay (``benchmarks/admission_burst.py`` judges refusals with it):
+    the decisions of a run given back reproduce it exactly; one refused request admitted in the
+    replay is served, every other decision is the same."""
+    lm = SimpleLatencyModel(num_layers=30, per_layer=4.4e-3, per_token=1.46e-4, per_context=2e-8)
+    slos = SLOClasses.load(scale=4.0)
+
+    def run(replay=None):
+        sim = AdmittingSim("laser", 30, lm, "reject", slos, replay=replay)
+        reqs = [Request([7] * (150 if k % 2 else 20), SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+                        slos.get("summarization" if k % 2 else "chat"), arrival_time=0.02 * k, req_id=f"r{k}")
+                for k in range(16)]
+        for r in reqs:
+            sim.submit(r)
+        sim.run(max_steps=200_000, before_step=sim.publish)
+        return sim, {r.req_id: r.token_times[:1] for r in reqs}
+
+    sim, first = run()
+    decided = {rid: d for rid, (d, _) in sim.decisions.items()}
+    refused = [rid for rid, d in decided.items() if d == "rejected"]
+    assert refused and "admitted" in decided.values()
+    again, first_again = run(decided)
+    assert first_again == first and {k: d for k, (d, _) in again.decisions.items()} == decided
+    forced, first_forced = run({**decided, refused[0]: "admitted"})
+    assert first_forced[refused[0]] and not first[refused[0]]
+    assert {k: d for k, (d, _) in forced.decisions.items()} == {**decided, refused[0]: "admitted"}
