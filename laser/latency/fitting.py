@@ -275,8 +275,11 @@ def _fit_attention_set(x: np.ndarray, y: np.ndarray, names: Sequence[str], scale
 #             over-predicted, docs/benchmarks.md); the profiler measures its samples either way.
 # ``edges``: the stateless and LM-head lines keep a segment edge where the matmul kernels switch
 #   (features.kernel_rows_from_metadata: int4 weights past 64 rows, int8 past 32 run a dense matmul).
-#   "convex": decode attention's cost per position grows with its group's gather (``d_pad2``) and
-#             the kernel edges (docs/benchmarks.md, "the kernel edges and the convex gather").
+#   "convex" (the default): "padded", decode attention whose cost per position may grow with its
+#             group's gather (``d_pad2``, set "convex") and the kernel edges; on the same samples of
+#             an AVX512 EPYC it beat "padded" per layer step (87.0 -> 89.5 %, 81.6 -> 85.9 % at 1 / 2
+#             threads) and per iteration (87.8 -> 90.4 %, 89.2 -> 91.3 %; docs/benchmarks.md, "the
+#             kernel edges and the convex gather"); "convex-step": with the step overhead (opt-in).
 FORMS = {
     "paper": {"sets": ("linear", "kernel"), "small_counts": SMALL_COUNT_EXACT, "step": False},
     "padded": {"sets": ("padded", "linear", "kernel"), "small_counts": SMALL_COUNT_EXACT, "step": False},
