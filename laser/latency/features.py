@@ -28,6 +28,10 @@ DEFAULT_MAX_GATHER_BYTES = 16 << 20
 #   d_seqs    B_d (== tokens)      (paper's α·n)
 #   d_ctx     Σc                   (paper's β·Σc: KV bytes read)
 #   d_pad     Σ_g |g| · max_g c    (what the padded gather + kernel really touch)
+#   d_pad2    Σ_g (|g| · max_g c)² (a group's cost per position grows with its gather: past the
+#                                   CPU caches the gathered K/V and the B·C scores stream from
+#                                   memory; measured on an AVX512 EPYC, bf16 SmolLM2: ~0.2 us per
+#                                   position at 5k positions, ~0.45 us at 40k)
 # Prefill entries (q > 1). A single prefill with no cached context (q == c) runs the
 # causal kernel on its own K/V:
 #   c_const   1 if so
@@ -44,8 +48,9 @@ DEFAULT_MAX_GATHER_BYTES = 16 << 20
 # Candidate feature sets, simplest first; the fit picks one by CV (``laser.latency.fitting``;
 # which sets are candidates is the fit's ``form``).
 
-ATTENTION_FEATURES = ("d_groups", "d_seqs", "d_ctx", "d_pad", "c_const", "c_tokens", "c_square",
+ATTENTION_FEATURES = ("d_groups", "d_seqs", "d_ctx", "d_pad", "d_pad2", "c_const", "c_tokens", "c_square",
                       "m_const", "m_tokens", "m_ctx", "m_pad")
+_PREFILL_KERNEL = ("c_const", "c_tokens", "c_square", "m_const", "m_tokens", "m_ctx", "m_pad")
 ATTENTION_FEATURE_SETS = {
     # decode entries priced by the padded gather the runner does (each group reads and attends
     # over |g| · max_g c positions: B · C_max, not Σc), prefill entries by the paper's line
@@ -53,9 +58,12 @@ ATTENTION_FEATURE_SETS = {
     # the paper's α·n + β·Σc + γ, for decode and prefill entries separately
     "linear": ("d_groups", "d_seqs", "d_ctx", "c_const", "c_tokens", "m_const", "m_tokens", "m_ctx"),
     # what the kernels compute: padded decode groups, causal / padded prefill score matrices
-    "kernel": ATTENTION_FEATURES,
+    "kernel": ("d_groups", "d_seqs", "d_ctx", "d_pad", *_PREFILL_KERNEL),
+    # "kernel" with the decode gather's cost per position growing with the group's gather (d_pad2)
+    "convex": ("d_groups", "d_seqs", "d_pad", "d_pad2", *_PREFILL_KERNEL),
+    "full": ATTENTION_FEATURES,
 }
-N_DECODE_FEATURES = 4
+N_DECODE_FEATURES = 5
 
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8}
 
@@ -80,6 +88,28 @@ def gather_positions_from_metadata(metadata: dict | None) -> int:
     if not m or not nbytes:
         return 0
     return max_gather_positions(int(m.group(1)), int(m.group(2)), nbytes)
+
+
+# Row counts at which the matmul kernels switched in profiles made before the profiler recorded
+# them (``metadata["kernel_rows"]``, profiler version 8), by weight format: the weight-only int4 /
+# int8 kernels up to 64 / 32 rows, then a dense matmul; fp32's oneDNN-packed layout up to 64.
+_PRE_V8_KERNEL_ROWS = {"int4": 64, "int8": 32, "float32": 64}
+
+
+def kernel_rows_from_metadata(metadata: dict | None) -> dict[str, tuple[int, ...]]:
+    """Row counts ``k`` at which the executor's matmuls switch kernel (``n <= k`` rows run one,
+    ``n > k`` another), for ``"stateless"`` (the layers' projections) and ``"head"`` (the LM
+    head): the count functions fitted for them keep a segment edge at each (a kink or jump the
+    data may show, :func:`laser.latency.fitting.fit`). ``metadata["kernel_rows"]`` when the
+    profiler recorded it; else, for older profiles, from the weight formats in ``model_id``
+    (``...-int4-int8``) and ``dtype``, the union for both; ``{}`` when nothing is known."""
+    meta = metadata or {}
+    if isinstance(meta.get("kernel_rows"), dict):
+        return {k: tuple(sorted(int(r) for r in v)) for k, v in meta["kernel_rows"].items()}
+    kinds = re.findall(r"-(int4|int8)(?=-|$)", str(meta.get("model_id", "")))
+    kinds.append(str(meta.get("dtype", "")).removeprefix("torch."))
+    rows = tuple(sorted({_PRE_V8_KERNEL_ROWS[k] for k in kinds if k in _PRE_V8_KERNEL_ROWS}))
+    return {"stateless": rows, "head": rows} if rows else {}
 
 
 def decode_slices(context_lens: Sequence[int], max_positions: int) -> list[tuple[int, int]]:
@@ -127,7 +157,8 @@ def attention_features(query_lens: Sequence[int], context_lens: Sequence[int],
             pq.append(q)
             pc.append(c)
     groups = decode_groups(dc, max_positions)
-    f = [float(len(groups)), float(len(dc)), float(sum(dc)), float(sum(k * m for k, m in groups))]
+    f = [float(len(groups)), float(len(dc)), float(sum(dc)), float(sum(k * m for k, m in groups)),
+         float(sum((k * m) ** 2 for k, m in groups))]
     if len(pq) == 1 and pq[0] == pc[0]:  # the causal fast path
         f += [1.0, float(pq[0]), float(pq[0]) ** 2, 0.0, 0.0, 0.0, 0.0]
     elif pq:

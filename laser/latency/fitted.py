@@ -137,14 +137,15 @@ class AttentionModel:
         if not b:
             return 0.0
         if sum(query_lens) == b:  # all decode: C-speed builtins when it is one group
-            d0, d1, d2, d3 = self._d
+            d0, d1, d2, d3, d4 = self._d
             mx = max(context_lens)
             g = self.max_gather_positions
             if g <= 0 or b * mx <= g:
-                return d0 + d1 * b + d2 * sum(context_lens) + d3 * b * mx
+                pad = b * mx
+                return d0 + d1 * b + d2 * sum(context_lens) + d3 * pad + d4 * pad * pad
             groups = decode_groups(context_lens, g)
             return (d0 * len(groups) + d1 * b + d2 * sum(context_lens)
-                    + d3 * sum(k * m for k, m in groups))
+                    + d3 * sum(k * m for k, m in groups) + d4 * sum((k * m) ** 2 for k, m in groups))
         f = attention_features(query_lens, context_lens, self.max_gather_positions)
         return sum(w * x for w, x in zip(self._w, f))
 

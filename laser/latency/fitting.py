@@ -14,6 +14,7 @@ predicting with a fitted model never imports this module, numpy or scipy.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Iterable, Sequence
 
@@ -33,7 +34,13 @@ from .base import (
     check_batch,
     check_seconds,
 )
-from .features import ATTENTION_FEATURE_SETS, ATTENTION_FEATURES, attention_features, gather_positions_from_metadata
+from .features import (
+    ATTENTION_FEATURE_SETS,
+    ATTENTION_FEATURES,
+    attention_features,
+    gather_positions_from_metadata,
+    kernel_rows_from_metadata,
+)
 from .fitted import AttentionModel, FittedLatencyModel, PiecewiseLinear
 from .io import laser_version
 
@@ -170,7 +177,7 @@ def _small_count_lookup(n: np.ndarray, y: np.ndarray, limit: int) -> list[float]
 
 def _fit_count_function(
     n: Sequence[int], y: Sequence[float], widths: Sequence[int], folds: int,
-    exact: int = 0, monotone: bool = True,
+    exact: int = 0, monotone: bool = True, breaks: Sequence[int] = (),
 ) -> tuple[PiecewiseLinear, dict]:
     """Fit a piecewise-linear function of a count, choosing the segment width by k-fold CV.
 
@@ -183,15 +190,19 @@ def _fit_count_function(
     (where it is used). With ``monotone`` the lookup is made non-decreasing (running
     max) and the line is floored at its last value, so the whole function stays
     non-decreasing (schedulers binary-search on it).
+
+    ``breaks``: counts ``k`` where the kernel switches (:func:`~.features.kernel_rows_from_metadata`):
+    only widths that make each ``k`` inside the data a segment edge are candidates (the line may
+    bend or jump between ``k`` and ``k + 1``).
     """
     n = np.asarray(n, dtype=np.int64)
     y = np.asarray(y, dtype=np.float64)
     look = _small_count_lookup(n, y, exact) if exact > 0 and len(n) else []
     rest = n > len(look)
     if look and np.count_nonzero(rest) >= 2:
-        f, rep = _fit_count_line(n[rest], y[rest], widths, folds)
+        f, rep = _fit_count_line(n[rest], y[rest], widths, folds, breaks)
     else:
-        f, rep = _fit_count_line(n, y, widths, folds)
+        f, rep = _fit_count_line(n, y, widths, folds, breaks)
     if look:
         if monotone:
             run = 0.0
@@ -204,19 +215,26 @@ def _fit_count_function(
 
 
 def _fit_count_line(
-    n: Sequence[int], y: Sequence[float], widths: Sequence[int], folds: int
+    n: Sequence[int], y: Sequence[float], widths: Sequence[int], folds: int, breaks: Sequence[int] = ()
 ) -> tuple[PiecewiseLinear, dict]:
     n = np.asarray(n, dtype=np.int64)
     y = np.asarray(y, dtype=np.float64)
     if len(n) == 0:
         return PiecewiseLinear.zero(), {"width": None, "cv_error": {}}
     linear_w = max(2, int(n.max()))
+    inside = [int(k) for k in breaks if n.min() <= k < n.max()]  # a switch between two sampled counts
     cands = {"linear": linear_w}
     for w in sorted(set(int(w) for w in widths), reverse=True):
         if 1 <= w < linear_w:
             cands[w] = w
+    if inside:
+        edge = math.gcd(*inside)
+        cands = {c: w for c, w in cands.items() if c != "linear" and all(k % w == 0 for k in inside)} or {edge: edge}
+    if inside and len(n) < 2 * max(folds, 2):  # no plain line to fall back on: fewer folds
+        folds = max(2, len(n) // 2)
     if len(n) < 2 * max(folds, 2) or len(cands) == 1:
-        return _fit_piecewise(n, y, linear_w), {"width": "linear", "cv_error": {}}
+        first = next(iter(cands))
+        return _fit_piecewise(n, y, cands[first]), {"width": first, "cv_error": {}}
     errs = {}
     for name, w in cands.items():
         def fit_predict(train, test, w=w):
@@ -255,13 +273,24 @@ def _fit_attention_set(x: np.ndarray, y: np.ndarray, names: Sequence[str], scale
 #             busy 1-thread run (iterations 91.7 -> 92.1 %) and a 4-layer model (78.8 -> 89.0 %) but lost
 #             on the cleanest 2-thread run (94.7 -> 94.1 %: decode iterations there were already
 #             over-predicted, docs/benchmarks.md); the profiler measures its samples either way.
+# ``edges``: the stateless and LM-head lines keep a segment edge where the matmul kernels switch
+#   (features.kernel_rows_from_metadata: int4 weights past 64 rows, int8 past 32 run a dense matmul).
+#   "convex" (the default): "padded", decode attention whose cost per position may grow with its
+#             group's gather (``d_pad2``, set "convex") and the kernel edges; on the same samples of
+#             an AVX512 EPYC it beat "padded" per layer step (87.0 -> 89.5 %, 81.6 -> 85.9 % at 1 / 2
+#             threads) and per iteration (87.8 -> 90.4 %, 89.2 -> 91.3 %; docs/benchmarks.md, "the
+#             kernel edges and the convex gather"); "convex-step": with the step overhead (opt-in).
 FORMS = {
     "paper": {"sets": ("linear", "kernel"), "small_counts": SMALL_COUNT_EXACT, "step": False},
     "padded": {"sets": ("padded", "linear", "kernel"), "small_counts": SMALL_COUNT_EXACT, "step": False},
     "padded-small16": {"sets": ("padded", "linear", "kernel"), "small_counts": 16, "step": False},
     "padded-step": {"sets": ("padded", "linear", "kernel"), "small_counts": SMALL_COUNT_EXACT, "step": True},
+    "convex": {"sets": ("padded", "linear", "convex", "kernel", "full"), "small_counts": SMALL_COUNT_EXACT,
+               "step": False, "edges": True},
+    "convex-step": {"sets": ("padded", "linear", "convex", "kernel", "full"), "small_counts": SMALL_COUNT_EXACT,
+                    "step": True, "edges": True},
 }
-DEFAULT_FORM = "padded"
+DEFAULT_FORM = "convex"
 
 
 def _fit_attention(samples: Sequence[AttentionSample], folds: int, max_positions: int = 0,
@@ -334,16 +363,17 @@ def fit(samples: Iterable[Sample], *, num_layers: int, metadata: dict | None = N
     if num_layers < 1:
         raise ValueError("num_layers must be >= 1")
 
+    edges = kernel_rows_from_metadata(metadata) if FORMS[form].get("edges") else {}
     st = kinds[StatelessSample]
     stateless, st_rep = _fit_count_function([s.n_tokens for s in st], [s.seconds for s in st], widths, folds,
-                                            exact=small_counts)
+                                            exact=small_counts, breaks=edges.get("stateless", ()))
     if max_gather_positions is None:
         max_gather_positions = gather_positions_from_metadata(metadata)
     attention, at_rep = _fit_attention(kinds[AttentionSample], folds, max_gather_positions,
                                        stateless if st else None, FORMS[form]["sets"])
     hd = kinds[HeadSample]
     head, hd_rep = _fit_count_function([s.n_rows for s in hd], [s.seconds for s in hd], widths, folds,
-                                       exact=small_counts, monotone=False)
+                                       exact=small_counts, monotone=False, breaks=edges.get("head", ()))
     em = kinds[EmbedSample]
     embed, _ = _fit_count_function([s.n_tokens for s in em], [s.seconds for s in em], (), folds)
 

@@ -57,7 +57,9 @@ class ProfileGrid:
         small = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # small decode batches at short contexts (16-512)
         attn = _attention_batches(pts, small, max_tokens, max_batch)
         layer = _layer_batches(pts, small, max_tokens, max_batch)
-        head = [r for r in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128) if r <= max(max_batch, 1) * 2]
+        # LM-head rows: enough counts for the fit's cross-validation past its small-count lookup
+        head = [r for r in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 128)
+                if r <= max(max_batch, 1) * 2]
         embed = sorted({n for n in (1, 8, 64, 256, 1024, max_tokens) if n <= max_tokens})
         steps = _step_shapes(_Points(np.random.default_rng(seed + 1), max(1, min(512, max_context, pool_tokens)),
                                      pool_tokens, block_size), max_tokens, max_batch)
@@ -81,6 +83,16 @@ class ProfileGrid:
         steps = _step_shapes(_Points(rng, 256, 1 << 30, 16), 64, 8)
         return cls(st, attn, attn[::3], [1, 16, 128], [1, 4, 16], min_rounds=rounds[0], max_rounds=rounds[1],
                    tol=0.05, warmup_s=0.2, step_shapes=steps)
+
+    def add_kernel_edges(self, edges: dict) -> None:
+        """Sample the stateless modules and the LM head on both sides of each row count where
+        their kernels switch (``edges``: :func:`laser.profiler.pipeline.kernel_rows_of`): ``k - 1``,
+        ``k``, ``k + 1`` and ``k + 8``, within the grid's range."""
+        for name, attr in (("stateless", "stateless_tokens"), ("head", "head_rows")):
+            pts = getattr(self, attr)
+            top = max(pts, default=0)
+            extra = {n for k in edges.get(name, ()) for n in (k - 1, k, k + 1, k + 8) if 1 <= n <= top}
+            setattr(self, attr, sorted(set(pts) | extra))
 
     def num_cases(self) -> int:
         return (len(self.stateless_tokens) + len(self.attention_batches) + len(self.layer_batches)

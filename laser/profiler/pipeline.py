@@ -40,9 +40,10 @@ from .timing import Bench, Case, planned_calls, progress_bar
 log = logging.getLogger(__name__)
 
 # Bump when what is measured, or how, changes: older profile files are then re-made.
-PROFILER_VERSION = 7  # 4: layer matmuls in per-row-count layouts (laser.model.llama.Linear); 5: typical (median) times;
+PROFILER_VERSION = 8  # 4: layer matmuls in per-row-count layouts (laser.model.llama.Linear); 5: typical (median) times;
 # 6: skewed decode batches (padded gather), executor-path label in the key; 7: whole steps' overhead
-# (StepOverheadSample)
+# (StepOverheadSample); 8: the row counts where the matmul kernels switch (metadata["kernel_rows"]),
+# sampled on both sides, and a denser LM-head grid
 # Candidate segment widths for the stateless / LM-head fits. On CPUs a single row runs a
 # matrix-vector kernel (one decode token: ~25% cheaper than two), so widths down to 1
 # are offered; cross-validation picks one.
@@ -94,6 +95,24 @@ def executor_path_of(obj) -> str:
     return str(label or "eager")
 
 
+def kernel_rows_of(model) -> dict[str, list[int]]:
+    """Row counts ``k`` at which ``model``'s matmuls switch kernel (``n <= k`` rows one, more
+    another): ``"stateless"`` from the layers' projections (a quantized weight's
+    ``kernel_max_rows``; an fp32 :class:`~laser.model.llama.Linear` with its packed layout,
+    ``PACKED_MAX_ROWS``), ``"head"`` from a quantized LM head. The latency fit keeps a segment
+    edge at each (:func:`laser.latency.features.kernel_rows_from_metadata`)."""
+    def edge(lin):
+        k = getattr(lin, "kernel_max_rows", None)
+        if k is None and getattr(lin, "wt", None) is not None:
+            k = getattr(lin, "PACKED_MAX_ROWS", None)
+        return k
+
+    layers = getattr(model, "layers", [])
+    st = {edge(lin) for L in layers for lin in (L.qkv, L.o, L.gate_up, L.down)} - {None}
+    head = getattr(model, "lm_head_q", None)
+    return {"stateless": sorted(int(k) for k in st), "head": [int(head.kernel_max_rows)] if head is not None else []}
+
+
 def profile_metadata(obj, threads: int | None = None) -> dict:
     """What a profile is keyed by and checked against when loaded.
 
@@ -116,6 +135,7 @@ def profile_metadata(obj, threads: int | None = None) -> dict:
         "threads": int(threads or torch.get_num_threads()),
         "executor": executor_path_of(runner),
         "profiler_version": PROFILER_VERSION,
+        "kernel_rows": kernel_rows_of(runner.model),
     }
 
 
@@ -128,9 +148,11 @@ def default_grid(runner: ModelRunner) -> ProfileGrid:
     """:meth:`ProfileGrid.default` sized to the runner's model (max positions) and KV pool."""
     cfg = runner.model.config
     pool = pool_tokens(runner)
-    return ProfileGrid.default(max_tokens=min(2048, cfg.max_position, pool),
+    grid = ProfileGrid.default(max_tokens=min(2048, cfg.max_position, pool),
                                max_context=min(4096, cfg.max_position), pool_tokens=pool,
                                block_size=runner.bm.block_size)
+    grid.add_kernel_edges(kernel_rows_of(runner.model))
+    return grid
 
 
 def profile_cases(calls: ExecutorCalls, grid: ProfileGrid) -> list[Case]:
