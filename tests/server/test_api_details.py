@@ -194,3 +194,17 @@ def test_text_part_without_text_is_named_as_missing(live):
     ok = httpx.post(live.url + "/v1/chat/completions", json={
         "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}], "max_tokens": 2})
     assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("field,value", [("add_generation_prompt", False), ("continue_final_message", True)])
+def test_chat_template_switches_vllm_honours_are_refused_not_ignored(live, field, value):
+    """vLLM continues the last message with ``continue_final_message: true`` (or opens no
+    assistant turn with ``add_generation_prompt: false``); silently ignoring them answered another
+    prompt than the client built. Their neutral values are served."""
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am"}]
+    r = httpx.post(live.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, field: value})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "unsupported_parameter" and err["param"] == field, err
+    ok = httpx.post(live.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, field: not value})
+    assert ok.status_code == 200, ok.text
