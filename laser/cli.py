@@ -67,8 +67,21 @@ def fraction(s: str) -> float:
     return v
 
 
+def policy_name(s: str) -> str:
+    """argparse type: a registered scheduling policy (checked when the flags are parsed, not after
+    the model has loaded and the latency model was profiled)."""
+    from .scheduler import get_policy
+
+    try:
+        get_policy(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return s
+
+
 def add_engine_args(p: argparse.ArgumentParser, policy_default: str = "laser") -> None:
-    """Flags shared by every command that builds an engine."""
+    """Flags shared by every command that builds an engine (``--policy``: one registered name;
+    ``laser bench`` lifts that check for its comma lists)."""
     p.add_argument("--model", default=None,
                    help="HF checkpoint dir or GGUF file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
@@ -78,7 +91,7 @@ def add_engine_args(p: argparse.ArgumentParser, policy_default: str = "laser") -
                    help="weight format of the linear layers (default auto: a GGUF file in its own quantization "
                         "-- 4-bit tensors int4, 5-8 bit int8, through torch's weight-only kernels --, a HF "
                         "checkpoint dense; none: dequantized to --dtype; int8 / int4: quantized at load)")
-    p.add_argument("--policy", default=policy_default,
+    p.add_argument("--policy", default=policy_default, type=policy_name,
                    help="scheduling policy: vllm, sarathi, laser (default %(default)s)")
     p.add_argument("--queue-order", default="edf", choices=["edf", "fcfs"],
                    help="waiting-queue order: earliest TTFT deadline first (default) or arrival order")
@@ -252,16 +265,16 @@ def speculative_config(args):
 def cmd_generate(args) -> int:
     from .core.request import SamplingParams
 
-    t0 = time.perf_counter()
-    engine = build_engine(args)
-    load_s = time.perf_counter() - t0
-    sp = SamplingParams(
+    sp = SamplingParams(  # checked before the model loads (InvalidRequestError: laser: error)
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
     )
+    t0 = time.perf_counter()
+    engine = build_engine(args)
+    load_s = time.perf_counter() - t0
     prompt = [{"role": "user", "content": args.prompt}] if not args.raw and engine.tokenizer.chat_template else args.prompt
     req = engine.add_request(prompt, sp)
     t1 = time.perf_counter()

@@ -95,6 +95,7 @@ def register(subparsers) -> None:
     add_engine_args(p, policy_default=DEFAULT_POLICIES)
     for act in p._actions:
         if act.dest == "policy":
+            act.type = None  # a comma list, checked by laser.bench.cli.parse_policies
             act.help = "comma list of policies to compare, as --policies (default %(default)s)"
     p.add_argument("--policies", dest="policy",
                    help="comma list of policies (same as --policy), e.g. vllm,sarathi,laser; 'name:N' sets its "

@@ -43,7 +43,7 @@ from .admission import (  # noqa: F401 - the admission errors and decision are p
 )
 from .engine_thread import EngineThread
 from .outputs import aborted_output
-from ..core.request import SLO, SamplingParams
+from ..core.request import SLO, InvalidRequestError, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -277,14 +277,19 @@ class AsyncEngine(EngineThread):
         request ahead in the queue order — from the report the engine thread published
         after its last step plus the requests admitted since — so it needs no engine step.
 
-        Raises EngineStoppedError (draining/dead), QueueFullError (bounded queue full) or
-        SLOInfeasibleError (``on_infeasible == "reject"``). Call :meth:`submit` for each in the
+        Raises EngineStoppedError (draining/dead), QueueFullError (bounded queue full),
+        SLOInfeasibleError (``on_infeasible == "reject"``) or InvalidRequestError (more prompts
+        at once than the queue bound: waiting could never admit them). Call :meth:`submit` for each in the
         same event-loop turn (no ``await`` in between), or the queue bound may be overrun.
         """
         if self.draining or self.dead is not None or self._stop_requested:
             raise EngineStoppedError(
                 "server is shutting down" if self.dead is None else f"engine failed: {self.dead}"
             )
+        if len(prompt_lens) > self.max_waiting:  # not a full queue: a 429 "retry later" would be retried in vain
+            raise InvalidRequestError(f"prompt: {len(prompt_lens)} choices (prompts x n) in one request; this server "
+                                      f"queues at most {self.max_waiting} requests at once (--max-waiting): send "
+                                      "fewer per request")
         if self.num_queued + len(prompt_lens) > self.max_waiting:
             raise QueueFullError(
                 f"too many waiting requests ({self.num_queued} waiting, limit {self.max_waiting}); retry later"

@@ -25,6 +25,10 @@ from ..core.request import Request, TokenLogprob
 
 # Rows of prompt log-probabilities computed at once (bounds the [rows, V] fp32 temporaries).
 LOGPROB_ROWS = 256
+# Where a processed logit saturates: float32's largest value over ten times the largest
+# 1 / temperature a sampled request divides by (temperatures below 1e-5 are greedy), so it stays
+# finite after that division (float32 rounding included).
+SATURATED_LOGIT = torch.finfo(torch.float32).max * 1e-6
 
 
 def logprob_entries(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list[TokenLogprob]:
@@ -119,8 +123,15 @@ class Sampler:
         if rp != 1.0 or fp or pp:
             counts, seen_any = self._counts(req, V, extra)
             if rp != 1.0:  # prompt and output tokens (vLLM: prompt_mask | output_mask)
-                scale = torch.where(seen_any, torch.tensor(rp, dtype=row.dtype), torch.tensor(1.0, dtype=row.dtype))
-                row = torch.where(row > 0, row / scale, row * scale)
+                # an extreme penalty must not make the softmax NaN (that failed every request in the
+                # step): the scale is a finite non-zero float32 (0 * inf, -inf * 0 are NaN), and a
+                # finite logit it moves past float32 (1e-38: +inf) saturates at +-SATURATED_LOGIT;
+                # a masked token's -inf stays
+                fin = torch.finfo(row.dtype)
+                rp32 = torch.tensor(min(max(rp, fin.tiny), fin.max), dtype=row.dtype)
+                scale = torch.where(seen_any, rp32, torch.tensor(1.0, dtype=row.dtype))
+                pen = torch.where(row > 0, row / scale, row * scale)
+                row = torch.where(row.isinf(), row, pen.clamp(-SATURATED_LOGIT, SATURATED_LOGIT))
             if fp:
                 row -= fp * counts
             if pp:

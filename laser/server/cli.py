@@ -16,7 +16,7 @@ EXIT_NODE_LOST = 3
 def register(subparsers) -> None:
     """Add the ``serve`` subcommand (called by ``laser.cli.main``)."""
     from ..frontend.async_engine import ON_INFEASIBLE
-    from ..cli import add_engine_args, non_negative_float, tcp_port
+    from ..cli import add_engine_args, non_negative_float, positive_int, tcp_port
 
     p = subparsers.add_parser(
         "serve",
@@ -35,9 +35,9 @@ def register(subparsers) -> None:
     p.add_argument("--on-infeasible", default="queue", choices=list(ON_INFEASIBLE),
                    help="when the latency model predicts a TTFT miss even if the request ran next: serve it "
                         "anyway (queue, the default), answer 429 (reject), or serve it as best_effort (demote)")
-    p.add_argument("--max-waiting", type=int, default=256,
+    p.add_argument("--max-waiting", type=positive_int, default=256,
                    help="accepted requests without a first token, at most; more get 429 (default %(default)s)")
-    p.add_argument("--max-model-len", type=int, default=None,
+    p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="context length limit, tokens (default: the model's, capped to the KV pool)")
     p.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0,
                    help="on SIGINT/SIGTERM, seconds in-flight requests may finish before they are aborted "
@@ -46,7 +46,7 @@ def register(subparsers) -> None:
                    help="Batch API store: SQLite jobs and results plus files (default: "
                         "$LASER_CACHE_DIR/batches, else ~/.cache/laser/batches); one server per directory: "
                         "a second one started on it is refused")
-    p.add_argument("--batch-concurrency", type=int, default=8,
+    p.add_argument("--batch-concurrency", type=positive_int, default=8,
                    help="Batch API lines in flight at most (cold tier; default %(default)s)")
     p.add_argument("--batch-accept-infeasible", action="store_true",
                    help="accept, with a warning, batch jobs the latency model says cannot meet their window "
@@ -173,9 +173,6 @@ def cmd_serve(args) -> int:
     from ..cli import build_engine
     from .app import build_app
 
-    if args.max_waiting < 1:
-        print("laser: error: --max-waiting must be >= 1", file=sys.stderr)
-        return 2
     busy = port_unavailable(args.host, args.port)
     if busy is not None:
         print(f"laser: error: cannot listen on {args.host}:{args.port}: {busy}", file=sys.stderr)

@@ -174,6 +174,9 @@ class Generation(RequestFields):
         except EngineStoppedError as e:
             self.metrics.reject("unavailable", slo.name)
             raise APIError(503, str(e), "unavailable") from None
+        except InvalidRequestError as e:  # more choices than the queue bound
+            self.metrics.reject("invalid")
+            raise APIError(400, str(e), "invalid_value", "prompt") from None
         q: asyncio.Queue = asyncio.Queue()
         for s, a in zip(subs, adms):
             self.metrics.admitted(a)

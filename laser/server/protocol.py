@@ -186,15 +186,25 @@ class ChatCompletionRequest(_Common):
     parallel_tool_calls: bool | None = Field(None, description="false: at most one call (default true)")
     functions: list[Any] | None = Field(None, description="legacy; not supported")
     function_call: Any = Field(None, description="legacy; not supported (only none/auto)")
+    add_generation_prompt: StrictBool = Field(True, description="vLLM extension: only true (an assistant turn "
+                                              "is opened after the messages)")
+    continue_final_message: StrictBool = Field(False, description="vLLM extension: only false (the last message "
+                                               "is not continued)")
 
     def unsupported_field(self) -> tuple[str, str] | None:
-        """(field, what) of the first legacy function-calling field this request sets that this
-        server cannot honour, or None: ``functions`` / ``function_call`` (superseded by ``tools`` /
-        ``tool_choice``) only at their neutral value (no functions, ``"none"``/``"auto"``)."""
+        """(field, what) of the first field this request sets that this server cannot honour, or
+        None: the legacy ``functions`` / ``function_call`` (superseded by ``tools`` /
+        ``tool_choice``) only at their neutral value (no functions, ``"none"``/``"auto"``); vLLM's
+        ``add_generation_prompt`` only true and ``continue_final_message`` only false (vLLM
+        honours both: ignoring them would answer a different prompt than the client built)."""
         if self.functions:
             return "functions", "function calling (legacy functions; use tools)"
         if self.function_call not in (None, "none", "auto"):
             return "function_call", f"function_call {self.function_call!r} (legacy function calling; use tool_choice)"
+        if not self.add_generation_prompt:
+            return "add_generation_prompt", "add_generation_prompt false"
+        if self.continue_final_message:
+            return "continue_final_message", "continue_final_message (continuing the last message)"
         return None
 
 

@@ -154,9 +154,11 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
-                if part.type != "text" or part.text is None:
+                if part.type != "text":
                     raise APIError(400, f"messages[{i}].content[{j}]: only text content parts are supported "
                                         f"(got type {part.type!r})", "unsupported_parameter", "messages")
+                if not isinstance(part.text, str):  # (OpenAI: "Missing required parameter")
+                    raise _bad(f"messages[{i}].content[{j}].text", "a text content part needs its text")
                 texts.append(part.text)
             content = "\n".join(texts)
         msg = {"role": m.role, "content": content or ""}

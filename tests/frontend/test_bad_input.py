@@ -291,11 +291,31 @@ def test_cli_nonexistent_model(tmp_path, capsys):
     assert lines == [f"laser: error: model path does not exist: {missing}"], err
 
 
-def test_cli_unknown_policy(tiny_llama, capsys):
-    rc = cli.main(["generate", "--model", str(tiny_llama), "--policy", "fifo", "--prompt", "hi", "--kv-cache-gib", "0.01"])
-    assert rc == 2
+@pytest.mark.parametrize("argv,needle", [
+    (["generate", "--policy", "fifo", "--prompt", "hi"], "argument --policy: unknown policy 'fifo'"),
+    (["serve", "--policy", "fifo"], "argument --policy: unknown policy 'fifo'"),
+    (["serve", "--max-model-len", "0"], "argument --max-model-len: expected a positive integer"),
+    (["serve", "--batch-concurrency", "0"], "argument --batch-concurrency: expected a positive integer"),
+    (["serve", "--max-waiting", "-1"], "argument --max-waiting: expected a positive integer"),
+])
+def test_cli_bad_flags_fail_before_loading(argv, needle, capsys, monkeypatch):
+    """A misspelt policy or an impossible serving limit is a usage error when the flags are
+    parsed; it used to surface only once the model had loaded (and, on a first start, the latency
+    model had been profiled: minutes) -- or, for --batch-concurrency, when the app was built."""
+    monkeypatch.setattr(cli, "build_engine", lambda *a, **k: pytest.fail("loaded the model first"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag,value,needle", [("--temperature", "-1", "temperature"), ("--top-p", "2", "top_p"),
+                                               ("--top-k", "-3", "top_k")])
+def test_cli_generate_checks_sampling_before_loading(flag, value, needle, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "build_engine", lambda *a, **k: pytest.fail("loaded the model first"))
+    assert cli.main(["generate", "--prompt", "hi", flag, value]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("laser: error: unknown policy 'fifo'"), err
+    assert len(err) == 1 and err[0].startswith("laser: error: ") and needle in err[0], err
 
 
 def test_cli_serve_port_in_use_fails_before_loading(tmp_path, capsys):

@@ -180,3 +180,31 @@ def test_a_request_model_states_its_slo_fields_and_unsupported_legacy_fields():
     assert ChatCompletionRequest(messages=msgs, function_call="auto").unsupported_field() is None
     assert ChatCompletionRequest(messages=msgs, functions=[{"name": "f"}]).unsupported_field()[0] == "functions"
     assert ChatCompletionRequest(messages=msgs, function_call={"name": "f"}).unsupported_field()[0] == "function_call"
+
+
+def test_text_part_without_text_is_named_as_missing(live):
+    """``{"type": "text"}`` with no ``text`` was refused as a non-text part ("only text content parts
+    are supported (got type 'text')"); OpenAI names the missing field."""
+    r = httpx.post(live.url + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text"}]}], "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "invalid_value" and err["param"] == "messages", err
+    assert err["message"].startswith("messages[0].content[1].text: a text content part needs its text"), err
+    ok = httpx.post(live.url + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}], "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("field,value", [("add_generation_prompt", False), ("continue_final_message", True)])
+def test_chat_template_switches_vllm_honours_are_refused_not_ignored(live, field, value):
+    """vLLM continues the last message with ``continue_final_message: true`` (or opens no
+    assistant turn with ``add_generation_prompt: false``); silently ignoring them answered another
+    prompt than the client built. Their neutral values are served."""
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am"}]
+    r = httpx.post(live.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, field: value})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "unsupported_parameter" and err["param"] == field, err
+    ok = httpx.post(live.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, field: not value})
+    assert ok.status_code == 200, ok.text

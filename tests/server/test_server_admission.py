@@ -157,6 +157,35 @@ def test_overload_gives_429_never_5xx(tiny_llama):
         assert _post(srv.url + "/v1/completions", {"prompt": "ok", "max_tokens": 2}).status_code == 200
 
 
+def test_more_choices_than_the_queue_bound_is_a_400_not_a_retry(tiny_llama, tmp_path):
+    """A request of more prompts x n than --max-waiting could never be admitted: it used to get the
+    full queue's 429 "retry later" (with 0 waiting), which clients retry in vain, and a Batch API
+    line of that width was retried until its job's window expired (24 h by default)."""
+    import io
+
+    ae = AsyncEngine(_engine(tiny_llama), max_waiting=3)
+    with LiveServer(build_app(ae, served_model_names=["tiny"], data_dir=tmp_path)) as srv:
+        for body in ({"prompt": ["a", "b", "c", "d"]}, {"prompt": ["a", "b"], "n": 2}):
+            r = _post(srv.url + "/v1/completions", {**body, "max_tokens": 1})
+            assert r.status_code == 400 and "retry-after" not in r.headers, r.text
+            err = r.json()["error"]
+            assert err["param"] == "prompt" and "at most 3 requests at once" in err["message"], err
+        assert _post(srv.url + "/v1/completions", {"prompt": ["a", "b", "c"], "max_tokens": 1}).status_code == 200
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        lines = [{"custom_id": "wide", "body": {"prompt": ["a"] * 4, "max_tokens": 1}},
+                 {"custom_id": "ok", "body": {"prompt": "a", "max_tokens": 1}}]
+        data = "\n".join(json.dumps({**ln, "method": "POST", "url": "/v1/completions"}) for ln in lines).encode()
+        f = c.files.create(file=("w.jsonl", io.BytesIO(data)), purpose="batch")
+        b = c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="1h")
+        deadline = time.monotonic() + 60
+        while (b := c.batches.retrieve(b.id)).status != "completed":
+            assert b.status == "in_progress" and time.monotonic() < deadline, b
+            time.sleep(0.1)
+        assert (b.request_counts.completed, b.request_counts.failed) == (1, 1)
+        err = json.loads(c.files.content(b.error_file_id).text)
+        assert err["custom_id"] == "wide" and err["response"]["status_code"] == 400, err
+
+
 # -- API key ------------------------------------------------------------------------------------------------
 
 
