@@ -17,7 +17,8 @@ machine shifts them alike:
    passes). Otherwise it is probed at twice its highest rate, again and again, until it
    fails; one that failed its lowest rate is probed at half of it until it passes. This
    goes on until a cap is hit: the wall-time cap ``time_cap_s``, or ``max_doublings``
-   each way.
+   each way; a target whose attainment did not rise over ``FLAT_HALVINGS`` halvings in a row
+   stops halving (its misses do not depend on the rate: "below range", with that reason).
 3. **Bisect** each target's bracket (highest passing rate with every lower probe passing,
    lowest failing rate) for at most ``bisect_steps`` rounds, until
    ``hi - lo <= rel_tol * hi``.
@@ -37,6 +38,9 @@ import numpy as np
 
 # Doublings (and halvings) per target before the search gives up: 2**30 times the range.
 DEFAULT_MAX_DOUBLINGS = 30
+# A target failing its lowest rate stops halving once this many halvings in a row left its
+# attainment where it was: its misses do not depend on the rate (each halving doubles a probe).
+FLAT_HALVINGS = 2
 
 
 class ProbeLike(Protocol):
@@ -134,7 +138,7 @@ def format_goodput(goodput_rps: float | None, *, lower_bound: bool = False, belo
     if below_range:
         if lowest_rate is None or not math.isfinite(lowest_rate):
             return "below range"
-        return f"<{lowest_rate:.{nd}f}" + (" (every probe failed)" if notes else "")
+        return f"<{lowest_rate:.{nd}f}" + (f" (every probe failed{'; ' + capped if capped else ''})" if notes else "")
     if goodput_rps is None:
         return "-"
     if lower_bound:
@@ -262,6 +266,9 @@ class _Search:
         """2. Extend until every target has failed a probe (and passed one)."""
         mine, burst = self.mine, self.burst
         moves = {lb: 0 for lb in self.labels}
+        # halvings in a row that did not raise a target's attainment: misses that do not depend
+        # on the rate (a request that misses even alone); halving on would only double each probe
+        flat = {lb: 0 for lb in self.labels}
         for e in range(max_doublings + 2):
             if self.cap_hit:
                 break
@@ -279,15 +286,24 @@ class _Search:
                     else:
                         moves[lb] += 1
                         todo.append((lb, _round(2 * max(finite))))
+                elif a is None and finite and flat[lb] >= FLAT_HALVINGS:
+                    self.limit_hit[lb] = f"attainment did not rise over {FLAT_HALVINGS} halvings of the rate"
                 elif a is None and finite and moves[lb] < max_doublings:
                     moves[lb] += 1
                     todo.append((lb, _round(0.5 * min(finite))))
             if not todo:
                 break
+            before = {lb: self._lowest(lb).attainment for lb, r in todo if r < math.inf and self.bracket(lb)[0] is None}
             self.run_round(todo, e)
             for lb, r in todo:
                 if r == math.inf and mine[lb] and mine[lb][-1].rate == math.inf:
                     burst[lb] = self.passes(mine[lb][-1])
+                elif lb in before and mine[lb] and mine[lb][-1].rate == r:
+                    flat[lb] = flat[lb] + 1 if mine[lb][-1].attainment <= before[lb] + 1e-12 else 0
+
+    def _lowest(self, lb: str) -> ProbeLike:
+        """The probe of ``lb`` at its lowest finite rate."""
+        return min((p for p in self.mine[lb] if p.rate < math.inf), key=lambda p: p.rate)
 
     def bisect(self, bisect_steps: int, rel_tol: float) -> None:
         """3. Bisect every bracket wider than ``rel_tol``."""
@@ -315,6 +331,7 @@ class _Search:
             out[lb] = GoodputResult(lb, a or 0.0, lower_bound=lower, below_range=a is None and bool(mine),
                                     bracket=(a, b) if a is not None and b is not None else None,
                                     probes=sorted(mine, key=lambda p: p.rate),
-                                    capped=(self.limit_hit.get(lb) or self.cap_hit) if lower or not mine else None,
+                                    capped=(self.limit_hit.get(lb) or self.cap_hit)
+                                    if lower or not mine or (a is None and lb in self.limit_hit) else None,
                                     unbounded=unbounded)
         return out

@@ -16,7 +16,7 @@ import pytest
 from laser.bench.calibrate import (IsolatedLatency, calibrate, class_mean_prompt_lens, measure_isolated,
                                    paper_targets)
 from laser.bench.best import expand_best, resolve_best
-from laser.bench.goodput import geometric_grid, search_goodput
+from laser.bench.goodput import FLAT_HALVINGS, geometric_grid, search_goodput
 from laser.bench.client import ClientTarget
 from laser.bench.runner import (Benchmark, EngineTarget, RunOutput, SimTarget, Target,
                                 reference_rate, tbt_token_budget)
@@ -199,6 +199,32 @@ def test_search_time_cap_is_the_only_lower_bound():
 
     g = search_goodput(Always, ["x"], 0.5, 2.0)["x"]
     assert g.unbounded and not g.lower_bound and g.capped is None and g.display().startswith("unbounded")
+
+
+def test_search_stops_halving_when_misses_do_not_depend_on_the_rate():
+    """A target whose misses happen at any rate (one of six requests misses even alone) failed
+    its lowest rate; halving on would double each probe's length 30 times. The search stops after
+    FLAT_HALVINGS halvings that left the attainment where it was and says why; a target whose
+    attainment does rise as the rate falls is still halved until it passes."""
+    probes = []
+
+    class P:
+        def __init__(self, lb, rate):
+            self.rate = rate
+            if lb == "flat":
+                self.attainment = 5 / 6 if rate < math.inf else 0.0
+            else:  # rises as the rate falls: passes from 0.1 req/s down
+                self.attainment = max(0.0, 1.0 - rate) if rate < math.inf else 0.0
+            probes.append((lb, rate))
+
+    res = search_goodput(P, ["flat", "rises"], 0.5, 2.0, grid_points=2)
+    flat = res["flat"]
+    assert flat.below_range and flat.goodput_rps == 0.0
+    assert flat.capped == f"attainment did not rise over {FLAT_HALVINGS} halvings of the rate"
+    assert "halvings" in flat.display() and flat.display().startswith("<")
+    assert min(r for lb, r in probes if lb == "flat") == pytest.approx(0.5 / 2 ** FLAT_HALVINGS, rel=1e-3)
+    rises = res["rises"]
+    assert not rises.below_range and rises.capped is None and 0.0625 <= rises.goodput_rps <= 0.1 + 1e-9
 
 
 def test_search_continuous_decline_uses_target():
