@@ -131,7 +131,9 @@ class QuantLinear:
     with the activations cast to bfloat16 (the only activation dtype the CPU kernels take fast: fp32 activations
     run a scalar path 3-35x slower than fp32 dense here) and a bf16 output cast back; the
     scales are bf16 too (the compiled GEMV uses the same bf16-rounded scales). More rows (prefill)
-    dequantize the weight into ``x``'s dtype and run the dense matmul on the same activations (bf16-
+    dequantize the weight into ``x``'s dtype (or read :attr:`dense`, a copy kept where
+    :mod:`laser.model.kernel_rows` measured the crossover below the default on this CPU) and run
+    the dense matmul on the same activations (bf16-
     rounded where the decode path rounds them) and scales. The kernels give bit-equal
     rows whatever the row count (checked in tests); the two paths agree to float rounding.
     Measured on a 2-core AVX2 EPYC, 1 thread, SmolLM2's 4 weight shapes, interleaved
