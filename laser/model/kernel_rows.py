@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import statistics
 import time
@@ -141,7 +142,12 @@ def choose_kernel_rows(linears: list[QuantLinear], dtype: torch.dtype) -> str:
         k = f"{key}|{lin.qw.kind}|{lin.path}|{lin.qw.shape[0]}x{lin.qw.shape[1]}|{str(dtype).removeprefix('torch.')}"
         if k not in chosen:
             if k not in cache:
-                cache[k] = measure_crossover(lin, dtype)
+                try:
+                    cache[k] = measure_crossover(lin, dtype)
+                except (RuntimeError, MemoryError) as e:  # the defaults always work
+                    logging.getLogger(__name__).warning("measuring the %s crossover failed (%s); using the default",
+                                                        lin.qw.kind, e)
+                    cache[k] = QuantLinear.KERNEL_MAX_ROWS[lin.qw.kind]
                 measured += 1
             chosen[k] = int(cache[k])
         lin.kernel_max_rows = chosen[k]
