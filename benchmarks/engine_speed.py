@@ -161,7 +161,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--quantizations", default="none",
                     help="comma-separated Laser weight formats to run side by side (none, int8, int4, auto; "
-                         "auto:aten = auto with int8 decode rows through aten's kernel, not the compiled GEMV)")
+                         "auto:aten = auto with int8 decode rows through aten's kernel, not the compiled GEMV; "
+                         "auto::fixed = auto with the kernels' default row crossover, not the measured one)")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -172,12 +173,15 @@ def main() -> None:
     quants = args.quantizations.split(",")
 
     def make_engine(q: str) -> Engine:
-        """``q``: a quantization, or ``<quantization>:<gemv>`` with the int8 decode kernel
-        (``compiled`` or ``aten``: ``$LASER_QUANT_GEMV``) set while the engine is built."""
-        q, _, gemv = q.partition(":")
-        old = os.environ.get("LASER_QUANT_GEMV")
-        if gemv:
-            os.environ["LASER_QUANT_GEMV"] = gemv
+        """``q``: a quantization, or ``<quantization>:<gemv>[:<rows>]`` with the int8 decode kernel
+        (``compiled`` or ``aten``: ``$LASER_QUANT_GEMV``; empty: the default) and the kernels' row
+        crossover (``measure`` or ``fixed``: ``$LASER_QUANT_ROWS``) set while the engine is built."""
+        q, _, opts = q.partition(":")
+        gemv, _, rows = opts.partition(":")
+        saved = {k: os.environ.get(k) for k in ("LASER_QUANT_GEMV", "LASER_QUANT_ROWS")}
+        for k, v in (("LASER_QUANT_GEMV", gemv), ("LASER_QUANT_ROWS", rows)):
+            if v:
+                os.environ[k] = v
         try:
             return Engine(
                 str(path) if q == "none" else None, policy="vllm", dtype=dtype, quantization=q,
@@ -187,8 +191,8 @@ def main() -> None:
                 cache=CacheConfig(kv_cache_gib=0.25, enable_prefix_caching=False),
             )
         finally:
-            if gemv:
-                os.environ.pop("LASER_QUANT_GEMV", None) if old is None else os.environ.__setitem__("LASER_QUANT_GEMV", old)
+            for k, v in saved.items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
     engines = {q: make_engine(q) for q in quants}
     engine = engines[quants[0]]

@@ -12,6 +12,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # int8 decode rows through torch's aten kernel unless a test asks for the compiled GEMV
 # (laser.model.quant.CompiledGemv): only the tests that mean to compile do
 os.environ.setdefault("LASER_QUANT_GEMV", "aten")
+# the quantized kernels' row crossover at its fixed defaults, not measured on the machine
+# (laser.model.kernel_rows): test runs do not depend on the CPU's speed
+os.environ.setdefault("LASER_QUANT_ROWS", "fixed")
 
 TINY_CONFIGS = {
     "llama": dict(

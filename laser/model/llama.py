@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.config import ModelConfig
+from .kernel_rows import choose_kernel_rows, rows_label
 from .quant import QuantLinear, concat, prepare_decode_kernels
 
 log = logging.getLogger(__name__)
@@ -191,9 +192,12 @@ class LlamaModel:
             qlins.append(self.lm_head_q)
         if qlins:
             log.info(prepare_decode_kernels(qlins))
-            if any(m.gemv is not None for m in qlins):
-                # another machine to the latency model: its own profile (laser.profiler.executor_path_of)
-                self.executor_path = "compiled-int8"
+            log.info(choose_kernel_rows(qlins, dtype))
+            # another machine to the latency model: its own profile (laser.profiler.executor_path_of)
+            path = "-".join(p for p in ("compiled-int8" if any(m.gemv is not None for m in qlins) else "",
+                                        rows_label(qlins)) if p)
+            if path:
+                self.executor_path = path
 
     def _init_rope(self) -> None:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

@@ -131,7 +131,9 @@ class QuantLinear:
     with the activations cast to bfloat16 (the only activation dtype the CPU kernels take fast: fp32 activations
     run a scalar path 3-35x slower than fp32 dense here) and a bf16 output cast back; the
     scales are bf16 too (the compiled GEMV uses the same bf16-rounded scales). More rows (prefill)
-    dequantize the weight into ``x``'s dtype and run the dense matmul on the same activations (bf16-
+    dequantize the weight into ``x``'s dtype (or read :attr:`dense`, a copy kept where
+    :mod:`laser.model.kernel_rows` measured the crossover below the default on this CPU) and run
+    the dense matmul on the same activations (bf16-
     rounded where the decode path rounds them) and scales. The kernels give bit-equal
     rows whatever the row count (checked in tests); the two paths agree to float rounding.
     Measured on a 2-core AVX2 EPYC, 1 thread, SmolLM2's 4 weight shapes, interleaved
@@ -143,14 +145,18 @@ class QuantLinear:
         RuntimeError: the kernels are missing from this torch build (at construction).
     """
 
-    __slots__ = ("qw", "b", "packed", "scales", "kernel_max_rows", "act_dtype", "gemv")
-    KERNEL_MAX_ROWS = {"int4": 64, "int8": 32}  # crossovers measured (see above)
+    __slots__ = ("qw", "b", "packed", "scales", "kernel_max_rows", "act_dtype", "gemv", "dense")
+    # crossovers measured (see above); laser.model.kernel_rows measures them per CPU kind
+    KERNEL_MAX_ROWS = {"int4": 64, "int8": 32}
 
     def __init__(self, qw: QWeight, b: torch.Tensor | None = None):
         self.qw, self.b = qw, b
         self.act_dtype = torch.bfloat16
         self.kernel_max_rows = self.KERNEL_MAX_ROWS[qw.kind]
         self.gemv: tuple[torch.Tensor, ...] | None = None
+        # a dequantized copy [N, K] for the rows past the crossover (laser.model.kernel_rows keeps
+        # one where the dense matmul wins below the default crossover); None: dequantize per call
+        self.dense: torch.Tensor | None = None
         if qw.kind == "int8":
             self.packed = qw.q.contiguous()
             self.scales = qw.scale.to(self.act_dtype)
@@ -181,20 +187,27 @@ class QuantLinear:
             self.gemv, self.act_dtype = None, torch.bfloat16
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        M = x.shape[0]
-        if M <= self.kernel_max_rows and self.gemv is not None:
-            y = self._compiled(x.float().contiguous()).to(x.dtype)
-        elif M <= self.kernel_max_rows:
-            xa = x.to(self.act_dtype).contiguous()
-            if self.qw.kind == "int8":
-                y = torch.ops.aten._weight_int8pack_mm(xa, self.packed, self.scales)
-            else:
-                y = torch.ops.aten._weight_int4pack_mm_for_cpu(xa, self.packed, self.qw.group_size, self.scales)
-            y = y.to(x.dtype)
-        else:
-            xa = x.to(self.act_dtype)
-            y = F.linear(xa.to(x.dtype), self.dense_weight(x.dtype)).to(self.act_dtype).to(x.dtype)
+        y = self.kernel(x) if x.shape[0] <= self.kernel_max_rows else self.dense_matmul(x)
         return y if self.b is None else y + self.b
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [M, K] @ w.T through the decode kernel (no bias), [M, N] in ``x``'s dtype."""
+        if self.gemv is not None:
+            return self._compiled(x.float().contiguous()).to(x.dtype)
+        same = x.dtype == self.act_dtype  # bf16 models: no casts around the kernel (each a dispatch)
+        xa = x.contiguous() if same else x.to(self.act_dtype).contiguous()
+        if self.qw.kind == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(xa, self.packed, self.scales)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xa, self.packed, self.qw.group_size, self.scales)
+        return y if same else y.to(x.dtype)
+
+    def dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [M, K] @ w.T as a dense matmul (no bias) over the kept copy :attr:`dense` when it
+        is in ``x``'s dtype, else over the weight dequantized now; activations rounded as the
+        kernel rounds them. [M, N] in ``x``'s dtype."""
+        w = self.dense if self.dense is not None and self.dense.dtype == x.dtype else self.dense_weight(x.dtype)
+        return F.linear(x.to(self.act_dtype).to(x.dtype), w).to(self.act_dtype).to(x.dtype)
 
     def _compiled(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 ``x`` [M, K] -> [M, N] through the compiled GEMV: one row alone, else blocks of

@@ -1,0 +1,179 @@
+"""The row crossover of the quantized decode kernels, per CPU kind.
+
+A :class:`~laser.model.quant.QuantLinear` runs up to ``kernel_max_rows`` rows through its
+weight-only kernel (int4 / int8) and more rows as a dense matmul. Where the crossover lies depends
+on the CPU: on a 2-core AVX2-only EPYC (fp32 activations, the defaults
+``QuantLinear.KERNEL_MAX_ROWS``: int4 64, int8 32) the int4 kernel beat the dense matmul up to
+64 rows, while on an AVX512-BF16 EPYC with bf16 activations it costs ~27 us per row of SmolLM2's
+3072 x 576 gate/up (compute-bound: the time grows with every row) against a native bf16 dense
+matmul that wins from 8-16 rows (measured, 1 thread: 32 rows 859 us int4 vs 547 us dense).
+A dense matmul at those row counts only pays over a dequantized copy kept in memory
+(dequantizing per call costs more than the kernel up to 64 rows), so where the crossover falls
+below the default each such weight keeps a copy in the model dtype (2 bytes a weight in bf16,
+4 in fp32, on top of the packed integers).
+
+:func:`choose_kernel_rows` measures the crossover once per weight shape on the CPU it runs on
+(interleaved kernel / dense timings at 1..64 rows, medians) and caches it in
+``<laser cache>/quant_rows.json`` keyed by the CPU's model name and flags, torch's version and
+thread count, the kernel, the shape and the dtype, so a later start reads it instead of
+measuring. ``$LASER_QUANT_ROWS=fixed`` keeps the defaults (the test suite's default, so that
+test runs are deterministic).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .quant import QuantLinear
+
+#: Row counts timed; the crossover is one of them.
+CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32, 64)
+#: The dense matmul must be at least this much faster (time ratio) to take rows from the kernel:
+#: the kernel path keeps no extra copy of the weight, so near-ties stay with it.
+DENSE_MARGIN = 0.9
+_REPEATS = 5
+
+
+def rows_mode() -> str:
+    """``$LASER_QUANT_ROWS``: ``measure`` (the default; measured once per CPU kind and cached)
+    or ``fixed`` (``QuantLinear.KERNEL_MAX_ROWS``). Raises ValueError on another value."""
+    mode = os.environ.get("LASER_QUANT_ROWS", "measure")
+    if mode not in ("measure", "fixed"):
+        raise ValueError(f"LASER_QUANT_ROWS={mode!r}: use measure or fixed")
+    return mode
+
+
+def cpu_key() -> str:
+    """This CPU's model name and a hash of its feature flags (from /proc/cpuinfo), torch's
+    version and intra-op thread count: what a measured crossover holds for."""
+    name, flags = "?", ""
+    try:
+        for ln in Path("/proc/cpuinfo").read_text().splitlines():
+            if ln.startswith("model name") and name == "?":
+                name = ln.split(":", 1)[1].strip()
+            elif ln.startswith("flags") and not flags:
+                flags = " ".join(sorted(ln.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    digest = hashlib.sha1(flags.encode()).hexdigest()[:12]
+    return f"{name}|{digest}|torch {torch.__version__}|t{torch.get_num_threads()}"
+
+
+def measure_crossover(lin: QuantLinear, dtype: torch.dtype, repeats: int = _REPEATS) -> int:
+    """The largest row count of :data:`CANDIDATE_ROWS` up to which ``lin``'s kernel is not
+    clearly slower than a dense ``dtype`` matmul over its dequantized weight, capped at the
+    default ``QuantLinear.KERNEL_MAX_ROWS``; 0 when the dense matmul wins from one row.
+
+    "Clearly slower": the dense median time under :data:`DENSE_MARGIN` times the kernel's, at a
+    row count and at the next one (one noisy point does not move the crossover). Timings are
+    interleaved (kernel, dense, per row count, ``repeats`` rounds after one warm-up round) with
+    random activations; takes ~0.1-0.5 s for SmolLM2's shapes.
+    """
+    cap = QuantLinear.KERNEL_MAX_ROWS[lin.qw.kind]
+    dense = lin.dense_weight(dtype).contiguous()
+    gen = torch.Generator().manual_seed(0)
+    xs = {m: torch.randn(m, lin.qw.shape[1], generator=gen).to(dtype) for m in CANDIDATE_ROWS}
+    times: dict[int, tuple[list[float], list[float]]] = {m: ([], []) for m in CANDIDATE_ROWS}
+    with torch.inference_mode():
+        for r in range(repeats + 1):
+            for m, x in xs.items():
+                for j, fn in enumerate((lin.kernel, lambda a: F.linear(a, dense))):
+                    t = time.perf_counter()
+                    fn(x)
+                    if r:
+                        times[m][j].append(time.perf_counter() - t)
+    return pick_crossover({m: statistics.median(t[0]) for m, t in times.items()},
+                          {m: statistics.median(t[1]) for m, t in times.items()}, cap)
+
+
+def pick_crossover(kernel_s: dict[int, float], dense_s: dict[int, float], cap: int) -> int:
+    """The crossover from median times (seconds) per row count of the kernel and of the dense
+    matmul (same keys, ascending): the row count before the first one where the dense matmul
+    takes under :data:`DENSE_MARGIN` of the kernel's time there and at the next row count (or it
+    is the last), 0 if that is the first; the last row count if the dense matmul never wins so;
+    at most ``cap``."""
+    rows = sorted(kernel_s)
+    wins = [dense_s[m] < DENSE_MARGIN * kernel_s[m] for m in rows]
+    for i in range(len(rows)):
+        if wins[i] and (i + 1 == len(rows) or wins[i + 1]):
+            return min(rows[i - 1] if i else 0, cap)
+    return min(rows[-1], cap)
+
+
+def _cache_path() -> Path:
+    from .loader import cache_dir
+
+    return cache_dir() / "quant_rows.json"
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def choose_kernel_rows(linears: list[QuantLinear], dtype: torch.dtype) -> str:
+    """Set ``kernel_max_rows`` of every :class:`QuantLinear` in ``linears`` for this CPU (see the
+    module docstring) and give each whose crossover falls below the default a dense ``dtype``
+    copy of its weight (:attr:`QuantLinear.dense`). Call after the decode kernels are prepared
+    (:func:`laser.model.quant.prepare_decode_kernels`: the compiled GEMV is what is timed).
+    Returns a sentence for the startup log: the crossovers, measured or read from the cache,
+    and the memory the dense copies cost (MB)."""
+    if not linears:
+        return ""
+    if rows_mode() == "fixed":
+        return "quantized decode rows: the fixed defaults (LASER_QUANT_ROWS=fixed)"
+    path, key = _cache_path(), cpu_key()
+    cache = _read_cache(path)
+    chosen: dict[str, int] = {}
+    measured = 0
+    for lin in linears:
+        k = f"{key}|{lin.qw.kind}|{lin.path}|{lin.qw.shape[0]}x{lin.qw.shape[1]}|{str(dtype).removeprefix('torch.')}"
+        if k not in chosen:
+            if k not in cache:
+                try:
+                    cache[k] = measure_crossover(lin, dtype)
+                except (RuntimeError, MemoryError) as e:  # the defaults always work
+                    logging.getLogger(__name__).warning("measuring the %s crossover failed (%s); using the default",
+                                                        lin.qw.kind, e)
+                    cache[k] = QuantLinear.KERNEL_MAX_ROWS[lin.qw.kind]
+                measured += 1
+            chosen[k] = int(cache[k])
+        lin.kernel_max_rows = chosen[k]
+        if lin.kernel_max_rows < QuantLinear.KERNEL_MAX_ROWS[lin.qw.kind]:
+            lin.dense = lin.dense_weight(dtype).contiguous()
+    if measured:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
+        tmp.replace(path)
+    extra = sum(lin.dense.numel() * lin.dense.element_size() for lin in linears if lin.dense is not None)
+    per_kind = {}
+    for lin in linears:
+        per_kind.setdefault(lin.qw.kind, set()).add(lin.kernel_max_rows)
+    rows = ", ".join(f"{kind} up to {'/'.join(map(str, sorted(r)))}" for kind, r in sorted(per_kind.items()))
+    how = f"measured on this CPU for {measured} weight shapes" if measured else "read from the cache"
+    return (f"quantized decode rows through the kernels: {rows} ({how}; LASER_QUANT_ROWS=fixed for the "
+            f"defaults); more rows run a dense matmul" +
+            (f" over dequantized copies kept in memory: +{extra / 1e6:.0f} MB" if extra else ""))
+
+
+def rows_label(linears: list[QuantLinear]) -> str:
+    """The crossovers that differ from the defaults as a short executor-path label (e.g.
+    ``int4r8`` or ``int4r8.16``; ``""`` when every one is the default): a different crossover
+    is a different machine to the latency model."""
+    parts = {}
+    for lin in linears:
+        if lin.kernel_max_rows != QuantLinear.KERNEL_MAX_ROWS[lin.qw.kind]:
+            parts.setdefault(lin.qw.kind, set()).add(lin.kernel_max_rows)
+    return "-".join(f"{k}r{'.'.join(map(str, sorted(v)))}" for k, v in sorted(parts.items()))
