@@ -93,9 +93,11 @@ def test_goodput_edges_and_reference_rate():
                "laser": KneeTarget("laser", 1.0, log)}
     bench = Benchmark(targets, [wreq("code", 5, 1) for _ in range(20)], paper_slos(), burstiness=1e9)
     res = bench.goodput(0.5, 2.0, grid_points=3, bisect_steps=3, max_doublings=3)
-    # "low" halves 3 times (to 0.0625 req/s) and still fails: below the range, never a ">="
+    # "low" halves and still fails with the same attainment (0.5 at every rate above its knee):
+    # after FLAT_HALVINGS halvings (to 0.125 req/s) it stops, below the range, never a ">="
     assert res["low"].goodput_rps == 0.0 and res["low"].below_range and not res["low"].lower_bound
-    assert min(p.rate for p in res["low"].probes) == pytest.approx(0.0625)
+    assert min(p.rate for p in res["low"].probes) == pytest.approx(0.5 / 2 ** FLAT_HALVINGS)
+    assert "halvings" in res["low"].capped
     # "high" doubles until it fails (4, 8, 16 pass; the 3-doubling limit stops it): a capped lower bound
     assert res["high"].lower_bound and res["high"].goodput_rps == pytest.approx(16.0)
     assert res["high"].capped == "3 doublings" and res["high"].display().startswith(">=16.000 (cap: 3 doublings")
@@ -116,9 +118,10 @@ def test_one_goodput_text_for_every_report():
     bench = Benchmark({lb: KneeTarget(lb, k, log) for lb, k in knees.items()},
                       [wreq("code", 5, 1) for _ in range(20)], paper_slos(), burstiness=1e9)
     res = bench.goodput(0.5, 2.0, grid_points=3, bisect_steps=3, max_doublings=3)
-    want = {"laser": f"{res['laser'].goodput_rps:.3f}", "low": "<0.062 (every probe failed)",
+    want = {"laser": f"{res['laser'].goodput_rps:.3f}",
+            "low": f"<0.125 (every probe failed; attainment did not rise over {FLAT_HALVINGS} halvings of the rate)",
             "high": ">=16.000 (cap: 3 doublings)", "all": "unbounded (no knee: the whole workload at once passes)"}
-    short = {"laser": want["laser"], "low": "<0.062", "high": ">=16.000", "all": "unbounded"}
+    short = {"laser": want["laser"], "low": "<0.125", "high": ">=16.000", "all": "unbounded"}
     assert {lb: g.display() for lb, g in res.items()} == want
     assert {lb: g.display(notes=False) for lb, g in res.items()} == short
     for lb, g in res.items():
