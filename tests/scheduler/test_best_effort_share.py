@@ -83,3 +83,34 @@ def test_a_best_effort_share_outside_zero_to_one_is_refused_with_a_clear_error(v
     if value != "x":
         with pytest.raises(ConfigError, match=r"best_effort_share must be in \(0, 1\]"):
             SchedulerConfig(best_effort_share=float(value))
+
+
+# a layer call's fixed cost small beside its tokens (tests/scheduler/test_slo_pressure.py's LM): a
+# 200-token chat prompt ~0.25 s alone, a 4,000-token one ~4.4 s
+FAST = SimpleLatencyModel(num_layers=N, per_layer=1.0e-3, per_token=3.6e-5, per_context=2e-8)
+
+
+@pytest.mark.parametrize("chat_at", [1.2, 2.0, 3.0])
+def test_a_best_effort_prompt_past_its_aging_deadline_does_not_go_ahead_of_a_chat(chat_at):
+    """Issue 28 item 3 (a closed loop of best-effort requests beside Poisson chats, live on an EPYC):
+    a best-effort prompt that had waited its aging deadline (``best_effort_deadline_s``, 30 s;
+    1 s here) sorted ahead of each new chat in EDF. Triage counted its whole prefill ahead of the
+    chat and gave the chat up on arrival, and the merge ran the best-effort prompt first with the
+    whole step (no SLO work was merged before it to hold it to the share): the chat's first
+    token waited for the rest of the 4.4 s prompt (TTFT 3.6 / 2.8 / 1.8 s against 1.0 s, arriving
+    at 1.2 / 2.0 / 3.0 s). Best effort yields to SLO work in the prefill order too: the chat is
+    not given up and gets its first token near its idle cost (0.25 s alone; 0.31-0.32 s), and the
+    long prompt keeps advancing beside it and finishes (0.14 s later than before)."""
+    be = Request([7] * 4000, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), BEST,
+                 arrival_time=0.0, req_id="be")
+    chat = Request([7] * 200, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), CHAT,
+                   arrival_time=chat_at, req_id="chat")
+    sim = SimInstance("laser", N, FAST, SchedulerConfig(best_effort_deadline_s=1.0), num_blocks=4096,
+                      record_plans=False)
+    for r in (be, chat):
+        sim.submit(r)
+    sim.run(max_steps=100_000)
+    sim.check_integrity(expect_empty=True)
+    assert not chat.given_up
+    assert chat.token_times[0] - chat.arrival_time <= 0.5 * CHAT.ttft, chat.token_times[0] - chat.arrival_time
+    assert be.finish_time is not None and len(be.output_token_ids) == 4

@@ -154,6 +154,16 @@ def yields_to_slo(slo) -> bool:
     return slo.ttft is None and slo.tbt is None and slo.deadline is None
 
 
+def prefill_yields(r) -> bool:
+    """Whether the prompt of request ``r`` goes behind those with a deadline of their own in
+    Laser's prefill order (:func:`~laser.scheduler.laser.triage.triage`): no TTFT target (best
+    effort, or demoted from its target) and no batch-job deadline, and not boosted. Such prompts
+    age at ``best_effort_deadline_s`` among themselves; issue 28 item 3: past that aging deadline
+    one sorted ahead of every new chat."""
+    slo = r.slo
+    return slo.deadline is None and (slo.ttft is None or r.demoted) and not r.boosted
+
+
 def best_effort_limit(slo_price: float, share: float) -> float:
     """Seconds an iteration may take with best-effort work in it, when its work for requests
     with SLO targets costs ``slo_price`` seconds and best effort may take ``share`` (in (0, 1])

@@ -126,8 +126,8 @@ class LaserScheduler(Scheduler):
         if self.config.role == "mixed" and self.plans:
             self.replan_needed = True
         if self.step.in_step and self.config.role != "decode":
-            key = self.queue_key(req)
-            leads = all(w is req or key < self.queue_key(w) for w in self.waiting)
+            key = (rules.prefill_yields(req), *self.queue_key(req))  # the prefill order (triage's)
+            leads = all(w is req or key < (rules.prefill_yields(w), *self.queue_key(w)) for w in self.waiting)
             self.step.arrival_stops(req, self.clock(), self.prefill_alone(req), leads, self.plans)
 
     def prefill_alone(self, req: Request) -> float:
@@ -340,7 +340,7 @@ class LaserScheduler(Scheduler):
         has, given_up = self.bm.has, self._given_up
         decided = triage(cands, now, self.lm, self.num_layers, rate,
                          lambda r: may_give_up(r, has(r.req_id), r.req_id in given_up), self.queue_key,
-                         self.prefill.max_need_candidates)
+                         self.prefill.max_need_candidates, rules.prefill_yields)
         for r in decided.given_up:
             given_up.add(r.req_id)
             r.given_up = True

@@ -29,6 +29,15 @@ def may_give_up(r: Request, holds_kv: bool, given_up_before: bool) -> bool:
             and ((not holds_kv and not r.in_flight) or given_up_before))
 
 
+def _never(r: Request) -> bool:
+    return False
+
+
+def _left(r: Request, n: int) -> Work:
+    """``r``'s prompt tokens left to prefill, through all ``n`` layers, as one work."""
+    return Work(r.req_id, r.num_computed_tokens, r.num_tokens - r.num_computed_tokens, 0, n, True, r.masked)
+
+
 @dataclass(frozen=True)
 class Triage:
     """What one triage decided. ``tiers``: ``id(request) -> tier``: even tiers are savable, odd
@@ -38,16 +47,19 @@ class Triage:
     ones with room for all of them (tier ``tail``; requests not listed have it too). With one
     given-up request (or none) the tiers are 0, 1, 2 as before. ``given_up``: the requests it gave
     up, in the order it gave them up. ``queue_key``: the scheduler's EDF key the prefill order
-    falls back on within a tier."""
+    falls back on within a tier, after ``yields`` (whether a prompt goes behind those with a deadline
+    of their own: :func:`~laser.scheduler.laser.budget.prefill_yields`): within a tier, the
+    prompts with a deadline first."""
 
     tiers: dict[int, int]
     given_up: tuple[Request, ...]
     queue_key: Callable[[Request], tuple]
     tail: int = 2
+    yields: Callable[[Request], bool] = _never
 
     def key(self, r: Request) -> tuple:
-        """Prefill order: ``(tier, *queue_key(r))``."""
-        return (self.tiers.get(id(r), self.tail), *self.queue_key(r))
+        """Prefill order: ``(tier, yields(r), *queue_key(r))``."""
+        return (self.tiers.get(id(r), self.tail), self.yields(r), *self.queue_key(r))
 
     def is_given_up(self, r: Request) -> bool:
         return self.tiers.get(id(r), 0) % 2 == 1
@@ -55,7 +67,7 @@ class Triage:
 
 def triage(cands: Sequence[Request], now: float, lm: LatencyModel, num_layers: int, rate: float,
            may_give_up: Callable[[Request], bool], queue_key: Callable[[Request], tuple],
-           max_candidates: int) -> Triage:
+           max_candidates: int, yields: Callable[[Request], bool] = _never) -> Triage:
     """Prefill order: EDF (``queue_key``), except for the prefills given up under overload, which go
     behind every other one (EDF's domino effect: serving the hopeless first makes the savable late
     too).
@@ -73,14 +85,26 @@ def triage(cands: Sequence[Request], now: float, lm: LatencyModel, num_layers: i
     before it (EDF) run first (a long prompt with a far deadline must not keep a late short one
     waiting for seconds; :func:`_places`).
 
+    Prefills without a deadline of their own (``yields``: best effort, demoted) are not judged,
+    and no prompt with one is judged behind them: they go behind the savable ones whatever their
+    aging deadline (beside SLO work best effort takes only ``best_effort_share`` of a step,
+    :meth:`~.prefill.PrefillPlanner.merge`), and the given-up ones are placed among them as
+    among the savable ones (:func:`_places`: one past its aging deadline goes ahead of them, so
+    a stream of given-up prompts does not starve it).
+
     Case: the paper's EDF serves the most urgent first even when it is hopeless; under overload that
-    makes every later request late as well. Returns the :class:`Triage`; changes nothing."""
+    makes every later request late as well. Case (issue 28 item 3, a closed loop of 12 best-effort
+    requests beside Poisson chats on a machine 1.6x slower than its profile): a best-effort prompt
+    that had waited its 30 s aging deadline sorted ahead of every new chat; counted ahead of them
+    here, it got each chat given up on arrival, and it ran first with the whole step (no SLO work
+    merged before it to hold it to the share): chats waited 1-3.5 s behind it. Returns the
+    :class:`Triage`; changes nothing."""
     n = num_layers
     hopeless: list[Request] = []
-    kept: list[tuple[Request, Work]] = []  # the savable prefills so far, in EDF order
+    kept: list[tuple[Request, Work]] = []  # the savable prefills so far, in EDF order (then the yielding ones)
     ahead = PlanCost(lm, n, [])  # ``kept``, merged in one pass
-    for r in cands[:max_candidates]:
-        w = Work(r.req_id, r.num_computed_tokens, r.num_tokens - r.num_computed_tokens, 0, n, True, r.masked)
+    for r in [q for q in cands if not yields(q)][:max_candidates]:
+        w = _left(r, n)
         if w.num_tokens <= 0:
             continue
 
@@ -104,8 +128,9 @@ def triage(cands: Sequence[Request], now: float, lm: LatencyModel, num_layers: i
                 ahead.add(w)
                 kept.append((r, w))
                 break
+    kept += [(r, _left(r, n)) for r in [q for q in cands if yields(q)][:max(0, max_candidates - len(kept))]]
     tiers, tail = _places(hopeless, kept, now, lm, n, rate, queue_key)
-    return Triage(tiers, tuple(hopeless), queue_key, tail)
+    return Triage(tiers, tuple(hopeless), queue_key, tail, yields)
 
 
 def _places(hopeless: list[Request], kept: list[tuple[Request, Work]], now: float, lm: LatencyModel, n: int,
@@ -132,8 +157,7 @@ def _places(hopeless: list[Request], kept: list[tuple[Request, Work]], now: floa
         return tiers, 2
     given = sorted(hopeless, key=queue_key)
     deadlines = [queue_key(q)[0] for q, _ in kept]
-    works = {id(q): Work(q.req_id, q.num_computed_tokens, q.num_tokens - q.num_computed_tokens, 0, n, True, q.masked)
-             for q in given}
+    works = {id(q): _left(q, n) for q in given}
     alone = PlanCost(lm, n, [])  # the savable ones without any given-up work ahead
     late = []
     for (_, x), d in zip(kept, deadlines):
