@@ -14,6 +14,21 @@ from ..core.config import SchedulerConfig
 from ..core.request import SLO, Phase, Request
 
 
+def yields_prefill(slo: SLO, demoted: bool = False, boosted: bool = False) -> bool:
+    """Whether a prompt with target ``slo`` goes behind those with a deadline of their own in
+    Laser's prefill order (:func:`~laser.scheduler.laser.triage.triage`): no TTFT target (best
+    effort, or ``demoted`` from its target) and no batch-job deadline, and not ``boosted``. Such
+    prompts age at ``best_effort_deadline_s`` among themselves; issue 28 item 3: past that aging
+    deadline one sorted ahead of every new chat. Admission's TTFT predictor (:mod:`.ttft`) orders
+    a Laser queue by the same rule."""
+    return slo.deadline is None and (slo.ttft is None or demoted) and not boosted
+
+
+def prefill_yields(r) -> bool:
+    """:func:`yields_prefill` of request ``r`` (its SLO, ``demoted`` and ``boosted`` flags)."""
+    return yields_prefill(r.slo, r.demoted, r.boosted)
+
+
 def queue_key(queue_order: str, best_effort_deadline_s: float, arrival: float, slo: SLO,
               demoted: bool = False, boosted: bool = False) -> tuple[float, float]:
     """The scheduler's queue order key of a request (smaller first; the one rule the scheduler
@@ -50,8 +65,9 @@ class QueueEntry:
     counts); ``context_len``: its context once prefilled (tokens); ``tbt``: its TBT target
     (seconds, None: best effort); ``slo_class``: its class name; ``req_id``; ``deadline``: arrival
     + TTFT target (seconds; inf without one); ``prompt_len``: its prompt (tokens; 0: its
-    ``context_len``); ``best_effort``: no TTFT target or demoted (the controller orders it after
-    the rest).
+    ``context_len``); ``best_effort``: it goes behind the prompts with a deadline of their own in
+    Laser's prefill order (:func:`yields_prefill`: no TTFT target or demoted, no batch-job
+    deadline, not boosted).
     """
 
     key: tuple[float, float]
@@ -118,7 +134,7 @@ class SchedulerReport:
         in the prefix cache, not to be prefilled); keyed as the scheduler will key it."""
         return QueueEntry(self.queue_key(arrival, slo, demoted), prompt_len - cached, prompt_len, slo.tbt, slo.name,
                           req_id, math.inf if slo.ttft is None else arrival + slo.ttft, prompt_len,
-                          demoted or slo.ttft is None)
+                          yields_prefill(slo, demoted))
 
     def with_entries(self, entries) -> "SchedulerReport":
         """This report with ``entries`` queued too, each after the entries with an equal key."""
@@ -158,7 +174,7 @@ def take_report(policy: str, config: SchedulerConfig, time: float, busy: bool, r
     for r in sorted(prefilling + waiting + list(pending), key=key):
         queue.append(QueueEntry(key(r), r.num_tokens - r.num_computed_tokens, r.num_tokens, r.slo.tbt,
                                 r.slo.name, r.req_id, r.ttft_deadline, r.num_prompt_tokens,
-                                r.demoted or r.slo.ttft is None))
+                                prefill_yields(r)))
     planning = dict(planning)
     counters = {**counters, "layer_stops": planning.pop("layer_stops", 0), "running": dict(by_class),
                 "waiting": dict(Counter(r.slo.name for r in waiting))}

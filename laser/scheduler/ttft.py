@@ -8,7 +8,8 @@ caller's ``start``), (2) the prefill of every request ahead of it and (3) its ow
 Two queue-time models:
 
 * ``chunked``: the requests ahead prefill one after another in the scheduler's queue order
-  (:func:`~laser.scheduler.report.queue_key`; equal keys were queued first), each in chunks of the
+  (:func:`~laser.scheduler.report.queue_key`; equal keys were queued first; under Laser prompts
+  without a deadline of their own behind the rest, as its triage orders them), each in chunks of the
   token budget (whole prompts for vLLM), stretched by the share of the machine decoding takes
   meanwhile (:func:`decode_share`: the requests decoding now, plus each request ahead once its
   prefill is done).
@@ -85,13 +86,24 @@ def prefill_seconds(report: SchedulerReport, latency_model, tokens: int, context
     return t
 
 
-def _chunked(report: SchedulerReport, lm, start: float, extra: QueueEntry | None) -> list[tuple[QueueEntry, float]]:
-    queue = list(report.queue)
+def _order(report: SchedulerReport, entries: list[QueueEntry], extra: QueueEntry | None) -> list[QueueEntry]:
+    """``entries`` (and ``extra``, after the entries with an equal order) in the order the
+    scheduler of ``report`` prefills them: its queue key, and under Laser's triage the prompts
+    without a deadline of their own (``QueueEntry.best_effort``) behind the rest, whatever their
+    aging deadline (:func:`~laser.scheduler.report.yields_prefill`)."""
+    layer_level = report.policy == "laser"
+    queue = sorted(entries, key=lambda e: (layer_level and e.best_effort, *e.key))
     if extra is not None:
+        k = (layer_level and extra.best_effort, *extra.key)
         i = len(queue)
-        while i and queue[i - 1].key > extra.key:  # equal keys: queued earlier, ahead of it
-            i -= 1
+        while i and (layer_level and queue[i - 1].best_effort, *queue[i - 1].key) > k:
+            i -= 1  # equal keys: queued earlier, ahead of it
         queue.insert(i, extra)
+    return queue
+
+
+def _chunked(report: SchedulerReport, lm, start: float, extra: QueueEntry | None) -> list[tuple[QueueEntry, float]]:
+    queue = _order(report, list(report.queue), extra)
     t = start
     contexts = list(report.decode_contexts)
     tbts = list(report.decode_tbts)
@@ -108,16 +120,9 @@ def _chunked(report: SchedulerReport, lm, start: float, extra: QueueEntry | None
     return out
 
 
-def _key(e: QueueEntry) -> tuple[float, float]:
-    return e.key
-
-
 def _merged(report: SchedulerReport, lm, num_layers: int, start: float,
             extra: QueueEntry | None) -> list[tuple[QueueEntry, float]]:
-    entries = list(report.queue)
-    if extra is not None:
-        entries.append(extra)
-    entries.sort(key=_key)  # the scheduler's queue order; equal keys: the newcomer last
+    entries = _order(report, list(report.queue), extra)  # the scheduler's order; equal keys: the newcomer last
     out = []
     tokens = 0
     attn = 0.0

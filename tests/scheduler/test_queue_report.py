@@ -112,3 +112,28 @@ def test_the_later_a_newcomer_queues_the_later_both_say_its_first_token_comes(po
     runs = [_first_token_of_newcomer(policy, role, slo, demoted) for slo, demoted in CLASSES]
     by_prediction = sorted(range(len(runs)), key=lambda i: (runs[i][0], i))
     assert all(runs[i][1] <= runs[j][1] + 1e-12 for i, j in zip(by_prediction, by_prediction[1:]))
+
+
+@pytest.mark.parametrize("role", ["mixed", "prefill"])
+def test_an_aged_best_effort_prompt_is_predicted_behind_a_new_chat_under_laser_only(role):
+    """Issue 28 item 3: past its aging deadline a best-effort prompt's EDF key is earlier than a
+    new chat's, but Laser's triage prefills it behind every prompt with a deadline of its own
+    (report.yields_prefill). Admission predicts from the same order: the chat's predicted TTFT is
+    the one it has with no best-effort prompt queued. Iteration-level EDF (Sarathi) does run the
+    aged prompt first, and its prediction says so."""
+    from laser.core.config import SchedulerConfig
+    from laser.scheduler.ttft import predict_ttft
+
+    now = 30.2  # the best-effort prompt queued at 0.0 ages to key 30.0; the chat's key is 30.7
+    ttft = {}
+    for policy in ("laser", "sarathi"):
+        for with_be in (True, False):
+            sim = SimInstance(policy, N, LM, SchedulerConfig(role=role, max_num_batched_tokens=512))
+            if with_be:
+                sim.scheduler.add_request(_req("be", BE, 0.0, 900))
+            rep = sim.scheduler.report(now)
+            entry = rep.entry(200, now, HOT)
+            assert not entry.best_effort and all(e.best_effort for e in rep.queue)
+            ttft[policy, with_be] = predict_ttft(rep, entry, LM, now, now)
+    assert ttft["laser", True] == pytest.approx(ttft["laser", False], rel=1e-12)
+    assert ttft["sarathi", True] > 2 * ttft["sarathi", False]

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 
 from ...core.pricing import PlanCost
 from ...core.request import Phase, Request
+from ..report import prefill_yields  # noqa: F401  (the rule lives with the report; triage reads it here)
 
 
 def planning_margin(tg_margin: float, timing_spread: float) -> float:
@@ -152,16 +153,6 @@ def yields_to_slo(slo) -> bool:
     work under :func:`best_effort_limit`: best effort, no TTFT or TBT target and no batch-job
     deadline (a cold request with one must finish in its job's window)."""
     return slo.ttft is None and slo.tbt is None and slo.deadline is None
-
-
-def prefill_yields(r) -> bool:
-    """Whether the prompt of request ``r`` goes behind those with a deadline of their own in
-    Laser's prefill order (:func:`~laser.scheduler.laser.triage.triage`): no TTFT target (best
-    effort, or demoted from its target) and no batch-job deadline, and not boosted. Such prompts
-    age at ``best_effort_deadline_s`` among themselves; issue 28 item 3: past that aging deadline
-    one sorted ahead of every new chat."""
-    slo = r.slo
-    return slo.deadline is None and (slo.ttft is None or r.demoted) and not r.boosted
 
 
 def best_effort_limit(slo_price: float, share: float) -> float:
