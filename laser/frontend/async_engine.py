@@ -230,11 +230,13 @@ class AsyncEngine(EngineThread):
             self._submit(lambda e: self._abort_requests())
 
     # -- requests -----------------------------------------------------------------------------------
-    async def encode(self, prompt: str | list[int] | list[dict], tools: list[dict] | None = None) -> list[int]:
+    async def encode(self, prompt: str | list[int] | list[dict], tools: list[dict] | None = None,
+                     **switches: bool) -> list[int]:
         """Token ids of a prompt (text, ids, or chat messages, with ``tools``: OpenAI tool
-        definitions for the chat template). Raises InvalidRequestError."""
+        definitions, and the chat template ``switches`` of
+        :meth:`~laser.frontend.inputs.InputProcessor.apply_chat_template`). Raises InvalidRequestError."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tok_pool, self.inputs.encode_prompt, prompt, tools)
+        return await loop.run_in_executor(self._tok_pool, lambda: self.inputs.encode_prompt(prompt, tools, **switches))
 
     async def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of plain ``text`` as the tokenizer makes them (vLLM's ``/tokenize``; with

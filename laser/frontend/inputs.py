@@ -65,9 +65,11 @@ class InputProcessor:
                               self.grammars, self.serves_exits)
 
     # -- prompts ---------------------------------------------------------------------------------
-    def encode_prompt(self, prompt: str | list[int] | list[dict], tools: list[dict] | None = None) -> list[int]:
+    def encode_prompt(self, prompt: str | list[int] | list[dict], tools: list[dict] | None = None,
+                      **switches: bool) -> list[int]:
         """Token ids of a prompt: text, token ids, or chat messages (chat template applied, with
-        ``tools``: OpenAI tool definitions, see :meth:`apply_chat_template`).
+        ``tools``: OpenAI tool definitions and the template ``switches``, see
+        :meth:`apply_chat_template`).
         Raises InvalidRequestError (empty, not Unicode, ids out of the vocabulary, bad messages)."""
         if isinstance(prompt, str):
             if not prompt:
@@ -75,7 +77,7 @@ class InputProcessor:
             check_text(prompt, "prompt")
             return self.tokenizer.encode(prompt)
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            return self.apply_chat_template(prompt, tools)
+            return self.apply_chat_template(prompt, tools, **switches)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             bad = [t for t in prompt if not 0 <= t < self.vocab_size]
             if bad:
@@ -83,14 +85,20 @@ class InputProcessor:
             return list(prompt)
         raise InvalidRequestError("prompt must be a non-empty string, token id list or message list")
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """Token ids of a conversation, with the generation prompt appended (a model without a
-        template gets ``role: content`` lines). ``tools`` (OpenAI tool definitions), assistant
-        ``tool_calls`` and ``tool`` messages are rendered by the template itself when it knows
-        tools in the ``<tool_call>`` format, else by the fallback prompt format
-        (:mod:`laser.frontend.tool_prompt`). Raises InvalidRequestError."""
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
+        """Token ids of a conversation (a model without a template gets ``role: content`` lines).
+        ``add_generation_prompt``: open an assistant turn after the messages;
+        ``continue_final_message``: leave the last message open, for the model to continue it
+        (both as transformers' and vLLM's switches of the same names; both true is an error).
+        ``tools`` (OpenAI tool definitions), assistant ``tool_calls`` and ``tool`` messages are
+        rendered by the template itself when it knows tools in the ``<tool_call>`` format, else
+        by the fallback prompt format (:mod:`laser.frontend.tool_prompt`). Raises InvalidRequestError."""
         if not messages:
             raise InvalidRequestError("messages are empty")
+        if add_generation_prompt and continue_final_message:
+            raise InvalidRequestError("add_generation_prompt and continue_final_message cannot both be true "
+                                      "(set add_generation_prompt to false to continue the last message)")
         for i, m in enumerate(messages):
             for k, v in m.items():
                 if isinstance(v, str):
@@ -99,12 +107,14 @@ class InputProcessor:
         if (tools or has_tool_turns(messages)) and not template_knows_tools(tool_template(template)):
             messages, tools = fallback_messages(messages, tools), None
         if template is None:
-            text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
+            text = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+            text += "\nassistant:" if add_generation_prompt else ""
             check_text(text, "messages")
             return self.tokenizer.encode(text)
         kw = {"tools": tools} if tools else {}  # a request without tools renders exactly as before
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kw)
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                    continue_final_message=continue_final_message, tokenize=True, **kw)
         except Exception as e:  # noqa: BLE001 - template errors are the caller's input
             raise InvalidRequestError(f"cannot apply chat template: {e}") from e
         if hasattr(ids, "keys"):

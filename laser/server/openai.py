@@ -164,7 +164,8 @@ def _chat_route(router: APIRouter, srv: Generation) -> None:
                                                  request.headers)
         tools = await tool_plan(body)
         structured = await tool_constraint(srv, tools, await srv.structured_output(body))
-        ids = await srv.encode(chat_messages(body.messages), "messages", tools and tools.tools)
+        ids = await srv.encode(chat_messages(body.messages), "messages", tools and tools.tools,
+                               **body.template_switches())
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         mt = srv.max_tokens_for(requested, len(ids), None)
         sp = srv.sampling_params(body, mt, stop, structured)
@@ -205,10 +206,8 @@ def _tokenizer_routes(router: APIRouter, srv: Generation) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "prompt: give exactly one of prompt and messages", "invalid_value", "prompt")
         if body.messages is not None:
-            if not body.add_generation_prompt:
-                raise APIError(400, "add_generation_prompt: only true is supported (the server's chat encoding)",
-                               "unsupported_parameter", "add_generation_prompt")
-            ids = await srv.encode(chat_messages(body.messages), "messages", tool_definitions(body.tools))
+            ids = await srv.encode(chat_messages(body.messages), "messages", tool_definitions(body.tools),
+                                   **body.template_switches())
         else:
             try:
                 ids = await ae.encode_text(body.prompt, body.add_special_tokens)

@@ -173,7 +173,22 @@ class ChatMessage(_Request):
     tool_call_id: str | None = Field(None, description="tool: the call this message answers")
 
 
-class ChatCompletionRequest(_Common):
+class _ChatTemplateSwitches(_Request):
+    """vLLM's chat template switches (``/v1/chat/completions`` and ``/tokenize``), passed to the
+    template as transformers' ``apply_chat_template`` takes them; both true is a 400."""
+
+    add_generation_prompt: StrictBool = Field(True, description="vLLM extension: open an assistant turn after "
+                                              "the messages")
+    continue_final_message: StrictBool = Field(False, description="vLLM extension: leave the last message open "
+                                               "for the model to continue (with add_generation_prompt false)")
+
+    def template_switches(self) -> dict[str, bool]:
+        """Keyword arguments of :meth:`laser.frontend.inputs.InputProcessor.apply_chat_template`."""
+        return {"add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
+
+
+class ChatCompletionRequest(_Common, _ChatTemplateSwitches):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
     max_completion_tokens: int | None = Field(None, ge=1, description="alias of max_tokens (newer clients)")
@@ -186,29 +201,19 @@ class ChatCompletionRequest(_Common):
     parallel_tool_calls: bool | None = Field(None, description="false: at most one call (default true)")
     functions: list[Any] | None = Field(None, description="legacy; not supported")
     function_call: Any = Field(None, description="legacy; not supported (only none/auto)")
-    add_generation_prompt: StrictBool = Field(True, description="vLLM extension: only true (an assistant turn "
-                                              "is opened after the messages)")
-    continue_final_message: StrictBool = Field(False, description="vLLM extension: only false (the last message "
-                                               "is not continued)")
 
     def unsupported_field(self) -> tuple[str, str] | None:
-        """(field, what) of the first field this request sets that this server cannot honour, or
-        None: the legacy ``functions`` / ``function_call`` (superseded by ``tools`` /
-        ``tool_choice``) only at their neutral value (no functions, ``"none"``/``"auto"``); vLLM's
-        ``add_generation_prompt`` only true and ``continue_final_message`` only false (vLLM
-        honours both: ignoring them would answer a different prompt than the client built)."""
+        """(field, what) of the first legacy function-calling field this request sets that this
+        server cannot honour, or None: ``functions`` / ``function_call`` (superseded by ``tools`` /
+        ``tool_choice``) only at their neutral value (no functions, ``"none"``/``"auto"``)."""
         if self.functions:
             return "functions", "function calling (legacy functions; use tools)"
         if self.function_call not in (None, "none", "auto"):
             return "function_call", f"function_call {self.function_call!r} (legacy function calling; use tool_choice)"
-        if not self.add_generation_prompt:
-            return "add_generation_prompt", "add_generation_prompt false"
-        if self.continue_final_message:
-            return "continue_final_message", "continue_final_message (continuing the last message)"
         return None
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(_ChatTemplateSwitches):
     """vLLM's ``/tokenize``: a text ``prompt``, or chat ``messages`` (the chat template applied,
     as ``/v1/chat/completions`` does)."""
 
@@ -218,7 +223,6 @@ class TokenizeRequest(_Request):
     tools: list[ToolDefinition] | None = Field(None, description="messages: tools rendered as chat completions "
                                                "render them (tool_choice auto)")
     add_special_tokens: bool = Field(True, description="text prompts: add the tokenizer's special tokens")
-    add_generation_prompt: bool = Field(True, description="messages: only true (the server's chat encoding)")
     return_token_strs: bool = Field(False, description="also the token strings (convert_ids_to_tokens)")
 
 

@@ -196,15 +196,29 @@ def test_text_part_without_text_is_named_as_missing(live):
     assert ok.status_code == 200, ok.text
 
 
-@pytest.mark.parametrize("field,value", [("add_generation_prompt", False), ("continue_final_message", True)])
-def test_chat_template_switches_vllm_honours_are_refused_not_ignored(live, field, value):
-    """vLLM continues the last message with ``continue_final_message: true`` (or opens no
-    assistant turn with ``add_generation_prompt: false``); silently ignoring them answered another
-    prompt than the client built. Their neutral values are served."""
+@pytest.mark.parametrize("switches", [{"add_generation_prompt": False},
+                                      {"add_generation_prompt": False, "continue_final_message": True},
+                                      {"add_generation_prompt": True}])
+def test_chat_template_switches_are_honoured_as_vllm_does(live, switches):
+    """vLLM's ``add_generation_prompt`` / ``continue_final_message`` reach the chat template:
+    the prompt ids (of ``/v1/chat/completions`` and ``/tokenize``) are the tokenizer's own
+    template output with the same switches (they were refused with 400 before)."""
+    tok = live.app.state.async_engine.engine.tokenizer
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am"}]
-    r = httpx.post(live.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, field: value})
-    assert r.status_code == 400, r.text
-    err = r.json()["error"]
-    assert err["code"] == "unsupported_parameter" and err["param"] == field, err
-    ok = httpx.post(live.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, field: not value})
-    assert ok.status_code == 200, ok.text
+    want = list(tok.apply_chat_template(msgs, tokenize=True, return_dict=False, **switches))
+    r = httpx.post(live.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 2,
+                                                            "return_token_ids": True, **switches})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["prompt_token_ids"] == want
+    t = httpx.post(live.url + "/tokenize", json={"messages": msgs, **switches})
+    assert t.status_code == 200 and t.json()["tokens"] == want, t.text
+
+
+def test_chat_template_switches_both_true_is_a_400(live):
+    """As vLLM: a new assistant turn and continuing the last message exclude each other."""
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    for path in ("/v1/chat/completions", "/tokenize"):
+        r = httpx.post(live.url + path, json={"messages": msgs, "add_generation_prompt": True,
+                                              "continue_final_message": True})
+        assert r.status_code == 400, r.text
+        assert "continue_final_message" in r.json()["error"]["message"]
