@@ -20,7 +20,8 @@ Each request passes the server's admission control when it is released (``--on-i
 ``laser serve``: :meth:`laser.frontend.admission.QueueAwareAdmission.decide` over the scheduler's
 report published after each step plus the requests admitted since): ``queue`` (the server's
 default) serves every request, ``reject`` refuses one whose predicted TTFT misses its target (a 429
-with the prediction), ``demote`` serves it as best effort.
+with the prediction; a 400 when it misses even alone), ``demote`` serves it as the strictest looser
+class it is predicted to meet, else best effort.
 
 Prints, per scenario and policy, the TTFT and P99 TBT of the tight requests against their
 targets with the admission decision and predicted TTFT, per class how many met their TTFT target

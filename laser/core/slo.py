@@ -140,3 +140,10 @@ class SLOClasses:
             return None
         to = self.demote_to.get(slo.name) or next(iter(self.names_of_tier("warm")), None)
         return None if to is None else self.classes[to]
+
+    def looser_than(self, slo: SLO) -> list[SLO]:
+        """The hot and warm classes with a TTFT target looser than ``slo``'s (seconds), strictest
+        first (ties by name): where ``--on-infeasible demote`` looks for a class to serve a
+        request whose own target is predicted missed (every class when ``slo`` has no target)."""
+        return sorted((c for c in self.classes.values() if c.tier in ("hot", "warm") and c.ttft is not None
+                       and (slo.ttft is None or c.ttft > slo.ttft)), key=lambda c: (c.ttft, c.name))

@@ -17,7 +17,7 @@ request would be routed to).
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..core.request import SLO
 from ..scheduler.report import QueueEntry, SchedulerReport
@@ -92,31 +92,46 @@ class QueueAwareAdmission:
         cache) asking for ``slo``, arriving at ``arrival`` (engine clock; ``now``: the clock now),
         queued on ``view`` (:meth:`view`, with the prompts admitted before it in this call). The
         predicted TTFT (:meth:`predict`) decides: within the target, or no target or no latency
-        model -> served as asked; over it -> served as its warm class when it is demotable
+        model -> served as asked; over it -> by ``on_infeasible``: ``demote`` (served as the
+        strictest hot or warm class whose target its prediction there meets,
+        :meth:`SLOClasses.looser_than`, else as ``best_effort``; InvalidRequestError when the
+        classes have none); otherwise as its warm class when it is demotable
         (``slo_classes.demotion_target``, a :class:`~laser.core.slo.SLOClasses`; issue 14), else
-        by ``on_infeasible``: ``queue`` (served as asked), ``reject`` (raises
-        :class:`SLOInfeasibleError` with the prediction and the requests ahead), ``demote``
-        (served as the ``best_effort`` class; InvalidRequestError when the classes have none).
-        Returns (the :class:`Admission`, ``view`` with it queued). The one rule of in-process
-        admission (:meth:`AsyncEngine.admit`) and of the benchmarks that replay the server's
-        admission (``benchmarks/slo_pressure.py``)."""
+        ``queue`` (served as asked) or ``reject`` (raises :class:`SLOInfeasibleError` with the
+        prediction, the requests ahead and the prediction on an idle instance, which tells a
+        target no retry can meet). Returns (the :class:`Admission`, ``view`` with it queued). The
+        one rule of in-process admission (:meth:`AsyncEngine.admit`) and of the benchmarks that
+        replay the server's admission (``benchmarks/slo_pressure.py``)."""
         entry = self.entry(prompt_len, arrival, slo, cached=cached)
         pred = None
         if slo.ttft is not None and self.latency_model is not None:
             pred = self.predict(entry, now, arrival, view)
         if pred is not None and pred > slo.ttft:
+            if on_infeasible == "demote":
+                served, entry = self._demotion(prompt_len, slo, arrival, now, view, slo_classes, cached)
+                return Admission(served, slo, pred, True, entry, served.tier), self.with_entry(view, entry)
             warm = slo_classes.demotion_target(slo)
             if warm is not None:  # pressure: the target is missed behind the queue ahead -> served as warm
                 entry = self.entry(prompt_len, arrival, warm, cached=cached)
                 return Admission(warm, slo, pred, True, entry, "warm"), self.with_entry(view, entry)
             if on_infeasible == "reject":
-                raise SLOInfeasibleError(pred, slo, sum(e.key <= entry.key for e in view.queue))
-            if on_infeasible == "demote":
-                best_effort = slo_classes.get("best_effort")
-                entry = self.entry(prompt_len, arrival, best_effort, cached=cached)
-                return Admission(best_effort, slo, pred, True, entry, "best_effort"), self.with_entry(view, entry)
+                idle = replace(view, queue=(), decode_contexts=(), decode_tbts=(), busy=False)
+                alone = predict_ttft(idle, entry, self.latency_model, now, now, self.model)
+                raise SLOInfeasibleError(pred, slo, sum(e.key <= entry.key for e in view.queue), alone)
         # (the next prompt of the call queues behind it)
         return Admission(slo, slo, pred, False, entry), self.with_entry(view, entry)
+
+    def _demotion(self, prompt_len: int, slo: SLO, arrival: float, now: float, view: SchedulerReport,
+                  slo_classes, cached: int) -> tuple[SLO, QueueEntry]:
+        """(the SLO, its queue entry) ``--on-infeasible demote`` serves a request of ``slo`` as,
+        whose target is predicted missed: the strictest looser class whose target the prediction
+        queued as that class meets, else ``best_effort``."""
+        for c in slo_classes.looser_than(slo):
+            entry = self.entry(prompt_len, arrival, c, cached=cached)
+            if self.predict(entry, now, arrival, view) <= c.ttft:
+                return c, entry
+        best_effort = slo_classes.get("best_effort")
+        return best_effort, self.entry(prompt_len, arrival, best_effort, cached=cached)
 
     @staticmethod
     def with_entry(view: SchedulerReport, entry: QueueEntry) -> SchedulerReport:
@@ -152,17 +167,33 @@ class EngineStepError(Exception):
 
 
 class SLOInfeasibleError(Exception):
-    """The predicted TTFT — behind the work queued ahead of the request — misses its target (HTTP 429)."""
+    """The predicted TTFT — behind the work queued ahead of the request — misses its target.
 
-    def __init__(self, predicted_ttft: float, slo: SLO, num_ahead: int = 0):
+    ``alone_ttft``: the prediction (seconds) on an idle instance, arriving now (None: not
+    predicted). When it misses the target too (:attr:`never`), no retry can succeed (HTTP 400);
+    else the queue is to blame and a retry may (HTTP 429 with ``Retry-After``)."""
+
+    def __init__(self, predicted_ttft: float, slo: SLO, num_ahead: int = 0, alone_ttft: float | None = None):
         self.predicted_ttft = predicted_ttft
         self.slo = slo
         self.num_ahead = num_ahead
-        where = "even if the request ran next" if num_ahead == 0 else f"behind {num_ahead} requests queued ahead of it"
+        self.alone_ttft = alone_ttft
+        if self.never:
+            where = (f"and {alone_ttft * 1e3:.1f} ms even on an idle instance: this server cannot meet the "
+                     f"target for this prompt (ask for a longer ttft target or another slo_class)")
+        elif num_ahead == 0:
+            where = "even if the request ran next"
+        else:
+            where = f"behind {num_ahead} requests queued ahead of it"
         super().__init__(
             f"slo_class {slo.name!r} cannot be met: predicted time to first token "
             f"{predicted_ttft * 1e3:.1f} ms > target {slo.ttft * 1e3:.1f} ms {where}"
         )
+
+    @property
+    def never(self) -> bool:
+        """The target is missed even on an idle instance: retrying cannot help."""
+        return self.alone_ttft is not None and self.alone_ttft > self.slo.ttft
 
 
 @dataclass(frozen=True)
@@ -174,8 +205,9 @@ class Admission:
     predicted_ttft: float | None  # seconds, behind the queue ahead (None: no latency model)
     demoted: bool  # served under another class than ``requested`` (see ``demoted_to``)
     entry: QueueEntry | None = None  # its place in the queue, for the next admissions
-    # the tier it was demoted to: "warm" (a demotable hot request under predicted pressure) or
-    # "best_effort" (``requested`` infeasible, ``on_infeasible == "demote"``) or "cold" (a Batch API
+    # the tier it was demoted to: "warm" (a demotable hot request under predicted pressure) or, with
+    # ``on_infeasible == "demote"`` and ``requested`` infeasible, the tier of the class it is served
+    # as ("hot", "warm" or "best_effort") or "cold" (a Batch API
     # line whose body names another class: served in the batch tier); None if not demoted
     demoted_to: str | None = None
 

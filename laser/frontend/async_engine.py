@@ -100,11 +100,12 @@ class AsyncEngine(EngineThread):
         engine: the engine; from :meth:`start` on only the engine thread touches it.
         max_waiting: accepted requests that have not produced a first token, at most; more
             get :class:`QueueFullError` (the bounded queue).
-        on_infeasible: when the predicted TTFT misses the target even if the request ran
-            next: ``queue`` (serve anyway), ``reject`` (:class:`SLOInfeasibleError`) or
-            ``demote`` (serve as ``best_effort``). Independently, a demotable hot request is
-            served as its warm class when the TTFT predicted behind the waiting hot and warm
-            prompts misses its target (issue 14).
+        on_infeasible: when the predicted TTFT misses the target: ``queue`` (serve anyway),
+            ``reject`` (:class:`SLOInfeasibleError`) or ``demote`` (serve as the strictest looser
+            class it is predicted to meet, else ``best_effort``:
+            :meth:`QueueAwareAdmission.decide`). Otherwise a demotable hot request is served as
+            its warm class when the TTFT predicted behind the waiting hot and warm prompts
+            misses its target (issue 14).
         idle_wait_s: longest idle sleep of the engine thread (it wakes at once on a command).
         check_integrity_when_idle: run ``engine.check_integrity(expect_empty=True)`` whenever
             the engine goes idle (errors are logged).

@@ -33,8 +33,10 @@ def register(subparsers) -> None:
     p.add_argument("--api-key", default=os.environ.get("LASER_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $LASER_API_KEY)")
     p.add_argument("--on-infeasible", default="queue", choices=list(ON_INFEASIBLE),
-                   help="when the latency model predicts a TTFT miss even if the request ran next: serve it "
-                        "anyway (queue, the default), answer 429 (reject), or serve it as best_effort (demote)")
+                   help="when the latency model predicts a TTFT miss: serve it anyway (queue, the default), "
+                        "refuse it (reject: 429 with retry-after when the queue is to blame, 400 when even an idle "
+                        "instance misses the target), or serve it as the strictest looser class it meets, else "
+                        "best_effort (demote)")
     p.add_argument("--max-waiting", type=positive_int, default=256,
                    help="accepted requests without a first token, at most; more get 429 (default %(default)s)")
     p.add_argument("--max-model-len", type=positive_int, default=None,

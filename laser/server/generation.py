@@ -169,9 +169,10 @@ class Generation(RequestFields):
             raise APIError(429, str(e), "queue_full", headers={"retry-after": "1"}) from None
         except SLOInfeasibleError as e:
             self.metrics.reject("slo_infeasible", slo.name)
-            pred = f"{e.predicted_ttft * 1e3:.1f}"
-            raise APIError(429, str(e), "slo_infeasible", "slo_class",
-                           headers={"retry-after": "1", "x-laser-predicted-ttft-ms": pred}) from None
+            headers = {"x-laser-predicted-ttft-ms": f"{e.predicted_ttft * 1e3:.1f}"}
+            if e.never:  # a target no retry can meet: not 429 (clients retry 429)
+                raise APIError(400, str(e), "slo_infeasible", "slo_class", headers=headers) from None
+            raise APIError(429, str(e), "slo_infeasible", "slo_class", headers={"retry-after": "1", **headers}) from None
         except EngineStoppedError as e:
             self.metrics.reject("unavailable", slo.name)
             raise APIError(503, str(e), "unavailable") from None
@@ -185,7 +186,8 @@ class Generation(RequestFields):
         a0 = adms[0]
         headers = {"x-slo-class": a0.slo.name}
         if a0.demoted:
-            # "warm": a demotable hot request under pressure; "true": infeasible, served as best_effort;
+            # "warm": a demotable hot request under pressure (or --on-infeasible demote to a warm class);
+            # "hot": --on-infeasible demote to a looser hot class; "true": infeasible, served as best_effort;
             # "cold": a Batch API line naming another class, served in the batch tier
             headers["x-slo-demoted"] = "true" if a0.demoted_to == "best_effort" else a0.demoted_to
             headers["x-slo-requested-class"] = a0.requested.name

@@ -81,7 +81,7 @@ class ServerMetrics:
                                cls, registry=r)
         self.demoted = Counter("laser:request_demoted", "Demotions by requested class: demotable hot requests "
                                "served as warm under predicted pressure, and infeasible TTFT targets served "
-                               "as best_effort (--on-infeasible demote).", cls, registry=r)
+                               "as a looser class or best_effort (--on-infeasible demote).", cls, registry=r)
         self.rejected = Counter("laser:request_rejected", "Requests refused before reaching the engine.",
                                 ["model_name", "reason"], registry=r)
         self.engine_errors = Gauge("laser:engine_step_errors", "Engine steps that raised (since start).",
