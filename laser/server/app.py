@@ -25,6 +25,7 @@ from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -146,6 +147,7 @@ def build_app(
     batch_concurrency: int = 8,
     batch_accept_infeasible: bool = False,
     batch_store=None,
+    cors: dict | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over ``async_engine`` (started/stopped by the app's lifespan).
 
@@ -162,6 +164,10 @@ def build_app(
             directory is refused at once).
         batch_concurrency: batch lines in flight at most (:class:`laser.batch.manager.BatchManager`).
         batch_accept_infeasible: accept, with a warning, batch jobs predicted to miss their window.
+        cors: keyword arguments of Starlette's ``CORSMiddleware`` (``allow_origins``,
+            ``allow_methods``, ``allow_headers``, ``allow_credentials``;
+            :func:`laser.server.cli.cors_options`); None: no CORS headers, and a preflight
+            ``OPTIONS`` is a 405. The outermost middleware, so a preflight needs no API key.
     """
     ae = async_engine
     names = list(served_model_names or [ae.model_name])
@@ -194,7 +200,9 @@ def build_app(
     app.state.async_engine = ae
     app.state.metrics = metrics
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes, on_reject=metrics.reject)
-    app.add_middleware(_Unhandled)  # added last: the outermost, around _Guard too
+    app.add_middleware(_Unhandled)  # the outermost but for CORS, around _Guard too
+    if cors is not None:  # outermost: preflights answered before the API key check, headers on every answer
+        app.add_middleware(CORSMiddleware, **cors)
 
     _api_error = _error_handlers(app, metrics)
     _health_routes(app, ae, metrics)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
 import logging
 import os
 import sys
@@ -32,6 +34,13 @@ def register(subparsers) -> None:
                    help="names accepted in the 'model' field (default: the model's name)")
     p.add_argument("--api-key", default=os.environ.get("LASER_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $LASER_API_KEY)")
+    p.add_argument("--allowed-origins", type=json_str_list, default=["*"],
+                   help='CORS: JSON list of allowed origins (as vLLM; default: ["*"])')
+    p.add_argument("--allowed-methods", type=json_str_list, default=["*"],
+                   help='CORS: JSON list of allowed methods (as vLLM; default: ["*"])')
+    p.add_argument("--allowed-headers", type=json_str_list, default=["*"],
+                   help='CORS: JSON list of allowed headers (as vLLM; default: ["*"])')
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (as vLLM)")
     p.add_argument("--on-infeasible", default="queue", choices=list(ON_INFEASIBLE),
                    help="when the latency model predicts a TTFT miss: serve it anyway (queue, the default), "
                         "refuse it (reject: 429 with retry-after when the queue is to blame, 400 when even an idle "
@@ -86,6 +95,26 @@ def register(subparsers) -> None:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default %(default)s)")
     p.set_defaults(func=cmd_serve)
+
+
+def json_str_list(text: str) -> list[str]:
+    """An argparse type: a JSON list of strings (vLLM's form of ``--allowed-origins`` and its
+    siblings). Raises argparse.ArgumentTypeError naming what is wrong."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"want a JSON list of strings such as '[\"*\"]', got {text!r} ({e})") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"want a JSON list of strings such as '[\"*\"]', got {text!r}")
+    return value
+
+
+def cors_options(args) -> dict:
+    """Keyword arguments of Starlette's ``CORSMiddleware`` from ``laser serve``'s CORS flags
+    (vLLM's ``--allowed-origins`` / ``--allowed-methods`` / ``--allowed-headers`` /
+    ``--allow-credentials``; its defaults allow every origin, method and header)."""
+    return {"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
+            "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials}
 
 
 def _warmup(engine) -> None:
@@ -201,7 +230,8 @@ def cmd_serve(args) -> int:
         _warmup(engine)
     ae = AsyncEngine(engine, max_waiting=args.max_waiting, on_infeasible=args.on_infeasible)
     app = build_app(ae, served_model_names=args.served_model_name, api_key=args.api_key, batch_store=store,
-                    batch_concurrency=args.batch_concurrency, batch_accept_infeasible=args.batch_accept_infeasible)
+                    batch_concurrency=args.batch_concurrency, batch_accept_infeasible=args.batch_accept_infeasible,
+                    cors=cors_options(args))
     config = uvicorn.Config(
         app,
         host=args.host,
