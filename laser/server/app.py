@@ -199,10 +199,7 @@ def build_app(
     )
     app.state.async_engine = ae
     app.state.metrics = metrics
-    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes, on_reject=metrics.reject)
-    app.add_middleware(_Unhandled)  # the outermost but for CORS, around _Guard too
-    if cors is not None:  # outermost: preflights answered before the API key check, headers on every answer
-        app.add_middleware(CORSMiddleware, **cors)
+    _middleware(app, api_key, max_body_bytes, metrics, cors)
 
     _api_error = _error_handlers(app, metrics)
     _health_routes(app, ae, metrics)
@@ -221,6 +218,18 @@ def build_app(
             return await _api_error(request, batch_routes.as_api_error(exc))
         app.include_router(batch_routes.router(mgr))
     return app
+
+
+def _middleware(app: FastAPI, api_key: str | None, max_body_bytes: int, metrics: ServerMetrics,
+                cors: dict | None) -> None:
+    """The app's middleware, innermost first: :class:`_Guard` (API key, body size), then
+    :class:`_Unhandled` (a JSON 500, around _Guard too), then CORS when ``cors`` is given:
+    outermost, so a preflight is answered before the API key check and every answer carries
+    its headers."""
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes, on_reject=metrics.reject)
+    app.add_middleware(_Unhandled)
+    if cors is not None:
+        app.add_middleware(CORSMiddleware, **cors)
 
 
 def _error_handlers(app: FastAPI, metrics: ServerMetrics):
