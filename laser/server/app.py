@@ -164,10 +164,8 @@ def build_app(
             directory is refused at once).
         batch_concurrency: batch lines in flight at most (:class:`laser.batch.manager.BatchManager`).
         batch_accept_infeasible: accept, with a warning, batch jobs predicted to miss their window.
-        cors: keyword arguments of Starlette's ``CORSMiddleware`` (``allow_origins``,
-            ``allow_methods``, ``allow_headers``, ``allow_credentials``;
-            :func:`laser.server.cli.cors_options`); None: no CORS headers, and a preflight
-            ``OPTIONS`` is a 405. The outermost middleware, so a preflight needs no API key.
+        cors: Starlette ``CORSMiddleware`` keyword arguments (:func:`laser.server.cli.cors_options`),
+            the outermost middleware (a preflight needs no API key); None: no CORS (``OPTIONS`` 405).
     """
     ae = async_engine
     names = list(served_model_names or [ae.model_name])
