@@ -92,14 +92,9 @@ def _order(report: SchedulerReport, entries: list[QueueEntry], extra: QueueEntry
     without a deadline of their own (``QueueEntry.best_effort``) behind the rest, whatever their
     aging deadline (:func:`~laser.scheduler.report.yields_prefill`)."""
     layer_level = report.policy == "laser"
-    queue = sorted(entries, key=lambda e: (layer_level and e.best_effort, *e.key))
-    if extra is not None:
-        k = (layer_level and extra.best_effort, *extra.key)
-        i = len(queue)
-        while i and (layer_level and queue[i - 1].best_effort, *queue[i - 1].key) > k:
-            i -= 1  # equal keys: queued earlier, ahead of it
-        queue.insert(i, extra)
-    return queue
+    # a stable sort: equal keys keep their queue order, the newcomer (appended last) after them
+    return sorted(entries + ([extra] if extra is not None else []),
+                  key=lambda e: (layer_level and e.best_effort, *e.key))
 
 
 def _chunked(report: SchedulerReport, lm, start: float, extra: QueueEntry | None) -> list[tuple[QueueEntry, float]]:

@@ -23,7 +23,6 @@ from collections.abc import Callable, Iterable
 
 from ...core.pricing import PlanCost
 from ...core.request import Phase, Request
-from ..report import prefill_yields  # noqa: F401  (the rule lives with the report; triage reads it here)
 
 
 def planning_margin(tg_margin: float, timing_spread: float) -> float:

@@ -54,6 +54,7 @@ from ...core.pricing import PlanCost
 from ...core.request import Phase, Request
 from ...latency import LatencyModel, SimpleLatencyModel
 from ..base import Scheduler
+from ..report import prefill_yields
 from . import budget as rules
 from .decode import DecodeMemo, DecodePlan, _LayerLoad, due_requests, exec_plan, group_end, tbt_infeasible
 from .prefill import Demand, KVActions, PrefillPlanner
@@ -126,8 +127,8 @@ class LaserScheduler(Scheduler):
         if self.config.role == "mixed" and self.plans:
             self.replan_needed = True
         if self.step.in_step and self.config.role != "decode":
-            key = (rules.prefill_yields(req), *self.queue_key(req))  # the prefill order (triage's)
-            leads = all(w is req or key < (rules.prefill_yields(w), *self.queue_key(w)) for w in self.waiting)
+            key = (prefill_yields(req), *self.queue_key(req))  # the prefill order (triage's)
+            leads = all(w is req or key < (prefill_yields(w), *self.queue_key(w)) for w in self.waiting)
             self.step.arrival_stops(req, self.clock(), self.prefill_alone(req), leads, self.plans)
 
     def prefill_alone(self, req: Request) -> float:
@@ -340,7 +341,7 @@ class LaserScheduler(Scheduler):
         has, given_up = self.bm.has, self._given_up
         decided = triage(cands, now, self.lm, self.num_layers, rate,
                          lambda r: may_give_up(r, has(r.req_id), r.req_id in given_up), self.queue_key,
-                         self.prefill.max_need_candidates, rules.prefill_yields)
+                         self.prefill.max_need_candidates, prefill_yields)
         for r in decided.given_up:
             given_up.add(r.req_id)
             r.given_up = True
@@ -490,8 +491,7 @@ class LaserScheduler(Scheduler):
         self.replan_needed = True
 
     def planning_report(self) -> dict:
-        """Alg. 1's part of :meth:`Scheduler.report` (the prefill share, T_g and its margin, the
-        last iteration, the layer stops)."""
+        """Alg. 1's part of :meth:`Scheduler.report` (prefill share, T_g, margin, last iteration, layer stops)."""
         return dict(prefill_share=self.max_prefill_share, tg_margin=self.tg_margin, t_g=self.t_g,
                     last_iteration_s=self.last_iteration_s, layer_stops=self.step.num_stops)
 

@@ -48,7 +48,7 @@ class Triage:
     given-up request (or none) the tiers are 0, 1, 2 as before. ``given_up``: the requests it gave
     up, in the order it gave them up. ``queue_key``: the scheduler's EDF key the prefill order
     falls back on within a tier, after ``yields`` (whether a prompt goes behind those with a deadline
-    of their own: :func:`~laser.scheduler.laser.budget.prefill_yields`): within a tier, the
+    of their own: :func:`~laser.scheduler.report.prefill_yields`): within a tier, the
     prompts with a deadline first."""
 
     tiers: dict[int, int]
