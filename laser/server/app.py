@@ -48,10 +48,17 @@ class _BodyTooLarge(StarletteHTTPException):
     error_code = "request_too_large"
 
 
+#: Paths that answer without the API key: probes, metrics and the API's own documentation.
+#: Every other route (``/v1/*``, ``/tokenize``, ``/detokenize``, ``/tokenizer_info``, ...) needs it:
+#: vLLM checks only ``/v1/*`` (its ``/tokenize`` runs the tokenizer for anyone), SGLang every path
+#: but ``/health*`` and ``/metrics``; a route that runs the model's code is one a key should guard.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+
+
 class _Guard:
-    """Pure-ASGI middleware (keeps disconnect detection intact): Bearer API key on ``/v1``
-    routes, and a request-body size limit: by ``Content-Length`` before anything is read, and
-    by counting the bytes received (a chunked body has no ``Content-Length``)."""
+    """Pure-ASGI middleware (keeps disconnect detection intact): Bearer API key on every route
+    but :data:`OPEN_PATHS`, and a request-body size limit: by ``Content-Length`` before anything
+    is read, and by counting the bytes received (a chunked body has no ``Content-Length``)."""
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int, on_reject: Callable[[str], None]):
         self.app = app
@@ -63,7 +70,7 @@ class _Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or ())
-        if self.api_key is not None and scope.get("path", "").startswith("/v1"):
+        if self.api_key is not None and scope.get("path", "").rstrip("/") not in OPEN_PATHS:
             auth = headers.get(b"authorization", b"")
             ok = auth[:7].lower() == b"bearer " and hmac.compare_digest(auth[7:].strip(), self.api_key)
             if not ok:
@@ -153,7 +160,7 @@ def build_app(
 
     Args:
         served_model_names: names accepted in ``model`` (default: the engine's model name).
-        api_key: require ``Authorization: Bearer <api_key>`` on ``/v1/*`` routes.
+        api_key: require ``Authorization: Bearer <api_key>`` on every route but :data:`OPEN_PATHS`.
         metrics: collectors (default: new ones in a private registry).
         drain_timeout_s: at app shutdown, let in-flight requests finish this long before aborting.
         data_dir: where the Batch API keeps its SQLite store and files (``/v1/files``,

@@ -202,6 +202,14 @@ def test_api_key(tiny_llama):
         assert httpx.get(srv.url + "/v1/models").status_code == 401
         assert httpx.get(srv.url + "/health").status_code == 200  # probes stay open, as in vLLM
         assert httpx.get(srv.url + "/metrics").status_code == 200
+        for path in ("/docs", "/openapi.json", "/redoc"):  # the API's documentation stays open, as in vLLM
+            assert httpx.get(srv.url + path).status_code == 200, path
+        # the extra routes run the tokenizer: they need the key too (SGLang guards every route)
+        assert _post(srv.url + "/tokenize", {"prompt": "hi"}).status_code == 401
+        assert _post(srv.url + "/detokenize", {"tokens": [1]}).status_code == 401
+        assert httpx.get(srv.url + "/tokenizer_info").status_code == 401
+        r = _post(srv.url + "/tokenize", {"prompt": "hi"}, headers={"authorization": "Bearer sekret"})
+        assert r.status_code == 200 and r.json()["count"] > 0
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="sekret", max_retries=0)
         assert c.completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens == 2
         with pytest.raises(openai.AuthenticationError):
