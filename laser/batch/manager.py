@@ -38,7 +38,7 @@ import httpx
 from prometheus_client import Counter, Gauge
 
 from ..core.request import SLO
-from ..store import BatchStore
+from ..store import BatchStore, UnknownCursorError
 from .estimate import (cold_key, is_urgent, job_concurrency, job_seconds, may_start, parse_window, progress_share,
                        request_seconds, start_by)
 from .jobs import ENDPOINTS, error_record, max_tokens_of, parse_lines, prompt_of
@@ -247,9 +247,14 @@ class BatchManager:
         return self.batch_object(bid)
 
     def list(self, after: str | None, limit: int) -> dict:
+        """OpenAI's batch list, newest first: at most ``limit`` (1-100) batches after the batch
+        ``after``. Raises BatchError: 400 a limit out of range or an unknown ``after``."""
         if not 1 <= limit <= 100:
             raise BatchError(400, f"limit must be between 1 and 100, got {limit}", "invalid_value", "limit")
-        objs, more = self.store.list_batches(after, limit)
+        try:
+            objs, more = self.store.list_batches(after, limit)
+        except UnknownCursorError as e:
+            raise BatchError(400, e.message, "invalid_value", "after") from None
         for o in objs:
             o["request_counts"] = self.store.counts(o["id"])
         return {"object": "list", "data": objs, "first_id": objs[0]["id"] if objs else None,

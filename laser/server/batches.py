@@ -5,14 +5,15 @@ retrieve, list, cancel), in OpenAI's shapes so the official client's ``files.cre
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from fastapi import APIRouter, File, Form, UploadFile
+from fastapi import APIRouter, File, Form, Query, UploadFile
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
 from ..batch.jobs import InputFileError, check_jsonl
 from ..batch.manager import BatchError, BatchManager
+from ..store import UnknownCursorError
 from .errors import APIError
 
 
@@ -48,9 +49,15 @@ def router(mgr: BatchManager) -> APIRouter:
         return store.add_file(purpose, file.filename or "upload.jsonl", data)
 
     @router.get("/v1/files")
-    async def list_files(purpose: str | None = None):
-        data = store.list_files(purpose)
-        return {"object": "list", "data": data, "has_more": False,
+    async def list_files(purpose: str | None = None, after: str | None = None,
+                         limit: int = Query(10000, ge=1, le=10000), order: Literal["asc", "desc"] = "desc"):
+        """OpenAI's file list: newest first (``order=asc``: oldest first), ``limit`` files at most
+        after the file ``after``; an unknown ``after`` is a 400 (not the first page again)."""
+        try:
+            data, more = store.list_files(purpose, after, limit, order)
+        except UnknownCursorError as e:
+            raise APIError(400, e.message, "invalid_value", "after") from None
+        return {"object": "list", "data": data, "has_more": more,
                 "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
 
     def file_or_404(file_id: str) -> dict:

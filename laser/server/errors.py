@@ -67,7 +67,10 @@ def format_validation(exc: RequestValidationError) -> tuple[str, str | None]:
     """A readable message (and the offending field) from pydantic errors."""
     parts, param, seen = [], None, set()
     for e in exc.errors():
-        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        loc = list(e.get("loc", ()))
+        if loc[:1] and loc[0] in ("query", "path", "header", "cookie"):  # where a parameter came from
+            loc = loc[1:]
+        loc = [str(x) for x in loc if x != "body"]
         kind = e.get("type", "")
         if kind == "json_invalid":
             err = (e.get("ctx") or {}).get("error", e.get("msg", "invalid JSON"))

@@ -151,14 +151,17 @@ class BatchStore:
         rows = self._query("SELECT * FROM files WHERE id = ?", (fid,))
         if not rows:
             return None
-        r = rows[0]
-        return {"id": r["id"], "object": "file", "bytes": r["bytes"], "created_at": r["created_at"],
-                "filename": r["filename"], "purpose": r["purpose"], "status": "processed", "status_details": None}
+        return _file_object(rows[0])
 
-    def list_files(self, purpose: str | None = None) -> list[dict]:
-        rows = self._query("SELECT id FROM files ORDER BY created_at DESC, id")
-        objs = [self.file_object(r["id"]) for r in rows]
-        return [o for o in objs if purpose is None or o["purpose"] == purpose]
+    def list_files(self, purpose: str | None = None, after: str | None = None, limit: int = 10000,
+                   order: str = "desc") -> tuple[list[dict], bool]:
+        """Files (of ``purpose`` when given) in upload order (``order`` ``"asc"``) or newest first
+        (``"desc"``), from the one after the file ``after``: (objects, has_more), as OpenAI's
+        ``GET /v1/files``. Raises :class:`UnknownCursorError` when ``after`` is not such a file."""
+        where, params = ("WHERE purpose = ?", (purpose,)) if purpose is not None else ("", ())
+        rows = self._query(f"SELECT * FROM files {where} ORDER BY rowid {'ASC' if order == 'asc' else 'DESC'}", params)
+        page, more = _page(rows, after, limit, "file")
+        return [_file_object(r) for r in page], more
 
     def delete_file(self, fid: str) -> bool:
         """Remove a file's record and bytes; False when there is no such file. A batch made from an
@@ -213,12 +216,11 @@ class BatchStore:
         return obj
 
     def list_batches(self, after: str | None = None, limit: int = 20) -> tuple[list[dict], bool]:
-        """Newest first, starting after the batch ``after``; (objects, has_more)."""
-        rows = self._query("SELECT id, created_at, obj FROM batches ORDER BY created_at DESC, id DESC")
-        ids = [r["id"] for r in rows]
-        start = ids.index(after) + 1 if after in ids else 0
-        page = rows[start:start + limit]
-        return [json.loads(r["obj"]) for r in page], start + limit < len(rows)
+        """Newest first, from the one after the batch ``after``: (objects, has_more). Raises
+        :class:`UnknownCursorError` when ``after`` is not a batch."""
+        rows = self._query("SELECT id, obj FROM batches ORDER BY rowid DESC")
+        page, more = _page(rows, after, limit, "batch")
+        return [json.loads(r["obj"]) for r in page], more
 
     def batches_with_status(self, *statuses: str) -> list[dict]:
         marks = ",".join("?" * len(statuses))
@@ -250,3 +252,31 @@ class BatchStore:
         """Records (JSON text) of the lines in ``state``, in line order."""
         for r in self._query("SELECT record FROM requests WHERE batch_id = ? AND state = ? ORDER BY line", (bid, state)):
             yield r["record"]
+
+
+class UnknownCursorError(KeyError):
+    """A list's ``after`` cursor names no object of the list (never created, or deleted)."""
+
+    def __init__(self, what: str, after: str):
+        super().__init__(after)
+        self.message = f"'after' must be the id of a {what} of this list; there is no {what} {after!r}"
+
+
+def _page(rows: list[sqlite3.Row], after: str | None, limit: int, what: str) -> tuple[list[sqlite3.Row], bool]:
+    """OpenAI's cursor pagination over ``rows`` (in list order): at most ``limit`` rows from the
+    one after the row whose ``id`` is ``after`` (from the first when None), and whether more follow.
+    Raises :class:`UnknownCursorError`: an unknown cursor is an error, not the first page again
+    (a client paging with it would loop)."""
+    start = 0
+    if after is not None:
+        ids = [r["id"] for r in rows]
+        if after not in ids:
+            raise UnknownCursorError(what, after)
+        start = ids.index(after) + 1
+    return rows[start:start + limit], start + limit < len(rows)
+
+
+def _file_object(r: sqlite3.Row) -> dict:
+    """OpenAI's ``file`` object of a ``files`` row."""
+    return {"id": r["id"], "object": "file", "bytes": r["bytes"], "created_at": r["created_at"],
+            "filename": r["filename"], "purpose": r["purpose"], "status": "processed", "status_details": None}
