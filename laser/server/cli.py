@@ -269,7 +269,13 @@ def _server_class():
 
     class Server(uvicorn.Server):
         """uvicorn, plus: on the first SIGINT/SIGTERM stop taking requests, let in-flight ones
-        finish for ``drain_s`` seconds, then abort the rest (their streams end cleanly)."""
+        finish for ``drain_s`` seconds, then abort the rest (their streams end cleanly), and
+        return from :meth:`run` (``laser serve`` then exits 0, as vLLM's server does).
+
+        uvicorn (0.29+) raises a signal it handled once more after its shutdown, under the
+        handler it found: the default one kills the process (status -15), Ray's driver handler
+        (``sys.exit(signum)``) makes a cluster server exit 15, and ``laser serve`` could not
+        exit with its own status (:data:`EXIT_NODE_LOST`). A drained server has handled it."""
 
         def __init__(self, config, async_engine, drain_s: float):
             super().__init__(config)
@@ -285,6 +291,7 @@ def _server_class():
         def handle_exit(self, sig, frame):
             first = not self.should_exit
             super().handle_exit(sig, frame)
+            getattr(self, "_captured_signals", []).clear()  # handled here: not raised again after the shutdown
             if first and self._loop is not None:
                 self._loop.call_soon_threadsafe(self._begin_drain)
 

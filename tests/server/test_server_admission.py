@@ -385,7 +385,7 @@ def test_sigterm_drains_short_and_aborts_long(long_context_llama, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode in (0, -signal.SIGTERM, 128 + signal.SIGTERM), out
+    assert proc.returncode == 0, out  # drained: a clean exit, as vLLM's (uvicorn used to re-raise the signal)
     assert "Traceback" not in out, out
 
     def finish(events):
