@@ -77,6 +77,7 @@ BEST_EFFORT = SLO()
 
 #: Most log-probabilities per token a request may ask for (vLLM's default ``max_logprobs``).
 MAX_LOGPROBS = 20
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # a seed's range (vLLM and OpenAI accept the int64/uint64 union)
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,10 @@ class SamplingParams:
 
     ``structured_output`` (kind, spec): a grammar (:mod:`laser.model.structured`) masks every token
     it does not allow, before the rest of the processing; once it is complete only EOS is left.
+
+    ``n`` (>= 1): choices per prompt, as vLLM's parallel sampling. One request carries one choice:
+    :meth:`laser.frontend.llm.LLM.generate` and the server run ``n`` requests, choice ``j`` with
+    :func:`choice_seed` (``seed + j``); the engine refuses a request with ``n`` > 1.
 
     ``logprobs`` (0..20, None = off): the log-probability of each generated token and the
     ``logprobs`` most likely tokens' ones; ``prompt_logprobs`` (0..20): the same for every
@@ -130,6 +135,7 @@ class SamplingParams:
     # Lossy dynamic depth (laser.core.depth.DynamicDepth; a dict or True is accepted): decode
     # tokens may leave the model at a trained exit. None: every token runs every layer.
     dynamic_depth: object = None
+    n: int = 1
 
     def __post_init__(self):
         """Normalise ``stop``/``stop_token_ids`` to tuples and check every field.
@@ -165,7 +171,9 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not integer(self.top_k) or self.top_k < 0:
             raise InvalidRequestError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if self.seed is not None and not (integer(self.seed) and -(2**63) <= self.seed < 2**64):
+        if not integer(self.n) or self.n < 1:
+            raise InvalidRequestError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.seed is not None and not (integer(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
             raise InvalidRequestError(f"seed must be an integer in [-2^63, 2^64), got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
@@ -237,6 +245,16 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Temperatures below 1e-5 are greedy (as vLLM): dividing logits by ~0 overflows."""
         return self.temperature < 1e-5
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """Seed of choice ``index`` (0-based) of a request with ``seed`` and ``n > 1``: ``seed + index``
+    (as vLLM's parallel sampling), wrapped into the accepted range, so each choice is its own
+    reproducible stream and choice 0 equals the ``n=1`` answer. None stays None (unseeded)."""
+    if seed is None or index == 0:
+        return seed
+    s = seed + index
+    return s - 2**64 if s > SEED_MAX else s
 
 
 class TokenLogprob(NamedTuple):

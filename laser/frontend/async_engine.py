@@ -232,7 +232,7 @@ class AsyncEngine(EngineThread):
 
     # -- requests -----------------------------------------------------------------------------------
     async def encode(self, prompt: str | list[int] | list[dict], tools: list[dict] | None = None,
-                     **switches: bool) -> list[int]:
+                     **switches) -> list[int]:
         """Token ids of a prompt (text, ids, or chat messages, with ``tools``: OpenAI tool
         definitions, and the chat template ``switches`` of
         :meth:`~laser.frontend.inputs.InputProcessor.apply_chat_template`). Raises InvalidRequestError."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 from typing import Any, Callable
 
 from ..core.request import SLO, InvalidRequestError, Request, SamplingParams
@@ -66,7 +67,7 @@ class InputProcessor:
 
     # -- prompts ---------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int] | list[dict], tools: list[dict] | None = None,
-                      **switches: bool) -> list[int]:
+                      **switches) -> list[int]:
         """Token ids of a prompt: text, token ids, or chat messages (chat template applied, with
         ``tools``: OpenAI tool definitions and the template ``switches``, see
         :meth:`apply_chat_template`).
@@ -86,11 +87,16 @@ class InputProcessor:
         raise InvalidRequestError("prompt must be a non-empty string, token id list or message list")
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
-                            add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
+                            add_generation_prompt: bool = True, continue_final_message: bool = False,
+                            chat_template_kwargs: dict | None = None) -> list[int]:
         """Token ids of a conversation (a model without a template gets ``role: content`` lines).
         ``add_generation_prompt``: open an assistant turn after the messages;
         ``continue_final_message``: leave the last message open, for the model to continue it
-        (both as transformers' and vLLM's switches of the same names; both true is an error).
+        (both as transformers' and vLLM's switches of the same names; both true is an error);
+        ``chat_template_kwargs``: more variables for the template (vLLM's, e.g. Qwen3's
+        ``{"enable_thinking": false}``); a name of the renderer's own arguments (``tokenize``,
+        ``tools``, ...) is an error, not a way around the switches. The server and
+        :meth:`laser.frontend.llm.LLM.chat` both render through here.
         ``tools`` (OpenAI tool definitions), assistant ``tool_calls`` and ``tool`` messages are
         rendered by the template itself when it knows tools in the ``<tool_call>`` format, else
         by the fallback prompt format (:mod:`laser.frontend.tool_prompt`). Raises InvalidRequestError."""
@@ -99,6 +105,7 @@ class InputProcessor:
         if add_generation_prompt and continue_final_message:
             raise InvalidRequestError("add_generation_prompt and continue_final_message cannot both be true "
                                       "(set add_generation_prompt to false to continue the last message)")
+        extra = check_template_kwargs(chat_template_kwargs, self.tokenizer)
         for i, m in enumerate(messages):
             for k, v in m.items():
                 if isinstance(v, str):
@@ -112,6 +119,7 @@ class InputProcessor:
             check_text(text, "messages")
             return self.tokenizer.encode(text)
         kw = {"tools": tools} if tools else {}  # a request without tools renders exactly as before
+        kw.update(extra)
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                     continue_final_message=continue_final_message, tokenize=True, **kw)
@@ -170,6 +178,9 @@ class InputProcessor:
         if not isinstance(sp, SamplingParams):
             raise InvalidRequestError(f"sampling_params must be a SamplingParams (or None), got "
                                       f"{type(sp).__name__}: {sp!r:.80}")
+        if sp.n != 1:
+            raise InvalidRequestError(f"n={sp.n}: a request carries one choice; LLM.generate and the server run "
+                                      "n requests (an engine is given them one by one)")
         sp.check_vocab(self.vocab_size)
         if sp.structured_output is not None:
             if self.grammars is None:
@@ -186,3 +197,21 @@ class InputProcessor:
         return Request(prompt_token_ids=ids, sampling_params=sp, slo=slo_obj,
                        arrival_time=clock() if arrival_time is None else arrival_time,
                        req_id=req_id or "", prompt=prompt if isinstance(prompt, str) else None)
+
+
+def check_template_kwargs(kwargs, tokenizer) -> dict:
+    """``chat_template_kwargs`` as a dict (None: empty). Raises InvalidRequestError for one that
+    is not a dict of string keys, or that names an argument of the tokenizer's own
+    ``apply_chat_template`` (``tokenize``, ``add_generation_prompt``, ...: those have their own
+    switches, and ``tokenize`` would change what the call returns)."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise InvalidRequestError(f"chat_template_kwargs must be an object of template variables, got {kwargs!r:.80}")
+    own = {n for n, p in inspect.signature(tokenizer.apply_chat_template).parameters.items()
+           if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    bad = sorted(own & set(kwargs))
+    if bad:
+        raise InvalidRequestError(f"chat_template_kwargs: {bad[0]!r} is an argument of the renderer, not a template "
+                                  "variable (use the request's own field where there is one)")
+    return dict(kwargs)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from typing import Sequence
 
 from .engine import Engine
 from .outputs import RequestOutput
-from ..core.request import SLO, InvalidRequestError, SamplingParams
+from ..core.request import SLO, InvalidRequestError, SamplingParams, choice_seed
 
 
 def check_tools(tools) -> None:
@@ -46,10 +48,14 @@ class LLM:
         slo: SLO | str | Sequence[SLO | str] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; returns final outputs in prompt order.
+        """Generate for every prompt; returns final outputs in prompt order, one per prompt.
 
-        ``sampling_params`` and ``slo`` may be one value for all prompts or one per prompt.
-        Raises InvalidRequestError for a malformed prompt (before anything runs).
+        ``sampling_params`` and ``slo`` may be one value for all prompts or one per prompt. With
+        ``sampling_params.n`` > 1 a prompt's output is its first choice and ``output.outputs``
+        holds all ``n`` (as vLLM's ``RequestOutput.outputs``; each a :class:`RequestOutput` with
+        ``text``, ``token_ids``, ``finish_reason``); choice ``j`` of a seeded request samples with
+        ``seed + j``, so choice 0 is the ``n=1`` answer. Raises InvalidRequestError for a
+        malformed prompt or sampling parameters (before anything runs).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -61,8 +67,11 @@ class LLM:
         return self._run(self._add(zip(prompts, sps, slos)), use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None, slo=None,
-             tools: list[dict] | None = None):
-        """Generate replies to one conversation or a list of them (chat template applied).
+             tools: list[dict] | None = None, *, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them (chat template applied), one
+        output per conversation (``sampling_params.n`` choices in ``outputs``, as :meth:`generate`).
 
         ``tools``: OpenAI function definitions (``{"type": "function", "function": {"name": ...,
         "parameters": {...}}}``) offered to the model, as vLLM's ``LLM.chat(messages, tools=...)``:
@@ -70,11 +79,14 @@ class LLM:
         (:mod:`laser.frontend.tool_prompt`); the reply's text holds any ``<tool_call>`` blocks
         (:func:`laser.server.tool_parser.parse_tool_calls` reads them). For calls enforced by a
         grammar, give a ``structured_output`` in ``sampling_params``
-        (:func:`laser.model.structured.tool_call_grammar`).
+        (:func:`laser.model.structured.tool_call_grammar`). ``add_generation_prompt``,
+        ``continue_final_message`` and ``chat_template_kwargs``: vLLM's template switches, the
+        server's fields of the same names (one renderer:
+        :meth:`laser.frontend.inputs.InputProcessor.apply_chat_template`).
 
-        Raises InvalidRequestError for a malformed conversation or tool definition (before
-        anything runs), also for ``messages`` that is not a list (a plain prompt string: use
-        :meth:`generate`)."""
+        Raises InvalidRequestError for a malformed conversation, tool definition or switch
+        (before anything runs), also for ``messages`` that is not a list (a plain prompt string:
+        use :meth:`generate`)."""
         if not isinstance(messages, (list, tuple)):
             raise InvalidRequestError(
                 "messages must be a list of {'role': ..., 'content': ...} dicts (one conversation) or a list of "
@@ -83,29 +95,44 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         if tools:
             check_tools(tools)
-            convs = [self.engine.inputs.encode_prompt(list(c), list(tools)) for c in convs]
-        return self._run(self._add((c, sampling_params, slo) for c in convs), False)
+        switches = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+                    "chat_template_kwargs": chat_template_kwargs}
+        if any(not isinstance(c, (list, tuple)) for c in convs):
+            raise InvalidRequestError("messages must be one conversation (a list of dicts) or a list of them")
+        prompts = [self.engine.inputs.encode_prompt(list(c), list(tools or ()) or None, **switches) for c in convs]
+        return self._run(self._add((p, sampling_params, slo) for p in prompts), use_tqdm)
 
-    def _add(self, items) -> list[str]:
-        """Enqueue every (prompt, sampling_params, slo); all or none: when one is rejected
+    def _add(self, items) -> list[list[str]]:
+        """Enqueue every (prompt, sampling_params, slo), ``n`` requests for a prompt whose
+        ``sampling_params.n`` is ``n`` (choice ``j`` seeded with :func:`choice_seed`, as the
+        server's choices); returns the request ids per prompt. All or none: when one is rejected
         (InvalidRequestError), the ones enqueued before it are aborted, then it raises."""
-        ids: list[str] = []
+        groups: list[list[str]] = []
         try:
             for p, sp, s in items:
-                ids.append(self.engine.add_request(p, sp, s).req_id)
+                n = sp.n if isinstance(sp, SamplingParams) else 1  # the engine checks sp's type
+                if n == 1:
+                    groups.append([self.engine.add_request(p, sp, s).req_id])
+                    continue
+                groups.append([])
+                for j in range(n):
+                    one = dataclasses.replace(sp, n=1, seed=choice_seed(sp.seed, j))
+                    groups[-1].append(self.engine.add_request(p, one, s).req_id)
         except BaseException:
-            for i in ids:
+            for i in itertools.chain.from_iterable(groups):
                 self.engine.abort(i)
             raise
-        return ids
+        return groups
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, groups: list[list[str]], use_tqdm: bool) -> list[RequestOutput]:
+        """Step the engine until every request is done; one output per group (prompt): its first
+        choice, with every choice in ``outputs``."""
         final: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(ids), desc="generating")
+            bar = tqdm(total=sum(map(len, groups)), desc="generating")
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 if out.finished:
@@ -114,4 +141,9 @@ class LLM:
                         bar.update(1)
         if bar is not None:
             bar.close()
-        return [final[i] for i in ids]
+        outs = []
+        for ids in groups:
+            first = final[ids[0]]
+            first.outputs = [final[i] for i in ids]
+            outs.append(first)
+        return outs

@@ -153,6 +153,9 @@ class RequestOutput:
     logprobs: list | None = None
     # SamplingParams.prompt_logprobs: per prompt position, None at position 0 (None when not asked).
     prompt_logprobs: list | None = None
+    # LLM.generate / LLM.chat: the prompt's SamplingParams.n choices, each a finished output
+    # (choice 0 is this one), as vLLM's RequestOutput.outputs; empty from an engine's step.
+    outputs: list = field(default_factory=list, repr=False, compare=False)
 
     def slo_outcome(self) -> tuple[bool, bool]:
         """(TTFT met, P99 TBT met) of this finished request, by the rule of

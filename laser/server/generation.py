@@ -124,10 +124,10 @@ class Generation(RequestFields):
         slo, asked = self.resolve_slo(body.slo_fields(), h_class, h_ttft, h_tbt, headers)
         return arrival, model, slo, self.stop_strings(body), asked
 
-    async def encode(self, prompt, param: str, tools: list[dict] | None = None, **switches: bool) -> list[int]:
+    async def encode(self, prompt, param: str, tools: list[dict] | None = None, **switches) -> list[int]:
         """Token ids of a prompt (chat messages rendered with ``tools`` and the chat template
-        ``switches``: ``add_generation_prompt``, ``continue_final_message``), checked against the
-        context. Raises APIError: 400 naming ``param``."""
+        ``switches``: ``add_generation_prompt``, ``continue_final_message``,
+        ``chat_template_kwargs``), checked against the context. Raises APIError: 400 naming ``param``."""
         try:
             ids = await self.ae.encode(prompt, tools, **switches)
         except InvalidRequestError as e:

@@ -9,7 +9,7 @@ from typing import Callable
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..core.request import InvalidRequestError
+from ..core.request import InvalidRequestError, choice_seed
 from .errors import APIError
 from .generation import Generation, Sub, token_ids_fields
 from .streaming import EventStream, stream_chat, stream_completion
@@ -23,7 +23,6 @@ from .protocol import (
     ModelCard,
     ModelList,
     TokenizeRequest,
-    choice_seed,
 )
 
 ERRORS = {

@@ -12,10 +12,9 @@ from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
-from ..core.request import MAX_LOGPROBS
+from ..core.request import MAX_LOGPROBS, SEED_MAX, SEED_MIN
 
 # torch.Generator.manual_seed accepts [-2**63, 2**64 - 1].
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 MAX_STOP = 16
 MAX_CHOICES = 16  # n x number of prompts when n > 1 (a list of prompts with n = 1 has no cap)
 
@@ -181,11 +180,14 @@ class _ChatTemplateSwitches(_Request):
                                               "the messages")
     continue_final_message: StrictBool = Field(False, description="vLLM extension: leave the last message open "
                                                "for the model to continue (with add_generation_prompt false)")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM extension: more variables for "
+                                                        "the chat template, e.g. {\"enable_thinking\": false}")
 
-    def template_switches(self) -> dict[str, bool]:
+    def template_switches(self) -> dict[str, Any]:
         """Keyword arguments of :meth:`laser.frontend.inputs.InputProcessor.apply_chat_template`."""
         return {"add_generation_prompt": self.add_generation_prompt,
-                "continue_final_message": self.continue_final_message}
+                "continue_final_message": self.continue_final_message,
+                "chat_template_kwargs": self.chat_template_kwargs}
 
 
 class ChatCompletionRequest(_Common, _ChatTemplateSwitches):
@@ -325,16 +327,3 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
-
-
-# -- helpers of both endpoints ------------------------------------------------------------------------
-
-
-def choice_seed(seed: int | None, index: int) -> int | None:
-    """Seed of choice ``index`` (0-based) of a request with ``seed`` and ``n > 1``: ``seed + index``
-    (as vLLM's parallel sampling), wrapped into the accepted range, so each choice is its own
-    reproducible stream and choice 0 equals the ``n=1`` answer. None stays None (unseeded)."""
-    if seed is None or index == 0:
-        return seed
-    s = seed + index
-    return s - 2**64 if s > SEED_MAX else s

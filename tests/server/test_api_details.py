@@ -19,7 +19,7 @@ from laser.core.request import SLO, Request, SamplingParams
 from laser.model.sampler import Sampler
 from laser.server.app import build_app
 from laser.server.cli import LiveServer
-from laser.server.protocol import SEED_MAX, SEED_MIN, choice_seed
+from laser.core.request import SEED_MAX, SEED_MIN, choice_seed
 
 
 @pytest.fixture(scope="module")
