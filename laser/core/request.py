@@ -163,16 +163,15 @@ class SamplingParams:
         def number(v) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool)
 
-        if not integer(self.max_tokens) or self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        for f in ("max_tokens", "n"):
+            if not integer(getattr(self, f)) or getattr(self, f) < 1:
+                raise InvalidRequestError(f"{f} must be an integer >= 1, got {getattr(self, f)!r}")
         if not (number(self.temperature) and self.temperature >= 0 and math.isfinite(self.temperature)):
             raise InvalidRequestError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not (number(self.top_p) and 0 < self.top_p <= 1):
             raise InvalidRequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not integer(self.top_k) or self.top_k < 0:
             raise InvalidRequestError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if not integer(self.n) or self.n < 1:
-            raise InvalidRequestError(f"n must be an integer >= 1, got {self.n!r}")
         if self.seed is not None and not (integer(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
             raise InvalidRequestError(f"seed must be an integer in [-2^63, 2^64), got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
@@ -214,11 +213,10 @@ class SamplingParams:
                                                    and not self.processes_logits):
             raise InvalidRequestError("dynamic_depth needs greedy decoding (temperature 0) without logprobs, "
                                       "logit_bias, penalties, min_tokens or structured output")
-        if so is not None:
-            if not (isinstance(so, tuple) and len(so) == 2 and so[0] in ("json", "regex", "lark")
-                    and isinstance(so[1], str)):
-                raise InvalidRequestError(f"structured_output must be (kind, spec) with kind json, regex or lark, "
-                                          f"got {so!r:.80}")
+        if so is not None and not (isinstance(so, tuple) and len(so) == 2 and so[0] in ("json", "regex", "lark")
+                                   and isinstance(so[1], str)):
+            raise InvalidRequestError(f"structured_output must be (kind, spec) with kind json, regex or lark, "
+                                      f"got {so!r:.80}")
 
     @property
     def processes_logits(self) -> bool:

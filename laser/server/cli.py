@@ -33,8 +33,7 @@ def register(subparsers) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="names accepted in the 'model' field (default: the model's name)")
     p.add_argument("--api-key", default=os.environ.get("LASER_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every route but /health, /metrics and the "
-                        "API docs (default: $LASER_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on all routes but /health, /metrics, docs ($LASER_API_KEY)")
     p.add_argument("--allowed-origins", type=json_str_list, default=["*"],
                    help='CORS: JSON list of allowed origins (as vLLM; default: ["*"])')
     p.add_argument("--allowed-methods", type=json_str_list, default=["*"],
