@@ -168,7 +168,7 @@ def eligible(model) -> str:
     """Why ``model`` cannot run fused decode layers (``""`` when it can): the model dtype must be
     bf16 and every layer matmul a :class:`QuantLinear` on the aten kernel in that dtype."""
     if model.dtype != torch.bfloat16:
-        return f"{str(model.dtype).removeprefix('torch.')} activations (bf16 only)"
+        return f"{str(model.dtype).removeprefix('torch.')} activations; bf16 only"
     for L in model.layers:
         for lin in (L.qkv, L.o, L.gate_up, L.down):
             if not isinstance(lin, QuantLinear) or lin.gemv is not None or lin.act_dtype != model.dtype:
