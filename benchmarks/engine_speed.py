@@ -162,7 +162,8 @@ def main() -> None:
     ap.add_argument("--quantizations", default="none",
                     help="comma-separated Laser weight formats to run side by side (none, int8, int4, auto; "
                          "auto:aten = auto with int8 decode rows through aten's kernel, not the compiled GEMV; "
-                         "auto::fixed = auto with the kernels' default row crossover, not the measured one)")
+                         "auto::fixed = auto with the kernels' default row crossover, not the measured one; "
+                         "auto:::0 / auto:::1 = auto with the decode layers eager / fused, LASER_FUSED_DECODE)")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -173,13 +174,16 @@ def main() -> None:
     quants = args.quantizations.split(",")
 
     def make_engine(q: str) -> Engine:
-        """``q``: a quantization, or ``<quantization>:<gemv>[:<rows>]`` with the int8 decode kernel
-        (``compiled`` or ``aten``: ``$LASER_QUANT_GEMV``; empty: the default) and the kernels' row
-        crossover (``measure`` or ``fixed``: ``$LASER_QUANT_ROWS``) set while the engine is built."""
+        """``q``: a quantization, or ``<quantization>:<gemv>[:<rows>[:<fused>]]`` with the int8 decode
+        kernel (``compiled`` or ``aten``: ``$LASER_QUANT_GEMV``; empty: the default), the kernels' row
+        crossover (``measure`` or ``fixed``: ``$LASER_QUANT_ROWS``) and the fused decode layers
+        (``0`` or ``1``: ``$LASER_FUSED_DECODE``) set while the engine is built."""
         q, _, opts = q.partition(":")
-        gemv, _, rows = opts.partition(":")
-        saved = {k: os.environ.get(k) for k in ("LASER_QUANT_GEMV", "LASER_QUANT_ROWS")}
-        for k, v in (("LASER_QUANT_GEMV", gemv), ("LASER_QUANT_ROWS", rows)):
+        gemv, _, opts = opts.partition(":")
+        rows, _, fused = opts.partition(":")
+        names = ("LASER_QUANT_GEMV", "LASER_QUANT_ROWS", "LASER_FUSED_DECODE")
+        saved = {k: os.environ.get(k) for k in names}
+        for k, v in zip(names, (gemv, rows, fused)):
             if v:
                 os.environ[k] = v
         try:

@@ -15,6 +15,9 @@ os.environ.setdefault("LASER_QUANT_GEMV", "aten")
 # the quantized kernels' row crossover at its fixed defaults, not measured on the machine
 # (laser.model.kernel_rows): test runs do not depend on the CPU's speed
 os.environ.setdefault("LASER_QUANT_ROWS", "fixed")
+# decode layers eager unless a test asks for the fused graphs (laser.model.fused): only the tests
+# that mean to compile do
+os.environ.setdefault("LASER_FUSED_DECODE", "0")
 
 TINY_CONFIGS = {
     "llama": dict(

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from ..core.config import ModelConfig
 from .kernel_rows import choose_kernel_rows, rows_label
+from .fused import prepare_fused
 from .quant import QuantLinear, concat, prepare_decode_kernels
 
 log = logging.getLogger(__name__)
@@ -186,6 +187,9 @@ class LlamaModel:
             self.lm_head_t = self.lm_head_w.t().contiguous()  # [H, V]
             self.lm_head_packed = _pack_for_onednn(self.lm_head_w, batch_hint=32)
         self.kv: torch.Tensor | None = None
+        # decode rows through compiled graphs of the glue around the quantized matmuls
+        # (laser.model.fused.FusedDecode); None: every row runs the eager methods
+        self.fused = None
         self._init_rope()
         qlins = [m for L in self.layers for m in (L.qkv, L.o, L.gate_up, L.down) if isinstance(m, QuantLinear)]
         if self.lm_head_q is not None:
@@ -193,9 +197,12 @@ class LlamaModel:
         if qlins:
             log.info(prepare_decode_kernels(qlins))
             log.info(choose_kernel_rows(qlins, dtype))
+            self.fused, msg = prepare_fused(self)
+            if msg:
+                log.info(msg)
             # another machine to the latency model: its own profile (laser.profiler.executor_path_of)
             path = "-".join(p for p in ("compiled-int8" if any(m.gemv is not None for m in qlins) else "",
-                                        rows_label(qlins)) if p)
+                                        rows_label(qlins), "fused" if self.fused is not None else "") if p)
             if path:
                 self.executor_path = path
 
@@ -246,10 +253,17 @@ class LlamaModel:
         """Norm, fused QKV projection (one matmul), QK-norm, RoPE on q and k together.
 
         hidden [T, H]; cos/sin [T, head_dim]. Returns q [T, Hq, d], k [T, kvh, d],
-        v [T, kvh, d] (views, not necessarily contiguous), the model's dtype.
+        v [T, kvh, d] (views, not necessarily contiguous), the model's dtype. Up to
+        ``fused.qkv_rows`` rows run the compiled graph of :attr:`fused` instead (bf16 only).
         """
+        if self.fused is not None and hidden.shape[0] <= self.fused.qkv_rows:
+            return self.fused.qkv(i, hidden, cos, sin)
+        return self.qkv_of(self.layers[i], hidden, cos, sin)
+
+    def qkv_of(self, L: _Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """:meth:`qkv` eagerly with the weights of ``L`` (a layer of this model, or one whose
+        tensors a fused graph traces: :mod:`laser.model.fused`)."""
         c = self.config
-        L = self.layers[i]
         T = hidden.shape[0]
         nh, kvh, d = c.num_heads, c.num_kv_heads, c.head_dim
         qkv = L.qkv(self._norm(hidden, L.ln1))  # [T, (Hq + 2 kvh) d]
@@ -303,9 +317,15 @@ class LlamaModel:
     def finish_layer(self, i: int, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """O projection + residual, norm, fused gate/up matmul, SwiGLU in place, down + residual.
 
-        hidden [T, H], attn [T, Hq, d] -> new residual stream [T, H].
+        hidden [T, H], attn [T, Hq, d] -> new residual stream [T, H]. Up to
+        ``fused.finish_rows`` rows run the compiled graph of :attr:`fused` instead (bf16 only).
         """
-        L = self.layers[i]
+        if self.fused is not None and hidden.shape[0] <= self.fused.finish_rows:
+            return self.fused.finish(i, hidden, attn)
+        return self.finish_of(self.layers[i], hidden, attn)
+
+    def finish_of(self, L: _Layer, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """:meth:`finish_layer` eagerly with the weights of ``L`` (see :meth:`qkv_of`)."""
         T = hidden.shape[0]
         hidden = hidden + L.o(attn.reshape(T, self.config.q_size))
         gate_up = L.gate_up(self._norm(hidden, L.ln2))  # [T, 2 I]

@@ -202,6 +202,24 @@ class QuantLinear:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xa, self.packed, self.qw.group_size, self.scales)
         return y if same else y.to(x.dtype)
 
+    def operands(self) -> tuple[torch.Tensor, ...]:
+        """The tensors the aten decode kernel reads: the packed weight and its scales (and the
+        bias where there is one). What a fused graph takes as inputs for this weight
+        (:mod:`laser.model.fused`)."""
+        return (self.packed, self.scales) if self.b is None else (self.packed, self.scales, self.b)
+
+    def with_operands(self, ops: tuple[torch.Tensor, ...]) -> "QuantLinear":
+        """A copy computing with ``ops`` (as :meth:`operands` returns them) in place of its own
+        tensors, every row through the aten decode kernel: how a fused graph traces this
+        weight's matmul with the weight as a graph input (one graph serves every layer)."""
+        new = object.__new__(QuantLinear)
+        for name in self.__slots__:
+            setattr(new, name, getattr(self, name))
+        new.packed, new.scales = ops[0], ops[1]
+        new.b = ops[2] if len(ops) > 2 else None
+        new.kernel_max_rows, new.gemv, new.dense = 1 << 62, None, None
+        return new
+
     def dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [M, K] @ w.T as a dense matmul (no bias) over the kept copy :attr:`dense` when it
         is in ``x``'s dtype, else over the weight dequantized now; activations rounded as the
@@ -398,9 +416,11 @@ class CompiledGemv:
         return fn
 
 
-def _compile(fn, example: tuple[torch.Tensor, ...]):
+def _compile(fn, example: tuple[torch.Tensor, ...], dynamic: bool = False):
     """``fn`` traced to an aten graph at ``example``'s shapes and compiled by inductor (no
-    dynamo: no guards evaluated per call; the caller passes tensors of these shapes)."""
+    dynamo: no guards evaluated per call; the caller passes tensors of these shapes). ``dynamic``:
+    traced with symbolic sizes instead (``make_fx(tracing_mode="symbolic")``), so the graph takes
+    any sizes whose equalities match ``example``'s (a size equal to another there stays equal)."""
     from torch._inductor import compile as inductor_compile
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -411,8 +431,10 @@ def _compile(fn, example: tuple[torch.Tensor, ...]):
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, "", default_cache_dir()):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
     with torch.inference_mode(False), torch.no_grad():
-        gm = make_fx(fn)(*example)
-        return inductor_compile(gm, list(example))
+        if not dynamic:
+            return inductor_compile(make_fx(fn)(*example), list(example))
+        gm = make_fx(fn, tracing_mode="symbolic")(*example)
+        return inductor_compile(gm, [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"])
 
 
 def prepare_decode_kernels(linears: list[QuantLinear]) -> str:

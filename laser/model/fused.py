@@ -1,0 +1,200 @@
+"""Fused decode layers: the glue around a layer's quantized matmuls compiled by inductor.
+
+At a few rows a bf16 decode step on a CPU is bound by per-operation overhead, not bytes: around
+its four int4 kernel calls an eager layer runs ~30 aten ops (two RMSNorms of ~8 ops each, RoPE,
+residual adds, SwiGLU, casts, views), each a dispatch of a few microseconds on 1-8 rows. Two
+graphs per layer replace them, each one inductor kernel per fused elementwise/reduction run
+with the aten int4/int8 kernels as extern calls between:
+
+- **A** (:meth:`FusedDecode.qkv`): RMSNorm -> QKV matmul (+ bias) -> (QK-norm) -> RoPE on q and k
+  (:meth:`laser.model.llama.LlamaModel.qkv_of` traced);
+- **B** (:meth:`FusedDecode.finish`): O matmul + residual -> RMSNorm -> gate/up matmul ->
+  SiLU * up -> down matmul + residual (:meth:`~laser.model.llama.LlamaModel.finish_of` traced).
+
+Attention (the K/V write and the kernel) stays eager between them. The weights are graph inputs,
+so one graph serves every layer of the same shapes; the graphs are traced with ``make_fx`` on
+symbolic sizes (no dynamo: no guards evaluated per call; one graph for every row count) and
+compiled by inductor, cached on disk by its FX graph cache under the Laser cache dir (as
+:class:`laser.model.quant.CompiledGemv`). They run for rows up to the kernels' crossover
+(``QuantLinear.kernel_max_rows``); more rows run the eager methods (dense matmuls there).
+
+Only bf16 models whose layer matmuls all run the aten int4/int8 kernels take this path (the
+kernels' activation dtype; fp32 keeps its eager results bit for bit, the exactness tests'
+dtype). Not bit-equal to eager bf16: inductor keeps fp32 between fused ops where eager rounds
+each op to bf16 (RoPE, SiLU * up) and reduces the norms in another order, so a value differs
+by about one bf16 ulp; a row's result does not depend on the other rows of its batch (per-row
+code, checked in tests/model/test_fused.py). ``$LASER_FUSED_DECODE`` = ``1`` (the default) or
+``0`` (eager; the test suite's default, so that tests compile only where they mean to). Where
+compiling fails, the model runs eager.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from .quant import QuantLinear, _compile
+
+log = logging.getLogger(__name__)
+
+#: The fields of a layer each graph reads (the rest of the layer is not touched).
+_QKV_FIELDS = ("ln1", "qkv", "q_norm", "k_norm")
+_FINISH_FIELDS = ("o", "ln2", "gate_up", "down")
+
+
+def fused_enabled() -> bool:
+    """``$LASER_FUSED_DECODE``: ``1`` (the default) or ``0``. Raises ValueError on another value."""
+    mode = os.environ.get("LASER_FUSED_DECODE", "1")
+    if mode not in ("0", "1"):
+        raise ValueError(f"LASER_FUSED_DECODE={mode!r}: use 0 or 1")
+    return mode == "1"
+
+
+def _flatten(L, fields: tuple[str, ...]) -> tuple[tuple, tuple[torch.Tensor, ...]]:
+    """The layer ``L``'s tensors under ``fields`` as one flat tuple, and its layout: per field,
+    ``(name, count, kind, group)`` (a matmul's kind and group decide which kernel the graph calls)."""
+    layout, tensors = [], []
+    for name in fields:
+        v = getattr(L, name)
+        if v is None:
+            layout.append((name, 0, "", 0))
+        elif isinstance(v, QuantLinear):
+            ops = v.operands()
+            layout.append((name, len(ops), v.qw.kind, v.qw.group_size))
+            tensors.extend(ops)
+        else:
+            layout.append((name, 1, "", 0))
+            tensors.append(v)
+    return tuple(layout), tuple(tensors)
+
+
+def _shadow(L, layout: tuple, tensors: tuple[torch.Tensor, ...]):
+    """A layer like ``L`` whose fields in ``layout`` compute with ``tensors`` (graph inputs)."""
+    S = type(L)()
+    for name in type(L).__slots__:
+        setattr(S, name, getattr(L, name))
+    k = 0
+    for name, n, _, _ in layout:
+        v = getattr(L, name)
+        if isinstance(v, QuantLinear):
+            setattr(S, name, v.with_operands(tensors[k:k + n]))
+        elif n:
+            setattr(S, name, tensors[k])
+        k += n
+    return S
+
+
+class FusedDecode:
+    """The compiled graphs A and B of every layer of ``model`` (see the module docstring).
+
+    Attributes: ``qkv_rows`` / ``finish_rows``, the most rows each graph runs (the crossover of
+    the matmuls it calls); ``graphs``, how many distinct graphs were compiled; ``seconds``, what
+    compiling (or loading from the cache) took.
+
+    Raises:
+        Exception: whatever tracing or inductor raises (:func:`prepare_fused` falls back to eager).
+    """
+
+    def __init__(self, model):
+        self.model = model
+        layers = model.layers
+        self.qkv_rows = min(L.qkv.kernel_max_rows for L in layers)
+        self.finish_rows = min(m.kernel_max_rows for L in layers for m in (L.o, L.gate_up, L.down))
+        cache: dict = {}
+        t0 = time.perf_counter()
+        self._qkv = [self._graph(cache, L, _QKV_FIELDS) for L in layers]
+        self._finish = [self._graph(cache, L, _FINISH_FIELDS) for L in layers]
+        self.graphs, self.seconds = len(cache), time.perf_counter() - t0
+
+    def _graph(self, cache: dict, L, fields: tuple[str, ...]):
+        """(compiled graph, the layer's tensors) for ``L``'s ``fields``; layers of one layout and
+        the same tensor shapes share one graph."""
+        layout, tensors = _flatten(L, fields)
+        key = (layout, tuple((tuple(t.shape), t.dtype) for t in tensors))
+        fn = cache.get(key)
+        if fn is None:
+            fn = cache[key] = _boxed(self._compile(L, layout, tensors, fields is _QKV_FIELDS))
+        return fn, list(tensors)
+
+    def _compile(self, L, layout: tuple, tensors: tuple[torch.Tensor, ...], is_qkv: bool):
+        m, c = self.model, self.model.config
+        # an example row count equal to no other size (a symbolic size equal to another at the
+        # trace stays tied to it) and not 0 or 1 (which a symbolic trace specializes)
+        sizes = {int(s) for t in tensors for s in t.shape} | {c.hidden_size, c.head_dim, c.num_heads,
+                                                               c.num_kv_heads, c.q_size}
+        T = next(n for n in range(5, 1 << 16) if n not in sizes)
+        hidden = torch.zeros(T, c.hidden_size, dtype=m.dtype)
+        if is_qkv:
+            def graph_a(h, cos, sin, *ops):
+                q, k, v = m.qkv_of(_shadow(L, layout, ops), h, cos, sin)
+                return q.contiguous(), k.contiguous(), v.contiguous()
+
+            rope = torch.zeros(T, c.head_dim, dtype=m.dtype)
+            return _compile(graph_a, (hidden, rope, rope.clone(), *tensors), dynamic=True)
+
+        def graph_b(h, attn, *ops):
+            return (m.finish_of(_shadow(L, layout, ops), h, attn),)
+
+        attn = torch.zeros(T, c.num_heads, c.head_dim, dtype=m.dtype)
+        return _compile(graph_b, (hidden, attn, *tensors), dynamic=True)
+
+    def qkv(self, i: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Graph A of layer ``i``: as :meth:`LlamaModel.qkv` (hidden [T, H], cos/sin [T, head_dim],
+        T <= :attr:`qkv_rows`) -> q [T, Hq, d], k and v [T, kvh, d], contiguous, bf16."""
+        fn, ops = self._qkv[i]
+        return fn([hidden.contiguous(), cos.contiguous(), sin.contiguous(), *ops])
+
+    def finish(self, i: int, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Graph B of layer ``i``: as :meth:`LlamaModel.finish_layer` (hidden [T, H], attn
+        [T, Hq, d], T <= :attr:`finish_rows`) -> the new residual stream [T, H], bf16."""
+        fn, ops = self._finish[i]
+        return fn([hidden.contiguous(), attn.contiguous(), *ops])[0]
+
+
+def _boxed(fn):
+    """``fn`` (inductor's compiled graph) as a call on one list of inputs (emptied by the call).
+    Its inner callable where there is one (``current_callable``: the generated code behind the
+    input-alignment check): the AOT runtime wrapper around it costs ~3.5 us a call (measured, 1
+    thread), ~0.2 ms of a batch-1 step of 60 calls, and does nothing for these graphs (no
+    autograd, no input mutated, no output aliasing an input)."""
+    inner = getattr(fn, "current_callable", None)
+    return inner if callable(inner) else (lambda args: fn(*args))
+
+
+def eligible(model) -> str:
+    """Why ``model`` cannot run fused decode layers (``""`` when it can): the model dtype must be
+    bf16 and every layer matmul a :class:`QuantLinear` on the aten kernel in that dtype."""
+    if model.dtype != torch.bfloat16:
+        return f"{str(model.dtype).removeprefix('torch.')} activations; bf16 only"
+    for L in model.layers:
+        for lin in (L.qkv, L.o, L.gate_up, L.down):
+            if not isinstance(lin, QuantLinear) or lin.gemv is not None or lin.act_dtype != model.dtype:
+                return "a layer matmul not on the aten int4/int8 kernels"
+    if min(lin.kernel_max_rows for L in model.layers for lin in (L.qkv, L.o, L.gate_up, L.down)) < 1:
+        return "the dense matmul wins from one row"
+    return ""
+
+
+def prepare_fused(model) -> tuple[FusedDecode | None, str]:
+    """The fused decode graphs of ``model`` (compiled now, or loaded from the on-disk cache), or
+    None where ``$LASER_FUSED_DECODE`` is 0, the model is not :func:`eligible`, or compiling
+    fails (a warning; eager then). Call after the kernels' row crossover is set
+    (:func:`laser.model.kernel_rows.choose_kernel_rows`). Returns it and a sentence for the
+    startup log ("" when the switch is off)."""
+    if not fused_enabled():
+        return None, ""
+    why = eligible(model)
+    if why:
+        return None, f"decode layers eager ({why})"
+    try:
+        fused = FusedDecode(model)
+    except Exception as e:  # noqa: BLE001 -- tracing and inductor raise many kinds; eager always works
+        log.warning("fused decode layers unavailable (%s: %s); running them eager", type(e).__name__,
+                    str(e).splitlines()[0] if str(e) else "")
+        return None, "decode layers eager (compiling the fused graphs failed)"
+    return fused, (f"decode layers fused: norm+QKV+RoPE up to {fused.qkv_rows} rows and O+norm+MLP up to "
+                   f"{fused.finish_rows} rows in inductor graphs ({fused.graphs} graphs, {fused.seconds:.1f} s "
+                   f"to compile or load from the cache; LASER_FUSED_DECODE=0 for eager)")

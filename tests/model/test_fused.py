@@ -1,0 +1,100 @@
+"""Fused decode layers (laser.model.fused): bf16 int4 layers through compiled graphs agree with the
+eager layer within bf16 rounding, a row's result does not depend on its batch, the executor path
+names them, and fp32 (the exactness dtype) never takes them."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from laser.core.config import CacheConfig, SchedulerConfig
+from laser.core.request import SamplingParams
+from laser.frontend.engine import Engine
+from laser.model.llama import LlamaModel
+from laser.model.loader import load_config, load_quantized, load_weights
+
+
+def build(path, dtype, monkeypatch, fused="1"):
+    monkeypatch.setenv("LASER_FUSED_DECODE", fused)
+    cfg, weights = load_config(path), load_weights(path)
+    return LlamaModel(cfg, weights, dtype, load_quantized(path, cfg, weights, "int4"))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])  # plain, QKV bias, QK-norm
+def test_fused_layers_match_eager_within_bf16_rounding(tiny_model_dirs, monkeypatch, caplog, kind):
+    with caplog.at_level(logging.INFO, logger="laser.model.llama"):
+        model = build(tiny_model_dirs[kind], torch.bfloat16, monkeypatch)
+    f = model.fused
+    assert f is not None and f.graphs == 2, caplog.text  # one graph of each kind serves every layer
+    assert model.executor_path.endswith("fused") and "decode layers fused" in caplog.text
+    c = model.config
+    gen = torch.Generator().manual_seed(0)
+    n = 6
+    h = torch.randn(n, c.hidden_size, generator=gen).bfloat16()
+    attn = torch.randn(n, c.num_heads, c.head_dim, generator=gen).bfloat16()
+    pos = torch.arange(30, 30 + n)
+    cos, sin = model.rope_cos[pos], model.rope_sin[pos]
+    with torch.inference_mode():
+        for i in range(c.num_layers):
+            fq = model.qkv(i, h, cos, sin)
+            eq = model.qkv_of(model.layers[i], h, cos, sin)
+            for a, b in zip(fq, eq):
+                assert a.shape == b.shape and a.dtype == b.dtype == torch.bfloat16
+                torch.testing.assert_close(a.float(), b.float(), rtol=0.02, atol=0.02 * float(b.abs().max()))
+            fb = model.finish_layer(i, h, attn)
+            eb = model.finish_of(model.layers[i], h, attn)
+            torch.testing.assert_close(fb.float(), eb.float(), rtol=0.02, atol=0.02 * float(eb.abs().max()))
+            # each row bit-equal whatever else is in the batch (1 row, any slice, all n rows)
+            alone = torch.cat([model.finish_layer(i, h[r : r + 1], attn[r : r + 1]) for r in range(n)])
+            assert torch.equal(alone, fb)
+            assert torch.equal(model.qkv(i, h[2:5], cos[2:5], sin[2:5])[0], fq[0][2:5])
+
+
+def test_rows_past_the_crossover_run_eager(tiny_llama, monkeypatch):
+    model = build(tiny_llama, torch.bfloat16, monkeypatch)
+    model.fused.qkv_rows = model.fused.finish_rows = 2
+    calls = []
+    monkeypatch.setattr(model.fused, "finish", lambda *a: calls.append(a) or 1 / 0)
+    c = model.config
+    h = torch.randn(3, c.hidden_size).bfloat16()
+    with torch.inference_mode():
+        out = model.finish_layer(0, h, torch.randn(3, c.num_heads, c.head_dim).bfloat16())
+    assert out.shape == h.shape and not calls
+
+
+def test_fp32_and_the_switch_keep_the_eager_layers(tiny_llama, monkeypatch, caplog):
+    with caplog.at_level(logging.INFO, logger="laser.model.llama"):
+        fp32 = build(tiny_llama, torch.float32, monkeypatch)
+    assert fp32.fused is None and "fused" not in getattr(fp32, "executor_path", "")
+    assert "decode layers eager (float32 activations" in caplog.text
+    off = build(tiny_llama, torch.bfloat16, monkeypatch, fused="0")
+    assert off.fused is None and "fused" not in getattr(off, "executor_path", "")
+    monkeypatch.setenv("LASER_FUSED_DECODE", "yes")
+    with pytest.raises(ValueError, match="LASER_FUSED_DECODE"):
+        build(tiny_llama, torch.bfloat16, monkeypatch, fused="yes")
+
+
+def test_engine_decodes_through_the_fused_graphs(tiny_llama, monkeypatch):
+    """A bf16 int4 engine's decode steps run the graphs, and its greedy tokens (of a random
+    model's well-separated logits) are the eager engine's."""
+    tokens = {}
+    for fused in ("0", "1"):
+        monkeypatch.setenv("LASER_FUSED_DECODE", fused)
+        e = Engine(str(tiny_llama), policy="vllm", dtype="bfloat16", quantization="int4",
+                   cache=CacheConfig(num_blocks=64), scheduler=SchedulerConfig(policy="vllm"))
+        assert (e.model.fused is not None) == (fused == "1")
+        if e.model.fused is not None:
+            calls = []
+            run = e.model.fused.qkv
+            monkeypatch.setattr(e.model.fused, "qkv", lambda *a: calls.append(1) or run(*a))
+        reqs = [e.add_request([5 + 3 * i + j for j in range(7 + i)], SamplingParams(max_tokens=3, temperature=0))
+                for i in range(3)]
+        while e.has_unfinished():
+            e.step()
+        assert all(len(r.output_token_ids) == 3 for r in reqs)
+        if fused == "1":
+            assert calls  # decode rows (3 at a time) went through graph A
+        tokens[fused] = [r.output_token_ids for r in reqs]
+    assert tokens["0"] == tokens["1"]
