@@ -23,7 +23,8 @@ import torch
 from ..core.intermediate_cache import IntermediateCache
 from .kv_cache import KVCache
 from ..latency.features import DEFAULT_MAX_GATHER_BYTES, decode_slices, max_gather_positions
-from .llama import AttnGroup, AttnMetadata, LlamaModel
+from .attn_metadata import build_attn_metadata
+from .llama import AttnMetadata, LlamaModel
 from ..core.walk import walk
 from ..core.plan import StepPlan, StepResult, Work
 from ..core.request import Request
@@ -272,7 +273,7 @@ class ModelRunner:
         if embed_works:
             ids = []
             for w in embed_works:
-                ids.extend(self._requests[w.req_id].all_token_ids[w.token_start : w.token_start + w.num_tokens])
+                ids.extend(self._requests[w.req_id].token_ids(w.token_start, w.token_start + w.num_tokens))
             t0 = time.perf_counter()
             emb = self.model.embed(torch.tensor(ids, dtype=torch.long))
             self._res.compute_seconds += time.perf_counter() - t0
@@ -285,7 +286,10 @@ class ModelRunner:
                 entries.append((w, self.icache.pop(w.req_id)))
         # decode works first (by context length, so padded decode groups waste little), then prefill
         entries.sort(key=lambda e: (e[0].num_tokens > 1, e[0].context_len if e[0].num_tokens == 1 else 0))
-        self._hidden = torch.cat([h for _, h in entries]) if len(entries) > 1 else entries[0][1]
+        if len(entries) == len(embed_works) and all(e[0] is w for e, w in zip(entries, embed_works)):
+            self._hidden = emb  # the embedded rows already in order (a step's start): no copy
+        else:
+            self._hidden = torch.cat([h for _, h in entries]) if len(entries) > 1 else entries[0][1]
         return [w for w, _ in entries]
 
     def compose(self, active, layers):
@@ -382,90 +386,9 @@ class ModelRunner:
                                      self.max_gather_bytes)
         return [dec[a:b] for a, b in decode_slices([active[i].context_len for i in dec], limit)]
 
-    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
-        """Bool mask (True = attend) -> additive mask in the model dtype (0 / -inf).
-
-        SDPA on CPU adds a float mask directly; a bool one is converted on every call.
-        """
-        m = torch.zeros(allowed.shape, dtype=self.model.dtype)
-        return m.masked_fill_(~allowed, float("-inf"))
-
     def _build_metadata(self, active: list[Work], layers: range) -> AttnMetadata:
-        """Metadata for ``active`` (rows in order) valid for every layer in ``layers``."""
-        bs = self.bm.block_size
-        pos = torch.cat([torch.arange(w.token_start, w.context_len) for w in active])
-        override_layers = sorted({l for w in active for l in self.bm.overridden_layers(w.req_id) if l in layers})
-        dec = [i for i, w in enumerate(active) if w.num_tokens == 1]
-        pf = [i for i, w in enumerate(active) if w.num_tokens > 1]
-        rows = self._rows(active)
-
-        def tables(layer):
-            if layer is None:
-                return [self.bm.canonical_table(w.req_id) for w in active]
-            return [self.bm.table(w.req_id, layer) for w in active]
-
-        def kv_indices(tbls, idxs):
-            ctx = torch.tensor([active[i].context_len for i in idxs])
-            C = int(ctx.max())
-            nb = -(-C // bs)
-            tbl = torch.tensor([(tbls[i] + [0] * nb)[:nb] for i in idxs], dtype=torch.long)
-            p = torch.arange(C)
-            kvi = tbl[:, p // bs] * bs + p % bs  # [B, C]
-            valid = p[None, :] < ctx[:, None]
-            return torch.where(valid, kvi, torch.zeros_like(kvi)), valid
-
-        def slot_map(tbls):
-            parts = []
-            for w, t in zip(active, tbls):
-                p = torch.arange(w.token_start, w.context_len)
-                parts.append(torch.tensor(t, dtype=torch.long)[p // bs] * bs + p % bs)
-            return torch.cat(parts)
-
-        groups: list[AttnGroup] = []
-        canon = tables(None)
-        g = self._group_size
-        for part in self._split_decode(active, dec):
-            kvi, valid = kv_indices(canon, part)
-            layer_kvi = {l: kv_indices(tables(l), part)[0] for l in override_layers}
-            q_index = torch.tensor([rows[i][0] for i in part]).view(-1, 1)
-            groups.append(
-                AttnGroup(q_index, kvi, self._additive(valid[:, None, None, :]), None, None, layer_kvi,
-                          q_start=rows[part[0]][0])  # decode rows of a part are consecutive
-            )
-        if pf:
-            kvi, valid = kv_indices(canon, pf)
-            layer_kvi = {l: kv_indices(tables(l), pf)[0] for l in override_layers}
-            qlens = [active[i].num_tokens for i in pf]
-            Q = max(qlens)
-            qi = torch.arange(Q)
-            starts = torch.tensor([rows[i][0] for i in pf])
-            ql = torch.tensor(qlens)
-            q_index = starts[:, None] + torch.minimum(qi[None, :], ql[:, None] - 1)  # [B, Q]
-            qpos = torch.tensor([active[i].token_start for i in pf])[:, None] + qi[None, :]  # [B, Q]
-            B = len(pf)
-            # one sequence without cached context: a causal kernel on its own K/V, no mask
-            self_causal = B == 1 and active[pf[0]].token_start == 0
-            mask = None
-            if not self_causal:
-                C = kvi.shape[1]
-                allowed = torch.arange(C)[None, None, :] <= qpos[:, :, None]  # [B, Q, C]
-                mask = allowed & valid[:, None, :]
-                mask = self._additive(mask[:, None].expand(B, g, Q, C).reshape(B, 1, g * Q, C))
-            if all(q == Q for q in qlens):
-                out_valid = out_rows = None
-                q_start = rows[pf[0]][0]  # prefill rows are consecutive and unpadded
-            else:
-                q_start = None
-                real = qi[None, :] < ql[:, None]  # [B, Q]
-                out_valid = real.view(-1).nonzero().squeeze(1)
-                out_rows = q_index.view(-1)[out_valid]
-            groups.append(
-                AttnGroup(q_index, kvi, mask, out_valid, out_rows, layer_kvi, causal=self_causal, q_start=q_start)
-            )
-        return AttnMetadata(
-            cos=self.model.rope_cos[pos],
-            sin=self.model.rope_sin[pos],
-            slot_mapping=slot_map(canon),
-            layer_slot_mapping={l: slot_map(tables(l)) for l in override_layers},
-            groups=groups,
-        )
+        """Metadata for ``active`` (rows in order) valid for every layer in ``layers``
+        (:func:`laser.model.attn_metadata.build_attn_metadata`)."""
+        m = self.model
+        return build_attn_metadata(active, layers, self.bm, (m.rope_cos, m.rope_sin), m.dtype, self._group_size,
+                                   lambda dec: self._split_decode(active, dec))
