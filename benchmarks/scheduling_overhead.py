@@ -66,10 +66,12 @@ def main() -> None:
         total = sched + exe
         row = {"policy": policy, "steps": steps, "layer_calls": calls, "step_s": total,
                "scheduling_share": sched / total, "switching_share": (exe - compute) / total,
-               "scheduling_us_per_step": 1e6 * sched / max(1, steps)}
+               "scheduling_us_per_step": 1e6 * sched / max(1, steps),
+               "switching_us_per_step": 1e6 * (exe - compute) / max(1, steps)}
         rows.append(row)
         print(f"{policy:8s} steps {steps:5d}  layer calls {calls:6d}  scheduling {100 * row['scheduling_share']:.2f} % "
-              f"({row['scheduling_us_per_step']:.0f} us/step)  switching {100 * row['switching_share']:.2f} %")
+              f"({row['scheduling_us_per_step']:.0f} us/step)  switching {100 * row['switching_share']:.2f} % "
+              f"({row['switching_us_per_step']:.0f} us/step)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

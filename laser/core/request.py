@@ -384,6 +384,16 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` (``0 <= start <= end``) without building the whole list
+        (the runner embeds a decode token per step: one id, not a copy of the context)."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

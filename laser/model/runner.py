@@ -17,13 +17,13 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-import numpy as np
 import torch
 
 from ..core.intermediate_cache import IntermediateCache
 from .kv_cache import KVCache
 from ..latency.features import DEFAULT_MAX_GATHER_BYTES, decode_slices, max_gather_positions
-from .llama import AttnGroup, AttnMetadata, LlamaModel
+from .attn_metadata import build_attn_metadata
+from .llama import AttnMetadata, LlamaModel
 from ..core.walk import walk
 from ..core.plan import StepPlan, StepResult, Work
 from ..core.request import Request
@@ -52,9 +52,10 @@ class ModelRunner:
         self.exits = None
         self.exit_layers: frozenset[int] = frozenset()
         self._exit_boundaries: frozenset[int] = frozenset()
-        # KV written, per request: [N] int64, positions 0..wm[l]-1 of layer l hold K/V this
-        # runner wrote (or imported); reads past them are recorded in kv_gaps (check_integrity).
-        self._kv_written: dict[str, np.ndarray] = {}
+        # KV written, per request: N ints, positions 0..wm[l]-1 of layer l hold K/V this runner
+        # wrote (or imported); reads past them are recorded in kv_gaps (check_integrity). Plain
+        # lists: a work's update is ~1 us of Python, where numpy's cost ~30 us after a layer call.
+        self._kv_written: dict[str, list[int]] = {}
         self.kv_gaps: list[tuple[str, int, int, int]] = []  # (req id, layer, written, needed)
 
     @torch.inference_mode()
@@ -164,8 +165,8 @@ class ModelRunner:
         """``w``'s positions are written at layers ``[start, end)`` (it ran them, or an exit filled them)."""
         wm = self._kv_written.get(w.req_id)
         if wm is not None and end > start:
-            seg = wm[start:end]
-            np.maximum(seg, w.context_len, out=seg, where=seg >= w.token_start)
+            ts, c = w.token_start, w.context_len
+            wm[start:end] = [c if ts <= x < c else x for x in wm[start:end]]
 
     def _check_reads(self, w: Work) -> None:
         """Before ``w`` runs: its earlier positions must be written at every layer it runs. A request
@@ -173,12 +174,12 @@ class ModelRunner:
         the count (after a preemption freed its KV)."""
         wm = self._kv_written.get(w.req_id)
         if wm is None or (w.token_start == 0 and w.layer_start == 0):
-            self._kv_written[w.req_id] = np.full(self.num_layers, w.token_start, dtype=np.int64)
+            self._kv_written[w.req_id] = [w.token_start] * self.num_layers
             return
         seg = wm[w.layer_start:w.layer_end]
-        low = int(seg.min())
+        low = min(seg)
         if low < w.token_start:
-            layer = w.layer_start + int(seg.argmin())
+            layer = w.layer_start + seg.index(low)
             self.kv_gaps.append((w.req_id, layer, low, w.token_start))
 
     def mark_kv_written(self, req_id: str, layers: range, num_tokens: int) -> None:
@@ -186,8 +187,7 @@ class ModelRunner:
         layers itself (self-speculation's draft and verify passes)."""
         wm = self._kv_written.get(req_id)
         if wm is not None:
-            seg = wm[layers.start:layers.stop]
-            np.maximum(seg, num_tokens, out=seg)
+            wm[layers.start:layers.stop] = [max(x, num_tokens) for x in wm[layers.start:layers.stop]]
 
     def check_integrity(self, running) -> None:
         """Raise AssertionError when a work read a K/V slot nothing wrote (an uninitialised slot:
@@ -238,7 +238,7 @@ class ModelRunner:
         except Exception:
             self.bm.free(req.req_id)
             raise
-        self._kv_written[req.req_id] = np.full(self.num_layers, req.num_computed_tokens, dtype=np.int64)
+        self._kv_written[req.req_id] = [req.num_computed_tokens] * self.num_layers
 
     def release(self, req_id: str) -> None:
         self.sampler.release(req_id)
@@ -272,7 +272,7 @@ class ModelRunner:
         if embed_works:
             ids = []
             for w in embed_works:
-                ids.extend(self._requests[w.req_id].all_token_ids[w.token_start : w.token_start + w.num_tokens])
+                ids.extend(self._requests[w.req_id].token_ids(w.token_start, w.token_start + w.num_tokens))
             t0 = time.perf_counter()
             emb = self.model.embed(torch.tensor(ids, dtype=torch.long))
             self._res.compute_seconds += time.perf_counter() - t0
@@ -285,7 +285,10 @@ class ModelRunner:
                 entries.append((w, self.icache.pop(w.req_id)))
         # decode works first (by context length, so padded decode groups waste little), then prefill
         entries.sort(key=lambda e: (e[0].num_tokens > 1, e[0].context_len if e[0].num_tokens == 1 else 0))
-        self._hidden = torch.cat([h for _, h in entries]) if len(entries) > 1 else entries[0][1]
+        if len(entries) == len(embed_works) and all(e[0] is w for e, w in zip(entries, embed_works)):
+            self._hidden = emb  # the embedded rows already in order (a step's start): no copy
+        else:
+            self._hidden = torch.cat([h for _, h in entries]) if len(entries) > 1 else entries[0][1]
         return [w for w, _ in entries]
 
     def compose(self, active, layers):
@@ -382,90 +385,9 @@ class ModelRunner:
                                      self.max_gather_bytes)
         return [dec[a:b] for a, b in decode_slices([active[i].context_len for i in dec], limit)]
 
-    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
-        """Bool mask (True = attend) -> additive mask in the model dtype (0 / -inf).
-
-        SDPA on CPU adds a float mask directly; a bool one is converted on every call.
-        """
-        m = torch.zeros(allowed.shape, dtype=self.model.dtype)
-        return m.masked_fill_(~allowed, float("-inf"))
-
     def _build_metadata(self, active: list[Work], layers: range) -> AttnMetadata:
-        """Metadata for ``active`` (rows in order) valid for every layer in ``layers``."""
-        bs = self.bm.block_size
-        pos = torch.cat([torch.arange(w.token_start, w.context_len) for w in active])
-        override_layers = sorted({l for w in active for l in self.bm.overridden_layers(w.req_id) if l in layers})
-        dec = [i for i, w in enumerate(active) if w.num_tokens == 1]
-        pf = [i for i, w in enumerate(active) if w.num_tokens > 1]
-        rows = self._rows(active)
-
-        def tables(layer):
-            if layer is None:
-                return [self.bm.canonical_table(w.req_id) for w in active]
-            return [self.bm.table(w.req_id, layer) for w in active]
-
-        def kv_indices(tbls, idxs):
-            ctx = torch.tensor([active[i].context_len for i in idxs])
-            C = int(ctx.max())
-            nb = -(-C // bs)
-            tbl = torch.tensor([(tbls[i] + [0] * nb)[:nb] for i in idxs], dtype=torch.long)
-            p = torch.arange(C)
-            kvi = tbl[:, p // bs] * bs + p % bs  # [B, C]
-            valid = p[None, :] < ctx[:, None]
-            return torch.where(valid, kvi, torch.zeros_like(kvi)), valid
-
-        def slot_map(tbls):
-            parts = []
-            for w, t in zip(active, tbls):
-                p = torch.arange(w.token_start, w.context_len)
-                parts.append(torch.tensor(t, dtype=torch.long)[p // bs] * bs + p % bs)
-            return torch.cat(parts)
-
-        groups: list[AttnGroup] = []
-        canon = tables(None)
-        g = self._group_size
-        for part in self._split_decode(active, dec):
-            kvi, valid = kv_indices(canon, part)
-            layer_kvi = {l: kv_indices(tables(l), part)[0] for l in override_layers}
-            q_index = torch.tensor([rows[i][0] for i in part]).view(-1, 1)
-            groups.append(
-                AttnGroup(q_index, kvi, self._additive(valid[:, None, None, :]), None, None, layer_kvi,
-                          q_start=rows[part[0]][0])  # decode rows of a part are consecutive
-            )
-        if pf:
-            kvi, valid = kv_indices(canon, pf)
-            layer_kvi = {l: kv_indices(tables(l), pf)[0] for l in override_layers}
-            qlens = [active[i].num_tokens for i in pf]
-            Q = max(qlens)
-            qi = torch.arange(Q)
-            starts = torch.tensor([rows[i][0] for i in pf])
-            ql = torch.tensor(qlens)
-            q_index = starts[:, None] + torch.minimum(qi[None, :], ql[:, None] - 1)  # [B, Q]
-            qpos = torch.tensor([active[i].token_start for i in pf])[:, None] + qi[None, :]  # [B, Q]
-            B = len(pf)
-            # one sequence without cached context: a causal kernel on its own K/V, no mask
-            self_causal = B == 1 and active[pf[0]].token_start == 0
-            mask = None
-            if not self_causal:
-                C = kvi.shape[1]
-                allowed = torch.arange(C)[None, None, :] <= qpos[:, :, None]  # [B, Q, C]
-                mask = allowed & valid[:, None, :]
-                mask = self._additive(mask[:, None].expand(B, g, Q, C).reshape(B, 1, g * Q, C))
-            if all(q == Q for q in qlens):
-                out_valid = out_rows = None
-                q_start = rows[pf[0]][0]  # prefill rows are consecutive and unpadded
-            else:
-                q_start = None
-                real = qi[None, :] < ql[:, None]  # [B, Q]
-                out_valid = real.view(-1).nonzero().squeeze(1)
-                out_rows = q_index.view(-1)[out_valid]
-            groups.append(
-                AttnGroup(q_index, kvi, mask, out_valid, out_rows, layer_kvi, causal=self_causal, q_start=q_start)
-            )
-        return AttnMetadata(
-            cos=self.model.rope_cos[pos],
-            sin=self.model.rope_sin[pos],
-            slot_mapping=slot_map(canon),
-            layer_slot_mapping={l: slot_map(tables(l)) for l in override_layers},
-            groups=groups,
-        )
+        """Metadata for ``active`` (rows in order) valid for every layer in ``layers``
+        (:func:`laser.model.attn_metadata.build_attn_metadata`)."""
+        m = self.model
+        return build_attn_metadata(active, layers, self.bm, (m.rope_cos, m.rope_sin), m.dtype, self._group_size,
+                                   lambda dec: self._split_decode(active, dec))
