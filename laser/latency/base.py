@@ -119,9 +119,12 @@ class LatencyModel:
     ``embed_time``, ``head_time`` and the attributes ``num_layers`` (layers of the
     model) and ``layer_overhead_s`` (fixed cost of one layer call). Everything else is
     derived here. Predictions are never negative, and non-decreasing in token counts and
-    context lengths, with two measured exceptions in :class:`FittedLatencyModel`: the LM
-    head at the smallest row counts, and decode attention where a longer context makes
-    the runner split a decode batch into less padded groups. Inputs are not validated on the hot path: query and
+    context lengths, with three measured exceptions in :class:`FittedLatencyModel`: the LM
+    head at the smallest row counts, decode attention where a longer context makes
+    the runner split a decode batch into less padded groups, and a causal prefill chunk just past
+    a query length where the flash kernel's query block grows (``features.CAUSAL_Q_TILES``:
+    192 tokens ran 1.4 ms against 2.3 ms for 191, 768 16.2 ms against 18.0 for 767, bf16 SmolLM2 on
+    an AVX512 EPYC). Inputs are not validated on the hot path: query and
     context lengths must satisfy ``1 <= q <= c``.
     """
 
@@ -245,7 +248,8 @@ class LatencyModel:
         """Largest chunk ``k <= limit`` (tokens, after ``context_start`` cached tokens)
         such that ``layers`` layer calls of the batch ``query_lens + (k,)`` take at most
         ``budget_s``; 0 if not even one token fits. Binary search (predictions are
-        monotone). Embedding and LM head are not included."""
+        monotone; where they are not, the chunk found fits the budget but may not be the largest
+        that does). Embedding and LM head are not included."""
         base_q, base_c = tuple(query_lens), tuple(context_lens)
 
         def cost(k: int) -> float:

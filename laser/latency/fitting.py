@@ -275,11 +275,15 @@ def _fit_attention_set(x: np.ndarray, y: np.ndarray, names: Sequence[str], scale
 #             over-predicted, docs/benchmarks.md); the profiler measures its samples either way.
 # ``edges``: the stateless and LM-head lines keep a segment edge where the matmul kernels switch
 #   (features.kernel_rows_from_metadata: int4 weights past 64 rows, int8 past 32 run a dense matmul).
-#   "convex" (the default): "padded", decode attention whose cost per position may grow with its
+#   "convex" (the default before "tiled"): "padded", decode attention whose cost per position may grow with its
 #             group's gather (``d_pad2``, set "convex") and the kernel edges; on the same samples of
 #             an AVX512 EPYC it beat "padded" per layer step (87.0 -> 89.5 %, 81.6 -> 85.9 % at 1 / 2
 #             threads) and per iteration (87.8 -> 90.4 %, 89.2 -> 91.3 %; docs/benchmarks.md, "the
 #             kernel edges and the convex gather"); "convex-step": with the step overhead (opt-in).
+#   "tiled" (the default): "convex" with a causal chunk's scores priced per query block of the flash
+#             kernel (set "tiled", features.CAUSAL_Q_TILES); on the same samples, seven test sets of four
+#             profiles of the AVX512 EPYC at 1 and 2 threads: attention module +0.6 to +1.8 points, layer
+#             steps -0.1 to +0.5, iterations -0.1 to +0.1 (docs/benchmarks.md, "the noise floor").
 FORMS = {
     "paper": {"sets": ("linear", "kernel"), "small_counts": SMALL_COUNT_EXACT, "step": False},
     "padded": {"sets": ("padded", "linear", "kernel"), "small_counts": SMALL_COUNT_EXACT, "step": False},
@@ -289,8 +293,10 @@ FORMS = {
                "step": False, "edges": True},
     "convex-step": {"sets": ("padded", "linear", "convex", "kernel", "full"), "small_counts": SMALL_COUNT_EXACT,
                     "step": True, "edges": True},
+    "tiled": {"sets": ("padded", "linear", "tiled", "kernel", "full"), "small_counts": SMALL_COUNT_EXACT,
+              "step": False, "edges": True},
 }
-DEFAULT_FORM = "convex"
+DEFAULT_FORM = "tiled"
 
 
 def _fit_attention(samples: Sequence[AttentionSample], folds: int, max_positions: int = 0,

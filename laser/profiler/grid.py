@@ -158,6 +158,10 @@ def _stateless_counts(rng, max_tokens: int):
     return st
 
 
+#: Causal chunk lengths sampled besides the powers of two (see _attention_batches).
+CAUSAL_GRID = (96, 160, 191, 192, 224, 320, 384, 448, 576, 640, 704, 767, 768, 832, 896, 1280, 1536, 1792)
+
+
 def _attention_batches(pts: _Points, small: tuple, max_tokens: int, max_batch: int):
     """Attention batches (query lens, context lens) of the grid."""
     rng, ctx_cap, clip_batch, decode = pts.rng, pts.ctx_cap, pts.clip_batch, pts.decode
@@ -184,6 +188,12 @@ def _attention_batches(pts: _Points, small: tuple, max_tokens: int, max_batch: i
         for cached in (0, q // 2, 2 * q):
             c = min(q + cached, ctx_cap)
             attn.append(clip_batch([min(q, c)], [c]))
+    # causal chunks (no cached context) on both sides of where the flash kernel's query block
+    # grows (latency.features.CAUSAL_Q_TILES: 192, 768) and between: the price per score falls
+    # with the block, which the powers of two above do not resolve
+    for q in CAUSAL_GRID:
+        if q <= min(max_tokens, ctx_cap):
+            attn.append(clip_batch([q], [q]))
     for _ in range(10):  # several prefill chunks in one batch
         k = int(rng.integers(2, 5))
         q = [int(x) for x in rng.integers(16, max(17, max_tokens // k), k)]

@@ -40,10 +40,11 @@ from .timing import Bench, Case, planned_calls, progress_bar
 log = logging.getLogger(__name__)
 
 # Bump when what is measured, or how, changes: older profile files are then re-made.
-PROFILER_VERSION = 8  # 4: layer matmuls in per-row-count layouts (laser.model.llama.Linear); 5: typical (median) times;
+PROFILER_VERSION = 9  # 4: layer matmuls in per-row-count layouts (laser.model.llama.Linear); 5: typical (median) times;
 # 6: skewed decode batches (padded gather), executor-path label in the key; 7: whole steps' overhead
 # (StepOverheadSample); 8: the row counts where the matmul kernels switch (metadata["kernel_rows"]),
-# sampled on both sides, and a denser LM-head grid
+# sampled on both sides, and a denser LM-head grid; 9: causal prefill attention at 18 more chunk lengths, around
+# the flash kernel's query-block switches (grid.CAUSAL_GRID)
 # Candidate segment widths for the stateless / LM-head fits. On CPUs a single row runs a
 # matrix-vector kernel (one decode token: ~25% cheaper than two), so widths down to 1
 # are offered; cross-validation picks one.
