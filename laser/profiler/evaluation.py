@@ -229,7 +229,8 @@ def profile_and_evaluate(obj, *, grid: ProfileGrid | None = None, policies: Sequ
                          num_layer_steps: int = 45, plans_per_policy: int = 10, progress: bool | None = None,
                          seed: int = 0, budget_s: float = 140.0, max_tokens: int = 2048, max_batch: int = 64,
                          num_requests: int = 24, planning_lm: LatencyModel | None = None,
-                         threads: int | None = None, num_small_decode: int = 12) -> tuple[FittedLatencyModel, dict]:
+                         threads: int | None = None, num_small_decode: int = 12,
+                         repeatability: bool = False) -> tuple[FittedLatencyModel, dict]:
     """Profile and measure a held-out test set *in the same interleaved rounds*, then fit on
     the profile samples and score the test set (see :func:`evaluate`).
 
@@ -237,6 +238,9 @@ def profile_and_evaluate(obj, *, grid: ProfileGrid | None = None, policies: Sequ
     (other tenants, clock speed, allocator state drift over minutes on a shared host), so
     the report measures the latency model, not the drift. The schedulers plan the test
     iterations with ``planning_lm`` (default: a quick one-round profile on a small grid).
+    ``repeatability``: every held-out case is timed a second time, as its own case in the same
+    rounds, and ``report["repeatability"]`` says how well the two timings agree
+    (:func:`repeatability_report`): the ceiling these timings put on any model's accuracy.
     """
     runner = runner_of(obj)
     grid = grid or default_grid(runner)
@@ -253,7 +257,8 @@ def profile_and_evaluate(obj, *, grid: ProfileGrid | None = None, policies: Sequ
                        num_requests=num_requests, num_small_decode=num_small_decode)
         bench = Bench(grid.min_rounds, grid.max_rounds, grid.tol, budget_s=budget_s, seed=seed)
         setup_s = time.perf_counter() - t0
-        run_bench(pcases + es.cases, bench, calls, grid.warmup_s, "profiling + evaluating", progress)
+        twins = [Case(("twin", *c.key), c.run) for c in es.cases] if repeatability else []
+        run_bench(pcases + es.cases + twins, bench, calls, grid.warmup_s, "profiling + evaluating", progress)
     runner.bm.check_integrity(expect_empty=True)
     stats: dict = {}
     model = fit_profile(obj, samples_from_cases(pcases, grid.tol, bench, stats), stats, time.perf_counter() - t0, threads)
@@ -262,7 +267,36 @@ def profile_and_evaluate(obj, *, grid: ProfileGrid | None = None, policies: Sequ
                        _METHOD.format(lo=grid.min_rounds, hi=grid.max_rounds, tol=100 * grid.tol), bench)
     rep["measurement"]["interleaved_with_profile"] = True
     rep["measurement"]["setup_seconds"] = round(setup_s, 1)
+    if twins:
+        rep["repeatability"] = repeatability_report(es, twins)
     return model, rep
+
+
+def repeatability_report(es: EvalSet, twins: Sequence[Case]) -> dict:
+    """How well two timings of the same held-out cases agree: ``twins[k]`` re-times
+    ``es.cases[k]`` in the same rounds. Per group of :func:`score` (modules; layer steps and
+    iterations, all and by kind; small decode iterations), the mean of ``accuracy(a, b)`` and
+    ``accuracy(b, a)`` over the pairs of estimates. A model predicting each case's typical time
+    exactly scores about ``1 - (1 - agreement) / sqrt(2)`` against one timing (independent
+    noise on each), so an agreement of 0.90 caps the expected accuracy near 0.93."""
+    groups: dict[str, list[float]] = {}
+    names = {"layer": "layer step", "iteration": "iteration", "small_decode": "small decode it."}
+    for cs, tw in zip(es.cases, twins):
+        kind, k = cs.key
+        a, b = cs.estimate(), tw.estimate()
+        agree = 0.5 * (accuracy(a, b) + accuracy(b, a))
+        if kind in ("layer", "stateless", "attention"):
+            sub = es.batches[k][0]
+        elif kind in ("iteration", "small_decode"):
+            s = (es.snaps if kind == "iteration" else es.small)[k]
+            sub = plan_kind(s.plan, s.plan.num_layers)
+        else:
+            sub = None
+        name = names.get(kind, f"module {kind}")
+        groups.setdefault(name, []).append(agree)
+        if sub and kind in ("layer", "iteration"):
+            groups.setdefault(f"{name}: {sub}", []).append(agree)
+    return {g: {"n": len(v), "agreement": float(np.mean(v))} for g, v in sorted(groups.items())}
 
 
 CASE_KINDS = ("layer", "stateless", "attention", "embed", "head", "iteration", "small_decode")
@@ -366,6 +400,11 @@ def format_report(rep: dict, warn_busy: bool = True) -> str:
                  f"two fastest repeats {100 * ms.get('two_fastest_spread', 0):.1f}% apart, the median (the "
                  f"time used) {100 * (ms.get('estimate_over_best', 1.0) - 1):.0f}% above them"
                  + (" (ran out of time)" if ms["out_of_time"] else ""))
+    rp = rep.get("repeatability")
+    if rp:
+        lines.append(" repeatability: each held-out case timed twice in the same rounds; mean agreement of the two "
+                     "(a model scores about 1 - (1 - agreement) / 1.41 at best)")
+        lines += [f"  {g:<22} {pct(v['agreement'])}          {v['n']:4d}" for g, v in rp.items()]
     if warn_busy and ms.get("disturbed_fraction", 0) > 0.1:
         lines.append(f" warning: {100 * ms['disturbed_fraction']:.0f}% of timed calls ran while the machine was slower "
                      "(another process competing for memory bandwidth or cores); figures may be off -- re-run on a "
