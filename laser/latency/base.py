@@ -83,7 +83,20 @@ class StepOverheadSample:
     seconds: float
 
 
-Sample = StatelessSample | AttentionSample | EmbedSample | HeadSample | LayerSample | StepOverheadSample
+@dataclass(frozen=True, slots=True)
+class DecodeStepSample:
+    """A whole decode step at full depth: one new token for each of ``len(context_lens)`` requests
+    (``context_lens`` include it) through every layer, embedded and sampled. ``seconds``: the compute
+    the runner times itself (``StepResult.compute_seconds``: the layer calls, the embedding and the
+    LM head; not the step's overhead, a :class:`StepOverheadSample`). Prices decode layers as they
+    run inside a step, where they cost less than the same layer call timed alone."""
+
+    context_lens: tuple[int, ...]
+    seconds: float
+
+
+Sample = (StatelessSample | AttentionSample | EmbedSample | HeadSample | LayerSample | StepOverheadSample
+          | DecodeStepSample)
 
 
 def check_batch(q: Sequence[int], c: Sequence[int]) -> None:
@@ -102,8 +115,9 @@ def check_seconds(s: float) -> None:
 
 
 # Sample kinds as named in profile files.
-SAMPLE_TYPES = (StatelessSample, AttentionSample, EmbedSample, HeadSample, LayerSample, StepOverheadSample)
-SAMPLE_KINDS = ("stateless", "attention", "embed", "head", "layer", "step_overhead")
+SAMPLE_TYPES = (StatelessSample, AttentionSample, EmbedSample, HeadSample, LayerSample, StepOverheadSample,
+                DecodeStepSample)
+SAMPLE_KINDS = ("stateless", "attention", "embed", "head", "layer", "step_overhead", "decode_step")
 TYPE_KIND = dict(zip(SAMPLE_TYPES, SAMPLE_KINDS))
 KIND_TYPE = dict(zip(SAMPLE_KINDS, SAMPLE_TYPES))
 

@@ -9,7 +9,9 @@ predicting with a fitted model never imports this module, numpy or scipy.
   :mod:`laser.latency.features`) chosen by cross-validation (:func:`_fit_attention`);
 * whole layers: a per-call overhead and a scale on attention (:func:`_fit_layer_composition`);
 * whole steps (forms with ``step``): what a step costs beyond its layers, embedding and head, per
-  step, per batch composition and per composed work (:func:`_fit_step_overhead`).
+  step, per batch composition and per composed work (:func:`~.fitting_steps.fit_step_overhead`);
+* whole decode steps (forms with ``instep``): a decode layer's price inside a step against the
+  same call timed alone (:func:`~.fitting_steps.fit_decode_step_scale`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from .base import (
     SAMPLE_TYPES,
     TYPE_KIND,
     AttentionSample,
+    DecodeStepSample,
     EmbedSample,
     HeadSample,
     LayerSample,
@@ -42,6 +45,7 @@ from .features import (
     kernel_rows_from_metadata,
 )
 from .fitted import AttentionModel, FittedLatencyModel, PiecewiseLinear
+from .fitting_steps import fit_whole_steps
 from .io import laser_version
 
 # Candidate segment widths (tokens) for the piecewise-linear stateless / head fits.
@@ -284,6 +288,9 @@ def _fit_attention_set(x: np.ndarray, y: np.ndarray, names: Sequence[str], scale
 #             kernel (set "tiled", features.CAUSAL_Q_TILES); on the same samples, seven test sets of four
 #             profiles of the AVX512 EPYC at 1 and 2 threads: attention module +0.6 to +1.8 points, layer
 #             steps -0.1 to +0.5, iterations -0.1 to +0.1 (docs/benchmarks.md, "the noise floor").
+# ``instep``: decode layer calls priced as they run inside a whole step (``decode_step_scale``, fitted
+#   from the profile's DecodeStepSamples: fitting_steps.fit_decode_step_scale; 1.0 without them).
+#   "tiled-instep": "tiled" with it; "tiled-instep-step": and the step overhead.
 FORMS = {
     "paper": {"sets": ("linear", "kernel"), "small_counts": SMALL_COUNT_EXACT, "step": False},
     "padded": {"sets": ("padded", "linear", "kernel"), "small_counts": SMALL_COUNT_EXACT, "step": False},
@@ -295,6 +302,10 @@ FORMS = {
                     "step": True, "edges": True},
     "tiled": {"sets": ("padded", "linear", "tiled", "kernel", "full"), "small_counts": SMALL_COUNT_EXACT,
               "step": False, "edges": True},
+    "tiled-instep": {"sets": ("padded", "linear", "tiled", "kernel", "full"), "small_counts": SMALL_COUNT_EXACT,
+                     "step": False, "edges": True, "instep": True},
+    "tiled-instep-step": {"sets": ("padded", "linear", "tiled", "kernel", "full"),
+                          "small_counts": SMALL_COUNT_EXACT, "step": True, "edges": True, "instep": True},
 }
 DEFAULT_FORM = "tiled"
 
@@ -351,8 +362,9 @@ def fit(samples: Iterable[Sample], *, num_layers: int, metadata: dict | None = N
     by CV among the candidates of ``form`` (see :data:`FORMS`), decode entries grouped as the runner splits them (``max_gather_positions``;
     ``None``: from ``metadata``, see :func:`gather_positions_from_metadata`), errors
     relative to the whole layer call (attention + stateless, see :func:`_fit_attention`).
-    Embedding: a line. Step overhead (forms with ``step``): :func:`_fit_step_overhead` of the
-    :class:`StepOverheadSample` s (0.0 without them). Whole-layer composition (per-call overhead and a scale on
+    Embedding: a line. Step overhead (forms with ``step``) and decode layers inside a step (forms with
+    ``instep``): :func:`~.fitting_steps.fit_whole_steps` of the :class:`StepOverheadSample` s and
+    :class:`DecodeStepSample` s (0.0 and 1.0 without them). Whole-layer composition (per-call overhead and a scale on
     attention): from :class:`LayerSample` s, see :func:`_fit_layer_composition` (0 and 1
     without them). All fits minimise relative error and keep coefficients non-negative.
     Missing sample kinds predict 0 (see ``report["missing"]``). ``metadata`` is stored as
@@ -386,7 +398,9 @@ def fit(samples: Iterable[Sample], *, num_layers: int, metadata: dict | None = N
     layer = kinds[LayerSample]
     overhead, scale = _fit_layer_composition(layer, stateless, attention)
     steps = kinds[StepOverheadSample] if FORMS[form]["step"] else []
-    step_terms = _fit_step_overhead(steps)
+    dsteps = kinds[DecodeStepSample] if FORMS[form].get("instep") else []
+    step_terms, dscale, step_rep = fit_whole_steps(
+        steps, dsteps, num_layers, lambda q, c: stateless(sum(q)) + scale * attention(q, c) + overhead, embed, head)
 
     def in_sample(f, xs, ys):
         return _rel_err(np.array([f(x) for x in xs]), np.array(ys)) if xs else None
@@ -400,10 +414,7 @@ def fit(samples: Iterable[Sample], *, num_layers: int, metadata: dict | None = N
         "missing": [TYPE_KIND[t] for t in (StatelessSample, AttentionSample, EmbedSample, HeadSample) if not kinds[t]],
         "form": form,
     }
-    if steps:
-        pred = [step_terms[0] + step_terms[1] * s.compositions + step_terms[2] * s.composed_works for s in steps]
-        report["step_overhead"] = {"step_s": step_terms[0], "compose_s": step_terms[1], "compose_work_s": step_terms[2],
-                                   "error": _rel_err(np.array(pred), np.array([s.seconds for s in steps]))}
+    report.update(step_rep)
     if layer:
         model_layer = [stateless(sum(s.query_lens)) + scale * attention(s.query_lens, s.context_lens) + overhead
                        for s in layer]
@@ -415,7 +426,8 @@ def fit(samples: Iterable[Sample], *, num_layers: int, metadata: dict | None = N
     return FittedLatencyModel(num_layers=num_layers, stateless=stateless, attention=attention, embed=embed,
                               head=head, layer_overhead_s=overhead, layer_attention_scale=scale,
                               step_overhead_s=step_terms[0], compose_overhead_s=step_terms[1],
-                              compose_work_s=step_terms[2], metadata=meta, report=report, samples=samples)
+                              compose_work_s=step_terms[2], decode_step_scale=dscale, metadata=meta, report=report,
+                              samples=samples)
 
 
 def _by_kind(samples: Sequence[Sample]) -> dict[type, list]:
@@ -428,6 +440,8 @@ def _by_kind(samples: Sequence[Sample]) -> dict[type, list]:
         check_seconds(s.seconds)
         if isinstance(s, (AttentionSample, LayerSample)):
             check_batch(s.query_lens, s.context_lens)
+        elif isinstance(s, DecodeStepSample):
+            check_batch((1,) * len(s.context_lens), s.context_lens)
         elif isinstance(s, StepOverheadSample):
             if s.compositions < 1 or s.composed_works < s.compositions:
                 raise ValueError(f"need 1 <= compositions <= composed_works: {s!r}")
@@ -461,22 +475,3 @@ def _fit_layer_composition(layer: Sequence["LayerSample"], stateless, attention)
         a = min(1.5, max(1.0, a))
         o = max(0.0, float(np.median(y - st - a * at)))
     return float(o), float(a)
-
-
-def _fit_step_overhead(samples: Sequence[StepOverheadSample]) -> tuple[float, float, float]:
-    """``(per step, per composition, per composed work)`` seconds such that a step's overhead is
-    ``a + b · compositions + c · composed_works``: NNLS in relative error over the samples when
-    they span at least three distinct ``(compositions, composed_works)`` shapes, else their median
-    as ``a`` alone; ``(0, 0, 0)`` without samples. (The same decomposition as vLLM's
-    per-step input preparation, which grows with the batch it prepares.)"""
-    if not samples:
-        return 0.0, 0.0, 0.0
-    y = np.array([s.seconds for s in samples])
-    if len({(s.compositions, s.composed_works) for s in samples}) < 3:
-        return float(np.median(y)), 0.0, 0.0
-    x = np.array([[1.0, s.compositions, s.composed_works] for s in samples])
-    w = 1.0 / y
-    scale = x.max(axis=0)
-    coef, _ = nnls(x / scale * w[:, None], y * w)
-    a, b, c = (float(v) for v in coef / scale)
-    return a, b, c

@@ -123,6 +123,10 @@ def summary_lines(lm) -> list[str]:
         out.append(f"  step overhead (beyond layers, embedding, head): {so['step_s'] * 1e6:.0f} us per step + "
                    f"{so['compose_s'] * 1e6:.0f} us per batch composition + {so['compose_work_s'] * 1e6:.0f} us per "
                    f"composed work (fit error {100 * so['error']:.1f}%)")
+    if "decode_step" in rep:
+        ds = rep["decode_step"]
+        out.append(f"  decode layers inside a step: x{ds['scale']:.3f} of the call timed alone ({ds['n']} whole decode "
+                   f"steps, fit error {100 * ds['error']:.1f}%)")
     if lm.mask_row_s:
         out.append(f"  grammar mask (structured output): {lm.mask_row_s * 1e3:.3f} ms per sampled row")
     out.append("  predicted (one layer / whole iteration):")

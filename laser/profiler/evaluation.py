@@ -101,6 +101,7 @@ class EvalSet:
     batches: list  # (kind, query_lens, context_lens) of the layer steps
     snaps: list  # PlanSnapshot of the iterations
     small: list  # PlanSnapshot of the small-batch decode iterations
+    num_layers: int = 1  # layers of the model (a "layer_pass" case runs them all)
 
 
 def _eval_set(runner: ModelRunner, calls: ExecutorCalls, planning_lm: LatencyModel, *, policies: Sequence[str],
@@ -122,6 +123,8 @@ def _eval_set(runner: ModelRunner, calls: ExecutorCalls, planning_lm: LatencyMod
     cases: list[Case] = []
     for k, (kind, q, c) in enumerate(batches):
         cases.append(Case(("layer", k), calls.layer_call(q, c)))
+        if kind == "decode":  # and as its layers run in a step (prefill layers cost the same either way)
+            cases.append(Case(("layer_pass", k), calls.layer_pass_call(q, c)))
         cases.append(Case(("stateless", k), calls.stateless_call(sum(q))))
         cases.append(Case(("attention", k), calls.attention_call(q, c)))
     for n in sorted({int(x) for x in rng.integers(1, min(max_tokens, pool) + 1, 6)}):
@@ -134,17 +137,17 @@ def _eval_set(runner: ModelRunner, calls: ExecutorCalls, planning_lm: LatencyMod
                                    max_context=min(512, cfg.max_position))
     for k, s in enumerate(small):
         cases.append(Case(("small_decode", k), PlanReplay(runner, s, gen)))
-    return EvalSet(cases, batches, snaps, small)
+    return EvalSet(cases, batches, snaps, small, runner.num_layers)
 
 
 def _eval_report(obj, es: EvalSet, lm: LatencyModel, tol: float, method: str, bench: Bench) -> dict:
     res: dict[str, list] = {k: [] for k in CASE_KINDS}
     for cs in es.cases:
         kind, k = cs.key
-        if kind in ("layer", "stateless", "attention"):
+        if kind in LAYER_KINDS:
             bkind, q, c = es.batches[k]
             rec = {"kind": bkind, "batch": len(q), "tokens": sum(q), "sum_context": sum(c), "max_context": max(c),
-                   "query_lens": list(q), "context_lens": list(c)}
+                   "query_lens": list(q), "context_lens": list(c), "num_layers": es.num_layers}
         elif kind == "embed":
             rec = {"tokens": k}
         elif kind == "head":
@@ -201,7 +204,9 @@ def evaluate(obj, lm: LatencyModel, *, policies: Sequence[str] = ("vllm", "sarat
     """Accuracy of ``lm`` on held-out measurements of ``obj`` (an idle Engine or ModelRunner).
 
     * per module: stateless, attention, embedding and LM head on random held-out sizes;
-    * per layer step: whole ``forward_layer`` calls on random batches vs ``predict_layer``;
+    * per layer step: whole ``forward_layer`` calls on random batches vs ``predict_layer``; the
+      decode batches also as every layer of the model in a pass (as they run in a step: one call
+      chains them all), against ``num_layers`` x ``predict_layer``;
     * per iteration: plans of every policy's scheduler (planned with ``lm``) on synthetic
       request streams, ``ModelRunner.execute(plan)`` end to end vs ``predict_iteration(plan)``;
     * per small-batch decode iteration, reported apart: ``num_small_decode`` random decode
@@ -280,12 +285,13 @@ def repeatability_report(es: EvalSet, twins: Sequence[Case]) -> dict:
     exactly scores about ``1 - (1 - agreement) / sqrt(2)`` against one timing (independent
     noise on each), so an agreement of 0.90 caps the expected accuracy near 0.93."""
     groups: dict[str, list[float]] = {}
-    names = {"layer": "layer step", "iteration": "iteration", "small_decode": "small decode it."}
+    names = {"layer": "layer step", "layer_pass": "layer step in a pass", "iteration": "iteration",
+             "small_decode": "small decode it."}
     for cs, tw in zip(es.cases, twins):
         kind, k = cs.key
         a, b = cs.estimate(), tw.estimate()
         agree = 0.5 * (accuracy(a, b) + accuracy(b, a))
-        if kind in ("layer", "stateless", "attention"):
+        if kind in LAYER_KINDS:
             sub = es.batches[k][0]
         elif kind in ("iteration", "small_decode"):
             s = (es.snaps if kind == "iteration" else es.small)[k]
@@ -299,14 +305,19 @@ def repeatability_report(es: EvalSet, twins: Sequence[Case]) -> dict:
     return {g: {"n": len(v), "agreement": float(np.mean(v))} for g, v in sorted(groups.items())}
 
 
-CASE_KINDS = ("layer", "stateless", "attention", "embed", "head", "iteration", "small_decode")
+CASE_KINDS = ("layer", "layer_pass", "stateless", "attention", "embed", "head", "iteration", "small_decode")
+# Cases of a held-out layer batch: a layer call alone, the call's layers in a pass (decode batches: every
+# layer in order, as in a step; its time is the pass's), its stateless part, its attention.
+LAYER_KINDS = ("layer", "layer_pass", "stateless", "attention")
 
 
 def _case_prediction(lm: LatencyModel, kind: str, rec: dict) -> float:
-    if kind in ("layer", "stateless", "attention"):
+    if kind in LAYER_KINDS:
         q, c = tuple(rec["query_lens"]), tuple(rec["context_lens"])
         if kind == "layer":
             return lm.layer_time(q, c)
+        if kind == "layer_pass":
+            return rec["num_layers"] * lm.layer_time(q, c)
         return lm.stateless_time(sum(q)) if kind == "stateless" else lm.attention_time(q, c)
     if kind == "embed":
         return lm.embed_time(rec["tokens"])
@@ -348,6 +359,8 @@ def score(report: dict, lm: LatencyModel) -> dict:
                        "layer_overhead_s": getattr(lm, "layer_overhead_s", 0.0)}
     report["per_module"] = {m: summ(res.get(m, [])) for m in ("stateless", "attention", "embed", "head")}
     report["per_layer_step"] = {**summ(res.get("layer", [])), "by_kind": by(res.get("layer", []), "kind")}
+    if res.get("layer_pass"):  # (reports before issue 26 item 3's in-step pricing have none)
+        report["per_layer_step_in_pass"] = summ(res["layer_pass"])
     its = res.get("iteration", [])
     report["per_iteration"] = {**summ(its), "by_policy": by(its, "policy"), "by_kind": by(its, "kind")}
     small = res.get("small_decode", [])
@@ -379,6 +392,8 @@ def format_report(rep: dict, warn_busy: bool = True) -> str:
     lines.append(row("all", rep["per_layer_step"]))
     for k, s in rep["per_layer_step"]["by_kind"].items():
         lines.append(row("  " + k, s))
+    if rep.get("per_layer_step_in_pass"):
+        lines.append(row("  decode, in a pass", rep["per_layer_step_in_pass"]))
     lines.append(" per iteration")
     lines.append(row("all", rep["per_iteration"]))
     for k, s in rep["per_iteration"]["by_policy"].items():

@@ -63,6 +63,8 @@ class ProfileGrid:
         embed = sorted({n for n in (1, 8, 64, 256, 1024, max_tokens) if n <= max_tokens})
         steps = _step_shapes(_Points(np.random.default_rng(seed + 1), max(1, min(512, max_context, pool_tokens)),
                                      pool_tokens, block_size), max_tokens, max_batch)
+        steps += _decode_step_shapes(_Points(np.random.default_rng(seed + 2), max(1, min(max_context, pool_tokens)),
+                                             pool_tokens, block_size), max_batch)
         return cls(sorted(st), attn, layer, embed, head, step_shapes=steps)
 
     @classmethod
@@ -258,3 +260,13 @@ def _step_shapes(pts: _Points, max_tokens: int, max_batch: int) -> list:
                dec(4) + [(chunk, chunk, 0.0, 1.0)],  # a whole prefill chunk beside decode works
                dec(4) + [(chunk, 2 * chunk, 0.0, 0.5)]]  # a chunk paused at half depth
     return [s for s in shapes if len(s) <= max(2, max_batch) * 2]
+
+
+def _decode_step_shapes(pts: _Points, max_batch: int) -> list:
+    """More whole decode steps at full depth, spread over batch sizes and contexts like the decode
+    layer samples (up to ``max_batch``; contexts to the grid's cap, some skewed): their compute
+    prices decode layers as they run inside a step (``DecodeStepSample``)."""
+    batches = [pts.decode(b, mc) for b, mc in ((1, 1024), (3, 32), (6, 384), (12, 128), (12, 1024), (24, 384),
+                                                 (40, 64), (48, 1024), (64, 512)) if b <= max_batch]
+    batches += [pts.skewed(b, 0.3) for b in (8, 24, 32) if b <= max_batch]
+    return [[(1, c, 0.0, 1.0) for c in cs] for _, cs in batches]

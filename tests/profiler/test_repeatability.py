@@ -50,6 +50,19 @@ def test_cli_repeatability(tiny_llama, tmp_path, capsys):
     assert main(base + ["--repeatability"]) == 2  # needs --evaluate
     assert main(base + ["--evaluate", "--json", str(js), "--repeatability", "--policies", "vllm",
                         "--budget", "3", "--eval-budget", "3"]) == 0
-    rep = json.loads(js.read_text())["repeatability"]
+    full = json.loads(js.read_text())
+    rep = full["repeatability"]
     assert 0 <= rep["layer step"]["agreement"] <= 1 and rep["layer step"]["n"] >= 1
     assert "repeatability" in capsys.readouterr().out
+    # issue 26 item 3: the held-out decode batches are also timed as every layer in a pass (as in a step),
+    # priced num_layers x a layer call; the profile's full-depth decode steps keep their compute
+    from laser.latency import DecodeStepSample, FittedLatencyModel
+
+    lm = FittedLatencyModel.load(tmp_path / "prof.json")
+    passes = full["cases"]["layer_pass"]
+    assert passes and all(r["kind"] == "decode" for r in passes) and full["per_layer_step_in_pass"]["n"] == len(passes)
+    assert [r["pred_s"] for r in passes] == pytest.approx(
+        [lm.num_layers * lm.layer_time(tuple(r["query_lens"]), tuple(r["context_lens"])) for r in passes])
+    assert "layer step in a pass" in rep
+    dec = [s for s in lm.samples if isinstance(s, DecodeStepSample)]
+    assert len(dec) >= 3 and all(0 < s.seconds < 1 for s in dec)
