@@ -125,8 +125,8 @@ def summary_lines(lm) -> list[str]:
                    f"composed work (fit error {100 * so['error']:.1f}%)")
     if "decode_step" in rep:
         ds = rep["decode_step"]
-        out.append(f"  decode layers inside a step: x{ds['scale']:.3f} of the call timed alone ({ds['n']} whole decode "
-                   f"steps, fit error {100 * ds['error']:.1f}%)")
+        out.append(f"  decode layers inside a step: stateless x{ds['scale']:.3f}, attention x{ds['attention_scale']:.3f} "
+                   f"of the call timed alone ({ds['n']} whole decode steps, fit error {100 * ds['error']:.1f}%)")
     if lm.mask_row_s:
         out.append(f"  grammar mask (structured output): {lm.mask_row_s * 1e3:.3f} ms per sampled row")
     out.append("  predicted (one layer / whole iteration):")

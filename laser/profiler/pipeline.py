@@ -280,8 +280,9 @@ def samples_from_cases(cases: list[Case], tol: float, bench: Bench, stats: dict 
             oh = getattr(cs.run, "overheads", None)
             if oh:  # (none when the case was never run: timings given by a test)
                 out.append(StepOverheadSample(args[1], args[2], max(float(np.median(oh)), 1e-7)))
-            if oh and cs.run.decode_contexts:  # and its compute: decode layers as they run in a step
-                out.append(DecodeStepSample(cs.run.decode_contexts, max(float(np.median(cs.run.computes)), 1e-7)))
+            if oh and cs.run.decode_contexts:  # and its compute (the typical wall time, as every case's, less
+                # the overhead): decode layers as they run in a step
+                out.append(DecodeStepSample(cs.run.decode_contexts, max(t - float(np.median(oh)), 1e-7)))
         else:
             out.append(HeadSample(args[0], t))
     return out
