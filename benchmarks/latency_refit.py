@@ -44,6 +44,8 @@ def rows(rep: dict) -> list[tuple[str, dict]]:
     out = [(f"module {m}", s) for m, s in rep["per_module"].items()]
     out.append(("layer step: all", rep["per_layer_step"]))
     out += [(f"layer step: {k}", s) for k, s in rep["per_layer_step"]["by_kind"].items()]
+    if rep.get("per_layer_step_in_pass"):
+        out.append(("layer step: decode, in pass", rep["per_layer_step_in_pass"]))
     out.append(("iteration: all", rep["per_iteration"]))
     out += [(f"iteration: {k}", s) for k, s in rep["per_iteration"]["by_kind"].items()]
     sd = rep.get("per_small_decode_iteration")

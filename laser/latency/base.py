@@ -83,7 +83,20 @@ class StepOverheadSample:
     seconds: float
 
 
-Sample = StatelessSample | AttentionSample | EmbedSample | HeadSample | LayerSample | StepOverheadSample
+@dataclass(frozen=True, slots=True)
+class DecodeStepSample:
+    """A whole decode step at full depth: one new token for each of ``len(context_lens)`` requests
+    (``context_lens`` include it) through every layer, embedded and sampled. ``seconds``: the compute
+    the runner times itself (``StepResult.compute_seconds``: the layer calls, the embedding and the
+    LM head; not the step's overhead, a :class:`StepOverheadSample`). Prices decode layers as they
+    run inside a step, where they cost less than the same layer call timed alone."""
+
+    context_lens: tuple[int, ...]
+    seconds: float
+
+
+Sample = (StatelessSample | AttentionSample | EmbedSample | HeadSample | LayerSample | StepOverheadSample
+          | DecodeStepSample)
 
 
 def check_batch(q: Sequence[int], c: Sequence[int]) -> None:
@@ -102,8 +115,9 @@ def check_seconds(s: float) -> None:
 
 
 # Sample kinds as named in profile files.
-SAMPLE_TYPES = (StatelessSample, AttentionSample, EmbedSample, HeadSample, LayerSample, StepOverheadSample)
-SAMPLE_KINDS = ("stateless", "attention", "embed", "head", "layer", "step_overhead")
+SAMPLE_TYPES = (StatelessSample, AttentionSample, EmbedSample, HeadSample, LayerSample, StepOverheadSample,
+                DecodeStepSample)
+SAMPLE_KINDS = ("stateless", "attention", "embed", "head", "layer", "step_overhead", "decode_step")
 TYPE_KIND = dict(zip(SAMPLE_TYPES, SAMPLE_KINDS))
 KIND_TYPE = dict(zip(SAMPLE_KINDS, SAMPLE_TYPES))
 
@@ -119,9 +133,12 @@ class LatencyModel:
     ``embed_time``, ``head_time`` and the attributes ``num_layers`` (layers of the
     model) and ``layer_overhead_s`` (fixed cost of one layer call). Everything else is
     derived here. Predictions are never negative, and non-decreasing in token counts and
-    context lengths, with two measured exceptions in :class:`FittedLatencyModel`: the LM
-    head at the smallest row counts, and decode attention where a longer context makes
-    the runner split a decode batch into less padded groups. Inputs are not validated on the hot path: query and
+    context lengths, with three measured exceptions in :class:`FittedLatencyModel`: the LM
+    head at the smallest row counts, decode attention where a longer context makes
+    the runner split a decode batch into less padded groups, and a causal prefill chunk just past
+    a query length where the flash kernel's query block grows (``features.CAUSAL_Q_TILES``:
+    192 tokens ran 1.4 ms against 2.3 ms for 191, 768 16.2 ms against 18.0 for 767, bf16 SmolLM2 on
+    an AVX512 EPYC). Inputs are not validated on the hot path: query and
     context lengths must satisfy ``1 <= q <= c``.
     """
 
@@ -245,7 +262,8 @@ class LatencyModel:
         """Largest chunk ``k <= limit`` (tokens, after ``context_start`` cached tokens)
         such that ``layers`` layer calls of the batch ``query_lens + (k,)`` take at most
         ``budget_s``; 0 if not even one token fits. Binary search (predictions are
-        monotone). Embedding and LM head are not included."""
+        monotone; where they are not, the chunk found fits the budget but may not be the largest
+        that does). Embedding and LM head are not included."""
         base_q, base_c = tuple(query_lens), tuple(context_lens)
 
         def cost(k: int) -> float:

@@ -37,6 +37,14 @@ DEFAULT_MAX_GATHER_BYTES = 16 << 20
 #   c_const   1 if so
 #   c_tokens  q
 #   c_square  q²                   (causal score matrix, the lower triangle)
+#   c_sq32 / c_sq64 / c_sq256      q² again, in the one of three features that names the query block
+#                                  torch's CPU flash attention tiles it with (32 rows below q = 192, 64
+#                                  below 768, 256 from 768: ``CAUSAL_Q_TILES``): the cost of a score
+#                                  falls as the blocks grow (measured on an AVX512 EPYC, bf16
+#                                  SmolLM2, one thread: ~3.7e-5 ms per q² at 256-420 tokens, 2.4e-5
+#                                  at 1024, 1.9e-5 at 2048; one quadratic put 283-610-token chunks
+#                                  14-24 % under). The kernel is faster just past an edge (192
+#                                  tokens 1.4 ms, 191 2.3 ms), and so is the price: not monotone there
 # Otherwise all prefill entries run one masked, padded group (B_p entries):
 #   m_const   1 if so
 #   m_tokens  Σq                   (paper's α·n)
@@ -49,7 +57,10 @@ DEFAULT_MAX_GATHER_BYTES = 16 << 20
 # which sets are candidates is the fit's ``form``).
 
 ATTENTION_FEATURES = ("d_groups", "d_seqs", "d_ctx", "d_pad", "d_pad2", "c_const", "c_tokens", "c_square",
-                      "m_const", "m_tokens", "m_ctx", "m_pad")
+                      "m_const", "m_tokens", "m_ctx", "m_pad", "c_sq32", "c_sq64", "c_sq256")
+# Query lengths at which torch's CPU flash attention (``scaled_dot_product_attention``; aten's
+# cpu FlashAttentionKernel) switches its query block from 32 to 64 and from 64 to 256 rows.
+CAUSAL_Q_TILES = (192, 768)
 _PREFILL_KERNEL = ("c_const", "c_tokens", "c_square", "m_const", "m_tokens", "m_ctx", "m_pad")
 ATTENTION_FEATURE_SETS = {
     # decode entries priced by the padded gather the runner does (each group reads and attends
@@ -61,7 +72,10 @@ ATTENTION_FEATURE_SETS = {
     "kernel": ("d_groups", "d_seqs", "d_ctx", "d_pad", *_PREFILL_KERNEL),
     # "kernel" with the decode gather's cost per position growing with the group's gather (d_pad2)
     "convex": ("d_groups", "d_seqs", "d_pad", "d_pad2", *_PREFILL_KERNEL),
-    "full": ATTENTION_FEATURES,
+    # "convex" with the causal score matrix priced per query block size of the flash kernel
+    "tiled": ("d_groups", "d_seqs", "d_pad", "d_pad2", "c_const", "c_tokens", "c_sq32", "c_sq64", "c_sq256",
+              "m_const", "m_tokens", "m_ctx", "m_pad"),
+    "full": ATTENTION_FEATURES[:12],  # (every feature but the causal tiles: c_square holds their sum)
 }
 N_DECODE_FEATURES = 5
 
@@ -160,9 +174,17 @@ def attention_features(query_lens: Sequence[int], context_lens: Sequence[int],
     f = [float(len(groups)), float(len(dc)), float(sum(dc)), float(sum(k * m for k, m in groups)),
          float(sum((k * m) ** 2 for k, m in groups))]
     if len(pq) == 1 and pq[0] == pc[0]:  # the causal fast path
-        f += [1.0, float(pq[0]), float(pq[0]) ** 2, 0.0, 0.0, 0.0, 0.0]
+        q2 = float(pq[0]) ** 2
+        f += [1.0, float(pq[0]), q2, 0.0, 0.0, 0.0, 0.0, *causal_tiles(pq[0], q2)]
     elif pq:
-        f += [0.0, 0.0, 0.0, 1.0, float(sum(pq)), float(sum(pc)), float(len(pq) * max(pq) * max(pc))]
+        f += [0.0, 0.0, 0.0, 1.0, float(sum(pq)), float(sum(pc)), float(len(pq) * max(pq) * max(pc)), 0.0, 0.0, 0.0]
     else:
-        f += [0.0] * 7
+        f += [0.0] * 10
     return tuple(f)
+
+
+def causal_tiles(q: int, value: float) -> tuple[float, float, float]:
+    """``(c_sq32, c_sq64, c_sq256)`` of a causal chunk of ``q`` tokens: ``value`` (its q²) in the
+    slot of the query block the flash kernel tiles ``q`` with (:data:`CAUSAL_Q_TILES`), 0 elsewhere."""
+    lo, hi = CAUSAL_Q_TILES
+    return (value, 0.0, 0.0) if q < lo else ((0.0, value, 0.0) if q < hi else (0.0, 0.0, value))

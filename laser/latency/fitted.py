@@ -180,6 +180,11 @@ class FittedLatencyModel(LatencyModel):
     step_overhead_s: float = 0.0
     compose_overhead_s: float = 0.0
     compose_work_s: float = 0.0
+    # A decode layer call (every entry one token) inside a whole step: its stateless modules and per-call
+    # overhead cost decode_step_scale of the same call timed alone, its attention decode_step_attention_scale
+    # (fitted from DecodeStepSamples by forms with "instep"; 1.0: priced as timed alone).
+    decode_step_scale: float = 1.0
+    decode_step_attention_scale: float = 1.0
     # Setup the profile was taken on: model_id, dtype, hardware, threads, created, laser_version, ...
     metadata: dict = field(default_factory=dict)
     # Fit diagnostics: chosen widths / feature set, CV and in-sample relative errors.
@@ -201,11 +206,17 @@ class FittedLatencyModel(LatencyModel):
         return self.head(n_rows)
 
     def layer_time(self, query_lens, context_lens) -> float:
-        """``stateless(n) + layer_attention_scale · attention(q, c) + layer_overhead_s``; 0 if empty."""
+        """``stateless(n) + layer_attention_scale · attention(q, c) + layer_overhead_s``; when every
+        entry is one decode token, as the call runs inside a step: the stateless part and overhead
+        times ``decode_step_scale``, attention times ``decode_step_attention_scale``. 0 if empty."""
         if not query_lens:
             return 0.0
-        return (self.stateless(sum(query_lens)) + self.layer_attention_scale * self.attention(query_lens, context_lens)
-                + self.layer_overhead_s)
+        n = sum(query_lens)
+        at = self.layer_attention_scale * self.attention(query_lens, context_lens)
+        if n == len(query_lens):
+            return ((self.stateless(n) + self.layer_overhead_s) * self.decode_step_scale
+                    + at * self.decode_step_attention_scale)
+        return self.stateless(n) + at + self.layer_overhead_s
 
     # -- fitting (imports numpy/scipy: only who fits pays for them) --------------------
     @classmethod
@@ -246,6 +257,8 @@ class FittedLatencyModel(LatencyModel):
                 "step_overhead_s": self.step_overhead_s,
                 "compose_overhead_s": self.compose_overhead_s,
                 "compose_work_s": self.compose_work_s,
+                "decode_step_scale": self.decode_step_scale,
+                "decode_step_attention_scale": self.decode_step_attention_scale,
             },
             "report": self.report,
             "samples": encode_samples(self.samples),
@@ -277,6 +290,8 @@ class FittedLatencyModel(LatencyModel):
                 step_overhead_s=float(m.get("step_overhead_s", 0.0)),  # (absent before issue 26: 0, not measured)
                 compose_overhead_s=float(m.get("compose_overhead_s", 0.0)),
                 compose_work_s=float(m.get("compose_work_s", 0.0)),
+                decode_step_scale=float(m.get("decode_step_scale", 1.0)),  # (absent before profiler 10: 1)
+                decode_step_attention_scale=float(m.get("decode_step_attention_scale", 1.0)),
                 metadata={k: v for k, v in meta.items() if k != "num_layers"},
                 report=dict(d.get("report", {})),
                 samples=samples,
@@ -296,8 +311,10 @@ class FittedLatencyModel(LatencyModel):
             raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
         if not (math.isfinite(self.layer_overhead_s) and self.layer_overhead_s >= 0):
             raise ValueError(f"layer_overhead_s must be finite and >= 0, got {self.layer_overhead_s}")
-        if not (math.isfinite(self.layer_attention_scale) and self.layer_attention_scale > 0):
-            raise ValueError(f"layer_attention_scale must be finite and > 0, got {self.layer_attention_scale}")
+        for name in ("layer_attention_scale", "decode_step_scale", "decode_step_attention_scale"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be finite and > 0, got {v}")
         for name in ("mask_row_s", "step_overhead_s", "compose_overhead_s", "compose_work_s"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):

@@ -9,7 +9,9 @@ predicting with a fitted model never imports this module, numpy or scipy.
   :mod:`laser.latency.features`) chosen by cross-validation (:func:`_fit_attention`);
 * whole layers: a per-call overhead and a scale on attention (:func:`_fit_layer_composition`);
 * whole steps (forms with ``step``): what a step costs beyond its layers, embedding and head, per
-  step, per batch composition and per composed work (:func:`_fit_step_overhead`).
+  step, per batch composition and per composed work (:func:`~.fitting_steps.fit_step_overhead`);
+* whole decode steps (forms with ``instep``): a decode layer's price inside a step against the
+  same call timed alone (:func:`~.fitting_steps.fit_decode_step_scale`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from .base import (
     SAMPLE_TYPES,
     TYPE_KIND,
     AttentionSample,
+    DecodeStepSample,
     EmbedSample,
     HeadSample,
     LayerSample,
@@ -42,6 +45,7 @@ from .features import (
     kernel_rows_from_metadata,
 )
 from .fitted import AttentionModel, FittedLatencyModel, PiecewiseLinear
+from .fitting_steps import fit_whole_steps
 from .io import laser_version
 
 # Candidate segment widths (tokens) for the piecewise-linear stateless / head fits.
@@ -275,11 +279,23 @@ def _fit_attention_set(x: np.ndarray, y: np.ndarray, names: Sequence[str], scale
 #             over-predicted, docs/benchmarks.md); the profiler measures its samples either way.
 # ``edges``: the stateless and LM-head lines keep a segment edge where the matmul kernels switch
 #   (features.kernel_rows_from_metadata: int4 weights past 64 rows, int8 past 32 run a dense matmul).
-#   "convex" (the default): "padded", decode attention whose cost per position may grow with its
+#   "convex" (the default before "tiled"): "padded", decode attention whose cost per position may grow with its
 #             group's gather (``d_pad2``, set "convex") and the kernel edges; on the same samples of
 #             an AVX512 EPYC it beat "padded" per layer step (87.0 -> 89.5 %, 81.6 -> 85.9 % at 1 / 2
 #             threads) and per iteration (87.8 -> 90.4 %, 89.2 -> 91.3 %; docs/benchmarks.md, "the
 #             kernel edges and the convex gather"); "convex-step": with the step overhead (opt-in).
+#   "tiled" (the default before "tiled-instep-step"): "convex" with a causal chunk's scores priced per query block of the flash
+#             kernel (set "tiled", features.CAUSAL_Q_TILES); on the same samples, seven test sets of four
+#             profiles of the AVX512 EPYC at 1 and 2 threads: attention module +0.6 to +1.8 points, layer
+#             steps -0.1 to +0.5, iterations -0.1 to +0.1 (docs/benchmarks.md, "the noise floor").
+# ``instep``: decode layer calls priced as they run inside a whole step (``decode_step_scale`` on the
+#   stateless part, ``decode_step_attention_scale`` on attention, fitted from the profile's DecodeStepSamples:
+#   fitting_steps.fit_decode_step_scale; 1.0 without them).
+#   "tiled-instep": "tiled" with it; "tiled-instep-step" (the default): and the step overhead, which the
+#             DecodeStepSamples leave out (their compute is the step's wall time less it). On the same
+#             samples of two fresh profiles of the AVX512 EPYC (docs/benchmarks.md, "decode layers priced
+#             in a step"), against "tiled": iterations 91.7 -> 93.5 % at 1 thread, 90.2 -> 91.1 % at 2 (decode
+#             iterations +12.6 -> +4.8 %, +6.4 -> -0.5 % bias); layer steps +0.1 / -0.1 points.
 FORMS = {
     "paper": {"sets": ("linear", "kernel"), "small_counts": SMALL_COUNT_EXACT, "step": False},
     "padded": {"sets": ("padded", "linear", "kernel"), "small_counts": SMALL_COUNT_EXACT, "step": False},
@@ -289,8 +305,14 @@ FORMS = {
                "step": False, "edges": True},
     "convex-step": {"sets": ("padded", "linear", "convex", "kernel", "full"), "small_counts": SMALL_COUNT_EXACT,
                     "step": True, "edges": True},
+    "tiled": {"sets": ("padded", "linear", "tiled", "kernel", "full"), "small_counts": SMALL_COUNT_EXACT,
+              "step": False, "edges": True},
+    "tiled-instep": {"sets": ("padded", "linear", "tiled", "kernel", "full"), "small_counts": SMALL_COUNT_EXACT,
+                     "step": False, "edges": True, "instep": True},
+    "tiled-instep-step": {"sets": ("padded", "linear", "tiled", "kernel", "full"),
+                          "small_counts": SMALL_COUNT_EXACT, "step": True, "edges": True, "instep": True},
 }
-DEFAULT_FORM = "convex"
+DEFAULT_FORM = "tiled-instep-step"
 
 
 def _fit_attention(samples: Sequence[AttentionSample], folds: int, max_positions: int = 0,
@@ -345,8 +367,9 @@ def fit(samples: Iterable[Sample], *, num_layers: int, metadata: dict | None = N
     by CV among the candidates of ``form`` (see :data:`FORMS`), decode entries grouped as the runner splits them (``max_gather_positions``;
     ``None``: from ``metadata``, see :func:`gather_positions_from_metadata`), errors
     relative to the whole layer call (attention + stateless, see :func:`_fit_attention`).
-    Embedding: a line. Step overhead (forms with ``step``): :func:`_fit_step_overhead` of the
-    :class:`StepOverheadSample` s (0.0 without them). Whole-layer composition (per-call overhead and a scale on
+    Embedding: a line. Step overhead (forms with ``step``) and decode layers inside a step (forms with
+    ``instep``): :func:`~.fitting_steps.fit_whole_steps` of the :class:`StepOverheadSample` s and
+    :class:`DecodeStepSample` s (0.0 and 1.0 without them). Whole-layer composition (per-call overhead and a scale on
     attention): from :class:`LayerSample` s, see :func:`_fit_layer_composition` (0 and 1
     without them). All fits minimise relative error and keep coefficients non-negative.
     Missing sample kinds predict 0 (see ``report["missing"]``). ``metadata`` is stored as
@@ -380,7 +403,10 @@ def fit(samples: Iterable[Sample], *, num_layers: int, metadata: dict | None = N
     layer = kinds[LayerSample]
     overhead, scale = _fit_layer_composition(layer, stateless, attention)
     steps = kinds[StepOverheadSample] if FORMS[form]["step"] else []
-    step_terms = _fit_step_overhead(steps)
+    dsteps = kinds[DecodeStepSample] if FORMS[form].get("instep") else []
+    step_terms, dscale, step_rep = fit_whole_steps(
+        steps, dsteps, num_layers, lambda b: stateless(b) + overhead, lambda c: scale * attention((1,) * len(c), c),
+        embed, head)
 
     def in_sample(f, xs, ys):
         return _rel_err(np.array([f(x) for x in xs]), np.array(ys)) if xs else None
@@ -394,10 +420,7 @@ def fit(samples: Iterable[Sample], *, num_layers: int, metadata: dict | None = N
         "missing": [TYPE_KIND[t] for t in (StatelessSample, AttentionSample, EmbedSample, HeadSample) if not kinds[t]],
         "form": form,
     }
-    if steps:
-        pred = [step_terms[0] + step_terms[1] * s.compositions + step_terms[2] * s.composed_works for s in steps]
-        report["step_overhead"] = {"step_s": step_terms[0], "compose_s": step_terms[1], "compose_work_s": step_terms[2],
-                                   "error": _rel_err(np.array(pred), np.array([s.seconds for s in steps]))}
+    report.update(step_rep)
     if layer:
         model_layer = [stateless(sum(s.query_lens)) + scale * attention(s.query_lens, s.context_lens) + overhead
                        for s in layer]
@@ -409,7 +432,9 @@ def fit(samples: Iterable[Sample], *, num_layers: int, metadata: dict | None = N
     return FittedLatencyModel(num_layers=num_layers, stateless=stateless, attention=attention, embed=embed,
                               head=head, layer_overhead_s=overhead, layer_attention_scale=scale,
                               step_overhead_s=step_terms[0], compose_overhead_s=step_terms[1],
-                              compose_work_s=step_terms[2], metadata=meta, report=report, samples=samples)
+                              compose_work_s=step_terms[2], decode_step_scale=dscale[0],
+                              decode_step_attention_scale=dscale[1], metadata=meta, report=report,
+                              samples=samples)
 
 
 def _by_kind(samples: Sequence[Sample]) -> dict[type, list]:
@@ -422,6 +447,8 @@ def _by_kind(samples: Sequence[Sample]) -> dict[type, list]:
         check_seconds(s.seconds)
         if isinstance(s, (AttentionSample, LayerSample)):
             check_batch(s.query_lens, s.context_lens)
+        elif isinstance(s, DecodeStepSample):
+            check_batch((1,) * len(s.context_lens), s.context_lens)
         elif isinstance(s, StepOverheadSample):
             if s.compositions < 1 or s.composed_works < s.compositions:
                 raise ValueError(f"need 1 <= compositions <= composed_works: {s!r}")
@@ -455,22 +482,3 @@ def _fit_layer_composition(layer: Sequence["LayerSample"], stateless, attention)
         a = min(1.5, max(1.0, a))
         o = max(0.0, float(np.median(y - st - a * at)))
     return float(o), float(a)
-
-
-def _fit_step_overhead(samples: Sequence[StepOverheadSample]) -> tuple[float, float, float]:
-    """``(per step, per composition, per composed work)`` seconds such that a step's overhead is
-    ``a + b · compositions + c · composed_works``: NNLS in relative error over the samples when
-    they span at least three distinct ``(compositions, composed_works)`` shapes, else their median
-    as ``a`` alone; ``(0, 0, 0)`` without samples. (The same decomposition as vLLM's
-    per-step input preparation, which grows with the batch it prepares.)"""
-    if not samples:
-        return 0.0, 0.0, 0.0
-    y = np.array([s.seconds for s in samples])
-    if len({(s.compositions, s.composed_works) for s in samples}) < 3:
-        return float(np.median(y)), 0.0, 0.0
-    x = np.array([[1.0, s.compositions, s.composed_works] for s in samples])
-    w = 1.0 / y
-    scale = x.max(axis=0)
-    coef, _ = nnls(x / scale * w[:, None], y * w)
-    a, b, c = (float(v) for v in coef / scale)
-    return a, b, c

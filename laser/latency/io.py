@@ -14,8 +14,8 @@ import os
 import re
 from pathlib import Path
 
-from .base import (KIND_TYPE, TYPE_KIND, AttentionSample, LatencyProfileError, LayerSample, Sample, StepOverheadSample,
-                   check_batch, check_seconds)
+from .base import (KIND_TYPE, TYPE_KIND, AttentionSample, DecodeStepSample, LatencyProfileError, LayerSample, Sample,
+                   StepOverheadSample, check_batch, check_seconds)
 
 PROFILE_FORMAT = "laser-latency-profile"
 # Bump when the document's layout or the meaning of a coefficient changes: older files are
@@ -55,6 +55,7 @@ def check_document(d: object) -> None:
 def encode_samples(samples) -> dict[str, list]:
     """Samples as JSON lists, by kind: ``{"attention": [[q_lens, c_lens, seconds], ...],
     "stateless": [[n, seconds], ...], "step_overhead": [[compositions, composed_works, seconds], ...],
+    "decode_step": [[c_lens, seconds], ...],
     ...}`` (every kind present, maybe empty)."""
     by_kind: dict[str, list] = {k: [] for k in KIND_TYPE}
     for s in samples:
@@ -62,6 +63,8 @@ def encode_samples(samples) -> dict[str, list]:
             enc = [list(s.query_lens), list(s.context_lens), s.seconds]
         elif isinstance(s, StepOverheadSample):
             enc = [s.compositions, s.composed_works, s.seconds]
+        elif isinstance(s, DecodeStepSample):
+            enc = [list(s.context_lens), s.seconds]
         else:
             enc = [s.n_tokens if hasattr(s, "n_tokens") else s.n_rows, s.seconds]
         by_kind[TYPE_KIND[type(s)]].append(enc)
@@ -87,6 +90,10 @@ def _decode_sample(kind: str, enc: list) -> Sample:
         s = t(int(k), int(w), float(sec))
         if s.compositions < 1 or s.composed_works < s.compositions:
             raise ValueError(f"need 1 <= compositions <= composed_works: {s!r}")
+    elif t is DecodeStepSample:
+        c, sec = enc
+        s = t(tuple(int(v) for v in c), float(sec))
+        check_batch((1,) * len(s.context_lens), s.context_lens)
     else:
         n, sec = enc
         s = t(int(n), float(sec))

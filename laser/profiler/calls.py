@@ -10,7 +10,7 @@ so a change of the layer kernel is profiled as it is:
 * **attention** ``(q, c)``: :meth:`LlamaModel.attend` (KV-cache write + attention
   kernel) on :class:`AttnMetadata` built by ``ModelRunner._build_metadata`` for fake works
   whose blocks are allocated in the block manager (and freed again);
-* **layer**: a whole :meth:`LlamaModel.forward_layer` call;
+* **layer**: a whole :meth:`LlamaModel.forward_layer` call; **layer pass**: every layer's, in order;
 * **embed** / **head**: what ``ModelRunner.join`` and ``_finish`` run (token-id tensor +
   embedding lookup; row gather + final norm + LM head + sampling).
 
@@ -106,6 +106,22 @@ class ExecutorCalls:
         hidden = self.randn(sum(query_lens), self.cfg.hidden_size)
         m = self.model
         return lambda: m.forward_layer(self.next_layer(), hidden, meta)
+
+    def layer_pass_call(self, query_lens, context_lens) -> Callable[[], object]:
+        """Every layer's ``forward_layer`` in order, each on the previous one's output: the layer
+        calls of a step at full depth (no embedding, LM head or batch composition), where a
+        decode layer costs less than the same call timed alone."""
+        meta = self.metadata(query_lens, context_lens)
+        hidden = self.randn(sum(query_lens), self.cfg.hidden_size)
+        m, n = self.model, self.num_layers
+
+        def run():
+            h = hidden
+            for i in range(n):
+                h = m.forward_layer(i, h, meta)
+            return h
+
+        return run
 
     def embed_call(self, n: int) -> Callable[[], object]:
         """Token ids (a Python list, as the runner collects them) -> tensor -> embedding."""

@@ -59,6 +59,10 @@ def register(subparsers) -> None:
                    help="write the accuracy report as JSON (with --evaluate; default: not written)")
     p.add_argument("--policies", default="vllm,sarathi,laser",
                    help="comma list of policies whose plans --evaluate times (default %(default)s)")
+    p.add_argument("--repeatability", action="store_true",
+                   help="with --evaluate (a profile measured now): time every held-out case twice and report how "
+                        "well the two agree, the ceiling the machine's timing noise puts on the accuracy (the test "
+                        "set's timing doubles: raise --eval-budget)")
     p.add_argument("--eval-budget", type=positive_float, default=100.0,
                    help="seconds of timing after which --evaluate stops repeating measurements (default 100)")
     p.add_argument("--quick", action="store_true",
@@ -119,6 +123,10 @@ def summary_lines(lm) -> list[str]:
         out.append(f"  step overhead (beyond layers, embedding, head): {so['step_s'] * 1e6:.0f} us per step + "
                    f"{so['compose_s'] * 1e6:.0f} us per batch composition + {so['compose_work_s'] * 1e6:.0f} us per "
                    f"composed work (fit error {100 * so['error']:.1f}%)")
+    if "decode_step" in rep:
+        ds = rep["decode_step"]
+        out.append(f"  decode layers inside a step: stateless x{ds['scale']:.3f}, attention x{ds['attention_scale']:.3f} "
+                   f"of the call timed alone ({ds['n']} whole decode steps, fit error {100 * ds['error']:.1f}%)")
     if lm.mask_row_s:
         out.append(f"  grammar mask (structured output): {lm.mask_row_s * 1e3:.3f} ms per sampled row")
     out.append("  predicted (one layer / whole iteration):")
@@ -169,9 +177,11 @@ def _flag_error(args, explicit) -> bool:
               "become the default one)",
               file=sys.stderr)
         return True
-    if args.json and not args.evaluate:
-        print("laser: error: --json needs --evaluate", file=sys.stderr)
-        return True
+    for flag, on in (("--json", args.json), ("--repeatability", args.repeatability)):
+        if on and (not args.evaluate or (flag == "--repeatability" and args.reuse)):
+            print(f"laser: error: {flag} needs --evaluate" + (" on a profile measured now (not --reuse)"
+                                                           if args.reuse and args.evaluate else ""), file=sys.stderr)
+            return True
     for flag, target in (("--json", args.json), ("--output", explicit)):
         problem = _unwritable(target)
         if problem:
@@ -206,7 +216,8 @@ def _measure_or_load(args, engine, explicit, path, policies, ev, progress):
           file=sys.stderr)
     if args.evaluate:
         lm, rep = profiler.profile_and_evaluate(engine, grid=grid, policies=policies, progress=progress,
-                                                budget_s=args.budget + args.eval_budget, **ev)
+                                                budget_s=args.budget + args.eval_budget,
+                                                repeatability=args.repeatability, **ev)
     else:
         lm = profiler.profile(engine, None, progress=progress, budget_s=args.budget, grid=grid)
     prof_s = time.perf_counter() - t1

@@ -101,6 +101,7 @@ class EvalSet:
     batches: list  # (kind, query_lens, context_lens) of the layer steps
     snaps: list  # PlanSnapshot of the iterations
     small: list  # PlanSnapshot of the small-batch decode iterations
+    num_layers: int = 1  # layers of the model (a "layer_pass" case runs them all)
 
 
 def _eval_set(runner: ModelRunner, calls: ExecutorCalls, planning_lm: LatencyModel, *, policies: Sequence[str],
@@ -122,6 +123,8 @@ def _eval_set(runner: ModelRunner, calls: ExecutorCalls, planning_lm: LatencyMod
     cases: list[Case] = []
     for k, (kind, q, c) in enumerate(batches):
         cases.append(Case(("layer", k), calls.layer_call(q, c)))
+        if kind == "decode":  # and as its layers run in a step (prefill layers cost the same either way)
+            cases.append(Case(("layer_pass", k), calls.layer_pass_call(q, c)))
         cases.append(Case(("stateless", k), calls.stateless_call(sum(q))))
         cases.append(Case(("attention", k), calls.attention_call(q, c)))
     for n in sorted({int(x) for x in rng.integers(1, min(max_tokens, pool) + 1, 6)}):
@@ -134,17 +137,17 @@ def _eval_set(runner: ModelRunner, calls: ExecutorCalls, planning_lm: LatencyMod
                                    max_context=min(512, cfg.max_position))
     for k, s in enumerate(small):
         cases.append(Case(("small_decode", k), PlanReplay(runner, s, gen)))
-    return EvalSet(cases, batches, snaps, small)
+    return EvalSet(cases, batches, snaps, small, runner.num_layers)
 
 
 def _eval_report(obj, es: EvalSet, lm: LatencyModel, tol: float, method: str, bench: Bench) -> dict:
     res: dict[str, list] = {k: [] for k in CASE_KINDS}
     for cs in es.cases:
         kind, k = cs.key
-        if kind in ("layer", "stateless", "attention"):
+        if kind in LAYER_KINDS:
             bkind, q, c = es.batches[k]
             rec = {"kind": bkind, "batch": len(q), "tokens": sum(q), "sum_context": sum(c), "max_context": max(c),
-                   "query_lens": list(q), "context_lens": list(c)}
+                   "query_lens": list(q), "context_lens": list(c), "num_layers": es.num_layers}
         elif kind == "embed":
             rec = {"tokens": k}
         elif kind == "head":
@@ -201,7 +204,9 @@ def evaluate(obj, lm: LatencyModel, *, policies: Sequence[str] = ("vllm", "sarat
     """Accuracy of ``lm`` on held-out measurements of ``obj`` (an idle Engine or ModelRunner).
 
     * per module: stateless, attention, embedding and LM head on random held-out sizes;
-    * per layer step: whole ``forward_layer`` calls on random batches vs ``predict_layer``;
+    * per layer step: whole ``forward_layer`` calls on random batches vs ``predict_layer``; the
+      decode batches also as every layer of the model in a pass (as they run in a step: one call
+      chains them all), against ``num_layers`` x ``predict_layer``;
     * per iteration: plans of every policy's scheduler (planned with ``lm``) on synthetic
       request streams, ``ModelRunner.execute(plan)`` end to end vs ``predict_iteration(plan)``;
     * per small-batch decode iteration, reported apart: ``num_small_decode`` random decode
@@ -229,7 +234,8 @@ def profile_and_evaluate(obj, *, grid: ProfileGrid | None = None, policies: Sequ
                          num_layer_steps: int = 45, plans_per_policy: int = 10, progress: bool | None = None,
                          seed: int = 0, budget_s: float = 140.0, max_tokens: int = 2048, max_batch: int = 64,
                          num_requests: int = 24, planning_lm: LatencyModel | None = None,
-                         threads: int | None = None, num_small_decode: int = 12) -> tuple[FittedLatencyModel, dict]:
+                         threads: int | None = None, num_small_decode: int = 12,
+                         repeatability: bool = False) -> tuple[FittedLatencyModel, dict]:
     """Profile and measure a held-out test set *in the same interleaved rounds*, then fit on
     the profile samples and score the test set (see :func:`evaluate`).
 
@@ -237,6 +243,9 @@ def profile_and_evaluate(obj, *, grid: ProfileGrid | None = None, policies: Sequ
     (other tenants, clock speed, allocator state drift over minutes on a shared host), so
     the report measures the latency model, not the drift. The schedulers plan the test
     iterations with ``planning_lm`` (default: a quick one-round profile on a small grid).
+    ``repeatability``: every held-out case is timed a second time, as its own case in the same
+    rounds, and ``report["repeatability"]`` says how well the two timings agree
+    (:func:`repeatability_report`): the ceiling these timings put on any model's accuracy.
     """
     runner = runner_of(obj)
     grid = grid or default_grid(runner)
@@ -253,7 +262,8 @@ def profile_and_evaluate(obj, *, grid: ProfileGrid | None = None, policies: Sequ
                        num_requests=num_requests, num_small_decode=num_small_decode)
         bench = Bench(grid.min_rounds, grid.max_rounds, grid.tol, budget_s=budget_s, seed=seed)
         setup_s = time.perf_counter() - t0
-        run_bench(pcases + es.cases, bench, calls, grid.warmup_s, "profiling + evaluating", progress)
+        twins = [Case(("twin", *c.key), c.run) for c in es.cases] if repeatability else []
+        run_bench(pcases + es.cases + twins, bench, calls, grid.warmup_s, "profiling + evaluating", progress)
     runner.bm.check_integrity(expect_empty=True)
     stats: dict = {}
     model = fit_profile(obj, samples_from_cases(pcases, grid.tol, bench, stats), stats, time.perf_counter() - t0, threads)
@@ -262,17 +272,52 @@ def profile_and_evaluate(obj, *, grid: ProfileGrid | None = None, policies: Sequ
                        _METHOD.format(lo=grid.min_rounds, hi=grid.max_rounds, tol=100 * grid.tol), bench)
     rep["measurement"]["interleaved_with_profile"] = True
     rep["measurement"]["setup_seconds"] = round(setup_s, 1)
+    if twins:
+        rep["repeatability"] = repeatability_report(es, twins)
     return model, rep
 
 
-CASE_KINDS = ("layer", "stateless", "attention", "embed", "head", "iteration", "small_decode")
+def repeatability_report(es: EvalSet, twins: Sequence[Case]) -> dict:
+    """How well two timings of the same held-out cases agree: ``twins[k]`` re-times
+    ``es.cases[k]`` in the same rounds. Per group of :func:`score` (modules; layer steps and
+    iterations, all and by kind; small decode iterations), the mean of ``accuracy(a, b)`` and
+    ``accuracy(b, a)`` over the pairs of estimates. A model predicting each case's typical time
+    exactly scores about ``1 - (1 - agreement) / sqrt(2)`` against one timing (independent
+    noise on each), so an agreement of 0.90 caps the expected accuracy near 0.93."""
+    groups: dict[str, list[float]] = {}
+    names = {"layer": "layer step", "layer_pass": "layer step in a pass", "iteration": "iteration",
+             "small_decode": "small decode it."}
+    for cs, tw in zip(es.cases, twins):
+        kind, k = cs.key
+        a, b = cs.estimate(), tw.estimate()
+        agree = 0.5 * (accuracy(a, b) + accuracy(b, a))
+        if kind in LAYER_KINDS:
+            sub = es.batches[k][0]
+        elif kind in ("iteration", "small_decode"):
+            s = (es.snaps if kind == "iteration" else es.small)[k]
+            sub = plan_kind(s.plan, s.plan.num_layers)
+        else:
+            sub = None
+        name = names.get(kind, f"module {kind}")
+        groups.setdefault(name, []).append(agree)
+        if sub and kind in ("layer", "iteration"):
+            groups.setdefault(f"{name}: {sub}", []).append(agree)
+    return {g: {"n": len(v), "agreement": float(np.mean(v))} for g, v in sorted(groups.items())}
+
+
+CASE_KINDS = ("layer", "layer_pass", "stateless", "attention", "embed", "head", "iteration", "small_decode")
+# Cases of a held-out layer batch: a layer call alone, the call's layers in a pass (decode batches: every
+# layer in order, as in a step; its time is the pass's), its stateless part, its attention.
+LAYER_KINDS = ("layer", "layer_pass", "stateless", "attention")
 
 
 def _case_prediction(lm: LatencyModel, kind: str, rec: dict) -> float:
-    if kind in ("layer", "stateless", "attention"):
+    if kind in LAYER_KINDS:
         q, c = tuple(rec["query_lens"]), tuple(rec["context_lens"])
         if kind == "layer":
             return lm.layer_time(q, c)
+        if kind == "layer_pass":
+            return rec["num_layers"] * lm.layer_time(q, c)
         return lm.stateless_time(sum(q)) if kind == "stateless" else lm.attention_time(q, c)
     if kind == "embed":
         return lm.embed_time(rec["tokens"])
@@ -314,6 +359,8 @@ def score(report: dict, lm: LatencyModel) -> dict:
                        "layer_overhead_s": getattr(lm, "layer_overhead_s", 0.0)}
     report["per_module"] = {m: summ(res.get(m, [])) for m in ("stateless", "attention", "embed", "head")}
     report["per_layer_step"] = {**summ(res.get("layer", [])), "by_kind": by(res.get("layer", []), "kind")}
+    if res.get("layer_pass"):  # (reports before issue 26 item 3's in-step pricing have none)
+        report["per_layer_step_in_pass"] = summ(res["layer_pass"])
     its = res.get("iteration", [])
     report["per_iteration"] = {**summ(its), "by_policy": by(its, "policy"), "by_kind": by(its, "kind")}
     small = res.get("small_decode", [])
@@ -345,6 +392,8 @@ def format_report(rep: dict, warn_busy: bool = True) -> str:
     lines.append(row("all", rep["per_layer_step"]))
     for k, s in rep["per_layer_step"]["by_kind"].items():
         lines.append(row("  " + k, s))
+    if rep.get("per_layer_step_in_pass"):
+        lines.append(row("  decode, in a pass", rep["per_layer_step_in_pass"]))
     lines.append(" per iteration")
     lines.append(row("all", rep["per_iteration"]))
     for k, s in rep["per_iteration"]["by_policy"].items():
@@ -366,6 +415,11 @@ def format_report(rep: dict, warn_busy: bool = True) -> str:
                  f"two fastest repeats {100 * ms.get('two_fastest_spread', 0):.1f}% apart, the median (the "
                  f"time used) {100 * (ms.get('estimate_over_best', 1.0) - 1):.0f}% above them"
                  + (" (ran out of time)" if ms["out_of_time"] else ""))
+    rp = rep.get("repeatability")
+    if rp:
+        lines.append(" repeatability: each held-out case timed twice in the same rounds; mean agreement of the two "
+                     "(a model scores about 1 - (1 - agreement) / 1.41 at best)")
+        lines += [f"  {g:<22} {pct(v['agreement'])}          {v['n']:4d}" for g, v in rp.items()]
     if warn_busy and ms.get("disturbed_fraction", 0) > 0.1:
         lines.append(f" warning: {100 * ms['disturbed_fraction']:.0f}% of timed calls ran while the machine was slower "
                      "(another process competing for memory bandwidth or cores); figures may be off -- re-run on a "

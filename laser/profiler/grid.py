@@ -63,6 +63,8 @@ class ProfileGrid:
         embed = sorted({n for n in (1, 8, 64, 256, 1024, max_tokens) if n <= max_tokens})
         steps = _step_shapes(_Points(np.random.default_rng(seed + 1), max(1, min(512, max_context, pool_tokens)),
                                      pool_tokens, block_size), max_tokens, max_batch)
+        steps += _decode_step_shapes(_Points(np.random.default_rng(seed + 2), max(1, min(max_context, pool_tokens)),
+                                             pool_tokens, block_size), max_batch)
         return cls(sorted(st), attn, layer, embed, head, step_shapes=steps)
 
     @classmethod
@@ -158,6 +160,10 @@ def _stateless_counts(rng, max_tokens: int):
     return st
 
 
+#: Causal chunk lengths sampled besides the powers of two (see _attention_batches).
+CAUSAL_GRID = (96, 160, 191, 192, 224, 320, 384, 448, 576, 640, 704, 767, 768, 832, 896, 1280, 1536, 1792)
+
+
 def _attention_batches(pts: _Points, small: tuple, max_tokens: int, max_batch: int):
     """Attention batches (query lens, context lens) of the grid."""
     rng, ctx_cap, clip_batch, decode = pts.rng, pts.ctx_cap, pts.clip_batch, pts.decode
@@ -184,6 +190,12 @@ def _attention_batches(pts: _Points, small: tuple, max_tokens: int, max_batch: i
         for cached in (0, q // 2, 2 * q):
             c = min(q + cached, ctx_cap)
             attn.append(clip_batch([min(q, c)], [c]))
+    # causal chunks (no cached context) on both sides of where the flash kernel's query block
+    # grows (latency.features.CAUSAL_Q_TILES: 192, 768) and between: the price per score falls
+    # with the block, which the powers of two above do not resolve
+    for q in CAUSAL_GRID:
+        if q <= min(max_tokens, ctx_cap):
+            attn.append(clip_batch([q], [q]))
     for _ in range(10):  # several prefill chunks in one batch
         k = int(rng.integers(2, 5))
         q = [int(x) for x in rng.integers(16, max(17, max_tokens // k), k)]
@@ -248,3 +260,13 @@ def _step_shapes(pts: _Points, max_tokens: int, max_batch: int) -> list:
                dec(4) + [(chunk, chunk, 0.0, 1.0)],  # a whole prefill chunk beside decode works
                dec(4) + [(chunk, 2 * chunk, 0.0, 0.5)]]  # a chunk paused at half depth
     return [s for s in shapes if len(s) <= max(2, max_batch) * 2]
+
+
+def _decode_step_shapes(pts: _Points, max_batch: int) -> list:
+    """More whole decode steps at full depth, spread over batch sizes and contexts like the decode
+    layer samples (up to ``max_batch``; contexts to the grid's cap, some skewed): their compute
+    prices decode layers as they run inside a step (``DecodeStepSample``)."""
+    batches = [pts.decode(b, mc) for b, mc in ((1, 1024), (3, 32), (6, 384), (12, 128), (12, 1024), (24, 384),
+                                                 (40, 64), (48, 1024), (64, 512)) if b <= max_batch]
+    batches += [pts.skewed(b, 0.3) for b in (8, 24, 32) if b <= max_batch]
+    return [[(1, c, 0.0, 1.0) for c in cs] for _, cs in batches]

@@ -242,11 +242,17 @@ def _spread(snaps: list[PlanSnapshot], keep: int, rng: random.Random) -> list[Pl
 class StepOverheadReplay:
     """A :class:`PlanReplay` that keeps, per call, what the step cost beyond the compute the runner
     times itself (wall time minus ``StepResult.compute_seconds``: batch compositions, joins, parks,
-    the walk): :attr:`overheads` (seconds), whose median is a ``StepOverheadSample``."""
+    the walk): :attr:`overheads` (seconds), whose median is a ``StepOverheadSample``. When the plan is a
+    decode step at full depth (:attr:`decode_contexts`), the case's time less that overhead is a
+    ``DecodeStepSample``: its compute (layer calls, embedding, LM head)."""
 
     def __init__(self, runner: ModelRunner, snap: PlanSnapshot, gen: torch.Generator):
         self.replay = PlanReplay(runner, snap, gen)
         self.overheads: list[float] = []
+        ws, n = snap.plan.works, snap.plan.num_layers
+        full_decode = all(w.num_tokens == 1 and w.layer_start == 0 and w.layer_end == n for w in ws)
+        #: context lengths of the plan's works when it is a decode step at full depth, else None
+        self.decode_contexts = tuple(w.context_len for w in ws) if ws and full_decode else None
 
     def __call__(self):
         t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""The "convex" form (the default): decode attention whose cost per position grows with the
+"""The "convex" form (the default before "tiled", which keeps it): decode attention whose cost per position grows with the
 group's gather, and stateless / LM-head lines that keep a segment edge where the kernels switch."""
 
 import json
@@ -15,8 +15,8 @@ from laser.latency import (
     attention_features,
     fit,
 )
-from laser.latency.features import decode_groups, kernel_rows_from_metadata
-from laser.latency.fitting import DEFAULT_FORM, _fit_count_function
+from laser.latency.features import ATTENTION_FEATURE_SETS, decode_groups, kernel_rows_from_metadata
+from laser.latency.fitting import DEFAULT_FORM, FORMS, _fit_count_function
 
 G = 43690  # SmolLM2 bf16: positions of one 16 MiB decode gather
 
@@ -53,8 +53,9 @@ def test_convex_form_prices_a_gather_that_outgrows_the_caches():
     rng = np.random.default_rng(5)
     samples = [AttentionSample(q, c, noisy(rng, convex_truth(q, c))) for q, c in decode_batches(rng, 120)]
     meta = {"max_gather_positions": G}
-    assert DEFAULT_FORM == "convex"
-    convex = fit(samples, num_layers=2, metadata=meta)
+    # the default ("tiled") keeps the convex decode terms
+    assert "tiled" in FORMS[DEFAULT_FORM]["sets"] and "d_pad2" in ATTENTION_FEATURE_SETS["tiled"]
+    convex = fit(samples, num_layers=2, metadata=meta, form="convex")
     padded = fit(samples, num_layers=2, metadata=meta, form="padded")
     assert convex.attention.feature_set in ("convex", "full"), convex.report["attention"]["cv_error"]
     held_out = decode_batches(np.random.default_rng(6), 40) + [((1,) * 64, (3000,) * 64), ((1,) * 2, (20, 30))]

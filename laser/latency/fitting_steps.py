@@ -1,0 +1,103 @@
+"""Fitting what whole steps show and single calls do not (numpy + scipy; imported by
+:mod:`laser.latency.fitting` only).
+
+* :func:`fit_step_overhead`: what a step costs beyond its layer calls, embedding and head
+  (:class:`StepOverheadSample`), per step, per batch composition and per composed work;
+* :func:`fit_decode_step_scale`: what a decode layer call costs inside a whole step against
+  the same call timed alone (:class:`DecodeStepSample`): measured on an AVX512 EPYC with
+  SmolLM2 (bf16), a decode layer inside a step cost 0.80-0.96 of the same call timed alone,
+  prefill layers the same either way (docs/benchmarks.md, "layers alone vs in a step").
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+from scipy.optimize import nnls
+
+from .base import DecodeStepSample, StepOverheadSample
+
+#: Bounds of the decode in-step scale: outside them the whole steps disagree with the layer
+#: samples by more than cache effects explain (a broken profile), and the bound is used.
+DECODE_STEP_SCALE_BOUNDS = (0.6, 1.2)
+#: Fewest whole decode steps a scale is fitted from (fewer: 1.0, layers priced as timed alone).
+MIN_DECODE_STEPS = 3
+
+
+def fit_step_overhead(samples: Sequence[StepOverheadSample]) -> tuple[float, float, float]:
+    """``(per step, per composition, per composed work)`` seconds such that a step's overhead is
+    ``a + b · compositions + c · composed_works``: NNLS in relative error over the samples when
+    they span at least three distinct ``(compositions, composed_works)`` shapes, else their median
+    as ``a`` alone; ``(0, 0, 0)`` without samples. (The same decomposition as vLLM's
+    per-step input preparation, which grows with the batch it prepares.)"""
+    if not samples:
+        return 0.0, 0.0, 0.0
+    y = np.array([s.seconds for s in samples])
+    if len({(s.compositions, s.composed_works) for s in samples}) < 3:
+        return float(np.median(y)), 0.0, 0.0
+    x = np.array([[1.0, s.compositions, s.composed_works] for s in samples])
+    w = 1.0 / y
+    scale = x.max(axis=0)
+    coef, _ = nnls(x / scale * w[:, None], y * w)
+    a, b, c = (float(v) for v in coef / scale)
+    return a, b, c
+
+
+def fit_decode_step_scale(samples: Sequence[DecodeStepSample], num_layers: int, stateless, attention, embed,
+                          head) -> tuple[float, float]:
+    """Factors ``(s_st, s_at)`` on a decode layer call's alone-timed parts that fit whole decode
+    steps: each step's compute ``y`` (layers + embedding + LM head) is modelled as
+    ``num_layers · (s_st · stateless(b) + s_at · attention(c)) + embed(b) + head(b)`` (``stateless``
+    a function of the batch ``b`` -- the stateless modules and the per-call overhead --, ``attention``
+    of the context lengths -- scaled as inside a layer --, ``embed`` / ``head`` of a count; seconds),
+    by NNLS in relative error. Measured, the discount is the weights' part: 0.82 on the stateless
+    modules, 1.0 on attention (SmolLM2 bf16, one thread of an AVX512 EPYC). One factor for both when
+    the steps' attention shares span less than 0.2 (the two are not told apart); ``(1, 1)`` with fewer
+    than :data:`MIN_DECODE_STEPS` samples; each clipped to :data:`DECODE_STEP_SCALE_BOUNDS`."""
+    if len(samples) < MIN_DECODE_STEPS:
+        return 1.0, 1.0
+    st, at, rest, y = _decode_step_parts(samples, num_layers, stateless, attention, embed, head)
+    w = 1.0 / y
+    if np.ptp(at / (st + at)) < 0.2:
+        den = float(np.sum(((st + at) * w) ** 2))
+        one = float(np.sum((st + at) * (y - rest) * w * w)) / den if den > 0 else 1.0
+        s_st = s_at = one
+    else:
+        x = np.stack([st, at], axis=1) * w[:, None]
+        scale = np.maximum(x.max(axis=0), 1e-30)
+        (s_st, s_at), _ = nnls(x / scale, (y - rest) * w)
+        s_st, s_at = s_st / scale[0], s_at / scale[1]
+    lo, hi = DECODE_STEP_SCALE_BOUNDS
+    return min(hi, max(lo, float(s_st))), min(hi, max(lo, float(s_at)))
+
+
+def _decode_step_parts(samples: Sequence[DecodeStepSample], num_layers: int, stateless, attention, embed, head):
+    """Arrays over ``samples``: the layers' stateless part and attention as timed alone, embedding + LM
+    head, the measured compute."""
+    st = np.array([num_layers * stateless(len(s.context_lens)) for s in samples])
+    at = np.array([num_layers * attention(s.context_lens) for s in samples])
+    rest = np.array([embed(len(s.context_lens)) + head(len(s.context_lens)) for s in samples])
+    return st, at, rest, np.array([s.seconds for s in samples])
+
+
+def fit_whole_steps(steps: Sequence[StepOverheadSample], dsteps: Sequence[DecodeStepSample], num_layers: int,
+                    stateless, attention, embed, head) -> tuple[tuple[float, float, float], tuple[float, float], dict]:
+    """:func:`fit_step_overhead` of ``steps`` and :func:`fit_decode_step_scale` of ``dsteps`` (see
+    there for ``stateless``, ``attention``, ``embed``, ``head``): ``(step terms, decode step scales,
+    report)``; the report holds ``"step_overhead"`` / ``"decode_step"`` (coefficients, in-sample
+    relative error) for the kinds given."""
+    terms = fit_step_overhead(steps)
+    scales = fit_decode_step_scale(dsteps, num_layers, stateless, attention, embed, head)
+    rep: dict = {}
+    if steps:
+        pred = np.array([terms[0] + terms[1] * s.compositions + terms[2] * s.composed_works for s in steps])
+        y = np.array([s.seconds for s in steps])
+        rep["step_overhead"] = {"step_s": terms[0], "compose_s": terms[1], "compose_work_s": terms[2],
+                                "error": float(np.mean(np.abs(pred - y) / y))}
+    if dsteps:
+        st, at, rest, y = _decode_step_parts(dsteps, num_layers, stateless, attention, embed, head)
+        pred = scales[0] * st + scales[1] * at + rest
+        rep["decode_step"] = {"scale": scales[0], "attention_scale": scales[1], "n": len(dsteps),
+                              "error": float(np.mean(np.abs(pred - y) / y))}
+    return terms, scales, rep
