@@ -19,7 +19,7 @@ int4 group 32, the Q8_0 embedding/head as int8):
   quantization against llama.cpp's tokens (skipped with ``--llama-server none`` or when no binary
   was built).
 
-    python benchmarks/quant_quality.py [--quantizations none,int8,int4,auto] [--json out.json]
+    python benchmarks/quant_quality.py [--quantizations none,int8,int4,auto,auto@bfloat16,auto@bfloat16:eager] [--json out.json]
 """
 
 from __future__ import annotations
@@ -106,9 +106,32 @@ def agreement(ref: list[list[int]], got: list[list[int]], new_tokens: int) -> tu
     return sum(prefix) / (len(ref) * new_tokens), sum(p == new_tokens for p in prefix) / len(ref)
 
 
+def build_engine(spec: str) -> Engine:
+    """The engine of one ``--quantizations`` entry: ``QUANT[@DTYPE][:eager]`` -- a weight format
+    (none, int8, int4, auto), the activation dtype (default float32; ``auto@bfloat16`` is what
+    ``--dtype auto`` serves on a bf16-native CPU) and ``:eager`` for the decode layers without the
+    fused graphs (``LASER_FUSED_DECODE=0``; they run only for bf16 int4/int8 models). Raises
+    ValueError on an unknown format or dtype (from the engine)."""
+    body, _, mode = spec.partition(":")
+    quant, _, dtype = body.partition("@")
+    before = os.environ.get("LASER_FUSED_DECODE")
+    os.environ["LASER_FUSED_DECODE"] = "0" if mode == "eager" else (before or "1")
+    try:
+        return Engine(None, policy="vllm", dtype=dtype or "float32", quantization=quant,
+                      cache=CacheConfig(kv_cache_gib=0.5),
+                      scheduler=SchedulerConfig(policy="vllm", max_num_batched_tokens=4096))
+    finally:
+        if before is None:
+            os.environ.pop("LASER_FUSED_DECODE")
+        else:
+            os.environ["LASER_FUSED_DECODE"] = before
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quantizations", default="none,int8,int4,auto")
+    ap.add_argument("--quantizations", default="none,int8,int4,auto",
+                    help="entries QUANT[@DTYPE][:eager], e.g. auto@bfloat16 or auto@bfloat16:eager; the "
+                         "reference 'none' (fp32, the GGUF dequantized) always runs first")
     ap.add_argument("--texts", type=int, default=10, help="texts per dataset for perplexity")
     ap.add_argument("--text-tokens", type=int, default=256)
     ap.add_argument("--prompts", type=int, default=20)
@@ -124,8 +147,7 @@ def main() -> None:
     quants = args.quantizations.split(",")
     if quants[0] != "none":
         quants.insert(0, "none")
-    engines = {q: Engine(None, policy="vllm", dtype="float32", quantization=q, cache=CacheConfig(kv_cache_gib=0.5),
-                         scheduler=SchedulerConfig(policy="vllm", max_num_batched_tokens=4096)) for q in quants}
+    engines = {q: build_engine(q) for q in quants}
     tok = engines["none"].tokenizer
     pairs = sharegpt_pairs(max(args.texts, args.prompts) + 10)
     texts = {"humaneval": [s.prompt + s.canonical_solution for s in load_humaneval()[: args.texts]],
@@ -146,7 +168,7 @@ def main() -> None:
             row = {"dataset": name, "quantization": q, "perplexity": math.exp(nll / n), "tokens": n,
                    "top1_agreement": agree / tokens}
             result["rows"].append(row)
-            print(f"{name:9s} {q:5s} ({e.model.weights_tag:18s}) perplexity {row['perplexity']:7.3f} over {n} tokens; "
+            print(f"{name:9s} {q:20s} ({e.model.weights_tag:18s} {getattr(e.model, 'executor_path', 'eager')}) perplexity {row['perplexity']:7.3f} over {n} tokens; "
                   f"teacher-forced top-1 agreement with none {row['top1_agreement']:.1%}", flush=True)
     prompts = [[{"role": "user", "content": p[:2000]}] for p, _ in pairs[: args.prompts]]
     sp = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
@@ -162,7 +184,7 @@ def main() -> None:
         row = {"dataset": "sharegpt-greedy", "reference": "none", "quantization": q, "prompts": len(prompts),
                "new_tokens": args.new_tokens, "prefix_fraction": frac, "identical": same}
         result["rows"].append(row)
-        print(f"greedy {q:5s}: {frac:.1%} of tokens before the first divergence from none; "
+        print(f"greedy {q:20s}: {frac:.1%} of tokens before the first divergence from none; "
               f"{same:.0%} of {len(prompts)} continuations identical ({args.new_tokens} tokens)", flush=True)
     binary = args.llama_server
     if binary is None:
@@ -176,7 +198,7 @@ def main() -> None:
             row = {"dataset": "sharegpt-greedy", "reference": "llama.cpp", "quantization": q, "prompts": len(prompts),
                    "new_tokens": args.new_tokens, "prefix_fraction": frac, "identical": same}
             result["rows"].append(row)
-            print(f"greedy {q:5s} vs llama.cpp (GGUF as shipped): {frac:.1%} of tokens before the first divergence; "
+            print(f"greedy {q:20s} vs llama.cpp (GGUF as shipped): {frac:.1%} of tokens before the first divergence; "
                   f"{same:.0%} of {len(prompts)} continuations identical", flush=True)
     else:
         print("llama.cpp agreement skipped: no llama-server (benchmarks/build_llama_server.py builds one)")

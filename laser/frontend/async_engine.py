@@ -41,7 +41,7 @@ from .admission import (  # noqa: F401 - the admission errors and decision are p
     QueueFullError,
     SLOInfeasibleError,
 )
-from .engine_thread import EngineThread
+from .engine_thread import EngineThread, OwnerThread
 from .outputs import aborted_output
 from ..core.request import SLO, InvalidRequestError, SamplingParams
 
@@ -109,6 +109,9 @@ class AsyncEngine(EngineThread):
         idle_wait_s: longest idle sleep of the engine thread (it wakes at once on a command).
         check_integrity_when_idle: run ``engine.check_integrity(expect_empty=True)`` whenever
             the engine goes idle (errors are logged).
+        owner: the :class:`OwnerThread` that built ``engine``; it steps the engine (one thread for
+            all of the engine's torch work: a second thread's OpenMP team slowed 2-thread steps
+            4x). None: a new thread.
     """
 
     def __init__(
@@ -118,6 +121,7 @@ class AsyncEngine(EngineThread):
         on_infeasible: str = "queue",
         idle_wait_s: float = 1.0,
         check_integrity_when_idle: bool = True,
+        owner: OwnerThread | None = None,
     ):
         if on_infeasible not in ON_INFEASIBLE:
             raise ValueError(f"on_infeasible must be one of {ON_INFEASIBLE}, got {on_infeasible!r}")
@@ -137,6 +141,7 @@ class AsyncEngine(EngineThread):
         self._adds: collections.deque = collections.deque()  # arrivals: also at layer boundaries
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self._owner = owner  # the thread that built the engine steps it (OwnerThread)
         self._stop_requested = False
         self.dead: BaseException | None = None  # set when the engine can no longer serve
         self.num_steps = 0
@@ -163,8 +168,11 @@ class AsyncEngine(EngineThread):
         if self._thread is not None:
             return
         self._loop = loop or asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="laser-engine", daemon=True)
-        self._thread.start()
+        if self._owner is not None:
+            self._thread = self._owner.run(self._run)
+        else:
+            self._thread = threading.Thread(target=self._run, name="laser-engine", daemon=True)
+            self._thread.start()
 
     def begin_drain(self) -> None:
         """Refuse new requests (:class:`EngineStoppedError`); in-flight ones keep going."""

@@ -201,6 +201,7 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from ..frontend.async_engine import AsyncEngine
+    from ..frontend.engine_thread import OwnerThread
     from ..cli import build_engine
     from .app import build_app
 
@@ -224,11 +225,19 @@ def cmd_serve(args) -> int:
     if args.prefill_instances or args.decode_instances or args.mixed_instances:
         engine = build_cluster(args)
         node_lost = exit_when_node_lost(engine)
-    else:
-        engine = build_engine(args, max_model_len=args.max_model_len)
-    if not args.no_warmup:
-        _warmup(engine)
-    ae = AsyncEngine(engine, max_waiting=args.max_waiting, on_infeasible=args.on_infeasible)
+        if not args.no_warmup:
+            _warmup(engine)
+        owner = None
+    else:  # built, warmed up and stepped on one thread (OwnerThread: one OpenMP team)
+        def build():
+            built = build_engine(args, max_model_len=args.max_model_len)
+            if not args.no_warmup:
+                _warmup(built)
+            return built
+
+        owner = OwnerThread(build)
+        engine = owner.engine()
+    ae = AsyncEngine(engine, max_waiting=args.max_waiting, on_infeasible=args.on_infeasible, owner=owner)
     app = build_app(ae, served_model_names=args.served_model_name, api_key=args.api_key, batch_store=store,
                     batch_concurrency=args.batch_concurrency, batch_accept_infeasible=args.batch_accept_infeasible,
                     cors=cors_options(args))

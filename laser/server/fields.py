@@ -94,6 +94,9 @@ class RequestFields:
         def bad(field: str, what: str):
             raise APIError(400, f"{field}: {what} is not supported by this server", "unsupported_parameter", field)
 
+        if body.stream_options is not None and not body.stream:
+            # vLLM and OpenAI refuse it too: the options only shape a stream's chunks
+            raise APIError(400, "stream_options: only allowed when stream is true", "invalid_value", "stream_options")
         if isinstance(body, CompletionRequest):
             if body.suffix:
                 bad("suffix", "suffix")
