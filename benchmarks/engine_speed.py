@@ -25,6 +25,7 @@ decode >= 70 % of that limit.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -39,6 +40,26 @@ from laser.core.config import CacheConfig, SchedulerConfig  # noqa: E402
 from laser.frontend.engine import Engine  # noqa: E402
 from laser.model.loader import resolve_model  # noqa: E402
 from laser.core.request import SamplingParams  # noqa: E402
+
+
+SWITCHES = ("LASER_QUANT_GEMV", "LASER_QUANT_ROWS", "LASER_FUSED_DECODE")
+
+
+@contextlib.contextmanager
+def executor_switches(gemv: str = "", rows: str = "", fused: str = ""):
+    """Within the block, the executor switches read at model load: the int8 decode kernel
+    (``compiled`` / ``aten``: ``$LASER_QUANT_GEMV``), the kernels' row crossover (``measure`` /
+    ``fixed``: ``$LASER_QUANT_ROWS``) and the fused decode layers (``0`` / ``1``:
+    ``$LASER_FUSED_DECODE``); an empty value leaves a switch as it is. Restored on exit."""
+    saved = {k: os.environ.get(k) for k in SWITCHES}
+    for k, v in zip(SWITCHES, (gemv, rows, fused)):
+        if v:
+            os.environ[k] = v
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
 def prompts(batch: int, length: int) -> list[list[int]]:
@@ -181,12 +202,7 @@ def main() -> None:
         q, _, opts = q.partition(":")
         gemv, _, opts = opts.partition(":")
         rows, _, fused = opts.partition(":")
-        names = ("LASER_QUANT_GEMV", "LASER_QUANT_ROWS", "LASER_FUSED_DECODE")
-        saved = {k: os.environ.get(k) for k in names}
-        for k, v in zip(names, (gemv, rows, fused)):
-            if v:
-                os.environ[k] = v
-        try:
+        with executor_switches(gemv, rows, fused):
             return Engine(
                 str(path) if q == "none" else None, policy="vllm", dtype=dtype, quantization=q,
                 scheduler=SchedulerConfig(policy="vllm", max_num_batched_tokens=4096),
@@ -194,9 +210,6 @@ def main() -> None:
                 # same prompts, and a cache hit would skip the prefill being timed
                 cache=CacheConfig(kv_cache_gib=0.25, enable_prefix_caching=False),
             )
-        finally:
-            for k, v in saved.items():
-                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
     engines = {q: make_engine(q) for q in quants}
     engine = engines[quants[0]]

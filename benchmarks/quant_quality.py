@@ -112,19 +112,14 @@ def build_engine(spec: str) -> Engine:
     ``--dtype auto`` serves on a bf16-native CPU) and ``:eager`` for the decode layers without the
     fused graphs (``LASER_FUSED_DECODE=0``; they run only for bf16 int4/int8 models). Raises
     ValueError on an unknown format or dtype (from the engine)."""
+    from engine_speed import executor_switches  # benchmarks/ is sys.path[0] when run as a script
+
     body, _, mode = spec.partition(":")
     quant, _, dtype = body.partition("@")
-    before = os.environ.get("LASER_FUSED_DECODE")
-    os.environ["LASER_FUSED_DECODE"] = "0" if mode == "eager" else (before or "1")
-    try:
+    with executor_switches(fused="0" if mode == "eager" else ""):
         return Engine(None, policy="vllm", dtype=dtype or "float32", quantization=quant,
                       cache=CacheConfig(kv_cache_gib=0.5),
                       scheduler=SchedulerConfig(policy="vllm", max_num_batched_tokens=4096))
-    finally:
-        if before is None:
-            os.environ.pop("LASER_FUSED_DECODE")
-        else:
-            os.environ["LASER_FUSED_DECODE"] = before
 
 
 def main() -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import queue
 import threading
 import time
 from typing import Any, Callable
@@ -39,7 +38,9 @@ class OwnerThread:
     """
 
     def __init__(self, build: Callable[[], Any], name: str = "laser-engine"):
-        self._built: queue.Queue = queue.Queue(1)
+        self._built = threading.Event()
+        self._engine: Any = None
+        self._error: BaseException | None = None
         self._go = threading.Event()
         self._target: Callable[[], None] | None = None
         self.thread = threading.Thread(target=self._main, args=(build,), name=name, daemon=True)
@@ -47,21 +48,22 @@ class OwnerThread:
 
     def _main(self, build: Callable[[], Any]) -> None:
         try:
-            self._built.put((build(), None))
+            self._engine = build()
         except BaseException as e:  # noqa: BLE001 -- handed to the caller of engine()
-            self._built.put((None, e))
+            self._error = e
             return
+        finally:
+            self._built.set()
         self._go.wait()
         if self._target is not None:
             self._target()
 
     def engine(self) -> Any:
         """The engine ``build()`` returned (waits for it). Raises what ``build`` raised."""
-        engine, error = self._built.get()
-        self._built.put((engine, error))  # a second call gets the same answer
-        if error is not None:
-            raise error
-        return engine
+        self._built.wait()
+        if self._error is not None:
+            raise self._error
+        return self._engine
 
     def run(self, target: Callable[[], None]) -> threading.Thread:
         """Run ``target`` on this thread once the engine is built; returns the thread."""
