@@ -262,11 +262,23 @@ def speculative_config(args):
                              args.speculative_exits)
 
 
-def cmd_generate(args) -> int:
-    from .core.request import SamplingParams
+DEFAULT_GENERATE_TOKENS = 128  # laser generate without --max-tokens: at most this many (fewer near the context's end)
 
+
+def cmd_generate(args) -> int:
+    """``laser generate``: one prompt, streamed to stdout, timing on stderr. Refused (``laser:
+    error``, exit 2) as vLLM refuses them: an empty ``--prompt`` (before the model loads), and
+    prompt plus an explicit ``--max-tokens`` past the model's context (the server's 400 rule,
+    :meth:`~laser.frontend.inputs.InputProcessor.check_budget`); without ``--max-tokens`` the
+    output is capped at :data:`DEFAULT_GENERATE_TOKENS` or the rest of the context."""
+    import dataclasses
+
+    from .core.request import InvalidRequestError, SamplingParams
+
+    if not args.prompt:
+        raise InvalidRequestError("--prompt is empty: give the text to complete (vLLM refuses an empty prompt too)")
     sp = SamplingParams(  # checked before the model loads (InvalidRequestError: laser: error)
-        max_tokens=args.max_tokens,
+        max_tokens=args.max_tokens or DEFAULT_GENERATE_TOKENS,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
@@ -276,6 +288,10 @@ def cmd_generate(args) -> int:
     engine = build_engine(args)
     load_s = time.perf_counter() - t0
     prompt = [{"role": "user", "content": args.prompt}] if not args.raw and engine.tokenizer.chat_template else args.prompt
+    n_prompt = len(engine.inputs.tokenize(prompt))
+    if args.max_tokens is None:
+        sp = dataclasses.replace(sp, max_tokens=min(sp.max_tokens, engine.max_model_len - n_prompt))
+    engine.inputs.check_budget(n_prompt, sp.max_tokens, "--max-tokens")
     req = engine.add_request(prompt, sp)
     t1 = time.perf_counter()
     text = ""
@@ -305,7 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(g)
     g.add_argument("--prompt", required=True,
                    help="the prompt (in the model's chat template, if it has one, unless --raw)")
-    g.add_argument("--max-tokens", type=positive_int, default=128, help="most tokens to generate (default %(default)s)")
+    g.add_argument("--max-tokens", type=positive_int, default=None,
+                   help=f"most tokens to generate; prompt plus these must fit the model's context (default "
+                        f"{DEFAULT_GENERATE_TOKENS}, or the rest of the context when less)")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
     g.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (default 0: off)")

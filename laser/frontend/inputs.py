@@ -34,6 +34,31 @@ def check_text(text: str, where: str) -> None:
                                   f"{text[e.start]!r} at character {e.start})") from None
 
 
+def check_message(i: int, message: dict) -> dict:
+    """Message ``i`` of a conversation as the chat template takes it: a dict with a string
+    ``role`` and string ``content`` (a null or missing content of an assistant message that
+    makes ``tool_calls`` becomes ``""``); every string field valid Unicode (:func:`check_text`).
+
+    The rule is OpenAI's: ``content`` may be null only on an assistant message with
+    ``tool_calls``; a user, system, developer or tool message without content is refused (a
+    chat template would otherwise render ``None`` or an empty turn the client never sent).
+
+    Raises:
+        InvalidRequestError: naming ``messages[i]`` or the field (``messages[i].content``).
+    """
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise InvalidRequestError(f"messages[{i}] must be an object with a string 'role', got {message!r:.80}")
+    if message.get("content") is None:
+        if message["role"] != "assistant" or not message.get("tool_calls"):
+            raise InvalidRequestError(f"messages[{i}].content: a {message['role']} message needs content (null "
+                                      "content is only valid for an assistant message with tool_calls)")
+        message = {**message, "content": ""}
+    for k, v in message.items():
+        if isinstance(v, str):
+            check_text(v, f"messages[{i}].{k}")
+    return message
+
+
 class ContextLengthError(InvalidRequestError):
     """The prompt does not leave room for one generated token in the model's context."""
 
@@ -106,10 +131,7 @@ class InputProcessor:
             raise InvalidRequestError("add_generation_prompt and continue_final_message cannot both be true "
                                       "(set add_generation_prompt to false to continue the last message)")
         extra = check_template_kwargs(chat_template_kwargs, self.tokenizer)
-        for i, m in enumerate(messages):
-            for k, v in m.items():
-                if isinstance(v, str):
-                    check_text(v, f"messages[{i}].{k}")
+        messages = [check_message(i, m) for i, m in enumerate(messages)]
         template = self.tokenizer.chat_template
         if (tools or has_tool_turns(messages)) and not template_knows_tools(tool_template(template)):
             messages, tools = fallback_messages(messages, tools), None
@@ -137,6 +159,16 @@ class InputProcessor:
         if len(ids) >= self.max_model_len:
             raise ContextLengthError(f"prompt has {len(ids)} tokens; this model's context is "
                                      f"{self.max_model_len} tokens (prompt plus at least one generated token)")
+
+    def check_budget(self, prompt_len: int, max_tokens: int, field: str = "max_tokens") -> None:
+        """Raise :class:`ContextLengthError` when a prompt of ``prompt_len`` tokens plus
+        ``max_tokens`` generated ones do not fit the context (vLLM's server rule; the engine
+        would otherwise stop at the context's end with ``length``, short of what was asked).
+        ``field``: how the caller names max_tokens (the server's field, the CLI's flag)."""
+        if prompt_len + max_tokens > self.max_model_len:
+            raise ContextLengthError(f"this model's context is {self.max_model_len} tokens; the request needs "
+                                     f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} "
+                                     f"{field}); lower {field}")
 
     def tokenize(self, prompt: str | list[int] | list[dict]) -> list[int]:
         """:meth:`encode_prompt` then :meth:`check_length`: the ids of a servable prompt."""

@@ -11,7 +11,7 @@ shutting down. A client that disconnects has its request aborted at once.
 
 Routes live in :mod:`laser.server.openai` (generation) and :mod:`laser.server.batches`
 (files and batches); this module builds the app: lifespan, middleware, error handlers,
-``/health`` (``GET`` and ``HEAD``) and ``/metrics``. An unhandled exception in a handler (a
+``/health`` (``GET`` and ``HEAD``), ``/version`` and ``/metrics``. An unhandled exception in a handler (a
 bug) is a JSON 500 ``internal_error`` that leaves a keep-alive connection open.
 """
 
@@ -52,7 +52,7 @@ class _BodyTooLarge(StarletteHTTPException):
 #: Every other route (``/v1/*``, ``/tokenize``, ``/detokenize``, ``/tokenizer_info``, ...) needs it:
 #: vLLM checks only ``/v1/*`` (its ``/tokenize`` runs the tokenizer for anyone), SGLang every path
 #: but ``/health*`` and ``/metrics``; a route that runs the model's code is one a key should guard.
-OPEN_PATHS = frozenset({"/health", "/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 
 
 class _Guard:
@@ -277,7 +277,7 @@ def _error_handlers(app: FastAPI, metrics: ServerMetrics):
 
 
 def _health_routes(app: FastAPI, ae: AsyncEngine, metrics: ServerMetrics) -> None:
-    """``/health`` (GET and HEAD) and ``/metrics``."""
+    """``/health`` (GET and HEAD), ``/version`` and ``/metrics``."""
     @app.get("/health")
     async def health():
         """200 ``{"status": "ok"}`` while serving (``HEAD`` too, for load balancers and probes);
@@ -295,6 +295,11 @@ def _health_routes(app: FastAPI, ae: AsyncEngine, metrics: ServerMetrics) -> Non
         return {"status": "ok", "instances": instances}
 
     app.add_api_route("/health", health, methods=["HEAD"], operation_id="health_head")
+
+    @app.get("/version")
+    async def version():
+        """vLLM's ``GET /version``: ``{"version": "<laser version>"}`` (no API key needed)."""
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def prometheus():

@@ -133,7 +133,8 @@ class Generation(RequestFields):
         except InvalidRequestError as e:
             msg = str(e)
             msg = "the " + msg if msg.startswith("prompt ") else msg
-            raise APIError(400, f"{param}: {msg}", "invalid_value", param) from None
+            msg = msg if msg.startswith(f"{param}[") else f"{param}: {msg}"  # messages[1].content: ...
+            raise APIError(400, msg, "invalid_value", param) from None
         try:
             self.ae.inputs.check_length(ids)  # the input path's rule (laser.frontend.inputs)
         except ContextLengthError as e:
@@ -143,13 +144,14 @@ class Generation(RequestFields):
         return ids
 
     def max_tokens_for(self, requested: int | None, prompt_len: int, default: int | None) -> int:
-        limit = self.ae.max_model_len
+        """The max_tokens of a choice: ``requested``, else ``default``, else the rest of the context.
+        Raises APIError: 400 ``context_length_exceeded`` when prompt plus max_tokens pass the context."""
         if requested is None:
-            requested = default if default is not None else limit - prompt_len
-        if prompt_len + requested > limit:
-            raise APIError(400, f"this model's context is {limit} tokens; the request needs {prompt_len + requested} "
-                                f"({prompt_len} in the prompt, {requested} max_tokens); lower max_tokens",
-                           "context_length_exceeded", "max_tokens")
+            requested = default if default is not None else self.ae.max_model_len - prompt_len
+        try:
+            self.ae.inputs.check_budget(prompt_len, requested)
+        except ContextLengthError as e:
+            raise APIError(400, str(e), "context_length_exceeded", "max_tokens") from None
         return requested
 
     # -- running --------------------------------------------------------------------------------------

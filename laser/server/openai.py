@@ -1,5 +1,6 @@
 """OpenAI-compatible generation routes: ``/v1/completions``, ``/v1/chat/completions``,
-``/v1/models[/{id}]`` and the Laser extension ``/v1/slo_classes``."""
+``/v1/models[/{id}]``, the Laser extension ``/v1/slo_classes``, vLLM's tokenizer routes, and a
+clear OpenAI-style 404 for the OpenAI endpoints this server does not serve (:data:`UNSUPPORTED`)."""
 
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def tokenizer_info(tokenizer, max_model_len: int) -> dict:
 def router(srv: Generation) -> APIRouter:
     """The routes over one :class:`Generation` (one app's engine, metrics and model names)."""
     router = APIRouter()
-    for add in (_model_routes, _completions_route, _chat_route, _tokenizer_routes):
+    for add in (_model_routes, _completions_route, _chat_route, _tokenizer_routes, _unsupported_routes):
         add(router, srv)
     return router
 
@@ -242,3 +243,26 @@ async def answer(srv: Generation, request: Request, body, subs: list[Sub], q, he
                         **token_ids_fields(s, body.return_token_ids)})
     return JSONResponse({**head, "choices": choices, "usage": srv.usage(subs, body.n), "slo": srv.slo_info(subs)},
                         headers=headers)
+
+
+#: OpenAI endpoints this server does not serve -> why, and what to use instead (the 404's message).
+UNSUPPORTED = {
+    "/v1/embeddings": "this server serves a generation model, not an embedding (pooling) model",
+    "/v1/responses": "the Responses API is not implemented; send the same conversation to POST "
+                     "/v1/chat/completions (input -> messages, instructions -> a system message, "
+                     "max_output_tokens -> max_completion_tokens)",
+}
+SERVED = ("POST /v1/chat/completions, POST /v1/completions, GET /v1/models, POST /tokenize, POST /detokenize "
+          "(and /v1/files, /v1/batches with --data-dir)")
+
+
+def _unsupported_routes(router: APIRouter, srv: Generation) -> None:
+    """``POST`` on each of :data:`UNSUPPORTED`: a 404 ``unsupported_endpoint`` in OpenAI's error
+    format naming what is served (an unknown route's bare "Not Found" tells a client nothing; a
+    404, not a 501, so that the ``openai`` client does not retry it as a server error)."""
+    for path, why in UNSUPPORTED.items():
+        def refuse(why: str = why, path: str = path):
+            raise APIError(404, f"POST {path} is not supported: {why}. This server serves {SERVED}.",
+                           "unsupported_endpoint")
+        router.add_api_route(path, refuse, methods=["POST"], include_in_schema=False,
+                             operation_id=f"unsupported_{path.strip('/').replace('/', '_')}")

@@ -161,7 +161,7 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
                     raise _bad(f"messages[{i}].content[{j}].text", "a text content part needs its text")
                 texts.append(part.text)
             content = "\n".join(texts)
-        msg = {"role": m.role, "content": content or ""}
+        msg = {"role": m.role, "content": content}  # None: checked by the renderer (inputs.check_message)
         if m.name:
             msg["name"] = m.name
         if m.role == "tool":

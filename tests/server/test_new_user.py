@@ -1,0 +1,105 @@
+"""What a new user meets first (issue 26, fresh-user round): null message content, ``/version``,
+the OpenAI endpoints Laser does not serve, ``max_tokens`` past the context -- on the server and
+in ``laser generate`` / ``LLM.chat``, which share the input path's rules."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from laser import __version__, cli
+from laser.core.config import CacheConfig
+from laser.core.request import InvalidRequestError, SamplingParams
+from laser.frontend.async_engine import AsyncEngine
+from laser.frontend.engine import Engine
+from laser.frontend.llm import LLM
+from laser.server.app import build_app
+from laser.server.cli import LiveServer
+
+MAX_MODEL_LEN = 128
+
+
+def _engine(model_dir) -> Engine:
+    return Engine(str(model_dir), policy="sarathi", dtype="float32", cache=CacheConfig(num_blocks=64),
+                  max_model_len=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def live(tiny_llama):
+    srv = LiveServer(build_app(AsyncEngine(_engine(tiny_llama)), served_model_names=["tiny"], api_key="k"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    return openai.OpenAI(base_url=live.url + "/v1", api_key="k", max_retries=0, timeout=60)
+
+
+def _post(live, path, body):
+    return httpx.post(live.url + path, json=body, headers={"authorization": "Bearer k"}, timeout=60)
+
+
+@pytest.mark.parametrize("role", ["user", "system", "tool", "assistant"])
+def test_null_content_is_a_400_except_an_assistant_tool_call(live, role):
+    """OpenAI: ``content`` may be null only on an assistant message with ``tool_calls``; it used
+    to be rendered as an empty turn and served."""
+    msg = {"role": role, "content": None}
+    if role == "tool":
+        msg["tool_call_id"] = "call_1"
+    r = _post(live, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, msg], "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages" and err["message"].startswith("messages[1].content: "), err
+    assert "null content is only valid for an assistant message with tool_calls" in err["message"]
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    ok = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+          {"role": "tool", "tool_call_id": "call_1", "content": "done"}]
+    assert _post(live, "/v1/chat/completions", {"messages": ok, "max_tokens": 2}).status_code == 200
+
+
+def test_llm_chat_refuses_null_content_too(tiny_llama):
+    llm = LLM.__new__(LLM)
+    llm.engine = _engine(tiny_llama)
+    with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.content: a user message needs content"):
+        llm.chat([{"role": "user", "content": None}], SamplingParams(max_tokens=2))
+    assert not llm.engine.has_unfinished()
+
+
+def test_version_needs_no_key(live):
+    r = httpx.get(live.url + "/version")
+    assert r.status_code == 200 and r.json() == {"version": __version__}
+
+
+@pytest.mark.parametrize("path,needle", [("/v1/embeddings", "not an embedding"),
+                                         ("/v1/responses", "/v1/chat/completions")])
+def test_unserved_openai_endpoints_say_what_is_served(live, client, path, needle):
+    r = _post(live, path, {"model": "tiny", "input": "hi"})
+    assert r.status_code == 404, r.text
+    err = r.json()["error"]
+    assert err["code"] == "unsupported_endpoint" and needle in err["message"], err
+    assert "POST /v1/chat/completions" in err["message"]
+    with pytest.raises(openai.NotFoundError, match="not supported"):  # not retried as a server error
+        client.embeddings.create(model="tiny", input="hi")
+
+
+def test_cli_generate_refuses_an_empty_prompt_before_loading(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "build_engine", lambda *a, **k: pytest.fail("loaded the model first"))
+    assert cli.main(["generate", "--prompt", ""]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["laser: error: --prompt is empty: give the text to complete (vLLM refuses an empty prompt too)"]
+
+
+def test_cli_generate_max_tokens_past_the_context(tiny_llama, capsys, monkeypatch):
+    """An explicit ``--max-tokens`` that does not fit is refused as the server refuses it (it used
+    to run to the context's end silently); without the flag the output fits the context."""
+    engine = _engine(tiny_llama)
+    monkeypatch.setattr(cli, "build_engine", lambda *a, **k: engine)
+    assert cli.main(["generate", "--prompt", "hi", "--raw", "--max-tokens", str(MAX_MODEL_LEN)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "laser: error: this model's context is 128 tokens" in err and "lower --max-tokens" in err
+    assert not engine.has_unfinished()
+    long_prompt = "hello " * 60  # > MAX_MODEL_LEN - 128 tokens: the default 128 would not fit
+    assert cli.main(["generate", "--prompt", long_prompt, "--raw"]) == 0
+    assert "tokens in" in capsys.readouterr().err
