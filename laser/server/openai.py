@@ -1,6 +1,7 @@
 """OpenAI-compatible generation routes: ``/v1/completions``, ``/v1/chat/completions``,
 ``/v1/models[/{id}]``, the Laser extension ``/v1/slo_classes``, vLLM's tokenizer routes, and a
-clear OpenAI-style 404 for the OpenAI endpoints this server does not serve (:data:`UNSUPPORTED`)."""
+clear OpenAI-style 404 for the OpenAI endpoints this server does not serve (:data:`UNSUPPORTED`); ``/v1/responses``
+lives in :mod:`laser.server.responses`."""
 
 from __future__ import annotations
 
@@ -65,7 +66,10 @@ def tokenizer_info(tokenizer, max_model_len: int) -> dict:
 def router(srv: Generation) -> APIRouter:
     """The routes over one :class:`Generation` (one app's engine, metrics and model names)."""
     router = APIRouter()
-    for add in (_model_routes, _completions_route, _chat_route, _tokenizer_routes, _unsupported_routes):
+    from . import responses  # imports this module's SLOHeaders
+
+    for add in (_model_routes, _completions_route, _chat_route, _tokenizer_routes, responses.add_route,
+                _unsupported_routes):
         add(router, srv)
     return router
 
@@ -248,11 +252,9 @@ async def answer(srv: Generation, request: Request, body, subs: list[Sub], q, he
 #: OpenAI endpoints this server does not serve -> why, and what to use instead (the 404's message).
 UNSUPPORTED = {
     "/v1/embeddings": "this server serves a generation model, not an embedding (pooling) model",
-    "/v1/responses": "the Responses API is not implemented; send the same conversation to POST "
-                     "/v1/chat/completions (input -> messages, instructions -> a system message, "
-                     "max_output_tokens -> max_completion_tokens)",
 }
-SERVED = ("POST /v1/chat/completions, POST /v1/completions, GET /v1/models, POST /tokenize, POST /detokenize "
+SERVED = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (text), GET /v1/models, POST "
+          "/tokenize, POST /detokenize "
           "(and /v1/files, /v1/batches with --data-dir)")
 
 

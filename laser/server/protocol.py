@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from ..core.request import MAX_LOGPROBS, SEED_MAX, SEED_MIN
 
@@ -20,7 +20,22 @@ MAX_CHOICES = 16  # n x number of prompts when n > 1 (a list of prompts with n =
 
 
 class _Request(BaseModel):
+    """Base of the request models: unknown fields ignored, no NaN/inf, and ``null`` for a field
+    with a non-null default read as that default (OpenAI's fields are nullable: ``"n": null``,
+    ``"stream": null`` and ``"echo": null`` are its defaults, as clients that serialise unset
+    options send them; a required field stays required)."""
+
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        if isinstance(data, dict):
+            defaulted = {f.alias or name for name, f in cls.model_fields.items()
+                         if not f.is_required() and f.default is not None}
+            if any(data.get(k, 0) is None for k in defaulted):
+                data = {k: v for k, v in data.items() if not (v is None and k in defaulted)}
+        return data
 
 
 class StreamOptions(_Request):
