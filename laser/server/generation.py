@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import time
 import uuid
 
@@ -28,6 +29,11 @@ from .errors import APIError, param_of, unavailable
 from .fields import RequestFields
 from .metrics import ServerMetrics
 from .token_texts import TokenTexts
+
+#: A client's ``X-Request-Id`` that becomes the response id: at most 128 letters, digits and ``._:-``
+#: (anything else, e.g. spaces or quotes, would make an id a log line or a URL cannot carry as is).
+CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
 
 async def _wait_disconnect(request: Request) -> None:
     """Returns when the client goes away (the body has been read already)."""
@@ -198,10 +204,15 @@ class Generation(RequestFields):
             headers["x-laser-predicted-ttft-ms"] = f"{max(preds) * 1e3:.1f}"
         return q, headers
 
-    async def launch(self, subs: list[Sub], slo: SLO, arrival: float, id_prefix: str, asked: SLO | None = None):
-        """:meth:`start`, then wait until the engine has every choice: (queue, headers, id, created)."""
+    async def launch(self, subs: list[Sub], slo: SLO, arrival: float, id_prefix: str, asked: SLO | None = None,
+                     client_id: str | None = None):
+        """:meth:`start`, then wait until the engine has every choice: (queue, headers, id, created).
+        The id (also the ``x-request-id`` header) is ``<id_prefix>-<client_id>`` when the client
+        sent an ``X-Request-Id`` header that :data:`CLIENT_ID` accepts (vLLM's convention: a
+        trace id the client already logs), else ``<id_prefix>-<random hex>``."""
         q, headers = self.start(subs, slo, arrival, asked)
-        rid = f"{id_prefix}-{uuid.uuid4().hex}"
+        ok = client_id is not None and CLIENT_ID.fullmatch(client_id)
+        rid = f"{id_prefix}-{client_id if ok else uuid.uuid4().hex}"
         headers["x-request-id"] = rid
         try:
             await self.wait_added(subs)

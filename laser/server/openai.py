@@ -140,7 +140,8 @@ def _completions_route(router: APIRouter, srv: Generation) -> None:
             for s in subs:
                 if s.prompt_text is None:
                     s.prompt_text = await ae.decode(s.ids)
-        q, headers, rid, created = await srv.launch(subs, slo, arrival, "cmpl", asked)
+        q, headers, rid, created = await srv.launch(subs, slo, arrival, "cmpl", asked,
+                                                   request.headers.get("x-request-id"))
         if body.stream:
             return EventStream(stream_completion(srv, q, subs, rid, created, model, body), lambda: srv.abort(subs),
                                headers)
@@ -176,7 +177,8 @@ def _chat_route(router: APIRouter, srv: Generation) -> None:
         subs = [Sub(i, ids, None, dataclasses.replace(sp, seed=choice_seed(sp.seed, i))) for i in range(body.n)]
         for s in subs if tools is not None else ():
             s.tool_parser = tools.parser()
-        q, headers, rid, created = await srv.launch(subs, slo, arrival, "chatcmpl", asked)
+        q, headers, rid, created = await srv.launch(subs, slo, arrival, "chatcmpl", asked,
+                                                   request.headers.get("x-request-id"))
         if body.stream:
             return EventStream(stream_chat(srv, q, subs, rid, created, model, body), lambda: srv.abort(subs), headers)
 

@@ -193,7 +193,8 @@ def add_route(router: APIRouter, srv: Generation) -> None:
         sp = srv.sampling_params(chat, srv.max_tokens_for(chat.max_completion_tokens, len(ids), None), stop,
                                  structured)
         subs = [Sub(0, ids, None, sp)]
-        q, headers, rid, created = await srv.launch(subs, slo, arrival, "resp", asked)
+        q, headers, rid, created = await srv.launch(subs, slo, arrival, "resp", asked,
+                                                   request.headers.get("x-request-id"))
         rid = rid.replace("resp-", "resp_", 1)
         if body.stream:
             return EventStream(_events(srv, q, subs, rid, created, model, body), lambda: srv.abort(subs), headers)

@@ -145,13 +145,15 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
     an assistant's ``tool_calls`` with their arguments parsed (templates write them with
     ``tojson``); a ``tool`` message's ``tool_call_id``.
 
-    Raises APIError: 400 naming ``messages``: a non-text content part, a ``tool`` message
+    Raises APIError: 400 naming ``messages``: an empty or non-text content part list, a ``tool`` message
     without ``tool_call_id``, ``tool_calls`` not on an assistant message, arguments not JSON.
     """
     out = []
     for i, m in enumerate(messages):
         content = m.content
         if isinstance(content, list):
+            if not content:  # OpenAI: "empty array. Expected an array with minimum length 1"
+                raise _bad(f"messages[{i}].content", "an empty list of content parts (give a string or parts)")
             texts = []
             for j, part in enumerate(content):
                 if part.type != "text":

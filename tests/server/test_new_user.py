@@ -59,6 +59,11 @@ def test_null_content_is_a_400_except_an_assistant_tool_call(live, role):
     assert _post(live, "/v1/chat/completions", {"messages": ok, "max_tokens": 2}).status_code == 200
 
 
+def test_an_empty_content_part_list_is_a_400(live):
+    r = _post(live, "/v1/chat/completions", {"messages": [{"role": "user", "content": []}], "max_tokens": 2})
+    assert r.status_code == 400 and "messages[0].content: an empty list of content parts" in r.text, r.text
+
+
 def test_llm_chat_refuses_null_content_too(tiny_llama):
     llm = LLM.__new__(LLM)
     llm.engine = _engine(tiny_llama)
@@ -115,3 +120,16 @@ def test_null_for_a_field_with_a_default_is_that_default(live):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 16, r.text
     r = _post(live, "/v1/chat/completions", {"messages": None})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+
+
+def test_a_client_request_id_names_the_response(live):
+    """vLLM's convention: the client's ``X-Request-Id`` becomes the response id
+    (``chatcmpl-<id>``), so a trace id the client logs finds the server's answer; an id with
+    other characters is replaced by a random one."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    r = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=60,
+                   headers={"authorization": "Bearer k", "x-request-id": "trace-42.a:b_c"})
+    assert r.json()["id"] == r.headers["x-request-id"] == "chatcmpl-trace-42.a:b_c", r.text
+    r = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=60,
+                   headers={"authorization": "Bearer k", "x-request-id": "two words"})
+    assert r.status_code == 200 and "two" not in r.json()["id"] and r.json()["id"] == r.headers["x-request-id"]
