@@ -298,8 +298,10 @@ def _health_routes(app: FastAPI, ae: AsyncEngine, metrics: ServerMetrics) -> Non
 
     @app.get("/version")
     async def version():
-        """vLLM's ``GET /version``: ``{"version": "<laser version>"}`` (no API key needed)."""
+        """vLLM's ``GET /version``: ``{"version": "<laser version>"}`` (``HEAD`` too; no API key needed)."""
         return {"version": __version__}
+
+    app.add_api_route("/version", version, methods=["HEAD"], operation_id="version_head")
 
     @app.get("/metrics")
     async def prometheus():

@@ -75,6 +75,7 @@ def test_llm_chat_refuses_null_content_too(tiny_llama):
 def test_version_needs_no_key(live):
     r = httpx.get(live.url + "/version")
     assert r.status_code == 200 and r.json() == {"version": __version__}
+    assert httpx.head(live.url + "/version").status_code == 200
 
 
 def test_embeddings_say_what_is_served(live, client):
