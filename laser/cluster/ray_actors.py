@@ -4,7 +4,9 @@ Each instance is one actor (the paper's system runs on Ray, one instance per act
 DistServe's ``ParaWorker`` and Llumnix's ``Llumlet``, CONTROLLER.md C1) whose body is an
 :class:`~laser.instance.worker.InstanceWorker`: one real model, KV pool and scheduler. The
 actor is threaded (``max_concurrency``) so the controller's questions are answered at the
-next layer boundary of a running step instead of after it. :class:`RayHandle` is the
+next layer boundary of a running step instead of after it; its model is built, and all its torch
+work -- steps, hand-off adoption and export -- runs, on one thread of its own (the worker's
+``own_thread``: one OpenMP team per actor; the calls' threads only queue and wait). :class:`RayHandle` is the
 controller's handle (every call with a timeout; a dead actor or a missed timeout raises
 :class:`~laser.cluster.handles.InstanceFailure`). KV hand-offs go actor to actor through
 Ray's object store, never through the front end: the prefill actor streams the layers and then
@@ -62,7 +64,8 @@ def start_instances(specs: list[tuple[int, str]], engine_kwargs: dict, threads: 
     front end lets it rejoin). Raises InstanceFailure when one fails to start within
     ``start_timeout_s``."""
     cls = _actor_class()
-    actors = [cls.options(num_cpus=threads or 1, max_restarts=max_restarts).remote(i, role, engine_kwargs, threads)
+    actors = [cls.options(num_cpus=threads or 1, max_restarts=max_restarts).remote(i, role, engine_kwargs, threads,
+                                                                                   own_thread=True)
               for i, role in specs]
     handles = []
     for (i, _), a in zip(specs, actors):

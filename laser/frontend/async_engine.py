@@ -41,7 +41,8 @@ from .admission import (  # noqa: F401 - the admission errors and decision are p
     QueueFullError,
     SLOInfeasibleError,
 )
-from .engine_thread import EngineThread, OwnerThread
+from ..core.owner_thread import OwnerThread
+from .engine_thread import EngineThread
 from .outputs import aborted_output
 from ..core.request import SLO, InvalidRequestError, SamplingParams
 

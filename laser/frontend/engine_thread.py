@@ -4,72 +4,19 @@ Its loop: run the queued commands (adds first, then aborts and anything else) ->
 -> hand the step's outputs to the event loop with one ``loop.call_soon_threadsafe``; arrivals are
 also added at every layer boundary (the engine's arrival hook). With nothing to run it waits on
 an event and checks the allocators' integrity once. After every step it publishes the
-scheduler report that admission reads.
+scheduler report that admission reads. In ``laser serve`` the thread is the
+:class:`~laser.core.owner_thread.OwnerThread` that built the engine (one OpenMP team).
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import threading
 import time
-from typing import Any, Callable
 
 from .admission import EngineStepError, EngineStoppedError
 
 log = logging.getLogger("laser.frontend.async_engine")
-
-
-class OwnerThread:
-    """A thread that builds the engine and later steps it: torch work of one process on one thread.
-
-    Why: each thread that runs OpenMP parallel regions keeps its own team of worker threads
-    (libgomp). An engine built (weights packed, kernels measured, latency profile taken) on the main
-    thread and stepped on another leaves two teams, more OpenMP threads than cores on a machine whose
-    cores are all in use, and libgomp then lets idle workers sleep after ~100 spins instead of ~3 ms
-    (its "throttled" spin count), so every parallel region wakes them through the kernel. Measured on
-    a 2-vCPU AMD EPYC, 2 torch threads, bf16 SmolLM2 at batch 1: 7.8-8.2 ms a step on the thread that
-    built the engine, 31-34 ms on another one; with 1 thread 9.5-10.5 ms either way.
-
-    ``build()`` runs on the new thread at once; :meth:`engine` waits for it and returns the engine
-    (re-raising what ``build`` raised); :meth:`run` later hands the same thread ``target`` (the
-    :class:`~laser.frontend.async_engine.AsyncEngine` loop). The thread is a daemon: an owner never
-    given a target dies with the process.
-    """
-
-    def __init__(self, build: Callable[[], Any], name: str = "laser-engine"):
-        self._built = threading.Event()
-        self._engine: Any = None
-        self._error: BaseException | None = None
-        self._go = threading.Event()
-        self._target: Callable[[], None] | None = None
-        self.thread = threading.Thread(target=self._main, args=(build,), name=name, daemon=True)
-        self.thread.start()
-
-    def _main(self, build: Callable[[], Any]) -> None:
-        try:
-            self._engine = build()
-        except BaseException as e:  # noqa: BLE001 -- handed to the caller of engine()
-            self._error = e
-            return
-        finally:
-            self._built.set()
-        self._go.wait()
-        if self._target is not None:
-            self._target()
-
-    def engine(self) -> Any:
-        """The engine ``build()`` returned (waits for it). Raises what ``build`` raised."""
-        self._built.wait()
-        if self._error is not None:
-            raise self._error
-        return self._engine
-
-    def run(self, target: Callable[[], None]) -> threading.Thread:
-        """Run ``target`` on this thread once the engine is built; returns the thread."""
-        self._target = target
-        self._go.set()
-        return self.thread
 
 
 class EngineThread:

@@ -15,6 +15,11 @@ It has no tokenizer, detokenizer or stop strings: the front end
   next request's long prefill step, and neither do the decode tokens after it;
 * state changes that must not happen mid-step (``abort``, ``adopt``) run between steps.
 
+As an actor (``own_thread``) the model is built on a thread of its own, which runs every step and
+every queued command -- all of the instance's torch work, one OpenMP team; the actor's threads
+only queue and wait, and calls that touch no instance state (``ping``, ``fence_epoch``,
+``receive_kv_layer``, ``describe``) answer on them at once.
+
 The prefill -> decode hand-off (CONTROLLER.md A8, C3), instance to instance
 (:mod:`laser.instance.handoff` keeps its state): the decode instance is chosen when the request
 is routed and comes with it (``add_request(req, route)``). The prefill instance streams the
@@ -66,15 +71,20 @@ class InstanceWorker:
             exits); the scheduler config's role is set to ``role`` (a prefill instance does not
             speculate: it makes no decode token).
         threads: torch intra-op threads of this instance (None: torch's default).
+        own_thread: build the model on a thread of its own (:class:`~laser.core.owner_thread.OwnerThread`)
+            that then runs all of this instance's torch work -- every step and every queued
+            command; the calling threads only queue and wait. For an instance actor, whose calls
+            arrive on several threads: torch work on a thread other than the builder's starts a
+            second OpenMP team, and with 2 threads on 2 busy cores a batch-1 decode step took ~4x
+            as long (docs/benchmarks.md, issue 26). False (in process): built on the caller's
+            thread and run on the threads that call it, as the front end that owns them does.
     """
 
-    def __init__(self, instance_id: int, role: str, engine_kwargs: dict, threads: int | None = None):
-        import torch
-
+    def __init__(self, instance_id: int, role: str, engine_kwargs: dict, threads: int | None = None,
+                 own_thread: bool = False):
         from ..core.config import SchedulerConfig
+        from ..core.owner_thread import OwnerThread
 
-        if threads:
-            torch.set_num_threads(threads)
         kw = dict(engine_kwargs)
         sched = kw.pop("scheduler", None) or SchedulerConfig(policy=kw.get("policy", "laser"))
         kw["scheduler"] = dataclasses.replace(sched, role=role)
@@ -83,7 +93,17 @@ class InstanceWorker:
         self.instance_id = instance_id
         self.role = role
         self.boot_id = uuid.uuid4().hex  # a new process (an actor its host restarted) has a new one
-        self.mi = ModelInstance(**kw)
+
+        def build() -> ModelInstance:
+            import torch
+
+            if threads:
+                torch.set_num_threads(threads)
+            self.owner_ident = threading.get_ident()  # the thread that built the model (and steps it)
+            return ModelInstance(**kw)
+
+        self._owner = OwnerThread(build, name=f"laser-instance-{instance_id}") if own_thread else None
+        self.mi = self._owner.engine() if own_thread else build()
         self._bm = self.mi.kv_cache.block_manager  # this instance's KV pool (its scheduler allocates in it)
         self.core = self.mi.core
         # structured output's masks: the tokenizer (and llguidance's form of it) is loaded when the
@@ -134,16 +154,26 @@ class InstanceWorker:
             self._drain(self._at_boundary)
         self.inbound.drain()
 
+    def _drain_commands(self) -> None:
+        self._drain(self._at_boundary)
+        self._drain(self._between)
+
     def _call(self, fn, at_boundary: bool):
         """Run ``fn`` on this instance's state: by the stepping thread at its next layer boundary
-        (``at_boundary``) or after its step, else at once when no step runs."""
+        (``at_boundary``) or after its step, else at once when no step runs -- on the owner thread
+        (``own_thread``), else on this thread."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         (self._at_boundary if at_boundary else self._between).append((fn, fut))
+        if self._owner is not None:  # a step in flight drains it first; else this job does
+            if threading.get_ident() == self._owner.thread.ident:
+                self._drain_commands()
+            else:
+                self._owner.submit(self._drain_commands)
+            return fut.result()
         while not fut.done():
             if self._lock.acquire(timeout=0.002):
                 try:
-                    self._drain(self._at_boundary)
-                    self._drain(self._between)
+                    self._drain_commands()
                 finally:
                     self._lock.release()
         return fut.result()
@@ -336,19 +366,22 @@ class InstanceWorker:
         if not self.has_work():
             self._wake.wait(IDLE_STEP_WAIT_S)
         self._wake.clear()
-        with self._lock:
-            res, sends = self._step()
+        res, sends = self._step() if self._owner is None else self._owner.call(self._step)
         for route, h in sends:  # straight to the decode instances chosen at routing (not under the lock)
             route.peer.adopt((h, time.time()), route.attempt, route.epoch, route.reply)
         return res
 
     def _step(self) -> tuple[dict, list]:
-        """:meth:`step`'s body, under the lock: its answer and the direct hand-offs to send."""
+        """:meth:`step`'s body (on the owner thread, if any): its answer and the direct hand-offs
+        to send."""
+        with self._lock:
+            return self._step_locked()
+
+    def _step_locked(self) -> tuple[dict, list]:
         if self._stall_s:
             stall, self._stall_s = self._stall_s, 0.0
             time.sleep(stall)
-        self._drain(self._at_boundary)
-        self._drain(self._between)
+        self._drain_commands()
         self.inbound.drain()
         self.adopts.adopt_ready(self._adopt_one)
         t0 = time.perf_counter()
@@ -365,8 +398,7 @@ class InstanceWorker:
         else:
             sends = []
         self._busy_until = 0.0
-        self._drain(self._at_boundary)
-        self._drain(self._between)
+        self._drain_commands()
         adopted, self._adoptions = self._adoptions, []
         return {"events": events, "adopted": adopted, "busy": self.has_work(),
                 "step_s": time.perf_counter() - t0, "report": self._report()}, sends

@@ -201,7 +201,7 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from ..frontend.async_engine import AsyncEngine
-    from ..frontend.engine_thread import OwnerThread
+    from ..core.owner_thread import OwnerThread
     from ..cli import build_engine
     from .app import build_app
 

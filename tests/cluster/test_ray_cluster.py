@@ -96,6 +96,39 @@ def test_1p1d_equals_single_engine(tiny_llama, cluster, single):
     cl.check_integrity(expect_empty=True)
 
 
+def test_instance_actor_runs_its_torch_work_on_the_thread_that_built_it(tiny_llama, cluster, single):
+    """Issue 26: an actor takes calls on several threads; torch work on any thread but the one
+    that built its model starts a second OpenMP team (a 2-thread step was ~4x slower). Every
+    step, arrival and adoption of a 1P1D run must run on the builder's thread."""
+    def record(worker):
+        import threading
+
+        seen = worker.__dict__.setdefault("torch_threads", set())
+        for name in ("step", "add_request", "adopt"):
+            def wrapped(*a, _fn=getattr(worker.core, name), **k):
+                seen.add(threading.get_ident())
+                return _fn(*a, **k)
+            setattr(worker.core, name, wrapped)
+
+    def threads_seen(worker):
+        for name in ("step", "add_request", "adopt"):
+            worker.core.__dict__.pop(name)  # the instance's own methods again
+        return worker.torch_threads, getattr(worker, "owner_ident", None)
+
+    for i in (0, 3):
+        ray.get(cluster[i].actor.__ray_call__.remote(record))
+    prompts = prompts_of(4, base=13)
+    ref = reference(single, prompts)
+    cl = front(tiny_llama, cluster, [0, 3])
+    for i, p in enumerate(prompts):
+        cl.add_request(p, GREEDY, slo=CLASSES[i % len(CLASSES)], req_id=str(i))
+    assert collect(cl.drain(120), {}) == ref
+    for i in (0, 3):
+        seen, owner = ray.get(cluster[i].actor.__ray_call__.remote(threads_seen))
+        assert seen and seen == {owner}, f"instance {i}: torch work on threads {seen}, built on {owner}"
+    cl.check_integrity(expect_empty=True)
+
+
 def test_kill_decode_then_prefill_actor(tiny_llama, cluster, single):
     """6 streams mid-generation lose their decode actor, then 2 prompts mid-prefill lose their
     prefill actor: every request completes with its no-failure tokens, none streamed twice."""

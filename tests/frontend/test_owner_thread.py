@@ -1,5 +1,5 @@
 """The engine of ``laser serve`` is built and stepped on one thread (OwnerThread): a second thread's
-OpenMP team made 2-thread steps ~4x slower (laser.frontend.engine_thread.OwnerThread)."""
+OpenMP team made 2-thread steps ~4x slower (laser.core.owner_thread.OwnerThread)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from laser.core.config import CacheConfig
 from laser.frontend.async_engine import AsyncEngine
 from laser.frontend.engine import Engine
-from laser.frontend.engine_thread import OwnerThread
+from laser.core.owner_thread import OwnerThread
 from laser.server.app import build_app
 from laser.server.cli import LiveServer
 
@@ -51,3 +51,18 @@ def test_a_failed_build_raises_in_the_caller():
     for _ in range(2):  # the same answer every time
         with pytest.raises(ValueError, match="no such model"):
             owner.engine()
+
+
+def test_jobs_run_in_order_on_the_thread_that_built_the_engine():
+    """An instance actor's steps and commands are jobs of its OwnerThread (InstanceWorker own_thread)."""
+    owner = OwnerThread(lambda: threading.get_ident(), name="owner-test")
+    built_on = owner.engine()
+    order = []
+    futs = [owner.submit(lambda i=i: order.append((i, threading.get_ident()))) for i in range(5)]
+    assert owner.call(lambda: owner.call(threading.get_ident)) == built_on  # re-entrant: no deadlock
+    with pytest.raises(KeyError, match="gone"):
+        owner.call(lambda: {}["gone"])
+    assert all(f.done() for f in futs) and order == [(i, built_on) for i in range(5)]
+    owner.close()
+    owner.thread.join(10)
+    assert not owner.thread.is_alive()
