@@ -197,3 +197,70 @@ def test_one_segment_execute_equals_the_layer_by_layer_walk():
                 res.stopped_layer = walk(plan, ex, lambda j: False)
             out.append((clock.t, res.stopped_layer, res.num_layer_calls, res.sampled))
         assert out[0] == out[1]
+
+
+def _mixed_run(steady: bool, num_blocks: int, tight: bool, seed: int):
+    """A mixed (colocated) instance serving a Poisson stream: prefills arrive while others decode."""
+    rng = random.Random(seed)
+    slos = ([SLO(0.01, 0.0014, "strict"), SLO(0.05, 0.004, "loose"), SLO(None, None, "best-effort")] if tight
+            else [SLO(0.1, 0.02, "chat"), SLO(0.2, 0.05, "code"), SLO()])
+    inst = SimInstance("laser", N, LM, SchedulerConfig(role="mixed", max_num_seqs=64), num_blocks=num_blocks,
+                       record_plans=True)
+    inst.scheduler.steady_decode = steady
+    t = 0.0
+    for i in range(40):
+        t += rng.expovariate(300.0)
+        inst.submit(Request([1] * rng.choice([15, 16, 17, rng.randint(1, 120)]),
+                            SamplingParams(max_tokens=rng.choice([1, 17, rng.randint(3, 80)]), ignore_eos=True),
+                            slos[i % 3], arrival_time=t, req_id=f"m{i}"))
+    inst.run()
+    inst.check_integrity(expect_empty=True)
+    s = inst.scheduler
+    done = sorted((r.req_id, tuple(r.token_times), r.finish_time, r.finish_reason, r.num_tbt_misses, r.num_preemptions)
+                  for r in inst.finished)
+    plans = [(p.works, p.predicted) for p in inst.stats.plans]
+    return done, plans, inst.clock.t, s.iteration, s.num_replans, s.num_preemptions, s.num_steady_steps
+
+
+@pytest.mark.parametrize("num_blocks,tight", [(4096, False), (40, False), (4096, True)],
+                         ids=["roomy", "preempting", "alg1-cuts"])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_mixed_instance_steady_steps_equal_the_generic_path(num_blocks, tight, seed):
+    """A mixed instance takes the steady shortcut between arrivals, with the generic path's plans."""
+    on, off = _mixed_run(True, num_blocks, tight, seed), _mixed_run(False, num_blocks, tight, seed)
+    assert on[:-1] == off[:-1]  # every token time, plan, price, preemption, bit for bit
+    assert on[-1] > 0 and off[-1] == 0  # the shortcut ran on the mixed instance
+
+
+def _steady_mixed(n: int = 3, num_blocks: int = 64) -> SimInstance:
+    """A mixed instance whose ``n`` requests all decode at full depth, the last step a steady one."""
+    inst = SimInstance("laser", N, LM, SchedulerConfig(role="mixed"), num_blocks=num_blocks)
+    for i in range(n):
+        inst.add_request(Request([1] * 20, SamplingParams(max_tokens=60, ignore_eos=True), SLO(0.1, 0.02, "chat"),
+                                 req_id=f"s{i}"))
+    for _ in range(10):
+        inst.step()
+    assert inst.scheduler.num_steady_steps > 0
+    return inst
+
+
+@pytest.mark.parametrize("event", ["arrival", "finish", "preemption"])
+def test_mixed_steady_shortcut_yields_to_the_generic_path_after_an_event(event):
+    """An arrival, a finished request or a preemption changes what the plan rests on: the next step
+    is planned by the generic path (and the one after it is steady again)."""
+    inst = _steady_mixed()
+    s = inst.scheduler
+    if event == "arrival":
+        inst.add_request(Request([1] * 30, SamplingParams(max_tokens=5, ignore_eos=True), SLO(0.1, 0.02, "chat"),
+                                 req_id="new"))
+    elif event == "finish":
+        inst.abort("s1")
+    else:
+        s.preempt(s.running[-1])
+    before = s.num_steady_steps
+    plan = inst.schedule()
+    assert s.num_steady_steps == before and plan.works
+    inst.execute(plan)
+    if event == "finish":
+        inst.step()
+        assert s.num_steady_steps == before + 1
