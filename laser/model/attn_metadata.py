@@ -101,7 +101,11 @@ def _kv_index(active, tables, idxs: list[int], bs: int) -> tuple[torch.Tensor, n
 
 
 def _slot_map(active, tables, bs: int) -> torch.Tensor:
-    """[T] KV slots the new tokens of ``active`` write (rows in order)."""
+    """[T] KV slots the new tokens of ``active`` write (rows in order). A decode-only batch (one
+    row per work: most steps) fills one array from a generator, without a part per row."""
+    if all(w.num_tokens == 1 for w in active):
+        return torch.from_numpy(np.fromiter((t[w.token_start // bs] * bs + w.token_start % bs
+                                             for w, t in zip(active, tables)), dtype=np.int64, count=len(active)))
     parts: list = []
     for w, t in zip(active, tables):
         p = w.token_start
@@ -115,6 +119,8 @@ def _slot_map(active, tables, bs: int) -> torch.Tensor:
 
 def _positions(active) -> np.ndarray:
     """[T] positions of the new tokens of ``active`` (rows in order)."""
+    if all(w.num_tokens == 1 for w in active):  # decode only: one position per work
+        return np.fromiter((w.token_start for w in active), dtype=np.int64, count=len(active))
     return np.concatenate([(w.token_start,) if w.num_tokens == 1 else np.arange(w.token_start, w.context_len)
                            for w in active]).astype(np.int64, copy=False)
 
