@@ -45,8 +45,8 @@ def _handoffs(n: int, seed: int, tight: bool = False) -> list[Handoff]:
     return out
 
 
-def _decode_run(steady: bool, num_blocks: int, tight: bool, seed: int):
-    inst = SimInstance("laser", N, LM, SchedulerConfig(role="decode", max_num_seqs=64), num_blocks=num_blocks,
+def _decode_run(steady: bool, num_blocks: int, tight: bool, seed: int, lm=LM):
+    inst = SimInstance("laser", N, lm, SchedulerConfig(role="decode", max_num_seqs=64), num_blocks=num_blocks,
                        record_plans=True)
     inst.scheduler.steady_decode = steady
     for h in _handoffs(40, seed, tight):
@@ -71,6 +71,36 @@ def test_steady_decode_steps_equal_the_generic_path(num_blocks, tight, seed):
         assert on[5] > 0  # the small pool forced preemptions (the shortcut declines those steps)
     if tight:  # Alg. 1 cut requests to L < N layers per iteration (the shortcut declines those steps)
         assert any(w.layer_end < N for works, _ in on[1] for w in works)
+
+
+@pytest.mark.parametrize("role", ["decode", "mixed"])
+def test_steady_steps_price_the_step_overhead_as_the_generic_path(role):
+    """With a latency model that prices the step's own overhead (a profiled engine's), every step's
+    prediction and prefill share are the generic path's (PlanCost's overhead terms included)."""
+    lm = SimpleLatencyModel(num_layers=N, per_layer=2e-4, per_token=2e-6, per_context=1e-8)
+    lm.step_overhead_s, lm.compose_overhead_s, lm.compose_work_s = 3e-4, 5e-5, 2e-6
+    runs = []
+    for steady in (True, False):
+        inst = SimInstance("laser", N, lm, SchedulerConfig(role=role), num_blocks=4096)
+        s = inst.scheduler
+        s.steady_decode = steady
+        if role == "decode":  # prefilled elsewhere
+            for h in _handoffs(4, seed=3):
+                h.request.sampling_params = SamplingParams(max_tokens=30, ignore_eos=True)
+                inst.receive(h, 0.0)
+        else:
+            for i in range(4):
+                inst.add_request(Request([1] * (20 + 7 * i), SamplingParams(max_tokens=30, ignore_eos=True),
+                                         SLO(0.2, 0.004, "chat"), req_id=f"o{i}"))
+        seen = []
+        for _ in range(25):
+            inst._release()
+            plan = inst.schedule()
+            seen.append((plan.works, plan.predicted[1] if plan.predicted else None, s.prefill_rate))
+            inst.execute(plan)
+        runs.append((seen, s.num_steady_steps))
+    assert runs[0][0] == runs[1][0]
+    assert runs[0][1] > 0 and runs[1][1] == 0
 
 
 def _decode_instance(steady: bool, num_blocks: int = 64) -> SimInstance:
