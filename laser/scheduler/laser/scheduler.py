@@ -50,7 +50,7 @@ import time
 
 from ...core.depth import exit_plan
 from ...core.plan import StepPlan, Work
-from ...core.pricing import PlanCost
+from ...core.pricing import PlanCost, full_depth_decode_total
 from ...core.request import Phase, Request
 from ...latency import LatencyModel, SimpleLatencyModel
 from ..base import Scheduler
@@ -261,7 +261,8 @@ class LaserScheduler(Scheduler):
         for r in sorted(grow, key=self.queue_key):  # preempt_for_decode's order (a stable sort)
             if not self.try_allocate(r, r.num_tokens):
                 raise AssertionError(f"{r.req_id}: a block the pool had room for was refused")
-        decode_time = PlanCost(self.lm, n, works).total  # the generic path's price of these works
+        exits = any(w.depth or w.exit_from for w in works)  # (dynamic depth: PlanCost prices each to its depth)
+        decode_time = PlanCost(self.lm, n, works).total if exits else full_depth_decode_total(self.lm, n, works)
         budget = max(0.0, self._iteration_limit(now, decode_time) - decode_time)
         self.prefill_rate = rules.prefill_share(budget, decode_time)
         plan = StepPlan(n, works, predicted=(self.lm, decode_time))
