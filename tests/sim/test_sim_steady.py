@@ -1,4 +1,4 @@
-"""A decode instance's steady steps, built directly (``LaserScheduler._steady_decode_plan``), make
+"""A decode or mixed instance's steady steps, built directly (``LaserScheduler._steady_decode_plan``), make
 the same plans, allocations and virtual times as the generic ``schedule`` path; the simulated
 executor's one-segment run and its per-composition layer price match the walker; a cluster
 instance's reused report equals a fresh one. Each case runs with the shortcut on and off
