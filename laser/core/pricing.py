@@ -26,6 +26,25 @@ def plan_compositions(works, num_layers: int) -> tuple[int, int]:
     return k, n
 
 
+def full_depth_decode_total(lm, num_layers: int, works: list[Work]) -> float:
+    """:class:`PlanCost`'s ``total`` of one decode token per work through every layer (each work
+    ``num_tokens == 1``, layers ``[0, N)``, sampled, no exit plan, no draft), in its float
+    operations and order, without building the segments: one segment of N layers (its
+    ``0.0 + N * t`` is ``N * t``: prices are >= 0), embedding and LM head of every row, the step
+    overhead of one composition when ``lm`` prices it, the grammar mask rows. The price of a
+    steady decode step (:meth:`laser.scheduler.laser.scheduler.LaserScheduler._steady_decode_plan`);
+    ``tests/sim/test_sim_steady.py`` checks it against the general path."""
+    b = len(works)
+    total = (num_layers * lm.layer_time((1,) * b, tuple([w.token_start + 1 for w in works]))
+             + lm.embed_time(b) + lm.head_time(b))
+    if has_step_overhead(lm):
+        total += lm.step_overhead_time(1, b)
+    masked = sum(1 for w in works if w.masked)
+    if masked:
+        total += lm.mask_time(masked)
+    return total
+
+
 class PlanCost:
     """Predicted time (seconds) of a plan, with O(segments) marginal costs: the one owner of
     pricing a plan (``LatencyModel.predict_iteration`` is ``PlanCost(...).total``).

@@ -43,8 +43,9 @@ def build_attn_metadata(active: Sequence[Work], layers: range, bm, rope: tuple[t
     groups: list[AttnGroup] = []
     for part in split_decode(dec):
         kvi, valid = _kv_index(active, canon, part, bs)
-        groups.append(AttnGroup(torch.from_numpy(starts[part].reshape(-1, 1)), kvi,
-                                _additive(valid[:, None, None, :], dtype), None, None,
+        mask = (torch.zeros((len(part), 1, 1, kvi.shape[1]), dtype=dtype) if valid is None
+                else _additive(valid[:, None, None, :], dtype))
+        groups.append(AttnGroup(torch.from_numpy(starts[part].reshape(-1, 1)), kvi, mask, None, None,
                                 {l: _kv_index(active, t, part, bs)[0] for l, t in per_layer.items()},
                                 q_start=int(starts[part[0]])))  # decode rows of a part are consecutive
     if pf:
@@ -70,7 +71,9 @@ def _prefill_group(active, canon, per_layer, pf: list[int], starts: np.ndarray, 
     if not self_causal:
         qpos = np.array([active[i].token_start for i in pf], dtype=np.int64)[:, None] + qi[None, :]  # [B, Q]
         C = kvi.shape[1]
-        allowed = (np.arange(C)[None, None, :] <= qpos[:, :, None]) & valid[:, None, :]  # [B, Q, C]
+        allowed = np.arange(C)[None, None, :] <= qpos[:, :, None]  # [B, Q, C]
+        if valid is not None:
+            allowed &= valid[:, None, :]
         add = _additive(allowed, dtype)
         mask = add[:, None].expand(B, g, Q, C).reshape(B, 1, g * Q, C)
     out_valid = out_rows = None
@@ -85,9 +88,10 @@ def _prefill_group(active, canon, per_layer, pf: list[int], starts: np.ndarray, 
                      causal=self_causal, q_start=q_start)
 
 
-def _kv_index(active, tables, idxs: list[int], bs: int) -> tuple[torch.Tensor, np.ndarray]:
+def _kv_index(active, tables, idxs: list[int], bs: int) -> tuple[torch.Tensor, np.ndarray | None]:
     """[B, C] KV slots of positions ``0..C-1`` of the works ``idxs`` (C = their longest
-    context; pads point at slot 0) and the [B, C] bool array of the real ones."""
+    context; pads point at slot 0) and the [B, C] bool array of the real ones (None when every
+    work's context is C: no pad, e.g. one work)."""
     ctx = np.array([active[i].context_len for i in idxs], dtype=np.int64)
     C = int(ctx.max())
     nb = -(-C // bs)
@@ -96,12 +100,18 @@ def _kv_index(active, tables, idxs: list[int], bs: int) -> tuple[torch.Tensor, n
         t = tables[i][:nb]
         tbl[k, : len(t)] = t
     kvi = (tbl[:, :, None] * bs + np.arange(bs, dtype=np.int64)).reshape(len(idxs), nb * bs)[:, :C]
+    if int(ctx.min()) == C:
+        return torch.from_numpy(np.ascontiguousarray(kvi)), None
     valid = np.arange(C)[None, :] < ctx[:, None]
     return torch.from_numpy(np.where(valid, kvi, 0)), valid
 
 
 def _slot_map(active, tables, bs: int) -> torch.Tensor:
-    """[T] KV slots the new tokens of ``active`` write (rows in order)."""
+    """[T] KV slots the new tokens of ``active`` write (rows in order). A decode-only batch (one
+    row per work: most steps) fills one array from a generator, without a part per row."""
+    if all(w.num_tokens == 1 for w in active):
+        return torch.from_numpy(np.fromiter((t[w.token_start // bs] * bs + w.token_start % bs
+                                             for w, t in zip(active, tables)), dtype=np.int64, count=len(active)))
     parts: list = []
     for w, t in zip(active, tables):
         p = w.token_start
@@ -115,6 +125,8 @@ def _slot_map(active, tables, bs: int) -> torch.Tensor:
 
 def _positions(active) -> np.ndarray:
     """[T] positions of the new tokens of ``active`` (rows in order)."""
+    if all(w.num_tokens == 1 for w in active):  # decode only: one position per work
+        return np.fromiter((w.token_start for w in active), dtype=np.int64, count=len(active))
     return np.concatenate([(w.token_start,) if w.num_tokens == 1 else np.arange(w.token_start, w.context_len)
                            for w in active]).astype(np.int64, copy=False)
 

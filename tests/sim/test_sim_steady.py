@@ -1,4 +1,4 @@
-"""A decode instance's steady steps, built directly (``LaserScheduler._steady_decode_plan``), make
+"""A decode or mixed instance's steady steps, built directly (``LaserScheduler._steady_decode_plan``), make
 the same plans, allocations and virtual times as the generic ``schedule`` path; the simulated
 executor's one-segment run and its per-composition layer price match the walker; a cluster
 instance's reused report equals a fresh one. Each case runs with the shortcut on and off
@@ -45,8 +45,8 @@ def _handoffs(n: int, seed: int, tight: bool = False) -> list[Handoff]:
     return out
 
 
-def _decode_run(steady: bool, num_blocks: int, tight: bool, seed: int):
-    inst = SimInstance("laser", N, LM, SchedulerConfig(role="decode", max_num_seqs=64), num_blocks=num_blocks,
+def _decode_run(steady: bool, num_blocks: int, tight: bool, seed: int, lm=LM):
+    inst = SimInstance("laser", N, lm, SchedulerConfig(role="decode", max_num_seqs=64), num_blocks=num_blocks,
                        record_plans=True)
     inst.scheduler.steady_decode = steady
     for h in _handoffs(40, seed, tight):
@@ -71,6 +71,36 @@ def test_steady_decode_steps_equal_the_generic_path(num_blocks, tight, seed):
         assert on[5] > 0  # the small pool forced preemptions (the shortcut declines those steps)
     if tight:  # Alg. 1 cut requests to L < N layers per iteration (the shortcut declines those steps)
         assert any(w.layer_end < N for works, _ in on[1] for w in works)
+
+
+@pytest.mark.parametrize("role", ["decode", "mixed"])
+def test_steady_steps_price_the_step_overhead_as_the_generic_path(role):
+    """With a latency model that prices the step's own overhead (a profiled engine's), every step's
+    prediction and prefill share are the generic path's (PlanCost's overhead terms included)."""
+    lm = SimpleLatencyModel(num_layers=N, per_layer=2e-4, per_token=2e-6, per_context=1e-8)
+    lm.step_overhead_s, lm.compose_overhead_s, lm.compose_work_s = 3e-4, 5e-5, 2e-6
+    runs = []
+    for steady in (True, False):
+        inst = SimInstance("laser", N, lm, SchedulerConfig(role=role), num_blocks=4096)
+        s = inst.scheduler
+        s.steady_decode = steady
+        if role == "decode":  # prefilled elsewhere
+            for h in _handoffs(4, seed=3):
+                h.request.sampling_params = SamplingParams(max_tokens=30, ignore_eos=True)
+                inst.receive(h, 0.0)
+        else:
+            for i in range(4):
+                inst.add_request(Request([1] * (20 + 7 * i), SamplingParams(max_tokens=30, ignore_eos=True),
+                                         SLO(0.2, 0.004, "chat"), req_id=f"o{i}"))
+        seen = []
+        for _ in range(25):
+            inst._release()
+            plan = inst.schedule()
+            seen.append((plan.works, plan.predicted[1] if plan.predicted else None, s.prefill_rate))
+            inst.execute(plan)
+        runs.append((seen, s.num_steady_steps))
+    assert runs[0][0] == runs[1][0]
+    assert runs[0][1] > 0 and runs[1][1] == 0
 
 
 def _decode_instance(steady: bool, num_blocks: int = 64) -> SimInstance:
@@ -197,3 +227,70 @@ def test_one_segment_execute_equals_the_layer_by_layer_walk():
                 res.stopped_layer = walk(plan, ex, lambda j: False)
             out.append((clock.t, res.stopped_layer, res.num_layer_calls, res.sampled))
         assert out[0] == out[1]
+
+
+def _mixed_run(steady: bool, num_blocks: int, tight: bool, seed: int):
+    """A mixed (colocated) instance serving a Poisson stream: prefills arrive while others decode."""
+    rng = random.Random(seed)
+    slos = ([SLO(0.01, 0.0014, "strict"), SLO(0.05, 0.004, "loose"), SLO(None, None, "best-effort")] if tight
+            else [SLO(0.1, 0.02, "chat"), SLO(0.2, 0.05, "code"), SLO()])
+    inst = SimInstance("laser", N, LM, SchedulerConfig(role="mixed", max_num_seqs=64), num_blocks=num_blocks,
+                       record_plans=True)
+    inst.scheduler.steady_decode = steady
+    t = 0.0
+    for i in range(40):
+        t += rng.expovariate(300.0)
+        inst.submit(Request([1] * rng.choice([15, 16, 17, rng.randint(1, 120)]),
+                            SamplingParams(max_tokens=rng.choice([1, 17, rng.randint(3, 80)]), ignore_eos=True),
+                            slos[i % 3], arrival_time=t, req_id=f"m{i}"))
+    inst.run()
+    inst.check_integrity(expect_empty=True)
+    s = inst.scheduler
+    done = sorted((r.req_id, tuple(r.token_times), r.finish_time, r.finish_reason, r.num_tbt_misses, r.num_preemptions)
+                  for r in inst.finished)
+    plans = [(p.works, p.predicted) for p in inst.stats.plans]
+    return done, plans, inst.clock.t, s.iteration, s.num_replans, s.num_preemptions, s.num_steady_steps
+
+
+@pytest.mark.parametrize("num_blocks,tight", [(4096, False), (40, False), (4096, True)],
+                         ids=["roomy", "preempting", "alg1-cuts"])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_mixed_instance_steady_steps_equal_the_generic_path(num_blocks, tight, seed):
+    """A mixed instance takes the steady shortcut between arrivals, with the generic path's plans."""
+    on, off = _mixed_run(True, num_blocks, tight, seed), _mixed_run(False, num_blocks, tight, seed)
+    assert on[:-1] == off[:-1]  # every token time, plan, price, preemption, bit for bit
+    assert on[-1] > 0 and off[-1] == 0  # the shortcut ran on the mixed instance
+
+
+def _steady_mixed(n: int = 3, num_blocks: int = 64) -> SimInstance:
+    """A mixed instance whose ``n`` requests all decode at full depth, the last step a steady one."""
+    inst = SimInstance("laser", N, LM, SchedulerConfig(role="mixed"), num_blocks=num_blocks)
+    for i in range(n):
+        inst.add_request(Request([1] * 20, SamplingParams(max_tokens=60, ignore_eos=True), SLO(0.1, 0.02, "chat"),
+                                 req_id=f"s{i}"))
+    for _ in range(10):
+        inst.step()
+    assert inst.scheduler.num_steady_steps > 0
+    return inst
+
+
+@pytest.mark.parametrize("event", ["arrival", "finish", "preemption"])
+def test_mixed_steady_shortcut_yields_to_the_generic_path_after_an_event(event):
+    """An arrival, a finished request or a preemption changes what the plan rests on: the next step
+    is planned by the generic path (and the one after it is steady again)."""
+    inst = _steady_mixed()
+    s = inst.scheduler
+    if event == "arrival":
+        inst.add_request(Request([1] * 30, SamplingParams(max_tokens=5, ignore_eos=True), SLO(0.1, 0.02, "chat"),
+                                 req_id="new"))
+    elif event == "finish":
+        inst.abort("s1")
+    else:
+        s.preempt(s.running[-1])
+    before = s.num_steady_steps
+    plan = inst.schedule()
+    assert s.num_steady_steps == before and plan.works
+    inst.execute(plan)
+    if event == "finish":
+        inst.step()
+        assert s.num_steady_steps == before + 1

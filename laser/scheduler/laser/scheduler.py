@@ -50,7 +50,7 @@ import time
 
 from ...core.depth import exit_plan
 from ...core.plan import StepPlan, Work
-from ...core.pricing import PlanCost
+from ...core.pricing import PlanCost, full_depth_decode_total
 from ...core.request import Phase, Request
 from ...latency import LatencyModel, SimpleLatencyModel
 from ..base import Scheduler
@@ -79,8 +79,8 @@ class LaserScheduler(Scheduler):
     replan_threshold = 0.95
     #: Plan iterations to this fraction of T_g: real iterations run a few % over predictions.
     tg_margin = 0.9
-    #: Build a decode instance's steady steps directly (:meth:`_steady_decode_plan`); tests
-    #: switch it off to check that the generic path makes the same plans.
+    #: Build a decode or mixed instance's steady decode steps directly (:meth:`_steady_decode_plan`);
+    #: tests switch it off to check that the generic path makes the same plans.
     steady_decode = True
 
     def __init__(self, config, num_layers, block_manager, icache, latency_model: LatencyModel | None = None,
@@ -224,21 +224,26 @@ class LaserScheduler(Scheduler):
         return works
 
     def _steady_decode_plan(self, now: float) -> StepPlan | None:
-        """The plan :meth:`schedule` makes on a decode instance in steady decode (most of its
-        steps): nothing waiting, no replan due, every running request at full depth (Alg. 1's
-        L = N) from layer 0, a free block for each one whose new token starts a block. The
-        generic path then preempts nobody, allocates those blocks in queue order, runs one token
-        of every request through every layer in running order, prices one segment (:class:`PlanCost`)
-        and sets ``prefill_rate``; this does the same, with the same float operations in the same
-        order (kept: a decode instance spends 92-94 % of its steps here; without it the 16P16D
-        simulation took 1.33x the CPU, docs/benchmarks.md). None, having changed nothing, when
-        the state is not steady."""
-        if (self.config.role != "decode" or self.waiting or self.replan_needed or not self.running
+        """The plan :meth:`schedule` makes in steady decode on a decode or mixed instance (most of
+        their steps): nothing waiting, no prefill left in any running request, no replan due, every
+        running request at full depth (Alg. 1's L = N) from layer 0, a free block for each one whose
+        new token starts a block. The generic path then preempts nobody, merges no prefill (the
+        pending prefills' demand is empty: the prefill budget is the time left under the iteration
+        limit), allocates those blocks in queue order, runs one token of every request through every
+        layer in running order, prices it with :class:`PlanCost` and sets ``prefill_rate``; this does
+        the same, with the same float operations in the same order, without the triage, the demand
+        and the merge (kept: a decode instance spends 92-94 % of its steps here; without it the
+        16P16D simulation took 1.33x the CPU, docs/benchmarks.md; a mixed instance serving chat
+        decodes most of its steps). Any event that changes the inputs -- an arrival (``waiting``;
+        on a mixed instance also ``replan_needed``), a finish, a preemption, an adoption, a new
+        decode request -- sets ``replan_needed`` or leaves a request short of a plan, so the next
+        step takes the generic path. None, having changed nothing, when the state is not steady."""
+        if (self.config.role == "prefill" or self.waiting or self.replan_needed or not self.running
                 or self.speculation is not None):  # (speculating tokens: the generic path prices them)
             return None
         n, plans, covers, decode = self.num_layers, self.plans, self.bm.covers, Phase.DECODE
         grow = []  # requests whose new token starts a block
-        works, ctx = [], []
+        works = []
         for r in self.running:
             p = plans.get(r.req_id)
             if p is None or p.layers < n or r.phase is not decode or r.next_layer:
@@ -250,22 +255,17 @@ class LaserScheduler(Scheduler):
                 grow.append(r)
             works.append(Work(rid, c - 1, 1, 0, n, True, r.masked) if r.sampling_params.dynamic_depth is None
                          else Work(rid, c - 1, 1, 0, n, True, r.masked, *exit_plan(r, c - 1, 1, n)))
-            ctx.append(c)
         if len(grow) > self.bm.min_free():
             return None  # someone would be preempted
+        self.refresh_prefixes()  # (nothing waits: it only notes the cache version, as the generic path does)
         for r in sorted(grow, key=self.queue_key):  # preempt_for_decode's order (a stable sort)
             if not self.try_allocate(r, r.num_tokens):
                 raise AssertionError(f"{r.req_id}: a block the pool had room for was refused")
-        b = len(works)
-        lm = self.lm
-        # PlanCost's sum for one segment of n layers (its 0.0 + n*t is n*t: prices are >= 0)
-        decode_time = n * lm.layer_time((1,) * b, tuple(ctx)) + lm.embed_time(b) + lm.head_time(b)
-        masked = sum(1 for w in works if w.masked)
-        if masked:  # (PlanCost's grammar-mask term)
-            decode_time += lm.mask_time(masked)
+        exits = any(w.depth or w.exit_from for w in works)  # (dynamic depth: PlanCost prices each to its depth)
+        decode_time = PlanCost(self.lm, n, works).total if exits else full_depth_decode_total(self.lm, n, works)
         budget = max(0.0, self._iteration_limit(now, decode_time) - decode_time)
         self.prefill_rate = rules.prefill_share(budget, decode_time)
-        plan = StepPlan(n, works, predicted=(lm, decode_time))
+        plan = StepPlan(n, works, predicted=(self.lm, decode_time))
         self._begin_step(plan)
         self.num_steady_steps += 1
         return plan
