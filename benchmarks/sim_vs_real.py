@@ -115,7 +115,28 @@ def serve_target(stack: ExitStack, args, policy: str, profile, log_dir: str | No
     print(f"laser serve ready in {server.start():.0f} s at {server.base_url}", flush=True)
     target = ClientTarget(server.base_url, label=label)
     target.warmup()
+    target.server = server  # its /metrics: the server-side TTFT (server_ttft)
     return target
+
+
+def server_ttft(server, classes) -> dict:
+    """Per class: (sum, count) of the server's TTFT histogram (``/metrics``: HTTP arrival -> the end
+    of the first token's step, server clock) so far; a probe's own is the difference of two reads."""
+    name = "laser:time_to_first_token_seconds"
+    return {c: (server.metric((name + "_sum",), slo_class=c) or 0.0, server.metric((name + "_count",), slo_class=c) or 0)
+            for c in classes}
+
+
+def server_ttft_line(before: dict, after: dict, probe) -> str:
+    """One line: per class, the served probe's mean TTFT at the server (between ``before`` and
+    ``after``, :func:`server_ttft`) beside the client's (``probe``), in ms."""
+    parts = []
+    for c, (s1, n1) in after.items():
+        s0, n0 = before.get(c, (0.0, 0))
+        cl = probe.summary.per_class.get(c)
+        if n1 > n0:
+            parts.append(f"{c} {1e3 * (s1 - s0) / (n1 - n0):.0f} / {1e3 * (getattr(cl, 'ttft_mean', 0) or 0):.0f}")
+    return "  serve, mean TTFT ms at the server (HTTP arrival -> first token's step) / at the client: " + ", ".join(parts)
 
 
 def frontend_term(target, profile, probes: int) -> float | None:
@@ -230,6 +251,7 @@ def main(argv=None) -> int:
             sim_of["serve"] = "sim-served"
         both = Benchmark(runs, requests, slos, seed=a.seed, probe_timeout_s=a.probe_timeout)
         fractions = [float(x) for x in a.fractions.split(",")]
+        wl_classes = sorted({r.slo_class for r in requests})
         out = {"command": "python benchmarks/sim_vs_real.py " + " ".join(sys.argv[1:]), "workload": wl_desc,
                "slo": cal.to_dict(), "knee_rps": knee, "knee_given": a.knee is not None,
                "profile": {k: meta.get(k) for k in ("created", "threads", "executor", "hardware")},
@@ -238,11 +260,17 @@ def main(argv=None) -> int:
         for f in fractions:
             rate = knee * f
             sims = {lb: both.probe(lb, rate, early_stop=False) for lb in dict.fromkeys(sim_of.values())}
-            rps = {lb: both.probe(lb, rate, early_stop=False) for lb in sim_of}
+            rps, seen = {}, None
+            for lb in sim_of:
+                if lb == "serve":
+                    seen = server_ttft(runs["serve"].server, wl_classes)
+                rps[lb] = both.probe(lb, rate, early_stop=False)
             walls = ", ".join(f"{lb} run {rp.wall_s:.0f} s" for lb, rp in rps.items())
             lines.append(f"rate {rate:.3f} req/s ({f:g}x knee): attainment per class   [sim = SIMULATED (served: "
                          f"+{1e3 * (fe or 0.0):.1f} ms front end), {' / '.join(rps)} = measured; {walls}]")
             lines += class_table({lb: (sims[sim_of[lb]], rp) for lb, rp in rps.items()})
+            if seen is not None:
+                lines.append(server_ttft_line(seen, server_ttft(runs["serve"].server, wl_classes), rps["serve"]))
             out["runs"].append({"fraction": f, "rate_rps": rate,
                                 **{lb: {"overall": sp.attainment, "per_class": sp.class_attainment()}
                                    for lb, sp in sims.items()},
