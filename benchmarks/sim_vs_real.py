@@ -160,8 +160,8 @@ def frontend_term(target, profile, probes: int) -> float | None:
     return fe
 
 
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def parse_args(argv: list[str]):
+    """(this script's parsed flags, the ``laser bench`` flags after ``--``). Exits on a bad flag."""
     extra = []
     if "--" in argv:
         k = argv.index("--")
@@ -193,20 +193,64 @@ def main(argv=None) -> int:
                     help="idle one-token requests that measure the served front end's TTFT share (default %(default)s)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    reals = [x.strip() for x in a.real.split(",") if x.strip()]
-    if not reals or set(reals) - {"inprocess", "serve"}:
+    a.reals = [x.strip() for x in a.real.split(",") if x.strip()]
+    if not a.reals or set(a.reals) - {"inprocess", "serve"}:
         ap.error(f"--real: want inprocess, serve or both, got {a.real!r}")
     if a.knee is not None and not a.knee > 0:
         ap.error(f"--knee: want a rate > 0 req/s, got {a.knee}")
-
-    from laser.bench.cli import build_targets, build_workload, calibrate_slos, parse_policies
-    from laser.bench.runner import Benchmark, saturation_rate
-
-    t0 = time.perf_counter()
     if not any("prefix-caching" in x for x in extra):
         # every rate replays the same prompts: a prefix cache would serve a later rate's prompts from
         # an earlier one's (a served run at 0.8x measured 91 ms mean chat TTFT against 271 ms simulated)
         extra = [*extra, "--no-enable-prefix-caching"]
+    return a, extra
+
+
+def simulated_knee(a, sim, requests, slos) -> float:
+    """``--knee`` when given, else the goodput of the policy on ``sim`` (printed)."""
+    from laser.bench.runner import Benchmark, saturation_rate
+
+    if a.knee is not None:
+        print(f"knee given: {a.knee:.3f} req/s (no search)")
+        return a.knee
+    sims = Benchmark({"sim": sim}, requests, slos, seed=a.seed)
+    cap = saturation_rate(sim, requests, slos)
+    ts = time.perf_counter()
+    gp = sims.goodput(0.1 * cap, cap, a.grid, a.bisect, time_cap_s=a.knee_time_cap)["sim"]
+    knee = gp.goodput_rps
+    print(f"simulated knee (goodput of {a.policy} at 90% attainment): {knee:.3f} req/s [SIMULATED] "
+          f"({len(gp.probes)} simulated probes, {time.perf_counter() - ts:.0f} s"
+          f"{'; stopped by the ' + gp.capped if gp.capped else ''}; pass --knee {knee:.4g} to reuse it)")
+    return knee
+
+
+def compare_at(both, runs: dict, sim_of: dict, rate: float, f: float, fe, wl_classes) -> tuple[list[str], dict]:
+    """Run every simulated and real target of ``both`` at ``rate`` (``f`` x the knee); returns the
+    table's lines and the JSON record. ``sim_of``: real label -> its simulated run's label."""
+    sims = {lb: both.probe(lb, rate, early_stop=False) for lb in dict.fromkeys(sim_of.values())}
+    rps, seen = {}, None
+    for lb in sim_of:
+        if lb == "serve":
+            seen = server_ttft(runs["serve"].server, wl_classes)
+        rps[lb] = both.probe(lb, rate, early_stop=False)
+    walls = ", ".join(f"{lb} run {rp.wall_s:.0f} s" for lb, rp in rps.items())
+    lines = [f"rate {rate:.3f} req/s ({f:g}x knee): attainment per class   [sim = SIMULATED (served: "
+             f"+{1e3 * (fe or 0.0):.1f} ms front end), {' / '.join(rps)} = measured; {walls}]"]
+    lines += class_table({lb: (sims[sim_of[lb]], rp) for lb, rp in rps.items()})
+    if seen is not None:
+        lines.append(server_ttft_line(seen, server_ttft(runs["serve"].server, wl_classes), rps["serve"]))
+    rec = {"fraction": f, "rate_rps": rate,
+           **{lb: {"overall": sp.attainment, "per_class": sp.class_attainment()} for lb, sp in sims.items()},
+           **{lb: {"overall": rp.attainment, "per_class": rp.class_attainment(), "wall_s": rp.wall_s,
+                   "unfinished": rp.unfinished, "sim": sim_of[lb]} for lb, rp in rps.items()}}
+    return lines, rec
+
+
+def main(argv=None) -> int:
+    a, extra = parse_args(list(sys.argv[1:] if argv is None else argv))
+    from laser.bench.cli import build_targets, build_workload, calibrate_slos, parse_policies
+    from laser.bench.runner import Benchmark
+
+    t0 = time.perf_counter()
     flags = ["--policy", a.policy, "--num-prompts", str(a.num_prompts), "--length-scale", str(a.length_scale),
              "--mix", a.mix, "--seed", str(a.seed), "--threads", str(a.threads), "--dtype", a.dtype,
              "--slo-base", a.slo_base, *(["--model", a.model] if a.model else []), *extra]
@@ -227,62 +271,31 @@ def main(argv=None) -> int:
           f"{100 * (meta.get('measurement') or {}).get('clean_fraction', float('nan')):.0f}% of its timings clean)")
     print(f"workload: {wl_desc}")
     print(cal.format())
-
-    if a.knee is None:
-        sims = Benchmark({"sim": sim}, requests, slos, seed=a.seed)
-        cap = saturation_rate(sim, requests, slos)
-        ts = time.perf_counter()
-        gp = sims.goodput(0.1 * cap, cap, a.grid, a.bisect, time_cap_s=a.knee_time_cap)["sim"]
-        knee = gp.goodput_rps
-        print(f"simulated knee (goodput of {a.policy} at 90% attainment): {knee:.3f} req/s [SIMULATED] "
-              f"({len(gp.probes)} simulated probes, {time.perf_counter() - ts:.0f} s"
-              f"{'; stopped by the ' + gp.capped if gp.capped else ''}; pass --knee {knee:.4g} to reuse it)")
-    else:
-        knee = a.knee
-        print(f"knee given: {knee:.3f} req/s (no search)")
+    knee = simulated_knee(a, sim, requests, slos)
     if not knee:
         print("no simulated rate passed: nothing to compare")
         return 1
 
     with ExitStack() as stack:
-        runs = {"sim": sim}
-        sim_of = {}  # real label -> the label of the simulated run it is compared with
-        if "inprocess" in reals:
+        runs, sim_of, fe = {"sim": sim}, {}, None  # sim_of: real label -> the simulated run it is compared with
+        if "inprocess" in a.reals:
             runs["inprocess"], sim_of["inprocess"] = real, "sim"
-        fe = None
-        if "serve" in reals:
+        if "serve" in a.reals:
             runs["serve"] = serve_target(stack, args, specs[0][1], profile, a.log_dir)
             fe = frontend_term(runs["serve"], profile, a.frontend_probes)
             runs["sim-served"] = sim_target(args, a.policy, profile, engine, served=True, label="sim-served")
             sim_of["serve"] = "sim-served"
         both = Benchmark(runs, requests, slos, seed=a.seed, probe_timeout_s=a.probe_timeout)
-        fractions = [float(x) for x in a.fractions.split(",")]
         wl_classes = sorted({r.slo_class for r in requests})
         out = {"command": "python benchmarks/sim_vs_real.py " + " ".join(sys.argv[1:]), "workload": wl_desc,
                "slo": cal.to_dict(), "knee_rps": knee, "knee_given": a.knee is not None,
                "profile": {k: meta.get(k) for k in ("created", "threads", "executor", "hardware")},
                "frontend_ttft_s": fe, "runs": []}
         lines = []
-        for f in fractions:
-            rate = knee * f
-            sims = {lb: both.probe(lb, rate, early_stop=False) for lb in dict.fromkeys(sim_of.values())}
-            rps, seen = {}, None
-            for lb in sim_of:
-                if lb == "serve":
-                    seen = server_ttft(runs["serve"].server, wl_classes)
-                rps[lb] = both.probe(lb, rate, early_stop=False)
-            walls = ", ".join(f"{lb} run {rp.wall_s:.0f} s" for lb, rp in rps.items())
-            lines.append(f"rate {rate:.3f} req/s ({f:g}x knee): attainment per class   [sim = SIMULATED (served: "
-                         f"+{1e3 * (fe or 0.0):.1f} ms front end), {' / '.join(rps)} = measured; {walls}]")
-            lines += class_table({lb: (sims[sim_of[lb]], rp) for lb, rp in rps.items()})
-            if seen is not None:
-                lines.append(server_ttft_line(seen, server_ttft(runs["serve"].server, wl_classes), rps["serve"]))
-            out["runs"].append({"fraction": f, "rate_rps": rate,
-                                **{lb: {"overall": sp.attainment, "per_class": sp.class_attainment()}
-                                   for lb, sp in sims.items()},
-                                **{lb: {"overall": rp.attainment, "per_class": rp.class_attainment(),
-                                        "wall_s": rp.wall_s, "unfinished": rp.unfinished, "sim": sim_of[lb]}
-                                   for lb, rp in rps.items()}})
+        for f in (float(x) for x in a.fractions.split(",")):
+            more, rec = compare_at(both, runs, sim_of, knee * f, f, fe, wl_classes)
+            lines += more
+            out["runs"].append(rec)
         print("\n".join(lines))
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     print(f"total wall time {out['wall_s']:.0f} s")
