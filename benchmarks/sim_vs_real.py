@@ -18,14 +18,20 @@ plan with) and takes it as exact. This benchmark checks that assumption end to e
    flags and the same profile file, driven through HTTP by ``laser bench``'s client:
    ``ClientTarget``, streaming, each request carrying its class and targets in headers);
 4. print the attainment per class side by side (sim, each real run, real - sim), and mean TTFT.
+   The served run is compared with a *served* simulation (``SimTarget(served=True)``): the same
+   profile plus the front end's share of a TTFT (``frontend_ttft_s``), measured on the started
+   server (``laser.bench.frontend_cost``: idle one-token requests, client wall minus the engine's
+   TTFT the server reports) and kept in the profile; the in-process run is compared with the plain
+   simulation. Per rate, the served probe's mean TTFT at the server (``/metrics``) is printed
+   beside the client's.
 
 Target (issue "the real engine behaves like the simulator"): real within 5 points of sim per
 class at both rates. The real runs are measurements: on a busy machine they are slower than the
 profile says (the online calibration, on by default, scales the plans to the machine as it runs).
 
-Usage (SmolLM2 defaults: under 12 minutes on a quiet machine with a cached profile; a first run
-profiles first):
-    python benchmarks/sim_vs_real.py [--policy laser] [--num-prompts 40] [--length-scale 0.15]
+Usage (SmolLM2 defaults: 120 prompts, 30 per code / summarization class, so one request is 3.3
+points; about 7 minutes with a cached profile; a first run profiles first):
+    python benchmarks/sim_vs_real.py [--policy laser] [--num-prompts 120] [--length-scale 0.15]
         [--mix 2:1:1] [--seed 7] [--threads 1] [--fractions 1,0.8] [--real inprocess,serve]
         [--knee RPS] [--json out.json] [-- laser bench flags]
 
@@ -54,23 +60,27 @@ def bench_args(argv: list[str]):
     return p.parse_args(["bench", *argv])
 
 
-def sim_target(args, policy: str, lm, engine):
+def sim_target(args, policy: str, lm, engine, served: bool = False, label: str = "sim"):
     """The policy on a :class:`SimTarget` priced by ``lm``, sized like ``engine`` (KV blocks,
-    block size, intermediate cache, scheduler flags)."""
+    block size, intermediate cache, scheduler flags); ``served``: behind the HTTP front end (every
+    token ``lm.frontend_ttft_s`` later at the client)."""
     from laser.bench.cli import _sched_config
     from laser.bench.runner import SimTarget
 
     bm = engine.kv_cache.block_manager
     return SimTarget(policy, lm, engine.model_config.num_layers, _sched_config(args, policy), num_blocks=bm.num_blocks,
-                     block_size=bm.block_size, icache_tokens=args.intermediate_cache_tokens, label="sim")
+                     block_size=bm.block_size, icache_tokens=args.intermediate_cache_tokens, label=label,
+                     served=served)
 
 
-def class_table(sim, reals: dict) -> list[str]:
-    """Rows: class, sim attainment, then per real run (label -> probe) its attainment and the
-    difference to sim (points), then mean TTFT (ms) of sim and of each real run, and the count."""
-    rows = [f"  {'class':<16} {'sim':>6}" + "".join(f" {lb:>9} {'pts':>6}" for lb in reals)
-            + f"   TTFT ms: {'sim':>6}" + "".join(f" {lb:>9}" for lb in reals) + "  n"]
-    classes = sorted(set(sim.summary.per_class).union(*(r.summary.per_class for r in reals.values())))
+def class_table(pairs: dict) -> list[str]:
+    """Rows: class, then per real run (label -> (its simulated probe, its measured probe)) the
+    simulated and the real attainment and their difference (points), then the mean TTFT (ms) of
+    each simulated and real run, and the count."""
+    rows = [f"  {'class':<16}" + "".join(f" {'sim':>6} {lb:>9} {'pts':>6}" for lb in pairs)
+            + "   TTFT ms:" + "".join(f" {'sim':>6} {lb:>9}" for lb in pairs) + "  n"]
+    probes = [p for pair in pairs.values() for p in pair]
+    classes = sorted(set().union(*(p.summary.per_class for p in probes)))
 
     def pick(probe, c):
         return probe.summary.overall if c == "all" else probe.summary.per_class.get(c)
@@ -79,15 +89,16 @@ def class_table(sim, reals: dict) -> list[str]:
         return "" if x is None else format(x * scale, spec)
 
     for c in [*classes, "all"]:
-        s = pick(sim, c)
-        sa = getattr(s, "attainment", None)
-        line = f"  {c:<16} {num(sa, '6.3f'):>6}"
-        for r in reals.values():
-            ra = getattr(pick(r, c), "attainment", None)
-            line += f" {num(ra, '9.3f'):>9} {'' if sa is None or ra is None else f'{100 * (ra - sa):+6.1f}':>6}"
-        line += f"            {num(getattr(s, 'ttft_mean', None), '6.0f', 1e3):>6}"
-        line += "".join(f" {num(getattr(pick(r, c), 'ttft_mean', None), '9.0f', 1e3):>9}" for r in reals.values())
-        counts = {getattr(pick(r, c), "count", None) for r in reals.values()} - {None}
+        line = f"  {c:<16}"
+        for sp, rp in pairs.values():
+            sa, ra = (getattr(pick(p, c), "attainment", None) for p in (sp, rp))
+            line += (f" {num(sa, '6.3f'):>6} {num(ra, '9.3f'):>9}"
+                     f" {'' if sa is None or ra is None else f'{100 * (ra - sa):+6.1f}':>6}")
+        line += "          "
+        for sp, rp in pairs.values():
+            line += "".join(f" {num(getattr(pick(p, c), 'ttft_mean', None), spec, 1e3):>{w}}"
+                            for p, spec, w in ((sp, "6.0f", 6), (rp, "9.0f", 9)))
+        counts = {getattr(pick(rp, c), "count", None) for _, rp in pairs.values()} - {None}
         rows.append(line + f"  {'/'.join(str(n) for n in sorted(counts))}")
     return rows
 
@@ -110,11 +121,47 @@ def serve_target(stack: ExitStack, args, policy: str, profile, log_dir: str | No
     print(f"laser serve ready in {server.start():.0f} s at {server.base_url}", flush=True)
     target = ClientTarget(server.base_url, label=label)
     target.warmup()
+    target.server = server  # its /metrics: the server-side TTFT (server_ttft)
     return target
 
 
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def server_ttft(server, classes) -> dict:
+    """Per class: (sum, count) of the server's TTFT histogram (``/metrics``: HTTP arrival -> the end
+    of the first token's step, server clock) so far; a probe's own is the difference of two reads."""
+    name = "laser:time_to_first_token_seconds"
+    return {c: (server.metric((name + "_sum",), slo_class=c) or 0.0, server.metric((name + "_count",), slo_class=c) or 0)
+            for c in classes}
+
+
+def server_ttft_line(before: dict, after: dict, probe) -> str:
+    """One line: per class, the served probe's mean TTFT at the server (between ``before`` and
+    ``after``, :func:`server_ttft`) beside the client's (``probe``), in ms."""
+    parts = []
+    for c, (s1, n1) in after.items():
+        s0, n0 = before.get(c, (0.0, 0))
+        cl = probe.summary.per_class.get(c)
+        if n1 > n0:
+            parts.append(f"{c} {1e3 * (s1 - s0) / (n1 - n0):.0f} / {1e3 * (getattr(cl, 'ttft_mean', 0) or 0):.0f}")
+    return "  serve, mean TTFT ms at the server (HTTP arrival -> first token's step) / at the client: " + ", ".join(parts)
+
+
+def frontend_term(target, profile, probes: int) -> float | None:
+    """Measure what ``laser serve``'s front end adds to a TTFT (:func:`laser.bench.frontend_cost.
+    measure_frontend_ttft`, on the idle server behind ``target``) and keep it in ``profile`` as
+    ``frontend_ttft_s`` (the latency model owns measured timings; the served simulation reads it
+    there). Returns it (seconds; None: the server reports no engine TTFT, the profile keeps 0)."""
+    from laser.bench.frontend_cost import measure_frontend_ttft
+
+    fe = measure_frontend_ttft(target.base_url, target.resolve_model(), n=probes)
+    if fe is not None:
+        profile.frontend_ttft_s = fe
+    print(f"front end of laser serve: {'not reported' if fe is None else f'{1e3 * fe:.1f} ms'} per TTFT "
+          f"(median of {probes} idle one-token requests: client wall - the engine's TTFT)", flush=True)
+    return fe
+
+
+def parse_args(argv: list[str]):
+    """(this script's parsed flags, the ``laser bench`` flags after ``--``). Exits on a bad flag."""
     extra = []
     if "--" in argv:
         k = argv.index("--")
@@ -122,7 +169,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--policy", default="laser")
     ap.add_argument("--model", default=None)
-    ap.add_argument("--num-prompts", type=int, default=40)
+    ap.add_argument("--num-prompts", type=int, default=120)
     ap.add_argument("--length-scale", type=float, default=0.15)
     ap.add_argument("--mix", default="2:1:1")
     ap.add_argument("--seed", type=int, default=7)
@@ -142,22 +189,68 @@ def main(argv=None) -> int:
     ap.add_argument("--probe-timeout", type=float, default=60.0,
                     help="seconds a real run may go on after its last arrival (unfinished: misses; "
                          "default %(default)s)")
+    ap.add_argument("--frontend-probes", type=int, default=9,
+                    help="idle one-token requests that measure the served front end's TTFT share (default %(default)s)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    reals = [x.strip() for x in a.real.split(",") if x.strip()]
-    if not reals or set(reals) - {"inprocess", "serve"}:
+    a.reals = [x.strip() for x in a.real.split(",") if x.strip()]
+    if not a.reals or set(a.reals) - {"inprocess", "serve"}:
         ap.error(f"--real: want inprocess, serve or both, got {a.real!r}")
     if a.knee is not None and not a.knee > 0:
         ap.error(f"--knee: want a rate > 0 req/s, got {a.knee}")
-
-    from laser.bench.cli import build_targets, build_workload, calibrate_slos, parse_policies
-    from laser.bench.runner import Benchmark, saturation_rate
-
-    t0 = time.perf_counter()
     if not any("prefix-caching" in x for x in extra):
         # every rate replays the same prompts: a prefix cache would serve a later rate's prompts from
         # an earlier one's (a served run at 0.8x measured 91 ms mean chat TTFT against 271 ms simulated)
         extra = [*extra, "--no-enable-prefix-caching"]
+    return a, extra
+
+
+def simulated_knee(a, sim, requests, slos) -> float:
+    """``--knee`` when given, else the goodput of the policy on ``sim`` (printed)."""
+    from laser.bench.runner import Benchmark, saturation_rate
+
+    if a.knee is not None:
+        print(f"knee given: {a.knee:.3f} req/s (no search)")
+        return a.knee
+    sims = Benchmark({"sim": sim}, requests, slos, seed=a.seed)
+    cap = saturation_rate(sim, requests, slos)
+    ts = time.perf_counter()
+    gp = sims.goodput(0.1 * cap, cap, a.grid, a.bisect, time_cap_s=a.knee_time_cap)["sim"]
+    knee = gp.goodput_rps
+    print(f"simulated knee (goodput of {a.policy} at 90% attainment): {knee:.3f} req/s [SIMULATED] "
+          f"({len(gp.probes)} simulated probes, {time.perf_counter() - ts:.0f} s"
+          f"{'; stopped by the ' + gp.capped if gp.capped else ''}; pass --knee {knee:.4g} to reuse it)")
+    return knee
+
+
+def compare_at(both, runs: dict, sim_of: dict, rate: float, f: float, fe, wl_classes) -> tuple[list[str], dict]:
+    """Run every simulated and real target of ``both`` at ``rate`` (``f`` x the knee); returns the
+    table's lines and the JSON record. ``sim_of``: real label -> its simulated run's label."""
+    sims = {lb: both.probe(lb, rate, early_stop=False) for lb in dict.fromkeys(sim_of.values())}
+    rps, seen = {}, None
+    for lb in sim_of:
+        if lb == "serve":
+            seen = server_ttft(runs["serve"].server, wl_classes)
+        rps[lb] = both.probe(lb, rate, early_stop=False)
+    walls = ", ".join(f"{lb} run {rp.wall_s:.0f} s" for lb, rp in rps.items())
+    lines = [f"rate {rate:.3f} req/s ({f:g}x knee): attainment per class   [sim = SIMULATED (served: "
+             f"+{1e3 * (fe or 0.0):.1f} ms front end), {' / '.join(rps)} = measured; {walls}]"]
+    lines += class_table({lb: (sims[sim_of[lb]], rp) for lb, rp in rps.items()})
+    if seen is not None:
+        lines.append(server_ttft_line(seen, server_ttft(runs["serve"].server, wl_classes), rps["serve"]))
+    rec = {"fraction": f, "rate_rps": rate,
+           **{lb: {"overall": sp.attainment, "per_class": sp.class_attainment()} for lb, sp in sims.items()},
+           **{lb: {"overall": rp.attainment, "per_class": rp.class_attainment(), "wall_s": rp.wall_s,
+                   "unfinished": rp.unfinished, "sim": sim_of[lb]} for lb, rp in rps.items()}}
+    return lines, rec
+
+
+def main(argv=None) -> int:
+    a, extra = parse_args(list(sys.argv[1:] if argv is None else argv))
+    from laser.bench.cli import build_targets, build_workload, calibrate_slos, parse_policies
+    from laser.bench.runner import Benchmark
+
+    t0 = time.perf_counter()
     flags = ["--policy", a.policy, "--num-prompts", str(a.num_prompts), "--length-scale", str(a.length_scale),
              "--mix", a.mix, "--seed", str(a.seed), "--threads", str(a.threads), "--dtype", a.dtype,
              "--slo-base", a.slo_base, *(["--model", a.model] if a.model else []), *extra]
@@ -178,47 +271,31 @@ def main(argv=None) -> int:
           f"{100 * (meta.get('measurement') or {}).get('clean_fraction', float('nan')):.0f}% of its timings clean)")
     print(f"workload: {wl_desc}")
     print(cal.format())
-
-    if a.knee is None:
-        sims = Benchmark({"sim": sim}, requests, slos, seed=a.seed)
-        cap = saturation_rate(sim, requests, slos)
-        ts = time.perf_counter()
-        gp = sims.goodput(0.1 * cap, cap, a.grid, a.bisect, time_cap_s=a.knee_time_cap)["sim"]
-        knee = gp.goodput_rps
-        print(f"simulated knee (goodput of {a.policy} at 90% attainment): {knee:.3f} req/s [SIMULATED] "
-              f"({len(gp.probes)} simulated probes, {time.perf_counter() - ts:.0f} s"
-              f"{'; stopped by the ' + gp.capped if gp.capped else ''}; pass --knee {knee:.4g} to reuse it)")
-    else:
-        knee = a.knee
-        print(f"knee given: {knee:.3f} req/s (no search)")
+    knee = simulated_knee(a, sim, requests, slos)
     if not knee:
         print("no simulated rate passed: nothing to compare")
         return 1
 
     with ExitStack() as stack:
-        runs = {"sim": sim}
-        if "inprocess" in reals:
-            runs["inprocess"] = real
-        if "serve" in reals:
+        runs, sim_of, fe = {"sim": sim}, {}, None  # sim_of: real label -> the simulated run it is compared with
+        if "inprocess" in a.reals:
+            runs["inprocess"], sim_of["inprocess"] = real, "sim"
+        if "serve" in a.reals:
             runs["serve"] = serve_target(stack, args, specs[0][1], profile, a.log_dir)
+            fe = frontend_term(runs["serve"], profile, a.frontend_probes)
+            runs["sim-served"] = sim_target(args, a.policy, profile, engine, served=True, label="sim-served")
+            sim_of["serve"] = "sim-served"
         both = Benchmark(runs, requests, slos, seed=a.seed, probe_timeout_s=a.probe_timeout)
-        fractions = [float(x) for x in a.fractions.split(",")]
+        wl_classes = sorted({r.slo_class for r in requests})
         out = {"command": "python benchmarks/sim_vs_real.py " + " ".join(sys.argv[1:]), "workload": wl_desc,
                "slo": cal.to_dict(), "knee_rps": knee, "knee_given": a.knee is not None,
-               "profile": {k: meta.get(k) for k in ("created", "threads", "executor", "hardware")}, "runs": []}
+               "profile": {k: meta.get(k) for k in ("created", "threads", "executor", "hardware")},
+               "frontend_ttft_s": fe, "runs": []}
         lines = []
-        for f in fractions:
-            rate = knee * f
-            sp = both.probe("sim", rate, early_stop=False)
-            rps = {lb: both.probe(lb, rate, early_stop=False) for lb in runs if lb != "sim"}
-            walls = ", ".join(f"{lb} run {rp.wall_s:.0f} s" for lb, rp in rps.items())
-            lines.append(f"rate {rate:.3f} req/s ({f:g}x knee): attainment per class   [sim = SIMULATED, "
-                         f"{' / '.join(rps)} = measured; {walls}]")
-            lines += class_table(sp, rps)
-            out["runs"].append({"fraction": f, "rate_rps": rate,
-                                "sim": {"overall": sp.attainment, "per_class": sp.class_attainment()},
-                                **{lb: {"overall": rp.attainment, "per_class": rp.class_attainment(),
-                                        "wall_s": rp.wall_s, "unfinished": rp.unfinished} for lb, rp in rps.items()}})
+        for f in (float(x) for x in a.fractions.split(",")):
+            more, rec = compare_at(both, runs, sim_of, knee * f, f, fe, wl_classes)
+            lines += more
+            out["runs"].append(rec)
         print("\n".join(lines))
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     print(f"total wall time {out['wall_s']:.0f} s")

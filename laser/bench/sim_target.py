@@ -44,14 +44,19 @@ def run_sim_pair(p, d, until: float = math.inf, max_steps: int = 2_000_000) -> N
 
 class SimTarget(Target):
     """One policy on simulated instances (virtual time; ``latency_model`` is the clock and
-    what the policy plans with)."""
+    what the policy plans with).
+
+    ``served``: simulate the engine behind ``laser serve``'s HTTP front end: every output token
+    reaches the client ``latency_model.frontend_ttft_s`` later than its step ends (the front end's
+    measured share of a served TTFT; TBT unchanged). False (default): in process, no front end."""
 
     kind = "sim"
     simulated = True
 
     def __init__(self, policy: str, latency_model, num_layers: int | None = None, config=None,
                  num_blocks: int = 4096, block_size: int = 16, icache_tokens: int = 16384,
-                 disaggregated: bool = False, decode_icache_tokens: int = 2048, label: str | None = None):
+                 disaggregated: bool = False, decode_icache_tokens: int = 2048, label: str | None = None,
+                 served: bool = False):
         from laser.core.config import SchedulerConfig
 
         self.policy = policy
@@ -62,13 +67,20 @@ class SimTarget(Target):
         self.icache_tokens, self.decode_icache_tokens = icache_tokens, decode_icache_tokens
         self.disaggregated = disaggregated
         self.label = label or policy
+        self.served = served
         self.last_sims: list = []
 
     def describe(self) -> dict:
         return {**super().describe(), "policy": self.policy, "disaggregated": self.disaggregated,
                 "latency_model": type(self.lm).__name__, "num_layers": self.num_layers,
+                "frontend_ttft_s": self.frontend_s(),
                 "num_blocks": self.num_blocks, "block_size": self.block_size,
                 "scheduler": dataclasses.asdict(self.config)}
+
+    def frontend_s(self) -> float:
+        """Seconds the front end adds to each token's arrival at the client: the latency model's
+        ``frontend_ttft_s`` when ``served``, else 0.0."""
+        return float(getattr(self.lm, "frontend_ttft_s", 0.0) or 0.0) if self.served else 0.0
 
     def _sim(self, role: str, icache: int):
         from laser.sim import SimInstance
@@ -110,6 +122,10 @@ class SimTarget(Target):
             self.last_sims = [p, d]
             final = [d.adopted.get(r.req_id, r) for r in reqs]
         records = [record_from_request(r) for r in final]
+        fe = self.frontend_s()
+        if fe > 0.0:  # served: the client reads every token fe later (TBT gaps unchanged)
+            for rec in records:
+                rec.token_times = [t + fe for t in rec.token_times]
         if all(r.finished for r in records):
             for s in self.last_sims:
                 s.scheduler.check_integrity(expect_empty=True)

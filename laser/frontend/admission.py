@@ -82,9 +82,15 @@ class QueueAwareAdmission:
     def predict(self, entry: QueueEntry, now: float, arrival: float | None = None,
                 view: SchedulerReport | None = None) -> float:
         """Predicted TTFT (seconds, from ``arrival``; default ``now``) of ``entry`` queued on
-        ``view`` (default :meth:`view`): :func:`laser.scheduler.ttft.predict_ttft`."""
+        ``view`` (default :meth:`view`): :func:`laser.scheduler.ttft.predict_ttft`, plus what the
+        HTTP front end adds to a served TTFT (the model's measured ``frontend_ttft_s``; admission
+        runs behind the server only)."""
         return predict_ttft(view or self.view(now), entry, self.latency_model, self.start(now),
-                            now if arrival is None else arrival, self.model)
+                            now if arrival is None else arrival, self.model) + self.frontend_s()
+
+    def frontend_s(self) -> float:
+        """The latency model's ``frontend_ttft_s`` (seconds; 0.0 without a model or a measurement)."""
+        return float(getattr(self.latency_model, "frontend_ttft_s", 0.0) or 0.0)
 
     def decide(self, prompt_len: int, slo: SLO, arrival: float, now: float, view: SchedulerReport,
                on_infeasible: str, slo_classes, cached: int = 0) -> tuple["Admission", SchedulerReport]:
@@ -116,7 +122,7 @@ class QueueAwareAdmission:
                 return Admission(warm, slo, pred, True, entry, "warm"), self.with_entry(view, entry)
             if on_infeasible == "reject":
                 idle = replace(view, queue=(), decode_contexts=(), decode_tbts=(), busy=False)
-                alone = predict_ttft(idle, entry, self.latency_model, now, now, self.model)
+                alone = predict_ttft(idle, entry, self.latency_model, now, now, self.model) + self.frontend_s()
                 raise SLOInfeasibleError(pred, slo, sum(e.key <= entry.key for e in view.queue), alone)
         # (the next prompt of the call queues behind it)
         return Admission(slo, slo, pred, False, entry), self.with_entry(view, entry)

@@ -73,7 +73,8 @@ class RequestStream:
     may share (``n > 1``, batched prompts); a failure arrives as a :class:`StreamError`.
     """
 
-    __slots__ = ("req_id", "prompt_token_ids", "admission", "queue", "last", "first_token_seen", "done", "added")
+    __slots__ = ("req_id", "prompt_token_ids", "admission", "queue", "last", "first_token_seen", "done", "added",
+                 "added_time")
 
     def __init__(self, req_id: str, prompt_token_ids: list[int], admission: Admission, queue: asyncio.Queue):
         self.req_id = req_id
@@ -84,6 +85,7 @@ class RequestStream:
         self.first_token_seen = False
         self.done = False
         self.added: asyncio.Future | None = None  # resolves when the engine has the request
+        self.added_time: float | None = None  # engine clock when the engine took it (its result)
 
 
 @dataclass
@@ -354,12 +356,11 @@ class AsyncEngine(EngineThread):
         self._num_submitted += 1  # the engine thread counts adds in this same order
         if admission.entry is not None:
             self.queue_admission.admitted(self._num_submitted, admission.entry)
-        fut = self._submit(
-            lambda e: e.add_request(
-                prompt_token_ids, sampling_params, admission.slo, req_id=req_id, arrival_time=arrival
-            ).arrival_time,
-            arrival=True,
-        )
+        def add(e) -> float:  # engine thread: the request in, and when (engine clock)
+            e.add_request(prompt_token_ids, sampling_params, admission.slo, req_id=req_id, arrival_time=arrival)
+            return e.clock()
+
+        fut = self._submit(add, arrival=True)
         stream.added = asyncio.wrap_future(fut)
         stream.added.add_done_callback(lambda f, s=stream: self._on_added(s, f))
         return stream
@@ -369,6 +370,8 @@ class AsyncEngine(EngineThread):
             if self._streams.get(s.req_id) is s:
                 del self._streams[s.req_id]
             self._mark_done(s)
+        else:
+            s.added_time = fut.result()
 
     async def add_request(self, *args, **kwargs) -> RequestStream:
         """:meth:`submit`, then wait until the engine has the request. If the caller is

@@ -156,6 +156,15 @@ class LatencyModel:
     #: profiler (:func:`laser.profiler.mask.measure_mask_row_s`) or estimated from the vocabulary
     #: (:func:`laser.profiler.mask.estimate_mask_row_s`).
     mask_row_s: float = 0.0
+    #: What the HTTP front end adds to a served request's TTFT beyond the engine's own (seconds;
+    #: 0.0: in process or not measured): the client's TTFT minus the engine's (first token - the
+    #: engine's add) on an idle server -- HTTP parse, tokenization, admission, the hop to the engine
+    #: thread, the first chunk's detokenize / SSE / client read. Measured against a running server
+    #: (:func:`laser.bench.frontend_cost.measure_frontend_ttft`) and kept in the profile; added by the
+    #: simulator to a served setup's token times (``SimTarget(served=True)``) and by the server's
+    #: admission to its TTFT predictions, never by the in-process path. Per-token delivery (SSE) was
+    #: measured not to lengthen TBT (client TPOT = server TPOT within 0.1 ms), so it has no term.
+    frontend_ttft_s: float = 0.0
     #: Dynamic depth's exit checks and K/V fill (:class:`laser.core.depth.ExitCost`) of the
     #: exit heads the instance serves with (set by it: ``ModelInstance.enable_dynamic_depth``,
     #: ``SimInstance(depth_model=...)``); None: a plan prices none.

@@ -140,6 +140,11 @@ class ScaledLatencyModel(LatencyModel):
     def compose_work_s(self) -> float:  # type: ignore[override]
         return self.factor * self.inner.compose_work_s
 
+    @property
+    def frontend_ttft_s(self) -> float:  # type: ignore[override]
+        """The inner model's (the front end is not engine compute: the calibration does not scale it)."""
+        return getattr(self.inner, "frontend_ttft_s", 0.0)
+
     def step_overhead_time(self, compositions: int, composed_works: int) -> float:
         return self.factor * self.inner.step_overhead_time(compositions, composed_works)
 

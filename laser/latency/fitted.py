@@ -180,6 +180,8 @@ class FittedLatencyModel(LatencyModel):
     step_overhead_s: float = 0.0
     compose_overhead_s: float = 0.0
     compose_work_s: float = 0.0
+    # The HTTP front end's share of a served TTFT (LatencyModel.frontend_ttft_s); 0.0: not measured.
+    frontend_ttft_s: float = 0.0
     # A decode layer call (every entry one token) inside a whole step: its stateless modules and per-call
     # overhead cost decode_step_scale of the same call timed alone, its attention decode_step_attention_scale
     # (fitted from DecodeStepSamples by forms with "instep"; 1.0: priced as timed alone).
@@ -236,6 +238,7 @@ class FittedLatencyModel(LatencyModel):
         model = fit(self.samples, num_layers=self.num_layers, metadata=self.metadata, widths=widths, folds=folds,
                     form=form if form in FORMS else DEFAULT_FORM)
         model.mask_row_s = self.mask_row_s  # measured apart from the samples (laser.profiler.mask)
+        model.frontend_ttft_s = self.frontend_ttft_s  # measured against a server (laser.bench.frontend_cost)
         return model
 
     # -- file -------------------------------------------------------------------------
@@ -257,6 +260,7 @@ class FittedLatencyModel(LatencyModel):
                 "step_overhead_s": self.step_overhead_s,
                 "compose_overhead_s": self.compose_overhead_s,
                 "compose_work_s": self.compose_work_s,
+                "frontend_ttft_s": self.frontend_ttft_s,
                 "decode_step_scale": self.decode_step_scale,
                 "decode_step_attention_scale": self.decode_step_attention_scale,
             },
@@ -290,6 +294,7 @@ class FittedLatencyModel(LatencyModel):
                 step_overhead_s=float(m.get("step_overhead_s", 0.0)),  # (absent before issue 26: 0, not measured)
                 compose_overhead_s=float(m.get("compose_overhead_s", 0.0)),
                 compose_work_s=float(m.get("compose_work_s", 0.0)),
+                frontend_ttft_s=float(m.get("frontend_ttft_s", 0.0)),  # (absent before it was measured: 0)
                 decode_step_scale=float(m.get("decode_step_scale", 1.0)),  # (absent before profiler 10: 1)
                 decode_step_attention_scale=float(m.get("decode_step_attention_scale", 1.0)),
                 metadata={k: v for k, v in meta.items() if k != "num_layers"},
@@ -315,7 +320,7 @@ class FittedLatencyModel(LatencyModel):
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be finite and > 0, got {v}")
-        for name in ("mask_row_s", "step_overhead_s", "compose_overhead_s", "compose_work_s"):
+        for name in ("mask_row_s", "step_overhead_s", "compose_overhead_s", "compose_work_s", "frontend_ttft_s"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be finite and >= 0, got {v}")

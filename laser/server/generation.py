@@ -287,6 +287,9 @@ class Generation(RequestFields):
         reqs = [s.final for s in subs if s.final is not None]  # the outputs' copies, not live requests
         if reqs and reqs[0].token_times:
             info["ttft_ms"] = (reqs[0].token_times[0] - reqs[0].arrival_time) * 1e3
+            added = getattr(subs[0].stream, "added_time", None)
+            if added is not None:  # the engine's own TTFT: from when it took the request (no front end)
+                info["engine_ttft_ms"] = (reqs[0].token_times[0] - added) * 1e3
         if reqs and all(s.final.finish_reason in ("stop", "length") for s in subs):
             info["slo_met"] = all(all(r.slo_outcome()) for r in reqs)
         moved = [r for r in reqs if r.num_failovers]
