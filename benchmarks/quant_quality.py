@@ -180,7 +180,7 @@ def main() -> None:
             e.step()
         outs[q] = [r.output_token_ids for r in reqs]
         prompt_ids = prompt_ids or [list(r.prompt_token_ids) for r in reqs]
-    for q in quants[1:]:
+    for q in quants[1:] if prompts else ():  # --prompts 0: teacher-forced figures only
         frac, same = agreement(outs["none"], outs[q], args.new_tokens)
         row = {"dataset": "sharegpt-greedy", "reference": "none", "quantization": q, "prompts": len(prompts),
                "new_tokens": args.new_tokens, "prefix_fraction": frac, "identical": same}
@@ -192,7 +192,7 @@ def main() -> None:
         from build_llama_server import binary_path  # benchmarks/ is sys.path[0] when run as a script
 
         binary = str(binary_path()) if binary_path().is_file() else "none"
-    if binary != "none":
+    if binary != "none" and prompts:
         ref = llama_cpp_greedy(binary, prompt_ids, args.new_tokens)
         for q in quants:
             frac, same = agreement(ref, outs[q], args.new_tokens)
