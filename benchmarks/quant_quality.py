@@ -41,8 +41,10 @@ from laser.model.llama import AttnGroup, AttnMetadata, LlamaModel  # noqa: E402
 from laser.core.request import SamplingParams  # noqa: E402
 
 
-def sequence_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
-    """[T, V] float32 logits of every position of ``ids`` (one causal prefill, own KV buffer)."""
+def sequence_logits(model: LlamaModel, ids: list[int], head_rows: int = 0) -> torch.Tensor:
+    """[T, V] float32 logits of every position of ``ids`` (one causal prefill, own KV buffer);
+    ``head_rows`` > 0: the final norm + LM head in chunks of that many rows (what decode steps of
+    that batch run: the head's decode kernel, e.g. W8A8, instead of the prefill path)."""
     c, T = model.config, len(ids)
     kv = model.kv
     model.bind_kv_cache(torch.zeros(c.num_layers, 2, T, c.num_kv_heads, c.head_dim, dtype=model.dtype))
@@ -53,7 +55,8 @@ def sequence_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
         h = model.embed(torch.tensor(ids))
         for i in range(c.num_layers):
             h = model.forward_layer(i, h, meta)
-        out = model.compute_logits(h)
+        out = model.compute_logits(h) if head_rows <= 0 else torch.cat(
+            [model.compute_logits(h[i : i + head_rows]) for i in range(0, T, head_rows)])
     model.bind_kv_cache(kv)
     return out
 
@@ -132,6 +135,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--head-rows", type=int, default=0,
+                    help="teacher-forced logits through the LM head in chunks of this many rows (its decode "
+                         "kernel, as a decode batch of that size); 0: one prefill call")
     ap.add_argument("--json", default=None)
     ap.add_argument("--llama-server", default=None,
                     help="llama-server binary for the llama.cpp agreement (default: the one "
@@ -154,7 +160,7 @@ def main() -> None:
         for q, e in engines.items():
             nll, n, agree = 0.0, 0, 0
             for s, ref in zip(seqs, ref_logits):
-                lg = ref if q == "none" else sequence_logits(e.model, s)
+                lg = ref if q == "none" else sequence_logits(e.model, s, args.head_rows)
                 lp = torch.log_softmax(lg[:-1], dim=-1)
                 nll -= float(lp.gather(1, torch.tensor(s[1:])[:, None]).sum())
                 n += len(s) - 1
@@ -174,7 +180,7 @@ def main() -> None:
             e.step()
         outs[q] = [r.output_token_ids for r in reqs]
         prompt_ids = prompt_ids or [list(r.prompt_token_ids) for r in reqs]
-    for q in quants[1:]:
+    for q in quants[1:] if prompts else ():  # --prompts 0: teacher-forced figures only
         frac, same = agreement(outs["none"], outs[q], args.new_tokens)
         row = {"dataset": "sharegpt-greedy", "reference": "none", "quantization": q, "prompts": len(prompts),
                "new_tokens": args.new_tokens, "prefix_fraction": frac, "identical": same}
@@ -186,7 +192,7 @@ def main() -> None:
         from build_llama_server import binary_path  # benchmarks/ is sys.path[0] when run as a script
 
         binary = str(binary_path()) if binary_path().is_file() else "none"
-    if binary != "none":
+    if binary != "none" and prompts:
         ref = llama_cpp_greedy(binary, prompt_ids, args.new_tokens)
         for q in quants:
             frac, same = agreement(ref, outs[q], args.new_tokens)

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from . import w8a8
 from .quant import QuantLinear
 
 #: Row counts timed; the crossover is one of them.
@@ -40,6 +41,9 @@ CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 #: The dense matmul must be at least this much faster (time ratio) to take rows from the kernel:
 #: the kernel path keeps no extra copy of the weight, so near-ties stay with it.
 DENSE_MARGIN = 0.9
+#: W8A8 must be at least this much faster than the weight-only kernel to take its rows (it keeps
+#: one more packed copy of the weight and rounds the activations to 8 bits).
+W8A8_MARGIN = 0.9
 _REPEATS = 5
 
 
@@ -80,19 +84,41 @@ def measure_crossover(lin: QuantLinear, dtype: torch.dtype, repeats: int = _REPE
     """
     cap = QuantLinear.KERNEL_MAX_ROWS[lin.qw.kind]
     dense = lin.dense_weight(dtype).contiguous()
+    kernel_s, dense_s = _median_times(lin, dtype, (lin.kernel, lambda a: F.linear(a, dense)), repeats)
+    return pick_crossover(kernel_s, dense_s, cap)
+
+
+def _median_times(lin: QuantLinear, dtype: torch.dtype, fns: tuple, repeats: int) -> tuple[dict[int, float], ...]:
+    """Per function of ``fns`` (each ``x [M, K] -> y``), its median time (seconds) per row count
+    of :data:`CANDIDATE_ROWS` on random ``dtype`` activations: interleaved (every function, per
+    row count, ``repeats`` rounds after one warm-up round)."""
     gen = torch.Generator().manual_seed(0)
     xs = {m: torch.randn(m, lin.qw.shape[1], generator=gen).to(dtype) for m in CANDIDATE_ROWS}
-    times: dict[int, tuple[list[float], list[float]]] = {m: ([], []) for m in CANDIDATE_ROWS}
+    times = {m: tuple([] for _ in fns) for m in CANDIDATE_ROWS}
     with torch.inference_mode():
         for r in range(repeats + 1):
             for m, x in xs.items():
-                for j, fn in enumerate((lin.kernel, lambda a: F.linear(a, dense))):
+                for j, fn in enumerate(fns):
                     t = time.perf_counter()
                     fn(x)
                     if r:
                         times[m][j].append(time.perf_counter() - t)
-    return pick_crossover({m: statistics.median(t[0]) for m, t in times.items()},
-                          {m: statistics.median(t[1]) for m, t in times.items()}, cap)
+    return tuple({m: statistics.median(t[j]) for m, t in times.items()} for j in range(len(fns)))
+
+
+def measure_w8a8(lin: QuantLinear, dtype: torch.dtype, repeats: int = _REPEATS) -> int:
+    """The smallest row count of :data:`CANDIDATE_ROWS` from which W8A8 (:mod:`laser.model.w8a8`)
+    is clearly faster than ``lin``'s weight-only decode kernel (under :data:`W8A8_MARGIN` of its
+    median time there and at the next row count), ``w8a8.OFF`` if none. Packs the W8A8 weight
+    (kept only where it wins). Raises RuntimeError where oneDNN's ops are missing."""
+    lin.use_w8a8(1)
+    ops = lin.w8a8
+    own_s, w8a8_s = _median_times(lin, dtype, (lin.weight_only, lambda a: w8a8.matmul(a, *ops)), repeats)
+    rows = sorted(own_s)
+    wins = [w8a8_s[m] < W8A8_MARGIN * own_s[m] for m in rows]
+    first = next((rows[i] for i in range(len(rows)) if wins[i] and (i + 1 == len(rows) or wins[i + 1])), w8a8.OFF)
+    lin.use_w8a8(first)
+    return first
 
 
 def pick_crossover(kernel_s: dict[int, float], dense_s: dict[int, float], cap: int) -> int:
@@ -139,6 +165,8 @@ def choose_kernel_rows(linears: list[QuantLinear], dtype: torch.dtype) -> str:
     chosen: dict[str, int] = {}
     measured = 0
     for lin in linears:
+        measured += _choose_w8a8(lin, dtype, f"{key}|{lin.qw.kind}|{lin.path}|w8a8|{lin.qw.shape[0]}x{lin.qw.shape[1]}|"
+                                 f"{str(dtype).removeprefix('torch.')}", cache, chosen)
         k = f"{key}|{lin.qw.kind}|{lin.path}|{lin.qw.shape[0]}x{lin.qw.shape[1]}|{str(dtype).removeprefix('torch.')}"
         if k not in chosen:
             if k not in cache:
@@ -162,18 +190,43 @@ def choose_kernel_rows(linears: list[QuantLinear], dtype: torch.dtype) -> str:
     for lin in linears:
         per_kind.setdefault(lin.qw.kind, set()).add(lin.kernel_max_rows)
     rows = ", ".join(f"{kind} up to {'/'.join(map(str, sorted(r)))}" for kind, r in sorted(per_kind.items()))
+    w8 = sorted({lin.w8a8_min_rows for lin in linears if lin.w8a8_min_rows <= lin.kernel_max_rows})
+    if w8:
+        rows += f" (int8 from {'/'.join(map(str, w8))} rows as W8A8: int8 activations per row, oneDNN)"
     how = f"measured on this CPU for {measured} weight shapes" if measured else "read from the cache"
     return (f"quantized decode rows through the kernels: {rows} ({how}; LASER_QUANT_ROWS=fixed for the "
             f"defaults); more rows run a dense matmul" +
             (f" over dequantized copies kept in memory: +{extra / 1e6:.0f} MB" if extra else ""))
 
 
+def _choose_w8a8(lin: QuantLinear, dtype: torch.dtype, k: str, cache: dict, chosen: dict) -> int:
+    """Set ``lin``'s W8A8 rows (:meth:`QuantLinear.use_w8a8`) from ``cache[k]`` or by
+    :func:`measure_w8a8` (int8 weights, ``$LASER_QUANT_W8A8=measure``; else leaves them as
+    constructed). Returns 1 if it measured (``cache`` updated), else 0."""
+    if lin.qw.kind != "int8" or w8a8.w8a8_mode() != "measure" or not w8a8.available():
+        return 0
+    if k in chosen or k in cache:
+        lin.use_w8a8(int(chosen.get(k, cache.get(k))))
+        chosen[k] = lin.w8a8_min_rows
+        return 0
+    try:
+        cache[k] = chosen[k] = measure_w8a8(lin, dtype)
+    except (RuntimeError, MemoryError) as e:  # the weight-only kernel always works
+        logging.getLogger(__name__).warning("measuring W8A8 failed (%s); int8 stays weight-only", e)
+        lin.use_w8a8(w8a8.OFF)
+        cache[k] = chosen[k] = w8a8.OFF
+    return 1
+
+
 def rows_label(linears: list[QuantLinear]) -> str:
     """The crossovers that differ from the defaults as a short executor-path label (e.g.
-    ``int4r8`` or ``int4r8.16``; ``""`` when every one is the default): a different crossover
-    is a different machine to the latency model."""
+    ``int4r8`` or ``int4r8.16``; ``""`` when every one is the default), and ``w8a8r{n}`` where
+    int8 rows from ``n`` run W8A8: a different kernel or crossover is a different machine to
+    the latency model."""
     parts = {}
     for lin in linears:
         if lin.kernel_max_rows != QuantLinear.KERNEL_MAX_ROWS[lin.qw.kind]:
             parts.setdefault(lin.qw.kind, set()).add(lin.kernel_max_rows)
-    return "-".join(f"{k}r{'.'.join(map(str, sorted(v)))}" for k, v in sorted(parts.items()))
+    w8 = {lin.w8a8_min_rows for lin in linears if lin.w8a8_min_rows <= lin.kernel_max_rows}
+    labels = [f"{k}r{'.'.join(map(str, sorted(v)))}" for k, v in sorted(parts.items())]
+    return "-".join(labels + ([f"w8a8r{'.'.join(map(str, sorted(w8)))}"] if w8 else []))

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import w8a8
+
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 INT4_GROUP = 32  # GGUF's block of 32 inputs (Q4_0 / Q4_1 / the sub-blocks of Q4_K)
 
@@ -145,7 +147,8 @@ class QuantLinear:
         RuntimeError: the kernels are missing from this torch build (at construction).
     """
 
-    __slots__ = ("qw", "b", "packed", "scales", "kernel_max_rows", "act_dtype", "gemv", "dense")
+    __slots__ = ("qw", "b", "packed", "scales", "kernel_max_rows", "act_dtype", "gemv", "dense", "w8a8",
+                 "w8a8_min_rows")
     # crossovers measured (see above); laser.model.kernel_rows measures them per CPU kind
     KERNEL_MAX_ROWS = {"int4": 64, "int8": 32}
 
@@ -157,6 +160,10 @@ class QuantLinear:
         # a dequantized copy [N, K] for the rows past the crossover (laser.model.kernel_rows keeps
         # one where the dense matmul wins below the default crossover); None: dequantize per call
         self.dense: torch.Tensor | None = None
+        # int8 weights: oneDNN's W8A8 operands (laser.model.w8a8) for decode rows from
+        # w8a8_min_rows (set per CPU kind by laser.model.kernel_rows; w8a8.OFF: none)
+        self.w8a8: tuple[torch.Tensor, ...] | None = None
+        self.w8a8_min_rows = w8a8.OFF
         if qw.kind == "int8":
             self.packed = qw.q.contiguous()
             self.scales = qw.scale.to(self.act_dtype)
@@ -168,11 +175,32 @@ class QuantLinear:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qw.q.to(torch.int32).contiguous(), 1)
             # [K / g, N, 2]: (scale, zero) per group and output
             self.scales = torch.stack([qw.scale, qw.zero], dim=-1).transpose(0, 1).contiguous().to(self.act_dtype)
+        if qw.kind == "int8" and w8a8.w8a8_mode() == "on":
+            self.use_w8a8(1)
+
+    def use_w8a8(self, min_rows: int) -> None:
+        """Run decode rows from ``min_rows`` on through :mod:`laser.model.w8a8` (``w8a8.OFF``:
+        none, and its packed copy is dropped); packs the weight (~N*K bytes more) on first use,
+        with the same bf16-rounded scales as the other paths.
+
+        Raises:
+            ValueError: the weight is not int8. RuntimeError: oneDNN's ops are missing.
+        """
+        if min_rows >= w8a8.OFF:
+            self.w8a8, self.w8a8_min_rows = None, w8a8.OFF
+            return
+        if self.qw.kind != "int8":
+            raise ValueError(f"W8A8 needs an int8 weight, not {self.qw.kind}")
+        if self.w8a8 is None:
+            self.w8a8 = w8a8.pack(self.qw.q, self.scales.float())
+        self.w8a8_min_rows = min_rows
 
     @property
     def path(self) -> str:
-        """Which decode kernel runs: ``"compiled-gemv"`` (:class:`CompiledGemv`) or ``"aten"``."""
-        return "compiled-gemv" if self.gemv is not None else "aten"
+        """Which decode kernel runs: ``"compiled-gemv"`` (:class:`CompiledGemv`) or ``"aten"``,
+        with ``"+w8a8r{n}"`` where rows from ``n`` run :mod:`laser.model.w8a8`."""
+        base = "compiled-gemv" if self.gemv is not None else "aten"
+        return base + (f"+w8a8r{self.w8a8_min_rows}" if self.w8a8_min_rows <= self.kernel_max_rows else "")
 
     def warm_up(self) -> None:
         """Compile (or load from the on-disk cache) this weight's decode graphs now, not at the
@@ -191,7 +219,15 @@ class QuantLinear:
         return y if self.b is None else y + self.b
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` [M, K] @ w.T through the decode kernel (no bias), [M, N] in ``x``'s dtype."""
+        """``x`` [M, K] @ w.T through the decode kernel (no bias), [M, N] in ``x``'s dtype:
+        W8A8 from :attr:`w8a8_min_rows` rows, else the weight-only kernel."""
+        if x.shape[0] >= self.w8a8_min_rows:
+            return w8a8.matmul(x, *self.w8a8).to(x.dtype)
+        return self.weight_only(x)
+
+    def weight_only(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [M, K] @ w.T through the weight-only decode kernel (compiled GEMV or aten; no
+        bias), [M, N] in ``x``'s dtype."""
         if self.gemv is not None:
             return self._compiled(x.float().contiguous()).to(x.dtype)
         same = x.dtype == self.act_dtype  # bf16 models: no casts around the kernel (each a dispatch)
@@ -217,7 +253,7 @@ class QuantLinear:
             setattr(new, name, getattr(self, name))
         new.packed, new.scales = ops[0], ops[1]
         new.b = ops[2] if len(ops) > 2 else None
-        new.kernel_max_rows, new.gemv, new.dense = 1 << 62, None, None
+        new.kernel_max_rows, new.gemv, new.dense, new.w8a8_min_rows = 1 << 62, None, None, w8a8.OFF
         return new
 
     def dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
