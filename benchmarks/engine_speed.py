@@ -42,17 +42,18 @@ from laser.model.loader import resolve_model  # noqa: E402
 from laser.core.request import SamplingParams  # noqa: E402
 
 
-SWITCHES = ("LASER_QUANT_GEMV", "LASER_QUANT_ROWS", "LASER_FUSED_DECODE")
+SWITCHES = ("LASER_QUANT_GEMV", "LASER_QUANT_ROWS", "LASER_FUSED_DECODE", "LASER_PREFILL_ATTN")
 
 
 @contextlib.contextmanager
-def executor_switches(gemv: str = "", rows: str = "", fused: str = ""):
+def executor_switches(gemv: str = "", rows: str = "", fused: str = "", attn: str = ""):
     """Within the block, the executor switches read at model load: the int8 decode kernel
     (``compiled`` / ``aten``: ``$LASER_QUANT_GEMV``), the kernels' row crossover (``measure`` /
-    ``fixed``: ``$LASER_QUANT_ROWS``) and the fused decode layers (``0`` / ``1``:
-    ``$LASER_FUSED_DECODE``); an empty value leaves a switch as it is. Restored on exit."""
+    ``fixed``: ``$LASER_QUANT_ROWS``), the fused decode layers (``0`` / ``1``:
+    ``$LASER_FUSED_DECODE``) and the bf16 prefill attention (``blocked`` / ``sdpa``:
+    ``$LASER_PREFILL_ATTN``); an empty value leaves a switch as it is. Restored on exit."""
     saved = {k: os.environ.get(k) for k in SWITCHES}
-    for k, v in zip(SWITCHES, (gemv, rows, fused)):
+    for k, v in zip(SWITCHES, (gemv, rows, fused, attn)):
         if v:
             os.environ[k] = v
     try:
@@ -184,7 +185,9 @@ def main() -> None:
                     help="comma-separated Laser weight formats to run side by side (none, int8, int4, auto; "
                          "auto:aten = auto with int8 decode rows through aten's kernel, not the compiled GEMV; "
                          "auto::fixed = auto with the kernels' default row crossover, not the measured one; "
-                         "auto:::0 / auto:::1 = auto with the decode layers eager / fused, LASER_FUSED_DECODE)")
+                         "auto:::0 / auto:::1 = auto with the decode layers eager / fused, LASER_FUSED_DECODE; "
+                         "none::::sdpa / none::::blocked = bf16 prefill attention through the flash kernel / "
+                         "blocked matmuls, LASER_PREFILL_ATTN)")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -195,14 +198,16 @@ def main() -> None:
     quants = args.quantizations.split(",")
 
     def make_engine(q: str) -> Engine:
-        """``q``: a quantization, or ``<quantization>:<gemv>[:<rows>[:<fused>]]`` with the int8 decode
+        """``q``: a quantization, or ``<quantization>:<gemv>[:<rows>[:<fused>[:<attn>]]]`` with the int8 decode
         kernel (``compiled`` or ``aten``: ``$LASER_QUANT_GEMV``; empty: the default), the kernels' row
         crossover (``measure`` or ``fixed``: ``$LASER_QUANT_ROWS``) and the fused decode layers
-        (``0`` or ``1``: ``$LASER_FUSED_DECODE``) set while the engine is built."""
+        (``0`` or ``1``: ``$LASER_FUSED_DECODE``) and the bf16 prefill attention (``blocked`` or ``sdpa``:
+        ``$LASER_PREFILL_ATTN``) set while the engine is built."""
         q, _, opts = q.partition(":")
         gemv, _, opts = opts.partition(":")
-        rows, _, fused = opts.partition(":")
-        with executor_switches(gemv, rows, fused):
+        rows, _, opts = opts.partition(":")
+        fused, _, attn = opts.partition(":")
+        with executor_switches(gemv, rows, fused, attn):
             return Engine(
                 str(path) if q == "none" else None, policy="vllm", dtype=dtype, quantization=q,
                 scheduler=SchedulerConfig(policy="vllm", max_num_batched_tokens=4096),
