@@ -203,14 +203,12 @@ class LlamaModel:
             self.fused, msg = prepare_fused(self)
             if msg:
                 log.info(msg)
-        parts = []
-        if qlins:
-            parts = ["compiled-int8" if any(m.gemv is not None for m in qlins) else "", rows_label(qlins),
-                     "fused" if self.fused is not None else ""]
         if self.blocked_attn:
             log.info("bf16 prefill attention: blocked matmuls from %d rows (LASER_PREFILL_ATTN=sdpa for the flash "
                      "kernel)", MIN_ROWS)
-            parts.append("pattn")
+        parts = [] if not qlins else ["compiled-int8" if any(m.gemv is not None for m in qlins) else "",
+                                      rows_label(qlins)]
+        parts += ["pattn" if self.blocked_attn else "", "fused" if self.fused is not None else ""]
         # another machine to the latency model: its own profile (laser.profiler.executor_path_of)
         path = "-".join(p for p in parts if p)
         if path:
