@@ -3,9 +3,9 @@
 On a CPU without AMX (AVX512-BF16 EPYC, 1 thread) torch's fused CPU attention kernel
 (``scaled_dot_product_attention``, the flash kernel) reaches ~14-25 % of the bf16 matmul peak on
 a 512-token SmolLM2 prefill (9 query heads, 3 KV heads, head_dim 64): 9-12 ms of a ~36 ms layer
-whose four matmuls run at 89-105 % of the peak of a 2048^3 matmul. Its inner products run as many
-small GEMMs on 32-row query tiles with their own packing, and its online softmax rescales the
-output tile per key block.
+whose four matmuls run at 89-105 % of the peak of a 2048^3 matmul. It runs many small GEMMs (a
+query tile against a key block at a time) and an online softmax that rescales the output tile
+after each key block.
 
 :func:`blocked_causal_attention` runs the same attention as a few large batched matmuls: the
 queries in blocks of :data:`BLOCK` rows, each block against its causal key prefix only (so the
