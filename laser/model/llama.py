@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from ..core.config import ModelConfig
 from .kernel_rows import choose_kernel_rows, rows_label
 from .fused import prepare_fused
+from .prefill import MIN_ROWS, blocked_causal_attention, uses_blocked_attention
 from .quant import QuantLinear, concat, prepare_decode_kernels
 
 log = logging.getLogger(__name__)
@@ -190,6 +191,8 @@ class LlamaModel:
         # decode rows through compiled graphs of the glue around the quantized matmuls
         # (laser.model.fused.FusedDecode); None: every row runs the eager methods
         self.fused = None
+        # bf16 causal prefill groups through blocked matmuls (laser.model.prefill), not the flash kernel
+        self.blocked_attn = uses_blocked_attention(dtype)
         self._init_rope()
         qlins = [m for L in self.layers for m in (L.qkv, L.o, L.gate_up, L.down) if isinstance(m, QuantLinear)]
         if self.lm_head_q is not None:
@@ -200,11 +203,16 @@ class LlamaModel:
             self.fused, msg = prepare_fused(self)
             if msg:
                 log.info(msg)
-            # another machine to the latency model: its own profile (laser.profiler.executor_path_of)
-            path = "-".join(p for p in ("compiled-int8" if any(m.gemv is not None for m in qlins) else "",
-                                        rows_label(qlins), "fused" if self.fused is not None else "") if p)
-            if path:
-                self.executor_path = path
+        if self.blocked_attn:
+            log.info("bf16 prefill attention: blocked matmuls from %d rows (LASER_PREFILL_ATTN=sdpa for the flash "
+                     "kernel)", MIN_ROWS)
+        parts = [] if not qlins else ["compiled-int8" if any(m.gemv is not None for m in qlins) else "",
+                                      rows_label(qlins)]
+        parts += ["pattn" if self.blocked_attn else "", "fused" if self.fused is not None else ""]
+        # another machine to the latency model: its own profile (laser.profiler.executor_path_of)
+        path = "-".join(p for p in parts if p)
+        if path:
+            self.executor_path = path
 
     def _init_rope(self) -> None:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -353,11 +361,14 @@ class LlamaModel:
             B, Q = grp.q_index.shape
             if grp.causal:
                 a = grp.q_start
-                qs = q[a : a + Q].transpose(0, 1).unsqueeze(0)  # [1, Hq, Q, d]
-                ks = k[a : a + Q].transpose(0, 1).unsqueeze(0)  # [1, kvh, Q, d]
-                vs = v[a : a + Q].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
-                o = o[0].transpose(0, 1)  # [Q, Hq, d]
+                if self.blocked_attn and Q >= MIN_ROWS:
+                    o = blocked_causal_attention(q[a : a + Q], k[a : a + Q], v[a : a + Q])
+                else:
+                    qs = q[a : a + Q].transpose(0, 1).unsqueeze(0)  # [1, Hq, Q, d]
+                    ks = k[a : a + Q].transpose(0, 1).unsqueeze(0)  # [1, kvh, Q, d]
+                    vs = v[a : a + Q].transpose(0, 1).unsqueeze(0)
+                    o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+                    o = o[0].transpose(0, 1)  # [Q, Hq, d]
                 if out is None:
                     return o
                 out[a : a + Q] = o

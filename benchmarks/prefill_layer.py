@@ -1,0 +1,106 @@
+"""Where a bf16 prefill layer's time goes: one decoder layer of the embedded SmolLM2 over T prompt
+tokens, piece by piece, against the matmul peak of the dtype.
+
+Times, interleaved in one process (median of ``--repeats`` rounds, each piece once per round):
+  - each layer matmul (QKV, O, gate+up as one matmul, down) through the model's own ``Linear``,
+    with its FLOP rate and share of the peak (a 2048^3 matmul in the same dtype, as
+    ``engine_speed.py`` measures it), and the same matmul through a oneDNN-prepacked weight
+    (``mkldnn._linear_pointwise`` over ``_reorder_linear_weight``: what inductor's weight
+    prepacking runs);
+  - causal attention: torch's flash kernel (``scaled_dot_product_attention``) and the blocked
+    matmuls of :mod:`laser.model.prefill`, with their share of the peak (causal FLOPs);
+  - the glue: ``qkv_of`` minus its matmul (RMSNorm, RoPE), ``finish_of`` minus its three
+    matmuls (residual adds, RMSNorm, SiLU * up);
+  - the LM head for the last row (what a prefill computes) and for all T rows (what it avoids).
+
+    python benchmarks/prefill_layer.py [--tokens 512] [--threads 1] [--repeats 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from engine_speed import cpu_kind, matmul_peak  # noqa: E402  (benchmarks/ is sys.path[0])
+from laser.model.llama import LlamaModel  # noqa: E402
+from laser.model.loader import load_config, load_weights, resolve_model  # noqa: E402
+from laser.model.prefill import blocked_causal_attention  # noqa: E402
+
+
+def interleaved(fns: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each callable in ``fns``, timed round-robin ``repeats`` times after a warm-up."""
+    for f in fns.values():
+        f()
+    times = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, f in fns.items():
+            t = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=15)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    bf = torch.bfloat16
+    path = resolve_model(None)
+    c = load_config(path)
+    m = LlamaModel(c, load_weights(path), bf)
+    L, T = m.layers[0], args.tokens
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(T, c.hidden_size, generator=g).to(bf)
+    attn = torch.randn(T, c.num_heads, c.head_dim, generator=g).to(bf)
+    cos, sin = m.rope_cos[:T], m.rope_sin[:T]
+    q, k, v = m.qkv_of(L, h, cos, sin)
+    sd = [x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)]
+    mats = {"qkv": (L.qkv, c.hidden_size), "o": (L.o, c.q_size), "gate_up": (L.gate_up, c.hidden_size),
+            "down": (L.down, c.intermediate_size)}
+    xs = {n: torch.randn(T, kk, generator=g).to(bf) for n, (_, kk) in mats.items()}
+    packed = {n: torch.ops.mkldnn._reorder_linear_weight(lin.w, T) for n, (lin, _) in mats.items()}
+    fns = {}
+    for n, (lin, _) in mats.items():
+        fns[n] = lambda lin=lin, x=xs[n]: lin(x)
+        fns[n + " prepacked"] = lambda p=packed[n], x=xs[n]: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+    fns["attention flash"] = lambda: F.scaled_dot_product_attention(*sd, is_causal=True, enable_gqa=True)
+    fns["attention blocked"] = lambda: blocked_causal_attention(q, k, v)
+    fns["qkv_of"] = lambda: m.qkv_of(L, h, cos, sin)
+    fns["finish_of"] = lambda: m.finish_of(L, h, attn)
+    fns["head last row"] = lambda: m.compute_logits(h[-1:])
+    fns["head all rows"] = lambda: m.compute_logits(h)
+    with torch.inference_mode():
+        peak = matmul_peak(bf)
+        t = interleaved(fns, args.repeats)
+    print(f"{cpu_kind()}; {torch.get_num_threads()} threads; {T} tokens; bf16 peak {peak / 1e9:.1f} GFLOP/s (2048^3)")
+    for n, (lin, kk) in mats.items():
+        fl = 2 * T * kk * lin.w.shape[0]
+        print(f"  {n:8s} [{T}x{kk}] x [{kk}x{lin.w.shape[0]}]: {t[n] * 1e3:6.2f} ms = {fl / t[n] / peak:4.0%} of peak; "
+              f"prepacked {t[n + ' prepacked'] / t[n]:.2f}x the time")
+    afl = 2 * 2 * c.q_size * T * (T + 1) / 2
+    for n in ("attention flash", "attention blocked"):
+        print(f"  {n:18s}: {t[n] * 1e3:6.2f} ms = {afl / t[n] / peak:4.0%} of peak")
+    glue_a = t["qkv_of"] - t["qkv"]
+    glue_b = t["finish_of"] - t["o"] - t["gate_up"] - t["down"]
+    print(f"  glue: norm+RoPE {glue_a * 1e3:.2f} ms, residuals+norm+SiLU*up {glue_b * 1e3:.2f} ms")
+    layer = t["qkv_of"] + t["finish_of"]
+    for n in ("attention flash", "attention blocked"):
+        tot = layer + t[n]
+        mm = sum(t[x] for x in mats)
+        print(f"  layer with {n}: {tot * 1e3:.2f} ms (matmuls {mm / tot:.0%}, attention {t[n] / tot:.0%}, glue "
+              f"{(glue_a + glue_b) / tot:.0%}); {c.num_layers} layers at {T / (tot * c.num_layers):.0f} tok/s")
+    print(f"  LM head: last row {t['head last row'] * 1e3:.2f} ms, all {T} rows {t['head all rows'] * 1e3:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Prefill attention in bf16: the causal attention of one sequence as blocked matmuls.
+
+On a CPU without AMX (AVX512-BF16 EPYC, 1 thread) torch's fused CPU attention kernel
+(``scaled_dot_product_attention``, the flash kernel) reaches ~14-25 % of the bf16 matmul peak on
+a 512-token SmolLM2 prefill (9 query heads, 3 KV heads, head_dim 64): 9-12 ms of a ~36 ms layer
+whose four matmuls run at 89-105 % of the peak of a 2048^3 matmul. It runs many small GEMMs (a
+query tile against a key block at a time) and an online softmax that rescales the output tile
+after each key block.
+
+:func:`blocked_causal_attention` runs the same attention as a few large batched matmuls: the
+queries in blocks of :data:`BLOCK` rows, each block against its causal key prefix only (so the
+masked upper triangle costs nothing beyond the diagonal block), with the query heads that share a
+KV head stacked into the rows of one matmul (grouped-query attention without repeating K/V). The
+whole prefix fits in one score tile, so the softmax is the exact row softmax (no online
+rescaling: the tiling over queries of FlashAttention, Dao et al. NeurIPS'22, without the key
+loop). Everything between the bf16 inputs and output runs in fp32: a bf16 QK^T would round the
+scores to 8 bits before the exponential (max error against fp64 5x the flash kernel's, measured),
+and an fp32 PV matmul costs no more than a bf16 one at these shapes (N = head_dim = 64, where
+oneDNN's bf16 GEMM runs at ~25 % of its peak) while keeping the probabilities unrounded: the
+max error against an fp64 reference is the flash kernel's or below (0.008-0.012 at 128-1024
+rows, inputs of std 2).
+
+The model runs it for the causal groups of bf16 prefill steps (a sequence with no cached
+context: :attr:`laser.model.llama.AttnGroup.causal`) of at least :data:`MIN_ROWS` rows;
+``$LASER_PREFILL_ATTN`` = ``blocked`` (the default) or ``sdpa`` (the flash kernel everywhere).
+fp32 models never take it (their results stay bit-for-bit those of the exactness tests). Each
+query row's output depends only on its own sequence's rows (per-block matmuls, per-row softmax).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+#: Query rows per block: of 16/32/64/128 the best or near it at 128-2048 rows (SmolLM2 shapes, 1 thread).
+BLOCK = 32
+#: Fewest rows of a causal group that run the blocked kernel (below it the flash kernel is as fast).
+MIN_ROWS = 128
+
+
+def prefill_attn_mode() -> str:
+    """``$LASER_PREFILL_ATTN``: ``blocked`` (the default) or ``sdpa``. Raises ValueError on
+    another value."""
+    mode = os.environ.get("LASER_PREFILL_ATTN", "blocked")
+    if mode not in ("blocked", "sdpa"):
+        raise ValueError(f"LASER_PREFILL_ATTN={mode!r}: use blocked or sdpa")
+    return mode
+
+
+def uses_blocked_attention(dtype: torch.dtype) -> bool:
+    """Whether a model in ``dtype`` runs :func:`blocked_causal_attention` (bf16 and the switch on)."""
+    return dtype == torch.bfloat16 and prefill_attn_mode() == "blocked"
+
+
+def blocked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """Causal grouped-query attention of one sequence (query i attends to keys 0..i).
+
+    Args:
+        q: [Q, Hq, d] queries (any strides), bf16.
+        k, v: [Q, kvh, d] keys and values of the same Q positions; ``Hq`` a multiple of ``kvh``.
+        block: query rows per matmul block.
+    Returns:
+        [Q, Hq, d] in ``q``'s dtype, scaled by ``d ** -0.5`` like ``scaled_dot_product_attention``.
+    """
+    Q, nh, d = q.shape
+    kvh = k.shape[1]
+    g = nh // kvh
+    scale = d ** -0.5
+    out = torch.empty(Q, nh, d, dtype=q.dtype)
+    # [kvh, g, Q, d]: the g query heads of each KV head side by side, scaled once in fp32
+    qg = q.view(Q, kvh, g, d).permute(1, 2, 0, 3).float().mul_(scale)
+    kt = k.permute(1, 2, 0).float()  # [kvh, d, Q]
+    vt = v.transpose(0, 1).float()  # [kvh, Q, d]
+    tri = torch.full((block, block), float("-inf")).triu_(1)  # the diagonal block's causal mask
+    for a in range(0, Q, block):
+        e = min(a + block, Q)
+        n = e - a
+        s = torch.bmm(qg[:, :, a:e].reshape(kvh, g * n, d), kt[:, :, :e]).view(kvh, g, n, e)
+        s[..., a:e].add_(tri[:n, :n])
+        p = torch.softmax(s, dim=-1).view(kvh, g * n, e)
+        out[a:e] = torch.bmm(p, vt[:, :e]).view(kvh, g, n, d).permute(2, 0, 1, 3).reshape(n, nh, d)
+    return out

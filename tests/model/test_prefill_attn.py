@@ -1,0 +1,94 @@
+"""bf16 prefill attention through blocked matmuls (laser.model.prefill): agrees with the flash
+kernel within bf16 rounding, the model takes it only for bf16 causal groups of MIN_ROWS rows or
+more, the executor path and startup log name it, and the switch turns it off."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from laser.core.config import CacheConfig, SchedulerConfig
+from laser.core.request import SamplingParams
+from laser.frontend.engine import Engine
+from laser.model import llama
+from laser.model.llama import LlamaModel
+from laser.model.loader import load_config, load_weights
+from laser.model.prefill import MIN_ROWS, blocked_causal_attention
+
+
+def reference(q, k, v):
+    """fp64 causal GQA attention of [Q, H, d] inputs -> [Q, Hq, d]."""
+    t = lambda x: x.double().transpose(0, 1).unsqueeze(0)  # noqa: E731
+    return F.scaled_dot_product_attention(t(q), t(k), t(v), is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("rows,heads,kv_heads,dim,block", [(200, 9, 3, 64, 32), (37, 4, 2, 16, 16), (5, 4, 4, 16, 32)])
+def test_blocked_attention_agrees_with_the_flash_kernel(rows, heads, kv_heads, dim, block):
+    gen = torch.Generator().manual_seed(rows)
+    q = (2 * torch.randn(rows, heads, dim, generator=gen)).bfloat16()
+    k = (2 * torch.randn(rows, kv_heads, dim, generator=gen)).bfloat16()
+    v = torch.randn(rows, kv_heads, dim, generator=gen).bfloat16()
+    ref = reference(q, k, v)
+    out = blocked_causal_attention(q, k, v, block)
+    assert out.shape == (rows, heads, dim) and out.dtype == torch.bfloat16
+    flash = F.scaled_dot_product_attention(*(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)), is_causal=True,
+                                           enable_gqa=True)[0].transpose(0, 1)
+    err, flash_err = (out.double() - ref).abs().max(), (flash.double() - ref).abs().max()
+    assert err <= max(2 * flash_err, 0.02), (err, flash_err)
+    # strided views (what the model passes: slices of the fused QKV output) give the same result
+    qkv = torch.cat([q, k, v], dim=1)
+    views = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+    assert torch.equal(blocked_causal_attention(*views, block), out)
+
+
+def build(path, dtype, monkeypatch, mode="blocked"):
+    monkeypatch.setenv("LASER_PREFILL_ATTN", mode)
+    return LlamaModel(load_config(path), load_weights(path), dtype)
+
+
+def test_path_log_and_switch(tiny_llama, monkeypatch, caplog):
+    with caplog.at_level(logging.INFO, logger="laser.model.llama"):
+        bf = build(tiny_llama, torch.bfloat16, monkeypatch)
+    assert bf.blocked_attn and bf.executor_path == "pattn" and "blocked matmuls" in caplog.text
+    fp32 = build(tiny_llama, torch.float32, monkeypatch)
+    assert not fp32.blocked_attn and getattr(fp32, "executor_path", None) is None
+    off = build(tiny_llama, torch.bfloat16, monkeypatch, mode="sdpa")
+    assert not off.blocked_attn and getattr(off, "executor_path", None) is None
+    with pytest.raises(ValueError, match="LASER_PREFILL_ATTN"):
+        build(tiny_llama, torch.bfloat16, monkeypatch, mode="yes")
+
+
+def run_engine(path, monkeypatch, mode, prompts):
+    """Greedy tokens of ``prompts``, each added after the step that prefilled the one before (a
+    fresh prompt's prefill beside the earlier requests' decode rows: one causal group)."""
+    monkeypatch.setenv("LASER_PREFILL_ATTN", mode)
+    e = Engine(str(path), policy="vllm", dtype="bfloat16", cache=CacheConfig(num_blocks=256),
+               scheduler=SchedulerConfig(policy="vllm", max_num_batched_tokens=4096))
+    reqs = []
+    for p in prompts:
+        reqs.append(e.add_request(p, SamplingParams(max_tokens=6, temperature=0)))
+        e.step()
+    while e.has_unfinished():
+        e.step()
+    return [r.output_token_ids for r in reqs]
+
+
+def test_engine_prefill_runs_blocked_attention_and_keeps_the_tokens(tiny_llama, monkeypatch):
+    """Long bf16 prompts prefill through the blocked kernel (a short one through the flash kernel),
+    and the first greedy token of a random model's well-separated logits is the flash kernel's; a
+    prompt's first token is the same alone as prefilled beside other requests' decode rows."""
+    calls = []
+    real = llama.blocked_causal_attention
+    monkeypatch.setattr(llama, "blocked_causal_attention", lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
+    prompts = [[(7 * i + 3 * j) % 500 + 5 for j in range(n)] for i, n in enumerate((20, MIN_ROWS + 70, MIN_ROWS))]
+    blocked = run_engine(tiny_llama, monkeypatch, "blocked", prompts)
+    layers = load_config(tiny_llama).num_layers
+    assert sorted(set(calls)) == [MIN_ROWS, MIN_ROWS + 70] and len(calls) == 2 * layers
+    calls.clear()
+    # the prefill's token (later bf16 decode steps of a random model may flip near-ties)
+    assert [t[0] for t in run_engine(tiny_llama, monkeypatch, "sdpa", prompts)] == [t[0] for t in blocked]
+    assert not calls
+    assert [run_engine(tiny_llama, monkeypatch, "blocked", [p])[0][0] for p in prompts] == [t[0] for t in blocked]
