@@ -125,6 +125,30 @@ def build_engine(spec: str) -> Engine:
                       scheduler=SchedulerConfig(policy="vllm", max_num_batched_tokens=4096))
 
 
+def perplexity_rows(engines: dict, ids: dict[str, list[list[int]]], head_rows: int = 0) -> list[dict]:
+    """Teacher-forced perplexity of each engine's model on each dataset's token ids, and its top-1
+    agreement with the reference ``engines["none"]`` (logits through the head in chunks of
+    ``head_rows`` rows; 0: one prefill call). One row per (dataset, quantization), printed as it comes."""
+    rows = []
+    for name, seqs in ids.items():
+        ref_logits = [sequence_logits(engines["none"].model, s) for s in seqs]
+        for q, e in engines.items():
+            nll, n, agree = 0.0, 0, 0
+            for s, ref in zip(seqs, ref_logits):
+                lg = ref if q == "none" else sequence_logits(e.model, s, head_rows)
+                lp = torch.log_softmax(lg[:-1], dim=-1)
+                nll -= float(lp.gather(1, torch.tensor(s[1:])[:, None]).sum())
+                n += len(s) - 1
+                agree += int((lg.argmax(-1) == ref.argmax(-1)).sum())
+            tokens = sum(len(s) for s in seqs)
+            row = {"dataset": name, "quantization": q, "perplexity": math.exp(nll / n), "tokens": n,
+                   "top1_agreement": agree / tokens}
+            rows.append(row)
+            print(f"{name:9s} {q:20s} ({e.model.weights_tag:18s} {getattr(e.model, 'executor_path', 'eager')}) perplexity {row['perplexity']:7.3f} over {n} tokens; "
+                  f"teacher-forced top-1 agreement with none {row['top1_agreement']:.1%}", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quantizations", default="none,int8,int4,auto",
@@ -155,22 +179,7 @@ def main() -> None:
              "sharegpt": [r for _, r in pairs if len(tok(r)["input_ids"]) >= 64][: args.texts]}
     ids = {k: [tok(t)["input_ids"][: args.text_tokens] for t in v] for k, v in texts.items()}
     result = {"quantizations": {q: e.model.weights_tag for q, e in engines.items()}, "rows": []}
-    for name, seqs in ids.items():
-        ref_logits = [sequence_logits(engines["none"].model, s) for s in seqs]
-        for q, e in engines.items():
-            nll, n, agree = 0.0, 0, 0
-            for s, ref in zip(seqs, ref_logits):
-                lg = ref if q == "none" else sequence_logits(e.model, s, args.head_rows)
-                lp = torch.log_softmax(lg[:-1], dim=-1)
-                nll -= float(lp.gather(1, torch.tensor(s[1:])[:, None]).sum())
-                n += len(s) - 1
-                agree += int((lg.argmax(-1) == ref.argmax(-1)).sum())
-            tokens = sum(len(s) for s in seqs)
-            row = {"dataset": name, "quantization": q, "perplexity": math.exp(nll / n), "tokens": n,
-                   "top1_agreement": agree / tokens}
-            result["rows"].append(row)
-            print(f"{name:9s} {q:20s} ({e.model.weights_tag:18s} {getattr(e.model, 'executor_path', 'eager')}) perplexity {row['perplexity']:7.3f} over {n} tokens; "
-                  f"teacher-forced top-1 agreement with none {row['top1_agreement']:.1%}", flush=True)
+    result["rows"] += perplexity_rows(engines, ids, args.head_rows)
     prompts = [[{"role": "user", "content": p[:2000]}] for p, _ in pairs[: args.prompts]]
     sp = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
     outs, prompt_ids = {}, None

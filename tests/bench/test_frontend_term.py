@@ -85,27 +85,17 @@ def test_admission_predicts_the_served_ttft_with_the_frontend_term():
 
 
 def test_server_reports_the_engine_ttft_and_the_frontend_is_measured(tiny_llama):
-    import threading
-    import time
-
     import httpx
-    import uvicorn
 
     from laser.bench.frontend_cost import frontend_sample, measure_frontend_ttft
     from laser.frontend.async_engine import AsyncEngine
     from laser.frontend.engine import Engine
     from laser.server.app import build_app
+    from laser.server.cli import LiveServer
 
     engine = Engine(str(tiny_llama), policy="vllm", dtype="float32", max_model_len=256)
-    server = uvicorn.Server(uvicorn.Config(build_app(AsyncEngine(engine), served_model_names=["tiny"]),
-                                           host="127.0.0.1", port=0, log_level="warning"))
-    th = threading.Thread(target=server.run, daemon=True)
-    th.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert th.is_alive() and time.monotonic() < deadline, "server failed to start"
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    live = LiveServer(build_app(AsyncEngine(engine), served_model_names=["tiny"]))
+    url = live.url
     try:
         r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hello there", "max_tokens": 3,
                                                       "temperature": 0.0, "ignore_eos": True}, timeout=60)
@@ -117,8 +107,7 @@ def test_server_reports_the_engine_ttft_and_the_frontend_is_measured(tiny_llama)
         fe = measure_frontend_ttft(url, "tiny", n=3)
         assert fe is not None and fe >= 0.0
     finally:
-        server.should_exit = True
-        th.join(30)
+        live.stop()
 
 
 def test_sim_target_describes_its_frontend():

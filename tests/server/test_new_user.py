@@ -11,11 +11,9 @@ import pytest
 from laser import __version__, cli
 from laser.core.config import CacheConfig
 from laser.core.request import InvalidRequestError, SamplingParams
-from laser.frontend.async_engine import AsyncEngine
 from laser.frontend.engine import Engine
 from laser.frontend.llm import LLM
-from laser.server.app import build_app
-from laser.server.cli import LiveServer
+from serverutil import openai_client, serving
 
 MAX_MODEL_LEN = 128
 
@@ -27,14 +25,12 @@ def _engine(model_dir) -> Engine:
 
 @pytest.fixture(scope="module")
 def live(tiny_llama):
-    srv = LiveServer(build_app(AsyncEngine(_engine(tiny_llama)), served_model_names=["tiny"], api_key="k"))
-    yield srv
-    srv.stop()
+    yield from serving(_engine(tiny_llama), api_key="k")
 
 
 @pytest.fixture(scope="module")
 def client(live):
-    return openai.OpenAI(base_url=live.url + "/v1", api_key="k", max_retries=0, timeout=60)
+    return openai_client(live, api_key="k")
 
 
 def _post(live, path, body):

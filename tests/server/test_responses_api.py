@@ -5,28 +5,22 @@ greedy output is the chat route's for the same conversation."""
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 
 from laser.core.config import CacheConfig
-from laser.frontend.async_engine import AsyncEngine
 from laser.frontend.engine import Engine
-from laser.server.app import build_app
-from laser.server.cli import LiveServer
+from serverutil import openai_client, serving
 
 
 @pytest.fixture(scope="module")
 def live(tiny_llama):
-    engine = Engine(str(tiny_llama), policy="sarathi", dtype="float32", cache=CacheConfig(num_blocks=64),
-                    max_model_len=128)
-    srv = LiveServer(build_app(AsyncEngine(engine), served_model_names=["tiny"]))
-    yield srv
-    srv.stop()
+    yield from serving(Engine(str(tiny_llama), policy="sarathi", dtype="float32", cache=CacheConfig(num_blocks=64),
+                              max_model_len=128))
 
 
 @pytest.fixture(scope="module")
 def client(live):
-    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(live)
 
 
 def _chat(client, messages, n):

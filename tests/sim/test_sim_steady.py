@@ -51,13 +51,7 @@ def _decode_run(steady: bool, num_blocks: int, tight: bool, seed: int, lm=LM):
     inst.scheduler.steady_decode = steady
     for h in _handoffs(40, seed, tight):
         inst.receive(h, h.time)
-    inst.run()
-    inst.check_integrity(expect_empty=True)
-    s = inst.scheduler
-    done = sorted((r.req_id, tuple(r.token_times), r.finish_time, r.finish_reason, r.num_tbt_misses, r.num_preemptions)
-                  for r in inst.finished)
-    plans = [(p.works, p.predicted) for p in inst.stats.plans]
-    return done, plans, inst.clock.t, s.iteration, s.num_replans, s.num_preemptions, s.num_steady_steps
+    return _run_outcome(inst)
 
 
 @pytest.mark.parametrize("num_blocks,tight", [(4096, False), (24, False), (4096, True), (30, True)],
@@ -243,13 +237,7 @@ def _mixed_run(steady: bool, num_blocks: int, tight: bool, seed: int):
         inst.submit(Request([1] * rng.choice([15, 16, 17, rng.randint(1, 120)]),
                             SamplingParams(max_tokens=rng.choice([1, 17, rng.randint(3, 80)]), ignore_eos=True),
                             slos[i % 3], arrival_time=t, req_id=f"m{i}"))
-    inst.run()
-    inst.check_integrity(expect_empty=True)
-    s = inst.scheduler
-    done = sorted((r.req_id, tuple(r.token_times), r.finish_time, r.finish_reason, r.num_tbt_misses, r.num_preemptions)
-                  for r in inst.finished)
-    plans = [(p.works, p.predicted) for p in inst.stats.plans]
-    return done, plans, inst.clock.t, s.iteration, s.num_replans, s.num_preemptions, s.num_steady_steps
+    return _run_outcome(inst)
 
 
 @pytest.mark.parametrize("num_blocks,tight", [(4096, False), (40, False), (4096, True)],
@@ -294,3 +282,16 @@ def test_mixed_steady_shortcut_yields_to_the_generic_path_after_an_event(event):
     if event == "finish":
         inst.step()
         assert s.num_steady_steps == before + 1
+
+
+def _run_outcome(inst):
+    """Run a simulated instance to the end and return what the shortcut must not change: each
+    finished request's token times, finish and misses, every plan with its price, the clock and the
+    scheduler's counters (steady steps last)."""
+    inst.run()
+    inst.check_integrity(expect_empty=True)
+    s = inst.scheduler
+    done = sorted((r.req_id, tuple(r.token_times), r.finish_time, r.finish_reason, r.num_tbt_misses, r.num_preemptions)
+                  for r in inst.finished)
+    plans = [(p.works, p.predicted) for p in inst.stats.plans]
+    return done, plans, inst.clock.t, s.iteration, s.num_replans, s.num_preemptions, s.num_steady_steps
