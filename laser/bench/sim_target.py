@@ -80,7 +80,9 @@ class SimTarget(Target):
     def frontend_s(self) -> float:
         """Seconds the front end adds to each token's arrival at the client: the latency model's
         ``frontend_ttft_s`` when ``served``, else 0.0."""
-        return float(getattr(self.lm, "frontend_ttft_s", 0.0) or 0.0) if self.served else 0.0
+        from laser.latency.base import frontend_ttft
+
+        return frontend_ttft(self.lm) if self.served else 0.0
 
     def _sim(self, role: str, icache: int):
         from laser.sim import SimInstance

@@ -20,6 +20,7 @@ import collections
 from dataclasses import dataclass, replace
 
 from ..core.request import SLO
+from ..latency.base import frontend_ttft
 from ..scheduler.report import QueueEntry, SchedulerReport
 from ..scheduler.ttft import predict_ttft
 
@@ -90,7 +91,7 @@ class QueueAwareAdmission:
 
     def frontend_s(self) -> float:
         """The latency model's ``frontend_ttft_s`` (seconds; 0.0 without a model or a measurement)."""
-        return float(getattr(self.latency_model, "frontend_ttft_s", 0.0) or 0.0)
+        return frontend_ttft(self.latency_model)
 
     def decide(self, prompt_len: int, slo: SLO, arrival: float, now: float, view: SchedulerReport,
                on_infeasible: str, slo_classes, cached: int = 0) -> tuple["Admission", SchedulerReport]:

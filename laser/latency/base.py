@@ -114,6 +114,13 @@ def check_seconds(s: float) -> None:
         raise ValueError(f"seconds must be a positive finite number, got {s!r}")
 
 
+def frontend_ttft(lm) -> float:
+    """Seconds the HTTP front end adds to a served TTFT per latency model ``lm``
+    (:attr:`LatencyModel.frontend_ttft_s`; 0.0 for None, a model without the field, or one never
+    measured). The one reading of it for the simulator's served setups and the server's admission."""
+    return float(getattr(lm, "frontend_ttft_s", 0.0) or 0.0)
+
+
 # Sample kinds as named in profile files.
 SAMPLE_TYPES = (StatelessSample, AttentionSample, EmbedSample, HeadSample, LayerSample, StepOverheadSample,
                 DecodeStepSample)

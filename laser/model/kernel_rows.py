@@ -165,9 +165,8 @@ def choose_kernel_rows(linears: list[QuantLinear], dtype: torch.dtype) -> str:
     chosen: dict[str, int] = {}
     measured = 0
     for lin in linears:
-        measured += _choose_w8a8(lin, dtype, f"{key}|{lin.qw.kind}|{lin.path}|w8a8|{lin.qw.shape[0]}x{lin.qw.shape[1]}|"
-                                 f"{str(dtype).removeprefix('torch.')}", cache, chosen)
-        k = f"{key}|{lin.qw.kind}|{lin.path}|{lin.qw.shape[0]}x{lin.qw.shape[1]}|{str(dtype).removeprefix('torch.')}"
+        measured += _choose_w8a8(lin, dtype, _entry_key(key, lin, dtype, "w8a8|"), cache, chosen)
+        k = _entry_key(key, lin, dtype)
         if k not in chosen:
             if k not in cache:
                 try:
@@ -197,6 +196,12 @@ def choose_kernel_rows(linears: list[QuantLinear], dtype: torch.dtype) -> str:
     return (f"quantized decode rows through the kernels: {rows} ({how}; LASER_QUANT_ROWS=fixed for the "
             f"defaults); more rows run a dense matmul" +
             (f" over dequantized copies kept in memory: +{extra / 1e6:.0f} MB" if extra else ""))
+
+
+def _entry_key(cpu: str, lin: QuantLinear, dtype: torch.dtype, what: str = "") -> str:
+    """The cache key of a measurement of ``lin`` on this CPU (``cpu``: :func:`cpu_key`): kind, decode
+    kernel path, ``what`` (``""``: the dense crossover, ``"w8a8|"``: W8A8's rows), weight shape, dtype."""
+    return f"{cpu}|{lin.qw.kind}|{lin.path}|{what}{lin.qw.shape[0]}x{lin.qw.shape[1]}|{str(dtype).removeprefix('torch.')}"
 
 
 def _choose_w8a8(lin: QuantLinear, dtype: torch.dtype, k: str, cache: dict, chosen: dict) -> int:

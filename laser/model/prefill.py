@@ -67,12 +67,12 @@ def blocked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     kvh = k.shape[1]
     g = nh // kvh
     scale = d ** -0.5
-    out = torch.empty(Q, nh, d, dtype=q.dtype)
+    out = torch.empty(Q, nh, d, dtype=q.dtype, device=q.device)
     # [kvh, g, Q, d]: the g query heads of each KV head side by side, scaled once in fp32
     qg = q.view(Q, kvh, g, d).permute(1, 2, 0, 3).float().mul_(scale)
     kt = k.permute(1, 2, 0).float()  # [kvh, d, Q]
     vt = v.transpose(0, 1).float()  # [kvh, Q, d]
-    tri = torch.full((block, block), float("-inf")).triu_(1)  # the diagonal block's causal mask
+    tri = torch.full((block, block), float("-inf"), device=q.device).triu_(1)  # the diagonal block's causal mask
     for a in range(0, Q, block):
         e = min(a + block, Q)
         n = e - a
