@@ -144,11 +144,13 @@ class SamplingParams:
             InvalidRequestError: a field of the wrong type (a bool is not a number here) or
                 out of range; the message names the field and what it wants.
         """
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        for field in ("stop", "stop_token_ids"):
+            v = getattr(self, field)
+            if isinstance(v, str) and field == "stop":
+                v = (v,)
+            elif v is not None and not isinstance(v, (list, tuple)):  # tuple(5) would be a TypeError
+                raise InvalidRequestError(f"{field} must be a list, got {v!r:.80}")
+            object.__setattr__(self, field, tuple(v or ()))
         bias = self.logit_bias or ()
         if isinstance(bias, dict):
             bias = bias.items()

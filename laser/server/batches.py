@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, File, Form, Query, UploadFile
 from fastapi.responses import Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..batch.jobs import InputFileError, check_jsonl
 from ..batch.manager import BatchError, BatchManager
@@ -18,6 +18,8 @@ from .errors import APIError
 
 
 class CreateBatchRequest(BaseModel):
+    model_config = ConfigDict(strict=True)  # as the generation requests: no coercion between JSON types
+
     input_file_id: str
     endpoint: str
     completion_window: Any = Field(..., description="OpenAI's '24h' or any duration such as '30m', '4h', '90s'")

@@ -59,8 +59,21 @@ def error_response(status: int, message: str, code: str | None = None, param: st
 _EXPECTED = {
     "prompt": "a string, a list of token ids, or a list of strings or of token-id lists",
     "stop": "a string or a list of strings",
+    "input": "a string or a list of input items (objects)",  # /v1/responses
 }
 _NOT_AN_OBJECT = ("model_attributes_type", "dict_type", "model_type")
+
+
+def _where(loc: list) -> str:
+    """A field's location as OpenAI writes it (``messages[0].role``), without the union-member
+    tags pydantic adds (``str``, ``list[int]``, ``function-after[...]``)."""
+    out = ""
+    for x in loc:
+        if isinstance(x, int):
+            out += f"[{x}]"
+        elif not (x in ("str", "int", "float", "bool") or "[" in x):
+            out += f".{x}" if out else x
+    return out or "body"
 
 
 def format_validation(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -70,7 +83,7 @@ def format_validation(exc: RequestValidationError) -> tuple[str, str | None]:
         loc = list(e.get("loc", ()))
         if loc[:1] and loc[0] in ("query", "path", "header", "cookie"):  # where a parameter came from
             loc = loc[1:]
-        loc = [str(x) for x in loc if x != "body"]
+        loc = [x for x in loc if x != "body"]
         kind = e.get("type", "")
         if kind == "json_invalid":
             err = (e.get("ctx") or {}).get("error", e.get("msg", "invalid JSON"))
@@ -79,7 +92,7 @@ def format_validation(exc: RequestValidationError) -> tuple[str, str | None]:
             return "the request body must be a JSON object (Content-Type: application/json)", None
         if not loc and kind == "missing":
             return "the request body is empty; expected a JSON object", None
-        field = loc[0] if loc else "body"
+        field = str(loc[0]) if loc else "body"
         if field in seen:  # a union reports once per member: keep the first
             continue
         seen.add(field)
@@ -87,8 +100,7 @@ def format_validation(exc: RequestValidationError) -> tuple[str, str | None]:
         if field in _EXPECTED and kind != "missing":
             parts.append(f"{field}: must be {_EXPECTED[field]}")
         else:
-            # drop union-member tags such as 'str' or 'list[int]' from the location
-            where = ".".join(x for x in loc if not (x in ("str", "int", "float", "bool") or "[" in x)) or "body"
+            where = _where(loc)
             msg = "field required" if kind == "missing" else e.get("msg", "invalid value")
             parts.append(f"{where}: {msg}")
         if len(parts) == 3:

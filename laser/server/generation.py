@@ -149,15 +149,17 @@ class Generation(RequestFields):
             raise APIError(400, f"{param}: the {e}", "invalid_value", param) from None
         return ids
 
-    def max_tokens_for(self, requested: int | None, prompt_len: int, default: int | None) -> int:
+    def max_tokens_for(self, requested: int | None, prompt_len: int, default: int | None,
+                       field: str = "max_tokens") -> int:
         """The max_tokens of a choice: ``requested``, else ``default``, else the rest of the context.
-        Raises APIError: 400 ``context_length_exceeded`` when prompt plus max_tokens pass the context."""
+        Raises APIError: 400 ``context_length_exceeded`` naming ``field`` (the request's name of
+        max_tokens) when prompt plus max_tokens pass the context."""
         if requested is None:
             requested = default if default is not None else self.ae.max_model_len - prompt_len
         try:
-            self.ae.inputs.check_budget(prompt_len, requested)
+            self.ae.inputs.check_budget(prompt_len, requested, field)
         except ContextLengthError as e:
-            raise APIError(400, str(e), "context_length_exceeded", "max_tokens") from None
+            raise APIError(400, str(e), "context_length_exceeded", field) from None
         return requested
 
     # -- running --------------------------------------------------------------------------------------
@@ -207,12 +209,13 @@ class Generation(RequestFields):
     async def launch(self, subs: list[Sub], slo: SLO, arrival: float, id_prefix: str, asked: SLO | None = None,
                      client_id: str | None = None):
         """:meth:`start`, then wait until the engine has every choice: (queue, headers, id, created).
-        The id (also the ``x-request-id`` header) is ``<id_prefix>-<client_id>`` when the client
+        The id (also the ``x-request-id`` header) is ``<id_prefix><client_id>`` when the client
         sent an ``X-Request-Id`` header that :data:`CLIENT_ID` accepts (vLLM's convention: a
-        trace id the client already logs), else ``<id_prefix>-<random hex>``."""
+        trace id the client already logs), else ``<id_prefix><random hex>``; ``id_prefix`` ends
+        with its separator (``chatcmpl-``, OpenAI's ``resp_``)."""
         q, headers = self.start(subs, slo, arrival, asked)
         ok = client_id is not None and CLIENT_ID.fullmatch(client_id)
-        rid = f"{id_prefix}-{client_id if ok else uuid.uuid4().hex}"
+        rid = f"{id_prefix}{client_id if ok else uuid.uuid4().hex}"
         headers["x-request-id"] = rid
         try:
             await self.wait_added(subs)

@@ -140,7 +140,7 @@ def _completions_route(router: APIRouter, srv: Generation) -> None:
             for s in subs:
                 if s.prompt_text is None:
                     s.prompt_text = await ae.decode(s.ids)
-        q, headers, rid, created = await srv.launch(subs, slo, arrival, "cmpl", asked,
+        q, headers, rid, created = await srv.launch(subs, slo, arrival, "cmpl-", asked,
                                                    request.headers.get("x-request-id"))
         if body.stream:
             return EventStream(stream_completion(srv, q, subs, rid, created, model, body), lambda: srv.abort(subs),
@@ -171,13 +171,13 @@ def _chat_route(router: APIRouter, srv: Generation) -> None:
         structured = await tool_constraint(srv, tools, await srv.structured_output(body))
         ids = await srv.encode(chat_messages(body.messages), "messages", tools and tools.tools,
                                **body.template_switches())
-        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        mt = srv.max_tokens_for(requested, len(ids), None)
+        field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        mt = srv.max_tokens_for(getattr(body, field), len(ids), None, field)
         sp = srv.sampling_params(body, mt, stop, structured)
         subs = [Sub(i, ids, None, dataclasses.replace(sp, seed=choice_seed(sp.seed, i))) for i in range(body.n)]
         for s in subs if tools is not None else ():
             s.tool_parser = tools.parser()
-        q, headers, rid, created = await srv.launch(subs, slo, arrival, "chatcmpl", asked,
+        q, headers, rid, created = await srv.launch(subs, slo, arrival, "chatcmpl-", asked,
                                                    request.headers.get("x-request-id"))
         if body.stream:
             return EventStream(stream_chat(srv, q, subs, rid, created, model, body), lambda: srv.abort(subs), headers)

@@ -1,6 +1,9 @@
 """OpenAI-compatible request and response models (pydantic), plus Laser's SLO extension fields.
 
-Requests ignore unknown fields (as vLLM does). Fields OpenAI defines but Laser does not
+Requests ignore unknown fields (as vLLM does) and take each field in its JSON type only, as
+OpenAI's validation does: ``"stream": "yes"`` or ``1``, ``"max_tokens": "5"``, ``5.0`` or ``true``,
+``"temperature": "0"`` are 400s naming the field (pydantic's strict mode; an integer is still a
+number). Fields OpenAI defines but Laser does not
 implement are accepted only at their neutral value (e.g. ``functions=[]``); anything else is a 400
 that names the field, never a silent no-op.
 """
@@ -20,12 +23,13 @@ MAX_CHOICES = 16  # n x number of prompts when n > 1 (a list of prompts with n =
 
 
 class _Request(BaseModel):
-    """Base of the request models: unknown fields ignored, no NaN/inf, and ``null`` for a field
+    """Base of the request models: unknown fields ignored, no NaN/inf, no coercion between JSON
+    types (strict: a string is not a boolean or a number, a float not an integer), and ``null`` for a field
     with a non-null default read as that default (OpenAI's fields are nullable: ``"n": null``,
     ``"stream": null`` and ``"echo": null`` are its defaults, as clients that serialise unset
     options send them; a required field stays required)."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -60,7 +64,7 @@ class StructuredOutputs(_Request):
     """vLLM's ``structured_outputs`` (one of its fields; other keys are kept so that a request
     naming none of these four is refused with their names, not served unconstrained)."""
 
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
     json_: dict | str | None = Field(None, alias="json")
     regex: str | None = None

@@ -21,6 +21,8 @@ Reference: the OpenAI API reference, "Responses" (create, the response object, s
 from __future__ import annotations
 
 import json
+import re
+from contextlib import contextmanager
 from typing import Any, AsyncIterator, Literal
 
 from fastapi import APIRouter, Depends, Request
@@ -72,17 +74,43 @@ class ResponsesRequest(_Request):
                 raise APIError(400, f"{field}: {what} is not supported by this server", "unsupported_parameter", field)
         messages = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
         items = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
+        if not items:
+            raise APIError(400, "input: an empty list of input items (give a string or message items)", "invalid_value",
+                           "input")
         for i, item in enumerate(items):
             messages.append(_message(i, item))
         chat = {"model": self.model, "messages": messages, "max_completion_tokens": self.max_output_tokens,
                 "temperature": self.temperature, "top_p": self.top_p, "user": self.user,
                 "slo_class": self.slo_class, "ttft_slo_ms": self.ttft_slo_ms, "tbt_slo_ms": self.tbt_slo_ms,
                 "slo_demotable": self.slo_demotable, "response_format": _response_format(self.text)}
+        with self.named_fields():
+            try:
+                return ChatCompletionRequest.model_validate(chat)
+            except ValidationError as e:
+                msg, param = format_validation(e)
+                raise APIError(400, msg, "invalid_value", param) from None
+
+    @contextmanager
+    def named_fields(self):
+        """Re-raise a chat completion's 400 in this request's terms: ``messages[k]`` is
+        ``instructions`` or ``input[i]``, ``response_format`` is ``text.format``,
+        ``max_completion_tokens`` is ``max_output_tokens``."""
         try:
-            return ChatCompletionRequest.model_validate(chat)
-        except ValidationError as e:
-            msg, param = format_validation(e)
-            raise APIError(400, msg, "invalid_value", "input" if param == "messages" else param) from None
+            yield
+        except APIError as e:
+            offset = int(self.instructions is not None)
+
+            def item(m: re.Match) -> str:
+                k = int(m.group(1))
+                return "instructions" if k < offset else f"input[{k - offset}]"
+
+            msg = re.sub(r"\bmessages\[(\d+)\]", item, e.message)
+            msg = re.sub(r"^(input: )?messages\b", "input", msg)
+            msg = re.sub(r"\bresponse_format\b", "text.format", msg).replace("max_completion_tokens",
+                                                                              "max_output_tokens")
+            param = {"messages": "input", "response_format": "text.format",
+                     "max_completion_tokens": "max_output_tokens"}.get(e.param, e.param)
+            raise APIError(e.status, msg, e.code, param, e.headers) from None
 
 
 def _message(i: int, item: dict) -> dict:
@@ -105,11 +133,17 @@ def _message(i: int, item: dict) -> dict:
 
 
 def _response_format(text: dict | None) -> dict | None:
-    """Chat ``response_format`` of ``text.format`` (its json_schema fields sit beside ``type``)."""
+    """Chat ``response_format`` of ``text.format`` (its json_schema fields sit beside ``type``).
+    Raises APIError: 400 naming ``text.format`` when it is not an object."""
     fmt = (text or {}).get("format")
-    if fmt is None or not isinstance(fmt, dict) or fmt.get("type") in (None, "text"):
+    if fmt is not None and not isinstance(fmt, dict):
+        raise APIError(400, "text.format: must be an object {\"type\": \"text\" | \"json_object\" | "
+                            "\"json_schema\", ...}", "invalid_value", "text.format")
+    if fmt is None or fmt.get("type") in (None, "text"):
         return None
     if fmt.get("type") == "json_schema":
+        if fmt.get("schema") is None:
+            raise APIError(400, "text.format: type json_schema needs its schema", "invalid_value", "text.format")
         return {"type": "json_schema", "json_schema": {k: fmt.get(k) for k in ("name", "schema", "strict")}}
     return {"type": fmt.get("type")}
 
@@ -188,14 +222,14 @@ def add_route(router: APIRouter, srv: Generation) -> None:
         chat = body.as_chat()
         arrival, model, slo, stop, asked = srv.validate(chat, h.x_slo_class, h.x_slo_ttft_ms, h.x_slo_tbt_ms,
                                                         request.headers)
-        structured = await srv.structured_output(chat)
-        ids = await srv.encode(chat_messages(chat.messages), "input", None, **chat.template_switches())
-        sp = srv.sampling_params(chat, srv.max_tokens_for(chat.max_completion_tokens, len(ids), None), stop,
-                                 structured)
+        with body.named_fields():
+            structured = await srv.structured_output(chat)
+            ids = await srv.encode(chat_messages(chat.messages), "messages", None, **chat.template_switches())
+            mt = srv.max_tokens_for(chat.max_completion_tokens, len(ids), None, "max_completion_tokens")
+            sp = srv.sampling_params(chat, mt, stop, structured)
         subs = [Sub(0, ids, None, sp)]
-        q, headers, rid, created = await srv.launch(subs, slo, arrival, "resp", asked,
+        q, headers, rid, created = await srv.launch(subs, slo, arrival, "resp_", asked,
                                                    request.headers.get("x-request-id"))
-        rid = rid.replace("resp-", "resp_", 1)
         if body.stream:
             return EventStream(_events(srv, q, subs, rid, created, model, body), lambda: srv.abort(subs), headers)
         if not await srv.run_blocking(request, subs, q):

@@ -96,6 +96,9 @@ def test_prompt_longer_than_context(engine):
         (dict(top_k=False), "top_k"),
         (dict(seed=True), "seed"),
         (dict(ignore_eos="no"), "ignore_eos"),
+        # not a list at all: was a TypeError ('int' object is not iterable), fresh-user round 7
+        (dict(stop=5), "stop must be a list, got 5"),
+        (dict(stop_token_ids=3), "stop_token_ids must be a list, got 3"),
     ],
 )
 def test_bad_sampling_params(kwargs, match):

@@ -302,7 +302,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, {},
      "only text", "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-     {}, "tools.0.function: field required", "tools"),
+     {}, "tools[0].function: field required", "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
      {}, "needs tools", "tool_choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [], "tool_choice": "required"},
