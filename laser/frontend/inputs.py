@@ -84,6 +84,7 @@ class InputProcessor:
         self.grammars = grammars
         # trained exit heads are loaded (dynamic-depth requests are served; laser.core.depth)
         self.serves_exits = serves_exits
+        self._token_chars: int | None = None  # the longest token's length in characters (check_text_length)
 
     def copy(self) -> "InputProcessor":
         """A processor over a private copy of the tokenizer (for another thread)."""
@@ -101,8 +102,11 @@ class InputProcessor:
             if not prompt:
                 raise InvalidRequestError("prompt is empty")
             check_text(prompt, "prompt")
+            self.check_text_length(len(prompt), "prompt")
             return self.tokenizer.encode(prompt)
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            self.check_text_length(sum(len(m["content"]) for m in prompt if isinstance(m.get("content"), str)),
+                                   "messages")
             return self.apply_chat_template(prompt, tools, **switches)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             bad = [t for t in prompt if not 0 <= t < self.vocab_size]
@@ -150,6 +154,21 @@ class InputProcessor:
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)
+
+    def check_text_length(self, chars: int, what: str) -> None:
+        """Raise :class:`ContextLengthError` before tokenizing text of ``chars`` characters that
+        cannot fit the context: no token covers more characters than the vocabulary's longest
+        token string (byte-level BPE: one character per byte; SentencePiece pieces are longer
+        than what they cover), so such text has more than ``max_model_len`` tokens. Slack of 2
+        for normalizers that merge characters (NFC). Tokenizing a 16 MB prompt took the one
+        tokenizer thread ~14 s, stalling every other request's tokenization meanwhile."""
+        if self._token_chars is None:
+            vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
+            self._token_chars = max((len(t) for t in vocab), default=0) or 1 << 30
+        if chars > 2 * self._token_chars * self.max_model_len:
+            raise ContextLengthError(f"{what} has {chars} characters, more tokens than this model's context of "
+                                     f"{self.max_model_len} tokens holds (a token covers at most "
+                                     f"{self._token_chars} characters)")
 
     def check_length(self, ids: list[int]) -> None:
         """Raise :class:`ContextLengthError` unless the prompt leaves room for one generated token

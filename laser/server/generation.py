@@ -136,6 +136,8 @@ class Generation(RequestFields):
         ``chat_template_kwargs``), checked against the context. Raises APIError: 400 naming ``param``."""
         try:
             ids = await self.ae.encode(prompt, tools, **switches)
+        except ContextLengthError as e:  # text too long to tokenize into the context (inputs.check_text_length)
+            raise APIError(400, f"{param}: the {e}", "context_length_exceeded", param) from None
         except InvalidRequestError as e:
             msg = str(e)
             msg = "the " + msg if msg.startswith("prompt ") else msg

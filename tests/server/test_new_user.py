@@ -130,3 +130,21 @@ def test_a_client_request_id_names_the_response(live):
     r = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=60,
                    headers={"authorization": "Bearer k", "x-request-id": "two words"})
     assert r.status_code == 200 and "two" not in r.json()["id"] and r.json()["id"] == r.headers["x-request-id"]
+
+
+def test_text_too_long_for_the_context_is_refused_before_tokenizing(live, tiny_llama, monkeypatch):
+    """A 16 MB prompt took the one tokenizer thread ~14 s (every other request's tokenization
+    waited); text longer than the context's tokens can cover (the longest token's characters x
+    the context, x2) is now refused without tokenizing, with the same code as a long prompt."""
+    engine = _engine(tiny_llama)
+    calls = []
+    monkeypatch.setattr(engine.inputs.tokenizer, "encode", lambda *a, **k: calls.append(a) or [1])
+    for prompt in ("a" * 200_000, [{"role": "user", "content": "a" * 200_000}]):
+        with pytest.raises(InvalidRequestError, match=r"has 200\d+ characters, more tokens than this model's "
+                                                      r"context of 128 tokens holds"):
+            engine.inputs.encode_prompt(prompt)
+    assert calls == []
+    assert engine.inputs.encode_prompt("a" * 100) == [1]  # short text still tokenized
+    r = _post(live, "/v1/completions", {"prompt": "a" * 200_000, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert r.json()["error"]["message"].startswith("prompt: the prompt has 200000 characters"), r.text
