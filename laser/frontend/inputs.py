@@ -106,7 +106,7 @@ class InputProcessor:
             return self.tokenizer.encode(prompt)
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             self.check_text_length(sum(len(m["content"]) for m in prompt if isinstance(m.get("content"), str)),
-                                   "messages")
+                                   "conversation")
             return self.apply_chat_template(prompt, tools, **switches)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             bad = [t for t in prompt if not 0 <= t < self.vocab_size]
