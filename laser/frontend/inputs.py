@@ -97,7 +97,9 @@ class InputProcessor:
         """Token ids of a prompt: text, token ids, or chat messages (chat template applied, with
         ``tools``: OpenAI tool definitions and the template ``switches``, see
         :meth:`apply_chat_template`).
-        Raises InvalidRequestError (empty, not Unicode, ids out of the vocabulary, bad messages)."""
+        Raises InvalidRequestError (empty, not Unicode, ids out of the vocabulary, bad messages);
+        ContextLengthError, before tokenizing, for text or a conversation too long for the context
+        (:meth:`check_text_length`, more messages than twice the context's tokens)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty")
@@ -105,6 +107,9 @@ class InputProcessor:
             self.check_text_length(len(prompt), "prompt")
             return self.tokenizer.encode(prompt)
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            if len(prompt) > 2 * self.max_model_len:  # a template renders each message (its role at least) as tokens
+                raise ContextLengthError(f"conversation has {len(prompt)} messages, more than this model's context "
+                                         f"of {self.max_model_len} tokens holds (x2 for templates that drop some)")
             self.check_text_length(sum(len(m["content"]) for m in prompt if isinstance(m.get("content"), str)),
                                    "conversation")
             return self.apply_chat_template(prompt, tools, **switches)

@@ -145,6 +145,9 @@ def test_text_too_long_for_the_context_is_refused_before_tokenizing(live, tiny_l
             engine.inputs.encode_prompt(prompt)
     assert calls == []
     assert engine.inputs.encode_prompt("a" * 100) == [1]  # short text still tokenized
+    # many short messages: the chat template rendered 300 000 of them in ~7 s
+    with pytest.raises(InvalidRequestError, match="conversation has 257 messages, more than this model's context"):
+        engine.inputs.encode_prompt([{"role": "user", "content": "a"}] * (2 * MAX_MODEL_LEN + 1))
     r = _post(live, "/v1/completions", {"prompt": "a" * 200_000, "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
     assert r.json()["error"]["message"].startswith("prompt: the prompt has 200000 characters"), r.text
