@@ -32,10 +32,12 @@ def build_attn_metadata(active: Sequence[Work], layers: range, bm, rope: tuple[t
     every work's blocks must be allocated. ``rope``: the model's (cos, sin) [max_pos, head_dim].
     ``dtype``: the masks' dtype (the model's). ``group_size``: query heads per KV head.
     ``split_decode(rows)``: the decode rows' gather groups (lists of indices into ``active``).
-    ``memo``: a dict the caller keeps for a while (the runner: one step) where the prefill masks
-    are kept by what they depend on (chunk offsets and lengths, ``Q``, ``C``, ``group_size``,
-    ``dtype``), so a step's later compositions with the same prefill chunks reuse the tensor (the
-    masks are read only).
+    ``memo``: a dict the caller keeps while the block tables of ``active``'s works do not change
+    and ``bm``, ``dtype`` and ``group_size`` stay the same (the runner: one step). Each gather
+    group's KV indices and mask are kept there by its works (request, first position, tokens) and
+    the overridden layers, so a later composition with the same decode group or the same prefill
+    chunks (a step's works leave and join around them) reuses those tensors (read only
+    downstream); the row indices, which move with the rows before the group, are built anew.
     Raises IndexError when a position lies past a work's block table."""
     bs = bm.block_size
     override = sorted({l for w in active for l in bm.overridden_layers(w.req_id) if l in layers})
@@ -47,12 +49,10 @@ def build_attn_metadata(active: Sequence[Work], layers: range, bm, rope: tuple[t
     per_layer = {l: [bm.table(w.req_id, l) for w in active] for l in override}
     groups: list[AttnGroup] = []
     for part in split_decode(dec):
-        kvi, valid = _kv_index(active, canon, part, bs)
-        mask = (torch.zeros((len(part), 1, 1, kvi.shape[1]), dtype=dtype) if valid is None
-                else _additive(valid[:, None, None, :], dtype))
+        kvi, mask, layer_kvi = _shared(memo, _group_key(active, part, per_layer),
+                                       lambda: _decode_parts(active, canon, per_layer, part, bs, dtype))
         groups.append(AttnGroup(torch.tensor([starts[i] for i in part]).view(-1, 1), kvi, mask, None, None,
-                                {l: _kv_index(active, t, part, bs)[0] for l, t in per_layer.items()},
-                                q_start=starts[part[0]]))  # decode rows of a part are consecutive
+                                layer_kvi, q_start=starts[part[0]]))  # decode rows of a part are consecutive
     if pf:
         groups.append(_prefill_group(active, canon, per_layer, pf, starts, bs, dtype, group_size, memo))
     pos = torch.from_numpy(_positions(active))
@@ -67,9 +67,10 @@ def _prefill_group(active, canon, per_layer, pf: list[int], starts: list[int], b
                    memo: dict | None) -> AttnGroup:
     """The prefill works' group: queries padded to the longest chunk ``Q``, causal within the
     work's context; one sequence without cached context takes the causal kernel (no mask)."""
-    kvi, valid = _kv_index(active, canon, pf, bs)
+    kvi, mask, layer_kvi = _shared(memo, _group_key(active, pf, per_layer),
+                                   lambda: _prefill_parts(active, canon, per_layer, pf, bs, dtype, g))
     qlens = [active[i].num_tokens for i in pf]
-    Q, B = max(qlens), len(pf)
+    Q = max(qlens)
     first = [starts[i] for i in pf]
     unpadded = min(qlens) == Q
     if unpadded:
@@ -79,23 +80,46 @@ def _prefill_group(active, canon, per_layer, pf: list[int], starts: list[int], b
         ql = np.array(qlens, dtype=np.int64)
         q_np = np.array(first, dtype=np.int64)[:, None] + np.minimum(qi[None, :], ql[:, None] - 1)  # [B, Q]
         q_index = torch.from_numpy(q_np)
-    self_causal = B == 1 and active[pf[0]].token_start == 0
-    mask = None
-    if not self_causal:
-        chunks = tuple((active[i].token_start, active[i].num_tokens) for i in pf)
-        key = ("prefill_mask", chunks, Q, kvi.shape[1], g, dtype)
-        mask = None if memo is None else memo.get(key)
-        if mask is None:
-            mask = _prefill_mask(chunks, Q, kvi.shape[1], g, dtype)
-            if memo is not None:
-                memo[key] = mask
     out_valid = out_rows = None
     q_start = first[0] if unpadded else None  # unpadded prefill rows are consecutive
     if not unpadded:
         ov = np.flatnonzero(qi[None, :] < ql[:, None])  # [R] real slots of the padded [B*Q]
         out_valid, out_rows = torch.from_numpy(ov), torch.from_numpy(q_np.reshape(-1)[ov])
-    layer_kvi = {l: _kv_index(active, t, pf, bs)[0] for l, t in per_layer.items()}
-    return AttnGroup(q_index, kvi, mask, out_valid, out_rows, layer_kvi, causal=self_causal, q_start=q_start)
+    return AttnGroup(q_index, kvi, mask, out_valid, out_rows, layer_kvi, causal=mask is None, q_start=q_start)
+
+
+def _shared(memo: dict | None, key, build):
+    """``build()``, or what it gave for ``key`` earlier in ``memo`` (stored there; None: no memo)."""
+    if memo is None:
+        return build()
+    got = memo.get(key)
+    if got is None:
+        got = memo[key] = build()
+    return got
+
+
+def _group_key(active, idxs: list[int], per_layer: dict) -> tuple:
+    """What a gather group's KV indices and mask depend on, block tables aside: its works
+    (request, first position, tokens) in order and the overridden layers."""
+    return tuple((active[i].req_id, active[i].token_start, active[i].num_tokens) for i in idxs), tuple(per_layer)
+
+
+def _decode_parts(active, canon, per_layer, part: list[int], bs: int, dtype):
+    """A decode group's [B, C] KV indices, [B, 1, 1, C] mask and per-layer KV indices."""
+    kvi, valid = _kv_index(active, canon, part, bs)
+    mask = (torch.zeros((len(part), 1, 1, kvi.shape[1]), dtype=dtype) if valid is None
+            else _additive(valid[:, None, None, :], dtype))
+    return kvi, mask, {l: _kv_index(active, t, part, bs)[0] for l, t in per_layer.items()}
+
+
+def _prefill_parts(active, canon, per_layer, pf: list[int], bs: int, dtype, g: int):
+    """The prefill group's [B, C] KV indices, mask (None: one sequence without cached context,
+    the causal kernel) and per-layer KV indices."""
+    kvi, _ = _kv_index(active, canon, pf, bs)
+    chunks = [(active[i].token_start, active[i].num_tokens) for i in pf]
+    Q = max(n for _, n in chunks)
+    mask = None if len(pf) == 1 and chunks[0][0] == 0 else _prefill_mask(chunks, Q, kvi.shape[1], g, dtype)
+    return kvi, mask, {l: _kv_index(active, t, pf, bs)[0] for l, t in per_layer.items()}
 
 
 def _prefill_mask(chunks, Q: int, C: int, g: int, dtype: torch.dtype) -> torch.Tensor:
