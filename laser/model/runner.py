@@ -57,8 +57,8 @@ class ModelRunner:
         # lists: a work's update is ~1 us of Python, where numpy's cost ~30 us after a layer call.
         self._kv_written: dict[str, list[int]] = {}
         self.kv_gaps: list[tuple[str, int, int, int]] = []  # (req id, layer, written, needed)
-        # Attention-metadata pieces a step's compositions share (the prefill masks), kept for one
-        # step (execute) only: None outside it.
+        # Attention-metadata pieces a step's compositions share (the gather groups' KV indices and
+        # masks: build_attn_metadata's memo), kept for one step (execute) only: None outside it.
         self._meta_memo: dict | None = None
 
     @torch.inference_mode()
