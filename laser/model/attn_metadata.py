@@ -12,6 +12,7 @@ against a plain reference.
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Callable, Sequence
 
 import numpy as np
@@ -23,7 +24,7 @@ from .llama import AttnGroup, AttnMetadata
 
 def build_attn_metadata(active: Sequence[Work], layers: range, bm, rope: tuple[torch.Tensor, torch.Tensor],
                         dtype: torch.dtype, group_size: int,
-                        split_decode: Callable[[list[int]], list[list[int]]]) -> AttnMetadata:
+                        split_decode: Callable[[list[int]], list[list[int]]], memo: dict | None = None) -> AttnMetadata:
     """Metadata for ``active`` (rows in this order: each work's ``num_tokens`` rows, contiguous;
     decode works -- one token -- first), valid for every layer in ``layers``.
 
@@ -31,61 +32,111 @@ def build_attn_metadata(active: Sequence[Work], layers: range, bm, rope: tuple[t
     every work's blocks must be allocated. ``rope``: the model's (cos, sin) [max_pos, head_dim].
     ``dtype``: the masks' dtype (the model's). ``group_size``: query heads per KV head.
     ``split_decode(rows)``: the decode rows' gather groups (lists of indices into ``active``).
+    ``memo``: a dict the caller keeps while the block tables of ``active``'s works do not change
+    and ``bm``, ``dtype`` and ``group_size`` stay the same (the runner: one step). Each gather
+    group's KV indices and mask are kept there by its works (request, first position, tokens) and
+    the overridden layers, so a later composition with the same decode group or the same prefill
+    chunks (a step's works leave and join around them) reuses those tensors (read only
+    downstream); the row indices, which move with the rows before the group, are built anew.
     Raises IndexError when a position lies past a work's block table."""
     bs = bm.block_size
     override = sorted({l for w in active for l in bm.overridden_layers(w.req_id) if l in layers})
-    starts = np.zeros(len(active) + 1, dtype=np.int64)
-    np.cumsum([w.num_tokens for w in active], out=starts[1:])
-    dec = [i for i, w in enumerate(active) if w.num_tokens == 1]
-    pf = [i for i, w in enumerate(active) if w.num_tokens > 1]
+    starts = list(accumulate([w.num_tokens for w in active], initial=0))  # first row of each work
+    dec, pf = [], []
+    for i, w in enumerate(active):
+        (dec if w.num_tokens == 1 else pf).append(i)
     canon = [bm.canonical_table(w.req_id) for w in active]
     per_layer = {l: [bm.table(w.req_id, l) for w in active] for l in override}
     groups: list[AttnGroup] = []
     for part in split_decode(dec):
-        kvi, valid = _kv_index(active, canon, part, bs)
-        mask = (torch.zeros((len(part), 1, 1, kvi.shape[1]), dtype=dtype) if valid is None
-                else _additive(valid[:, None, None, :], dtype))
-        groups.append(AttnGroup(torch.from_numpy(starts[part].reshape(-1, 1)), kvi, mask, None, None,
-                                {l: _kv_index(active, t, part, bs)[0] for l, t in per_layer.items()},
-                                q_start=int(starts[part[0]])))  # decode rows of a part are consecutive
+        kvi, mask, layer_kvi = _shared(memo, _group_key(active, part, per_layer),
+                                       lambda: _decode_parts(active, canon, per_layer, part, bs, dtype))
+        groups.append(AttnGroup(torch.tensor([starts[i] for i in part]).view(-1, 1), kvi, mask, None, None,
+                                layer_kvi, q_start=starts[part[0]]))  # decode rows of a part are consecutive
     if pf:
-        groups.append(_prefill_group(active, canon, per_layer, pf, starts, bs, dtype, group_size))
+        groups.append(_prefill_group(active, canon, per_layer, pf, starts, bs, dtype, group_size, memo))
     pos = torch.from_numpy(_positions(active))
     cos, sin = rope
-    return AttnMetadata(cos=cos[pos], sin=sin[pos], slot_mapping=_slot_map(active, canon, bs),
+    return AttnMetadata(cos=cos.index_select(0, pos), sin=sin.index_select(0, pos),
+                        slot_mapping=_slot_map(active, canon, bs),
                         layer_slot_mapping={l: _slot_map(active, t, bs) for l, t in per_layer.items()},
                         groups=groups)
 
 
-def _prefill_group(active, canon, per_layer, pf: list[int], starts: np.ndarray, bs: int, dtype, g: int) -> AttnGroup:
+def _prefill_group(active, canon, per_layer, pf: list[int], starts: list[int], bs: int, dtype, g: int,
+                   memo: dict | None) -> AttnGroup:
     """The prefill works' group: queries padded to the longest chunk ``Q``, causal within the
     work's context; one sequence without cached context takes the causal kernel (no mask)."""
-    kvi, valid = _kv_index(active, canon, pf, bs)
-    qlens = np.array([active[i].num_tokens for i in pf], dtype=np.int64)
-    Q, B = int(qlens.max()), len(pf)
-    qi = np.arange(Q, dtype=np.int64)
-    first = starts[pf]
-    q_index = first[:, None] + np.minimum(qi[None, :], qlens[:, None] - 1)  # [B, Q]
-    self_causal = B == 1 and active[pf[0]].token_start == 0
-    mask = None
-    if not self_causal:
-        qpos = np.array([active[i].token_start for i in pf], dtype=np.int64)[:, None] + qi[None, :]  # [B, Q]
-        C = kvi.shape[1]
-        allowed = np.arange(C)[None, None, :] <= qpos[:, :, None]  # [B, Q, C]
-        if valid is not None:
-            allowed &= valid[:, None, :]
-        add = _additive(allowed, dtype)
-        mask = add[:, None].expand(B, g, Q, C).reshape(B, 1, g * Q, C)
-    out_valid = out_rows = None
-    if bool((qlens == Q).all()):
-        q_start = int(first[0])  # prefill rows are consecutive and unpadded
+    kvi, mask, layer_kvi = _shared(memo, _group_key(active, pf, per_layer),
+                                   lambda: _prefill_parts(active, canon, per_layer, pf, bs, dtype, g))
+    qlens = [active[i].num_tokens for i in pf]
+    Q = max(qlens)
+    first = [starts[i] for i in pf]
+    unpadded = min(qlens) == Q
+    if unpadded:
+        q_index = torch.tensor(first)[:, None] + torch.arange(Q)  # [B, Q]
     else:
-        q_start = None
-        ov = np.flatnonzero(qi[None, :] < qlens[:, None])  # [R] real slots of the padded [B*Q]
-        out_valid, out_rows = torch.from_numpy(ov), torch.from_numpy(q_index.reshape(-1)[ov])
-    layer_kvi = {l: _kv_index(active, t, pf, bs)[0] for l, t in per_layer.items()}
-    return AttnGroup(torch.from_numpy(q_index), kvi, mask, out_valid, out_rows, layer_kvi,
-                     causal=self_causal, q_start=q_start)
+        qi = np.arange(Q, dtype=np.int64)
+        ql = np.array(qlens, dtype=np.int64)
+        q_np = np.array(first, dtype=np.int64)[:, None] + np.minimum(qi[None, :], ql[:, None] - 1)  # [B, Q]
+        q_index = torch.from_numpy(q_np)
+    out_valid = out_rows = None
+    q_start = first[0] if unpadded else None  # unpadded prefill rows are consecutive
+    if not unpadded:
+        ov = np.flatnonzero(qi[None, :] < ql[:, None])  # [R] real slots of the padded [B*Q]
+        out_valid, out_rows = torch.from_numpy(ov), torch.from_numpy(q_np.reshape(-1)[ov])
+    return AttnGroup(q_index, kvi, mask, out_valid, out_rows, layer_kvi, causal=mask is None, q_start=q_start)
+
+
+def _shared(memo: dict | None, key, build):
+    """``build()``, or what it gave for ``key`` earlier in ``memo`` (stored there; None: no memo)."""
+    if memo is None:
+        return build()
+    got = memo.get(key)
+    if got is None:
+        got = memo[key] = build()
+    return got
+
+
+def _group_key(active, idxs: list[int], per_layer: dict) -> tuple:
+    """What a gather group's KV indices and mask depend on, block tables aside: its works
+    (request, first position, tokens) in order and the overridden layers."""
+    return tuple((active[i].req_id, active[i].token_start, active[i].num_tokens) for i in idxs), tuple(per_layer)
+
+
+def _decode_parts(active, canon, per_layer, part: list[int], bs: int, dtype):
+    """A decode group's [B, C] KV indices, [B, 1, 1, C] mask and per-layer KV indices."""
+    kvi, valid = _kv_index(active, canon, part, bs)
+    mask = (torch.zeros((len(part), 1, 1, kvi.shape[1]), dtype=dtype) if valid is None
+            else _additive(valid[:, None, None, :], dtype))
+    return kvi, mask, {l: _kv_index(active, t, part, bs)[0] for l, t in per_layer.items()}
+
+
+def _prefill_parts(active, canon, per_layer, pf: list[int], bs: int, dtype, g: int):
+    """The prefill group's [B, C] KV indices, mask (None: one sequence without cached context,
+    the causal kernel) and per-layer KV indices."""
+    kvi, _ = _kv_index(active, canon, pf, bs)
+    chunks = [(active[i].token_start, active[i].num_tokens) for i in pf]
+    Q = max(n for _, n in chunks)
+    mask = None if len(pf) == 1 and chunks[0][0] == 0 else _prefill_mask(chunks, Q, kvi.shape[1], g, dtype)
+    return kvi, mask, {l: _kv_index(active, t, pf, bs)[0] for l, t in per_layer.items()}
+
+
+def _prefill_mask(chunks, Q: int, C: int, g: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, g*Q, C] additive mask (0 / -inf in ``dtype``) of prefill chunks (``chunks``: B pairs
+    (first position ``s``, ``num_tokens``)) padded to ``Q``
+    queries over ``C`` context positions: query ``q`` of a chunk starting at position ``s``
+    attends to positions ``<= s + q``, and never past its own context (its padded queries,
+    ``q >= num_tokens``, repeat the last real row's reach). Repeated for the ``g`` query heads of
+    a KV head. Built in ``dtype`` directly: ``triu_`` over a ``-inf`` fill keeps ``-inf`` exactly
+    where ``c - q >= s + 1`` (the causal rule with the chunk's offset)."""
+    B = len(chunks)
+    mask = torch.full((B, g, Q, C), float("-inf"), dtype=dtype)
+    for b, (s, n) in enumerate(chunks):
+        mask[b].triu_(s + 1)
+        if n < Q:  # padded queries reach past the context: cut them at it
+            mask[b, :, n:, s + n:] = float("-inf")
+    return mask.view(B, 1, g * Q, C)
 
 
 def _kv_index(active, tables, idxs: list[int], bs: int) -> tuple[torch.Tensor, np.ndarray | None]:

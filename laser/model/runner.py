@@ -57,6 +57,9 @@ class ModelRunner:
         # lists: a work's update is ~1 us of Python, where numpy's cost ~30 us after a layer call.
         self._kv_written: dict[str, list[int]] = {}
         self.kv_gaps: list[tuple[str, int, int, int]] = []  # (req id, layer, written, needed)
+        # Attention-metadata pieces a step's compositions share (the gather groups' KV indices and
+        # masks: build_attn_metadata's memo), kept for one step (execute) only: None outside it.
+        self._meta_memo: dict | None = None
 
     @torch.inference_mode()
     def execute(
@@ -78,13 +81,14 @@ class ModelRunner:
         self._return_logits = return_logits
         self._hidden = None
         self._meta = None
+        self._meta_memo = {}
         self._res = res = StepResult(stopped_layer=0)
         ex = self.exits
         self.exit_layers = (self._exit_boundaries if ex is not None and any(
             w.num_tokens == 1 and requests[w.req_id].sampling_params.dynamic_depth is not None for w in plan.works)
                             else frozenset())
         res.stopped_layer = walk(plan, self, stop_at)
-        self._hidden = self._meta = self._requests = None
+        self._hidden = self._meta = self._requests = self._meta_memo = None
         self.exit_layers = frozenset()
         return res
 
@@ -390,4 +394,4 @@ class ModelRunner:
         (:func:`laser.model.attn_metadata.build_attn_metadata`)."""
         m = self.model
         return build_attn_metadata(active, layers, self.bm, (m.rope_cos, m.rope_sin), m.dtype, self._group_size,
-                                   lambda dec: self._split_decode(active, dec))
+                                   lambda dec: self._split_decode(active, dec), self._meta_memo)

@@ -160,3 +160,29 @@ def test_metadata_equals_the_torch_formulation(seed, dtype):
             assert same(value, getattr(grp, field)), (seed, field)
         if grp.mask is not None:
             assert grp.mask.is_contiguous()
+
+
+def test_a_steps_compositions_share_the_prefill_mask():
+    """With a memo (the runner keeps one per step), a later composition with the same prefill
+    chunks -- here after a decode row left -- reuses the first one's mask tensor, and every
+    composition's metadata still equals the torch formulation's."""
+    rng = random.Random(3)
+    works = [Work("d0", 40, 1, 0, 4), Work("d1", 60, 1, 0, 4), Work("p0", 8, 12, 0, 4), Work("p1", 30, 5, 0, 4)]
+    bm = Tables(rng, works, num_layers=4)
+    bm.over = {}
+    cos, sin = torch.randn(128, 8), torch.randn(128, 8)
+
+    def split(dec):
+        return [dec] if dec else []
+
+    memo: dict = {}
+    metas = []
+    for active in (works, works[1:]):
+        got = build_attn_metadata(active, range(0, 4), bm, (cos, sin), torch.bfloat16, 3, split, memo)
+        ref = reference(active, range(0, 4), bm, cos, sin, torch.bfloat16, 3, split)
+        for want, grp in zip(ref["groups"], got.groups):
+            for field, value in want.items():
+                assert same(value, getattr(grp, field)), field
+        metas.append(got)
+    assert metas[1].groups[-1].mask is metas[0].groups[-1].mask
+    assert metas[1].groups[-1].q_index[0, 0] == 1  # the prefill rows moved up by the row that left
