@@ -164,7 +164,7 @@ class Bench:
             default 2, the fewest the estimator needs). One call on a VM jitters by ~10 %
             (SmolLM2 bf16, one AVX512 core: a decode layer call of 33 ms at the median
             ranged 25-55 ms over 20 repeats), so the median of 2 repeats -- their mean --
-            is off by 3-7 %; the median of 5 by 1.5-3.7 % (``laser profile --evaluate``
+            is off by 3-7 %; the median of 5 by 1.5-4.7 % (``laser profile --evaluate``
             asks for 5: the held-out figures are only as good as the times they are
             scored against).
         tol: a case is settled once its two fastest repeats agree within this fraction (and
