@@ -62,7 +62,7 @@ def fit_decode_step_scale(samples: Sequence[DecodeStepSample], num_layers: int, 
     inside a layer). On noisy whole steps the two-factor fit trades one factor for the other
     (issue 26 item 3, bf16 one thread on a busy AVX512 EPYC: 0.89 / 1.07, where the session before
     measured 0.96 / 0.90); the 1.07 put the held-out decode layers, run as in a step at batches
-    41-64 and ~45k context positions, 13 % over (every layer of a pass measured 0.91-1.21x, median
+    41-64 and ~45k context positions, 13 % over (every layer of a pass measured 0.82-1.21x, median
     1.03x, the layer call timed alone)."""
     if len(samples) < MIN_DECODE_STEPS:
         return 1.0, 1.0
