@@ -65,6 +65,10 @@ def register(subparsers) -> None:
                         "set's timing doubles: raise --eval-budget)")
     p.add_argument("--eval-budget", type=positive_float, default=100.0,
                    help="seconds of timing after which --evaluate stops repeating measurements (default 100)")
+    p.add_argument("--min-repeats", type=int, default=None, metavar="K",
+                   help="timings every sample (and held-out case) gets whatever the budgets; its time is their "
+                        "median (default 5 with --evaluate: one call jitters by ~10%% on a VM and a held-out figure "
+                        "is only as good as the times it is scored against; 2 otherwise, and with --quick)")
     p.add_argument("--quick", action="store_true",
                    help="a small sample grid and a short evaluation (seconds; smoke tests, not for serving); "
                         "caps the budgets at 10 s and 20 s")
@@ -160,6 +164,8 @@ def cmd_profile(args) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     ev = dict(num_layer_steps=6, plans_per_policy=2, max_tokens=256, max_batch=16, num_requests=8, num_small_decode=3) \
         if args.quick else {}
+    if args.evaluate:
+        ev["min_repeats"] = args.min_repeats or (2 if args.quick else 5)
     got = _measure_or_load(args, engine, explicit, path, policies, ev, progress)
     if got is None:
         return 2
@@ -172,6 +178,9 @@ def cmd_profile(args) -> int:
 
 def _flag_error(args, explicit) -> bool:
     """Print the usage error of ``laser profile``'s flags, if any (then True)."""
+    if args.min_repeats is not None and args.min_repeats < 1:
+        print("laser: error: --min-repeats needs a positive count", file=sys.stderr)
+        return True
     if args.quick and args.reuse and not explicit:
         print("laser: error: --quick --reuse needs --output or --latency-profile PATH (a quick profile must not "
               "become the default one)",
@@ -197,6 +206,9 @@ def _measure_or_load(args, engine, explicit, path, policies, ev, progress):
     from .. import profiler
 
     grid = profiler.ProfileGrid.tiny() if args.quick else None
+    if args.min_repeats and not args.evaluate:  # (with --evaluate: ev["min_repeats"])
+        grid = grid or profiler.default_grid(engine.runner)
+        grid.min_repeats = args.min_repeats
     rep = None
     t1 = time.perf_counter()
     loaded = False  # the profile was read from its file, not measured now

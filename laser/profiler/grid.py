@@ -38,6 +38,8 @@ class ProfileGrid:
     max_rounds: int = 10
     tol: float = 0.03
     warmup_s: float = 1.0  # spin-up before timing
+    # timings every sample gets whatever the budget (timing.Bench's min_repeats; at most max_rounds)
+    min_repeats: int = 2
     # Whole steps whose overhead beyond layers, embedding and head is measured (StepOverheadSample):
     # each a list of works (num_tokens, context_len, first layer, end layer) with the layers as
     # fractions of the model's depth (0.0 .. 1.0; see step_works).

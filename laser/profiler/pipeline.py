@@ -220,6 +220,7 @@ def disturbance_stats(cases: list[Case], bench: Bench) -> dict:
             "clean_fraction": round(sum(len(c.clean) for c in cases) / max(1, repeats), 3),
             "disturbed_fraction": round(sum(len(c.disturbed) for c in cases) / max(1, repeats), 3),
             "disturbed_cases": sum(1 for c in cases if c.repeats and not c.times),
+            "min_repeats": bench.min_repeats,
             "reference_checks": len(bench.checks), "reference_tol": round(bench.effective_ref_tol(), 3),
             "max_reference_drift": round(bench.reference_drift(), 3)}
 
@@ -297,7 +298,8 @@ def collect_samples(runner: ModelRunner, grid: ProfileGrid | None = None, *, pro
     calls = ExecutorCalls(runner, seed)
     with torch.inference_mode():
         cases = profile_cases(calls, grid)
-        bench = Bench(grid.min_rounds, grid.max_rounds, grid.tol, budget_s=budget_s, seed=seed)
+        bench = Bench(grid.min_rounds, grid.max_rounds, grid.tol, budget_s=budget_s, seed=seed,
+                      min_repeats=grid.min_repeats)
         run_bench(cases, bench, calls, grid.warmup_s, "profiling", progress)
     runner.bm.check_integrity()
     return samples_from_cases(cases, grid.tol, bench, stats, warn=warn and grid.max_rounds > 1)
