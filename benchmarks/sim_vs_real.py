@@ -232,14 +232,17 @@ def simulated_knee(a, sim, requests, slos) -> float:
 TWINS = {"inprocess": ("sim@m", "inproc@m"), "serve": ("sim-served@m", "serve@m")}
 
 
-def machine_speed_of(engine, profile):
+def machine_speed_of(engine, profile, before: tuple[int, float]):
     """The speed the engine's steps ran at since its ``core.step_log`` was set (against
-    ``profile``: :func:`laser.latency.machine_speed.fit_machine_speed`); the log is then switched
-    off. None without a step."""
+    ``profile``: :func:`laser.latency.machine_speed.fit_machine_speed`), with its scheduling and
+    bookkeeping time per step since ``before`` (``core.step_stats``' steps and ``schedule_s`` then);
+    the log is then switched off. None without a step."""
     from laser.latency.machine_speed import fit_machine_speed
 
     steps, engine.core.step_log = engine.core.step_log or (), None
-    return fit_machine_speed(profile, steps, engine.model_config.num_layers)
+    st = engine.core.step_stats
+    host = (st.schedule_s - before[1]) / (st.steps - before[0]) if st.steps > before[0] else 0.0
+    return fit_machine_speed(profile, steps, engine.model_config.num_layers, host)
 
 
 def compare_at(both, runs: dict, sim_of: dict, rate: float, f: float, fe, wl_classes,
@@ -258,10 +261,11 @@ def compare_at(both, runs: dict, sim_of: dict, rate: float, f: float, fe, wl_cla
         if lb == "serve":
             seen = server_ttft(runs["serve"].server, wl_classes)
         if lb == "inprocess" and TWINS[lb][0] in runs:
-            runs[lb].engine.core.step_log = []
+            core = runs[lb].engine.core
+            core.step_log, before = [], (core.step_stats.steps, core.step_stats.schedule_s)
         rps[lb] = both.probe(lb, rate, early_stop=False)
         if lb == "inprocess" and TWINS[lb][0] in runs:
-            speed = machine_speed_of(runs[lb].engine, profile)
+            speed = machine_speed_of(runs[lb].engine, profile, before)
     compared = {lb: (sims[sim_of[lb]], rp) for lb, rp in rps.items()}
     for lb, (twin, label) in TWINS.items():
         if speed is not None and lb in rps and twin in runs:

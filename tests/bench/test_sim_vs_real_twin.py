@@ -37,7 +37,8 @@ class SimulatedEngine(SimTarget):
     def __init__(self):
         super().__init__("laser", LM, N, label="inprocess", machine_model=KindScaledLatencyModel(LM, 0.8, 1.2),
                          planner=planning_model)
-        self.engine = types.SimpleNamespace(core=types.SimpleNamespace(step_log=None),
+        stats = types.SimpleNamespace(steps=0, schedule_s=0.0)
+        self.engine = types.SimpleNamespace(core=types.SimpleNamespace(step_log=None, step_stats=stats),
                                             model_config=types.SimpleNamespace(num_layers=N))
 
     def _sim(self, role, icache):

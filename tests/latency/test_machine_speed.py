@@ -93,3 +93,23 @@ def test_a_twin_on_a_slower_machine_planned_by_the_calibration_is_slower_and_det
     slow = ttfts(machine_model=KindScaledLatencyModel(LM, 2.0, 2.0), planner=CalibratedLatencyModel)
     assert all(s > p for s, p in zip(slow, plain))
     assert slow == ttfts(machine_model=KindScaledLatencyModel(LM, 2.0, 2.0), planner=CalibratedLatencyModel)
+
+
+def test_host_time_per_step_is_charged_once_per_step():
+    m = KindScaledLatencyModel(LM, 1.0, 1.0, host_step_s=0.002)
+    assert m.step_overhead_time(2, 3) == pytest.approx(LM.step_overhead_time(2, 3) + 0.002)
+    assert m.step_overhead_time(0, 0) == 0.0
+    slo = SLO(ttft=10.0, tbt=1.0, name="chat")
+    one = Request(prompt_token_ids=[1] * 8, sampling_params=SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+                  slo=slo, req_id="a")
+    sim = SimInstance("laser", N, LM, SchedulerConfig(policy="laser"), machine_model=m)
+    sim.submit(one)
+    sim.run()
+    base = SimInstance("laser", N, LM, SchedulerConfig(policy="laser"))
+    two = Request(prompt_token_ids=[1] * 8, sampling_params=one.sampling_params, slo=slo, req_id="a")
+    base.submit(two)
+    base.run()
+    assert sim.stats.steps == base.stats.steps == 5
+    assert one.token_times[-1] - two.token_times[-1] == pytest.approx(5 * 0.002)
+    with pytest.raises(ValueError):
+        KindScaledLatencyModel(LM, 1.0, 1.0, host_step_s=-1.0)
