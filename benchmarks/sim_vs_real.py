@@ -19,7 +19,15 @@ plan with) and takes it as exact. This benchmark checks that assumption end to e
    ``ClientTarget``, streaming, each request carrying its class and targets in headers);
 4. print the attainment per class side by side (sim, each real run, real - sim), and mean TTFT;
    then per class the median per-request difference real - sim (TTFT, TPOT, P99 TBT) and the
-   requests whose verdict flipped (``laser.bench.record_pairs``; ``--json`` keeps every request).
+   requests whose verdict flipped (``laser.bench.record_pairs``; ``--json`` keeps every request);
+5. with an in-process run, compare each real run also with its *twin* (``inproc@m``, ``serve@m``):
+   the simulation on the machine as the in-process run measured it -- the profile scaled per kind
+   of work to the speed of the engine's own steps in that run, plus its scheduling time per step
+   (``laser.latency.machine_speed``: decode and prefill layer calls apart), planned as the engine
+   plans (its online calibration). The plain simulation prices the profile as measured, which on
+   a shared host may be a different machine: the twin tells what the simulator gets wrong from what
+   the machine did (on the AVX512 EPYC the engine's steps ran 0.79x / 0.85x of the profile's
+   decode / prefill price in one run, and the plain simulation's TTFTs were 1.25x the engine's).
    The served run is compared with a *served* simulation (``SimTarget(served=True)``): the same
    profile plus the front end's share of a TTFT (``frontend_ttft_s``), measured on the started
    server (``laser.bench.frontend_cost``: idle one-token requests, client wall minus the engine's
