@@ -17,7 +17,17 @@ plan with) and takes it as exact. This benchmark checks that assumption end to e
    layer boundaries in real time) and ``serve`` (a ``laser serve`` subprocess with the same engine
    flags and the same profile file, driven through HTTP by ``laser bench``'s client:
    ``ClientTarget``, streaming, each request carrying its class and targets in headers);
-4. print the attainment per class side by side (sim, each real run, real - sim), and mean TTFT.
+4. print the attainment per class side by side (sim, each real run, real - sim), and mean TTFT;
+   then per class the median per-request difference real - sim (TTFT, TPOT, P99 TBT) and the
+   requests whose verdict flipped (``laser.bench.record_pairs``; ``--json`` keeps every request);
+5. with an in-process run, compare each real run also with its *twin* (``inproc@m``, ``serve@m``):
+   the simulation on the machine as the in-process run measured it -- the profile scaled per kind
+   of work to the speed of the engine's own steps in that run, plus its scheduling time per step
+   (``laser.latency.machine_speed``: decode and prefill layer calls apart), planned as the engine
+   plans (its online calibration). The plain simulation prices the profile as measured, which on
+   a shared host may be a different machine: the twin tells what the simulator gets wrong from what
+   the machine did (on the AVX512 EPYC the engine's steps ran 0.79x / 0.85x of the profile's
+   decode / prefill price in one run, and the plain simulation's TTFTs were 1.25x the engine's).
    The served run is compared with a *served* simulation (``SimTarget(served=True)``): the same
    profile plus the front end's share of a TTFT (``frontend_ttft_s``), measured on the started
    server (``laser.bench.frontend_cost``: idle one-token requests, client wall minus the engine's
@@ -41,6 +51,7 @@ The prefix cache is off unless a flag after ``--`` names it (every rate replays 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -191,7 +202,8 @@ def parse_args(argv: list[str]):
                          "default %(default)s)")
     ap.add_argument("--frontend-probes", type=int, default=9,
                     help="idle one-token requests that measure the served front end's TTFT share (default %(default)s)")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None,
+                    help="write the results here, with every request's TTFT / TBT sim and real side by side")
     a = ap.parse_args(argv)
     a.reals = [x.strip() for x in a.real.split(",") if x.strip()]
     if not a.reals or set(a.reals) - {"inprocess", "serve"}:
@@ -223,25 +235,70 @@ def simulated_knee(a, sim, requests, slos) -> float:
     return knee
 
 
-def compare_at(both, runs: dict, sim_of: dict, rate: float, f: float, fe, wl_classes) -> tuple[list[str], dict]:
+#: real run -> (its simulated twin on the machine as it ran: a target of ``runs``, the table's label);
+#: both twins run at the speed the in-process run measured (the served engine's steps are not seen here)
+TWINS = {"inprocess": ("sim@m", "inproc@m"), "serve": ("sim-served@m", "serve@m")}
+
+
+def machine_speed_of(engine, profile, before: tuple[int, float]):
+    """The speed the engine's steps ran at since its ``core.step_log`` was set (against
+    ``profile``: :func:`laser.latency.machine_speed.fit_machine_speed`), with its scheduling and
+    bookkeeping time per step since ``before`` (``core.step_stats``' steps and ``schedule_s`` then);
+    the log is then switched off. None without a step."""
+    from laser.latency.machine_speed import fit_machine_speed
+
+    steps, engine.core.step_log = engine.core.step_log or (), None
+    st = engine.core.step_stats
+    host = (st.schedule_s - before[1]) / (st.steps - before[0]) if st.steps > before[0] else 0.0
+    return fit_machine_speed(profile, steps, engine.model_config.num_layers, host)
+
+
+def compare_at(both, runs: dict, sim_of: dict, rate: float, f: float, fe, wl_classes,
+               profile=None) -> tuple[list[str], dict]:
     """Run every simulated and real target of ``both`` at ``rate`` (``f`` x the knee); returns the
-    table's lines and the JSON record. ``sim_of``: real label -> its simulated run's label."""
+    table's lines and the JSON record (with every request of each real run beside its simulated
+    twin: :func:`laser.bench.record_pairs.paired_rows`). ``sim_of``: real label -> its simulated
+    run's label. With the targets of :data:`TWINS` in ``runs`` and an in-process run: each real
+    run is also compared with its twin simulated on the machine as the in-process run measured it
+    (``profile`` scaled, planned as the engine plans), on the same arrivals."""
+    from laser.bench.record_pairs import format_pair_summary, pair_summary, paired_rows
+
     sims = {lb: both.probe(lb, rate, early_stop=False) for lb in dict.fromkeys(sim_of.values())}
-    rps, seen = {}, None
-    for lb in sim_of:
+    rps, seen, speed, sim_of = {}, None, None, dict(sim_of)
+    for lb in list(sim_of):
         if lb == "serve":
             seen = server_ttft(runs["serve"].server, wl_classes)
+        if lb == "inprocess" and TWINS[lb][0] in runs:
+            core = runs[lb].engine.core
+            core.step_log, before = [], (core.step_stats.steps, core.step_stats.schedule_s)
         rps[lb] = both.probe(lb, rate, early_stop=False)
+        if lb == "inprocess" and TWINS[lb][0] in runs:
+            speed = machine_speed_of(runs[lb].engine, profile, before)
+    compared = {lb: (sims[sim_of[lb]], rp) for lb, rp in rps.items()}
+    for lb, (twin, label) in TWINS.items():
+        if speed is not None and lb in rps and twin in runs:
+            runs[twin].machine_model = speed.model(profile)
+            sims[twin] = both.probe(twin, rate, early_stop=False)
+            compared[label], sim_of[label] = (sims[twin], rps[lb]), twin
     walls = ", ".join(f"{lb} run {rp.wall_s:.0f} s" for lb, rp in rps.items())
     lines = [f"rate {rate:.3f} req/s ({f:g}x knee): attainment per class   [sim = SIMULATED (served: "
              f"+{1e3 * (fe or 0.0):.1f} ms front end), {' / '.join(rps)} = measured; {walls}]"]
-    lines += class_table({lb: (sims[sim_of[lb]], rp) for lb, rp in rps.items()})
+    if speed is not None:
+        lines.append(f"  @m: a real run beside its twin simulated at the speed of the in-process run's steps: "
+                     f"{speed.describe()}")
+    lines += class_table(compared)
     if seen is not None:
         lines.append(server_ttft_line(seen, server_ttft(runs["serve"].server, wl_classes), rps["serve"]))
+    pairs = {lb: paired_rows(sp.records, rp.records) for lb, (sp, rp) in compared.items()}
+    for lb, rows in pairs.items():
+        lines += format_pair_summary(pair_summary(rows), sim_of[lb], lb)
     rec = {"fraction": f, "rate_rps": rate,
            **{lb: {"overall": sp.attainment, "per_class": sp.class_attainment()} for lb, sp in sims.items()},
            **{lb: {"overall": rp.attainment, "per_class": rp.class_attainment(), "wall_s": rp.wall_s,
-                   "unfinished": rp.unfinished, "sim": sim_of[lb]} for lb, rp in rps.items()}}
+                   "unfinished": rp.unfinished, "sim": sim_of[lb], "requests": pairs[lb]}
+              for lb, (_, rp) in compared.items()}}
+    if speed is not None:
+        rec["machine_speed"] = dataclasses.asdict(speed)
     return lines, rec
 
 
@@ -285,6 +342,13 @@ def main(argv=None) -> int:
             fe = frontend_term(runs["serve"], profile, a.frontend_probes)
             runs["sim-served"] = sim_target(args, a.policy, profile, engine, served=True, label="sim-served")
             sim_of["serve"] = "sim-served"
+        if "inprocess" in a.reals:  # the twins on the machine as it ran (clock set per rate), planned as the engine's
+            from laser.instance.model_instance import planning_model
+
+            for lb, (twin, _) in TWINS.items():
+                if lb in sim_of:
+                    runs[twin] = sim_target(args, a.policy, profile, engine, served=lb == "serve", label=twin)
+                    runs[twin].planner = planning_model
         both = Benchmark(runs, requests, slos, seed=a.seed, probe_timeout_s=a.probe_timeout)
         wl_classes = sorted({r.slo_class for r in requests})
         out = {"command": "python benchmarks/sim_vs_real.py " + " ".join(sys.argv[1:]), "workload": wl_desc,
@@ -293,7 +357,7 @@ def main(argv=None) -> int:
                "frontend_ttft_s": fe, "runs": []}
         lines = []
         for f in (float(x) for x in a.fractions.split(",")):
-            more, rec = compare_at(both, runs, sim_of, knee * f, f, fe, wl_classes)
+            more, rec = compare_at(both, runs, sim_of, knee * f, f, fe, wl_classes, profile)
             lines += more
             out["runs"].append(rec)
         print("\n".join(lines))

@@ -48,7 +48,14 @@ class SimTarget(Target):
 
     ``served``: simulate the engine behind ``laser serve``'s HTTP front end: every output token
     reaches the client ``latency_model.frontend_ttft_s`` later than its step ends (the front end's
-    measured share of a served TTFT; TBT unchanged). False (default): in process, no front end."""
+    measured share of a served TTFT; TBT unchanged). False (default): in process, no front end.
+
+    ``machine_model``: the simulated machine's clock when it is not ``latency_model`` (e.g.
+    :meth:`laser.latency.machine_speed.MachineSpeed.model`: the machine as a real run measured it);
+    ``planner``: ``latency_model -> the model the policy plans with``, called afresh for every run
+    (e.g. ``laser.instance.model_instance.planning_model``: the engine's online calibration, which
+    then learns the simulated machine's speed as the engine learns the real one's); None: both are
+    ``latency_model``."""
 
     kind = "sim"
     simulated = True
@@ -56,7 +63,7 @@ class SimTarget(Target):
     def __init__(self, policy: str, latency_model, num_layers: int | None = None, config=None,
                  num_blocks: int = 4096, block_size: int = 16, icache_tokens: int = 16384,
                  disaggregated: bool = False, decode_icache_tokens: int = 2048, label: str | None = None,
-                 served: bool = False):
+                 served: bool = False, machine_model=None, planner=None):
         from laser.core.config import SchedulerConfig
 
         self.policy = policy
@@ -68,6 +75,7 @@ class SimTarget(Target):
         self.disaggregated = disaggregated
         self.label = label or policy
         self.served = served
+        self.machine_model, self.planner = machine_model, planner
         self.last_sims: list = []
 
     def describe(self) -> dict:
@@ -88,8 +96,9 @@ class SimTarget(Target):
         from laser.sim import SimInstance
 
         cfg = dataclasses.replace(self.config, policy=self.policy, role=role)
-        return SimInstance(self.policy, self.num_layers, self.lm, cfg, num_blocks=self.num_blocks,
-                   block_size=self.block_size, icache_tokens=icache)
+        lm = self.planner(self.lm) if self.planner is not None else self.lm
+        return SimInstance(self.policy, self.num_layers, lm, cfg, num_blocks=self.num_blocks,
+                           block_size=self.block_size, icache_tokens=icache, machine_model=self.machine_model)
 
     def run(self, requests, slos, timeout_s=None, progress=False, stop_below=None, background=None) -> RunOutput:
         """(Virtual time is cheap: ``stop_below`` is ignored and every run goes to the end.)

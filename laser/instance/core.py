@@ -141,6 +141,9 @@ class InstanceCore:
         # driver add requests that arrive while a step runs.
         self.arrival_hook: Callable[[], None] | None = None
         self.handoffs: list[Handoff] = []  # prefill role: requests that left after their first token
+        # A list: every step that ran its plan to the end is appended as (plan, seconds on ``clock``)
+        # (the engine's measured step times, e.g. for laser.latency.machine_speed); None: not kept.
+        self.step_log: list | None = None
 
     @property
     def step_observer(self) -> Callable[[StepPlan, float], None] | None:
@@ -223,16 +226,19 @@ class InstanceCore:
         """Second half: execute ``plan`` (from :meth:`schedule`), update the scheduler, apply
         the finish rule and the hand-off."""
         t1 = self._perf()
-        observe = self.step_observer
-        c1 = self.clock() if observe is not None else 0.0
+        observe, log = self.step_observer, self.step_log
+        c1 = self.clock() if observe is not None or log is not None else 0.0
         result = self.executor.execute(plan, self.scheduler.requests_of(plan), stop_at=self._stop_at)
         now = self.clock()
         t2 = self._perf()
-        if (observe is not None and result.stopped_layer >= plan.last_layer and not result.exit_layers
-                and not any(w.exit_from for w in plan.works)):
+        if ((observe is not None or log is not None) and result.stopped_layer >= plan.last_layer
+                and not result.exit_layers and not any(w.exit_from for w in plan.works)):
             # (a step where tokens exited early ran fewer layers than the plan it would be judged
             # by; one priced with tokens that may exit, at their expected depth, is not judged either)
-            observe(plan, now - c1)  # the instance's clock: wall time, or virtual in the simulator
+            if observe is not None:
+                observe(plan, now - c1)  # the instance's clock: wall time, or virtual in the simulator
+            if log is not None:
+                log.append((plan, now - c1))
         events = []
         hands_off = self.role == "prefill"
         if result.prompt_logprobs:

@@ -1,0 +1,71 @@
+"""benchmarks/sim_vs_real.py's machine twin: a real run is also compared with its simulation on the
+machine as the run measured it (laser.latency.machine_speed). Here the "real" engine is itself a
+simulation on a machine 0.8x / 1.2x its profile (decode / prefill) planned by the online
+calibration, so its twin must match it request for request, while the plain simulation (the
+profile as is) does not."""
+
+import importlib.util
+import types
+from pathlib import Path
+
+import pytest
+
+from laser.bench.runner import Benchmark
+from laser.bench.sim_target import SimTarget
+from laser.bench.workloads import WorkloadRequest
+from laser.core.slo import SLOClasses
+from laser.instance.model_instance import planning_model
+from laser.latency import SimpleLatencyModel
+from laser.latency.machine_speed import KindScaledLatencyModel
+
+_BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+N = 4
+LM = SimpleLatencyModel(num_layers=N, per_layer=1e-3, per_token=1e-5)
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, _BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class SimulatedEngine(SimTarget):
+    """A stand-in for the in-process engine: a simulation whose machine differs from its profile,
+    with the engine's ``core.step_log`` (filled from the simulated instance's own log)."""
+
+    def __init__(self):
+        super().__init__("laser", LM, N, label="inprocess", machine_model=KindScaledLatencyModel(LM, 0.8, 1.2),
+                         planner=planning_model)
+        stats = types.SimpleNamespace(steps=0, schedule_s=0.0)
+        self.engine = types.SimpleNamespace(core=types.SimpleNamespace(step_log=None, step_stats=stats),
+                                            model_config=types.SimpleNamespace(num_layers=N))
+
+    def _sim(self, role, icache):
+        self._inst = super()._sim(role, icache)
+        self._inst.step_log = []
+        return self._inst
+
+    def run(self, *a, **kw):
+        out = super().run(*a, **kw)
+        if self.engine.core.step_log is not None:
+            self.engine.core.step_log.extend(self._inst.step_log)
+        return out
+
+
+def test_the_twin_matches_a_run_on_a_machine_that_drifted_from_its_profile():
+    svr = _load("sim_vs_real")
+    reqs = [WorkloadRequest(("chat", "code")[i % 2], "x", 8 + 30 * (i % 3), 8, 0.0) for i in range(20)]
+    slos = SLOClasses({"chat": {"ttft": 0.2, "tbt": 0.02}, "code": {"ttft": 0.1, "tbt": 0.02}})
+    runs = {"sim": SimTarget("laser", LM, N, label="sim"), "inprocess": SimulatedEngine(),
+            "sim@m": SimTarget("laser", LM, N, label="sim@m", planner=planning_model)}
+    both = Benchmark(runs, reqs, slos, seed=7)
+    lines, rec = svr.compare_at(both, runs, {"inprocess": "sim"}, 50.0, 1.0, None, ["chat", "code"], LM)
+    speed = rec["machine_speed"]
+    assert speed["decode_factor"] == pytest.approx(0.8) and speed["other_factor"] == pytest.approx(1.2)
+    twin, plain = rec["inproc@m"]["requests"], rec["inprocess"]["requests"]
+    assert all(r["a"]["ttft"] == pytest.approx(r["b"]["ttft"]) and r["a"]["tpot"] == pytest.approx(r["b"]["tpot"])
+               for r in twin)
+    assert any(r["a"]["ttft"] != pytest.approx(r["b"]["ttft"]) for r in plain)
+    assert runs["inprocess"].engine.core.step_log is None  # switched off after the run
+    assert any("inproc@m" in ln for ln in lines) and any("decode x0.800" in ln for ln in lines)

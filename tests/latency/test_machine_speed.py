@@ -1,0 +1,115 @@
+"""The machine's speed against its profile, per kind of work (laser.latency.machine_speed), and the
+simulated twin of a run priced with it (SimTarget(machine_model=..., planner=...))."""
+
+import pytest
+
+from laser.bench.sim_target import SimTarget
+from laser.bench.workloads import WorkloadRequest
+from laser.core.config import SchedulerConfig
+from laser.core.request import SLO, Request, SamplingParams
+from laser.core.slo import SLOClasses
+from laser.latency import CalibratedLatencyModel, SimpleLatencyModel
+from laser.latency.machine_speed import KindScaledLatencyModel, fit_machine_speed
+from laser.sim import SimInstance
+
+N = 4
+LM = SimpleLatencyModel(num_layers=N, per_layer=1e-3, per_token=1e-5)
+
+
+def test_kind_scaled_prices_decode_and_prefill_layers_apart():
+    m = KindScaledLatencyModel(LM, 0.5, 2.0)
+    assert m.layer_time((1, 1), (10, 20)) == pytest.approx(0.5 * LM.layer_time((1, 1), (10, 20)))
+    assert m.layer_time((1, 16), (10, 16)) == pytest.approx(2.0 * LM.layer_time((1, 16), (10, 16)))
+    assert m.head_time(3) == pytest.approx(0.5 * LM.head_time(3))
+    assert m.embed_time(8) == pytest.approx(0.5 * LM.embed_time(8))
+    # the two halves of a split add up to the plain price
+    d, p = KindScaledLatencyModel(LM, 1.0, 0.0), KindScaledLatencyModel(LM, 0.0, 1.0)
+    for q, c in (((1, 1), (5, 9)), ((1, 32), (5, 32))):
+        assert d.layer_time(q, c) + p.layer_time(q, c) == pytest.approx(LM.layer_time(q, c))
+    with pytest.raises(ValueError):
+        KindScaledLatencyModel(LM, 0.0, 0.0)
+    with pytest.raises(ValueError):
+        KindScaledLatencyModel(LM, -1.0, 1.0)
+
+
+def _mixed_requests(n: int = 12) -> list[Request]:
+    slo = SLO(ttft=10.0, tbt=1.0, name="chat")
+    return [Request(prompt_token_ids=[1] * (8 + 37 * (i % 4)),
+                    sampling_params=SamplingParams(max_tokens=6 + i % 5, temperature=0.0, ignore_eos=True),
+                    slo=slo, arrival_time=0.004 * i, req_id=f"r{i}") for i in range(n)]
+
+
+def test_the_fit_recovers_a_machine_that_runs_decode_and_prefill_at_different_speeds():
+    """A simulated machine 0.8x the profile on decode and 1.3x on prefill: its logged steps give
+    both factors back, to rounding (the machine is the model the fit assumes)."""
+    sim = SimInstance("laser", N, LM, SchedulerConfig(policy="laser"), machine_model=KindScaledLatencyModel(LM, 0.8, 1.3))
+    sim.step_log = []
+    for r in _mixed_requests():
+        sim.submit(r)
+    sim.run()
+    speed = fit_machine_speed(LM, sim.step_log)
+    assert speed.decode_steps > 0 and speed.other_steps > 0
+    assert speed.decode_factor == pytest.approx(0.8, rel=1e-6)
+    assert speed.other_factor == pytest.approx(1.3, rel=1e-6)
+    assert speed.error < 1e-6
+    assert "decode x0.800" in speed.describe()
+
+
+def test_the_fit_without_prefill_steps_is_one_factor_and_none_without_steps():
+    sim = SimInstance("laser", N, LM, SchedulerConfig(policy="laser"), machine_model=KindScaledLatencyModel(LM, 1.5, 9.0))
+    sim.step_log = []
+    sim.submit(Request(prompt_token_ids=[1], sampling_params=SamplingParams(max_tokens=5, temperature=0.0,
+                                                                            ignore_eos=True), req_id="one"))
+    sim.run()
+    speed = fit_machine_speed(LM, sim.step_log)
+    assert speed.other_steps == 0 and speed.decode_factor == speed.other_factor == pytest.approx(1.5)
+    assert fit_machine_speed(LM, []) is None
+
+
+def test_the_step_log_keeps_complete_steps_only_when_asked():
+    sim = SimInstance("laser", N, LM, SchedulerConfig(policy="laser"))
+    for r in _mixed_requests(4):
+        sim.submit(r)
+    sim.run()
+    assert sim.step_log is None  # off by default: nothing kept
+    sim = SimInstance("laser", N, LM, SchedulerConfig(policy="laser"))
+    sim.step_log = []
+    for r in _mixed_requests(4):
+        sim.submit(r)
+    sim.run()
+    assert len(sim.step_log) == sim.stats.steps
+    assert all(secs == pytest.approx(LM.predict_iteration(plan)) for plan, secs in sim.step_log)
+
+
+def test_a_twin_on_a_slower_machine_planned_by_the_calibration_is_slower_and_deterministic():
+    reqs = [WorkloadRequest("chat", "x", 8 + 30 * (i % 3), 8, 0.01 * i) for i in range(10)]
+    slos = SLOClasses({"chat": {"ttft": 10.0, "tbt": 1.0}})
+
+    def ttfts(**kw):
+        out = SimTarget("laser", LM, N, **kw).run(reqs, slos)
+        return [r.ttft for r in out.records]
+
+    plain = ttfts()
+    slow = ttfts(machine_model=KindScaledLatencyModel(LM, 2.0, 2.0), planner=CalibratedLatencyModel)
+    assert all(s > p for s, p in zip(slow, plain))
+    assert slow == ttfts(machine_model=KindScaledLatencyModel(LM, 2.0, 2.0), planner=CalibratedLatencyModel)
+
+
+def test_host_time_per_step_is_charged_once_per_step():
+    m = KindScaledLatencyModel(LM, 1.0, 1.0, host_step_s=0.002)
+    assert m.step_overhead_time(2, 3) == pytest.approx(LM.step_overhead_time(2, 3) + 0.002)
+    assert m.step_overhead_time(0, 0) == 0.0
+    slo = SLO(ttft=10.0, tbt=1.0, name="chat")
+    one = Request(prompt_token_ids=[1] * 8, sampling_params=SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+                  slo=slo, req_id="a")
+    sim = SimInstance("laser", N, LM, SchedulerConfig(policy="laser"), machine_model=m)
+    sim.submit(one)
+    sim.run()
+    base = SimInstance("laser", N, LM, SchedulerConfig(policy="laser"))
+    two = Request(prompt_token_ids=[1] * 8, sampling_params=one.sampling_params, slo=slo, req_id="a")
+    base.submit(two)
+    base.run()
+    assert sim.stats.steps == base.stats.steps == 5
+    assert one.token_times[-1] - two.token_times[-1] == pytest.approx(5 * 0.002)
+    with pytest.raises(ValueError):
+        KindScaledLatencyModel(LM, 1.0, 1.0, host_step_s=-1.0)
