@@ -22,6 +22,8 @@ import torch  # noqa: E402
 
 from fused_decode import make_engine, step_ms  # noqa: E402  (benchmarks/ is the script's dir)
 
+from laser.core.request import SamplingParams  # noqa: E402
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -55,11 +57,23 @@ def main() -> None:
         print(f"batch {b}: sdpa {s:.2f} ms/step, graph D {d:.2f} ms/step -> D/sdpa {d / s:.3f} "
               f"(per-round ratios {ratios[0]:.3f}-{ratios[-1]:.3f}); {1e3 / d * b:.1f} tok/s")
     if args.profile:
-        from torch.profiler import ProfilerActivity, profile
+        profile_decode(engine, args.prompt_len, 20)
 
-        with profile(activities=[ProfilerActivity.CPU]) as p:
-            step_ms(engine, 1, 20, args.prompt_len)
-        print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+def profile_decode(engine, prompt_len: int, steps: int) -> None:
+    """torch.profiler's operators (self CPU time) over ``steps`` batch-1 decode steps of one
+    request of ``prompt_len`` random tokens (its prefill and first decode step not profiled)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(0)
+    sp = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
+    engine.add_request(torch.randint(100, 20000, (prompt_len,), generator=g).tolist(), sp)
+    for _ in range(2):
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        while engine.has_unfinished():
+            engine.step()
+    print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
 if __name__ == "__main__":
