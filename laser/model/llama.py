@@ -208,7 +208,8 @@ class LlamaModel:
                      "kernel)", MIN_ROWS)
         parts = [] if not qlins else ["compiled-int8" if any(m.gemv is not None for m in qlins) else "",
                                       rows_label(qlins)]
-        parts += ["pattn" if self.blocked_attn else "", "fused" if self.fused is not None else ""]
+        # "dattn": decode attention through graph D (a profile timed before it prices slower steps)
+        parts += ["pattn" if self.blocked_attn else "", "fused-dattn" if self.fused is not None else ""]
         # another machine to the latency model: its own profile (laser.profiler.executor_path_of)
         path = "-".join(p for p in parts if p)
         if path:
@@ -234,7 +235,10 @@ class LlamaModel:
         self.rope_sin = (emb.sin() * scaling).to(self.dtype)
 
     def bind_kv_cache(self, kv: torch.Tensor) -> None:
+        """Attend over ``kv`` [layers, 2, slots, kv_heads, head_dim] (the KV cache tensor); each
+        layer's K and V views are made once here (two selects each cost ~4 us a layer call)."""
         self.kv = kv
+        self._kv_layers = [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])]
 
     # -- per-layer API -----------------------------------------------------------------------
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -316,7 +320,7 @@ class LlamaModel:
 
         Returns [T, Hq, d] (see :meth:`_attention`).
         """
-        kc, vc = self.kv[i, 0], self.kv[i, 1]
+        kc, vc = self._kv_layers[i]
         slots = meta.slots_for(i)
         kc.index_copy_(0, slots, k)  # index_copy_ is a row memcpy; kc[slots] = k is elementwise
         vc.index_copy_(0, slots, v)
@@ -348,11 +352,10 @@ class LlamaModel:
         Each group reads its padded context with ``index_select`` (a row gather, several
         times faster than advanced indexing here) and masks the pads with an additive mask
         built once per batch composition. A group whose query rows are one contiguous range
-        (decode rows always are) reads and writes them as a slice, without copies.
+        (decode rows always are) reads and writes them as a slice, without copies. Decode
+        groups of a fused model (bf16) run graph D of :attr:`fused` instead, which gathers the
+        context inside its kernel (:meth:`laser.model.fused.FusedDecode.attend`).
         """
-        c = self.config
-        kvh, d = c.num_kv_heads, c.head_dim
-        g = c.num_heads // kvh
         if len(meta.groups) == 1 and meta.groups[0].out_rows is None:
             out = None  # filled directly below
         else:
@@ -375,16 +378,11 @@ class LlamaModel:
                 continue
             kv_idx = grp.kv_index_for(i).view(-1)
             C = kv_idx.shape[0] // B
-            if grp.q_start is not None:
-                qr = q[grp.q_start : grp.q_start + B * Q]
+            f = self.fused
+            if Q == 1 and f is not None and f.decode_attention and grp.q_start is not None:  # decode rows: graph D
+                o = f.attend(q[grp.q_start : grp.q_start + B], kc, vc, kv_idx.view(B, C), grp.mask.view(B, C))
             else:
-                qr = q.index_select(0, grp.q_index.view(-1))
-            # [B, Q, kvh, g, d] -> [B, kvh, g*Q, d]: query heads sharing a KV head are stacked
-            qg = qr.reshape(B, Q, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(B, kvh, g * Q, d)
-            kg = kc.index_select(0, kv_idx).view(B, C, kvh, d).transpose(1, 2)  # [B, kvh, C, d]
-            vg = vc.index_select(0, kv_idx).view(B, C, kvh, d).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=grp.mask)
-            o = o.view(B, kvh, g, Q, d).permute(0, 3, 1, 2, 4).reshape(B * Q, c.num_heads, d)
+                o = self._sdpa_group(grp, q, kc, vc, kv_idx, B, Q, C)
             if out is None:
                 return o
             if grp.out_rows is not None:
@@ -394,6 +392,23 @@ class LlamaModel:
             else:
                 out[grp.q_index.view(-1)] = o
         return out
+
+    def _sdpa_group(self, grp: AttnGroup, q, kc, vc, kv_idx, B: int, Q: int, C: int) -> torch.Tensor:
+        """One padded group through torch's SDPA: q [T, Hq, d] (the group's rows read from it),
+        kv_idx [B*C] slots -> [B*Q, Hq, d]."""
+        c = self.config
+        kvh, d = c.num_kv_heads, c.head_dim
+        g = c.num_heads // kvh
+        if grp.q_start is not None:
+            qr = q[grp.q_start : grp.q_start + B * Q]
+        else:
+            qr = q.index_select(0, grp.q_index.view(-1))
+        # [B, Q, kvh, g, d] -> [B, kvh, g*Q, d]: query heads sharing a KV head are stacked
+        qg = qr.reshape(B, Q, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(B, kvh, g * Q, d)
+        kg = kc.index_select(0, kv_idx).view(B, C, kvh, d).transpose(1, 2)  # [B, kvh, C, d]
+        vg = vc.index_select(0, kv_idx).view(B, C, kvh, d).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=grp.mask)
+        return o.view(B, kvh, g, Q, d).permute(0, 3, 1, 2, 4).reshape(B * Q, c.num_heads, d)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, H] last-position hidden states -> [R, V] float32 logits (final norm + LM head)."""

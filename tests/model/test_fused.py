@@ -1,5 +1,6 @@
 """Fused decode layers (laser.model.fused): bf16 int4 layers through compiled graphs agree with the
-eager layer within bf16 rounding, a row's result does not depend on its batch, the executor path
+eager layer within bf16 rounding, a row's result does not depend on its batch (nor, in decode
+attention, on its group's padding), the executor path
 names them, and fp32 (the exactness dtype) never takes them."""
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ def test_fused_layers_match_eager_within_bf16_rounding(tiny_model_dirs, monkeypa
     with caplog.at_level(logging.INFO, logger="laser.model.llama"):
         model = build(tiny_model_dirs[kind], torch.bfloat16, monkeypatch)
     f = model.fused
-    assert f is not None and f.graphs == 2, caplog.text  # one graph of each kind serves every layer
-    assert model.executor_path.endswith("fused") and "decode layers fused" in caplog.text
+    assert f is not None and f.graphs == 3, caplog.text  # one graph of each kind serves every layer
+    assert model.executor_path.endswith("fused-dattn") and "decode layers fused" in caplog.text
     c = model.config
     gen = torch.Generator().manual_seed(0)
     n = 6
@@ -50,6 +51,50 @@ def test_fused_layers_match_eager_within_bf16_rounding(tiny_model_dirs, monkeypa
             alone = torch.cat([model.finish_layer(i, h[r : r + 1], attn[r : r + 1]) for r in range(n)])
             assert torch.equal(alone, fb)
             assert torch.equal(model.qkv(i, h[2:5], cos[2:5], sin[2:5])[0], fq[0][2:5])
+
+
+def _padded(lens, slots, gen):
+    """Per sequence its cache slots (blocks of 16 at random places), and the batch's [B, C] slot
+    index and additive mask padded to the longest (pads: slot 0, -inf)."""
+    blocks = torch.randperm(slots // 16, generator=gen)
+    idx, at = [], 0
+    for n in lens:
+        nb = -(-n // 16)
+        idx.append((blocks[at:at + nb, None] * 16 + torch.arange(16)).reshape(-1)[:n].contiguous())
+        at += nb
+    C = max(lens)
+    index = torch.zeros(len(lens), C, dtype=torch.long)
+    mask = torch.full((len(lens), C), float("-inf"))
+    for b, (n, ix) in enumerate(zip(lens, idx)):
+        index[b, :n], mask[b, :n] = ix, 0
+    return idx, index, mask.bfloat16()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_decode_attention_graph_matches_sdpa_and_ignores_padding(tiny_model_dirs, monkeypatch, kind):
+    """Graph D (decode attention over the cache) agrees with torch's SDPA on the same gathered
+    context within bf16 rounding, and a sequence's result is bit-equal alone and padded in a batch."""
+    model = build(tiny_model_dirs[kind], torch.bfloat16, monkeypatch)
+    c, f = model.config, model.fused
+    kvh, d, g = c.num_kv_heads, c.head_dim, c.num_heads // c.num_kv_heads
+    gen = torch.Generator().manual_seed(1)
+    slots = 64 * 16
+    kc = torch.randn(slots, kvh, d, generator=gen).bfloat16()
+    vc = torch.randn(slots, kvh, d, generator=gen).bfloat16()
+    lens = [37, 5, 130, 64, 1]
+    q = torch.randn(len(lens), c.num_heads, d, generator=gen).bfloat16()
+    idx, index, mask = _padded(lens, slots, gen)
+    with torch.inference_mode():
+        batch = f.attend(q, kc, vc, index, mask)
+        assert batch.shape == q.shape and batch.dtype == torch.bfloat16
+        for b, n in enumerate(lens):
+            alone = f.attend(q[b:b + 1], kc, vc, idx[b][None], torch.zeros(1, n).bfloat16())
+            assert torch.equal(alone, batch[b:b + 1])  # independent of the batch and its padding
+            kg = kc[idx[b]].view(1, n, kvh, d).transpose(1, 2)
+            vg = vc[idx[b]].view(1, n, kvh, d).transpose(1, 2)
+            ref = torch.nn.functional.scaled_dot_product_attention(q[b].view(1, kvh, g, d).float(), kg.float(),
+                                                                   vg.float()).reshape(1, c.num_heads, d)
+            torch.testing.assert_close(alone.float(), ref, rtol=0.02, atol=0.02)
 
 
 def test_rows_past_the_crossover_run_eager(tiny_llama, monkeypatch):
@@ -86,9 +131,10 @@ def test_engine_decodes_through_the_fused_graphs(tiny_llama, monkeypatch):
                    cache=CacheConfig(num_blocks=64), scheduler=SchedulerConfig(policy="vllm"))
         assert (e.model.fused is not None) == (fused == "1")
         if e.model.fused is not None:
-            calls = []
-            run = e.model.fused.qkv
+            calls, attends = [], []
+            run, attend = e.model.fused.qkv, e.model.fused.attend
             monkeypatch.setattr(e.model.fused, "qkv", lambda *a: calls.append(1) or run(*a))
+            monkeypatch.setattr(e.model.fused, "attend", lambda *a: attends.append(a[0].shape[0]) or attend(*a))
         reqs = [e.add_request([5 + 3 * i + j for j in range(7 + i)], SamplingParams(max_tokens=3, temperature=0))
                 for i in range(3)]
         while e.has_unfinished():
@@ -96,5 +142,6 @@ def test_engine_decodes_through_the_fused_graphs(tiny_llama, monkeypatch):
         assert all(len(r.output_token_ids) == 3 for r in reqs)
         if fused == "1":
             assert calls  # decode rows (3 at a time) went through graph A
+            assert attends and max(attends) == 3  # and their attention through graph D
         tokens[fused] = [r.output_token_ids for r in reqs]
     assert tokens["0"] == tokens["1"]

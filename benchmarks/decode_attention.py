@@ -1,0 +1,80 @@
+"""Decode attention through the fused graph D (``laser.model.fused``) vs torch's SDPA, one engine.
+
+One bf16 engine serving the embedded SmolLM2 GGUF under ``--quantization auto`` with the fused
+decode graphs; each round times decode steps of every batch size with graph D on and off in turn
+(``model.fused.decode_attention``: the same weights, KV pool and graphs A/B; the order alternates
+per round). Prints the median ms per decode step of each and their ratio per batch size, then,
+with ``--profile``, torch.profiler's top operators over a few batch-1 steps (graph D on).
+
+    python benchmarks/decode_attention.py [--threads 1] [--batches 1,4,32] [--prompt-len 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ["LASER_FUSED_DECODE"] = "1"
+
+import torch  # noqa: E402
+
+from fused_decode import make_engine, step_ms  # noqa: E402  (benchmarks/ is the script's dir)
+
+from laser.core.request import SamplingParams  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--batches", default="1,4,32")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--profile", action="store_true", help="torch.profiler table of batch-1 steps")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    engine = make_engine()
+    fused = engine.model.fused
+    if fused is None:
+        raise SystemExit("no fused decode layers on this model/CPU (see the startup log)")
+    batches = [int(b) for b in args.batches.split(",")]
+    res = {(b, m): [] for b in batches for m in ("sdpa", "graph D")}
+    for r in range(args.rounds + 1):
+        for b in batches:
+            for mode in (("sdpa", "graph D") if r % 2 else ("graph D", "sdpa")):
+                fused.decode_attention = mode == "graph D"
+                ms = step_ms(engine, b, args.steps, args.prompt_len)
+                if r:  # round 0 warms up
+                    res[b, mode].append(ms)
+    fused.decode_attention = True
+    print(f"{args.threads} torch threads, prompts of {args.prompt_len} tokens, {args.rounds} rounds x "
+          f"{args.steps} decode steps")
+    for b in batches:
+        s, d = statistics.median(res[b, "sdpa"]), statistics.median(res[b, "graph D"])
+        ratios = sorted(x / y for x, y in zip(res[b, "graph D"], res[b, "sdpa"]))
+        print(f"batch {b}: sdpa {s:.2f} ms/step, graph D {d:.2f} ms/step -> D/sdpa {d / s:.3f} "
+              f"(per-round ratios {ratios[0]:.3f}-{ratios[-1]:.3f}); {1e3 / d * b:.1f} tok/s")
+    if args.profile:
+        profile_decode(engine, args.prompt_len, 20)
+
+
+def profile_decode(engine, prompt_len: int, steps: int) -> None:
+    """torch.profiler's operators (self CPU time) over ``steps`` batch-1 decode steps of one
+    request of ``prompt_len`` random tokens (its prefill and first decode step not profiled)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(0)
+    sp = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
+    engine.add_request(torch.randint(100, 20000, (prompt_len,), generator=g).tolist(), sp)
+    for _ in range(2):
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        while engine.has_unfinished():
+            engine.step()
+    print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+if __name__ == "__main__":
+    main()
