@@ -93,8 +93,8 @@ def main() -> None:
         t = interleaved(fns, args.repeats)
     print(f"{cpu_kind()}; {torch.get_num_threads()} threads; {T} tokens; bf16 peak {peak / 1e9:.1f} GFLOP/s (2048^3)")
     for n, (lin, kk) in mats.items():
-        fl = 2 * T * kk * lin.w.shape[0]
-        print(f"  {n:8s} [{T}x{kk}] x [{kk}x{lin.w.shape[0]}]: {t[n] * 1e3:6.2f} ms = {fl / t[n] / peak:4.0%} of peak; "
+        fl = 2 * T * kk * lin.shape[0]
+        print(f"  {n:8s} [{T}x{kk}] x [{kk}x{lin.shape[0]}]: {t[n] * 1e3:6.2f} ms = {fl / t[n] / peak:4.0%} of peak; "
               f"F.linear on the plain weight {t[n + ' plain'] / t[n]:.2f}x the time")
     afl = 2 * 2 * c.q_size * T * (T + 1) / 2
     for n in ("attention flash", "attention blocked"):
