@@ -2,11 +2,10 @@
 tokens, piece by piece, against the matmul peak of the dtype.
 
 Times, interleaved in one process (median of ``--repeats`` rounds, each piece once per round):
-  - each layer matmul (QKV, O, gate+up as one matmul, down) through the model's own ``Linear``,
-    with its FLOP rate and share of the peak (a 2048^3 matmul in the same dtype, as
-    ``engine_speed.py`` measures it), and the same matmul through a oneDNN-prepacked weight
-    (``mkldnn._linear_pointwise`` over ``_reorder_linear_weight``: what inductor's weight
-    prepacking runs);
+  - each layer matmul (QKV, O, gate+up as one matmul, down) through the model's own ``Linear``
+    (the oneDNN-packed weight unless ``$LASER_PACKED_WEIGHTS=off``), with its FLOP rate and share
+    of the peak (a 2048^3 matmul in the same dtype, as ``engine_speed.py`` measures it), and the
+    same matmul as ``F.linear`` on the plain weight;
   - causal attention: torch's flash kernel (``scaled_dot_product_attention``) and the blocked
     matmuls of :mod:`laser.model.prefill`, with their share of the peak (causal FLOPs);
   - the glue: ``qkv_of`` minus its matmul (RMSNorm, RoPE), ``finish_of`` minus its three
@@ -47,6 +46,15 @@ def interleaved(fns: dict, repeats: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def plain_weights(weights: dict, i: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Layer ``i``'s matmul weights [N, K] as the model stacks them (QKV, O, gate+up, down), plain
+    (not packed) in ``dtype``, from the HF-named ``weights``."""
+    p = f"model.layers.{i}."
+    cat = lambda *ns: torch.cat([weights[p + n] for n in ns]).to(dtype).contiguous()  # noqa: E731
+    return {"qkv": cat(*(f"self_attn.{x}_proj.weight" for x in "qkv")), "o": cat("self_attn.o_proj.weight"),
+            "gate_up": cat("mlp.gate_proj.weight", "mlp.up_proj.weight"), "down": cat("mlp.down_proj.weight")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=512)
@@ -57,7 +65,8 @@ def main() -> None:
     bf = torch.bfloat16
     path = resolve_model(None)
     c = load_config(path)
-    m = LlamaModel(c, load_weights(path), bf)
+    weights = load_weights(path)
+    m = LlamaModel(c, weights, bf)
     L, T = m.layers[0], args.tokens
     g = torch.Generator().manual_seed(0)
     h = torch.randn(T, c.hidden_size, generator=g).to(bf)
@@ -68,11 +77,11 @@ def main() -> None:
     mats = {"qkv": (L.qkv, c.hidden_size), "o": (L.o, c.q_size), "gate_up": (L.gate_up, c.hidden_size),
             "down": (L.down, c.intermediate_size)}
     xs = {n: torch.randn(T, kk, generator=g).to(bf) for n, (_, kk) in mats.items()}
-    packed = {n: torch.ops.mkldnn._reorder_linear_weight(lin.w, T) for n, (lin, _) in mats.items()}
+    plain = plain_weights(weights, 0, bf)
     fns = {}
     for n, (lin, _) in mats.items():
         fns[n] = lambda lin=lin, x=xs[n]: lin(x)
-        fns[n + " prepacked"] = lambda p=packed[n], x=xs[n]: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+        fns[n + " plain"] = lambda w=plain[n], x=xs[n]: F.linear(x, w)
     fns["attention flash"] = lambda: F.scaled_dot_product_attention(*sd, is_causal=True, enable_gqa=True)
     fns["attention blocked"] = lambda: blocked_causal_attention(q, k, v)
     fns["qkv_of"] = lambda: m.qkv_of(L, h, cos, sin)
@@ -84,9 +93,9 @@ def main() -> None:
         t = interleaved(fns, args.repeats)
     print(f"{cpu_kind()}; {torch.get_num_threads()} threads; {T} tokens; bf16 peak {peak / 1e9:.1f} GFLOP/s (2048^3)")
     for n, (lin, kk) in mats.items():
-        fl = 2 * T * kk * lin.w.shape[0]
-        print(f"  {n:8s} [{T}x{kk}] x [{kk}x{lin.w.shape[0]}]: {t[n] * 1e3:6.2f} ms = {fl / t[n] / peak:4.0%} of peak; "
-              f"prepacked {t[n + ' prepacked'] / t[n]:.2f}x the time")
+        fl = 2 * T * kk * lin.shape[0]
+        print(f"  {n:8s} [{T}x{kk}] x [{kk}x{lin.shape[0]}]: {t[n] * 1e3:6.2f} ms = {fl / t[n] / peak:4.0%} of peak; "
+              f"F.linear on the plain weight {t[n + ' plain'] / t[n]:.2f}x the time")
     afl = 2 * 2 * c.q_size * T * (T + 1) / 2
     for n in ("attention flash", "attention blocked"):
         print(f"  {n:18s}: {t[n] * 1e3:6.2f} ms = {afl / t[n] / peak:4.0%} of peak")

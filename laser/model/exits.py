@@ -126,7 +126,7 @@ class ExitHeads:
         (``2 x rank x H``) and the draft head (``K x H``) where the LM head reads ``V x H``; a
         skipped layer's K/V fill reads the K/V rows of its QKV weight of the layer's weights."""
         from ..core.depth import ExitCost
-        from .llama import Linear
+        from .linear import Linear
 
         cfg = model.config
         H = cfg.hidden_size
@@ -135,7 +135,8 @@ class ExitHeads:
         rank = next(iter(self.adapters.values()))["w1"].shape[0]
         return ExitCost(frozenset(self.depths),
                         head_fraction=(self.vocab.numel() * H + 2 * rank * H) / model.lm_head_w.numel(),
-                        fill_fraction=(2 * cfg.kv_size * H if isinstance(L.qkv, Linear) else L.qkv.numel())
+                        fill_fraction=(2 * cfg.kv_size * H if isinstance(L.qkv, Linear) and L.qkv.sliceable
+                                       else L.qkv.numel())
                         / layer_params)
 
     # -- persistence --------------------------------------------------------------------------

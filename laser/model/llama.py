@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.config import ModelConfig
+from .linear import Linear, add_linear, pack_for_onednn
 from .kernel_rows import choose_kernel_rows, rows_label
 from .fused import prepare_fused
 from .prefill import MIN_ROWS, blocked_causal_attention, uses_blocked_attention
@@ -75,48 +76,6 @@ class AttnMetadata:
 
     def slots_for(self, layer: int) -> torch.Tensor:
         return self.layer_slot_mapping.get(layer, self.slot_mapping)
-
-
-class Linear:
-    """``y = x @ w.T (+ b)`` for one weight ``w`` [N, K], read in the layout that is fastest
-    for the number of rows ``M`` of ``x`` [M, K] (returns [M, N], ``x``'s dtype).
-
-    fp32 on a CPU with oneDNN (the dtype of AVX2-only CPUs, where these matmuls run in MKL
-    sgemm): one row reads the transposed copy [K, N] as an axpy stream (a GEMV over the
-    plain [N, K] weight reads it as one dot product per output), 2..``PACKED_MAX_ROWS`` rows
-    a copy packed once for oneDNN (``mkldnn._linear_pointwise``: what inductor's CPU weight
-    prepacking uses; sgemm repacks the weight on every call at small M), more rows (prefill)
-    the transposed copy through sgemm. The plain weight is not kept: two copies in all.
-    Measured interleaved on a 2-core AVX2 EPYC, 1 thread, the 120 layer weights of SmolLM2
-    (a busy machine, so the ratios are rough): 1 row 0.67-0.80x the time of ``F.linear``,
-    2-32 rows 0.58-0.88x, 64-512 rows 0.96-1.04x. Any other dtype or device: ``F.linear``
-    on the plain weight (bf16 runs oneDNN/AMX kernels that pack on their own).
-    """
-
-    __slots__ = ("w", "wt", "packed", "b")
-    PACKED_MAX_ROWS = 64  # the crossover measured at 48-64 rows; 64 is a segment edge of the profile fits
-
-    def __init__(self, w: torch.Tensor, b: torch.Tensor | None = None):
-        self.b = b
-        self.packed = _pack_for_onednn(w, batch_hint=16)
-        if self.packed is None:
-            self.w, self.wt = w, None
-        else:
-            self.w, self.wt = None, w.t().contiguous()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.wt is None:
-            return F.linear(x, self.w, self.b)
-        m = x.shape[0]
-        if 1 < m <= self.PACKED_MAX_ROWS:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.b, "none", [], "")
-        if self.b is None:
-            return torch.mm(x, self.wt)
-        return torch.addmm(self.b, x, self.wt)
-
-    def numel(self) -> int:
-        """Elements of the weight (one copy)."""
-        return (self.w if self.w is not None else self.wt).numel()
 
 
 class _Layer:
@@ -182,11 +141,15 @@ class LlamaModel:
         # One row reads the transposed copy [H, V] as an axpy stream; more rows use a oneDNN
         # copy packed once at load. Measured on a 2-core AVX2 CPU (fp32, 49k x 576 head):
         # 2.3-3x faster at 1 row, 1.7-2.2x at 2-32 rows. Costs two more copies of the head.
+        # bf16 (where pack_for_onednn packs it): the packed copy serves one row too, one more
+        # copy in all (measured on an AVX512-BF16 EPYC, 1 thread, 49k x 576: 4.9 ms against 11.6
+        # for the transposed copy at 1 row, 6.4 vs 14.2 at 8 rows, bit-equal logits).
         # A quantized head (``quant["lm_head.weight"]``) runs through QuantLinear instead.
         self.lm_head_q = QuantLinear(quant["lm_head.weight"]) if "lm_head.weight" in quant else None
         if self.lm_head_q is None:
-            self.lm_head_t = self.lm_head_w.t().contiguous()  # [H, V]
-            self.lm_head_packed = _pack_for_onednn(self.lm_head_w, batch_hint=32)
+            self.lm_head_packed = pack_for_onednn(self.lm_head_w, batch_hint=32)
+            packed_only = self.lm_head_packed is not None and dtype == torch.bfloat16
+            self.lm_head_t = None if packed_only else self.lm_head_w.t().contiguous()  # [H, V]
         self.kv: torch.Tensor | None = None
         # decode rows through compiled graphs of the glue around the quantized matmuls
         # (laser.model.fused.FusedDecode); None: every row runs the eager methods
@@ -208,8 +171,14 @@ class LlamaModel:
                      "kernel)", MIN_ROWS)
         parts = [] if not qlins else ["compiled-int8" if any(m.gemv is not None for m in qlins) else "",
                                       rows_label(qlins)]
+        # bf16 Linear weights in oneDNN's packed layout for every row count (Linear's docstring)
+        mats = [m for L in self.layers for m in (L.qkv, L.o, L.gate_up, L.down)]
+        packed = any(isinstance(m, Linear) and not m.sliceable for m in mats)
+        if packed:
+            log.info("bf16 weights: oneDNN-packed for every row count (LASER_PACKED_WEIGHTS=off for F.linear)")
         # "dattn": decode attention through graph D (a profile timed before it prices slower steps)
-        parts += ["pattn" if self.blocked_attn else "", "fused-dattn" if self.fused is not None else ""]
+        parts += ["pw" if packed else "", "pattn" if self.blocked_attn else "",
+                  "fused-dattn" if self.fused is not None else ""]
         # another machine to the latency model: its own profile (laser.profiler.executor_path_of)
         path = "-".join(p for p in parts if p)
         if path:
@@ -301,12 +270,7 @@ class LlamaModel:
         x = self._norm(hidden, L.ln1)
         lin = L.qkv
         if isinstance(lin, Linear):
-            b = None if lin.b is None else lin.b[c.q_size:]
-            if lin.wt is not None:
-                wt = lin.wt[:, c.q_size:]  # [H, 2 kvh d]: the K/V columns of the transposed copy
-                kv = torch.mm(x, wt) if b is None else torch.addmm(b, x, wt)
-            else:
-                kv = F.linear(x, lin.w[c.q_size:], b)
+            kv = lin.columns(x, c.q_size)
         else:  # quantized: the fused matmul, the K/V part kept
             kv = lin(x)[:, c.q_size:]
         k = kv[:, : c.kv_size].view(T, kvh, d)
@@ -339,11 +303,11 @@ class LlamaModel:
     def finish_of(self, L: _Layer, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """:meth:`finish_layer` eagerly with the weights of ``L`` (see :meth:`qkv_of`)."""
         T = hidden.shape[0]
-        hidden = hidden + L.o(attn.reshape(T, self.config.q_size))
+        hidden = add_linear(L.o, attn.reshape(T, self.config.q_size), hidden)
         gate_up = L.gate_up(self._norm(hidden, L.ln2))  # [T, 2 I]
         gate, up = gate_up.chunk(2, dim=-1)
         act = F.silu(gate, inplace=True).mul_(up)  # in the gate half of gate_up: no new [T, I] tensors
-        return hidden + L.down(act)
+        return add_linear(L.down, act, hidden)
 
     def _attention(self, i, q, k, v, kc, vc, meta: AttnMetadata) -> torch.Tensor:
         """Grouped-query attention over ragged sequences: q [T, Hq, d] -> [T, Hq, d].
@@ -415,7 +379,7 @@ class LlamaModel:
         x = self._norm(hidden, self.norm_w)
         if self.lm_head_q is not None:
             logits = self.lm_head_q(x)
-        elif x.shape[0] == 1:
+        elif x.shape[0] == 1 and self.lm_head_t is not None:
             logits = torch.mm(x, self.lm_head_t)
         elif self.lm_head_packed is not None:
             logits = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.lm_head_packed, None, "none", [], "")
@@ -439,20 +403,6 @@ class LlamaModel:
         on beyond the shape: a latency profile is keyed by it)."""
         name = str(self.dtype).removeprefix("torch.")
         return "-".join([name, *self.quant_kinds])
-
-
-def _pack_for_onednn(w: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
-    """``w`` [N, K] reordered into oneDNN's blocked layout for ``mkldnn._linear_pointwise``
-    (what inductor's CPU weight prepacking does), or None where oneDNN is unavailable."""
-    if not torch.backends.mkldnn.is_available() or w.device.type != "cpu" or w.dtype != torch.float32:
-        return None
-    try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
-        probe = torch.ones(2, w.shape[1], dtype=w.dtype)
-        torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
-    except (RuntimeError, AttributeError):  # an op missing in this torch build
-        return None
-    return packed
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -52,11 +52,11 @@ def build(path, dtype, monkeypatch, mode="blocked"):
 def test_path_log_and_switch(tiny_llama, monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="laser.model.llama"):
         bf = build(tiny_llama, torch.bfloat16, monkeypatch)
-    assert bf.blocked_attn and bf.executor_path == "pattn" and "blocked matmuls" in caplog.text
+    assert bf.blocked_attn and bf.executor_path.endswith("pattn") and "blocked matmuls" in caplog.text
     fp32 = build(tiny_llama, torch.float32, monkeypatch)
     assert not fp32.blocked_attn and getattr(fp32, "executor_path", None) is None
     off = build(tiny_llama, torch.bfloat16, monkeypatch, mode="sdpa")
-    assert not off.blocked_attn and getattr(off, "executor_path", None) is None
+    assert not off.blocked_attn and "pattn" not in getattr(off, "executor_path", "")
     with pytest.raises(ValueError, match="LASER_PREFILL_ATTN"):
         build(tiny_llama, torch.bfloat16, monkeypatch, mode="yes")
 
