@@ -137,12 +137,11 @@ class SamplingParams:
     dynamic_depth: object = None
     n: int = 1
 
-    def __post_init__(self):
-        """Normalise ``stop``/``stop_token_ids`` to tuples and check every field.
+    def _normalise(self) -> None:
+        """``stop``/``stop_token_ids`` to tuples, ``logit_bias`` to sorted (token, bias) pairs.
 
         Raises:
-            InvalidRequestError: a field of the wrong type (a bool is not a number here) or
-                out of range; the message names the field and what it wants.
+            InvalidRequestError: a field that is not a list (or a mapping for ``logit_bias``).
         """
         for field in ("stop", "stop_token_ids"):
             v = getattr(self, field)
@@ -158,6 +157,15 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", tuple(sorted((k, v) for k, v in bias)))
         except (TypeError, ValueError):
             raise InvalidRequestError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r:.80}") from None
+
+    def __post_init__(self):
+        """Normalise ``stop``/``stop_token_ids`` to tuples and check every field.
+
+        Raises:
+            InvalidRequestError: a field of the wrong type (a bool is not a number here) or
+                out of range; the message names the field and what it wants.
+        """
+        self._normalise()
 
         def integer(v) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)

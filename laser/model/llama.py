@@ -136,20 +136,7 @@ class LlamaModel:
             L.gate_up = linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
             L.down = linear([p + "mlp.down_proj.weight"])
             self.layers.append(L)
-        # LM head layouts: the plain [V, H] weight is read with a dot product per vocabulary
-        # row (and, for M > 1, packed anew by MKL on every call: a full copy of the head).
-        # One row reads the transposed copy [H, V] as an axpy stream; more rows use a oneDNN
-        # copy packed once at load. Measured on a 2-core AVX2 CPU (fp32, 49k x 576 head):
-        # 2.3-3x faster at 1 row, 1.7-2.2x at 2-32 rows. Costs two more copies of the head.
-        # bf16 (where pack_for_onednn packs it): the packed copy serves one row too, one more
-        # copy in all (measured on an AVX512-BF16 EPYC, 1 thread, 49k x 576: 4.9 ms against 11.6
-        # for the transposed copy at 1 row, 6.4 vs 14.2 at 8 rows, bit-equal logits).
-        # A quantized head (``quant["lm_head.weight"]``) runs through QuantLinear instead.
-        self.lm_head_q = QuantLinear(quant["lm_head.weight"]) if "lm_head.weight" in quant else None
-        if self.lm_head_q is None:
-            self.lm_head_packed = pack_for_onednn(self.lm_head_w, batch_hint=32)
-            packed_only = self.lm_head_packed is not None and dtype == torch.bfloat16
-            self.lm_head_t = None if packed_only else self.lm_head_w.t().contiguous()  # [H, V]
+        self._init_lm_head(quant, dtype)
         self.kv: torch.Tensor | None = None
         # decode rows through compiled graphs of the glue around the quantized matmuls
         # (laser.model.fused.FusedDecode); None: every row runs the eager methods
@@ -169,6 +156,28 @@ class LlamaModel:
         if self.blocked_attn:
             log.info("bf16 prefill attention: blocked matmuls from %d rows (LASER_PREFILL_ATTN=sdpa for the flash "
                      "kernel)", MIN_ROWS)
+        self._init_executor_path(qlins)
+
+    def _init_lm_head(self, quant: dict, dtype: torch.dtype) -> None:
+        """The LM head's layouts (below); sets ``lm_head_q``, ``lm_head_packed``, ``lm_head_t``."""
+        # LM head layouts: the plain [V, H] weight is read with a dot product per vocabulary
+        # row (and, for M > 1, packed anew by MKL on every call: a full copy of the head).
+        # One row reads the transposed copy [H, V] as an axpy stream; more rows use a oneDNN
+        # copy packed once at load. Measured on a 2-core AVX2 CPU (fp32, 49k x 576 head):
+        # 2.3-3x faster at 1 row, 1.7-2.2x at 2-32 rows. Costs two more copies of the head.
+        # bf16 (where pack_for_onednn packs it): the packed copy serves one row too, one more
+        # copy in all (measured on an AVX512-BF16 EPYC, 1 thread, 49k x 576: 4.9 ms against 11.6
+        # for the transposed copy at 1 row, 6.4 vs 14.2 at 8 rows, bit-equal logits).
+        # A quantized head (``quant["lm_head.weight"]``) runs through QuantLinear instead.
+        self.lm_head_q = QuantLinear(quant["lm_head.weight"]) if "lm_head.weight" in quant else None
+        if self.lm_head_q is None:
+            self.lm_head_packed = pack_for_onednn(self.lm_head_w, batch_hint=32)
+            packed_only = self.lm_head_packed is not None and dtype == torch.bfloat16
+            self.lm_head_t = None if packed_only else self.lm_head_w.t().contiguous()  # [H, V]
+
+    def _init_executor_path(self, qlins: list) -> None:
+        """Names the executor path (the profile key, ``laser.profiler.executor_path_of``) from
+        the kernels chosen at load; logs the bf16 weight layout."""
         parts = [] if not qlins else ["compiled-int8" if any(m.gemv is not None for m in qlins) else "",
                                       rows_label(qlins)]
         # bf16 Linear weights in oneDNN's packed layout for every row count (Linear's docstring)
