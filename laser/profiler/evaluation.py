@@ -290,6 +290,7 @@ def profile_and_evaluate(obj, *, grid: ProfileGrid | None = None, policies: Sequ
         for cs, tw in zip(es.cases, twins):  # the second timing's repeats, next to the first's
             rec = next(recs[cs.key[0]])
             rec["twin_times"], rec["twin_clean_times"] = [float(t) for t in tw.times], [float(t) for t in tw.clean]
+            rec["twin_repeats"] = tw.repeats  # a disturbed repeat is counted here, not kept in twin_times
     return model, rep
 
 

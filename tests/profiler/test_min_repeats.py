@@ -70,7 +70,8 @@ def test_cli_min_repeats(tiny_llama, tmp_path):
     recs = [r for v in rep["cases"].values() for r in v]
     # every case kept its timings (and its second timing's) in the report
     assert all(r["repeats"] >= 3 and len(r["times"]) + r["disturbed_repeats"] == r["repeats"] for r in recs)
-    assert all(len(r["twin_times"]) >= 1 for r in recs)
+    # the second timing got its repeats too (on a busy machine all of them may be set aside as disturbed)
+    assert all(r["twin_repeats"] >= 3 and len(r["twin_times"]) <= r["twin_repeats"] for r in recs)
     prof = json.loads((tmp_path / "prof.json").read_text())
     assert prof["metadata"]["measurement"]["min_repeats"] == 3
 

@@ -73,15 +73,19 @@ def test_on_infeasible(slow_model_server, mode):
     ae.on_infeasible = mode
     try:
         body = {"prompt": "Hello", "max_tokens": 2, "temperature": 0, "ignore_eos": True, "slo_class": "chat"}
+        t0 = time.perf_counter()
         r = _post(srv.url + "/v1/completions", body)
+        # the prediction counts from the HTTP arrival: the prefill (400 ms) plus the time spent in the
+        # server before admission, which the client's own wall time bounds (any machine speed)
+        upper_ms = 400.0 + 1e3 * (time.perf_counter() - t0)
         if mode == "reject":  # missed even on an idle instance: no retry can meet it -> 400, no retry-after
             assert r.status_code == 400 and "retry-after" not in r.headers
             err = r.json()["error"]
             assert err["code"] == "slo_infeasible" and err["type"] == "invalid_request_error"
             assert "even on an idle instance" in err["message"], err
-            # the prediction counts from the HTTP arrival: the prefill (400 ms) plus tokenization so far
-            assert re.search(r"predicted time to first token 4[0-4]\d\.\d ms", err["message"]), err
-            assert 400.0 <= float(r.headers["x-laser-predicted-ttft-ms"]) < 450.0
+            m = re.search(r"predicted time to first token (\d+\.\d) ms", err["message"])
+            assert m and 400.0 <= float(m.group(1)) <= upper_ms, err
+            assert 400.0 <= float(r.headers["x-laser-predicted-ttft-ms"]) <= upper_ms
         elif mode == "demote":  # the strictest class it meets (summarization, 2 s), not best effort
             assert r.status_code == 200
             assert r.headers["x-slo-demoted"] == "warm"
@@ -90,7 +94,7 @@ def test_on_infeasible(slow_model_server, mode):
         else:
             assert r.status_code == 200 and r.headers["x-slo-class"] == "chat"
             assert "x-slo-demoted" not in r.headers
-            assert 400.0 <= r.json()["slo"]["predicted_ttft_ms"] < 450.0
+            assert 400.0 <= r.json()["slo"]["predicted_ttft_ms"] <= upper_ms
         # feasible targets and best effort are never refused
         for cls in ("summarization", "best_effort"):
             r = _post(srv.url + "/v1/completions", {**body, "slo_class": cls})
