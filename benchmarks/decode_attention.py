@@ -20,7 +20,7 @@ os.environ["LASER_FUSED_DECODE"] = "1"
 
 import torch  # noqa: E402
 
-from fused_decode import make_engine, step_ms  # noqa: E402  (benchmarks/ is the script's dir)
+from fused_decode import fused_engine, step_ms  # noqa: E402  (benchmarks/ is the script's dir)
 
 from laser.core.request import SamplingParams  # noqa: E402
 
@@ -34,11 +34,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--profile", action="store_true", help="torch.profiler table of batch-1 steps")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    engine = make_engine()
-    fused = engine.model.fused
-    if fused is None:
-        raise SystemExit("no fused decode layers on this model/CPU (see the startup log)")
+    engine, fused = fused_engine(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     res = {(b, m): [] for b in batches for m in ("sdpa", "graph D")}
     for r in range(args.rounds + 1):

@@ -38,6 +38,16 @@ def make_engine() -> Engine:
                   cache=CacheConfig(kv_cache_gib=0.25, enable_prefix_caching=False))
 
 
+def fused_engine(threads: int) -> tuple[Engine, object]:
+    """The bf16 ``auto`` engine of :func:`make_engine` on ``threads`` torch threads, and its
+    ``FusedDecode``; exits with a message where the model/CPU has no fused decode layers."""
+    torch.set_num_threads(threads)
+    engine = make_engine()
+    if engine.model.fused is None:
+        raise SystemExit("no fused decode layers on this model/CPU (see the startup log)")
+    return engine, engine.model.fused
+
+
 def step_ms(engine: Engine, batch: int, steps: int, prompt_len: int = 64) -> float:
     """Median ms of ``steps`` decode steps of ``batch`` requests (after their prefill)."""
     g = torch.Generator().manual_seed(batch)
@@ -86,11 +96,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--no-cold", action="store_true", help="skip timing a compile into an empty cache")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    engine = make_engine()
-    fused = engine.model.fused
-    if fused is None:
-        raise SystemExit("no fused decode layers on this model/CPU (see the startup log)")
+    engine, fused = fused_engine(args.threads)
     from laser.model.fused import FusedDecode
 
     warm = FusedDecode(engine.model).seconds
