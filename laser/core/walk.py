@@ -25,6 +25,12 @@ after layer ``j - 1`` ran (``j`` below the model's last layer); the works it ret
 left the model there (the executor produced their tokens and filled their later layers' KV),
 and the batch is composed anew at ``j``.
 
+Prepared compositions: an executor with ``prepare(compositions)`` is handed, before the first layer,
+the compositions the step goes through when nothing stops it and no token exits
+(:func:`compositions`), so it can build their per-composition state in one burst while its code is
+still cache-warm (the torch executor's attention metadata); ``compose`` still comes at each change
+and must check that the batch is the prepared one (a stop or an exit changes it).
+
 Segment mode: with no ``stop_at``, no early exits and an executor that has ``run_layers(layers, active)``,
 the walker visits only the boundaries where the batch changes and hands the executor each
 constant-composition segment at once (the simulator prices it with one latency-model call).
@@ -65,7 +71,8 @@ class LayerExecutor(Protocol):
         """Works active at the plan's last layer: sample (``layer == N``) or park at ``layer``."""
 
     # optional: exit_layers (a set of boundaries) and
-    # early_exit(active, layer) -> the works still active (the others left the model at ``layer``)
+    # early_exit(active, layer) -> the works still active (the others left the model at ``layer``);
+    # prepare(compositions) -> None: the step's compositions ahead of time (:func:`compositions`)
 
 
 def walk(plan: StepPlan, ex: LayerExecutor, stop_at: Callable[[int], bool] | None = None) -> int:
@@ -83,6 +90,9 @@ def walk(plan: StepPlan, ex: LayerExecutor, stop_at: Callable[[int], bool] | Non
         return _walk_segments(plan, ex, starts, ends, change_points, run_layers)
     changes = set(change_points)
     exits = getattr(ex, "exit_layers", None)
+    prepare = getattr(ex, "prepare", None)
+    if prepare is not None and not exits:
+        prepare(compositions(plan, starts, ends, change_points))
     active: list[Work] = []
     first, last = plan.first_layer, plan.last_layer
     stopped: int | None = None
@@ -121,24 +131,39 @@ def walk(plan: StepPlan, ex: LayerExecutor, stop_at: Callable[[int], bool] | Non
     return last if stopped is None else stopped
 
 
-def _walk_segments(plan: StepPlan, ex: LayerExecutor, starts, ends, change_points, run_layers) -> int:
-    """:func:`walk` without a stop: rules 1, 3 and 4 at the change points only, each
-    constant-composition segment run by one ``run_layers(range, active)`` call."""
+def compositions(plan: StepPlan, starts, ends, change_points) -> list[tuple[int, list[Work], Sequence[Work], range]]:
+    """The compositions of ``plan`` when nothing stops it and no token exits: one
+    ``(j, leaving, joining, layers)`` per change point ``j`` below the last layer (rules 1 and 3:
+    ``leaving`` park at ``j``, then ``joining`` join; the batch then runs ``layers``, up to the
+    next change point). ``starts``/``ends``: :meth:`StepPlan.boundaries`; ``change_points``:
+    their layers, sorted."""
+    out = []
     active: list[Work] = []
     last = plan.last_layer
     for k, j in enumerate(change_points):
         if j >= last:
             break
         leaving = [w for w in ends.get(j, ()) if w in active]
+        joining = starts.get(j, ())
+        if leaving:
+            active = [w for w in active if w not in leaving]
+        active = active + list(joining)
+        out.append((j, leaving, joining, range(j, change_points[k + 1])))
+    return out
+
+
+def _walk_segments(plan: StepPlan, ex: LayerExecutor, starts, ends, change_points, run_layers) -> int:
+    """:func:`walk` without a stop: rules 1, 3 and 4 at the change points only (:func:`compositions`),
+    each constant-composition segment run by one ``run_layers(range, active)`` call."""
+    active: list[Work] = []
+    for j, leaving, joining, seg in compositions(plan, starts, ends, change_points):
         if leaving:
             active = ex.park(active, leaving, j)
-        joining = starts.get(j, ())
         if joining:
             active = ex.join(active, joining)
         if active:
-            seg = range(j, change_points[k + 1])
             ex.compose(active, seg)
             run_layers(seg, active)
     if active:
-        ex.finish(active, last)
-    return last
+        ex.finish(active, plan.last_layer)
+    return plan.last_layer

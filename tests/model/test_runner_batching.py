@@ -336,6 +336,44 @@ def test_stop_at_then_resume(engine, direct, stop):
     d.close()
 
 
+@pytest.mark.parametrize("stop", [None, 1, 3])
+def test_prepared_compositions(engine, direct, stop, monkeypatch):
+    """The runner builds a step's attention metadata before its first layer call (``prepare``:
+    cache-warm, one burst); a stop changes the batch and the later compositions are built anew,
+    so results match an unstopped reference either way."""
+    d = direct
+    N = d.N
+    for prefix in ("s", "r"):  # s: the step under test; r: references run one composition at a time
+        for name, n in (("d1", 22), ("d2", 13)):
+            d.add(prefix + name, PROMPTS[n])
+            w = d.full(prefix + name)
+            d.complete(w.req_id, w, d.run([w]).sampled[w.req_id])
+        d.add(prefix + "pf", PROMPTS[17])
+    events = []
+    build, layer = d.runner._build_metadata, engine.model.forward_layer
+    monkeypatch.setattr(d.runner, "_build_metadata", lambda *a: events.append("build") or build(*a))
+    monkeypatch.setattr(engine.model, "forward_layer", lambda *a: events.append("layer") or layer(*a))
+    pos = d.reqs["sd2"].num_computed_tokens
+    # two compositions: {d1, d2, pf} on [0, 2), {d1, pf} from 2 (d2 parks there)
+    works = [d.full("spf"), d.full("sd1"), Work("sd2", pos, 1, 0, 2)]
+    for w in works:
+        d.bm.allocate(w.req_id, w.context_len, range(w.layer_start, w.layer_end))
+    res = d.runner.execute(StepPlan(N, works), d.reqs, stop_at=(lambda j: j == stop) if stop else None,
+                           return_logits=True)
+    assert res.stopped_layer == (stop or N)
+    if stop is None:  # every build before the first layer call
+        assert events.index("layer") > max(i for i, e in enumerate(events) if e == "build")
+        assert events.count("build") == 2
+    monkeypatch.undo()
+    rest = [Work("spf", 0, 17, stop, N, True)] if stop else []
+    res2 = d.run(rest + [Work("sd2", pos, 1, 2, N, True)])
+    ref = d.run([d.full("rpf"), d.full("rd1"), d.full("rd2")])
+    for rid, r in (("spf", res2 if stop else res), ("sd1", res), ("sd2", res2)):
+        assert r.sampled[rid] == ref.sampled["r" + rid[1:]]
+        assert_close(r.logits[rid], ref.logits["r" + rid[1:]])
+    d.close()
+
+
 # -- seeded sampling ------------------------------------------------------------------------------
 
 
