@@ -20,9 +20,11 @@ plan with) and takes it as exact. This benchmark checks that assumption end to e
 4. print the attainment per class side by side (sim, each real run, real - sim), and mean TTFT;
    then per class the median per-request difference real - sim (TTFT, TPOT, P99 TBT) and the
    requests whose verdict flipped (``laser.bench.record_pairs``; ``--json`` keeps every request);
-5. with an in-process run, compare each real run also with its *twin* (``inproc@m``, ``serve@m``):
-   the simulation on the machine as the in-process run measured it -- the profile scaled per kind
-   of work to the speed of the engine's own steps in that run, plus its scheduling time per step
+5. compare each real run also with its *twin* (``inproc@m``, ``serve@m``): the simulation on the
+   machine as that run measured it -- the profile scaled per kind of work to the speed of the
+   engine's own steps in that run (in process: ``core.step_log``; served: the server's step log,
+   ``laser serve --step-log`` and ``GET /engine/steps``, with the engine thread's time split:
+   step wall, its CPU, the wait between (GIL, core), time between steps), plus its scheduling time per step
    (``laser.latency.machine_speed``: decode and prefill layer calls apart), planned as the engine
    plans (its online calibration). The plain simulation prices the profile as measured, which on
    a shared host may be a different machine: the twin tells what the simulator gets wrong from what
