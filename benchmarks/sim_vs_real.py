@@ -20,9 +20,11 @@ plan with) and takes it as exact. This benchmark checks that assumption end to e
 4. print the attainment per class side by side (sim, each real run, real - sim), and mean TTFT;
    then per class the median per-request difference real - sim (TTFT, TPOT, P99 TBT) and the
    requests whose verdict flipped (``laser.bench.record_pairs``; ``--json`` keeps every request);
-5. with an in-process run, compare each real run also with its *twin* (``inproc@m``, ``serve@m``):
-   the simulation on the machine as the in-process run measured it -- the profile scaled per kind
-   of work to the speed of the engine's own steps in that run, plus its scheduling time per step
+5. compare each real run also with its *twin* (``inproc@m``, ``serve@m``): the simulation on the
+   machine as that run measured it -- the profile scaled per kind of work to the speed of the
+   engine's own steps in that run (in process: ``core.step_log``; served: the server's step log,
+   ``laser serve --step-log`` and ``GET /engine/steps``, with the engine thread's time split:
+   step wall, its CPU, the wait between (GIL, core), time between steps), plus its scheduling time per step
    (``laser.latency.machine_speed``: decode and prefill layer calls apart), planned as the engine
    plans (its online calibration). The plain simulation prices the profile as measured, which on
    a shared host may be a different machine: the twin tells what the simulator gets wrong from what
@@ -114,6 +116,10 @@ def class_table(pairs: dict) -> list[str]:
     return rows
 
 
+#: steps the served engine keeps for its twin (``laser serve --step-log``): more than one rate's run
+STEP_LOG = 200_000
+
+
 def serve_target(stack: ExitStack, args, policy: str, profile, log_dir: str | None, label: str = "serve"):
     """A ``laser serve`` subprocess building the engine ``args`` describe (``laser.cli.engine_argv``:
     the in-process engine's flags) with ``policy`` and the latency profile ``profile`` (a fitted one is
@@ -126,7 +132,8 @@ def serve_target(stack: ExitStack, args, policy: str, profile, log_dir: str | No
 
     tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="laser-sim-vs-real-")))
     same = {"latency_profile": str(profile.save(tmp / "profile.json"))} if hasattr(profile, "save") else {}
-    server = Server(tmp / "data", free_port(), [*engine_argv(args, policy=policy, **same), "--log-level", "warning"])
+    server = Server(tmp / "data", free_port(), [*engine_argv(args, policy=policy, **same), "--log-level", "warning",
+                                                "--step-log", str(STEP_LOG)])
     stack.callback(keep_log, server.log_path, log_dir or "", "sim-vs-real")
     stack.callback(server.stop)
     print(f"laser serve ready in {server.start():.0f} s at {server.base_url}", flush=True)
@@ -138,22 +145,30 @@ def serve_target(stack: ExitStack, args, policy: str, profile, log_dir: str | No
 
 def server_ttft(server, classes) -> dict:
     """Per class: (sum, count) of the server's TTFT histogram (``/metrics``: HTTP arrival -> the end
-    of the first token's step, server clock) so far; a probe's own is the difference of two reads."""
-    name = "laser:time_to_first_token_seconds"
-    return {c: (server.metric((name + "_sum",), slo_class=c) or 0.0, server.metric((name + "_count",), slo_class=c) or 0)
-            for c in classes}
+    of the first token's step, server clock) and of its front-end histogram (HTTP arrival -> the
+    engine took the request) so far; a probe's own is the difference of two reads."""
+    out = {}
+    for c in classes:
+        out[c] = tuple(server.metric((name + suffix,), slo_class=c) or 0.0
+                       for name in ("laser:time_to_first_token_seconds", "laser:request_frontend_seconds")
+                       for suffix in ("_sum", "_count"))
+    return out
 
 
 def server_ttft_line(before: dict, after: dict, probe) -> str:
     """One line: per class, the served probe's mean TTFT at the server (between ``before`` and
-    ``after``, :func:`server_ttft`) beside the client's (``probe``), in ms."""
+    ``after``, :func:`server_ttft`) beside the client's (``probe``), and the server's mean time from
+    HTTP arrival to the engine taking the request, in ms."""
     parts = []
-    for c, (s1, n1) in after.items():
-        s0, n0 = before.get(c, (0.0, 0))
+    for c, now in after.items():
+        s1, n1, f1, m1 = now
+        s0, n0, f0, m0 = before.get(c, (0.0, 0, 0.0, 0))
         cl = probe.summary.per_class.get(c)
         if n1 > n0:
-            parts.append(f"{c} {1e3 * (s1 - s0) / (n1 - n0):.0f} / {1e3 * (getattr(cl, 'ttft_mean', 0) or 0):.0f}")
-    return "  serve, mean TTFT ms at the server (HTTP arrival -> first token's step) / at the client: " + ", ".join(parts)
+            fe = f" ({1e3 * (f1 - f0) / (m1 - m0):.1f} to the engine)" if m1 > m0 else ""
+            parts.append(f"{c} {1e3 * (s1 - s0) / (n1 - n0):.0f} / {1e3 * (getattr(cl, 'ttft_mean', 0) or 0):.0f}{fe}")
+    return ("  serve, mean TTFT ms at the server (HTTP arrival -> first token's step) / at the client "
+            "(HTTP arrival -> the engine has it): " + ", ".join(parts))
 
 
 def frontend_term(target, profile, probes: int) -> float | None:
@@ -236,8 +251,32 @@ def simulated_knee(a, sim, requests, slos) -> float:
 
 
 #: real run -> (its simulated twin on the machine as it ran: a target of ``runs``, the table's label);
-#: both twins run at the speed the in-process run measured (the served engine's steps are not seen here)
+#: each twin runs at the speed its own real run's steps measured (the served engine's: its step log)
 TWINS = {"inprocess": ("sim@m", "inproc@m"), "serve": ("sim-served@m", "serve@m")}
+
+
+def served_speed(server, profile, before: dict):
+    """The speed the served engine's steps ran at since ``before`` (its ``GET /engine/steps``
+    counters then: :meth:`laser.bench.serve_proc.Server.engine_steps`), as :func:`machine_speed_of`
+    measures the in-process engine's; and a line on where the engine thread's time went meanwhile
+    (step wall, its CPU, the wait between: GIL or core; time between steps), ms per step. (None, "")
+    without steps."""
+    from laser.latency.machine_speed import fit_machine_speed
+
+    now = server.engine_steps(before["total"])
+    st0, st1 = before["step_stats"], now["step_stats"]
+    n = st1["steps"] - st0["steps"]
+    if n <= 0:
+        return None, ""
+    host = (st1["schedule_s"] - st0["schedule_s"]) / n
+    speed = fit_machine_speed(profile, now["steps"], None, host)
+    t0, t1 = before["engine_thread"], now["engine_thread"]
+    k = max(1, t1["steps"] - t0["steps"])
+    per = {f: 1e3 * (t1[f] - t0[f]) / k for f in ("step_s", "step_cpu_s", "between_s")}
+    line = (f"  serve engine thread, ms per step ({k} steps): step {per['step_s']:.2f} (on a core "
+            f"{per['step_cpu_s']:.2f}, waited {per['step_s'] - per['step_cpu_s']:.2f}), between steps "
+            f"{per['between_s']:.2f}")
+    return speed, line
 
 
 def machine_speed_of(engine, profile, before: tuple[int, float]):
@@ -264,31 +303,38 @@ def compare_at(both, runs: dict, sim_of: dict, rate: float, f: float, fe, wl_cla
     from laser.bench.record_pairs import format_pair_summary, pair_summary, paired_rows
 
     sims = {lb: both.probe(lb, rate, early_stop=False) for lb in dict.fromkeys(sim_of.values())}
-    rps, seen, speed, sim_of = {}, None, None, dict(sim_of)
+    rps, seen, speeds, sim_of, thread_line = {}, None, {}, dict(sim_of), ""
     for lb in list(sim_of):
+        twinned = TWINS[lb][0] in runs
         if lb == "serve":
             seen = server_ttft(runs["serve"].server, wl_classes)
-        if lb == "inprocess" and TWINS[lb][0] in runs:
+            before = runs["serve"].server.engine_steps() if twinned else None
+        if lb == "inprocess" and twinned:
             core = runs[lb].engine.core
             core.step_log, before = [], (core.step_stats.steps, core.step_stats.schedule_s)
         rps[lb] = both.probe(lb, rate, early_stop=False)
-        if lb == "inprocess" and TWINS[lb][0] in runs:
-            speed = machine_speed_of(runs[lb].engine, profile, before)
+        if lb == "inprocess" and twinned:
+            speeds[lb] = machine_speed_of(runs[lb].engine, profile, before)
+        if lb == "serve" and twinned:
+            speeds[lb], thread_line = served_speed(runs["serve"].server, profile, before)
     compared = {lb: (sims[sim_of[lb]], rp) for lb, rp in rps.items()}
     for lb, (twin, label) in TWINS.items():
-        if speed is not None and lb in rps and twin in runs:
-            runs[twin].machine_model = speed.model(profile)
+        if speeds.get(lb) is not None and lb in rps and twin in runs:
+            runs[twin].machine_model = speeds[lb].model(profile)
             sims[twin] = both.probe(twin, rate, early_stop=False)
             compared[label], sim_of[label] = (sims[twin], rps[lb]), twin
     walls = ", ".join(f"{lb} run {rp.wall_s:.0f} s" for lb, rp in rps.items())
     lines = [f"rate {rate:.3f} req/s ({f:g}x knee): attainment per class   [sim = SIMULATED (served: "
              f"+{1e3 * (fe or 0.0):.1f} ms front end), {' / '.join(rps)} = measured; {walls}]"]
-    if speed is not None:
-        lines.append(f"  @m: a real run beside its twin simulated at the speed of the in-process run's steps: "
-                     f"{speed.describe()}")
+    for lb, sp in speeds.items():
+        if sp is not None:
+            lines.append(f"  {TWINS[lb][1]}: {lb} beside its twin simulated at the speed of its own steps: "
+                         f"{sp.describe()}")
     lines += class_table(compared)
     if seen is not None:
         lines.append(server_ttft_line(seen, server_ttft(runs["serve"].server, wl_classes), rps["serve"]))
+    if thread_line:
+        lines.append(thread_line)
     pairs = {lb: paired_rows(sp.records, rp.records) for lb, (sp, rp) in compared.items()}
     for lb, rows in pairs.items():
         lines += format_pair_summary(pair_summary(rows), sim_of[lb], lb)
@@ -297,8 +343,10 @@ def compare_at(both, runs: dict, sim_of: dict, rate: float, f: float, fe, wl_cla
            **{lb: {"overall": rp.attainment, "per_class": rp.class_attainment(), "wall_s": rp.wall_s,
                    "unfinished": rp.unfinished, "sim": sim_of[lb], "requests": pairs[lb]}
               for lb, (_, rp) in compared.items()}}
-    if speed is not None:
-        rec["machine_speed"] = dataclasses.asdict(speed)
+    if speeds.get("inprocess") is not None:
+        rec["machine_speed"] = dataclasses.asdict(speeds["inprocess"])
+    if speeds.get("serve") is not None:
+        rec["machine_speed_served"] = dataclasses.asdict(speeds["serve"])
     return lines, rec
 
 
@@ -342,13 +390,12 @@ def main(argv=None) -> int:
             fe = frontend_term(runs["serve"], profile, a.frontend_probes)
             runs["sim-served"] = sim_target(args, a.policy, profile, engine, served=True, label="sim-served")
             sim_of["serve"] = "sim-served"
-        if "inprocess" in a.reals:  # the twins on the machine as it ran (clock set per rate), planned as the engine's
-            from laser.instance.model_instance import planning_model
+        from laser.instance.model_instance import planning_model
 
-            for lb, (twin, _) in TWINS.items():
-                if lb in sim_of:
-                    runs[twin] = sim_target(args, a.policy, profile, engine, served=lb == "serve", label=twin)
-                    runs[twin].planner = planning_model
+        for lb, (twin, _) in TWINS.items():  # the twins on the machine as it ran (clock set per rate)
+            if lb in sim_of:  # ... planned as the engine plans
+                runs[twin] = sim_target(args, a.policy, profile, engine, served=lb == "serve", label=twin)
+                runs[twin].planner = planning_model
         both = Benchmark(runs, requests, slos, seed=a.seed, probe_timeout_s=a.probe_timeout)
         wl_classes = sorted({r.slo_class for r in requests})
         out = {"command": "python benchmarks/sim_vs_real.py " + " ".join(sys.argv[1:]), "workload": wl_desc,

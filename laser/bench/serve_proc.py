@@ -140,6 +140,21 @@ class Server(ServerProcess):
                    if (s.name in names or s.name.removesuffix("_total") in names)  # (a counter's sample)
                    and all(s.labels.get(k) == v for k, v in labels.items()))
 
+    def engine_steps(self, since: int | None = None) -> dict:
+        """``GET /engine/steps`` (a server started with ``--step-log N``): the engine's logged steps
+        numbered ``since`` or later as (plan, seconds) under ``"steps"`` (plans rebuilt:
+        :meth:`laser.core.plan.StepPlan.from_json`); ``since`` None: none, only the counters
+        (``total``, ``step_stats``, ``engine_thread``). Raises httpx.HTTPError when the request fails
+        (404: no step log)."""
+        from laser.core.plan import StepPlan
+
+        r = httpx.get(self.base_url + "/engine/steps", params={"since": (1 << 62) if since is None else since},
+                      timeout=120)
+        r.raise_for_status()
+        d = r.json()
+        d["steps"] = [(StepPlan.from_json(plan), s) for _, s, plan in d["steps"]]
+        return d
+
     def batch_lines_in_flight(self) -> int | None:
         """Lines of batch jobs the engine holds now (``laser:num_requests_running`` + ``_waiting`` of
         the ``batch`` class on ``/metrics``); None when the scrape fails."""

@@ -159,6 +159,22 @@ class StepPlan:
         """Works whose last position goes through the LM head this step."""
         return sum(1 for w in self.works if w.layer_end == self.num_layers)
 
+    def to_json(self) -> dict:
+        """This plan as JSON-able plain data (a server's step log: ``GET /engine/steps``): the
+        layer count, each work's fields in :class:`Work`'s order, ``speculative`` (drafts by request id, exit layer).
+        The scheduler's own prediction (``predicted``) is left out. :meth:`from_json` inverts it."""
+        return {"num_layers": self.num_layers,
+                "works": [[w.req_id, w.token_start, w.num_tokens, w.layer_start, w.layer_end, w.sample, w.masked,
+                           w.depth, w.exit_from] for w in self.works],
+                "speculative": None if self.speculative is None else [dict(self.speculative[0]), self.speculative[1]]}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "StepPlan":
+        """The plan :meth:`to_json` wrote. Raises KeyError / TypeError for malformed data."""
+        spec = d.get("speculative")
+        return cls(int(d["num_layers"]), [Work(*w) for w in d["works"]],
+                   speculative=None if spec is None else ({k: int(v) for k, v in spec[0].items()}, int(spec[1])))
+
 
 @dataclass
 class StepResult:

@@ -42,7 +42,7 @@ from .admission import (  # noqa: F401 - the admission errors and decision are p
     SLOInfeasibleError,
 )
 from ..core.owner_thread import OwnerThread
-from .engine_thread import EngineThread
+from .engine_thread import EngineThread, EngineThreadTimes
 from .outputs import aborted_output
 from ..core.request import SLO, InvalidRequestError, SamplingParams
 
@@ -148,6 +148,7 @@ class AsyncEngine(EngineThread):
         self._stop_requested = False
         self.dead: BaseException | None = None  # set when the engine can no longer serve
         self.num_steps = 0
+        self.times = EngineThreadTimes()  # the engine thread's time split (its writer)
         self.num_step_errors = 0
         self._num_adds_run = 0  # engine thread: add commands taken (in submission order)
         # Snapshot published by the engine thread + requests admitted since (event loop).

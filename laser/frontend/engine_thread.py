@@ -13,10 +13,34 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from dataclasses import dataclass
 
 from .admission import EngineStepError, EngineStoppedError
 
 log = logging.getLogger("laser.frontend.async_engine")
+
+
+@dataclass
+class EngineThreadTimes:
+    """Where the engine thread's time goes while it has work (cumulative; seconds).
+
+    ``step_s``: wall time inside ``engine.step()``; ``step_cpu_s``: the thread's own CPU time
+    in it (``time.thread_time``: with one torch thread the step's compute runs on this thread,
+    so ``step_s - step_cpu_s`` is time it waited: for the GIL another thread of the process
+    held, or for a core); ``between_s``: wall time between two steps of a busy engine (the
+    queued commands, the scheduler report, handing the outputs to the event loop);
+    ``steps``: steps timed. Written by the engine thread only; read anywhere (racy, harmless).
+    """
+
+    steps: int = 0
+    step_s: float = 0.0
+    step_cpu_s: float = 0.0
+    between_s: float = 0.0
+
+    @property
+    def step_wait_s(self) -> float:
+        """Seconds the engine thread was off a core (GIL, scheduler) inside its steps."""
+        return max(0.0, self.step_s - self.step_cpu_s)
 
 
 class EngineThread:
@@ -52,6 +76,8 @@ class EngineThread:
         if hasattr(eng, "arrival_hook"):
             eng.arrival_hook = self._arrivals
         idle_checked = False
+        times = self.times
+        last_end = None  # perf_counter when the previous step ended (None: idle since)
         while not self._stop_requested:
             self._wake.clear()  # before reading commands: a later set() is never lost
             self._run_commands()
@@ -66,17 +92,25 @@ class EngineThread:
                         eng.check_integrity(expect_empty=True)
                     except Exception:  # noqa: BLE001
                         log.exception("integrity check failed while idle")
+                last_end = None
                 self._wake.wait(self._poll_idle())
                 continue
             idle_checked = False
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
+            if last_end is not None:
+                times.between_s += t0 - last_end
             try:
                 outs = eng.step()
             except Exception as e:  # noqa: BLE001 - keep serving everyone we can
                 log.exception("engine step failed; aborting the requests in flight")
                 self.num_step_errors += 1
                 self._fail_all(EngineStepError(f"engine step failed: {type(e).__name__}: {e}"))
+                last_end = None
                 continue
+            last_end = time.perf_counter()
+            times.step_cpu_s += time.thread_time() - c0
+            times.step_s += last_end - t0
+            times.steps += 1
             self.num_steps += 1
             self._post_failed()
             self._publish(time.perf_counter() - t0)
@@ -85,6 +119,7 @@ class EngineThread:
             elif time.perf_counter() - t0 < 1e-4:
                 # Nothing was planned (e.g. waiting on memory): do not spin.
                 self._wake.wait(0.001)
+                last_end = None
         self._abort_everything()
 
     def _poll_idle(self) -> float:

@@ -108,6 +108,31 @@ class StepStats:
         return self.schedule_s / total if total else 0.0
 
 
+class StepLog:
+    """A bounded :attr:`InstanceCore.step_log`: the last ``capacity`` complete steps, numbered
+    from 0 in the order they ran, so a reader on another thread (a server's ``GET /engine/steps``)
+    takes the steps since one it saw. Appended by the engine thread; :meth:`since` copies under
+    the GIL (a deque copy runs no Python code), so it is safe from any thread.
+    Raises ValueError for ``capacity < 1``."""
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"step log capacity must be >= 1, got {capacity}")
+        import collections
+
+        self._items: collections.deque = collections.deque(maxlen=capacity)
+        self.total = 0  # steps appended so far (the next step's number)
+
+    def append(self, step: tuple) -> None:
+        """Keep ``step`` = (plan, seconds) as the next numbered step (dropping the oldest when full)."""
+        self._items.append((self.total, *step))
+        self.total += 1
+
+    def since(self, first: int) -> list[tuple]:
+        """(number, plan, seconds) of the kept steps numbered ``first`` or later, oldest first."""
+        return [it for it in list(self._items) if it[0] >= first]
+
+
 def make_scheduler(config: SchedulerConfig, num_layers: int, block_manager, icache, latency_model,
                    clock: Callable[[], float]) -> Scheduler:
     """A scheduler of ``config.policy`` over an instance's KV pool and intermediate cache."""
@@ -141,8 +166,9 @@ class InstanceCore:
         # driver add requests that arrive while a step runs.
         self.arrival_hook: Callable[[], None] | None = None
         self.handoffs: list[Handoff] = []  # prefill role: requests that left after their first token
-        # A list: every step that ran its plan to the end is appended as (plan, seconds on ``clock``)
-        # (the engine's measured step times, e.g. for laser.latency.machine_speed); None: not kept.
+        # A list (or a :class:`StepLog`): every step that ran its plan to the end is appended as
+        # (plan, seconds on ``clock``) (the engine's measured step times, e.g. for
+        # laser.latency.machine_speed); None: not kept.
         self.step_log: list | None = None
 
     @property

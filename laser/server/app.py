@@ -309,3 +309,20 @@ def _health_routes(app: FastAPI, ae: AsyncEngine, metrics: ServerMetrics) -> Non
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     app.add_api_route("/metrics", prometheus, methods=["HEAD"], operation_id="metrics_head")
+
+    @app.get("/engine/steps")
+    async def engine_steps(since: int = 0):
+        """The engine's logged steps numbered ``since`` or later (``laser serve --step-log N``:
+        the last N): ``{"total": steps logged so far, "steps": [[number, seconds, plan], ...]}``
+        (plan: :meth:`laser.core.plan.StepPlan.to_json`; seconds: the step's wall time on the
+        engine's clock), the core's cumulative ``step_stats`` and the engine thread's time split
+        (:class:`laser.frontend.engine_thread.EngineThreadTimes`). 404 without a step log."""
+        core = getattr(ae.engine, "core", None)
+        log = getattr(core, "step_log", None)
+        if not hasattr(log, "since"):
+            raise StarletteHTTPException(404, "no step log: start laser serve with --step-log N")
+        st, t = core.step_stats, ae.times
+        return {"total": log.total, "steps": [[i, s, plan.to_json()] for i, plan, s in log.since(since)],
+                "step_stats": {"steps": st.steps, "schedule_s": st.schedule_s, "execute_s": st.execute_s},
+                "engine_thread": {"steps": t.steps, "step_s": t.step_s, "step_cpu_s": t.step_cpu_s,
+                                  "between_s": t.between_s}}

@@ -92,6 +92,10 @@ def register(subparsers) -> None:
     g.add_argument("--instance-restarts", type=int, default=0,
                    help="times Ray restarts a dead instance actor; a restarted one rejoins the controller empty "
                         "(default %(default)s)")
+    p.add_argument("--step-log", type=int, default=0, metavar="N",
+                   help="keep the engine's last N complete steps (plan, seconds) for GET /engine/steps, e.g. for "
+                        "benchmarks/sim_vs_real.py to fit the speed the served engine ran at; 0: none "
+                        "(default %(default)s; single instance only)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default %(default)s)")
     p.set_defaults(func=cmd_serve)
@@ -233,6 +237,10 @@ def cmd_serve(args) -> int:
             built = build_engine(args, max_model_len=args.max_model_len)
             if not args.no_warmup:
                 _warmup(built)
+            if args.step_log:
+                from ..instance.core import StepLog
+
+                built.core.step_log = StepLog(args.step_log)
             return built
 
         owner = OwnerThread(build)

@@ -49,6 +49,10 @@ class ServerMetrics:
                              cls, buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram("laser:e2e_request_latency_seconds", "Arrival to last token of finished requests.",
                              cls, buckets=E2E_BUCKETS, registry=r)
+        self.frontend = Histogram("laser:request_frontend_seconds",
+                                  "HTTP arrival (the request handler) to the engine taking the request: parsing, "
+                                  "tokenization, admission, the hop to the engine thread (its next layer boundary).",
+                                  cls, buckets=TTFT_BUCKETS, registry=r)
         self.slack = Histogram("laser:predicted_slack_seconds",
                                "TTFT target minus the latency model's predicted TTFT at arrival.",
                                cls, buckets=SLACK_BUCKETS, registry=r)
@@ -92,6 +96,7 @@ class ServerMetrics:
         r.register(_SchedulerCollector(self))
         r.register(_ClusterCollector(self))
         r.register(_VllmCollector(self))
+        r.register(_EngineThreadCollector(self))
         self._classes_seen: set[str] = set()
 
     # -- observations (event loop) ------------------------------------------------------------------------
@@ -123,6 +128,9 @@ class ServerMetrics:
             if n == 1 and times:
                 self.ttft.labels(m, cls).observe(times[0] - req.arrival_time)
                 self.prompt_tokens.labels(m, cls).inc(len(out.prompt_token_ids))
+                added = getattr(stream, "added_time", None)
+                if added is not None:
+                    self.frontend.labels(m, cls).observe(max(0.0, added - req.arrival_time))
             elif n >= 2 and len(times) >= n:
                 self.itl.labels(m, cls).observe(times[n - 1] - times[n - 2])
         if not out.finished:
@@ -372,3 +380,34 @@ class _VllmCollector:
             for (suffix, labels), v in summed.items():
                 out.add_sample(f"vllm:{name}{suffix}", dict(labels), v)
             yield out
+
+
+class _EngineThreadCollector:
+    """The engine thread's time split (:class:`laser.frontend.engine_thread.EngineThreadTimes`):
+    how long its steps took, how much of that the thread ran on a core (the rest it waited: for
+    the GIL the event loop or the tokenizer held, or for a core), and its time between steps."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        t = getattr(self.metrics.async_engine, "times", None)
+        if t is None:
+            return
+        m = self.metrics.model_name
+        for name, doc, value in (
+            ("engine_steps", "Engine steps timed by the engine thread.", t.steps),
+            ("engine_step_seconds", "Wall seconds inside the engine's steps, summed.", t.step_s),
+            ("engine_step_cpu_seconds", "CPU seconds of the engine thread inside its steps, summed (with one "
+             "torch thread the step's compute is on this thread).", t.step_cpu_s),
+            ("engine_step_wait_seconds", "Seconds the engine thread waited inside its steps (wall - CPU: for "
+             "the GIL another thread of the server held, or for a core), summed.", t.step_wait_s),
+            ("engine_between_steps_seconds", "Wall seconds between two steps of a busy engine (commands, the "
+             "scheduler report, handing outputs to the event loop), summed.", t.between_s),
+        ):
+            c = CounterMetricFamily(f"laser:{name}", doc, labels=["model_name"])
+            c.add_metric([m], value)
+            yield c

@@ -69,3 +69,46 @@ def test_the_twin_matches_a_run_on_a_machine_that_drifted_from_its_profile():
     assert any(r["a"]["ttft"] != pytest.approx(r["b"]["ttft"]) for r in plain)
     assert runs["inprocess"].engine.core.step_log is None  # switched off after the run
     assert any("inproc@m" in ln for ln in lines) and any("decode x0.800" in ln for ln in lines)
+
+
+class SimulatedServer(SimulatedEngine):
+    """A stand-in for ``laser serve``: a simulation on a machine that ran at 0.7x / 1.3x its
+    profile (another speed than the in-process run's), its steps read back as through
+    ``GET /engine/steps`` (:meth:`laser.bench.serve_proc.Server.engine_steps`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.label = "serve"
+        self.machine_model = KindScaledLatencyModel(LM, 0.7, 1.3)
+        self.engine.core.step_log = []  # the server keeps its log on
+        self.server = self
+
+    def engine_steps(self, since=None):
+        log = self.engine.core.step_log
+        thread = {"steps": len(log), "step_s": 0.0, "step_cpu_s": 0.0, "between_s": 0.0}
+        return {"total": len(log), "steps": [] if since is None else log[since:],
+                "step_stats": {"steps": len(log), "schedule_s": 0.0}, "engine_thread": thread}
+
+    def metric(self, names, **labels):
+        return None
+
+
+def test_the_served_twin_runs_at_the_served_engines_own_speed():
+    # in process at 0.8x / 1.2x, served at 0.7x / 1.3x: each twin must be its own run's machine
+    svr = _load("sim_vs_real")
+    reqs = [WorkloadRequest(("chat", "code")[i % 2], "x", 8 + 30 * (i % 3), 8, 0.0) for i in range(20)]
+    slos = SLOClasses({"chat": {"ttft": 0.2, "tbt": 0.02}, "code": {"ttft": 0.1, "tbt": 0.02}})
+    runs = {"sim": SimTarget("laser", LM, N, label="sim"), "inprocess": SimulatedEngine(),
+            "sim@m": SimTarget("laser", LM, N, label="sim@m", planner=planning_model), "serve": SimulatedServer(),
+            "sim-served": SimTarget("laser", LM, N, label="sim-served", served=True),
+            "sim-served@m": SimTarget("laser", LM, N, label="sim-served@m", served=True, planner=planning_model)}
+    both = Benchmark(runs, reqs, slos, seed=7)
+    lines, rec = svr.compare_at(both, runs, {"inprocess": "sim", "serve": "sim-served"}, 50.0, 1.0, None,
+                                ["chat", "code"], LM)
+    served = rec["machine_speed_served"]
+    assert served["decode_factor"] == pytest.approx(0.7) and served["other_factor"] == pytest.approx(1.3)
+    assert rec["machine_speed"]["decode_factor"] == pytest.approx(0.8)
+    twin = rec["serve@m"]["requests"]
+    assert all(r["a"]["ttft"] == pytest.approx(r["b"]["ttft"]) and r["a"]["tpot"] == pytest.approx(r["b"]["tpot"])
+               for r in twin)
+    assert any("serve@m: serve beside its twin" in ln and "decode x0.700" in ln for ln in lines)

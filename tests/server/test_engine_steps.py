@@ -1,0 +1,92 @@
+"""The served engine's steps, seen from outside (issue 26 item 4, sim vs real served): ``laser serve
+--step-log N`` keeps the engine's last N complete steps for ``GET /engine/steps`` (so a benchmark
+fits the speed the *served* engine ran at), and ``/metrics`` splits the engine thread's time
+(steps, the thread's CPU in them, between steps)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from laser.core.config import CacheConfig
+from laser.core.plan import StepPlan, Work
+from laser.frontend.async_engine import AsyncEngine
+from laser.frontend.engine import Engine
+from laser.instance.core import StepLog
+from laser.latency.machine_speed import fit_machine_speed
+from laser.server.app import build_app
+from laser.server.cli import LiveServer
+
+
+def test_a_plan_survives_json():
+    plan = StepPlan(4, [Work("a", 0, 7, 0, 2), Work("b", 9, 1, 0, 4, sample=True, masked=True, depth=3, exit_from=2)],
+                    speculative=({"b": 2}, 1))
+    back = StepPlan.from_json(plan.to_json())
+    assert back == plan and back.speculative == plan.speculative
+    assert StepPlan.from_json(StepPlan(4).to_json()) == StepPlan(4)
+
+
+def test_the_step_log_numbers_its_steps_and_keeps_the_last():
+    log = StepLog(3)
+    for i in range(5):
+        log.append((f"plan{i}", 0.01 * i))
+    assert log.total == 5
+    assert [n for n, _, _ in log.since(0)] == [2, 3, 4]  # the two oldest are gone
+    assert log.since(4) == [(4, "plan4", 0.04)] and log.since(5) == []
+    with pytest.raises(ValueError):
+        StepLog(0)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama):
+    engine = Engine(str(tiny_llama), policy="laser", dtype="float32", cache=CacheConfig(num_blocks=128),
+                    max_model_len=256)
+    engine.core.step_log = StepLog(10_000)
+    srv = LiveServer(build_app(AsyncEngine(engine), served_model_names=["tiny"]))
+    yield srv, engine
+    srv.stop()
+
+
+def _complete(srv, n: int) -> None:
+    r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "Hello there, how are", "max_tokens": n,
+                                                      "temperature": 0, "ignore_eos": True}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_the_served_engines_steps_come_back_as_its_plans(served):
+    srv, engine = served
+    before = httpx.get(srv.url + "/engine/steps", params={"since": 1 << 62}).json()
+    assert before["steps"] == []
+    _complete(srv, 6)
+    d = httpx.get(srv.url + "/engine/steps", params={"since": before["total"]}).json()
+    steps = [(StepPlan.from_json(p), s) for _, s, p in d["steps"]]
+    assert d["total"] - before["total"] == len(steps) == 6  # a prefill step, then 5 decode steps
+    assert [n for n, _, _ in d["steps"]] == list(range(before["total"], d["total"]))
+    kept = engine.core.step_log.since(before["total"])
+    assert [p for p, _ in steps] == [p for _, p, _ in kept] and [s for _, s in steps] == [s for _, _, s in kept]
+    assert sum(w.num_tokens for p, _ in steps for w in p.works) == 5 + 5  # the prompt's 5 tokens, 5 decodes
+    assert fit_machine_speed(engine.latency_model, steps, engine.model_config.num_layers) is not None
+    st, t = d["step_stats"], d["engine_thread"]
+    assert st["steps"] - before["step_stats"]["steps"] == 6 and t["steps"] - before["engine_thread"]["steps"] == 6
+    assert 0.0 < t["step_cpu_s"] and 0.0 < t["step_s"] and t["between_s"] >= 0.0
+
+
+def test_metrics_split_the_engine_threads_time(served):
+    srv, _ = served
+    _complete(srv, 3)
+    text = httpx.get(srv.url + "/metrics").text
+    v = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if "engine_" in s.name}
+    assert v["laser:engine_steps_total"] >= 3
+    assert v["laser:engine_step_seconds_total"] > 0.0 and v["laser:engine_step_cpu_seconds_total"] > 0.0
+    assert v["laser:engine_step_wait_seconds_total"] == pytest.approx(
+        max(0.0, v["laser:engine_step_seconds_total"] - v["laser:engine_step_cpu_seconds_total"]))
+    assert v["laser:engine_between_steps_seconds_total"] >= 0.0
+
+
+def test_without_a_step_log_the_endpoint_says_so(tiny_llama):
+    engine = Engine(str(tiny_llama), policy="laser", dtype="float32", cache=CacheConfig(num_blocks=64),
+                    max_model_len=128)
+    with LiveServer(build_app(AsyncEngine(engine), served_model_names=["tiny"])) as srv:
+        r = httpx.get(srv.url + "/engine/steps")
+    assert r.status_code == 404 and "--step-log" in r.text
