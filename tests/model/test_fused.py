@@ -29,7 +29,7 @@ def test_fused_layers_match_eager_within_bf16_rounding(tiny_model_dirs, monkeypa
         model = build(tiny_model_dirs[kind], torch.bfloat16, monkeypatch)
     f = model.fused
     assert f is not None and f.graphs == 3, caplog.text  # one graph of each kind serves every layer
-    assert model.executor_path.endswith("fused-dattn") and "decode layers fused" in caplog.text
+    assert model.executor_path.endswith("fused-dattn-cpp") and "decode layers fused" in caplog.text
     c = model.config
     gen = torch.Generator().manual_seed(0)
     n = 6

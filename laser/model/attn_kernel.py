@@ -1,0 +1,175 @@
+"""Decode attention as one hand-written C++ kernel (graph D's kernel; ``laser.model.fused``).
+
+One query row per sequence attends over its context rows in the paged KV cache, gathered by slot
+index inside the kernel: plain softmax(q k^T / sqrt(d) + mask) v (Vaswani et al. 2017) in fp32,
+the reference :func:`laser.model.fused.decode_attention`. Inductor's code for that reference spends
+~130 us a layer at one sequence of 520 positions (AMD EPYC, 1 thread, hot caches): one horizontal
+vector reduction per score, a division per weighted term and a bounds check per gathered row. This
+kernel, per (sequence, KV head):
+
+1. scores: for each context row, its K row (bf16 -> fp32) dotted with the ``g`` query heads that
+   share the KV head, accumulated in vector lanes and reduced once per score;
+2. softmax numerator: the scores of a head, padded with -inf to whole vectors, ``exp(s - max)``
+   vectorised, summed lane-wise (pads add exact zeros);
+3. weighted sum: ``sum_c e[c] v[c]`` with one vector accumulator per (head, chunk of d), divided
+   by the softmax sum at the end (as flash-decoding does), rounded once to bf16.
+
+Batch invariance: a sequence's terms are added in position order in every loop, and pad positions
+(mask -inf) add exact zeros after them, so a sequence's output is bit-equal alone and padded in a
+batch (checked in tests/model/test_fused.py). Not bit-equal to inductor's graph (another summation
+order): within bf16 rounding of it. Sequences x KV heads are split over OpenMP threads.
+
+Compiled and loaded through inductor's C++ binding cache (on disk under ``$TORCHINDUCTOR_CACHE_DIR``,
+the flags and vector ISA inductor uses for its own kernels: AVX512 or AVX2 via ``at::vec``);
+:func:`load_kernel` returns None where that fails (the caller keeps inductor's graph).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = r"""
+#include <torch/csrc/inductor/cpp_prefix.h>
+#include <vector>
+#include <cmath>
+#include <limits>
+
+using VB = at::vec::Vectorized<at::BFloat16>;
+using VF = at::vec::Vectorized<float>;
+using VF2 = at::vec::VectorizedN<float, 2>;
+
+static inline VF2 load_bf16(const at::BFloat16* p, int64_t n) {
+    return at::vec::convert<float, 2, at::BFloat16, 1>(VB::loadu(p, n));
+}
+
+// One sequence b, KV heads [h0, h1): out[b, h*g + j, :] for h in [h0, h1), j < g.
+static void attend_one(const at::BFloat16* q, const at::BFloat16* kc, const at::BFloat16* vc,
+                       const int64_t* idx, const at::BFloat16* mask, at::BFloat16* out,
+                       int64_t b, int64_t h0, int64_t h1, int64_t C, int64_t kvh, int64_t g,
+                       int64_t d, float scale) {
+    const int64_t W = VB::size(), nch = (d + W - 1) / W, L = VF::size();
+    const int64_t Cp = (C + L - 1) / L * L, G = (h1 - h0) * g;  // G query heads here
+    std::vector<float> qf(G * nch * W, 0.f), s(G * Cp), acc(G * nch * W, 0.f), sum(G);
+    const at::BFloat16* qb = q + (b * kvh + h0) * g * d;
+    for (int64_t j = 0; j < G * d; ++j) qf[(j / d) * nch * W + j % d] = static_cast<float>(qb[j]);
+    const int64_t* ix = idx + b * C;
+    const at::BFloat16* mb = mask + b * C;
+    const int64_t row = kvh * d, ahead = 8;
+    for (int64_t c = 0; c < C; ++c) {  // 1. scores
+        if (c + ahead < C) __builtin_prefetch(kc + ix[c + ahead] * row + h0 * d);
+        const float m = static_cast<float>(mb[c]);
+        for (int64_t j = 0; j < G; ++j) {
+            const at::BFloat16* kr = kc + ix[c] * row + (h0 + j / g) * d;
+            VF2 a(0.f);
+            for (int64_t ch = 0; ch < nch; ++ch) {
+                const int64_t n = std::min(W, d - ch * W);
+                a = a + VF2::loadu(qf.data() + (j * nch + ch) * W) * load_bf16(kr + ch * W, n);
+            }
+            float dot = at::vec::vec_reduce_all<float, 2>([](VF& x, VF& y) { return x + y; }, a);
+            s[j * Cp + c] = dot * scale + m;
+        }
+    }
+    for (int64_t j = 0; j < G; ++j) {  // 2. exp(s - max), its sum
+        float* sj = s.data() + j * Cp;
+        for (int64_t c = C; c < Cp; ++c) sj[c] = -std::numeric_limits<float>::infinity();
+        VF vm(-std::numeric_limits<float>::infinity());
+        for (int64_t c = 0; c < Cp; c += L) vm = at::vec::maximum(vm, VF::loadu(sj + c));
+        const float m = at::vec::vec_reduce_all<float>([](VF& x, VF& y) { return at::vec::maximum(x, y); }, vm);
+        VF vs(0.f);
+        for (int64_t c = 0; c < Cp; c += L) {
+            VF e = (VF::loadu(sj + c) - VF(m)).exp();
+            e.store(sj + c);
+            vs = vs + e;
+        }
+        sum[j] = at::vec::vec_reduce_all<float>([](VF& x, VF& y) { return x + y; }, vs);
+    }
+    for (int64_t c = 0; c < C; ++c) {  // 3. sum_c e[c] v[c]
+        if (c + ahead < C) __builtin_prefetch(vc + ix[c + ahead] * row + h0 * d);
+        for (int64_t j = 0; j < G; ++j) {
+            const at::BFloat16* vr = vc + ix[c] * row + (h0 + j / g) * d;
+            for (int64_t ch = 0; ch < nch; ++ch) {
+                const VF2 v = load_bf16(vr + ch * W, std::min(W, d - ch * W));
+                float* a = acc.data() + (j * nch + ch) * W;
+                (VF2::loadu(a) + VF2(s[j * Cp + c]) * v).store(a);
+            }
+        }
+    }
+    for (int64_t j = 0; j < G; ++j) {
+        at::BFloat16* o = out + ((b * kvh + h0) * g + j) * d;
+        for (int64_t e = 0; e < d; ++e)
+            o[e] = static_cast<at::BFloat16>(acc[(j * nch + e / W) * W + e % W] / sum[j]);
+    }
+}
+
+extern "C" void kernel(const at::BFloat16* q, const at::BFloat16* kc, const at::BFloat16* vc,
+                       const int64_t* idx, const at::BFloat16* mask, at::BFloat16* out,
+                       int64_t B, int64_t C, int64_t kvh, int64_t g, int64_t d, int64_t threads) {
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    // tasks: whole sequences, or at fewer sequences than threads each sequence's KV heads split
+    const int64_t per = B >= threads ? kvh : std::max<int64_t>(1, kvh / std::max<int64_t>(1, threads / B));
+    const int64_t parts = (kvh + per - 1) / per;
+    #pragma omp parallel for schedule(static) num_threads(threads) if(threads > 1)
+    for (int64_t t = 0; t < B * parts; ++t) {
+        const int64_t b = t / parts, h0 = (t % parts) * per;
+        attend_one(q, kc, vc, idx, mask, out, b, h0, std::min(kvh, h0 + per), C, kvh, g, d, scale);
+    }
+}
+"""
+
+_ARGTYPES = ["const at::BFloat16*", "const at::BFloat16*", "const at::BFloat16*", "const int64_t*",
+             "const at::BFloat16*", "at::BFloat16*", "int64_t", "int64_t", "int64_t", "int64_t",
+             "int64_t", "int64_t"]
+
+
+def load_kernel():
+    """The compiled kernel (compiled now or loaded from inductor's cache), or None where compiling
+    or loading fails (a warning). Call it as :func:`decode_attention_kernel` does."""
+    try:
+        from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+        _set_cache_dir()
+        return CppPythonBindingsCodeCache.load_pybinding(_ARGTYPES, _SOURCE)
+    except Exception as e:  # noqa: BLE001 -- a missing compiler or header raises many kinds
+        log.warning("decode attention kernel unavailable (%s: %s); inductor's graph runs instead",
+                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return None
+
+
+def _set_cache_dir() -> None:
+    """Inductor's cache under the Laser cache dir unless the user chose one (as ``quant._compile``)."""
+    import os
+
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from .loader import cache_dir
+
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, "", default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
+
+
+def decode_attention_kernel(kernel, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                            kv_index: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Decode attention through ``kernel`` (:func:`load_kernel`'s result).
+
+    q [B, Hq, d] bf16 (query heads sharing a KV head consecutive); kc, vc [slots, kvh, d] bf16,
+    contiguous; kv_index [B, C] int64 slots (pads: any valid slot); mask [B, C] bf16 additive
+    (0 = attend, -inf = pad; every row has at least one 0). Returns [B, Hq, d] bf16.
+
+    Raises:
+        ValueError: a dtype, a layout or a head count that the kernel does not take.
+    """
+    B, Hq, d = q.shape
+    kvh = kc.shape[1]
+    if (q.dtype, kc.dtype, vc.dtype, mask.dtype) != (torch.bfloat16,) * 4 or kv_index.dtype != torch.long:
+        raise ValueError("decode attention kernel: bf16 q/K/V/mask and int64 slots only")
+    if Hq % kvh or kc.shape[2] != d or not (kc.is_contiguous() and vc.is_contiguous()):
+        raise ValueError(f"decode attention kernel: q {tuple(q.shape)} against a cache {tuple(kc.shape)}")
+    q, kv_index, mask = q.contiguous(), kv_index.contiguous(), mask.contiguous()
+    out = torch.empty_like(q)
+    kernel(q, kc, vc, kv_index, mask, out, B, kv_index.shape[1], kvh, Hq // kvh, d,
+           torch.get_num_threads())
+    return out
