@@ -41,12 +41,83 @@ _SOURCE = r"""
 using VB = at::vec::Vectorized<at::BFloat16>;
 using VF = at::vec::Vectorized<float>;
 using VF2 = at::vec::VectorizedN<float, 2>;
+#ifndef AHEAD
+#define AHEAD 16
+#endif
 
 static inline VF2 load_bf16(const at::BFloat16* p, int64_t n) {
     return at::vec::convert<float, 2, at::BFloat16, 1>(VB::loadu(p, n));
 }
 
+// 1. s[j, c] = q_j . k[c] * scale + mask[c] for the NG query heads of each KV head in [h0, h1)
+// (NG, NCH: query heads per KV head and vector chunks of d, 0 = read g, nch at run time).
+template <int NG, int NCH>
+static void scores(const float* qf, const at::BFloat16* kc, const at::BFloat16* vc, const int64_t* ix,
+                   const at::BFloat16* mb, int64_t C, int64_t Cp, int64_t row, int64_t h0, int64_t h1,
+                   int64_t g_, int64_t nch_, int64_t d, float scale, float* s) {
+    const int64_t W = VB::size(), g = NG ? NG : g_, nch = NCH ? NCH : nch_;
+    for (int64_t c = 0; c < C; ++c) {
+        if (c + AHEAD < C) {  // this task's K and V lines of the row AHEAD positions on
+            const int64_t at = ix[c + AHEAD] * row + h0 * d;
+            for (int64_t e = 0; e < (h1 - h0) * d; e += 32) {
+                __builtin_prefetch(kc + at + e);
+                __builtin_prefetch(vc + at + e);
+            }
+        }
+        const float m = static_cast<float>(mb[c]);
+        for (int64_t h = h0; h < h1; ++h) {
+            const at::BFloat16* kr = kc + ix[c] * row + h * d;
+            VF2 k[NCH ? NCH : 1];
+            for (int64_t j = 0; j < g; ++j) {
+                const int64_t jj = (h - h0) * g + j;
+                VF2 a(0.f);
+                for (int64_t ch = 0; ch < nch; ++ch) {
+                    const VF2 kv = NCH ? (j ? k[ch] : (k[ch] = load_bf16(kr + ch * W, std::min(W, d - ch * W))))
+                                       : load_bf16(kr + ch * W, std::min(W, d - ch * W));
+                    a = a + VF2::loadu(qf + (jj * nch + ch) * W) * kv;
+                }
+                float dot = at::vec::vec_reduce_all<float, 2>([](VF& x, VF& y) { return x + y; }, a);
+                s[jj * Cp + c] = dot * scale + m;
+            }
+        }
+    }
+}
+
+// 3. acc[j] = sum_c e[j, c] v[c] (position order) for the g query heads of KV head h (offset
+// off in a cache row); NG, NCH > 0 keep the accumulators in registers.
+template <int NG, int NCH>
+static void weighted_sum(const at::BFloat16* vc, const int64_t* ix, int64_t C, int64_t Cp, int64_t row,
+                         int64_t off, int64_t g_, int64_t nch_, int64_t d, const float* s, float* acc) {
+    const int64_t W = VB::size(), L2 = 2 * VF::size();
+    if constexpr (NG > 0 && NCH > 0) {
+        VF2 a[NG][NCH];
+        for (int j = 0; j < NG; ++j)
+            for (int ch = 0; ch < NCH; ++ch) a[j][ch] = VF2(0.f);
+        for (int64_t c = 0; c < C; ++c) {
+            const at::BFloat16* vr = vc + ix[c] * row + off;
+            for (int ch = 0; ch < NCH; ++ch) {
+                const VF2 v = load_bf16(vr + ch * W, std::min(W, d - ch * W));
+                for (int j = 0; j < NG; ++j) a[j][ch] = a[j][ch] + VF2(s[j * Cp + c]) * v;
+            }
+        }
+        for (int j = 0; j < NG; ++j)
+            for (int ch = 0; ch < NCH; ++ch) a[j][ch].store(acc + (j * NCH + ch) * W, L2);
+    } else {
+        for (int64_t c = 0; c < C; ++c) {
+            const at::BFloat16* vr = vc + ix[c] * row + off;
+            for (int64_t ch = 0; ch < nch_; ++ch) {
+                const VF2 v = load_bf16(vr + ch * W, std::min(W, d - ch * W));
+                for (int64_t j = 0; j < g_; ++j) {
+                    float* a = acc + (j * nch_ + ch) * W;
+                    (VF2::loadu(a, L2) + VF2(s[j * Cp + c]) * v).store(a, L2);
+                }
+            }
+        }
+    }
+}
+
 // One sequence b, KV heads [h0, h1): out[b, h*g + j, :] for h in [h0, h1), j < g.
+template <int NG, int NCH>
 static void attend_one(const at::BFloat16* q, const at::BFloat16* kc, const at::BFloat16* vc,
                        const int64_t* idx, const at::BFloat16* mask, at::BFloat16* out,
                        int64_t b, int64_t h0, int64_t h1, int64_t C, int64_t kvh, int64_t g,
@@ -57,22 +128,8 @@ static void attend_one(const at::BFloat16* q, const at::BFloat16* kc, const at::
     const at::BFloat16* qb = q + (b * kvh + h0) * g * d;
     for (int64_t j = 0; j < G * d; ++j) qf[(j / d) * nch * W + j % d] = static_cast<float>(qb[j]);
     const int64_t* ix = idx + b * C;
-    const at::BFloat16* mb = mask + b * C;
-    const int64_t row = kvh * d, ahead = 8;
-    for (int64_t c = 0; c < C; ++c) {  // 1. scores
-        if (c + ahead < C) __builtin_prefetch(kc + ix[c + ahead] * row + h0 * d);
-        const float m = static_cast<float>(mb[c]);
-        for (int64_t j = 0; j < G; ++j) {
-            const at::BFloat16* kr = kc + ix[c] * row + (h0 + j / g) * d;
-            VF2 a(0.f);
-            for (int64_t ch = 0; ch < nch; ++ch) {
-                const int64_t n = std::min(W, d - ch * W);
-                a = a + VF2::loadu(qf.data() + (j * nch + ch) * W) * load_bf16(kr + ch * W, n);
-            }
-            float dot = at::vec::vec_reduce_all<float, 2>([](VF& x, VF& y) { return x + y; }, a);
-            s[j * Cp + c] = dot * scale + m;
-        }
-    }
+    const int64_t row = kvh * d;
+    scores<NG, NCH>(qf.data(), kc, vc, ix, mask + b * C, C, Cp, row, h0, h1, g, nch, d, scale, s.data());
     for (int64_t j = 0; j < G; ++j) {  // 2. exp(s - max), its sum
         float* sj = s.data() + j * Cp;
         for (int64_t c = C; c < Cp; ++c) sj[c] = -std::numeric_limits<float>::infinity();
@@ -87,16 +144,10 @@ static void attend_one(const at::BFloat16* q, const at::BFloat16* kc, const at::
         }
         sum[j] = at::vec::vec_reduce_all<float>([](VF& x, VF& y) { return x + y; }, vs);
     }
-    for (int64_t c = 0; c < C; ++c) {  // 3. sum_c e[c] v[c]
-        if (c + ahead < C) __builtin_prefetch(vc + ix[c + ahead] * row + h0 * d);
-        for (int64_t j = 0; j < G; ++j) {
-            const at::BFloat16* vr = vc + ix[c] * row + (h0 + j / g) * d;
-            for (int64_t ch = 0; ch < nch; ++ch) {
-                const VF2 v = load_bf16(vr + ch * W, std::min(W, d - ch * W));
-                float* a = acc.data() + (j * nch + ch) * W;
-                (VF2::loadu(a) + VF2(s[j * Cp + c]) * v).store(a);
-            }
-        }
+    for (int64_t h = h0; h < h1; ++h) {  // 3. per KV head
+        const int64_t j0 = (h - h0) * g;
+        weighted_sum<NG, NCH>(vc, ix, C, Cp, row, h * d, g, nch, d, s.data() + j0 * Cp,
+                              acc.data() + j0 * nch * W);
     }
     for (int64_t j = 0; j < G; ++j) {
         at::BFloat16* o = out + ((b * kvh + h0) * g + j) * d;
@@ -105,17 +156,34 @@ static void attend_one(const at::BFloat16* q, const at::BFloat16* kc, const at::
     }
 }
 
+using AttendFn = void (*)(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*, const int64_t*,
+                          const at::BFloat16*, at::BFloat16*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                          int64_t, int64_t, float);
+
+// The variant with compile-time sizes for the common (query heads per KV head, chunks of d).
+static AttendFn pick(int64_t g, int64_t nch) {
+    #define LASER_PICK(G, N) if (g == G && nch == N) return attend_one<G, N>;
+    LASER_PICK(1, 1) LASER_PICK(1, 2) LASER_PICK(1, 4) LASER_PICK(1, 8)
+    LASER_PICK(2, 1) LASER_PICK(2, 2) LASER_PICK(2, 4) LASER_PICK(2, 8)
+    LASER_PICK(3, 1) LASER_PICK(3, 2) LASER_PICK(3, 4)
+    LASER_PICK(4, 1) LASER_PICK(4, 2) LASER_PICK(4, 4)
+    LASER_PICK(5, 2) LASER_PICK(6, 2) LASER_PICK(7, 2) LASER_PICK(8, 2)
+    #undef LASER_PICK
+    return attend_one<0, 0>;
+}
+
 extern "C" void kernel(const at::BFloat16* q, const at::BFloat16* kc, const at::BFloat16* vc,
                        const int64_t* idx, const at::BFloat16* mask, at::BFloat16* out,
                        int64_t B, int64_t C, int64_t kvh, int64_t g, int64_t d, int64_t threads) {
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    const AttendFn fn = pick(g, (d + VB::size() - 1) / VB::size());
     // tasks: whole sequences, or at fewer sequences than threads each sequence's KV heads split
     const int64_t per = B >= threads ? kvh : std::max<int64_t>(1, kvh / std::max<int64_t>(1, threads / B));
     const int64_t parts = (kvh + per - 1) / per;
     #pragma omp parallel for schedule(static) num_threads(threads) if(threads > 1)
     for (int64_t t = 0; t < B * parts; ++t) {
         const int64_t b = t / parts, h0 = (t % parts) * per;
-        attend_one(q, kc, vc, idx, mask, out, b, h0, std::min(kvh, h0 + per), C, kvh, g, d, scale);
+        fn(q, kc, vc, idx, mask, out, b, h0, std::min(kvh, h0 + per), C, kvh, g, d, scale);
     }
 }
 """

@@ -266,5 +266,6 @@ def prepare_fused(model) -> tuple[FusedDecode | None, str]:
         return None, "decode layers eager (compiling the fused graphs failed)"
     return fused, (f"decode layers fused: norm+QKV+RoPE up to {fused.qkv_rows} rows and O+norm+MLP up to "
                    f"{fused.finish_rows} rows in inductor graphs, decode attention at any row count in "
-                   f"{'a C++ kernel' if fused.attention_kernel is not None else 'an inductor graph'} ({fused.graphs} graphs, {fused.seconds:.1f} s "
+                   f"{'a C++ kernel' if fused.attention_kernel is not None else 'an inductor graph'} "
+                   f"({fused.graphs} graphs, {fused.seconds:.1f} s "
                    f"to compile or load from the cache; LASER_FUSED_DECODE=0 for eager)")
