@@ -3,21 +3,25 @@
 One query row per sequence attends over its context rows in the paged KV cache, gathered by slot
 index inside the kernel: plain softmax(q k^T / sqrt(d) + mask) v (Vaswani et al. 2017) in fp32,
 the reference :func:`laser.model.fused.decode_attention`. Inductor's code for that reference spends
-~130 us a layer at one sequence of 520 positions (AMD EPYC, 1 thread, hot caches): one horizontal
-vector reduction per score, a division per weighted term and a bounds check per gathered row. This
-kernel, per (sequence, KV head):
+~145 us a layer at one sequence of 520 positions (AMD EPYC, 1 thread, hot caches; ~230 us with the
+K/V cache-cold): one horizontal vector reduction per score, a division per weighted term, a bounds
+check per gathered row, and 18 walks over the context in the weighted sum. This kernel (~60 / ~90 us
+there), per sequence (its KV heads split over threads when there are fewer sequences than threads):
 
-1. scores: for each context row, its K row (bf16 -> fp32) dotted with the ``g`` query heads that
-   share the KV head, accumulated in vector lanes and reduced once per score;
+1. scores: each context slot's K row read once for the task's KV heads (bf16 -> fp32; the ``g``
+   query heads sharing a KV head reuse the loaded chunks), accumulated in vector lanes and reduced
+   once per score; the K and V lines of the slot 16 positions ahead are prefetched (the gather is
+   latency-bound: blocks of 16 slots at random places);
 2. softmax numerator: the scores of a head, padded with -inf to whole vectors, ``exp(s - max)``
    vectorised, summed lane-wise (pads add exact zeros);
-3. weighted sum: ``sum_c e[c] v[c]`` with one vector accumulator per (head, chunk of d), divided
-   by the softmax sum at the end (as flash-decoding does), rounded once to bf16.
+3. weighted sum, per KV head: ``sum_c e[c] v[c]`` with one vector accumulator per (query head,
+   chunk of d), in registers for the common sizes (compile-time counts; a generic path else, same
+   order), divided by the softmax sum at the end (as flash-decoding does), rounded once to bf16.
 
 Batch invariance: a sequence's terms are added in position order in every loop, and pad positions
 (mask -inf) add exact zeros after them, so a sequence's output is bit-equal alone and padded in a
 batch (checked in tests/model/test_fused.py). Not bit-equal to inductor's graph (another summation
-order): within bf16 rounding of it. Sequences x KV heads are split over OpenMP threads.
+order): within bf16 rounding of it. The tasks run on OpenMP threads (torch's thread count).
 
 Compiled and loaded through inductor's C++ binding cache (on disk under ``$TORCHINDUCTOR_CACHE_DIR``,
 the flags and vector ISA inductor uses for its own kernels: AVX512 or AVX2 via ``at::vec``);
