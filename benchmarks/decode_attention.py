@@ -1,9 +1,10 @@
-"""Decode attention through the fused graph D (``laser.model.fused``) vs torch's SDPA, one engine.
+"""Decode attention through the fused graph D (``laser.model.fused``: its C++ kernel, or inductor's
+graph) vs torch's SDPA, one engine.
 
 One bf16 engine serving the embedded SmolLM2 GGUF under ``--quantization auto`` with the fused
-decode graphs; each round times decode steps of every batch size with graph D on and off in turn
-(``model.fused.decode_attention``: the same weights, KV pool and graphs A/B; the order alternates
-per round). Prints the median ms per decode step of each and their ratio per batch size, then,
+decode graphs; each round times decode steps of every batch size with each attention path in turn
+(``model.fused.decode_attention`` / ``attention_kernel``: the same weights, KV pool and graphs A/B; the order alternates
+per round; ``--modes``). Prints the median ms per decode step of each and their ratio to the first, then,
 with ``--profile``, torch.profiler's top operators over a few batch-1 steps (graph D on).
 
     python benchmarks/decode_attention.py [--threads 1] [--batches 1,4,32] [--prompt-len 512]
@@ -32,26 +33,37 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--modes", default="sdpa,graph,kernel",
+                    help="attention paths to alternate, the first the base of the ratios: sdpa (gather + "
+                         "torch's SDPA), graph (inductor's graph D), kernel (graph D's C++ kernel)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler table of batch-1 steps")
     args = ap.parse_args()
     engine, fused = fused_engine(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
-    res = {(b, m): [] for b in batches for m in ("sdpa", "graph D")}
+    modes = args.modes.split(",")
+    kernel = fused.attention_kernel
+    res = {(b, m): [] for b in batches for m in modes}
     for r in range(args.rounds + 1):
         for b in batches:
-            for mode in (("sdpa", "graph D") if r % 2 else ("graph D", "sdpa")):
-                fused.decode_attention = mode == "graph D"
+            for mode in (modes if r % 2 else modes[::-1]):
+                fused.decode_attention = mode != "sdpa"
+                fused.attention_kernel = kernel if mode == "kernel" else None
                 ms = step_ms(engine, b, args.steps, args.prompt_len)
                 if r:  # round 0 warms up
                     res[b, mode].append(ms)
-    fused.decode_attention = True
+    fused.decode_attention, fused.attention_kernel = True, kernel
     print(f"{args.threads} torch threads, prompts of {args.prompt_len} tokens, {args.rounds} rounds x "
           f"{args.steps} decode steps")
+    base = modes[0]
     for b in batches:
-        s, d = statistics.median(res[b, "sdpa"]), statistics.median(res[b, "graph D"])
-        ratios = sorted(x / y for x, y in zip(res[b, "graph D"], res[b, "sdpa"]))
-        print(f"batch {b}: sdpa {s:.2f} ms/step, graph D {d:.2f} ms/step -> D/sdpa {d / s:.3f} "
-              f"(per-round ratios {ratios[0]:.3f}-{ratios[-1]:.3f}); {1e3 / d * b:.1f} tok/s")
+        s = statistics.median(res[b, base])
+        line = [f"batch {b}: {base} {s:.2f} ms/step ({1e3 / s * b:.1f} tok/s)"]
+        for m in modes[1:]:
+            d = statistics.median(res[b, m])
+            ratios = sorted(x / y for x, y in zip(res[b, m], res[b, base]))
+            line.append(f"{m} {d:.2f} ms/step -> {m}/{base} {d / s:.3f} (per-round {ratios[0]:.3f}-"
+                        f"{ratios[-1]:.3f}; {1e3 / d * b:.1f} tok/s)")
+        print("; ".join(line))
     if args.profile:
         profile_decode(engine, args.prompt_len, 20)
 

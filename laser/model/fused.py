@@ -12,10 +12,12 @@ with the aten int4/int8 kernels as extern calls between:
   SiLU * up -> down matmul + residual (:meth:`~laser.model.llama.LlamaModel.finish_of` traced).
 
 - **D** (:meth:`FusedDecode.attend`): decode attention (one query row per sequence) over the KV
-  cache, the context rows gathered by their slot index inside the kernel (:func:`decode_attention`
-  traced): it replaces the gather of K and V plus torch's flash kernel, which at one query row
-  costs ~100-180 us per layer at 520 positions for ~1 MFLOP (its blocking is sized for long
-  queries); the compiled kernel is ~1.4x faster at one sequence and ~5x at 32 (AMD EPYC, 1 thread).
+  cache, the context rows gathered by their slot index inside the kernel: it replaces the gather
+  of K and V plus torch's flash kernel, which at one query row costs ~100-180 us per layer at 520
+  positions for ~1 MFLOP (its blocking is sized for long queries). A hand-written C++ kernel
+  (:mod:`laser.model.attn_kernel`, ~0.5x the time of inductor's code for the reference
+  :func:`decode_attention` at one sequence); inductor's graph of the reference where that kernel
+  cannot be compiled (~1.4x faster than flash at one sequence, ~5x at 32; AMD EPYC, 1 thread).
 
 The K/V write stays eager between A and D. The weights are graph inputs,
 so one graph serves every layer of the same shapes; the graphs are traced with ``make_fx`` on
@@ -45,6 +47,7 @@ import time
 
 import torch
 
+from .attn_kernel import decode_attention_kernel, load_kernel
 from .quant import QuantLinear, _compile
 
 log = logging.getLogger(__name__)
@@ -116,11 +119,13 @@ class FusedDecode:
         t0 = time.perf_counter()
         self._qkv = [self._graph(cache, L, _QKV_FIELDS) for L in layers]
         self._finish = [self._graph(cache, L, _FINISH_FIELDS) for L in layers]
-        self._attend = _boxed(self._compile_attention())
+        #: graph D's hand-written C++ kernel (:mod:`laser.model.attn_kernel`); None: inductor's
+        #: graph of :func:`decode_attention` (compiled on first use) -- set None for A/B timings
+        self.attention_kernel = load_kernel()
+        self._attend = None
         #: decode attention through graph D (False: torch's SDPA, as before it; for A/B timings)
         self.decode_attention = True
-        cache["attention"] = self._attend
-        self.graphs, self.seconds = len(cache), time.perf_counter() - t0
+        self.graphs, self.seconds = len(cache) + 1, time.perf_counter() - t0
 
     def _graph(self, cache: dict, L, fields: tuple[str, ...]):
         """(compiled graph, the layer's tensors) for ``L``'s ``fields``; layers of one layout and
@@ -173,7 +178,12 @@ class FusedDecode:
                mask: torch.Tensor) -> torch.Tensor:
         """Graph D: :func:`decode_attention` of ``q`` [B, Hq, d] (one query row per sequence)
         over the cache ``kc``/``vc`` [slots, kvh, d] at ``kv_index`` [B, C] (int64 slots) with the
-        additive ``mask`` [B, C] (0 / -inf, model dtype) -> [B, Hq, d], bf16."""
+        additive ``mask`` [B, C] (0 / -inf, model dtype) -> [B, Hq, d], bf16; through the C++
+        kernel where it loaded, else inductor's graph (compiled on first use)."""
+        if self.attention_kernel is not None:
+            return decode_attention_kernel(self.attention_kernel, q, kc, vc, kv_index, mask)
+        if self._attend is None:
+            self._attend = _boxed(self._compile_attention())
         return self._attend([q.contiguous(), kc, vc, kv_index, mask])[0]
 
     def qkv(self, i: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -255,5 +265,7 @@ def prepare_fused(model) -> tuple[FusedDecode | None, str]:
                     str(e).splitlines()[0] if str(e) else "")
         return None, "decode layers eager (compiling the fused graphs failed)"
     return fused, (f"decode layers fused: norm+QKV+RoPE up to {fused.qkv_rows} rows and O+norm+MLP up to "
-                   f"{fused.finish_rows} rows, decode attention at any row count, in inductor graphs ({fused.graphs} graphs, {fused.seconds:.1f} s "
+                   f"{fused.finish_rows} rows in inductor graphs, decode attention at any row count in "
+                   f"{'a C++ kernel' if fused.attention_kernel is not None else 'an inductor graph'} "
+                   f"({fused.graphs} graphs, {fused.seconds:.1f} s "
                    f"to compile or load from the cache; LASER_FUSED_DECODE=0 for eager)")

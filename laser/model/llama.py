@@ -185,9 +185,11 @@ class LlamaModel:
         packed = any(isinstance(m, Linear) and not m.sliceable for m in mats)
         if packed:
             log.info("bf16 weights: oneDNN-packed for every row count (LASER_PACKED_WEIGHTS=off for F.linear)")
-        # "dattn": decode attention through graph D (a profile timed before it prices slower steps)
+        # "dattn": decode attention through graph D, "-cpp" its C++ kernel (a profile timed before
+        # either prices slower steps)
         parts += ["pw" if packed else "", "pattn" if self.blocked_attn else "",
-                  "fused-dattn" if self.fused is not None else ""]
+                  "" if self.fused is None else
+                  "fused-dattn" + ("-cpp" if self.fused.attention_kernel is not None else "")]
         # another machine to the latency model: its own profile (laser.profiler.executor_path_of)
         path = "-".join(p for p in parts if p)
         if path:
