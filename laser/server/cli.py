@@ -63,6 +63,18 @@ def register(subparsers) -> None:
                    help="accept, with a warning, batch jobs the latency model says cannot meet their window "
                         "(default: reject them with the predicted completion time)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up request before serving")
+    _add_cluster_args(p)
+    p.add_argument("--step-log", type=int, default=0, metavar="N",
+                   help="keep the engine's last N complete steps (plan, seconds) for GET /engine/steps, e.g. for "
+                        "benchmarks/sim_vs_real.py to fit the speed the served engine ran at; 0: none "
+                        "(default %(default)s; single instance only)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default %(default)s)")
+    p.set_defaults(func=cmd_serve)
+
+
+def _add_cluster_args(p) -> None:
+    """``serve``'s cluster options: instances as Ray actors behind the global controller."""
     g = p.add_argument_group("cluster (instances as Ray actors behind the global controller)")
     g.add_argument("--prefill-instances", type=int, default=0,
                    help="prefill instances (Ray actors; default %(default)s)")
@@ -92,13 +104,6 @@ def register(subparsers) -> None:
     g.add_argument("--instance-restarts", type=int, default=0,
                    help="times Ray restarts a dead instance actor; a restarted one rejoins the controller empty "
                         "(default %(default)s)")
-    p.add_argument("--step-log", type=int, default=0, metavar="N",
-                   help="keep the engine's last N complete steps (plan, seconds) for GET /engine/steps, e.g. for "
-                        "benchmarks/sim_vs_real.py to fit the speed the served engine ran at; 0: none "
-                        "(default %(default)s; single instance only)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                   help="uvicorn's log level (default %(default)s)")
-    p.set_defaults(func=cmd_serve)
 
 
 def json_str_list(text: str) -> list[str]:
