@@ -53,10 +53,15 @@ class SimulatedEngine(SimTarget):
         return out
 
 
+def _workload():
+    """20 chat/code requests of 8-68 prompt tokens, 8 output tokens each, and their SLO classes."""
+    reqs = [WorkloadRequest(("chat", "code")[i % 2], "x", 8 + 30 * (i % 3), 8, 0.0) for i in range(20)]
+    return reqs, SLOClasses({"chat": {"ttft": 0.2, "tbt": 0.02}, "code": {"ttft": 0.1, "tbt": 0.02}})
+
+
 def test_the_twin_matches_a_run_on_a_machine_that_drifted_from_its_profile():
     svr = _load("sim_vs_real")
-    reqs = [WorkloadRequest(("chat", "code")[i % 2], "x", 8 + 30 * (i % 3), 8, 0.0) for i in range(20)]
-    slos = SLOClasses({"chat": {"ttft": 0.2, "tbt": 0.02}, "code": {"ttft": 0.1, "tbt": 0.02}})
+    reqs, slos = _workload()
     runs = {"sim": SimTarget("laser", LM, N, label="sim"), "inprocess": SimulatedEngine(),
             "sim@m": SimTarget("laser", LM, N, label="sim@m", planner=planning_model)}
     both = Benchmark(runs, reqs, slos, seed=7)
@@ -96,8 +101,7 @@ class SimulatedServer(SimulatedEngine):
 def test_the_served_twin_runs_at_the_served_engines_own_speed():
     # in process at 0.8x / 1.2x, served at 0.7x / 1.3x: each twin must be its own run's machine
     svr = _load("sim_vs_real")
-    reqs = [WorkloadRequest(("chat", "code")[i % 2], "x", 8 + 30 * (i % 3), 8, 0.0) for i in range(20)]
-    slos = SLOClasses({"chat": {"ttft": 0.2, "tbt": 0.02}, "code": {"ttft": 0.1, "tbt": 0.02}})
+    reqs, slos = _workload()
     runs = {"sim": SimTarget("laser", LM, N, label="sim"), "inprocess": SimulatedEngine(),
             "sim@m": SimTarget("laser", LM, N, label="sim@m", planner=planning_model), "serve": SimulatedServer(),
             "sim-served": SimTarget("laser", LM, N, label="sim-served", served=True),
