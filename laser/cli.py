@@ -194,7 +194,10 @@ def set_threads(threads: int | None) -> int:
 
     n = threads or physical_cores()
     torch.set_num_threads(n)
-    logging.getLogger(__name__).info("torch threads: %d (%s)", n, "--threads" if threads else "physical cores")
+    why = "--threads" if threads else "physical cores"
+    if n > 1:  # README, "Latency model": its accuracy with several threads is the timings' own repeatability
+        why += "; steps vary more between runs with several threads: --threads 1 for the tightest latency model"
+    logging.getLogger(__name__).info("torch threads: %d (%s)", n, why)
     return n
 
 
