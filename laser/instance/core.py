@@ -18,6 +18,7 @@ body of a simulated instance and of a Ray actor (:mod:`laser.instance.worker`).
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -118,8 +119,6 @@ class StepLog:
     def __init__(self, capacity: int):
         if capacity < 1:
             raise ValueError(f"step log capacity must be >= 1, got {capacity}")
-        import collections
-
         self._items: collections.deque = collections.deque(maxlen=capacity)
         self.total = 0  # steps appended so far (the next step's number)
 

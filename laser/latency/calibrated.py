@@ -105,12 +105,19 @@ class ScaledLatencyModel(LatencyModel):
         self.factor = float(factor)
 
     @property
+    def overhead_factor(self) -> float:
+        """The factor of the per-row and per-step terms (embedding, LM head, grammar masks, the
+        layer-call, step and composition overheads): :attr:`factor` here; a model that scales
+        kinds of work apart (``laser.latency.machine_speed.KindScaledLatencyModel``) sets its own."""
+        return self.factor
+
+    @property
     def metadata(self) -> dict:
         return getattr(self.inner, "metadata", {})
 
     @property
     def layer_overhead_s(self) -> float:  # type: ignore[override]
-        return self.factor * self.inner.layer_overhead_s
+        return self.overhead_factor * self.inner.layer_overhead_s
 
     def stateless_time(self, n_tokens: int) -> float:
         return self.factor * self.inner.stateless_time(n_tokens)
@@ -119,26 +126,26 @@ class ScaledLatencyModel(LatencyModel):
         return self.factor * self.inner.attention_time(query_lens, context_lens)
 
     def embed_time(self, n_tokens: int) -> float:
-        return self.factor * self.inner.embed_time(n_tokens)
+        return self.overhead_factor * self.inner.embed_time(n_tokens)
 
     def head_time(self, n_rows: int) -> float:
-        return self.factor * self.inner.head_time(n_rows)
+        return self.overhead_factor * self.inner.head_time(n_rows)
 
     @property
     def mask_row_s(self) -> float:  # type: ignore[override]
-        return self.factor * self.inner.mask_row_s
+        return self.overhead_factor * self.inner.mask_row_s
 
     @property
     def step_overhead_s(self) -> float:  # type: ignore[override]
-        return self.factor * self.inner.step_overhead_s
+        return self.overhead_factor * self.inner.step_overhead_s
 
     @property
     def compose_overhead_s(self) -> float:  # type: ignore[override]
-        return self.factor * self.inner.compose_overhead_s
+        return self.overhead_factor * self.inner.compose_overhead_s
 
     @property
     def compose_work_s(self) -> float:  # type: ignore[override]
-        return self.factor * self.inner.compose_work_s
+        return self.overhead_factor * self.inner.compose_work_s
 
     @property
     def frontend_ttft_s(self) -> float:  # type: ignore[override]
@@ -146,10 +153,10 @@ class ScaledLatencyModel(LatencyModel):
         return getattr(self.inner, "frontend_ttft_s", 0.0)
 
     def step_overhead_time(self, compositions: int, composed_works: int) -> float:
-        return self.factor * self.inner.step_overhead_time(compositions, composed_works)
+        return self.overhead_factor * self.inner.step_overhead_time(compositions, composed_works)
 
     def mask_time(self, n_rows: int) -> float:
-        return self.factor * self.inner.mask_time(n_rows)
+        return self.overhead_factor * self.inner.mask_time(n_rows)
 
     @property
     def exit_cost(self):  # type: ignore[override]

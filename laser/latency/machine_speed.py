@@ -46,40 +46,20 @@ class KindScaledLatencyModel(ScaledLatencyModel):
         f = self.decode_factor if sum(query_lens) == len(query_lens) else self.factor
         return f * self.inner.layer_time(query_lens, context_lens)
 
-    # the per-row and per-step terms scale with decode (bandwidth- and dispatch-bound, like a decode layer)
-    def embed_time(self, n_tokens: int) -> float:
-        return self.decode_factor * self.inner.embed_time(n_tokens)
-
-    def head_time(self, n_rows: int) -> float:
-        return self.decode_factor * self.inner.head_time(n_rows)
-
-    def mask_time(self, n_rows: int) -> float:
-        return self.decode_factor * self.inner.mask_time(n_rows)
+    @property
+    def overhead_factor(self) -> float:
+        """The per-row and per-step terms scale with decode (bandwidth- and dispatch-bound, like a
+        decode layer): :attr:`decode_factor`."""
+        return self.decode_factor
 
     def step_overhead_time(self, compositions: int, composed_works: int) -> float:
         if compositions <= 0:
             return 0.0
-        return self.decode_factor * self.inner.step_overhead_time(compositions, composed_works) + self.host_step_s
+        return super().step_overhead_time(compositions, composed_works) + self.host_step_s
 
     @property
     def step_overhead_s(self) -> float:  # type: ignore[override]
-        return self.decode_factor * self.inner.step_overhead_s + self.host_step_s
-
-    @property
-    def compose_overhead_s(self) -> float:  # type: ignore[override]
-        return self.decode_factor * self.inner.compose_overhead_s
-
-    @property
-    def compose_work_s(self) -> float:  # type: ignore[override]
-        return self.decode_factor * self.inner.compose_work_s
-
-    @property
-    def layer_overhead_s(self) -> float:  # type: ignore[override]
-        return self.decode_factor * self.inner.layer_overhead_s
-
-    @property
-    def mask_row_s(self) -> float:  # type: ignore[override]
-        return self.decode_factor * self.inner.mask_row_s
+        return super().step_overhead_s + self.host_step_s
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ bug) is a JSON 500 ``internal_error`` that leaves a keep-alive connection open.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hmac
 import logging
 import os
@@ -324,5 +325,4 @@ def _health_routes(app: FastAPI, ae: AsyncEngine, metrics: ServerMetrics) -> Non
         st, t = core.step_stats, ae.times
         return {"total": log.total, "steps": [[i, s, plan.to_json()] for i, plan, s in log.since(since)],
                 "step_stats": {"steps": st.steps, "schedule_s": st.schedule_s, "execute_s": st.execute_s},
-                "engine_thread": {"steps": t.steps, "step_s": t.step_s, "step_cpu_s": t.step_cpu_s,
-                                  "between_s": t.between_s}}
+                "engine_thread": dataclasses.asdict(t)}
