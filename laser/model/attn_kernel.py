@@ -203,24 +203,14 @@ def load_kernel():
     try:
         from torch._inductor.codecache import CppPythonBindingsCodeCache
 
-        _set_cache_dir()
+        from .loader import use_inductor_cache_dir
+
+        use_inductor_cache_dir()
         return CppPythonBindingsCodeCache.load_pybinding(_ARGTYPES, _SOURCE)
     except Exception as e:  # noqa: BLE001 -- a missing compiler or header raises many kinds
         log.warning("decode attention kernel unavailable (%s: %s); inductor's graph runs instead",
                     type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         return None
-
-
-def _set_cache_dir() -> None:
-    """Inductor's cache under the Laser cache dir unless the user chose one (as ``quant._compile``)."""
-    import os
-
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    from .loader import cache_dir
-
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, "", default_cache_dir()):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
 
 
 def decode_attention_kernel(kernel, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,

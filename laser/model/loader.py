@@ -41,6 +41,16 @@ def cache_dir() -> Path:
     return d
 
 
+def use_inductor_cache_dir() -> None:
+    """Point inductor's on-disk cache (compiled graphs and C++ kernels) at ``<laser cache>/inductor``
+    unless the user chose ``$TORCHINDUCTOR_CACHE_DIR`` (inductor writes its own default into the
+    environment on first use: only a user's own choice stays), so a later start loads them."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, "", default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
+
+
 def default_model_gguf() -> Path:
     """Path of the embedded SmolLM2 GGUF. Raises ModelLoadError when the package is missing."""
     spec = importlib.util.find_spec(_DEFAULT_PACKAGE)

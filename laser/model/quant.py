@@ -458,14 +458,11 @@ def _compile(fn, example: tuple[torch.Tensor, ...], dynamic: bool = False):
     traced with symbolic sizes instead (``make_fx(tracing_mode="symbolic")``), so the graph takes
     any sizes whose equalities match ``example``'s (a size equal to another there stays equal)."""
     from torch._inductor import compile as inductor_compile
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from .loader import cache_dir
+    from .loader import use_inductor_cache_dir
 
-    # inductor writes its default into the environment on first use: only a user's own choice stays
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, "", default_cache_dir()):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
+    use_inductor_cache_dir()
     with torch.inference_mode(False), torch.no_grad():
         if not dynamic:
             return inductor_compile(make_fx(fn)(*example), list(example))
