@@ -168,7 +168,7 @@ def server_ttft_line(before: dict, after: dict, probe) -> str:
             fe = f" ({1e3 * (f1 - f0) / (m1 - m0):.1f} to the engine)" if m1 > m0 else ""
             parts.append(f"{c} {1e3 * (s1 - s0) / (n1 - n0):.0f} / {1e3 * (getattr(cl, 'ttft_mean', 0) or 0):.0f}{fe}")
     return ("  serve, mean TTFT ms at the server (HTTP arrival -> first token's step) / at the client "
-            "(HTTP arrival -> the engine has it): " + ", ".join(parts))
+            "[in brackets: HTTP arrival -> the engine has it]: " + ", ".join(parts))
 
 
 def frontend_term(target, profile, probes: int) -> float | None:
