@@ -53,7 +53,7 @@ def executor_switches(gemv: str = "", rows: str = "", fused: str = "", w8a8: str
     (``compiled`` / ``aten``: ``$LASER_QUANT_GEMV``), the kernels' row crossover (``measure`` /
     ``fixed``: ``$LASER_QUANT_ROWS``), the fused decode layers (``0`` / ``1``:
     ``$LASER_FUSED_DECODE``), W8A8 int8 rows (``measure`` / ``on`` / ``off``:
-    ``$LASER_QUANT_W8A8``), the bf16 prefill attention (``blocked`` / ``sdpa``:
+    ``$LASER_QUANT_W8A8``), the bf16 prefill attention (``kernel`` / ``blocked`` / ``sdpa``:
     ``$LASER_PREFILL_ATTN``) and the oneDNN-packed bf16 weights (``on`` / ``off``:
     ``$LASER_PACKED_WEIGHTS``); an empty value leaves a switch as it is. Restored on exit."""
     saved = {k: os.environ.get(k) for k in SWITCHES}
@@ -191,8 +191,8 @@ def main() -> None:
                          "auto::fixed = auto with the kernels' default row crossover, not the measured one; "
                          "auto:::0 / auto:::1 = auto with the decode layers eager / fused, LASER_FUSED_DECODE; "
                          "auto::::off / auto::::on = int8 rows without / always with W8A8, LASER_QUANT_W8A8; "
-                         "none:::::sdpa / none:::::blocked = bf16 prefill attention through the flash kernel / "
-                         "blocked matmuls, LASER_PREFILL_ATTN; none::::::off / none::::::on = bf16 weights "
+                         "none:::::sdpa / none:::::blocked / none:::::kernel = bf16 prefill attention through the "
+                         "flash kernel / blocked matmuls / the C++ kernel, LASER_PREFILL_ATTN; none::::::off / none::::::on = bf16 weights "
                          "plain / oneDNN-packed, LASER_PACKED_WEIGHTS)")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     ap.add_argument("--json", default=None)

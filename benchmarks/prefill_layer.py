@@ -31,6 +31,7 @@ from engine_speed import cpu_kind, matmul_peak  # noqa: E402  (benchmarks/ is sy
 from laser.model.llama import LlamaModel  # noqa: E402
 from laser.model.loader import load_config, load_weights, resolve_model  # noqa: E402
 from laser.model.prefill import blocked_causal_attention  # noqa: E402
+from laser.model.prefill_kernel import load_kernel, prefill_attention_kernel  # noqa: E402
 
 
 def interleaved(fns: dict, repeats: int) -> dict[str, float]:
@@ -84,6 +85,10 @@ def main() -> None:
         fns[n + " plain"] = lambda w=plain[n], x=xs[n]: F.linear(x, w)
     fns["attention flash"] = lambda: F.scaled_dot_product_attention(*sd, is_causal=True, enable_gqa=True)
     fns["attention blocked"] = lambda: blocked_causal_attention(q, k, v)
+    kern = load_kernel()
+    attns = ["attention flash", "attention blocked"] + (["attention kernel"] if kern is not None else [])
+    if kern is not None:  # the C++ kernel (AVX512-BF16 only)
+        fns["attention kernel"] = lambda: prefill_attention_kernel(kern, q, k, v)
     fns["qkv_of"] = lambda: m.qkv_of(L, h, cos, sin)
     fns["finish_of"] = lambda: m.finish_of(L, h, attn)
     fns["head last row"] = lambda: m.compute_logits(h[-1:])
@@ -97,13 +102,13 @@ def main() -> None:
         print(f"  {n:8s} [{T}x{kk}] x [{kk}x{lin.shape[0]}]: {t[n] * 1e3:6.2f} ms = {fl / t[n] / peak:4.0%} of peak; "
               f"F.linear on the plain weight {t[n + ' plain'] / t[n]:.2f}x the time")
     afl = 2 * 2 * c.q_size * T * (T + 1) / 2
-    for n in ("attention flash", "attention blocked"):
+    for n in attns:
         print(f"  {n:18s}: {t[n] * 1e3:6.2f} ms = {afl / t[n] / peak:4.0%} of peak")
     glue_a = t["qkv_of"] - t["qkv"]
     glue_b = t["finish_of"] - t["o"] - t["gate_up"] - t["down"]
     print(f"  glue: norm+RoPE {glue_a * 1e3:.2f} ms, residuals+norm+SiLU*up {glue_b * 1e3:.2f} ms")
     layer = t["qkv_of"] + t["finish_of"]
-    for n in ("attention flash", "attention blocked"):
+    for n in attns:
         tot = layer + t[n]
         mm = sum(t[x] for x in mats)
         print(f"  layer with {n}: {tot * 1e3:.2f} ms (matmuls {mm / tot:.0%}, attention {t[n] / tot:.0%}, glue "

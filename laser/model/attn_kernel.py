@@ -197,20 +197,28 @@ _ARGTYPES = ["const at::BFloat16*", "const at::BFloat16*", "const at::BFloat16*"
              "int64_t", "int64_t"]
 
 
-def load_kernel():
-    """The compiled kernel (compiled now or loaded from inductor's cache), or None where compiling
-    or loading fails (a warning). Call it as :func:`decode_attention_kernel` does."""
+def compile_kernel(argtypes: list[str], source: str, what: str):
+    """A C++ function ``kernel`` of ``source`` (argument types ``argtypes``) compiled with
+    inductor's flags and vector ISA and cached on disk (inductor's C++ binding cache), or None
+    where compiling or loading fails (a warning naming ``what``)."""
     try:
         from torch._inductor.codecache import CppPythonBindingsCodeCache
 
         from .loader import use_inductor_cache_dir
 
         use_inductor_cache_dir()
-        return CppPythonBindingsCodeCache.load_pybinding(_ARGTYPES, _SOURCE)
+        return CppPythonBindingsCodeCache.load_pybinding(argtypes, source)
     except Exception as e:  # noqa: BLE001 -- a missing compiler or header raises many kinds
-        log.warning("decode attention kernel unavailable (%s: %s); inductor's graph runs instead",
-                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        log.warning("%s unavailable (%s: %s); the torch path runs instead", what, type(e).__name__,
+                    str(e).splitlines()[0] if str(e) else "")
         return None
+
+
+def load_kernel():
+    """The compiled decode attention kernel (compiled now or loaded from inductor's cache), or
+    None where compiling or loading fails (a warning; inductor's graph runs instead). Call it as
+    :func:`decode_attention_kernel` does."""
+    return compile_kernel(_ARGTYPES, _SOURCE, "decode attention kernel")
 
 
 def decode_attention_kernel(kernel, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,

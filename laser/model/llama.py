@@ -27,7 +27,8 @@ from ..core.config import ModelConfig
 from .linear import Linear, add_linear, pack_for_onednn
 from .kernel_rows import choose_kernel_rows, rows_label
 from .fused import prepare_fused
-from .prefill import MIN_ROWS, blocked_causal_attention, uses_blocked_attention
+from .prefill import MIN_ROWS, blocked_causal_attention, load_prefill_kernel, uses_blocked_attention
+from .prefill_kernel import prefill_attention_kernel
 from .quant import QuantLinear, concat, prepare_decode_kernels
 
 log = logging.getLogger(__name__)
@@ -143,6 +144,8 @@ class LlamaModel:
         self.fused = None
         # bf16 causal prefill groups through blocked matmuls (laser.model.prefill), not the flash kernel
         self.blocked_attn = uses_blocked_attention(dtype)
+        # ... or, where it loads (AVX512-BF16), through one C++ kernel (laser.model.prefill_kernel)
+        self.prefill_kernel = load_prefill_kernel(dtype, self.config.head_dim) if self.blocked_attn else None
         self._init_rope()
         qlins = [m for L in self.layers for m in (L.qkv, L.o, L.gate_up, L.down) if isinstance(m, QuantLinear)]
         if self.lm_head_q is not None:
@@ -153,7 +156,10 @@ class LlamaModel:
             self.fused, msg = prepare_fused(self)
             if msg:
                 log.info(msg)
-        if self.blocked_attn:
+        if self.prefill_kernel is not None:
+            log.info("bf16 prefill attention: the C++ kernel (AVX512-BF16; LASER_PREFILL_ATTN=blocked for blocked "
+                     "matmuls, sdpa for the flash kernel)")
+        elif self.blocked_attn:
             log.info("bf16 prefill attention: blocked matmuls from %d rows (LASER_PREFILL_ATTN=sdpa for the flash "
                      "kernel)", MIN_ROWS)
         self._init_executor_path(qlins)
@@ -187,7 +193,9 @@ class LlamaModel:
             log.info("bf16 weights: oneDNN-packed for every row count (LASER_PACKED_WEIGHTS=off for F.linear)")
         # "dattn": decode attention through graph D, "-cpp" its C++ kernel (a profile timed before
         # either prices slower steps)
-        parts += ["pw" if packed else "", "pattn" if self.blocked_attn else "",
+        # "pattn": bf16 prefill attention through blocked matmuls, "-cpp" through the C++ kernel
+        parts += ["pw" if packed else "",
+                  "" if not self.blocked_attn else "pattn" + ("-cpp" if self.prefill_kernel is not None else ""),
                   "" if self.fused is None else
                   "fused-dattn" + ("-cpp" if self.fused.attention_kernel is not None else "")]
         # another machine to the latency model: its own profile (laser.profiler.executor_path_of)
@@ -339,7 +347,9 @@ class LlamaModel:
             B, Q = grp.q_index.shape
             if grp.causal:
                 a = grp.q_start
-                if self.blocked_attn and Q >= MIN_ROWS:
+                if self.prefill_kernel is not None:
+                    o = prefill_attention_kernel(self.prefill_kernel, q[a : a + Q], k[a : a + Q], v[a : a + Q])
+                elif self.blocked_attn and Q >= MIN_ROWS:
                     o = blocked_causal_attention(q[a : a + Q], k[a : a + Q], v[a : a + Q])
                 else:
                     qs = q[a : a + Q].transpose(0, 1).unsqueeze(0)  # [1, Hq, Q, d]

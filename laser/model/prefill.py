@@ -20,9 +20,12 @@ oneDNN's bf16 GEMM runs at ~25 % of its peak) while keeping the probabilities un
 max error against an fp64 reference is the flash kernel's or below (0.008-0.012 at 128-1024
 rows, inputs of std 2).
 
-The model runs it for the causal groups of bf16 prefill steps (a sequence with no cached
-context: :attr:`laser.model.llama.AttnGroup.causal`) of at least :data:`MIN_ROWS` rows;
-``$LASER_PREFILL_ATTN`` = ``blocked`` (the default) or ``sdpa`` (the flash kernel everywhere).
+On a CPU with AVX512-BF16 the same attention runs as one C++ kernel (:mod:`laser.model.prefill_kernel`,
+0.3-0.5x the time of these matmuls at 128-2048 rows, the same error); elsewhere the model runs
+these matmuls for the causal groups of bf16 prefill steps (a sequence with no cached context:
+:attr:`laser.model.llama.AttnGroup.causal`) of at least :data:`MIN_ROWS` rows.
+``$LASER_PREFILL_ATTN`` = ``kernel`` (the default: the C++ kernel where it loads, else these
+matmuls), ``blocked`` (these matmuls) or ``sdpa`` (the flash kernel everywhere).
 fp32 models never take it (their results stay bit-for-bit those of the exactness tests). Each
 query row's output depends only on its own sequence's rows (per-block matmuls, per-row softmax).
 """
@@ -40,17 +43,29 @@ MIN_ROWS = 128
 
 
 def prefill_attn_mode() -> str:
-    """``$LASER_PREFILL_ATTN``: ``blocked`` (the default) or ``sdpa``. Raises ValueError on
-    another value."""
-    mode = os.environ.get("LASER_PREFILL_ATTN", "blocked")
-    if mode not in ("blocked", "sdpa"):
-        raise ValueError(f"LASER_PREFILL_ATTN={mode!r}: use blocked or sdpa")
+    """``$LASER_PREFILL_ATTN``: ``kernel`` (the default), ``blocked`` or ``sdpa``. Raises
+    ValueError on another value."""
+    mode = os.environ.get("LASER_PREFILL_ATTN", "kernel")
+    if mode not in ("kernel", "blocked", "sdpa"):
+        raise ValueError(f"LASER_PREFILL_ATTN={mode!r}: use kernel, blocked or sdpa")
     return mode
 
 
 def uses_blocked_attention(dtype: torch.dtype) -> bool:
-    """Whether a model in ``dtype`` runs :func:`blocked_causal_attention` (bf16 and the switch on)."""
-    return dtype == torch.bfloat16 and prefill_attn_mode() == "blocked"
+    """Whether a model in ``dtype`` runs :func:`blocked_causal_attention` where the C++ kernel does
+    not (bf16 and the switch not ``sdpa``)."""
+    return dtype == torch.bfloat16 and prefill_attn_mode() != "sdpa"
+
+
+def load_prefill_kernel(dtype: torch.dtype, head_dim: int):
+    """The C++ prefill attention kernel for a model in ``dtype`` with heads of ``head_dim``
+    (:func:`laser.model.prefill_kernel.load_kernel`), or None: not bf16, the switch not
+    ``kernel``, a head size it has no tiles for, or a CPU without AVX512-BF16."""
+    from .prefill_kernel import HEAD_DIMS, load_kernel
+
+    if dtype != torch.bfloat16 or prefill_attn_mode() != "kernel" or head_dim not in HEAD_DIMS:
+        return None
+    return load_kernel()
 
 
 def blocked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int = BLOCK) -> torch.Tensor:

@@ -14,6 +14,7 @@ from laser.core.config import CacheConfig, SchedulerConfig
 from laser.core.request import SamplingParams
 from laser.frontend.engine import Engine
 from laser.model import llama
+from laser.model import prefill_kernel as kernel_mod
 from laser.model.llama import LlamaModel
 from laser.model.loader import load_config, load_weights
 from laser.model.prefill import MIN_ROWS, blocked_causal_attention
@@ -92,3 +93,69 @@ def test_engine_prefill_runs_blocked_attention_and_keeps_the_tokens(tiny_llama, 
     assert [t[0] for t in run_engine(tiny_llama, monkeypatch, "sdpa", prompts)] == [t[0] for t in blocked]
     assert not calls
     assert [run_engine(tiny_llama, monkeypatch, "blocked", [p])[0][0] for p in prompts] == [t[0] for t in blocked]
+
+
+@pytest.fixture(scope="module")
+def prefill_kernel():
+    kern = kernel_mod.load_kernel()
+    if kern is None:
+        pytest.skip("the C++ prefill attention kernel needs AVX512-BF16")
+    return kern
+
+
+@pytest.mark.parametrize("rows,heads,kv_heads,dim", [(1, 4, 2, 16), (37, 4, 2, 32), (200, 9, 3, 64), (130, 8, 2, 128),
+                                                     (97, 4, 4, 64), (300, 6, 1, 32)])
+def test_kernel_error_is_the_blocked_matmuls(prefill_kernel, rows, heads, kv_heads, dim):
+    """The C++ kernel's error against fp64 is the blocked matmuls' (both fp32 inside; the flash
+    kernel's bound as above), on strided views as on contiguous inputs (bit-equal)."""
+    gen = torch.Generator().manual_seed(rows + dim)
+    qkv = (2 * torch.randn(rows, heads + 2 * kv_heads, dim, generator=gen)).bfloat16()
+    q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+    ref = reference(q, k, v)
+    out = kernel_mod.prefill_attention_kernel(prefill_kernel, q, k, v)
+    assert out.shape == (rows, heads, dim) and out.dtype == torch.bfloat16
+    err = (out.double() - ref).abs()
+    blocked_err = (blocked_causal_attention(q, k, v).double() - ref).abs()
+    assert err.max() <= max(blocked_err.max() * 1.5, 0.02) and err.mean() <= blocked_err.mean() * 1.1
+    contiguous = kernel_mod.prefill_attention_kernel(prefill_kernel, q.contiguous(), k.contiguous(), v.contiguous())
+    assert torch.equal(contiguous, out)
+
+
+def test_kernel_rows_do_not_depend_on_later_rows_or_threads(prefill_kernel):
+    """A query row's output is bit-equal whatever follows it in the sequence and on 1 or 2 threads."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = ((2 * torch.randn(150, h, 64, generator=gen)).bfloat16() for h in (9, 3, 3))
+    full = kernel_mod.prefill_attention_kernel(prefill_kernel, q, k, v)
+    for n in (1, 31, 32, 33, 100):
+        assert torch.equal(kernel_mod.prefill_attention_kernel(prefill_kernel, q[:n], k[:n], v[:n]), full[:n])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(kernel_mod.prefill_attention_kernel(prefill_kernel, q, k, v), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_kernel_refuses_what_it_has_no_tiles_for(prefill_kernel):
+    q = torch.zeros(4, 2, 48, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="head size"):
+        kernel_mod.prefill_attention_kernel(prefill_kernel, q, q, q)
+    with pytest.raises(ValueError, match="bf16"):
+        kernel_mod.prefill_attention_kernel(prefill_kernel, q.float(), q.float(), q.float())
+
+
+def test_engine_prefill_runs_the_kernel_and_keeps_the_tokens(tiny_llama, monkeypatch, prefill_kernel, caplog):
+    """bf16 causal groups of every length prefill through the C++ kernel by default (executor
+    path and log name it); the prefill's greedy token is the flash kernel's, alone or beside other
+    requests' decode rows."""
+    with caplog.at_level(logging.INFO, logger="laser.model.llama"):
+        bf = build(tiny_llama, torch.bfloat16, monkeypatch, mode="kernel")
+    assert bf.prefill_kernel is not None and bf.executor_path.endswith("pattn-cpp") and "C++ kernel" in caplog.text
+    calls = []
+    real = llama.prefill_attention_kernel
+    monkeypatch.setattr(llama, "prefill_attention_kernel", lambda kern, q, *a: calls.append(q.shape[0]) or real(kern, q, *a))
+    prompts = [[(7 * i + 3 * j) % 500 + 5 for j in range(n)] for i, n in enumerate((20, MIN_ROWS + 70, 3))]
+    tokens = run_engine(tiny_llama, monkeypatch, "kernel", prompts)
+    assert sorted(set(calls)) == [3, 20, MIN_ROWS + 70] and len(calls) == 3 * load_config(tiny_llama).num_layers
+    assert [t[0] for t in run_engine(tiny_llama, monkeypatch, "sdpa", prompts)] == [t[0] for t in tokens]
+    assert [run_engine(tiny_llama, monkeypatch, "kernel", [p])[0][0] for p in prompts] == [t[0] for t in tokens]
