@@ -85,7 +85,9 @@ def _prefill_group(active, canon, per_layer, pf: list[int], starts: list[int], b
     if not unpadded:
         ov = np.flatnonzero(qi[None, :] < ql[:, None])  # [R] real slots of the padded [B*Q]
         out_valid, out_rows = torch.from_numpy(ov), torch.from_numpy(q_np.reshape(-1)[ov])
-    return AttnGroup(q_index, kvi, mask, out_valid, out_rows, layer_kvi, causal=mask is None, q_start=q_start)
+    chunks = tuple((starts[i], active[i].token_start, active[i].num_tokens) for i in pf)
+    return AttnGroup(q_index, kvi, mask, out_valid, out_rows, layer_kvi, causal=mask is None, q_start=q_start,
+                     chunks=chunks)
 
 
 def _shared(memo: dict | None, key, build):

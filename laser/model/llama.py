@@ -60,6 +60,9 @@ class AttnGroup:
     # First row of ``q_index`` when its rows are one contiguous range (always for decode
     # groups and causal groups), so attention slices instead of gathering; else None.
     q_start: int | None = None
+    # Prefill groups: per sequence (first row in the flat token dimension, cached positions before
+    # the chunk, rows), the chunked-prefill form of the C++ prefill kernel; None for decode groups.
+    chunks: tuple[tuple[int, int, int], ...] | None = None
 
     def kv_index_for(self, layer: int) -> torch.Tensor:
         return self.layer_kv_index.get(layer, self.kv_index)
@@ -366,6 +369,10 @@ class LlamaModel:
             f = self.fused
             if Q == 1 and f is not None and f.decode_attention and grp.q_start is not None:  # decode rows: graph D
                 o = f.attend(q[grp.q_start : grp.q_start + B], kc, vc, kv_idx.view(B, C), grp.mask.view(B, C))
+            elif grp.chunks is not None and self.prefill_kernel is not None:  # chunks over cached context
+                out = out if out is not None else torch.empty(q.shape, dtype=q.dtype)
+                self._chunks_through_kernel(grp, q, kc, vc, kv_idx.view(B, C), out)
+                continue
             else:
                 o = self._sdpa_group(grp, q, kc, vc, kv_idx, B, Q, C)
             if out is None:
@@ -377,6 +384,13 @@ class LlamaModel:
             else:
                 out[grp.q_index.view(-1)] = o
         return out
+
+    def _chunks_through_kernel(self, grp: AttnGroup, q, kc, vc, kv_idx: torch.Tensor, out: torch.Tensor) -> None:
+        """A prefill group's chunks one sequence at a time through the C++ prefill kernel, reading
+        their cached context by slot (kv_idx [B, C]); writes their rows of ``out`` [T, Hq, d]."""
+        for b, (row, before, n) in enumerate(grp.chunks):
+            out[row : row + n] = prefill_attention_kernel(self.prefill_kernel, q[row : row + n], kc, vc,
+                                                          slots=kv_idx[b, : before + n])
 
     def _sdpa_group(self, grp: AttnGroup, q, kc, vc, kv_idx, B: int, Q: int, C: int) -> torch.Tensor:
         """One padded group through torch's SDPA: q [T, Hq, d] (the group's rows read from it),

@@ -159,3 +159,43 @@ def test_engine_prefill_runs_the_kernel_and_keeps_the_tokens(tiny_llama, monkeyp
     assert sorted(set(calls)) == [3, 20, MIN_ROWS + 70] and len(calls) == 3 * load_config(tiny_llama).num_layers
     assert [t[0] for t in run_engine(tiny_llama, monkeypatch, "sdpa", prompts)] == [t[0] for t in tokens]
     assert [run_engine(tiny_llama, monkeypatch, "kernel", [p])[0][0] for p in prompts] == [t[0] for t in tokens]
+
+
+def test_kernel_chunk_over_cached_context_is_the_whole_prefill(prefill_kernel):
+    """A chunk whose earlier positions are in a KV cache (read by slot, scattered) gives the rows
+    of the whole sequence's prefill bit for bit, whatever the split."""
+    gen = torch.Generator().manual_seed(9)
+    rows, heads, kvh, d = 140, 8, 2, 32
+    q, k, v = ((2 * torch.randn(rows, h, d, generator=gen)).bfloat16() for h in (heads, kvh, kvh))
+    whole = kernel_mod.prefill_attention_kernel(prefill_kernel, q, k, v)
+    slots = torch.randperm(400, generator=gen)[:rows]
+    kc, vc = torch.zeros(400, kvh, d, dtype=torch.bfloat16), torch.zeros(400, kvh, d, dtype=torch.bfloat16)
+    kc[slots], vc[slots] = k, v
+    for before, n in ((0, 140), (1, 50), (37, 103), (64, 64), (139, 1)):
+        chunk = kernel_mod.prefill_attention_kernel(prefill_kernel, q[before:before + n], kc, vc,
+                                                    slots=slots[:before + n])
+        assert torch.equal(chunk, whole[before:before + n]), (before, n)
+    with pytest.raises(ValueError, match="slots"):
+        kernel_mod.prefill_attention_kernel(prefill_kernel, q[:5], kc, vc, slots=slots[:4])
+
+
+def test_engine_chunked_and_merged_prefill_through_the_kernel(tiny_llama, monkeypatch, prefill_kernel):
+    """Chunked prefills (later chunks over cached context) and merged prompts take the kernel's
+    chunk form, and each prompt's first greedy token is the unchunked flash kernel's."""
+    calls = []
+    real = llama.prefill_attention_kernel
+    monkeypatch.setattr(llama, "prefill_attention_kernel",
+                        lambda kern, q, *a, **kw: calls.append(kw.get("slots") is not None) or real(kern, q, *a, **kw))
+    prompts = [[(5 * i + 11 * j) % 500 + 5 for j in range(n)] for i, n in enumerate((300, 45, 90))]
+
+    def first_tokens(mode, budget):
+        monkeypatch.setenv("LASER_PREFILL_ATTN", mode)
+        e = Engine(str(tiny_llama), policy="sarathi", dtype="bfloat16", cache=CacheConfig(num_blocks=256),
+                   scheduler=SchedulerConfig(policy="sarathi", max_num_batched_tokens=budget))
+        reqs = [e.add_request(p, SamplingParams(max_tokens=1, temperature=0)) for p in prompts]
+        while e.has_unfinished():
+            e.step()
+        return [r.output_token_ids[0] for r in reqs]
+
+    chunked = first_tokens("kernel", 128)
+    assert any(calls) and chunked == first_tokens("sdpa", 4096)
