@@ -188,7 +188,7 @@ def _arange(n: int) -> np.ndarray:
 
 def _slot_map(active, tables, bs: int) -> torch.Tensor:
     """[T] KV slots the new tokens of ``active`` write (rows in order). A decode-only batch (one
-    row per work: most steps) fills one array from a generator, without a part per row."""
+    row per work: most steps) is one list of slots, without a part per row."""
     if all(w.num_tokens == 1 for w in active):
         return torch.from_numpy(np.array([t[w.token_start // bs] * bs + w.token_start % bs
                                           for w, t in zip(active, tables)], dtype=np.int64))
