@@ -51,8 +51,9 @@ def build_attn_metadata(active: Sequence[Work], layers: range, bm, rope: tuple[t
     for part in split_decode(dec):
         kvi, mask, layer_kvi = _shared(memo, _group_key(active, part, per_layer),
                                        lambda: _decode_parts(active, canon, per_layer, part, bs, dtype))
-        groups.append(AttnGroup(torch.tensor([starts[i] for i in part]).view(-1, 1), kvi, mask, None, None,
-                                layer_kvi, q_start=starts[part[0]]))  # decode rows of a part are consecutive
+        q_index = torch.from_numpy(np.array([starts[i] for i in part], dtype=np.int64).reshape(-1, 1))  # [B, 1]
+        groups.append(AttnGroup(q_index, kvi, mask, None, None, layer_kvi,
+                                q_start=starts[part[0]]))  # decode rows of a part are consecutive
     if pf:
         groups.append(_prefill_group(active, canon, per_layer, pf, starts, bs, dtype, group_size, memo))
     pos = torch.from_numpy(_positions(active))
@@ -74,7 +75,7 @@ def _prefill_group(active, canon, per_layer, pf: list[int], starts: list[int], b
     first = [starts[i] for i in pf]
     unpadded = min(qlens) == Q
     if unpadded:
-        q_index = torch.tensor(first)[:, None] + torch.arange(Q)  # [B, Q]
+        q_index = torch.from_numpy(np.array(first, dtype=np.int64)[:, None] + _arange(Q))  # [B, Q]
     else:
         qi = np.arange(Q, dtype=np.int64)
         ql = np.array(qlens, dtype=np.int64)
@@ -144,48 +145,86 @@ def _prefill_mask(chunks, Q: int, C: int, g: int, dtype: torch.dtype) -> torch.T
 def _kv_index(active, tables, idxs: list[int], bs: int) -> tuple[torch.Tensor, np.ndarray | None]:
     """[B, C] KV slots of positions ``0..C-1`` of the works ``idxs`` (C = their longest
     context; pads point at slot 0) and the [B, C] bool array of the real ones (None when every
-    work's context is C: no pad, e.g. one work)."""
-    ctx = np.array([active[i].context_len for i in idxs], dtype=np.int64)
-    C = int(ctx.max())
+    work's context is C: no pad, e.g. one work). Few numpy calls (each one is several
+    microseconds when the code is cache-cold after a layer call): the block table rows in one
+    array, then slot ``c`` of a row is ``table[c // bs] * bs + c % bs`` through the cached
+    position patterns (:func:`_position_pattern`)."""
+    ctx = [active[i].context_len for i in idxs]
+    C = max(ctx)
     nb = -(-C // bs)
-    tbl = np.zeros((len(idxs), nb), dtype=np.int64)
-    for k, i in enumerate(idxs):
-        t = tables[i][:nb]
-        tbl[k, : len(t)] = t
-    kvi = (tbl[:, :, None] * bs + np.arange(bs, dtype=np.int64)).reshape(len(idxs), nb * bs)[:, :C]
-    if int(ctx.min()) == C:
-        return torch.from_numpy(np.ascontiguousarray(kvi)), None
-    valid = np.arange(C)[None, :] < ctx[:, None]
+    rows = [tables[i][:nb] for i in idxs]
+    if all(len(t) == nb for t in rows):
+        tbl = np.array(rows, dtype=np.int64)  # [B, nb]
+    else:  # a short table (a work whose context ends blocks before C): zero-filled
+        tbl = np.zeros((len(idxs), nb), dtype=np.int64)
+        for k, t in enumerate(rows):
+            tbl[k, : len(t)] = t
+    ar, blk, off = _position_pattern(C, bs)
+    kvi = np.take(tbl * bs, blk, axis=1) + off  # [B, C], C-contiguous (``tbl[:, blk]`` is not: the runner views it flat)
+    if min(ctx) == C:
+        return torch.from_numpy(kvi), None
+    valid = ar < np.array(ctx, dtype=np.int64)[:, None]
     return torch.from_numpy(np.where(valid, kvi, 0)), valid
+
+
+_PATTERNS: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+
+def _position_pattern(C: int, bs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Read-only int64 ``[C]`` arrays of positions ``c``, ``c // bs`` and ``c % bs``: views of a
+    per-block-size cache grown by doubling (shared by every build; never written)."""
+    got = _PATTERNS.get(bs)
+    if got is None or got[0].shape[0] < C:
+        n = max(C, 2 * got[0].shape[0] if got is not None else 4096)
+        ar = np.arange(n, dtype=np.int64)
+        got = _PATTERNS[bs] = (ar, ar // bs, ar % bs)
+        for a in got:
+            a.flags.writeable = False
+    return got[0][:C], got[1][:C], got[2][:C]
+
+
+def _arange(n: int) -> np.ndarray:
+    """Read-only int64 ``[n]`` array ``0..n-1`` (a view of :func:`_position_pattern`'s cache)."""
+    return _position_pattern(n, 1)[0]
 
 
 def _slot_map(active, tables, bs: int) -> torch.Tensor:
     """[T] KV slots the new tokens of ``active`` write (rows in order). A decode-only batch (one
-    row per work: most steps) fills one array from a generator, without a part per row."""
+    row per work: most steps) is one list of slots, without a part per row."""
     if all(w.num_tokens == 1 for w in active):
-        return torch.from_numpy(np.fromiter((t[w.token_start // bs] * bs + w.token_start % bs
-                                             for w, t in zip(active, tables)), dtype=np.int64, count=len(active)))
+        return torch.from_numpy(np.array([t[w.token_start // bs] * bs + w.token_start % bs
+                                          for w, t in zip(active, tables)], dtype=np.int64))
     parts: list = []
+    _, blk, off = _position_pattern(max(w.context_len for w in active), bs)
     for w, t in zip(active, tables):
         p = w.token_start
         if w.num_tokens == 1:
             parts.append((t[p // bs] * bs + p % bs,))
         else:
-            pos = np.arange(p, w.context_len, dtype=np.int64)
-            parts.append(np.asarray(t, dtype=np.int64)[pos // bs] * bs + pos % bs)
+            c = w.context_len
+            parts.append(np.asarray(t, dtype=np.int64)[blk[p:c]] * bs + off[p:c])
     return torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))
 
 
 def _positions(active) -> np.ndarray:
     """[T] positions of the new tokens of ``active`` (rows in order)."""
     if all(w.num_tokens == 1 for w in active):  # decode only: one position per work
-        return np.fromiter((w.token_start for w in active), dtype=np.int64, count=len(active))
-    return np.concatenate([(w.token_start,) if w.num_tokens == 1 else np.arange(w.token_start, w.context_len)
+        return np.array([w.token_start for w in active], dtype=np.int64)
+    ar = _arange(max(w.context_len for w in active))
+    return np.concatenate([(w.token_start,) if w.num_tokens == 1 else ar[w.token_start:w.context_len]
                            for w in active]).astype(np.int64, copy=False)
+
+
+#: Bit pattern of -inf in bfloat16 (numpy has no bfloat16): a bf16 mask is built as these
+#: integers and viewed as bf16, no float32 array and no conversion kernel.
+_NEG_INF_BITS = {torch.bfloat16: np.uint16(0xFF80)}
 
 
 def _additive(allowed: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     """Bool array (True = attend) -> additive mask tensor in ``dtype`` (0 / -inf), contiguous.
 
     SDPA on CPU adds a float mask directly; a bool one is converted on every call."""
+    neg = _NEG_INF_BITS.get(dtype)
+    if neg is not None:
+        return torch.from_numpy(np.where(allowed, np.uint16(0), neg)).view(dtype)
     return torch.from_numpy(np.where(allowed, np.float32(0), np.float32(-np.inf))).to(dtype)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ..core.intermediate_cache import IntermediateCache
@@ -275,28 +276,30 @@ class ModelRunner:
     def join(self, active, joining):
         for w in joining:
             self._check_reads(w)
-        hidden = self._hidden
-        rows = {id(w): hidden[a:b] for w, (a, b) in zip(active, self._rows(active))}
         embed_works = [w for w in joining if w.layer_start == 0]
+        emb = None
         if embed_works:
             ids = []
             for w in embed_works:
                 ids.extend(self._requests[w.req_id].token_ids(w.token_start, w.token_start + w.num_tokens))
+            tokens = torch.from_numpy(np.array(ids, dtype=np.int64))
             t0 = time.perf_counter()
-            emb = self.model.embed(torch.tensor(ids, dtype=torch.long))
+            emb = self.model.embed(tokens)
             self._res.compute_seconds += time.perf_counter() - t0
-            r = 0
-            for w in embed_works:
-                rows[id(w)] = emb[r : r + w.num_tokens]
-                r += w.num_tokens
+        order = _join_order(active, joining)
+        if len(order) == len(embed_works) and all(a is b for a, b in zip(order, embed_works)):
+            self._hidden = emb  # the embedded rows already in order (a step's start): no copy, no slices
+            return order
+        hidden = self._hidden
+        rows = {id(w): hidden[a:b] for w, (a, b) in zip(active, self._rows(active))}
+        r = 0
+        for w in embed_works:
+            rows[id(w)] = emb[r : r + w.num_tokens]
+            r += w.num_tokens
         for w in joining:
             if w.layer_start > 0:
                 rows[id(w)] = self.icache.pop(w.req_id)
-        order = _join_order(active, joining)
-        if len(order) == len(embed_works) and all(a is b for a, b in zip(order, embed_works)):
-            self._hidden = emb  # the embedded rows already in order (a step's start): no copy
-        else:
-            self._hidden = torch.cat([rows[id(w)] for w in order]) if len(order) > 1 else rows[id(order[0])]
+        self._hidden = torch.cat([rows[id(w)] for w in order]) if len(order) > 1 else rows[id(order[0])]
         return order
 
     def prepare(self, compositions) -> None:

@@ -158,8 +158,10 @@ def test_metadata_equals_the_torch_formulation(seed, dtype):
     for want, grp in zip(ref["groups"], got.groups):
         for field, value in want.items():
             assert same(value, getattr(grp, field)), (seed, field)
-        if grp.mask is not None:
-            assert grp.mask.is_contiguous()
+        # the attention views them flat (kv_index.view(-1), mask.view(B, C)): C-contiguous
+        for t in (grp.mask, grp.q_index, grp.kv_index, *grp.layer_kv_index.values()):
+            assert t is None or t.is_contiguous(), (seed, t.shape, t.stride())
+    assert got.slot_mapping.is_contiguous() and got.cos.is_contiguous()
 
 
 def test_a_steps_compositions_share_the_prefill_mask():
