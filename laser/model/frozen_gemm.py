@@ -24,8 +24,9 @@ beside padding (checked in tests/model/test_frozen_gemm.py). Only for bf16 model
 rounds activations to bf16, as aten's kernel does, where the fp32 compiled GEMV does not.
 
 Costs: inductor does not cache frozen graphs on disk (``FxGraphCache`` bypasses graphs with
-frozen constants), so every start compiles the two graphs again (~5 s each here; the C++ build
-itself is cached); the re-packed weight replaces the compiled GEMV's packed copy (same size).
+frozen constants), so every start compiles the two graphs again (engine start +0.4-0.7 s here once
+the C++ build is cached; 5-18 s a graph the first time); the re-packed weight replaces the compiled
+GEMV's packed copy (same size).
 """
 
 from __future__ import annotations
