@@ -50,7 +50,7 @@ SWITCHES = ("LASER_QUANT_GEMV", "LASER_QUANT_ROWS", "LASER_FUSED_DECODE", "LASER
 def executor_switches(gemv: str = "", rows: str = "", fused: str = "", w8a8: str = "", attn: str = "",
                       packed: str = ""):
     """Within the block, the executor switches read at model load: the int8 decode kernel
-    (``compiled`` / ``aten``: ``$LASER_QUANT_GEMV``), the kernels' row crossover (``measure`` /
+    (``template`` / ``compiled`` / ``aten``: ``$LASER_QUANT_GEMV``), the kernels' row crossover (``measure`` /
     ``fixed``: ``$LASER_QUANT_ROWS``), the fused decode layers (``0`` / ``1``:
     ``$LASER_FUSED_DECODE``), W8A8 int8 rows (``measure`` / ``on`` / ``off``:
     ``$LASER_QUANT_W8A8``), the bf16 prefill attention (``kernel`` / ``blocked`` / ``sdpa``:

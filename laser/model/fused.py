@@ -48,7 +48,8 @@ import time
 import torch
 
 from .attn_kernel import decode_attention_kernel, load_kernel
-from .quant import QuantLinear, _compile
+from .loader import compile_graph
+from .quant import QuantLinear
 
 log = logging.getLogger(__name__)
 
@@ -151,13 +152,13 @@ class FusedDecode:
                 return q.contiguous(), k.contiguous(), v.contiguous()
 
             rope = torch.zeros(T, c.head_dim, dtype=m.dtype)
-            return _compile(graph_a, (hidden, rope, rope.clone(), *tensors), dynamic=True)
+            return compile_graph(graph_a, (hidden, rope, rope.clone(), *tensors), dynamic=True)
 
         def graph_b(h, attn, *ops):
             return (m.finish_of(_shadow(L, layout, ops), h, attn),)
 
         attn = torch.zeros(T, c.num_heads, c.head_dim, dtype=m.dtype)
-        return _compile(graph_b, (hidden, attn, *tensors), dynamic=True)
+        return compile_graph(graph_b, (hidden, attn, *tensors), dynamic=True)
 
     def _compile_attention(self):
         """Graph D, traced on symbolic sequence and context counts (any B, C; any cache size)."""
@@ -167,11 +168,11 @@ class FusedDecode:
         def graph_d(q, kc, vc, kv_index, mask):
             return (decode_attention(q, kc, vc, kv_index, mask, kvh),)
 
-        # example sizes equal to no other (see _compile); 0 and 1 would be specialized
+        # example sizes equal to no other (see compile_graph); 0 and 1 would be specialized
         B, C, S = 5, 37, 101
         q = torch.zeros(B, c.num_heads, d, dtype=m.dtype)
         kc = torch.zeros(S, kvh, d, dtype=m.dtype)
-        return _compile(graph_d, (q, kc, kc.clone(), torch.zeros(B, C, dtype=torch.long),
+        return compile_graph(graph_d, (q, kc, kc.clone(), torch.zeros(B, C, dtype=torch.long),
                                   torch.zeros(B, C, dtype=m.dtype)), dynamic=True)
 
     def attend(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, kv_index: torch.Tensor,

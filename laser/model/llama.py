@@ -30,6 +30,7 @@ from .fused import prepare_fused
 from .prefill import MIN_ROWS, blocked_causal_attention, load_prefill_kernel, uses_blocked_attention
 from .prefill_kernel import prefill_attention_kernel
 from .quant import QuantLinear, concat, prepare_decode_kernels
+from .frozen_gemm import use_frozen_head
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +156,9 @@ class LlamaModel:
             qlins.append(self.lm_head_q)
         if qlins:
             log.info(prepare_decode_kernels(qlins))
+            msg = use_frozen_head(self.lm_head_q, dtype)
+            if msg:
+                log.info(msg)
             log.info(choose_kernel_rows(qlins, dtype))
             self.fused, msg = prepare_fused(self)
             if msg:
@@ -187,7 +191,9 @@ class LlamaModel:
     def _init_executor_path(self, qlins: list) -> None:
         """Names the executor path (the profile key, ``laser.profiler.executor_path_of``) from
         the kernels chosen at load; logs the bf16 weight layout."""
+        # "tmpl-int8": the int8 LM head through inductor's C++ GEMM template (laser.model.frozen_gemm)
         parts = [] if not qlins else ["compiled-int8" if any(m.gemv is not None for m in qlins) else "",
+                                      "tmpl-int8" if any(m.frozen is not None for m in qlins) else "",
                                       rows_label(qlins)]
         # bf16 Linear weights in oneDNN's packed layout for every row count (Linear's docstring)
         mats = [m for L in self.layers for m in (L.qkv, L.o, L.gate_up, L.down)]

@@ -51,6 +51,22 @@ def use_inductor_cache_dir() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
 
 
+def compile_graph(fn, example: tuple[torch.Tensor, ...], dynamic: bool = False):
+    """``fn`` traced to an aten graph at ``example``'s shapes and compiled by inductor (no
+    dynamo: no guards evaluated per call; the caller passes tensors of these shapes). ``dynamic``:
+    traced with symbolic sizes instead (``make_fx(tracing_mode="symbolic")``), so the graph takes
+    any sizes whose equalities match ``example``'s (a size equal to another there stays equal)."""
+    from torch._inductor import compile as inductor_compile
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    use_inductor_cache_dir()
+    with torch.inference_mode(False), torch.no_grad():
+        if not dynamic:
+            return inductor_compile(make_fx(fn)(*example), list(example))
+        gm = make_fx(fn, tracing_mode="symbolic")(*example)
+        return inductor_compile(gm, [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"])
+
+
 def default_model_gguf() -> Path:
     """Path of the embedded SmolLM2 GGUF. Raises ModelLoadError when the package is missing."""
     spec = importlib.util.find_spec(_DEFAULT_PACKAGE)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from . import w8a8
+from .loader import compile_graph
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 INT4_GROUP = 32  # GGUF's block of 32 inputs (Q4_0 / Q4_1 / the sub-blocks of Q4_K)
@@ -128,16 +129,16 @@ class QuantLinear:
     ``x``'s dtype. Same call interface as :class:`laser.model.llama.Linear`.
 
     Up to :attr:`kernel_max_rows` rows run an int8 weight through :class:`CompiledGemv` (fp32
-    activations; :attr:`path` says which runs, :func:`gemv_enabled` decides), otherwise through
-    torch's weight-only kernel (``aten._weight_int8pack_mm`` / ``aten._weight_int4pack_mm_for_cpu``)
-    with the activations cast to bfloat16 (the only activation dtype the CPU kernels take fast: fp32 activations
-    run a scalar path 3-35x slower than fp32 dense here) and a bf16 output cast back; the
-    scales are bf16 too (the compiled GEMV uses the same bf16-rounded scales). More rows (prefill)
-    dequantize the weight into ``x``'s dtype (or read :attr:`dense`, a copy kept where
-    :mod:`laser.model.kernel_rows` measured the crossover below the default on this CPU) and run
-    the dense matmul on the same activations (bf16-
-    rounded where the decode path rounds them) and scales. The kernels give bit-equal
-    rows whatever the row count (checked in tests); the two paths agree to float rounding.
+    activations) or, a bf16 LM head, :attr:`frozen` (:mod:`laser.model.frozen_gemm`; :attr:`path`
+    says which runs, :func:`gemv_enabled` decides), otherwise through torch's weight-only kernel
+    (``aten._weight_int8pack_mm`` / ``aten._weight_int4pack_mm_for_cpu``) with the activations cast
+    to bfloat16 (the only activation dtype the CPU kernels take fast: fp32 activations run a scalar
+    path 3-35x slower than fp32 dense here) and a bf16 output cast back; the scales are bf16 too
+    (the compiled GEMV uses the same bf16-rounded scales). More rows (prefill) dequantize the
+    weight into ``x``'s dtype (or read :attr:`dense`, kept where :mod:`laser.model.kernel_rows`
+    measured the crossover below the default) and run the dense matmul on the same activations
+    (bf16-rounded where the decode path rounds them) and scales. The kernels give bit-equal rows
+    whatever the row count (checked in tests); the two paths agree to float rounding.
     Measured on a 2-core AVX2 EPYC, 1 thread, SmolLM2's 4 weight shapes, interleaved
     against the fp32 :class:`~laser.model.llama.Linear` (busy shared machine, rough):
     int4 0.41x the time at 1 row, 0.24-0.33x at 2-8, 0.69x at 32, 2.3x at 128; int8 0.59x,
@@ -148,7 +149,7 @@ class QuantLinear:
     """
 
     __slots__ = ("qw", "b", "packed", "scales", "kernel_max_rows", "act_dtype", "gemv", "dense", "w8a8",
-                 "w8a8_min_rows")
+                 "w8a8_min_rows", "frozen")
     # crossovers measured (see above); laser.model.kernel_rows measures them per CPU kind
     KERNEL_MAX_ROWS = {"int4": 64, "int8": 32}
 
@@ -157,6 +158,7 @@ class QuantLinear:
         self.act_dtype = torch.bfloat16
         self.kernel_max_rows = self.KERNEL_MAX_ROWS[qw.kind]
         self.gemv: tuple[torch.Tensor, ...] | None = None
+        self.frozen = None  # laser.model.frozen_gemm.FrozenInt8Gemm (set there)
         # a dequantized copy [N, K] for the rows past the crossover (laser.model.kernel_rows keeps
         # one where the dense matmul wins below the default crossover); None: dequantize per call
         self.dense: torch.Tensor | None = None
@@ -197,9 +199,9 @@ class QuantLinear:
 
     @property
     def path(self) -> str:
-        """Which decode kernel runs: ``"compiled-gemv"`` (:class:`CompiledGemv`) or ``"aten"``,
-        with ``"+w8a8r{n}"`` where rows from ``n`` run :mod:`laser.model.w8a8`."""
-        base = "compiled-gemv" if self.gemv is not None else "aten"
+        """Which decode kernel runs: ``"cpp-gemm"`` (:mod:`laser.model.frozen_gemm`), ``"compiled-gemv"``
+        (:class:`CompiledGemv`) or ``"aten"``, ``"+w8a8r{n}"`` where rows from ``n`` run :mod:`laser.model.w8a8`."""
+        base = "cpp-gemm" if self.frozen is not None else "compiled-gemv" if self.gemv is not None else "aten"
         return base + (f"+w8a8r{self.w8a8_min_rows}" if self.w8a8_min_rows <= self.kernel_max_rows else "")
 
     def warm_up(self) -> None:
@@ -211,8 +213,8 @@ class QuantLinear:
 
     def use_aten(self) -> None:
         """Run decode rows through the aten kernel (bf16 activations) instead of the compiled GEMV."""
-        if self.gemv is not None:
-            self.gemv, self.act_dtype = None, torch.bfloat16
+        if self.gemv is not None or self.frozen is not None:
+            self.gemv, self.frozen, self.act_dtype = None, None, torch.bfloat16
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.kernel(x) if x.shape[0] <= self.kernel_max_rows else self.dense_matmul(x)
@@ -228,6 +230,8 @@ class QuantLinear:
     def weight_only(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [M, K] @ w.T through the weight-only decode kernel (compiled GEMV or aten; no
         bias), [M, N] in ``x``'s dtype."""
+        if self.frozen is not None:
+            return self.frozen(x).to(x.dtype)
         if self.gemv is not None:
             return self._compiled(x.float().contiguous()).to(x.dtype)
         same = x.dtype == self.act_dtype  # bf16 models: no casts around the kernel (each a dispatch)
@@ -253,7 +257,7 @@ class QuantLinear:
             setattr(new, name, getattr(self, name))
         new.packed, new.scales = ops[0], ops[1]
         new.b = ops[2] if len(ops) > 2 else None
-        new.kernel_max_rows, new.gemv, new.dense, new.w8a8_min_rows = 1 << 62, None, None, w8a8.OFF
+        new.kernel_max_rows, new.gemv, new.dense, new.frozen, new.w8a8_min_rows = 1 << 62, None, None, None, w8a8.OFF
         return new
 
     def dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -267,14 +271,7 @@ class QuantLinear:
         """fp32 ``x`` [M, K] -> [M, N] through the compiled GEMV: one row alone, else blocks of
         :data:`GEMV_BLOCK` rows (the last one padded with zero rows)."""
         kind, args = self.qw.kind, self.gemv
-        M = x.shape[0]
-        if M == 1:
-            return CompiledGemv.get(kind, args, 1)(x, *args)
-        g = CompiledGemv.get(kind, args, GEMV_BLOCK)
-        if M % GEMV_BLOCK:
-            x = torch.cat([x, x.new_zeros(GEMV_BLOCK - M % GEMV_BLOCK, x.shape[1])])
-        out = [g(x[i : i + GEMV_BLOCK], *args) for i in range(0, x.shape[0], GEMV_BLOCK)]
-        return (out[0] if len(out) == 1 else torch.cat(out))[:M]
+        return in_blocks(x, lambda rows: lambda xb: CompiledGemv.get(kind, args, rows)(xb, *args))
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight [N, K] the kernel computes with (bf16-rounded scales and zeros), in ``dtype``."""
@@ -391,6 +388,19 @@ def _int8_gemv(x: torch.Tensor, wf: torch.Tensor, scale: torch.Tensor) -> torch.
     return torch.stack(rows)
 
 
+def in_blocks(x: torch.Tensor, graph) -> torch.Tensor:
+    """``x`` [M, K] -> [M, N] by ``graph(rows)`` (a call on [rows, K]): one row alone, else blocks of
+    :data:`GEMV_BLOCK` rows, the last one padded with zero rows."""
+    M = x.shape[0]
+    if M == 1:
+        return graph(1)(x)
+    g = graph(GEMV_BLOCK)
+    if M % GEMV_BLOCK:
+        x = torch.cat([x, x.new_zeros(GEMV_BLOCK - M % GEMV_BLOCK, x.shape[1])])
+    out = [g(x[i : i + GEMV_BLOCK]) for i in range(0, x.shape[0], GEMV_BLOCK)]
+    return (out[0] if len(out) == 1 else torch.cat(out))[:M]
+
+
 def pack_int8_lanes(q: torch.Tensor) -> torch.Tensor:
     """int8 ``q`` [N, K] (K a multiple of 4) -> [N, K / 4] float32 whose bits are int32 lanes:
     byte j of lane i is ``q[n, j K/4 + i]`` (float32 because inductor loads float vectors whole,
@@ -403,12 +413,13 @@ def pack_int8_lanes(q: torch.Tensor) -> torch.Tensor:
 
 def gemv_enabled() -> bool:
     """Whether int8 weights run :class:`CompiledGemv` for decode rows: ``$LASER_QUANT_GEMV`` is
-    ``compiled`` (the default) or ``aten`` (torch's ``_weight_int8pack_mm`` with bf16 activations,
-    no compiler needed; the test suite's default, so that tests compile only where they mean to)."""
-    mode = os.environ.get("LASER_QUANT_GEMV", "compiled")
-    if mode not in ("compiled", "aten"):
-        raise ValueError(f"LASER_QUANT_GEMV={mode!r}: use compiled or aten")
-    return mode == "compiled"
+    ``template`` (the default: also a bf16 LM head through :mod:`laser.model.frozen_gemm`), ``compiled``
+    or ``aten`` (torch's ``_weight_int8pack_mm`` with bf16 activations, no compiler needed; the test
+    suite's default, so that tests compile only where they mean to)."""
+    mode = os.environ.get("LASER_QUANT_GEMV", "template")
+    if mode not in ("template", "compiled", "aten"):
+        raise ValueError(f"LASER_QUANT_GEMV={mode!r}: use template, compiled or aten")
+    return mode != "aten"
 
 
 class CompiledGemv:
@@ -448,26 +459,8 @@ class CompiledGemv:
         fn = cls._graphs.get(key)
         if fn is None:
             K = args[0].shape[1] * 4
-            fn = cls._graphs[key] = _compile(_int8_gemv, (torch.zeros(rows, K), *args))
+            fn = cls._graphs[key] = compile_graph(_int8_gemv, (torch.zeros(rows, K), *args))
         return fn
-
-
-def _compile(fn, example: tuple[torch.Tensor, ...], dynamic: bool = False):
-    """``fn`` traced to an aten graph at ``example``'s shapes and compiled by inductor (no
-    dynamo: no guards evaluated per call; the caller passes tensors of these shapes). ``dynamic``:
-    traced with symbolic sizes instead (``make_fx(tracing_mode="symbolic")``), so the graph takes
-    any sizes whose equalities match ``example``'s (a size equal to another there stays equal)."""
-    from torch._inductor import compile as inductor_compile
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    from .loader import use_inductor_cache_dir
-
-    use_inductor_cache_dir()
-    with torch.inference_mode(False), torch.no_grad():
-        if not dynamic:
-            return inductor_compile(make_fx(fn)(*example), list(example))
-        gm = make_fx(fn, tracing_mode="symbolic")(*example)
-        return inductor_compile(gm, [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"])
 
 
 def prepare_decode_kernels(linears: list[QuantLinear]) -> str:
