@@ -245,7 +245,7 @@ def cmd_serve(args) -> int:
             if args.step_log:
                 from ..instance.core import StepLog
 
-                built.core.step_log = StepLog(args.step_log)
+                built.core.step_log = StepLog(args.step_log, clock=built.clock)
             return built
 
         owner = OwnerThread(build)
@@ -270,6 +270,10 @@ def cmd_serve(args) -> int:
         f"SLO classes {', '.join(engine.slo_classes.names())}, default {engine.slo_classes.default})",
         file=sys.stderr,
     )
+    from .heap import freeze_heap, gc_freeze_enabled
+
+    if gc_freeze_enabled():  # startup's objects out of the collector's reach: no full-heap pauses
+        freeze_heap()
     try:
         server.run()
     except KeyboardInterrupt:
