@@ -68,3 +68,21 @@ def test_the_servers_metrics_install_the_process_timer():
     GC_PAUSES.remove()
     ServerMetrics("m", None)
     assert GC_PAUSES in gc.callbacks
+
+
+def test_laser_serve_freezes_its_heap_before_serving(monkeypatch):
+    from laser.server.cli import run_server
+
+    seen = []
+
+    class Server:
+        def run(self):
+            seen.append(gc.get_freeze_count())
+
+    try:
+        for mode in ("0", "1"):
+            monkeypatch.setenv("LASER_GC_FREEZE", mode)
+            run_server(Server())
+    finally:
+        gc.unfreeze()
+    assert seen[0] == 0 and seen[1] > 0  # off: nothing frozen; on: the heap frozen before run()
