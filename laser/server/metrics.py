@@ -244,22 +244,6 @@ class _ClusterCollector:
             c = CounterMetricFamily(f"laser:{name}", doc, labels=["model_name"])
             c.add_metric([m], value)
             yield c
-        yield from _gc_families(m)
-
-
-def _gc_families(model_name: str):
-    """The server process's cyclic garbage collections by generation (:data:`laser.server.heap.
-    GC_PAUSES`): how many, and their wall time (each one stops the engine thread and the event loop)."""
-    n = CounterMetricFamily("laser:gc_collections", "Python cyclic garbage collections in the server process, "
-                            "by generation (2: a full collection).", labels=["model_name", "generation"])
-    s = CounterMetricFamily("laser:gc_pause_seconds", "Wall seconds in Python's cyclic garbage collections, by "
-                            "generation, summed (the engine thread and the event loop wait meanwhile).",
-                            labels=["model_name", "generation"])
-    for g in GENERATIONS:
-        n.add_metric([model_name, str(g)], GC_PAUSES.counts[g])
-        s.add_metric([model_name, str(g)], GC_PAUSES.seconds[g])
-    yield n
-    yield s
 
 
     @staticmethod
@@ -414,9 +398,10 @@ class _EngineThreadCollector:
 
     def collect(self):
         t = getattr(self.metrics.async_engine, "times", None)
+        m = self.metrics.model_name
+        yield from _gc_families(m)  # every server: a cluster front end's process collects too
         if t is None:
             return
-        m = self.metrics.model_name
         for name, doc, value in (
             ("engine_steps", "Engine steps timed by the engine thread.", t.steps),
             ("engine_step_seconds", "Wall seconds inside the engine's steps, summed.", t.step_s),
@@ -430,7 +415,6 @@ class _EngineThreadCollector:
             c = CounterMetricFamily(f"laser:{name}", doc, labels=["model_name"])
             c.add_metric([m], value)
             yield c
-        yield from _gc_families(m)
 
 
 def _gc_families(model_name: str):

@@ -144,3 +144,21 @@ def test_a_served_step_log_keeps_the_steps_cut_short_and_a_plain_list_does_not()
             assert [(n, p, s, cut) for n, p, s, _, cut in log.since(0)] == [(0, plan, 1.0, 2), (1, plan, 1.0, None)]
         else:
             assert log == [(plan, 1.0)]  # the fit of the machine's speed sees whole steps only
+
+
+def test_metrics_count_the_processs_garbage_collections(served):
+    import gc
+
+    srv, _ = served
+
+    def full():
+        text = httpx.get(srv.url + "/metrics").text
+        return {(s.name, s.labels["generation"]): s.value for f in text_string_to_metric_families(text)
+                for s in f.samples if s.name.startswith("laser:gc_")}
+
+    before = full()
+    gc.collect(2)
+    after = full()
+    assert after[("laser:gc_collections_total", "2")] >= before[("laser:gc_collections_total", "2")] + 1
+    assert after[("laser:gc_pause_seconds_total", "2")] > before[("laser:gc_pause_seconds_total", "2")]
+    assert {g for _, g in after} == {"0", "1", "2"}
