@@ -259,15 +259,17 @@ def served_speed(server, profile, before: dict):
     """The speed the served engine's steps ran at since ``before`` (its ``GET /engine/steps``
     counters then: :meth:`laser.bench.serve_proc.Server.engine_steps`), as :func:`machine_speed_of`
     measures the in-process engine's; and a line on where the engine thread's time went meanwhile
-    (step wall, its CPU, the wait between: GIL or core; time between steps), ms per step. (None, "")
-    without steps."""
+    (step wall, its CPU, the wait between: GIL or core; time between steps), ms per step, and one on
+    its stalls (:func:`laser.bench.stalls.stall_summary`: steps far over their price, garbage
+    collections), with that summary. (None, "", None) without steps."""
+    from laser.bench.stalls import format_stalls, stall_summary
     from laser.latency.machine_speed import fit_machine_speed
 
     now = server.engine_steps(before["total"])
     st0, st1 = before["step_stats"], now["step_stats"]
     n = st1["steps"] - st0["steps"]
     if n <= 0:
-        return None, ""
+        return None, "", None
     host = (st1["schedule_s"] - st0["schedule_s"]) / n
     speed = fit_machine_speed(profile, now["steps"], None, host)
     t0, t1 = before["engine_thread"], now["engine_thread"]
@@ -276,7 +278,8 @@ def served_speed(server, profile, before: dict):
     line = (f"  serve engine thread, ms per step ({k} steps): step {per['step_s']:.2f} (on a core "
             f"{per['step_cpu_s']:.2f}, waited {per['step_s'] - per['step_cpu_s']:.2f}), between steps "
             f"{per['between_s']:.2f}")
-    return speed, line
+    stalls = stall_summary(now.get("timed", ()), before.get("gc"), now.get("gc"))
+    return speed, line + "\n" + format_stalls(stalls), stalls
 
 
 def machine_speed_of(engine, profile, before: tuple[int, float]):
@@ -303,7 +306,7 @@ def compare_at(both, runs: dict, sim_of: dict, rate: float, f: float, fe, wl_cla
     from laser.bench.record_pairs import format_pair_summary, pair_summary, paired_rows
 
     sims = {lb: both.probe(lb, rate, early_stop=False) for lb in dict.fromkeys(sim_of.values())}
-    rps, seen, speeds, sim_of, thread_line = {}, None, {}, dict(sim_of), ""
+    rps, seen, speeds, sim_of, thread_line, stalls = {}, None, {}, dict(sim_of), "", None
     for lb in list(sim_of):
         twinned = TWINS[lb][0] in runs
         if lb == "serve":
@@ -316,7 +319,7 @@ def compare_at(both, runs: dict, sim_of: dict, rate: float, f: float, fe, wl_cla
         if lb == "inprocess" and twinned:
             speeds[lb] = machine_speed_of(runs[lb].engine, profile, before)
         if lb == "serve" and twinned:
-            speeds[lb], thread_line = served_speed(runs["serve"].server, profile, before)
+            speeds[lb], thread_line, stalls = served_speed(runs["serve"].server, profile, before)
     compared = {lb: (sims[sim_of[lb]], rp) for lb, rp in rps.items()}
     for lb, (twin, label) in TWINS.items():
         if speeds.get(lb) is not None and lb in rps and twin in runs:
@@ -347,6 +350,8 @@ def compare_at(both, runs: dict, sim_of: dict, rate: float, f: float, fe, wl_cla
         rec["machine_speed"] = dataclasses.asdict(speeds["inprocess"])
     if speeds.get("serve") is not None:
         rec["machine_speed_served"] = dataclasses.asdict(speeds["serve"])
+    if stalls is not None:
+        rec["serve_stalls"] = stalls
     return lines, rec
 
 

@@ -142,17 +142,20 @@ class Server(ServerProcess):
 
     def engine_steps(self, since: int | None = None) -> dict:
         """``GET /engine/steps`` (a server started with ``--step-log N``): the engine's logged steps
-        numbered ``since`` or later as (plan, seconds) under ``"steps"`` (plans rebuilt:
-        :meth:`laser.core.plan.StepPlan.from_json`); ``since`` None: none, only the counters
-        (``total``, ``step_stats``, ``engine_thread``). Raises httpx.HTTPError when the request fails
-        (404: no step log)."""
+        numbered ``since`` or later that ran their plans to the end, as (plan, seconds) under
+        ``"steps"`` (plans rebuilt: :meth:`laser.core.plan.StepPlan.from_json`), and every logged
+        step, cut ones too, as (ended, seconds, predicted) under ``"timed"`` (the engine's clock
+        when it ended, s; the scheduler's price, s, None for a cut step or an unpriced plan);
+        ``since`` None: none, only the counters (``total``, ``step_stats``, ``engine_thread``,
+        ``gc``). Raises httpx.HTTPError when the request fails (404: no step log)."""
         from laser.core.plan import StepPlan
 
         r = httpx.get(self.base_url + "/engine/steps", params={"since": (1 << 62) if since is None else since},
                       timeout=120)
         r.raise_for_status()
         d = r.json()
-        d["steps"] = [(StepPlan.from_json(plan), s) for _, s, plan in d["steps"]]
+        d["timed"] = [(end, s, None if cut is not None else pred) for _, s, _, end, pred, cut in d["steps"]]
+        d["steps"] = [(StepPlan.from_json(plan), s) for _, s, plan, _, _, cut in d["steps"] if cut is None]
         return d
 
     def batch_lines_in_flight(self) -> int | None:

@@ -19,6 +19,7 @@ body of a simulated instance and of a Ray actor (:mod:`laser.instance.worker`).
 from __future__ import annotations
 
 import collections
+import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -116,19 +117,27 @@ class StepLog:
     the GIL (a deque copy runs no Python code), so it is safe from any thread.
     Raises ValueError for ``capacity < 1``."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, clock: Callable[[], float] | None = None):
         if capacity < 1:
             raise ValueError(f"step log capacity must be >= 1, got {capacity}")
         self._items: collections.deque = collections.deque(maxlen=capacity)
         self.total = 0  # steps appended so far (the next step's number)
+        # when each step ended (seconds; the engine's clock: so a slow step lines up with the
+        # requests it delayed); time.monotonic by default
+        self.clock = clock or time.monotonic
 
     def append(self, step: tuple) -> None:
-        """Keep ``step`` = (plan, seconds) as the next numbered step (dropping the oldest when full)."""
-        self._items.append((self.total, *step))
+        """Keep ``step`` = (plan, seconds) of a step that ran its plan to the end, or (plan,
+        seconds, stopped layer) of one cut short (a preemption at a layer boundary, an early
+        exit), as the next numbered step, stamped with :attr:`clock` now (its end), dropping the
+        oldest when full."""
+        plan, secs, *cut = step
+        self._items.append((self.total, plan, secs, self.clock(), cut[0] if cut else None))
         self.total += 1
 
     def since(self, first: int) -> list[tuple]:
-        """(number, plan, seconds) of the kept steps numbered ``first`` or later, oldest first."""
+        """(number, plan, seconds, ended, stopped layer or None when it ran to the end) of the kept
+        steps numbered ``first`` or later, oldest first."""
         return [it for it in list(self._items) if it[0] >= first]
 
 
@@ -152,7 +161,6 @@ class InstanceCore:
     def __init__(self, scheduler: Scheduler, executor: Executor, clock: Callable[[], float], *,
                  eos_ids: set[int] | frozenset[int] = frozenset(), max_model_len: int = 1 << 62,
                  perf_counter: Callable[[], float] | None = None):
-        import time
 
         self.scheduler = scheduler
         self.executor = executor
@@ -167,7 +175,8 @@ class InstanceCore:
         self.handoffs: list[Handoff] = []  # prefill role: requests that left after their first token
         # A list (or a :class:`StepLog`): every step that ran its plan to the end is appended as
         # (plan, seconds on ``clock``) (the engine's measured step times, e.g. for
-        # laser.latency.machine_speed); None: not kept.
+        # laser.latency.machine_speed); a StepLog also gets the steps cut short, as (plan,
+        # seconds, stopped layer); None: not kept.
         self.step_log: list | None = None
 
     @property
@@ -256,14 +265,17 @@ class InstanceCore:
         result = self.executor.execute(plan, self.scheduler.requests_of(plan), stop_at=self._stop_at)
         now = self.clock()
         t2 = self._perf()
-        if ((observe is not None or log is not None) and result.stopped_layer >= plan.last_layer
-                and not result.exit_layers and not any(w.exit_from for w in plan.works)):
+        if observe is not None or log is not None:
             # (a step where tokens exited early ran fewer layers than the plan it would be judged
             # by; one priced with tokens that may exit, at their expected depth, is not judged either)
-            if observe is not None:
+            whole = (result.stopped_layer >= plan.last_layer and not result.exit_layers
+                     and not any(w.exit_from for w in plan.works))
+            if whole and observe is not None:
                 observe(plan, now - c1)  # the instance's clock: wall time, or virtual in the simulator
-            if log is not None:
+            if whole and log is not None:
                 log.append((plan, now - c1))
+            elif isinstance(log, StepLog):  # a served engine's log keeps cut steps too (stalls hide there)
+                log.append((plan, now - c1, result.stopped_layer))
         events = []
         hands_off = self.role == "prefill"
         if result.prompt_logprobs:

@@ -35,6 +35,7 @@ from ..frontend.async_engine import AsyncEngine, EngineStepError, EngineUnavaila
 from . import openai as openai_routes
 from .errors import APIError, error_response, format_validation, unavailable
 from .generation import Generation
+from .heap import GC_PAUSES
 from .metrics import CONTENT_TYPE, ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,11 @@ class _Unhandled:
             resp = error_response(500, f"internal server error: {type(exc).__name__}", "internal_error")
             await resp(scope, receive, send)
 
+
+
+def _price(plan) -> float | None:
+    """The scheduler's price of ``plan`` when it planned it (``plan.predicted``; seconds), or None."""
+    return None if plan.predicted is None else plan.predicted[1]
 
 
 def build_app(
@@ -314,15 +320,22 @@ def _health_routes(app: FastAPI, ae: AsyncEngine, metrics: ServerMetrics) -> Non
     @app.get("/engine/steps")
     async def engine_steps(since: int = 0):
         """The engine's logged steps numbered ``since`` or later (``laser serve --step-log N``:
-        the last N): ``{"total": steps logged so far, "steps": [[number, seconds, plan], ...]}``
-        (plan: :meth:`laser.core.plan.StepPlan.to_json`; seconds: the step's wall time on the
-        engine's clock), the core's cumulative ``step_stats`` and the engine thread's time split
-        (:class:`laser.frontend.engine_thread.EngineThreadTimes`). 404 without a step log."""
+        the last N): ``{"total": steps logged so far, "steps": [[number, seconds, plan, ended,
+        predicted, cut], ...]}`` (plan: :meth:`laser.core.plan.StepPlan.to_json`; seconds: the
+        step's wall time on the engine's clock; ended: the engine's clock when it ended, s;
+        predicted: the scheduler's price of the whole plan when it planned it, s, or null when it
+        priced none; cut: the layer a step cut short stopped at, null when it ran its plan), the
+        core's cumulative ``step_stats``, the engine thread's time split
+        (:class:`laser.frontend.engine_thread.EngineThreadTimes`) and the process's garbage
+        collections (``"gc"``: :meth:`laser.server.heap.GcPauses.to_json`). A stall shows as a
+        step far over its price, or a gap between one step's end and the next one's start
+        (``ended - seconds``). 404 without a step log."""
         core = getattr(ae.engine, "core", None)
         log = getattr(core, "step_log", None)
         if not hasattr(log, "since"):
             raise StarletteHTTPException(404, "no step log: start laser serve with --step-log N")
         st, t = core.step_stats, ae.times
-        return {"total": log.total, "steps": [[i, s, plan.to_json()] for i, plan, s in log.since(since)],
+        return {"total": log.total, "steps": [[i, s, plan.to_json(), end, _price(plan), cut]
+                                              for i, plan, s, end, cut in log.since(since)],
                 "step_stats": {"steps": st.steps, "schedule_s": st.schedule_s, "execute_s": st.execute_s},
-                "engine_thread": dataclasses.asdict(t)}
+                "engine_thread": dataclasses.asdict(t), "gc": GC_PAUSES.to_json()}

@@ -22,6 +22,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from .heap import GC_PAUSES, GENERATIONS
+
 # vLLM's buckets, with finer low ends for CPU-sized latencies.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -97,6 +99,7 @@ class ServerMetrics:
         r.register(_ClusterCollector(self))
         r.register(_VllmCollector(self))
         r.register(_EngineThreadCollector(self))
+        GC_PAUSES.install()  # the process's garbage collections, timed (once a process)
         self._classes_seen: set[str] = set()
 
     # -- observations (event loop) ------------------------------------------------------------------------
@@ -395,9 +398,10 @@ class _EngineThreadCollector:
 
     def collect(self):
         t = getattr(self.metrics.async_engine, "times", None)
+        m = self.metrics.model_name
+        yield from _gc_families(m)  # every server: a cluster front end's process collects too
         if t is None:
             return
-        m = self.metrics.model_name
         for name, doc, value in (
             ("engine_steps", "Engine steps timed by the engine thread.", t.steps),
             ("engine_step_seconds", "Wall seconds inside the engine's steps, summed.", t.step_s),
@@ -411,3 +415,18 @@ class _EngineThreadCollector:
             c = CounterMetricFamily(f"laser:{name}", doc, labels=["model_name"])
             c.add_metric([m], value)
             yield c
+
+
+def _gc_families(model_name: str):
+    """The server process's cyclic garbage collections by generation (:data:`laser.server.heap.
+    GC_PAUSES`): how many, and their wall time (each one stops the engine thread and the event loop)."""
+    n = CounterMetricFamily("laser:gc_collections", "Python cyclic garbage collections in the server process, "
+                            "by generation (2: a full collection).", labels=["model_name", "generation"])
+    s = CounterMetricFamily("laser:gc_pause_seconds", "Wall seconds in Python's cyclic garbage collections, by "
+                            "generation, summed (the engine thread and the event loop wait meanwhile).",
+                            labels=["model_name", "generation"])
+    for g in GENERATIONS:
+        n.add_metric([model_name, str(g)], GC_PAUSES.counts[g])
+        s.add_metric([model_name, str(g)], GC_PAUSES.seconds[g])
+    yield n
+    yield s
