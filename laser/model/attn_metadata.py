@@ -24,7 +24,8 @@ from .llama import AttnGroup, AttnMetadata
 
 def build_attn_metadata(active: Sequence[Work], layers: range, bm, rope: tuple[torch.Tensor, torch.Tensor],
                         dtype: torch.dtype, group_size: int,
-                        split_decode: Callable[[list[int]], list[list[int]]], memo: dict | None = None) -> AttnMetadata:
+                        split_decode: Callable[[list[int]], list[list[int]]], memo: dict | None = None,
+                        prefill_masks: bool = True) -> AttnMetadata:
     """Metadata for ``active`` (rows in this order: each work's ``num_tokens`` rows, contiguous;
     decode works -- one token -- first), valid for every layer in ``layers``.
 
@@ -38,6 +39,9 @@ def build_attn_metadata(active: Sequence[Work], layers: range, bm, rope: tuple[t
     the overridden layers, so a later composition with the same decode group or the same prefill
     chunks (a step's works leave and join around them) reuses those tensors (read only
     downstream); the row indices, which move with the rows before the group, are built anew.
+    ``prefill_masks``: False where the model runs prefill groups through its C++ prefill kernel
+    (:attr:`~laser.model.llama.AttnGroup.chunks`, never the mask): their mask is not built (None,
+    the group not causal unless it is one sequence without cached context). Same for one ``memo``.
     Raises IndexError when a position lies past a work's block table."""
     bs = bm.block_size
     override = sorted({l for w in active for l in bm.overridden_layers(w.req_id) if l in layers})
@@ -55,7 +59,8 @@ def build_attn_metadata(active: Sequence[Work], layers: range, bm, rope: tuple[t
         groups.append(AttnGroup(q_index, kvi, mask, None, None, layer_kvi,
                                 q_start=starts[part[0]]))  # decode rows of a part are consecutive
     if pf:
-        groups.append(_prefill_group(active, canon, per_layer, pf, starts, bs, dtype, group_size, memo))
+        groups.append(_prefill_group(active, canon, per_layer, pf, starts, bs, dtype, group_size, memo,
+                                     prefill_masks))
     pos = torch.from_numpy(_positions(active))
     cos, sin = rope
     return AttnMetadata(cos=cos.index_select(0, pos), sin=sin.index_select(0, pos),
@@ -65,11 +70,13 @@ def build_attn_metadata(active: Sequence[Work], layers: range, bm, rope: tuple[t
 
 
 def _prefill_group(active, canon, per_layer, pf: list[int], starts: list[int], bs: int, dtype, g: int,
-                   memo: dict | None) -> AttnGroup:
+                   memo: dict | None, with_mask: bool) -> AttnGroup:
     """The prefill works' group: queries padded to the longest chunk ``Q``, causal within the
     work's context; one sequence without cached context takes the causal kernel (no mask)."""
+    causal = len(pf) == 1 and active[pf[0]].token_start == 0
     kvi, mask, layer_kvi = _shared(memo, _group_key(active, pf, per_layer),
-                                   lambda: _prefill_parts(active, canon, per_layer, pf, bs, dtype, g))
+                                   lambda: _prefill_parts(active, canon, per_layer, pf, bs, dtype, g,
+                                                          with_mask and not causal))
     qlens = [active[i].num_tokens for i in pf]
     Q = max(qlens)
     first = [starts[i] for i in pf]
@@ -87,7 +94,7 @@ def _prefill_group(active, canon, per_layer, pf: list[int], starts: list[int], b
         ov = np.flatnonzero(qi[None, :] < ql[:, None])  # [R] real slots of the padded [B*Q]
         out_valid, out_rows = torch.from_numpy(ov), torch.from_numpy(q_np.reshape(-1)[ov])
     chunks = tuple((starts[i], active[i].token_start, active[i].num_tokens) for i in pf)
-    return AttnGroup(q_index, kvi, mask, out_valid, out_rows, layer_kvi, causal=mask is None, q_start=q_start,
+    return AttnGroup(q_index, kvi, mask, out_valid, out_rows, layer_kvi, causal=causal, q_start=q_start,
                      chunks=chunks)
 
 
@@ -115,13 +122,13 @@ def _decode_parts(active, canon, per_layer, part: list[int], bs: int, dtype):
     return kvi, mask, {l: _kv_index(active, t, part, bs)[0] for l, t in per_layer.items()}
 
 
-def _prefill_parts(active, canon, per_layer, pf: list[int], bs: int, dtype, g: int):
-    """The prefill group's [B, C] KV indices, mask (None: one sequence without cached context,
-    the causal kernel) and per-layer KV indices."""
+def _prefill_parts(active, canon, per_layer, pf: list[int], bs: int, dtype, g: int, with_mask: bool):
+    """The prefill group's [B, C] KV indices, mask (None unless ``with_mask``) and per-layer KV
+    indices."""
     kvi, _ = _kv_index(active, canon, pf, bs)
     chunks = [(active[i].token_start, active[i].num_tokens) for i in pf]
     Q = max(n for _, n in chunks)
-    mask = None if len(pf) == 1 and chunks[0][0] == 0 else _prefill_mask(chunks, Q, kvi.shape[1], g, dtype)
+    mask = _prefill_mask(chunks, Q, kvi.shape[1], g, dtype) if with_mask else None
     return kvi, mask, {l: _kv_index(active, t, pf, bs)[0] for l, t in per_layer.items()}
 
 

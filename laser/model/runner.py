@@ -422,8 +422,10 @@ class ModelRunner:
         """Metadata for ``active`` (rows in order) valid for every layer in ``layers``
         (:func:`laser.model.attn_metadata.build_attn_metadata`)."""
         m = self.model
+        # a model whose prefill groups run the C++ prefill kernel never reads their masks
         return build_attn_metadata(active, layers, self.bm, (m.rope_cos, m.rope_sin), m.dtype, self._group_size,
-                                   lambda dec: self._split_decode(active, dec), self._meta_memo)
+                                   lambda dec: self._split_decode(active, dec), self._meta_memo,
+                                   prefill_masks=getattr(m, "prefill_kernel", None) is None)
 
 
 def _join_order(active: list[Work], joining) -> list[Work]:

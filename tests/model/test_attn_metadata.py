@@ -188,3 +188,29 @@ def test_a_steps_compositions_share_the_prefill_mask():
         metas.append(got)
     assert metas[1].groups[-1].mask is metas[0].groups[-1].mask
     assert metas[1].groups[-1].q_index[0, 0] == 1  # the prefill rows moved up by the row that left
+
+
+def test_no_prefill_mask_where_the_prefill_kernel_takes_the_group():
+    """``prefill_masks=False`` (a model with the C++ prefill kernel): a prefill group over cached
+    context has no mask and is not causal, a lone fresh prompt stays causal, and every other
+    field is the torch formulation's."""
+    rng = random.Random(5)
+    works = [Work("d0", 40, 1, 0, 4), Work("p0", 8, 12, 0, 4), Work("p1", 30, 5, 0, 4)]
+    bm = Tables(rng, works, num_layers=4)
+    cos, sin = torch.randn(128, 8), torch.randn(128, 8)
+
+    def split(dec):
+        return [dec] if dec else []
+
+    got = build_attn_metadata(works, range(0, 4), bm, (cos, sin), torch.bfloat16, 3, split, prefill_masks=False)
+    ref = reference(works, range(0, 4), bm, cos, sin, torch.bfloat16, 3, split)
+    pf = got.groups[-1]
+    assert pf.mask is None and not pf.causal and pf.chunks == ((1, 8, 12), (13, 30, 5))
+    assert same(ref["groups"][0]["mask"], got.groups[0].mask)  # decode masks are still built
+    for field, value in ref["groups"][-1].items():
+        if field != "mask":
+            assert same(value, getattr(pf, field)), field
+    fresh = [Work("p2", 0, 9, 0, 4)]
+    lone = build_attn_metadata(fresh, range(0, 4), Tables(rng, fresh, 4), (cos, sin), torch.bfloat16, 3, split,
+                               prefill_masks=False)
+    assert lone.groups[-1].causal and lone.groups[-1].mask is None
