@@ -65,7 +65,7 @@ def register(subparsers) -> None:
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up request before serving")
     _add_cluster_args(p)
     p.add_argument("--step-log", type=int, default=0, metavar="N",
-                   help="keep the engine's last N complete steps (plan, seconds) for GET /engine/steps, e.g. for "
+                   help="keep the engine's last N steps (plan, seconds, end, price; steps cut short too) for GET /engine/steps, e.g. for "
                         "benchmarks/sim_vs_real.py to fit the speed the served engine ran at; 0: none "
                         "(default %(default)s; single instance only)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
