@@ -55,7 +55,11 @@ class SimTarget(Target):
     ``planner``: ``latency_model -> the model the policy plans with``, called afresh for every run
     (e.g. ``laser.instance.model_instance.planning_model``: the engine's online calibration, which
     then learns the simulated machine's speed as the engine learns the real one's); None: both are
-    ``latency_model``."""
+    ``latency_model``.
+
+    ``frontend_override_s``: when ``served``, the seconds the front end adds as a real served run
+    measured them under load (a served run's twin: the client's TTFT minus the engine's; the idle
+    ``frontend_ttft_s`` is the front end with nothing else to do), instead of the latency model's."""
 
     kind = "sim"
     simulated = True
@@ -63,7 +67,7 @@ class SimTarget(Target):
     def __init__(self, policy: str, latency_model, num_layers: int | None = None, config=None,
                  num_blocks: int = 4096, block_size: int = 16, icache_tokens: int = 16384,
                  disaggregated: bool = False, decode_icache_tokens: int = 2048, label: str | None = None,
-                 served: bool = False, machine_model=None, planner=None):
+                 served: bool = False, machine_model=None, planner=None, frontend_override_s: float | None = None):
         from laser.core.config import SchedulerConfig
 
         self.policy = policy
@@ -76,6 +80,7 @@ class SimTarget(Target):
         self.label = label or policy
         self.served = served
         self.machine_model, self.planner = machine_model, planner
+        self.frontend_override_s = frontend_override_s
         self.last_sims: list = []
 
     def describe(self) -> dict:
@@ -86,11 +91,13 @@ class SimTarget(Target):
                 "scheduler": dataclasses.asdict(self.config)}
 
     def frontend_s(self) -> float:
-        """Seconds the front end adds to each token's arrival at the client: the latency model's
-        ``frontend_ttft_s`` when ``served``, else 0.0."""
+        """Seconds the front end adds to each token's arrival at the client: when ``served``,
+        ``frontend_override_s`` if set, else the latency model's ``frontend_ttft_s``; else 0.0."""
         from laser.latency.base import frontend_ttft
 
-        return frontend_ttft(self.lm) if self.served else 0.0
+        if not self.served:
+            return 0.0
+        return frontend_ttft(self.lm) if self.frontend_override_s is None else max(0.0, self.frontend_override_s)
 
     def _sim(self, role: str, icache: int):
         from laser.sim import SimInstance

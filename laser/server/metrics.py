@@ -55,6 +55,10 @@ class ServerMetrics:
                                   "HTTP arrival (the request handler) to the engine taking the request: parsing, "
                                   "tokenization, admission, the hop to the engine thread (its next layer boundary).",
                                   cls, buckets=TTFT_BUCKETS, registry=r)
+        self.delivery = Histogram("laser:first_token_delivery_seconds",
+                                  "The end of the engine step that made a request's first token to the event loop "
+                                  "handing it to the request's stream (the engine thread's output work, the hop "
+                                  "between threads: GIL hand-over).", cls, buckets=ITL_BUCKETS, registry=r)
         self.slack = Histogram("laser:predicted_slack_seconds",
                                "TTFT target minus the latency model's predicted TTFT at arrival.",
                                cls, buckets=SLACK_BUCKETS, registry=r)
@@ -134,6 +138,8 @@ class ServerMetrics:
                 added = getattr(stream, "added_time", None)
                 if added is not None:
                     self.frontend.labels(m, cls).observe(max(0.0, added - req.arrival_time))
+                if self.async_engine is not None:  # on the event loop now: the hop from the engine thread
+                    self.delivery.labels(m, cls).observe(max(0.0, self.async_engine.engine.clock() - times[0]))
             elif n >= 2 and len(times) >= n:
                 self.itl.labels(m, cls).observe(times[n - 1] - times[n - 2])
         if not out.finished:

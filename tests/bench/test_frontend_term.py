@@ -113,3 +113,17 @@ def test_server_reports_the_engine_ttft_and_the_frontend_is_measured(tiny_llama)
 def test_sim_target_describes_its_frontend():
     assert SimTarget("vllm", _lm(FE), N, served=True).describe()["frontend_ttft_s"] == FE
     assert SimTarget("vllm", _lm(FE), N).describe()["frontend_ttft_s"] == 0.0
+
+
+def test_a_served_twin_takes_the_front_end_its_run_measured_under_load():
+    base = _probe(served=False, frontend=0.0)
+    reqs = [WorkloadRequest("chat", "x", 40, 6, 0.0) for _ in range(8)]
+    slos = SLOClasses({"chat": {"ttft": 0.5, "tbt": 0.2}})
+    loaded = 3 * FE
+    for served, override, added in ((True, loaded, loaded), (True, None, FE), (False, loaded, 0.0)):
+        tgt = SimTarget("vllm", _lm(FE), N, SchedulerConfig(policy="vllm"), served=served,
+                        frontend_override_s=override)
+        assert tgt.frontend_s() == added and tgt.describe()["frontend_ttft_s"] == added
+        got = Benchmark({"t": tgt}, reqs, slos, seed=3).probe("t", 20.0, early_stop=False)
+        for a, c in zip(base.records, got.records):
+            assert c.ttft == pytest.approx(a.ttft + added, abs=1e-12)

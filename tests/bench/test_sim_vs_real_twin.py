@@ -116,3 +116,24 @@ def test_the_served_twin_runs_at_the_served_engines_own_speed():
     assert all(r["a"]["ttft"] == pytest.approx(r["b"]["ttft"]) and r["a"]["tpot"] == pytest.approx(r["b"]["tpot"])
                for r in twin)
     assert any("serve@m: serve beside its twin" in ln and "decode x0.700" in ln for ln in lines)
+
+
+def test_the_loaded_front_end_is_the_clients_ttft_over_the_engines():
+    """Per class (count n, server sums: TTFT from HTTP arrival, HTTP arrival -> the engine has it)
+    and the client's mean TTFT: the front end under load is the client's TTFT minus the engine's
+    own, weighted by count; classes without first tokens, or whose counts disagree, are left out."""
+    svr = _load("sim_vs_real")
+
+    class _Cls:
+        def __init__(self, ttft_mean):
+            self.ttft_mean = ttft_mean
+
+    probe = types.SimpleNamespace(summary=types.SimpleNamespace(per_class={
+        "chat": _Cls(0.110), "code": _Cls(0.220), "summarization": _Cls(None), "other": _Cls(0.5)}))
+    before = {"chat": (1.0, 10, 0.05, 10, 0.0, 0)}
+    after = {"chat": (1.0 + 3 * 0.100, 13, 0.05 + 3 * 0.004, 13, 0.0, 0),  # engine 0.096 s: +0.014 s a request
+             "code": (0.200, 1, 0.002, 1, 0.0, 0),  # engine 0.198 s: +0.022 s
+             "summarization": (0.0, 0, 0.0, 0, 0.0, 0),  # no first token
+             "other": (0.4, 1, 0.0, 0, 0.0, 0)}  # no front-end sample: left out
+    assert svr.loaded_frontend(before, after, probe) == pytest.approx((3 * 0.014 + 0.022) / 4)
+    assert svr.loaded_frontend({}, {"summarization": (0.0, 0, 0.0, 0, 0.0, 0)}, probe) is None
