@@ -278,9 +278,9 @@ def run_server(server) -> None:
     """Serve until ``server.run()`` returns (or Ctrl-C), first moving every object startup left
     alive out of the garbage collector's reach (:func:`laser.server.heap.freeze_heap`, unless
     ``$LASER_GC_FREEZE=0``): a full collection of that heap took 330-380 ms, a stall of every
-    request in flight (issue 26 item 4); and shortening the GIL switch interval
-    (:func:`laser.server.gil.set_switch_interval`, ``$LASER_SWITCH_INTERVAL_MS``, 0.5 ms) so the
-    event loop and the engine thread hand the interpreter over in well under CPython's 5 ms."""
+    request in flight (issue 26 item 4); and setting the GIL switch interval when
+    ``$LASER_SWITCH_INTERVAL_MS`` asks for one (:func:`laser.server.gil.set_switch_interval`; A/B
+    runs: 0.5 ms sped up the hop to the event loop but slowed the engine's steps)."""
     from .gil import set_switch_interval
     from .heap import freeze_heap, gc_freeze_enabled
 

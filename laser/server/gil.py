@@ -10,16 +10,18 @@ to drop it. The engine thread releases the lock for microseconds at a time (one 
 than a waiter takes to wake on a busy 2-vCPU host, so under load the event loop mostly gets the
 lock by asking: up to 5 ms for each of the several hops a request makes (the request read, the
 tokenizer thread and back, the hop of each step's outputs, the SSE write), and the engine thread
-likewise waits up to 5 ms whenever the event loop holds it.
+likewise waits up to 5 ms whenever the event loop holds it. (Inductor's C++ kernels, and Laser's
+own C++ attention kernels loaded the same way, run with the GIL held -- torch's
+``CppPythonBindingsCodeCache`` binding does not release it -- so a waiter also waits for the kernel
+to return, whatever the interval.)
 
-Measured on the issue's CPU kind (AMD EPYC, AVX512-BF16, 2 vCPUs; SmolLM2 bf16, 1 thread; a
-40-prompt served run at 0.8x of the knee, probe timestamps in the server): the engine's step end
--> the event loop has the first token 2.2 ms (mean 2.3) at 5 ms, 1.3 ms (mean 1.6) at 0.5 ms; the
-client's TTFT minus the server's 11 ms -> 8 ms. vLLM's API server and engine live in separate
-processes (no shared GIL); this is the single-process server's equivalent.
+Measured on the issue's CPU kind (AMD EPYC, AVX512-BF16, 2 vCPUs; SmolLM2 bf16, 1 thread; 40-prompt
+served runs at 0.8x of the knee, 0.5 ms and 5 ms interleaved, four each): 0.5 ms shortens the
+hop of a first token from the engine thread to the event loop (median 1.0-1.5 -> 0.75-1.0 ms) but
+slows the engine's steps (mean step 41 -> 46 ms, the engine thread's GIL / core wait 0.9 -> 1.5 ms a
+step) and served attainment fell with it; so ``laser serve`` leaves CPython's interval unless told.
 
-``$LASER_SWITCH_INTERVAL_MS``: the interval in milliseconds (default :data:`DEFAULT_MS`;
-``5`` restores CPython's default, for A/B runs).
+``$LASER_SWITCH_INTERVAL_MS``: the interval in milliseconds; unset: the interpreter's own (5 ms).
 """
 
 from __future__ import annotations
@@ -28,17 +30,16 @@ import math
 import os
 import sys
 
-#: ``laser serve``'s switch interval, milliseconds (CPython's default is 5).
-DEFAULT_MS = 0.5
 
-
-def switch_interval_s() -> float:
-    """``$LASER_SWITCH_INTERVAL_MS`` in seconds (default :data:`DEFAULT_MS` ms).
+def switch_interval_s() -> float | None:
+    """``$LASER_SWITCH_INTERVAL_MS`` in seconds; None when unset or empty (keep the interpreter's).
 
     Raises:
         ValueError: not a finite number of milliseconds > 0.
     """
-    raw = os.environ.get("LASER_SWITCH_INTERVAL_MS", str(DEFAULT_MS))
+    raw = os.environ.get("LASER_SWITCH_INTERVAL_MS", "").strip()
+    if not raw:
+        return None
     try:
         ms = float(raw)
     except ValueError:
@@ -49,8 +50,9 @@ def switch_interval_s() -> float:
 
 
 def set_switch_interval() -> float:
-    """Set the process's GIL switch interval to :func:`switch_interval_s`; returns the previous
-    one (seconds). Raises ValueError for a bad ``$LASER_SWITCH_INTERVAL_MS``."""
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(switch_interval_s())
+    """Set the process's GIL switch interval to :func:`switch_interval_s` when one is given; returns
+    the previous one (seconds). Raises ValueError for a bad ``$LASER_SWITCH_INTERVAL_MS``."""
+    old, new = sys.getswitchinterval(), switch_interval_s()
+    if new is not None:
+        sys.setswitchinterval(new)
     return old

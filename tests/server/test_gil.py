@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from laser.core.request import SLO
 from laser.frontend.outputs import RequestOutput
-from laser.server.gil import DEFAULT_MS, set_switch_interval, switch_interval_s
+from laser.server.gil import set_switch_interval, switch_interval_s
 from laser.server.metrics import ServerMetrics
 
 
@@ -22,12 +22,14 @@ def keep_interval():
     sys.setswitchinterval(old)
 
 
-def test_the_interval_is_half_a_millisecond_unless_set(monkeypatch):
+def test_the_interval_is_the_interpreters_unless_set(monkeypatch):
     monkeypatch.delenv("LASER_SWITCH_INTERVAL_MS", raising=False)
-    assert DEFAULT_MS == 0.5 and switch_interval_s() == pytest.approx(5e-4)
-    monkeypatch.setenv("LASER_SWITCH_INTERVAL_MS", "5")  # CPython's own default, for A/B runs
-    assert switch_interval_s() == pytest.approx(5e-3)
-    for bad in ("0", "-1", "nan", "inf", "fast", ""):
+    assert switch_interval_s() is None
+    monkeypatch.setenv("LASER_SWITCH_INTERVAL_MS", "")
+    assert switch_interval_s() is None
+    monkeypatch.setenv("LASER_SWITCH_INTERVAL_MS", "0.5")
+    assert switch_interval_s() == pytest.approx(5e-4)
+    for bad in ("0", "-1", "nan", "inf", "fast"):
         monkeypatch.setenv("LASER_SWITCH_INTERVAL_MS", bad)
         with pytest.raises(ValueError, match="LASER_SWITCH_INTERVAL_MS"):
             switch_interval_s()
@@ -40,7 +42,7 @@ def test_setting_it_returns_the_old_one(monkeypatch, keep_interval):
     assert sys.getswitchinterval() == pytest.approx(2.5e-4)
 
 
-def test_laser_serve_sets_the_interval_before_serving(monkeypatch, keep_interval):
+def test_laser_serve_sets_the_interval_it_is_given_before_serving(monkeypatch, keep_interval):
     from laser.server.cli import run_server
 
     seen = []
@@ -50,12 +52,12 @@ def test_laser_serve_sets_the_interval_before_serving(monkeypatch, keep_interval
             seen.append(sys.getswitchinterval())
 
     monkeypatch.setenv("LASER_GC_FREEZE", "0")
-    sys.setswitchinterval(0.005)
+    sys.setswitchinterval(0.004)
     monkeypatch.delenv("LASER_SWITCH_INTERVAL_MS", raising=False)
+    run_server(Server())  # unset: the interpreter's interval stays
+    monkeypatch.setenv("LASER_SWITCH_INTERVAL_MS", "0.5")
     run_server(Server())
-    monkeypatch.setenv("LASER_SWITCH_INTERVAL_MS", "2")
-    run_server(Server())
-    assert seen == [pytest.approx(5e-4), pytest.approx(2e-3)]
+    assert seen == [pytest.approx(4e-3), pytest.approx(5e-4)]
 
 
 class _Engine:
