@@ -33,7 +33,9 @@ plan with) and takes it as exact. This benchmark checks that assumption end to e
    The served run is compared with a *served* simulation (``SimTarget(served=True)``): the same
    profile plus the front end's share of a TTFT (``frontend_ttft_s``), measured on the started
    server (``laser.bench.frontend_cost``: idle one-token requests, client wall minus the engine's
-   TTFT the server reports) and kept in the profile; the in-process run is compared with the plain
+   TTFT the server reports) and kept in the profile; the served twin adds instead the front end
+   its run measured under load (:func:`loaded_frontend`: the client's TTFT minus the engine's,
+   12-19 ms against 5-6 ms idle on the 2-vCPU EPYC); the in-process run is compared with the plain
    simulation. Per rate, the served probe's mean TTFT at the server (``/metrics``) is printed
    beside the client's.
 
