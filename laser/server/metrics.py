@@ -138,8 +138,9 @@ class ServerMetrics:
                 added = getattr(stream, "added_time", None)
                 if added is not None:
                     self.frontend.labels(m, cls).observe(max(0.0, added - req.arrival_time))
-                if self.async_engine is not None:  # on the event loop now: the hop from the engine thread
-                    self.delivery.labels(m, cls).observe(max(0.0, self.async_engine.engine.clock() - times[0]))
+                eng = getattr(self.async_engine, "engine", None)
+                if eng is not None:  # on the event loop now: the hop from the engine thread
+                    self.delivery.labels(m, cls).observe(max(0.0, eng.clock() - times[0]))
             elif n >= 2 and len(times) >= n:
                 self.itl.labels(m, cls).observe(times[n - 1] - times[n - 2])
         if not out.finished:
