@@ -27,6 +27,7 @@ from ..model.loader import (load_config, load_quantized, load_weights, resolve_d
 from ..model.runner import ModelRunner
 from ..model.sampler import Sampler
 from .core import InstanceCore, make_scheduler
+from ..scheduler import get_policy
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class ModelInstance:
         exits=None,
     ):
         check_jitter_margin(latency_calibration, jitter_margin)  # before loading anything
+        get_policy(policy)  # an unknown name (ValueError) too
         path = resolve_model(model)
         self.model_path = path
         self.model_name = "smollm2" if model is None else str(model)
