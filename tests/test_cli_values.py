@@ -81,3 +81,25 @@ def test_unknown_policy_fails_before_the_model_loads(monkeypatch):
     monkeypatch.setattr(model_instance, "load_weights", no_load)
     with pytest.raises(ValueError, match="unknown policy 'foo'"):
         Engine(policy="foo")
+
+
+def test_profile_refuses_an_unknown_policy_before_profiling(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["profile", "--evaluate", "--policies", "vllm,foo"])  # was after the profile
+    assert "unknown policy 'foo'" in capsys.readouterr().err
+    assert build_parser().parse_args(["profile", "--policies", "laser"]).policies == "laser"
+
+
+def test_startup_log_names_the_executor_path(tiny_llama, caplog):
+    """README: the executor path (the latency profile's key) is named in the startup log; it was
+    only readable inside the profile's file name."""
+    import logging
+
+    from laser.core.config import CacheConfig
+    from laser.frontend.engine import Engine
+    from laser.profiler.pipeline import executor_path_of
+
+    with caplog.at_level(logging.INFO, logger="laser.instance.model_instance"):
+        engine = Engine(str(tiny_llama), policy="vllm", dtype="float32", cache=CacheConfig(num_blocks=16))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("executor path: ")]
+    assert len(lines) == 1 and lines[0].startswith(f"executor path: {executor_path_of(engine)} (float32, none")
