@@ -411,6 +411,9 @@ def test_vllm_metric_names_beside_ours(live, client):
     assert total("vllm:e2e_request_latency_seconds", "_count") == total("laser:e2e_request_latency_seconds", "_count")
     assert total("vllm:inter_token_latency_seconds", "_count") == total("laser:inter_token_latency_seconds", "_count")
     assert total("vllm:generation_tokens", "_total") == total("laser:generation_tokens", "_total")
+    # vLLM's preemption counter (dashboards read it), every cause summed; 0 until one happens
+    assert total("vllm:num_preemptions", "_total") == total("laser:preemptions", "_total")
+    assert [s.labels for s in fams["vllm:num_preemptions"].samples] == [{"model_name": "tiny"}]
 
 
 BAD = [
