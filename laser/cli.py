@@ -23,6 +23,17 @@ def positive_int(s: str) -> int:
     return v
 
 
+def non_negative_int(s: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return v
+
+
 def tcp_port(s: str) -> int:
     """argparse type: a TCP port number, 0-65535."""
     try:
@@ -76,6 +87,17 @@ def policy_name(s: str) -> str:
         get_policy(s)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    return s
+
+
+def policy_names(s: str) -> str:
+    """argparse type: a comma list of registered policies (``laser profile --policies``), each
+    checked when the flags are parsed, not after minutes of profiling. Returns ``s``."""
+    names = [x.strip() for x in s.split(",") if x.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected a comma list of policies, got {s!r}")
+    for name in names:
+        policy_name(name)
     return s
 
 
@@ -185,13 +207,24 @@ def engine_argv(args, **overrides) -> list[str]:
 
 def set_threads(threads: int | None) -> int:
     """Set torch's intra-op threads to ``threads`` (default: physical cores; SMT siblings
-    share one core's FMA units, so more threads only add contention). Returns the count."""
+    share one core's FMA units, so more threads only add contention). Returns the count.
+
+    Raises:
+        ConfigError: ``threads`` above the CPUs this process may run on (``os.sched_getaffinity``):
+            the extra threads only wait for a CPU, and each thread count gets its own latency
+            profile, made at the first start (minutes of oversubscribed timings).
+    """
     import logging
 
     import torch
 
+    from .core.config import ConfigError
     from .model.loader import physical_cores
 
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if threads and threads > usable:
+        raise ConfigError(f"--threads {threads}: this process may run on {usable} CPUs; more threads than CPUs "
+                          f"only wait for one (and would be profiled anew); use at most {usable}")
     n = threads or physical_cores()
     torch.set_num_threads(n)
     why = "--threads" if threads else "physical cores"

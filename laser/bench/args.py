@@ -80,12 +80,46 @@ def _floats(s: str) -> list[float]:
     return [float(x) for x in s.split(",") if x.strip()]
 
 
+def rate_range(s: str) -> str:
+    """argparse type of ``--rate-range``: ``auto`` or ``LO,HI`` req/s with ``0 < LO <= HI < inf``
+    (checked when the flags are parsed, not after the targets were built). Returns ``s``."""
+    if s == "auto":
+        return s
+    try:
+        lo, hi = _floats(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want 'auto' or LO,HI req/s (e.g. 0.15,1.2), got {s!r}") from None
+    if not (0 < lo <= hi < math.inf):
+        raise argparse.ArgumentTypeError(f"want 0 < LO <= HI < inf req/s, got {s!r}")
+    return s
+
+
+def _at_least_two(s: str) -> int:
+    """argparse type: an integer >= 2 (``--isolated-output-tokens``: a TBT needs two tokens)."""
+    try:
+        v = int(s)
+    except ValueError:
+        v = None
+    if v is None or v < 2:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 2, got {s!r}")
+    return v
+
+
+def _readable_file(s: str) -> str:
+    """argparse type: the path of an existing file (``--trace``). Returns ``s``."""
+    import os
+
+    if not os.path.isfile(s):
+        raise argparse.ArgumentTypeError(f"no such file: {s!r}")
+    return s
+
+
 def register(subparsers) -> None:
     """Add the ``bench`` subcommand (called by ``laser.cli.main``)."""
     from laser.bench.best import DEFAULT_BEST_BASELINE, DEFAULT_BEST_BUDGETS
     from laser.bench.goodput import DEFAULT_MAX_DOUBLINGS
     from laser.bench.calibrate import DEFAULT_TBT_MULTIPLE, DEFAULT_TTFT_MULTIPLE
-    from laser.cli import add_engine_args, fraction, non_negative_float, positive_int
+    from laser.cli import add_engine_args, fraction, non_negative_float, non_negative_int, positive_float, positive_int
 
     p = subparsers.add_parser(
         "bench", help="multi-SLO serving benchmark: SLO attainment and goodput per policy",
@@ -108,24 +142,24 @@ def register(subparsers) -> None:
                    help=f"do not add {DEFAULT_BEST_BASELINE} to a comparison with laser that has no ':best' policy")
     p.add_argument("--disaggregated", action="store_true",
                    help="a prefill+decode instance pair per policy (default: one mixed instance)")
-    p.add_argument("--max-model-len", type=int, default=None,
+    p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="cap prompt+output length, tokens (default: the engine's context)")
 
     w = p.add_argument_group("workload")
     w.add_argument("--mix", type=parse_mix, default=(1.0, 1.0, 1.0),
                    help="chat:code:summarization ratios (default 1:1:1)")
     w.add_argument("--num-prompts", type=positive_int, default=None, help="requests per run (default 100; a trace: all rows)")
-    w.add_argument("--length-scale", type=float, default=1.0,
+    w.add_argument("--length-scale", type=positive_float, default=1.0,
                    help="multiply prompt and output lengths (default %(default)s)")
     w.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default %(default)s)")
-    w.add_argument("--trace", default=None,
+    w.add_argument("--trace", type=_readable_file, default=None,
                    help="replay a trace CSV (Laser, vidur splitwise or Azure format; default: none, the --mix "
                         "workload)")
     w.add_argument("--trace-class", default=None,
                    help="SLO class of every trace row (default: the row's slo_class column; class-less formats: the "
                         "class the file name says)")
     w.add_argument("--tokenizer", default=None, help="tokenizer dir for prompt lengths (default: --model's)")
-    w.add_argument("--shared-prefix-tokens", type=int, default=0,
+    w.add_argument("--shared-prefix-tokens", type=non_negative_int, default=0,
                    help="put one system prompt of about this many tokens in front of every request (the prefix "
                         "cache's workload; each probe starts with a cold cache; default 0: none)")
     w.add_argument("--prefix-workload", choices=["multi-turn", "few-shot"], action="append", default=[],
@@ -142,26 +176,26 @@ def register(subparsers) -> None:
     a = p.add_argument_group("arrivals and goodput search")
     a.add_argument("--request-rate", type=_rate, default=None,
                    help="one run per target at this rate (req/s, 'inf' = all at once); default: goodput search")
-    a.add_argument("--burstiness", type=float, default=1.0,
+    a.add_argument("--burstiness", type=positive_float, default=1.0,
                    help="Gamma shape of the gaps between arrivals (default %(default)s: Poisson)")
     a.add_argument("--goodput", action="store_true",
                    help="goodput search even with --trace (rescaled to each rate; default: a trace replays its own "
                         "times)")
-    a.add_argument("--rate-range", default="auto",
+    a.add_argument("--rate-range", type=rate_range, default="auto",
                    help="LO,HI req/s of the search grid (default auto: 0.1-1.0x the simulated saturation throughput)")
-    a.add_argument("--grid-points", type=int, default=None, help="grid rates (default 4; sim 8)")
-    a.add_argument("--bisect-steps", type=int, default=None, help="bisection rounds after the grid (default 2; sim 6)")
-    a.add_argument("--max-doublings", type=int, default=DEFAULT_MAX_DOUBLINGS,
+    a.add_argument("--grid-points", type=positive_int, default=None, help="grid rates (default 4; sim 8)")
+    a.add_argument("--bisect-steps", type=non_negative_int, default=None, help="bisection rounds after the grid (default 2; sim 6)")
+    a.add_argument("--max-doublings", type=non_negative_int, default=DEFAULT_MAX_DOUBLINGS,
                    help="doublings (halvings) of the rate past the grid until a policy fails (passes) a probe "
                         "(default %(default)s)")
-    a.add_argument("--search-time-cap", type=float, default=None,
+    a.add_argument("--search-time-cap", type=positive_float, default=None,
                    help="wall seconds after which the goodput search starts no probe; a policy that has not "
                         "failed a probe by then is reported as '>=' with the cap (default: 3600; sim 900)")
     a.add_argument("--full-grid", action="store_true", help="run every grid rate even after two failures in a row")
     a.add_argument("--attainment-target", type=fraction, default=0.9,
                    help="fraction of requests meeting their SLO at which a rate counts as goodput "
                         "(default %(default)s, as the paper)")
-    a.add_argument("--probe-timeout", type=float, default=None,
+    a.add_argument("--probe-timeout", type=non_negative_float, default=None,
                    help="seconds a run may go on after its last arrival; unfinished = missed (default 60; sim none)")
     a.add_argument("--no-early-stop", action="store_true",
                    help="run every probe to the end (default: stop a real-time probe once it certainly fails; "
@@ -173,13 +207,13 @@ def register(subparsers) -> None:
     s.add_argument("--slo-base", choices=["paper", "measured"], default="paper",
                    help="paper targets, or scaled to this target's isolated latency (see laser/bench/calibrate.py; "
                         "default %(default)s)")
-    s.add_argument("--tbt-multiple", type=float, default=DEFAULT_TBT_MULTIPLE,
+    s.add_argument("--tbt-multiple", type=positive_float, default=DEFAULT_TBT_MULTIPLE,
                    help="measured base: tightest TBT = this x isolated decode step (default %(default)s)")
-    s.add_argument("--ttft-multiple", type=float, default=DEFAULT_TTFT_MULTIPLE,
+    s.add_argument("--ttft-multiple", type=positive_float, default=DEFAULT_TTFT_MULTIPLE,
                    help="measured base: every TTFT >= this x its class's isolated prefill (default %(default)s)")
-    s.add_argument("--isolated-repeats", type=int, default=3,
+    s.add_argument("--isolated-repeats", type=positive_int, default=3,
                    help="measured base: runs of each class's request alone, their median used (default %(default)s)")
-    s.add_argument("--isolated-output-tokens", type=int, default=16,
+    s.add_argument("--isolated-output-tokens", type=_at_least_two, default=16,
                    help="measured base: output tokens of each request run alone, at least 2 (default %(default)s)")
 
     t = p.add_argument_group("client and simulator")

@@ -121,6 +121,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # vLLM's: the matched stop string ends the text
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -184,8 +185,9 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if self.seed is not None and not (integer(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
             raise InvalidRequestError(f"seed must be an integer in [-2^63, 2^64), got {self.seed!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise InvalidRequestError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        for f in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, f), bool):
+                raise InvalidRequestError(f"{f} must be true or false, got {getattr(self, f)!r}")
         if any(not isinstance(s, str) for s in self.stop):
             raise InvalidRequestError(f"stop must be a string or a list of strings, got {list(self.stop)!r}")
         if any(not s for s in self.stop):

@@ -51,16 +51,17 @@ class IncrementalDetokenizer:
         return ""
 
 
-def find_stop(text: str, stops: tuple[str, ...], new_len: int) -> int | None:
-    """Index in ``text`` where the earliest stop string starts, searching only where the
-    last ``new_len`` characters could complete one; None if none matched."""
-    best = None
+def find_stop(text: str, stops: tuple[str, ...], new_len: int, include: bool = False) -> int | None:
+    """Index in ``text`` where the earliest stop string starts (``include``: where it ends, the
+    longest of those starting there; vLLM's ``include_stop_str_in_output``), searching only where
+    the last ``new_len`` characters could complete one; None if none matched."""
+    best = end = None
     for s in stops:
         start = max(0, len(text) - new_len - len(s) + 1)
         i = text.find(s, start)
-        if i != -1 and (best is None or i < best):
-            best = i
-    return best
+        if i != -1 and (best is None or i < best or (i == best and i + len(s) > end)):
+            best, end = i, i + len(s)
+    return end if include else best
 
 
 class OutputText:
@@ -72,12 +73,13 @@ class OutputText:
     to the final, cut text.
     """
 
-    __slots__ = ("detok", "stop", "hold", "sent", "min_tokens", "num_tokens")
+    __slots__ = ("detok", "stop", "include_stop", "hold", "sent", "min_tokens", "num_tokens")
 
     def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = (),
-                 output_ids: list[int] = (), min_tokens: int = 0):
+                 output_ids: list[int] = (), min_tokens: int = 0, include_stop: bool = False):
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
         self.stop = stop
+        self.include_stop = include_stop  # the text is cut after the matched stop string, not before
         self.hold = max((len(s) for s in stop), default=1) - 1
         # stop strings are matched only once more than min_tokens tokens are out (as vLLM)
         self.min_tokens = min_tokens
@@ -91,11 +93,12 @@ class OutputText:
         return self.detok.text
 
     def add(self, token_id: int) -> bool:
-        """Append a token. True when a stop string matched (the text is cut before it)."""
+        """Append a token. True when a stop string matched (the text is cut before it, or after it
+        with ``include_stop``)."""
         delta = self.detok.add(token_id)
         self.num_tokens += 1
         if self.stop and delta and self.num_tokens > self.min_tokens:
-            cut = find_stop(self.detok.text, self.stop, len(delta))
+            cut = find_stop(self.detok.text, self.stop, len(delta), self.include_stop)
             if cut is not None:
                 self.detok.text = self.detok.text[:cut]
                 return True
@@ -217,8 +220,9 @@ class OutputProcessor:
     def add_request(self, req: Request) -> None:
         """Track ``req`` (its tokens so far count as streamed already: a request continuing
         here after a hand-off)."""
-        self._text[req.req_id] = OutputText(self.tokenizer, req.prompt_token_ids, req.sampling_params.stop,
-                                            req.output_token_ids, req.sampling_params.min_tokens)
+        sp = req.sampling_params
+        self._text[req.req_id] = OutputText(self.tokenizer, req.prompt_token_ids, sp.stop, req.output_token_ids,
+                                            sp.min_tokens, sp.include_stop_str_in_output)
 
     def abort(self, req_id: str) -> None:
         """Forget a request (no output)."""

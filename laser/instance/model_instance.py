@@ -27,6 +27,7 @@ from ..model.loader import (load_config, load_quantized, load_weights, resolve_d
 from ..model.runner import ModelRunner
 from ..model.sampler import Sampler
 from .core import InstanceCore, make_scheduler
+from ..scheduler import get_policy
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class ModelInstance:
         exits=None,
     ):
         check_jitter_margin(latency_calibration, jitter_margin)  # before loading anything
+        get_policy(policy)  # an unknown name (ValueError) too
         path = resolve_model(model)
         self.model_path = path
         self.model_name = "smollm2" if model is None else str(model)
@@ -119,6 +121,11 @@ class ModelInstance:
         self.icache = IntermediateCache(self.cache_config.intermediate_cache_tokens)
         eos_ids = set(self.model_config.eos_token_ids) | set(extra_eos_ids)
         self.runner = ModelRunner(self.model, self.kv_cache, self.icache, Sampler(seed, eos_ids))
+        from ..profiler.pipeline import executor_path_of
+
+        log.info("executor path: %s (%s, %s weights: the kernels the lines above chose and why; the latency "
+                 "profile is keyed by it)", executor_path_of(self.runner), str(self.dtype).removeprefix("torch."),
+                 self.quantization)
         sched_cfg = scheduler or SchedulerConfig(policy=policy)
         if scheduler is not None and policy != sched_cfg.policy:
             sched_cfg = SchedulerConfig(**{**sched_cfg.__dict__, "policy": policy})

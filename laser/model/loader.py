@@ -198,12 +198,17 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     On CPUs without them (e.g. AVX2-only), bf16 matmuls are emulated and measured several
     times slower than fp32. The choice and its reason are logged (INFO, ``laser.model.loader``).
 
+    A ``torch.dtype`` must be one of the two served (float16 has no CPU kernels here).
+
     Raises:
-        ConfigError: an unknown dtype name.
+        ConfigError: an unknown dtype name, or a torch dtype other than float32 / bfloat16.
     """
     if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ConfigError(f"unsupported dtype {dtype}; use auto, float32 or bfloat16")
         return dtype
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    table = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
     if dtype == "auto":
         chosen, why = _auto_dtype()
         log.info("dtype auto -> %s: %s", str(chosen).removeprefix("torch."), why)
@@ -272,11 +277,15 @@ def resolve_quantization(quantization: str, model: str | os.PathLike | None) -> 
     each tensor as :func:`laser.model.quant.gguf_target` maps its type), a HF checkpoint dense
     (``"none"``). Logged at INFO.
 
+    ``None`` is ``auto`` (vLLM's ``LLM(quantization=None)``: the checkpoint's own format).
+
     Raises:
         ConfigError: an unknown name.
     """
     from .quant import QUANTIZATIONS
 
+    if quantization is None:
+        quantization = "auto"
     if quantization not in QUANTIZATIONS:
         raise ConfigError(f"unsupported quantization {quantization!r}; use {', '.join(QUANTIZATIONS)}")
     if quantization != "auto":

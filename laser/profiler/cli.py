@@ -29,7 +29,7 @@ _UNMEASURED_FLAGS = {"policy", "queue_order", "max_num_batched_tokens", "max_num
 
 
 def register(subparsers) -> None:
-    from ..cli import add_engine_args, positive_float
+    from ..cli import add_engine_args, policy_names, positive_float
 
     p = subparsers.add_parser("profile", help="profile the latency model on this machine (and report its accuracy)",
                               description=__doc__.replace("``", ""),
@@ -57,7 +57,7 @@ def register(subparsers) -> None:
                    help="then measure held-out layer steps and scheduler iterations and report accuracy")
     p.add_argument("--json", default=None, metavar="PATH",
                    help="write the accuracy report as JSON (with --evaluate; default: not written)")
-    p.add_argument("--policies", default="vllm,sarathi,laser",
+    p.add_argument("--policies", default="vllm,sarathi,laser", type=policy_names,
                    help="comma list of policies whose plans --evaluate times (default %(default)s)")
     p.add_argument("--repeatability", action="store_true",
                    help="with --evaluate (a profile measured now): time every held-out case twice and report how "

@@ -18,7 +18,7 @@ EXIT_NODE_LOST = 3
 def register(subparsers) -> None:
     """Add the ``serve`` subcommand (called by ``laser.cli.main``)."""
     from ..frontend.async_engine import ON_INFEASIBLE
-    from ..cli import add_engine_args, non_negative_float, positive_int, tcp_port
+    from ..cli import add_engine_args, non_negative_float, non_negative_int, positive_int, tcp_port
 
     p = subparsers.add_parser(
         "serve",
@@ -64,7 +64,7 @@ def register(subparsers) -> None:
                         "(default: reject them with the predicted completion time)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up request before serving")
     _add_cluster_args(p)
-    p.add_argument("--step-log", type=int, default=0, metavar="N",
+    p.add_argument("--step-log", type=non_negative_int, default=0, metavar="N",
                    help="keep the engine's last N steps (plan, seconds, end, price; steps cut short too) for GET /engine/steps, e.g. for "
                         "benchmarks/sim_vs_real.py to fit the speed the served engine ran at; 0: none "
                         "(default %(default)s; single instance only)")
@@ -75,33 +75,35 @@ def register(subparsers) -> None:
 
 def _add_cluster_args(p) -> None:
     """``serve``'s cluster options: instances as Ray actors behind the global controller."""
+    from ..cli import non_negative_float, non_negative_int, positive_float, positive_int
+
     g = p.add_argument_group("cluster (instances as Ray actors behind the global controller)")
-    g.add_argument("--prefill-instances", type=int, default=0,
+    g.add_argument("--prefill-instances", type=non_negative_int, default=0,
                    help="prefill instances (Ray actors; default %(default)s)")
-    g.add_argument("--decode-instances", type=int, default=0, help="decode instances (Ray actors; default %(default)s)")
-    g.add_argument("--mixed-instances", type=int, default=0,
+    g.add_argument("--decode-instances", type=non_negative_int, default=0, help="decode instances (Ray actors; default %(default)s)")
+    g.add_argument("--mixed-instances", type=non_negative_int, default=0,
                    help="mixed (colocated) instances (Ray actors; default %(default)s)")
-    g.add_argument("--threads-per-instance", type=int, default=1,
+    g.add_argument("--threads-per-instance", type=positive_int, default=1,
                    help="torch threads (and Ray CPUs) per instance (default %(default)s)")
     g.add_argument("--controller", default=None,
                    help="global controller: laser (default with prefill/decode instances), distserve, "
                         "colocated (default with mixed instances), colocated-laser, round_robin")
     g.add_argument("--ray-address", default=None,
                    help="join this Ray cluster (e.g. auto) instead of starting a local one (default: a local one)")
-    g.add_argument("--call-timeout", type=float, default=5.0,
+    g.add_argument("--call-timeout", type=positive_float, default=5.0,
                    help="seconds an instance may take to answer the controller before it is marked dead "
                         "(default %(default)s)")
-    g.add_argument("--step-timeout", type=float, default=60.0,
+    g.add_argument("--step-timeout", type=positive_float, default=60.0,
                    help="seconds one instance step may take before the instance is marked dead (default %(default)s)")
-    g.add_argument("--stall-timeout", type=float, default=3.0,
+    g.add_argument("--stall-timeout", type=positive_float, default=3.0,
                    help="seconds a decode instance's step (one iteration) may take before the instance counts as "
                         "stalled (frozen, hung) and its requests move; stretched to 10x its slowest recent step "
                         "when longer (default %(default)s)")
-    g.add_argument("--outage-wait", type=float, default=30.0,
+    g.add_argument("--outage-wait", type=non_negative_float, default=30.0,
                    help="seconds a request waits for an instance of a lost role that may return (a restart, a "
                         "straggler) before it fails with 503 and Retry-After; 0: answer 503 at once "
                         "(default %(default)s)")
-    g.add_argument("--instance-restarts", type=int, default=0,
+    g.add_argument("--instance-restarts", type=non_negative_int, default=0,
                    help="times Ray restarts a dead instance actor; a restarted one rejoins the controller empty "
                         "(default %(default)s)")
 

@@ -306,6 +306,10 @@ class _SchedulerCollector:
         for (cause, cls), n in sorted(c.get("preemptions", {}).items()):
             pre.add_metric([m, cause, cls], n)
         yield pre
+        total = CounterMetricFamily("vllm:num_preemptions", "Preempted requests, every cause and class (vLLM's "
+                                    "name; laser:preemptions splits them).", labels=["model_name"])
+        total.add_metric([m], sum(c.get("preemptions", {}).values()))
+        yield total
         rec = CounterMetricFamily("laser:recomputes", "Work thrown away to be recomputed, by kind (preemption: "
                                   "KV freed; icache_eviction: a paused chunk's hidden state dropped), per class.",
                                   labels=["model_name", "kind", "slo_class"])

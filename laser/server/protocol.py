@@ -93,6 +93,8 @@ class _Common(_Request):
     stop: str | list[str] | None = Field(None, description=f"up to {MAX_STOP} stop strings")
     stop_token_ids: list[StrictInt] | None = Field(None, max_length=256)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = Field(False, description="vLLM extension: keep the matched stop string "
+                                             "at the end of the text")
     return_token_ids: bool = Field(False, description="vLLM extension: token ids with each choice (and chunk)")
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False

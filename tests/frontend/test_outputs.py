@@ -193,3 +193,22 @@ def test_output_processor_judges_stop_strings_for_every_front_end(tok):
     assert out.handed_off and not out.finished and not stop
     out, _ = _feed(proc, r, ids[1:2], last_reason="length")  # still tracked after the hand-off
     assert out.finished and out.text == " hello world"
+
+
+def test_include_stop_str_in_output_keeps_the_matched_stop_string(tok):
+    """vLLM's ``include_stop_str_in_output``: the text ends with the stop string that matched (the
+    longest of those starting at the earliest match); it used to be ignored (the string cut)."""
+    from laser.core.request import InvalidRequestError, Request
+    from laser.frontend.outputs import OutputProcessor
+
+    assert find_stop("abc STOP def", ("STOP", "ST"), 12, include=True) == 8
+    assert find_stop("abc STOP def", ("STOP", "ST"), 12) == 4
+    ids = tok.encode(" hello world and more")
+    proc = OutputProcessor(tok)
+    sp = SamplingParams(max_tokens=64, stop=(" world",), include_stop_str_in_output=True)
+    r = Request(prompt_token_ids=tok.encode("Say:"), sampling_params=sp)
+    proc.add_request(r)
+    out, stop = _feed(proc, r, ids[:2])
+    assert (out.finished, out.finish_reason, stop, out.text) == (True, "stop", True, " hello world")
+    with pytest.raises(InvalidRequestError, match="include_stop_str_in_output"):
+        Request(prompt_token_ids=[1], sampling_params=SamplingParams(include_stop_str_in_output="yes"))

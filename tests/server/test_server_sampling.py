@@ -222,6 +222,29 @@ def test_min_tokens_masks_eos_until_reached(live, client, path, stream):
     assert len(ids) == 6 and ids[-1] == eos and eos not in ids[:5] and reason == "stop"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_include_stop_str_in_output_through_the_openai_client(client, stream):
+    """vLLM's ``include_stop_str_in_output``: the text (streamed or not) ends with the stop string;
+    without it the text ends before it (the field used to be ignored as an unknown one)."""
+    kw = dict(model="tiny", prompt="hello", max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw).choices[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert len(stop) == 3 and stop.strip()
+    cut = full.find(stop)
+
+    def run(include):
+        extra = {"ignore_eos": True, "include_stop_str_in_output": include}
+        args = {**kw, "stop": [stop], "extra_body": extra}
+        if stream:
+            chunks = list(client.completions.create(stream=True, **args))
+            return "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].choices[0].finish_reason
+        c = client.completions.create(**args).choices[0]
+        return c.text, c.finish_reason
+
+    assert run(False) == (full[:cut], "stop")
+    assert run(True) == (full[:cut + len(stop)], "stop")
+
+
 # -- logprobs ---------------------------------------------------------------------------------------------
 
 
@@ -388,6 +411,9 @@ def test_vllm_metric_names_beside_ours(live, client):
     assert total("vllm:e2e_request_latency_seconds", "_count") == total("laser:e2e_request_latency_seconds", "_count")
     assert total("vllm:inter_token_latency_seconds", "_count") == total("laser:inter_token_latency_seconds", "_count")
     assert total("vllm:generation_tokens", "_total") == total("laser:generation_tokens", "_total")
+    # vLLM's preemption counter (dashboards read it), every cause summed; 0 until one happens
+    assert total("vllm:num_preemptions", "_total") == total("laser:preemptions", "_total")
+    assert [s.labels for s in fams["vllm:num_preemptions"].samples] == [{"model_name": "tiny"}]
 
 
 BAD = [
