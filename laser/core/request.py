@@ -245,11 +245,14 @@ class SamplingParams:
         return self.greedy and not self.processes_logits and self.logprobs is None
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Raise InvalidRequestError (naming ``logit_bias``) for a biased token id outside
-        ``[0, vocab_size)``."""
+        """Raise InvalidRequestError (naming the field) for a ``logit_bias`` or ``stop_token_ids``
+        token id outside ``[0, vocab_size)`` (a stop id no token can match would be silently ignored)."""
         for t, _ in self.logit_bias:
             if t >= vocab_size:
                 raise InvalidRequestError(f"logit_bias: token id {t} out of range [0, {vocab_size})")
+        for t in self.stop_token_ids:
+            if t >= vocab_size:
+                raise InvalidRequestError(f"stop_token_ids: token id {t} out of range [0, {vocab_size})")
 
     @property
     def greedy(self) -> bool:

@@ -145,6 +145,9 @@ def test_sampling_params_reject_bad_controls():
             SamplingParams(**kw)
     with pytest.raises(InvalidRequestError, match="logit_bias"):
         SamplingParams(logit_bias={10**6: 1.0}).check_vocab(1000)
+    with pytest.raises(InvalidRequestError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[5, 10**9]).check_vocab(1000)
+    SamplingParams(stop_token_ids=[5, 999]).check_vocab(1000)  # in range: accepted
 
 
 def greedy_reference(hf, prompt: list[int], n: int, sp: SamplingParams, eos: set[int]) -> list[int]:
