@@ -34,8 +34,15 @@ and must check that the batch is the prepared one (a stop or an exit changes it)
 Segment mode: with no ``stop_at``, no early exits and an executor that has ``run_layers(layers, active)``,
 the walker visits only the boundaries where the batch changes and hands the executor each
 constant-composition segment at once (the simulator prices it with one latency-model call).
-The rules and their order are the same; the torch executor has no ``run_layers`` and always
-gets one ``run_layer`` call per layer.
+The rules and their order are the same; the torch executor has no ``run_layers``.
+
+Span mode: an executor with ``run_span(start, end, active, stop_at)`` (and no early exits) runs each
+constant-composition span ``start..end-1`` itself, asking ``stop_at(k)`` before each layer ``k``
+after the first (``stop_at`` None: it asks nothing) -- the very calls, in the same order, the
+layer-by-layer loop makes -- and returns ``end``, or the first ``k`` where ``stop_at(k)`` said True
+(layers ``start..k-1`` ran); the walker then applies rules 2-4 at ``k`` with that answer. The torch
+executor runs the layers of a span from one tight loop: the Python between two layer calls, cache
+cold after each, is a few lines instead of the walker's boundary checks and a ``run_layer`` frame.
 Torch-free.
 """
 
@@ -93,10 +100,13 @@ def walk(plan: StepPlan, ex: LayerExecutor, stop_at: Callable[[int], bool] | Non
     prepare = getattr(ex, "prepare", None)
     if prepare is not None and not exits:
         prepare(compositions(plan, starts, ends, change_points))
+    run_span = None if exits else getattr(ex, "run_span", None)
     active: list[Work] = []
     first, last = plan.first_layer, plan.last_layer
     stopped: int | None = None
-    for j in range(first, last):
+    asked = False  # run_span already asked stop_at(j), and it said True
+    j = first
+    while j < last:
         if exits and j in exits and active:
             kept = ex.early_exit(active, j)
             if len(kept) != len(active):
@@ -107,8 +117,8 @@ def walk(plan: StepPlan, ex: LayerExecutor, stop_at: Callable[[int], bool] | Non
             leaving = [w for w in ends.get(j, ()) if w in active]  # (a stop may have parked it)
             if leaving:
                 active = ex.park(active, leaving, j)
-        if stopped is None and j > first and stop_at is not None and stop_at(j):
-            stopped, changed = j, True
+        if stopped is None and j > first and stop_at is not None and (asked or stop_at(j)):
+            stopped, changed, asked = j, True, False
             paused = [w for w in active if w.reached(j) == j]
             if paused:
                 active = ex.park(active, paused, j)
@@ -122,8 +132,15 @@ def walk(plan: StepPlan, ex: LayerExecutor, stop_at: Callable[[int], bool] | Non
                 active = ex.join(active, joining)
             if active:
                 ex.compose(active, range(j, next((c for c in change_points if c > j), last)))
+        if active and run_span is not None:
+            end = next((c for c in change_points if c > j), last)
+            k = run_span(j, end, active, stop_at if stopped is None else None)
+            asked = k < end
+            j = k
+            continue
         if active:
             ex.run_layer(j, active)
+        j += 1
     if exits and last in exits and active:
         active = ex.early_exit(active, last)
     if active:

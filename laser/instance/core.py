@@ -262,7 +262,7 @@ class InstanceCore:
         t1 = self._perf()
         observe, log = self.step_observer, self.step_log
         c1 = self.clock() if observe is not None or log is not None else 0.0
-        result = self.executor.execute(plan, self.scheduler.requests_of(plan), stop_at=self._stop_at)
+        result = self.executor.execute(plan, self.scheduler.requests_of(plan), stop_at=self._stop_fn())
         now = self.clock()
         t2 = self._perf()
         if observe is not None or log is not None:
@@ -321,10 +321,18 @@ class InstanceCore:
                 req.prompt_logprobs = [None] * req.num_prompt_tokens
             req.prompt_logprobs[start:start + len(entries)] = entries
 
-    def _stop_at(self, layer: int) -> bool:
-        if self.arrival_hook is not None:
-            self.arrival_hook()
-        return self.scheduler.stop_at(layer)
+    def _stop_fn(self) -> Callable[[int], bool]:
+        """The step's ``stop_at(layer)``: deliver arrivals (:attr:`arrival_hook`), then ask the
+        scheduler. Both looked up once a step: the walker asks at every layer boundary, right after a
+        layer call, where each attribute lookup is a cache miss."""
+        hook, stop = self.arrival_hook, self.scheduler.stop_at
+        if hook is None:
+            return stop
+
+        def stop_at(layer: int) -> bool:
+            hook()
+            return stop(layer)
+        return stop_at
 
     # -- prefill -> decode hand-off ------------------------------------------------------------------
     def export(self, req: Request, now: float) -> Handoff:

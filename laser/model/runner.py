@@ -258,48 +258,60 @@ class ModelRunner:
 
     # -- the walker's executor hooks (laser.core.walk.LayerExecutor) --------------------------------
     def park(self, active, leaving, layer):
-        """Move ``leaving`` works' rows to the intermediate cache (paused at ``layer``)."""
+        """Move ``leaving`` works' rows to the intermediate cache (paused at ``layer``). The rows
+        kept are cut as few runs as they form (one slice, no copy, when they are consecutive)."""
         leave_ids = {id(w) for w in leaving}
-        keep, parts = [], []
+        keep, runs = [], []
         hidden = self._hidden
-        for w, (a, b) in zip(active, self._rows(active)):
+        r = 0
+        for w in active:
+            a, r = r, r + w.num_tokens
             if id(w) in leave_ids:
                 self._wrote(w, w.layer_start, layer)
                 if layer < self.num_layers:
-                    self.icache.put(w.req_id, hidden[a:b].clone(), w.num_tokens)
+                    self.icache.put(w.req_id, hidden[a:r].clone(), w.num_tokens)
             else:
                 keep.append(w)
-                parts.append(hidden[a:b])
-        self._hidden = None if not keep else (torch.cat(parts) if len(parts) > 1 else parts[0])
+                _extend_run(runs, hidden, a, r)
+        self._hidden = _cat_runs(hidden, runs) if keep else None
         return keep
 
     def join(self, active, joining):
+        """Add ``joining`` works (rows in :func:`_join_order`): the embedded ones are embedded in that
+        order, so their rows, the kept rows and each restored work's rows make a few runs (one
+        tensor, no copy, at a step's start)."""
         for w in joining:
             self._check_reads(w)
-        embed_works = [w for w in joining if w.layer_start == 0]
+        order = _join_order(active, joining)
+        new = {id(w) for w in joining}
+        embed_works = [w for w in order if w.layer_start == 0 and id(w) in new]
         emb = None
         if embed_works:
-            ids = []
+            reqs, ids = self._requests, []
             for w in embed_works:
-                ids.extend(self._requests[w.req_id].token_ids(w.token_start, w.token_start + w.num_tokens))
+                ids.extend(reqs[w.req_id].token_ids(w.token_start, w.token_start + w.num_tokens))
             tokens = torch.from_numpy(np.array(ids, dtype=np.int64))
             t0 = time.perf_counter()
-            emb = self.model.embed(tokens)
+            emb = self.model.embed(tokens)  # row by row: the order of the ids is the order of the rows
             self._res.compute_seconds += time.perf_counter() - t0
-        order = _join_order(active, joining)
-        if len(order) == len(embed_works) and all(a is b for a, b in zip(order, embed_works)):
-            self._hidden = emb  # the embedded rows already in order (a step's start): no copy, no slices
-            return order
-        hidden = self._hidden
-        rows = {id(w): hidden[a:b] for w, (a, b) in zip(active, self._rows(active))}
-        r = 0
-        for w in embed_works:
-            rows[id(w)] = emb[r : r + w.num_tokens]
-            r += w.num_tokens
-        for w in joining:
-            if w.layer_start > 0:
-                rows[id(w)] = self.icache.pop(w.req_id)
-        self._hidden = torch.cat([rows[id(w)] for w in order]) if len(order) > 1 else rows[id(order[0])]
+            if len(embed_works) == len(order):
+                self._hidden = emb  # a step's start: the embedded rows are the batch
+                return order
+        hidden, runs = self._hidden, []
+        at = {id(w): a for w, (a, _) in zip(active, self._rows(active))}
+        e = 0
+        for w in order:
+            n = w.num_tokens
+            if id(w) not in new:
+                a = at[id(w)]
+                _extend_run(runs, hidden, a, a + n)
+            elif w.layer_start == 0:
+                _extend_run(runs, emb, e, e + n)
+                e += n
+            else:
+                t = self.icache.pop(w.req_id)
+                runs.append([t, 0, t.shape[0]])
+        self._hidden = _cat_runs(None, runs)
         return order
 
     def prepare(self, compositions) -> None:
@@ -334,6 +346,29 @@ class ModelRunner:
         self._res.num_layer_calls += 1
         if self.kv_streams:
             self._stream_layer(layer, active)
+
+    def run_span(self, start, end, active, stop_at):
+        """Layers ``start..end-1`` of one composition (the walker's span mode,
+        :func:`laser.core.walk.walk`): ``stop_at(k)`` is asked before each layer ``k > start``
+        (``stop_at`` None: never); returns ``end``, or the first ``k`` where it said True (layers
+        ``start..k-1`` ran). The same layer calls, compute timing and K/V streaming as
+        :meth:`run_layer` once per layer, from one loop with its names bound once."""
+        fwd, meta, streams, pc = self.model.forward_layer, self._meta, self.kv_streams, time.perf_counter
+        h, spent, k = self._hidden, 0.0, start
+        while True:
+            t = pc()
+            h = fwd(k, h, meta)
+            spent += pc() - t
+            if streams:
+                self._stream_layer(k, active)
+            k += 1
+            if k == end or (stop_at is not None and stop_at(k)):
+                break
+        self._hidden = h
+        res = self._res
+        res.compute_seconds += spent
+        res.num_layer_calls += k - start
+        return k
 
     def _stream_layer(self, layer: int, active: list[Work]) -> None:
         """Layer ``layer`` of every active work is written: send it for each streamed request
@@ -426,6 +461,24 @@ class ModelRunner:
         return build_attn_metadata(active, layers, self.bm, (m.rope_cos, m.rope_sin), m.dtype, self._group_size,
                                    lambda dec: self._split_decode(active, dec), self._meta_memo,
                                    prefill_masks=getattr(m, "prefill_kernel", None) is None)
+
+
+def _extend_run(runs: list, src: torch.Tensor, a: int, b: int) -> None:
+    """Append rows ``a:b`` of ``src`` to ``runs`` (``[tensor, start, end]`` each): grows the last run
+    when it ends at ``a`` of the same tensor."""
+    if runs and runs[-1][0] is src and runs[-1][2] == a:
+        runs[-1][2] = b
+    else:
+        runs.append([src, a, b])
+
+
+def _cat_runs(whole: torch.Tensor | None, runs: list) -> torch.Tensor:
+    """The rows of ``runs`` (:func:`_extend_run`) in order [R, H]: ``whole`` itself when they are all
+    of it, one slice (a view) when one run, else one ``torch.cat``."""
+    if len(runs) == 1:
+        t, a, b = runs[0]
+        return t if t is whole and a == 0 and b == t.shape[0] else t[a:b]
+    return torch.cat([t[a:b] for t, a, b in runs])
 
 
 def _join_order(active: list[Work], joining) -> list[Work]:
