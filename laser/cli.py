@@ -12,26 +12,26 @@ import time
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
-def positive_int(s: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
+def int_at_least(lo: int):
+    """An argparse type: an integer >= ``lo`` (raises ``argparse.ArgumentTypeError`` naming the bound)."""
+    what = "a positive integer" if lo == 1 else f"an integer >= {lo}"
+
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {s!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {v}")
+        return v
+
+    parse.__name__ = f"int_at_least_{lo}"
+    return parse
 
 
-def non_negative_int(s: str) -> int:
-    """argparse type: an integer >= 0."""
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
-    return v
+#: argparse types: an integer >= 1, and >= 0.
+positive_int = int_at_least(1)
+non_negative_int = int_at_least(0)
 
 
 def tcp_port(s: str) -> int:

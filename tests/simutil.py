@@ -3,7 +3,10 @@ replay, random JSON schemas (structured output and tool calling)."""
 
 from __future__ import annotations
 
+import random
+
 from laser.core.config import SchedulerConfig
+from laser.core.plan import StepPlan, Work
 from laser.core.request import Request
 from laser.cluster.handles import InstanceFailure, LocalHandle
 from laser.sim import SimInstance
@@ -116,3 +119,17 @@ class DiesMidStream(LocalHandle):
                 self.kill()
                 raise InstanceFailure(self.instance_id, "killed mid-stream")
         return out
+
+
+def random_plan(rng: random.Random, n: int, sample_p: float = 1.0) -> StepPlan:
+    """A random step plan over ``n`` layers: 1-6 works over random layer ranges (most from layer 0
+    to the last), decode rows (one token past a cached context) or prefill chunks of 1-64 tokens; a
+    work that reaches the last layer samples with probability ``sample_p``."""
+    works = []
+    for i in range(rng.randint(1, 6)):
+        lo = rng.choice([0, 0, rng.randint(0, n - 1)])
+        hi = rng.choice([n, n, rng.randint(lo + 1, n)])
+        start = rng.randint(0, 300)
+        q = 1 if rng.random() < 0.5 and start > 0 else rng.randint(1, 64)
+        works.append(Work(f"w{i}", start, q, lo, hi, sample=hi == n and (sample_p >= 1.0 or rng.random() < sample_p)))
+    return StepPlan(n, works)

@@ -94,17 +94,6 @@ def rate_range(s: str) -> str:
     return s
 
 
-def _at_least_two(s: str) -> int:
-    """argparse type: an integer >= 2 (``--isolated-output-tokens``: a TBT needs two tokens)."""
-    try:
-        v = int(s)
-    except ValueError:
-        v = None
-    if v is None or v < 2:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 2, got {s!r}")
-    return v
-
-
 def _readable_file(s: str) -> str:
     """argparse type: the path of an existing file (``--trace``). Returns ``s``."""
     import os
@@ -119,7 +108,8 @@ def register(subparsers) -> None:
     from laser.bench.best import DEFAULT_BEST_BASELINE, DEFAULT_BEST_BUDGETS
     from laser.bench.goodput import DEFAULT_MAX_DOUBLINGS
     from laser.bench.calibrate import DEFAULT_TBT_MULTIPLE, DEFAULT_TTFT_MULTIPLE
-    from laser.cli import add_engine_args, fraction, non_negative_float, non_negative_int, positive_float, positive_int
+    from laser.cli import (add_engine_args, fraction, int_at_least, non_negative_float, non_negative_int, positive_float,
+                           positive_int)
 
     p = subparsers.add_parser(
         "bench", help="multi-SLO serving benchmark: SLO attainment and goodput per policy",
@@ -213,7 +203,7 @@ def register(subparsers) -> None:
                    help="measured base: every TTFT >= this x its class's isolated prefill (default %(default)s)")
     s.add_argument("--isolated-repeats", type=positive_int, default=3,
                    help="measured base: runs of each class's request alone, their median used (default %(default)s)")
-    s.add_argument("--isolated-output-tokens", type=_at_least_two, default=16,
+    s.add_argument("--isolated-output-tokens", type=int_at_least(2), default=16,
                    help="measured base: output tokens of each request run alone, at least 2 (default %(default)s)")
 
     t = p.add_argument_group("client and simulator")

@@ -8,21 +8,10 @@ import random
 
 import pytest
 
-from laser.core.plan import StepPlan, Work
 from laser.core.walk import walk
+from simutil import random_plan
 
 N = 12
-
-
-def random_plan(rng: random.Random) -> StepPlan:
-    works = []
-    for i in range(rng.randint(1, 6)):
-        lo = rng.choice([0, 0, rng.randint(0, N - 1)])
-        hi = rng.choice([N, N, rng.randint(lo + 1, N)])
-        start = rng.randint(0, 300)
-        q = 1 if rng.random() < 0.5 and start > 0 else rng.randint(1, 64)
-        works.append(Work(f"w{i}", start, q, lo, hi, sample=hi == N))
-    return StepPlan(N, works)
 
 
 class Recorder:
@@ -72,7 +61,7 @@ class SpanRecorder(Recorder):
 @pytest.mark.parametrize("seed", range(300))
 def test_span_mode_makes_the_layer_by_layer_calls(seed):
     rng = random.Random(seed)
-    plan = random_plan(rng)
+    plan = random_plan(rng, N)
     stop = rng.choice([None, rng.randint(1, N - 1), rng.randint(1, N - 1)])
     ref, span = Recorder(stop), SpanRecorder(stop)
     asks = rng.random() < 0.8  # else no stop_at at all

@@ -12,11 +12,12 @@ from laser.core.block_manager import BlockManager
 from laser.core.walk import walk
 from laser.core.intermediate_cache import IntermediateCache
 from laser.latency import AnalyticLatencyModel, HARDWARE, ModelShape, SimpleLatencyModel
-from laser.core.plan import StepPlan, StepResult, Work
+from laser.core.plan import StepPlan, StepResult
 from laser.core.request import SLO, Request, SamplingParams
 from laser.sim import SimInstance
 from laser.sim.cluster import ClusterConfig, ClusterSim, ClusterSpec
 from laser.sim.instance import SimExecutor, SimStats, VirtualClock
+from simutil import random_plan
 
 N = 12
 LM = SimpleLatencyModel(num_layers=N, per_layer=2e-4, per_token=2e-6, per_context=1e-8)
@@ -33,17 +34,6 @@ class _PerLayer:
         if name == "run_layers":
             raise AttributeError(name)
         return getattr(self.ex, name)
-
-
-def random_plan(rng: random.Random, n: int) -> StepPlan:
-    works = []
-    for i in range(rng.randint(1, 6)):
-        lo = rng.choice([0, 0, rng.randint(0, n - 1)])
-        hi = rng.choice([n, n, rng.randint(lo + 1, n)])
-        start = rng.randint(0, 300)
-        q = 1 if rng.random() < 0.5 and start > 0 else rng.randint(1, 64)
-        works.append(Work(f"w{i}", start, q, lo, hi, sample=hi == n and rng.random() < 0.8))
-    return StepPlan(n, works)
 
 
 def run_plan(plan: StepPlan, lm, segments: bool):
@@ -63,7 +53,7 @@ def run_plan(plan: StepPlan, lm, segments: bool):
 def test_segment_walk_equals_layer_walk_on_random_plans(lm):
     rng = random.Random(7)
     for _ in range(300):
-        plan = random_plan(rng, lm.num_layers if lm is ANALYTIC else N)
+        plan = random_plan(rng, lm.num_layers if lm is ANALYTIC else N, sample_p=0.8)
         fast, slow = run_plan(plan, lm, True), run_plan(plan, lm, False)
         assert fast == slow  # bit-identical clock, parks, samples and layer-call count
 
