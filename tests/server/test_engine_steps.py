@@ -113,6 +113,9 @@ class _CutScheduler:
     def update(self, *args):
         return []
 
+    def stop_at(self, layer):
+        return False
+
 
 class _StopsAt:
     """An executor whose steps stop at a given layer (a preemption at a layer boundary)."""
