@@ -340,19 +340,15 @@ class ModelRunner:
             self._meta = self._build_metadata(active, layers)
 
     def run_layer(self, layer, active):
-        tl = time.perf_counter()
-        self._hidden = self.model.forward_layer(layer, self._hidden, self._meta)
-        self._res.compute_seconds += time.perf_counter() - tl
-        self._res.num_layer_calls += 1
-        if self.kv_streams:
-            self._stream_layer(layer, active)
+        """Layer ``layer`` of the prepared composition: a span of one layer (:meth:`run_span`)."""
+        self.run_span(layer, layer + 1, active, None)
 
     def run_span(self, start, end, active, stop_at):
         """Layers ``start..end-1`` of one composition (the walker's span mode,
         :func:`laser.core.walk.walk`): ``stop_at(k)`` is asked before each layer ``k > start``
         (``stop_at`` None: never); returns ``end``, or the first ``k`` where it said True (layers
-        ``start..k-1`` ran). The same layer calls, compute timing and K/V streaming as
-        :meth:`run_layer` once per layer, from one loop with its names bound once."""
+        ``start..k-1`` ran). Each layer's call, compute timing and K/V streaming, from one loop with
+        its names bound once; the one owner of them (:meth:`run_layer` is a span of one layer)."""
         fwd, meta, streams, pc = self.model.forward_layer, self._meta, self.kv_streams, time.perf_counter
         h, spent, k = self._hidden, 0.0, start
         while True:
