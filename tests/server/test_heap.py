@@ -44,7 +44,9 @@ def test_freezing_moves_the_live_heap_out_of_the_collectors_reach():
     try:
         assert gc.get_freeze_count() == 0
         frozen = freeze_heap()
-        assert frozen == gc.get_freeze_count() >= len(alive)
+        # frozen objects freed later (by this thread or a library's) leave the permanent generation,
+        # so the count can only shrink after the freeze; our live containers stay in it
+        assert frozen >= gc.get_freeze_count() >= len(alive)
         # a full collection now walks only what was allocated since: none of the frozen objects
         assert not any(x in gc.get_objects(generation=2) for x in alive[:3])
     finally:
