@@ -42,6 +42,9 @@ def check_message(i: int, message: dict) -> dict:
     The rule is OpenAI's: ``content`` may be null only on an assistant message with
     ``tool_calls``; a user, system, developer or tool message without content is refused (a
     chat template would otherwise render ``None`` or an empty turn the client never sent).
+    ``content`` may also be OpenAI's list of content parts (``[{"type": "text", "text": ...}]``,
+    what vLLM's ``LLM.chat`` takes): its text parts joined by newlines, as the server joins them
+    (``laser.server.tools.chat_messages``); other part types (images) are refused.
 
     Raises:
         InvalidRequestError: naming ``messages[i]`` or the field (``messages[i].content``).
@@ -53,10 +56,27 @@ def check_message(i: int, message: dict) -> dict:
             raise InvalidRequestError(f"messages[{i}].content: a {message['role']} message needs content (null "
                                       "content is only valid for an assistant message with tool_calls)")
         message = {**message, "content": ""}
+    if isinstance(message["content"], (list, tuple)):
+        message = {**message, "content": _join_text_parts(i, message["content"])}
     for k, v in message.items():
         if isinstance(v, str):
             check_text(v, f"messages[{i}].{k}")
     return message
+
+
+def _join_text_parts(i: int, parts) -> str:
+    """The text of message ``i``'s content parts, joined by newlines. Raises InvalidRequestError
+    for an empty list, a part that is not ``{"type": "text", "text": <str>}``."""
+    if not parts:
+        raise InvalidRequestError(f"messages[{i}].content: an empty list of content parts (give a string or parts)")
+    texts = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise InvalidRequestError(f"messages[{i}].content[{j}]: only text content parts "
+                                      f"({{'type': 'text', 'text': ...}}) are supported, got {part!r:.80}")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 class ContextLengthError(InvalidRequestError):

@@ -32,6 +32,22 @@ def check_tools(tools) -> None:
             raise InvalidRequestError(f"tools[{i}].function.parameters: must be a JSON schema object")
 
 
+def prompt_of(prompt):
+    """A prompt as :meth:`Engine.add_request` takes it: text or token ids as given, and vLLM's
+    prompt dicts (``vllm.inputs``) unwrapped: ``{"prompt": text}`` (``TextPrompt``) and
+    ``{"prompt_token_ids": [...]}`` (``TokensPrompt``).
+
+    Raises InvalidRequestError for a dict with other keys or with neither (multi-modal data, cache
+    salts and the like are not served), naming them."""
+    if not isinstance(prompt, dict):
+        return prompt
+    other = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+    if other or len(prompt) != 1:
+        raise InvalidRequestError("a prompt dict takes exactly one of 'prompt' (text) and 'prompt_token_ids' "
+                                  f"(vLLM's TextPrompt / TokensPrompt), got keys {sorted(prompt)}")
+    return next(iter(prompt.values()))
+
+
 class LLM:
     """Batch generation over one in-process :class:`~laser.frontend.engine.Engine`.
 
@@ -43,7 +59,7 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[list[int]],
+        prompts: str | list[int] | dict | Sequence[str | list[int] | dict],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         slo: SLO | str | Sequence[SLO | str] | None = None,
         use_tqdm: bool = False,
@@ -56,9 +72,13 @@ class LLM:
         ``text``, ``token_ids``, ``finish_reason``); choice ``j`` of a seeded request samples with
         ``seed + j``, so choice 0 is the ``n=1`` answer. Raises InvalidRequestError for a
         malformed prompt or sampling parameters (before anything runs).
+
+        ``prompts``: one prompt or a list of them, each text, token ids, or vLLM's prompt dict
+        (``{"prompt": text}`` or ``{"prompt_token_ids": [...]}``, :func:`prompt_of`).
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        prompts = [prompt_of(p) for p in prompts]
         n = len(prompts)
         sps = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * n
         slos = slo if isinstance(slo, (list, tuple)) else [slo] * n
@@ -101,6 +121,11 @@ class LLM:
             raise InvalidRequestError("messages must be one conversation (a list of dicts) or a list of them")
         prompts = [self.engine.inputs.encode_prompt(list(c), list(tools or ()) or None, **switches) for c in convs]
         return self._run(self._add((p, sampling_params, slo) for p in prompts), use_tqdm)
+
+    def get_tokenizer(self):
+        """The served model's Hugging Face tokenizer (vLLM's ``LLM.get_tokenizer``): the one that
+        encodes prompts and renders chat templates here."""
+        return self.engine.inputs.tokenizer
 
     def _add(self, items) -> list[list[str]]:
         """Enqueue every (prompt, sampling_params, slo), ``n`` requests for a prompt whose

@@ -160,6 +160,17 @@ class RequestOutput:
     # (choice 0 is this one), as vLLM's RequestOutput.outputs; empty from an engine's step.
     outputs: list = field(default_factory=list, repr=False, compare=False)
 
+    @property
+    def request_id(self) -> str:
+        """vLLM's name of :attr:`req_id` (``RequestOutput.request_id``)."""
+        return self.req_id
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """Sum of the output tokens' raw log-probabilities (natural log), as vLLM's
+        ``CompletionOutput.cumulative_logprob``; None when ``SamplingParams.logprobs`` was not asked."""
+        return None if self.logprobs is None else float(sum(t.logprob for t in self.logprobs))
+
     def slo_outcome(self) -> tuple[bool, bool]:
         """(TTFT met, P99 TBT met) of this finished request, by the rule of
         :class:`laser.core.metrics.RequestRecord` (one owner), on the copies this output holds."""
