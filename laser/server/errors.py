@@ -60,6 +60,8 @@ _EXPECTED = {
     "prompt": "a string, a list of token ids, or a list of strings or of token-id lists",
     "stop": "a string or a list of strings",
     "input": "a string or a list of input items (objects)",  # /v1/responses
+    # the Responses API's flat {"type": "function", "name": ...} is not the chat form
+    "tool_choice": "'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
 }
 _NOT_AN_OBJECT = ("model_attributes_type", "dict_type", "model_type")
 

@@ -47,7 +47,7 @@ class Sub:
     """One choice of an HTTP request: a prompt (x n) on its way through the engine."""
 
     __slots__ = ("index", "ids", "prompt_text", "sp", "stream", "final", "sent_ids", "sent_lps", "offset",
-                 "tool_parser")
+                 "tool_parser", "prompt_only")
 
     def __init__(self, index: int, ids: list[int], prompt_text: str | None, sp: SamplingParams):
         self.index, self.ids, self.prompt_text, self.sp = index, ids, prompt_text, sp
@@ -57,6 +57,21 @@ class Sub:
         self.sent_lps = 0  # output tokens whose logprobs were streamed
         self.offset = 0  # text_offset of the next streamed token (completions logprobs)
         self.tool_parser = None  # a chat choice with tools: its ToolCallParser (laser.server.tool_parser)
+        # completions' echo with max_tokens 0: the engine runs max_tokens 1 (its one forward pass
+        # gives the prompt's logprobs) and the client sees no output token (see view)
+        self.prompt_only = False
+
+    def view(self, out):
+        """``out`` (an engine :class:`~laser.frontend.outputs.RequestOutput` of this choice) as the
+        client sees it: itself, or for a :attr:`prompt_only` choice the same with no output tokens,
+        text or logprobs and ``finish_reason: "length"`` once finished (vLLM's
+        ``echo_without_generation``), so every answer, stream and ``usage`` count reads it alike."""
+        if not self.prompt_only:
+            return out
+        return dataclasses.replace(out, text="", token_ids=[], delta_text="", new_token_ids=[],
+                                   logprobs=None if out.logprobs is None else [],
+                                   finish_reason="length" if out.finished and out.finish_reason != "abort"
+                                   else out.finish_reason)
 
     def new_ids(self, out) -> list[int]:
         """Output token ids not streamed yet (the ``token_ids`` of the next chunk)."""
@@ -257,7 +272,7 @@ class Generation(RequestFields):
             if item.finished:
                 s = by_id[item.req_id]
                 if s.final is None:
-                    s.final = item
+                    s.final = s.view(item)
                     left -= 1
 
     async def run_blocking(self, request: Request, subs: list[Sub], q: asyncio.Queue) -> bool:

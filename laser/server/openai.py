@@ -123,6 +123,10 @@ def _completions_route(router: APIRouter, srv: Generation) -> None:
             prompts = [p]
         else:
             prompts = list(p)
+        prompt_only = body.echo and body.max_tokens == 0  # OpenAI's legacy scoring: the prompt alone (vLLM too)
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens: Input should be greater than or equal to 1 (0 only with echo: the "
+                                "prompt and its logprobs alone)", "invalid_value", "max_tokens")
         if body.n > 1 and len(prompts) * body.n > MAX_CHOICES:  # a prompt list alone has no cap (as vLLM)
             raise APIError(400, f"at most {MAX_CHOICES} choices per request (prompts x n) when n > 1, got "
                                 f"{len(prompts)} x {body.n}", "invalid_value", "n")
@@ -131,11 +135,12 @@ def _completions_route(router: APIRouter, srv: Generation) -> None:
         for i, pr in enumerate(prompts):
             param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
             ids = await srv.encode(pr, param)
-            mt = srv.max_tokens_for(body.max_tokens, len(ids), 16)
+            mt = srv.max_tokens_for(1 if prompt_only else body.max_tokens, len(ids), 16)
             sp = srv.sampling_params(body, mt, stop, structured)
             text = pr if isinstance(pr, str) else None
             for j in range(body.n):  # each choice its own reproducible stream (vLLM: seed + j)
                 subs.append(Sub(len(subs), ids, text, dataclasses.replace(sp, seed=choice_seed(sp.seed, j))))
+                subs[-1].prompt_only = prompt_only
         if body.echo:
             for s in subs:
                 if s.prompt_text is None:

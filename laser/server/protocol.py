@@ -140,7 +140,8 @@ class CompletionRequest(_Common):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]] = Field(
         ..., description="text, token ids, or a list of either (one choice set per prompt)"
     )
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0, description="tokens to generate; 0 only with echo: the prompt (and "
+                                   "its logprobs) alone, nothing generated (OpenAI's legacy scoring, as vLLM)")
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="log-probabilities of each token and "
                                  "of this many most likely ones (the prompt's too with echo)")

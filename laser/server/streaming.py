@@ -80,6 +80,7 @@ async def _batches(q: asyncio.Queue, subs: list[Sub]) -> AsyncIterator[list[tupl
             s = by_id[item.req_id]
             if s.final is not None:
                 continue
+            item = s.view(item)
             if item.finished:
                 s.final = item
                 left -= 1
