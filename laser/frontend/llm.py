@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 from typing import Sequence
 
 from .engine import Engine
 from .outputs import RequestOutput
+from ..core.config import SchedulerConfig
 from ..core.request import SLO, InvalidRequestError, SamplingParams, choice_seed
 
 
@@ -32,6 +34,30 @@ def check_tools(tools) -> None:
             raise InvalidRequestError(f"tools[{i}].function.parameters: must be a JSON schema object")
 
 
+#: vLLM ``LLM`` options for GPUs that this CPU engine has no use for -> what to use instead.
+_VLLM_ONLY = {
+    "gpu_memory_utilization": "size the KV pool with cache=CacheConfig(kv_cache_gib=...)",
+    "kv_cache_memory_bytes": "size the KV pool with cache=CacheConfig(kv_cache_gib=...)",
+    "tensor_parallel_size": "one engine per process; several instances: `laser serve --prefill-instances ...`",
+    "pipeline_parallel_size": "one engine per process; several instances: `laser serve --prefill-instances ...`",
+    "enforce_eager": "there are no CUDA graphs; LASER_FUSED_DECODE=0 keeps the decode layers eager",
+}
+
+
+def check_engine_kwargs(kwargs: dict) -> None:
+    """Raise TypeError naming the first keyword :class:`Engine` does not take (not the
+    ModelInstance deep inside that would otherwise name it), with the keywords it does take."""
+    from ..instance.model_instance import ModelInstance
+
+    known = set(inspect.signature(ModelInstance.__init__).parameters) - {"self", "extra_eos_ids"}
+    known |= {"model", "policy", "slo_classes", "max_num_seqs", "max_num_batched_tokens"}
+    for k in kwargs:
+        if k not in known:
+            why = f" ({_VLLM_ONLY[k]})" if k in _VLLM_ONLY else ""
+            raise TypeError(f"LLM() got an unexpected keyword argument {k!r}{why}; it takes "
+                            f"{', '.join(sorted(known))}")
+
+
 def prompt_of(prompt):
     """A prompt as :meth:`Engine.add_request` takes it: text or token ids as given, and vLLM's
     prompt dicts (``vllm.inputs``) unwrapped: ``{"prompt": text}`` (``TextPrompt``) and
@@ -54,7 +80,19 @@ class LLM:
     Keyword arguments are passed to :class:`Engine` (``dtype``, ``quantization``, ``cache``, ``scheduler``, ...).
     """
 
-    def __init__(self, model: str | None = None, policy: str = "laser", **engine_kwargs):
+    def __init__(self, model: str | None = None, policy: str = "laser", *, max_num_seqs: int | None = None,
+                 max_num_batched_tokens: int | None = None, **engine_kwargs):
+        """``max_num_seqs`` / ``max_num_batched_tokens``: vLLM's keywords (the CLI's flags of the same
+        names), set on the :class:`SchedulerConfig` (``scheduler=`` or the policy's default).
+
+        Raises TypeError naming a keyword the engine does not take (vLLM's GPU options among them,
+        with what to use instead); ConfigError for a bad value."""
+        check_engine_kwargs(engine_kwargs)
+        knobs = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
+        knobs = {k: v for k, v in knobs.items() if v is not None}
+        if knobs:
+            base = engine_kwargs.get("scheduler") or SchedulerConfig(policy=policy)
+            engine_kwargs["scheduler"] = dataclasses.replace(base, **knobs)
         self.engine = Engine(model=model, policy=policy, **engine_kwargs)
 
     def generate(

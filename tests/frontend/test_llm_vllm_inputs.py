@@ -1,8 +1,9 @@
 """vLLM's offline call shapes that a user brings over: prompt dicts (``TextPrompt`` /
 ``TokensPrompt``) in ``LLM.generate``, OpenAI content-part lists in ``LLM.chat`` (the server joins
 them the same way), ``LLM.get_tokenizer()``, and ``RequestOutput.request_id`` /
-``cumulative_logprob``. On main the dicts raised a bare ``KeyError: 0``, the content parts a
-template error, and the rest an AttributeError."""
+``cumulative_logprob``, ``LLM(max_num_seqs=..., max_num_batched_tokens=...)``. On main the dicts
+raised a bare ``KeyError: 0``, the content parts a template error, the scheduler keywords a
+TypeError naming ``ModelInstance``, and the rest an AttributeError."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import math
 
 import pytest
 
+from laser.core.config import SchedulerConfig
 from laser.core.request import InvalidRequestError, SamplingParams
 from laser.frontend.llm import LLM
 
@@ -54,3 +56,20 @@ def test_output_request_id_and_cumulative_logprob(llm):
     assert math.isclose(out.cumulative_logprob, sum(t.logprob for t in out.logprobs), rel_tol=1e-6)
     assert out.cumulative_logprob < 0
     assert llm.generate("The sea", GREEDY)[0].cumulative_logprob is None  # logprobs not asked, as vLLM
+
+
+def test_vllm_engine_keywords(tiny_llama):
+    llm = LLM(str(tiny_llama), policy="sarathi", dtype="float32", max_model_len=256, max_num_seqs=3,
+              max_num_batched_tokens=32)
+    cfg = llm.engine.scheduler_config
+    assert (cfg.policy, cfg.max_num_seqs, cfg.max_num_batched_tokens) == ("sarathi", 3, 32)
+    outs = llm.generate([f"Prompt {i}" for i in range(5)], GREEDY)  # more prompts than seats: all served
+    assert [len(o.token_ids) for o in outs] == [4] * 5
+    mine = SchedulerConfig(policy="laser", best_effort_share=0.5)
+    cfg = LLM(str(tiny_llama), dtype="float32", max_model_len=256, scheduler=mine, max_num_seqs=2).engine.scheduler_config
+    assert (cfg.best_effort_share, cfg.max_num_seqs) == (0.5, 2)
+    with pytest.raises(TypeError, match=r"LLM\(\) got an unexpected keyword argument 'gpu_memory_utilization' "
+                                        r"\(size the KV pool with cache=CacheConfig"):
+        LLM(str(tiny_llama), gpu_memory_utilization=0.9)
+    with pytest.raises(TypeError, match="'tokenizer'; it takes .*max_num_seqs"):
+        LLM(str(tiny_llama), tokenizer=str(tiny_llama))
