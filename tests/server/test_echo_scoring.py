@@ -11,7 +11,7 @@ import json
 import httpx
 import pytest
 
-from laser.core.config import CacheConfig
+from laser.core.config import CacheConfig, SchedulerConfig
 from laser.frontend.engine import Engine
 from serverutil import openai_client, serving
 
@@ -20,8 +20,9 @@ PROMPT = [(7 * i + 3) % 500 + 100 for i in range(40)]  # 40 token ids: more than
 
 @pytest.fixture(scope="module")
 def live(tiny_llama):
+    # prefill chunks of 16 tokens: the prompts' logprobs are collected over several steps
     engine = Engine(str(tiny_llama), policy="sarathi", dtype="float32", cache=CacheConfig(num_blocks=128),
-                    max_model_len=256)
+                    max_model_len=256, scheduler=SchedulerConfig(policy="sarathi", max_num_batched_tokens=16))
     yield from serving(engine)
 
 
