@@ -59,3 +59,31 @@ def test_the_client_sends_at_the_raised_niceness_and_goes_back():
     assert seen["inside"] == 3 and seen["zero"] == seen["after"]
     if os.geteuid() == 0:  # lowering it back needs privilege
         assert seen["after"] == 0
+
+
+def test_without_an_early_stop_the_client_waits_once_instead_of_polling(monkeypatch):
+    """Each ``asyncio.wait`` hooks every pending request; the 0.1 s poll is for the early stop only."""
+    import laser.bench.client as client_mod
+    from laser.bench.workloads import WorkloadRequest
+    from laser.core.slo import SLOClasses
+
+    calls = []
+    real_wait = asyncio.wait
+
+    async def counting_wait(fs, timeout=None, **kw):
+        calls.append(timeout)
+        return await real_wait(fs, timeout=timeout, **kw)
+
+    async def one(self, client, i, wr, slo, t0, rec, sem, bar):
+        await asyncio.sleep(0.35)  # a request that spans several 0.1 s polls
+        rec.token_times[:] = [1.0]
+
+    monkeypatch.setattr(client_mod.asyncio, "wait", counting_wait)
+    monkeypatch.setattr(client_mod.ClientTarget, "_one", one)
+    target = client_mod.ClientTarget("http://127.0.0.1:9")
+    reqs = [WorkloadRequest("best_effort", "x", 1, 1, 0.0)] * 2
+    asyncio.run(target._run(reqs, SLOClasses({}), None, False, None))
+    assert calls == [None]
+    calls.clear()
+    asyncio.run(target._run(reqs, SLOClasses({}), None, False, 0.5))
+    assert len(calls) >= 2 and all(c == pytest.approx(0.1) for c in calls)  # the early stop polls
