@@ -37,7 +37,11 @@ plan with) and takes it as exact. This benchmark checks that assumption end to e
    its run measured under load (:func:`loaded_frontend`: the client's TTFT minus the engine's,
    12-19 ms against 5-6 ms idle on the 2-vCPU EPYC); the in-process run is compared with the plain
    simulation. Per rate, the served probe's mean TTFT at the server (``/metrics``) is printed
-   beside the client's.
+   beside the client's, with the server's hops (HTTP arrival -> its handler -> the engine; the first
+   token's step end -> the event loop), the server process's CPU per request (and its part outside
+   the engine's steps) and the benchmark client's own CPU per request: the client shares the host
+   (``--client-nice 10`` sends at a lower priority than the server, approximating a client on
+   another machine; report such a run as its own figure).
 
 Target (issue "the real engine behaves like the simulator"): real within 5 points of sim per
 class at both rates. The real runs are measurements: on a busy machine they are slower than the
@@ -47,7 +51,7 @@ Usage (SmolLM2 defaults: 120 prompts, 30 per code / summarization class, so one 
 points; about 7 minutes with a cached profile; a first run profiles first):
     python benchmarks/sim_vs_real.py [--policy laser] [--num-prompts 120] [--length-scale 0.15]
         [--mix 2:1:1] [--seed 7] [--threads 1] [--fractions 1,0.8] [--real inprocess,serve]
-        [--knee RPS] [--json out.json] [-- laser bench flags]
+        [--knee RPS] [--client-nice N] [--json out.json] [-- laser bench flags]
 
 The prefix cache is off unless a flag after ``--`` names it (every rate replays the same prompts).
 """
@@ -122,12 +126,14 @@ def class_table(pairs: dict) -> list[str]:
 STEP_LOG = 200_000
 
 
-def serve_target(stack: ExitStack, args, policy: str, profile, log_dir: str | None, label: str = "serve"):
+def serve_target(stack: ExitStack, args, policy: str, profile, log_dir: str | None, label: str = "serve",
+                 client_nice: int = 0):
     """A ``laser serve`` subprocess building the engine ``args`` describe (``laser.cli.engine_argv``:
     the in-process engine's flags) with ``policy`` and the latency profile ``profile`` (a fitted one is
     saved to a file the server loads as is), and a warmed-up ``ClientTarget`` on it (returned). The server stops, and
-    its log is copied to ``log_dir`` (when given), as ``stack`` closes. Raises RuntimeError when the
-    server does not start."""
+    its log is copied to ``log_dir`` (when given), as ``stack`` closes. ``client_nice``: the client
+    sends at this much more niceness than the server (``ClientTarget(nice=...)``). Raises
+    RuntimeError when the server does not start."""
     from laser.bench.client import ClientTarget
     from laser.bench.serve_proc import Server, free_port, keep_log
     from laser.cli import engine_argv
@@ -139,7 +145,7 @@ def serve_target(stack: ExitStack, args, policy: str, profile, log_dir: str | No
     stack.callback(keep_log, server.log_path, log_dir or "", "sim-vs-real")
     stack.callback(server.stop)
     print(f"laser serve ready in {server.start():.0f} s at {server.base_url}", flush=True)
-    target = ClientTarget(server.base_url, label=label)
+    target = ClientTarget(server.base_url, label=label, nice=client_nice)
     target.warmup()
     target.server = server  # its /metrics: the server-side TTFT (server_ttft)
     return target
@@ -154,7 +160,7 @@ def server_ttft(server, classes) -> dict:
     for c in classes:
         out[c] = tuple(server.metric((name + suffix,), slo_class=c) or 0.0
                        for name in ("laser:time_to_first_token_seconds", "laser:request_frontend_seconds",
-                                    "laser:first_token_delivery_seconds")
+                                    "laser:first_token_delivery_seconds", "laser:request_handler_wait_seconds")
                        for suffix in ("_sum", "_count"))
     return out
 
@@ -166,16 +172,32 @@ def server_ttft_line(before: dict, after: dict, probe) -> str:
     loop having it, in ms."""
     parts = []
     for c, now in after.items():
-        s1, n1, f1, m1, d1, k1 = now
-        s0, n0, f0, m0, d0, k0 = before.get(c, (0.0, 0, 0.0, 0, 0.0, 0))
+        s1, n1, f1, m1, d1, k1, h1, j1 = now
+        s0, n0, f0, m0, d0, k0, h0, j0 = before.get(c, (0.0, 0) * 4)
         cl = probe.summary.per_class.get(c)
         if n1 > n0:
-            fe = f" ({1e3 * (f1 - f0) / (m1 - m0):.1f} to the engine" if m1 > m0 else " (-"
+            fe = f" ({1e3 * (h1 - h0) / (j1 - j0):.1f} to the handler, " if j1 > j0 else " ("
+            fe += f"{1e3 * (f1 - f0) / (m1 - m0):.1f} to the engine" if m1 > m0 else "-"
             fe += f", {1e3 * (d1 - d0) / (k1 - k0):.1f} back)" if k1 > k0 else ")"
             parts.append(f"{c} {1e3 * (s1 - s0) / (n1 - n0):.0f} / {1e3 * (getattr(cl, 'ttft_mean', 0) or 0):.0f}{fe}")
     return ("  serve, mean TTFT ms at the server (HTTP arrival -> first token's step) / at the client "
-            "[in brackets: HTTP arrival -> the engine has it, first token's step end -> the event loop has it]: "
+            "[in brackets: HTTP arrival -> the handler runs, -> the engine has it, first token's step end -> "
+            "the event loop has it]: "
             + ", ".join(parts))
+
+
+def client_cpu_line(target) -> str:
+    """One line: the benchmark client's own CPU per request in its last run (``ClientTarget.cpu_s /
+    sent``: its thread's time, ms) and its niceness over the server's; the client shares the host."""
+    cpu, sent, nice = (getattr(target, k, None) for k in ("cpu_s", "sent", "nice"))
+    per = 1e3 * cpu / sent if cpu is not None and sent else float("nan")
+    return f"  serve, the benchmark client: {per:.2f} ms CPU a request ({sent} sent{f', at nice +{nice}' if nice else ''})"
+
+
+def _cpu_seconds(server) -> float | None:
+    """The server process's CPU seconds so far (``Server.cpu_seconds``; None when not known)."""
+    fn = getattr(server, "cpu_seconds", None)
+    return fn() if fn is not None else None
 
 
 def loaded_frontend(before: dict, after: dict, probe) -> float | None:
@@ -188,7 +210,7 @@ def loaded_frontend(before: dict, after: dict, probe) -> float | None:
     num = den = 0.0
     for c, now in after.items():
         s1, n1, f1, m1 = now[:4]
-        s0, n0, f0, m0 = before.get(c, (0.0, 0, 0.0, 0, 0.0, 0))[:4]
+        s0, n0, f0, m0 = before.get(c, (0.0, 0) * 4)[:4]
         cl = probe.summary.per_class.get(c)
         n = n1 - n0
         if n <= 0 or m1 - m0 != n or cl is None or not getattr(cl, "ttft_mean", None):
@@ -244,6 +266,9 @@ def parse_args(argv: list[str]):
                          "default %(default)s)")
     ap.add_argument("--frontend-probes", type=int, default=9,
                     help="idle one-token requests that measure the served front end's TTFT share (default %(default)s)")
+    ap.add_argument("--client-nice", type=int, default=0,
+                    help="the served run's benchmark client sends at this much more niceness than the server "
+                         "(e.g. 10: approximates a client on another machine; default %(default)s: the same)")
     ap.add_argument("--json", default=None,
                     help="write the results here, with every request's TTFT / TBT sim and real side by side")
     a = ap.parse_args(argv)
@@ -282,13 +307,16 @@ def simulated_knee(a, sim, requests, slos) -> float:
 TWINS = {"inprocess": ("sim@m", "inproc@m"), "serve": ("sim-served@m", "serve@m")}
 
 
-def served_speed(server, profile, before: dict):
+def served_speed(server, profile, before: dict, sent: int = 0):
     """The speed the served engine's steps ran at since ``before`` (its ``GET /engine/steps``
     counters then: :meth:`laser.bench.serve_proc.Server.engine_steps`), as :func:`machine_speed_of`
     measures the in-process engine's; and a line on where the engine thread's time went meanwhile
     (step wall, its CPU, the wait between: GIL or core; time between steps), ms per step, and one on
     its stalls (:func:`laser.bench.stalls.stall_summary`: steps far over their price, garbage
-    collections), with that summary. (None, "", None) without steps."""
+    collections), with that summary. With ``before["cpu"]`` (the server process's CPU seconds then,
+    :meth:`~laser.bench.serve_proc.Server.cpu_seconds`) and ``sent`` requests, the line adds the
+    process's CPU per request and its part outside the engine's steps (event loop, tokenizer
+    thread, HTTP, the engine thread between steps). (None, "", None) without steps."""
     from laser.bench.stalls import format_stalls, stall_summary
     from laser.latency.machine_speed import fit_machine_speed
 
@@ -305,6 +333,11 @@ def served_speed(server, profile, before: dict):
     line = (f"  serve engine thread, ms per step ({k} steps): step {per['step_s']:.2f} (on a core "
             f"{per['step_cpu_s']:.2f}, waited {per['step_s'] - per['step_cpu_s']:.2f}), between steps "
             f"{per['between_s']:.2f}")
+    cpu = _cpu_seconds(server)
+    if sent and cpu is not None and before.get("cpu") is not None:
+        total, steps = cpu - before["cpu"], t1["step_cpu_s"] - t0["step_cpu_s"]
+        line += (f"\n  serve process CPU, ms a request ({sent} sent): {1e3 * total / sent:.1f}, of which outside "
+                 f"the engine's steps {1e3 * (total - steps) / sent:.1f}")
     stalls = stall_summary(now.get("timed", ()), before.get("gc"), now.get("gc"))
     return speed, line + "\n" + format_stalls(stalls), stalls
 
@@ -339,6 +372,8 @@ def compare_at(both, runs: dict, sim_of: dict, rate: float, f: float, fe, wl_cla
         if lb == "serve":
             seen = server_ttft(runs["serve"].server, wl_classes)
             before = runs["serve"].server.engine_steps() if twinned else None
+            if before is not None:
+                before["cpu"] = _cpu_seconds(runs["serve"].server)
         if lb == "inprocess" and twinned:
             core = runs[lb].engine.core
             core.step_log, before = [], (core.step_stats.steps, core.step_stats.schedule_s)
@@ -346,7 +381,8 @@ def compare_at(both, runs: dict, sim_of: dict, rate: float, f: float, fe, wl_cla
         if lb == "inprocess" and twinned:
             speeds[lb] = machine_speed_of(runs[lb].engine, profile, before)
         if lb == "serve" and twinned:
-            speeds[lb], thread_line, stalls = served_speed(runs["serve"].server, profile, before)
+            speeds[lb], thread_line, stalls = served_speed(runs["serve"].server, profile, before,
+                                                           getattr(runs[lb], "sent", 0))
     compared = {lb: (sims[sim_of[lb]], rp) for lb, rp in rps.items()}
     after = server_ttft(runs["serve"].server, wl_classes) if seen is not None else None
     fe_load = loaded_frontend(seen, after, rps["serve"]) if seen is not None else None
@@ -369,6 +405,7 @@ def compare_at(both, runs: dict, sim_of: dict, rate: float, f: float, fe, wl_cla
     lines += class_table(compared)
     if seen is not None:
         lines.append(server_ttft_line(seen, after, rps["serve"]))
+        lines.append(client_cpu_line(runs["serve"]))
     if thread_line:
         lines.append(thread_line)
     pairs = {lb: paired_rows(sp.records, rp.records) for lb, (sp, rp) in compared.items()}
@@ -387,6 +424,9 @@ def compare_at(both, runs: dict, sim_of: dict, rate: float, f: float, fe, wl_cla
         rec["serve_stalls"] = stalls
     if fe_load is not None:
         rec["frontend_loaded_s"] = fe_load
+    if seen is not None:
+        cl = runs["serve"]
+        rec["client"] = {k: getattr(cl, k, None) for k in ("cpu_s", "sent", "nice")}
     return lines, rec
 
 
@@ -426,7 +466,7 @@ def main(argv=None) -> int:
         if "inprocess" in a.reals:
             runs["inprocess"], sim_of["inprocess"] = real, "sim"
         if "serve" in a.reals:
-            runs["serve"] = serve_target(stack, args, specs[0][1], profile, a.log_dir)
+            runs["serve"] = serve_target(stack, args, specs[0][1], profile, a.log_dir, client_nice=a.client_nice)
             fe = frontend_term(runs["serve"], profile, a.frontend_probes)
             runs["sim-served"] = sim_target(args, a.policy, profile, engine, served=True, label="sim-served")
             sim_of["serve"] = "sim-served"

@@ -16,9 +16,35 @@ backend_request_func.py``: one ITL per chunk; with per-chunk usage counts, ``inc
 So TTFT is the first chunk with a token, TPOT = (last token time - first) / (tokens - 1) is
 vLLM's ``(latency - ttft) / (output_len - 1)`` with the exact token count, and the P99 TBT
 sees every real gap once.
+
+:func:`sse_data` reads the stream's ``data:`` payloads from its raw byte chunks: the benchmark's
+client shares the host with the server it times, so it splits lines on bytes itself instead of
+httpx's text line decoder (and :class:`~laser.bench.client.ClientTarget` copies no token times per chunk).
 """
 
 from __future__ import annotations
+
+
+async def sse_data(chunks, clock):
+    """``(payload, t)`` for every ``data:`` line of a server-sent event stream, in order: the
+    payload as bytes, stripped, and ``t`` = ``clock()`` (seconds) when the byte chunk that
+    completed the line arrived -- every line of one chunk arrived together, so parsing one does
+    not make the next look later. ``chunks``: an async iterable of ``bytes`` (httpx's
+    ``aiter_bytes()``). A line may span chunks; lines end in a newline (a carriage return before
+    it goes with the strip); other fields (``event:``, ``id:``, comments) and blank lines are
+    skipped; a last line without its newline is still read when the stream ends."""
+    rest, t = b"", None
+    async for chunk in chunks:
+        if not chunk:
+            continue
+        t = clock()
+        lines = (rest + chunk if rest else chunk).split(b"\n")
+        rest = lines.pop()
+        for line in lines:
+            if line.startswith(b"data:"):
+                yield line[5:].strip(), t
+    if rest.startswith(b"data:"):
+        yield rest[5:].strip(), t
 
 
 class ChunkTokenTimer:
@@ -54,6 +80,11 @@ class ChunkTokenTimer:
                     self._last = now
             if c.get("finish_reason"):
                 self.finish_reason = c["finish_reason"]
+
+    @property
+    def first(self) -> float | None:
+        """Arrival time of the first output token known so far (seconds), or None."""
+        return self._times[0] if self._times else None
 
     def token_times(self) -> list[float]:
         """Arrival time of every output token (seconds, client clock), in order."""

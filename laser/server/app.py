@@ -34,7 +34,7 @@ from .. import __version__
 from ..frontend.async_engine import AsyncEngine, EngineStepError, EngineUnavailableError
 from . import openai as openai_routes
 from .errors import APIError, error_response, format_validation, unavailable
-from .generation import Generation
+from .generation import ARRIVAL_KEY, Generation
 from .heap import GC_PAUSES
 from .metrics import CONTENT_TYPE, ServerMetrics
 
@@ -145,6 +145,25 @@ class _Unhandled:
 
 
 
+class _Arrival:
+    """Pure-ASGI middleware, the outermost of ours: stamps each HTTP request's arrival
+    (``clock()``, the engine's clock in seconds) into ``scope[ARRIVAL_KEY]`` as the app first
+    sees it -- before its body is read, parsed and validated (pydantic) and the handler runs.
+    The handlers plan the TTFT deadline from this stamp (:meth:`laser.server.generation.
+    Generation.validate`): under load the event loop may take milliseconds from here to the
+    handler, slack a deadline stamped in the handler would not know it had lost (vLLM stamps
+    ``arrival_time`` later still, in its input processor).
+    """
+
+    def __init__(self, app, clock: Callable[[], float]):
+        self.app, self.clock = app, clock
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            scope[ARRIVAL_KEY] = self.clock()
+        await self.app(scope, receive, send)
+
+
 def _price(plan) -> float | None:
     """The scheduler's price of ``plan`` when it planned it (``plan.predicted``; seconds), or None."""
     return None if plan.predicted is None else plan.predicted[1]
@@ -211,7 +230,7 @@ def build_app(
     )
     app.state.async_engine = ae
     app.state.metrics = metrics
-    _middleware(app, api_key, max_body_bytes, metrics, cors)
+    _middleware(app, api_key, max_body_bytes, metrics, cors, lambda: ae.engine.clock())
 
     _api_error = _error_handlers(app, metrics)
     _health_routes(app, ae, metrics)
@@ -233,15 +252,16 @@ def build_app(
 
 
 def _middleware(app: FastAPI, api_key: str | None, max_body_bytes: int, metrics: ServerMetrics,
-                cors: dict | None) -> None:
+                cors: dict | None, clock: Callable[[], float]) -> None:
     """The app's middleware, innermost first: :class:`_Guard` (API key, body size), then
-    :class:`_Unhandled` (a JSON 500, around _Guard too), then CORS when ``cors`` is given:
-    outermost, so a preflight is answered before the API key check and every answer carries
-    its headers."""
+    :class:`_Unhandled` (a JSON 500, around _Guard too), then CORS when ``cors`` is given
+    (so a preflight is answered before the API key check and every answer carries its
+    headers), then :class:`_Arrival` outermost (the request's arrival on ``clock``)."""
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes, on_reject=metrics.reject)
     app.add_middleware(_Unhandled)
     if cors is not None:
         app.add_middleware(CORSMiddleware, **cors)
+    app.add_middleware(_Arrival, clock=clock)
 
 
 def _error_handlers(app: FastAPI, metrics: ServerMetrics):

@@ -30,6 +30,8 @@ from .fields import RequestFields
 from .metrics import ServerMetrics
 from .token_texts import TokenTexts
 
+#: ASGI scope key of a request's arrival (engine clock, seconds), set by ``laser.server.app._Arrival``.
+ARRIVAL_KEY = "laser.arrival"
 #: A client's ``X-Request-Id`` that becomes the response id: at most 128 letters, digits and ``._:-``
 #: (anything else, e.g. spaces or quotes, would make an id a log line or a URL cannot carry as is).
 CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -133,16 +135,25 @@ class Generation(RequestFields):
         return APIError(status, f"model {model!r} does not exist; this server serves {', '.join(self.names)}",
                         "model_not_found", "model")
 
-    def validate(self, body, h_class: str | None, h_ttft: str | None, h_tbt: str | None, headers=None):
-        """Checks shared by both generation endpoints: (arrival time, model name, SLO served,
+    def validate(self, body, h_class: str | None, h_ttft: str | None, h_tbt: str | None, request=None):
+        """Checks shared by the generation endpoints: (arrival time, model name, SLO served,
         stop strings, SLO asked for when it differs -- see :meth:`resolve_slo` -- else None).
+        The arrival (engine clock, seconds) is the app's first sight of ``request`` (Starlette
+        ``Request``; its ``scope[ARRIVAL_KEY]``, stamped by ``laser.server.app._Arrival`` before
+        the body was read and validated), else the clock now.
 
         Raises APIError: 404 for an unknown model; 400 for an unsupported parameter, a bad SLO or stop list.
         """
-        arrival = self.ae.engine.clock()
+        now = self.ae.engine.clock()
+        arrival = request.scope.get(ARRIVAL_KEY) if request is not None else None
         model = self.check_model(body.model)
         self.check_unsupported(body)
-        slo, asked = self.resolve_slo(body.slo_fields(), h_class, h_ttft, h_tbt, headers)
+        slo, asked = self.resolve_slo(body.slo_fields(), h_class, h_ttft, h_tbt,
+                                      None if request is None else request.headers)
+        if arrival is None:
+            arrival = now
+        else:
+            self.metrics.handler_wait.labels(self.metrics.model_name, slo.name).observe(max(0.0, now - arrival))
         return arrival, model, slo, self.stop_strings(body), asked
 
     async def encode(self, prompt, param: str, tools: list[dict] | None = None, **switches) -> list[int]:

@@ -52,9 +52,13 @@ class ServerMetrics:
         self.e2e = Histogram("laser:e2e_request_latency_seconds", "Arrival to last token of finished requests.",
                              cls, buckets=E2E_BUCKETS, registry=r)
         self.frontend = Histogram("laser:request_frontend_seconds",
-                                  "HTTP arrival (the request handler) to the engine taking the request: parsing, "
-                                  "tokenization, admission, the hop to the engine thread (its next layer boundary).",
-                                  cls, buckets=TTFT_BUCKETS, registry=r)
+                                  "HTTP arrival (the app first sees the request) to the engine taking the request: "
+                                  "the body's parsing and validation, tokenization, admission, the hop to the engine "
+                                  "thread (its next layer boundary).", cls, buckets=TTFT_BUCKETS, registry=r)
+        self.handler_wait = Histogram("laser:request_handler_wait_seconds",
+                                      "HTTP arrival (the app first sees the request) to its handler running: the "
+                                      "body read, parsed and validated while the event loop serves other work "
+                                      "(part of laser:request_frontend_seconds).", cls, buckets=ITL_BUCKETS, registry=r)
         self.delivery = Histogram("laser:first_token_delivery_seconds",
                                   "The end of the engine step that made a request's first token to the event loop "
                                   "handing it to the request's stream (the engine thread's output work, the hop "

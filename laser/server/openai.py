@@ -113,7 +113,7 @@ def _completions_route(router: APIRouter, srv: Generation) -> None:
     @router.post("/v1/completions", responses=errors)
     async def completions(body: CompletionRequest, request: Request, h: SLOHeaders = Depends()):
         arrival, model, slo, stop, asked = srv.validate(body, h.x_slo_class, h.x_slo_ttft_ms, h.x_slo_tbt_ms,
-                                                 request.headers)
+                                                 request)
         p = body.prompt
         if isinstance(p, str):
             prompts: list = [p]
@@ -171,7 +171,7 @@ def _chat_route(router: APIRouter, srv: Generation) -> None:
     @router.post("/v1/chat/completions", responses=errors)
     async def chat_completions(body: ChatCompletionRequest, request: Request, h: SLOHeaders = Depends()):
         arrival, model, slo, stop, asked = srv.validate(body, h.x_slo_class, h.x_slo_ttft_ms, h.x_slo_tbt_ms,
-                                                 request.headers)
+                                                 request)
         tools = await tool_plan(body)
         structured = await tool_constraint(srv, tools, await srv.structured_output(body))
         ids = await srv.encode(chat_messages(body.messages), "messages", tools and tools.tools,

@@ -221,7 +221,7 @@ def add_route(router: APIRouter, srv: Generation) -> None:
     async def responses(body: ResponsesRequest, request: Request, h: SLOHeaders = Depends()):
         chat = body.as_chat()
         arrival, model, slo, stop, asked = srv.validate(chat, h.x_slo_class, h.x_slo_ttft_ms, h.x_slo_tbt_ms,
-                                                        request.headers)
+                                                        request)
         with body.named_fields():
             structured = await srv.structured_output(chat)
             ids = await srv.encode(chat_messages(chat.messages), "messages", None, **chat.template_switches())

@@ -556,6 +556,7 @@ def test_base_url_client_against_our_server(tiny_llama):
         p = bench.probe("ours", 10.0)
         assert client.model == "tiny" and not client.errors, client.errors
         assert p.summary.overall.finished == 6
+        assert client.sent == 6 and client.cpu_s > 0  # the client's own cost of its last run
         for r, w in zip(p.records, _small_workload()):
             assert r.ttft is not None and r.ttft > 0
             assert len(r.token_times) == w.output_len  # exact: per-chunk token ids (ignore_eos)

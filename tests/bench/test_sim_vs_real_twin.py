@@ -137,3 +137,13 @@ def test_the_loaded_front_end_is_the_clients_ttft_over_the_engines():
              "other": (0.4, 1, 0.0, 0, 0.0, 0)}  # no front-end sample: left out
     assert svr.loaded_frontend(before, after, probe) == pytest.approx((3 * 0.014 + 0.022) / 4)
     assert svr.loaded_frontend({}, {"summarization": (0.0, 0, 0.0, 0, 0.0, 0)}, probe) is None
+
+
+def test_the_served_ttft_line_names_the_wait_for_the_handler():
+    svr = _load("sim_vs_real")
+    probe = types.SimpleNamespace(summary=types.SimpleNamespace(per_class={"chat": types.SimpleNamespace(ttft_mean=0.110)}))
+    after = {"chat": (0.300, 3, 0.030, 3, 0.003, 3, 0.012, 3)}  # sums and counts: TTFT, to the engine, back, handler
+    line = svr.server_ttft_line({}, after, probe)
+    assert "chat 100 / 110 (4.0 to the handler, 10.0 to the engine, 1.0 back)" in line
+    old = {"chat": (0.300, 3, 0.030, 3, 0.003, 3, 0.0, 0)}  # a server without the handler's histogram
+    assert "chat 100 / 110 (10.0 to the engine, 1.0 back)" in svr.server_ttft_line({}, old, probe)

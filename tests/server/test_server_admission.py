@@ -409,11 +409,16 @@ def test_burst_is_admitted_by_queue_position(tiny_llama):
     model, 250 ms target): the first few are admitted (predicted feasible behind the ones
     before them), the rest get 429 with their predicted TTFT; /metrics counts each decision."""
     lm = SimpleLatencyModel(num_layers=4, per_layer=0.0025, per_token=1e-4)
-    engine = _engine(tiny_llama, latency_model=lm)
+    # the engine's clock moves only with its steps: the time the event loop takes to reach each
+    # handler of the burst (counted from the HTTP arrival since srv23) depends on the host, and
+    # on a loaded one it alone passed the target before the first request was decided
+    now = [0.0]
+    engine = _engine(tiny_llama, latency_model=lm, clock=lambda: now[0])
     step = engine.step
 
-    def slow_step():  # the engine lags behind the burst, as a loaded CPU would
+    def slow_step():  # the engine lags behind the burst, as a loaded CPU would: 50 ms a step
         time.sleep(0.05)
+        now[0] += 0.05
         return step()
 
     engine.step = slow_step
