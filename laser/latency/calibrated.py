@@ -264,6 +264,7 @@ class CalibratedLatencyModel(KindScaledLatencyModel):
         # per kind: (measured - the other kind's scaled part) / this kind's inner part
         self.decode_ratios: deque[float] = deque(maxlen=window)
         self.prefill_ratios: deque[float] = deque(maxlen=window)
+        self._recent: deque[tuple[float, bool]] = deque(maxlen=window)  # (kind ratio, prefill?), every step
         self.observed = 0  # steps observed in all
         self._decode_price = KindScaledLatencyModel(inner, 1.0, 0.0)  # a plan's decode part D (observe_step)
 
@@ -278,24 +279,21 @@ class CalibratedLatencyModel(KindScaledLatencyModel):
         self.observed += 1
         prefill_s = min(max(prefill_s, 0.0), predicted_s)
         decode_s = predicted_s - prefill_s
-        if prefill_s >= self.PREFILL_SHARE * predicted_s:
-            r = (measured_s - self.decode_factor * decode_s) / prefill_s
-            if r > 0.0:
-                self.prefill_ratios.append(r)
-        else:
-            r = (measured_s - self.factor * prefill_s) / decode_s
-            if r > 0.0:
-                self.decode_ratios.append(r)
+        pre = prefill_s >= self.PREFILL_SHARE * predicted_s
+        r = ((measured_s - self.decode_factor * decode_s) / prefill_s if pre
+             else (measured_s - self.factor * prefill_s) / decode_s)
+        if r > 0.0:
+            (self.prefill_ratios if pre else self.decode_ratios).append(r)
+            self._recent.append((r, pre))
         if len(self.ratios) < self.min_steps:
             return
         one = self._clamped(self.ratio_quantile(self.quantile))
         self.decode_factor = self._kind_factor(self.decode_ratios, one)
         self.factor = self._kind_factor(self.prefill_ratios, one)
-        if self.spread_quantile is not None:
-            pooled = [r / self.decode_factor for r in self.decode_ratios]
-            pooled += [r / self.factor for r in self.prefill_ratios]
-            q_hi, q = (_quantile(pooled, self.spread_quantile), _quantile(pooled, self.quantile)) if pooled else (1.0, 1.0)
-            self._spread = min(self.max_spread, max(1.0, q_hi / q))
+        if self.spread_quantile is not None and self._recent:
+            a, b = self.decode_factor, self.factor
+            s = sorted(r / (b if pre else a) for r, pre in self._recent)
+            self._spread = min(self.max_spread, max(1.0, _quantile(s, self.spread_quantile) / _quantile(s, self.quantile)))
 
     def _clamped(self, f: float) -> float:
         return min(self.hi, max(self.lo, f))
@@ -307,9 +305,9 @@ class CalibratedLatencyModel(KindScaledLatencyModel):
 
     def timing_spread(self) -> float:
         """How far over its calibrated prediction a step runs in the worst ``1 - spread_quantile``
-        of steps: the ``spread_quantile`` over the ``quantile`` of the remembered per-kind ratios,
-        each over its kind's factor (for steps of one kind: that kind's ratios' quantile over its
-        factor), within ``[1, max_spread]``; always 1.0 without a ``spread_quantile`` (the
+        of steps: the ``spread_quantile`` over the ``quantile`` of the last ``window`` steps' kind
+        ratios, each over its kind's factor now (for steps of one kind: the quantile of their ratios
+        over the factor), within ``[1, max_spread]``; always 1.0 without a ``spread_quantile`` (the
         default: the fixed margins). ``prior_spread`` until ``min_steps``
         observations (:func:`spread_before_calibration`: the spread the profile measured, when it did)."""
         return self._spread
