@@ -287,9 +287,13 @@ class CalibratedLatencyModel(KindScaledLatencyModel):
             self._recent.append((r, pre))
         if len(self.ratios) < self.min_steps:
             return
-        one = self._clamped(self.ratio_quantile(self.quantile))
-        self.decode_factor = self._kind_factor(self.decode_ratios, one)
-        self.factor = self._kind_factor(self.prefill_ratios, one)
+        # (a kind's factor moves with its own observations, or with every step while it takes the one factor)
+        one = self._clamped(self.ratio_quantile(self.quantile)) if min(
+            len(self.decode_ratios), len(self.prefill_ratios)) < self.min_steps else 1.0
+        if not pre or len(self.decode_ratios) < self.min_steps:
+            self.decode_factor = self._kind_factor(self.decode_ratios, one)
+        if pre or len(self.prefill_ratios) < self.min_steps:
+            self.factor = self._kind_factor(self.prefill_ratios, one)
         if self.spread_quantile is not None and self._recent:
             a, b = self.decode_factor, self.factor
             s = sorted(r / (b if pre else a) for r, pre in self._recent)
