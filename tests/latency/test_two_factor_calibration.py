@@ -83,3 +83,22 @@ def test_a_simulated_engine_on_a_machine_that_drifts_per_kind_learns_both_factor
     assert len(two.prefill_ratios) >= 4 and len(two.decode_ratios) >= 4
     assert two.decode_factor == pytest.approx(0.7, rel=1e-6) and two.factor == pytest.approx(1.25, rel=1e-6)
     assert two.timing_spread() == pytest.approx(1.0)
+
+
+def test_the_spread_counts_steps_in_the_order_they_ran():
+    """A prefill step (one in 16) is 30 % over its factor one time in ten: one step in 160, under the
+    98th percentile of the steps -- no spread. Over the two kind windows pooled, the prefill steps
+    would weigh half and the spread would be 1.3 (a replayed real run: 1.30 against 1.10 in order)."""
+    machine = KindScaledLatencyModel(LM, 0.8, 1.3)
+    m = CalibratedLatencyModel(LM, min_steps=4, spread_quantile=JITTER_SPREAD_QUANTILE)
+    pre = 0
+    for k in range(2000):
+        plan = _prefill_plan(k % 7) if k % 16 == 0 else _decode_plan(k % 7)
+        measured = machine.predict_iteration(plan)
+        if k % 16 == 0:
+            pre += 1
+            measured *= 1.3 if pre % 10 == 0 else 1.0
+        m.observe_step(m.predict_iteration(plan), measured, plan)
+    assert m.decode_factor == pytest.approx(0.8) and m.factor == pytest.approx(1.3)
+    assert m.timing_spread() == pytest.approx(1.0)
+    assert sum(r > 1.31 for r in m.prefill_ratios) >= 6  # (the slow prefill steps are in its window)
