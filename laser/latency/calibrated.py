@@ -224,8 +224,9 @@ class CalibratedLatencyModel(KindScaledLatencyModel):
     with no ``prefill_s``) has one factor, as before the split. Why two: the machine moves
     memory-bound decode and compute-bound prefill apart (bf16 SmolLM2 on the 2-vCPU EPYC: 0.73x
     and 0.85x of the profile in one run; ``machine_speed.fit_machine_speed``), and one factor,
-    the 0.8 quantile of a mix of both, priced decode 9 % high and put the kinds' difference into
-    the timing spread (1.20 against 1.08 on the engine's twin), on top of the jitter it measures.
+    the 0.8 quantile of a mix of both, prices one kind high and the other low (that run's steps
+    replayed: 0.781 for both against 0.755 / 0.847; each step planned 2.7 % less pessimistically
+    with two, docs/benchmarks.md "knee23"). When the two move together it changes nothing.
 
     Args:
         inner: the profiled model (any :class:`LatencyModel`).
