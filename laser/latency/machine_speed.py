@@ -21,45 +21,11 @@ the simulator's clock does not otherwise advance by. Torch- and numpy-free.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable
 
-from .calibrated import ScaledLatencyModel
+from .calibrated import KindScaledLatencyModel
 
-
-class KindScaledLatencyModel(ScaledLatencyModel):
-    """``inner``'s predictions, layer calls whose every entry is one decode token (and the
-    embedding, LM head, mask and step overheads) times ``decode_factor``, layer calls with a
-    prefill chunk (a query of more than one token) times ``factor``; every step ``host_step_s``
-    seconds more (with the step's own overhead). Raises ValueError for a negative factor or
-    both zero, or a negative ``host_step_s``."""
-
-    def __init__(self, inner, decode_factor: float, factor: float, host_step_s: float = 0.0):
-        if decode_factor < 0.0 or factor < 0.0 or not decode_factor + factor > 0.0 or host_step_s < 0.0:
-            raise ValueError(f"need factors >= 0, not both 0, and host_step_s >= 0, got {decode_factor}, {factor}, "
-                             f"{host_step_s}")
-        super().__init__(inner, 1.0)
-        self.factor = float(factor)  # (ScaledLatencyModel refuses 0; a pricing split needs it)
-        self.decode_factor = float(decode_factor)
-        self.host_step_s = float(host_step_s)
-
-    def layer_time(self, query_lens: Sequence[int], context_lens: Sequence[int]) -> float:
-        f = self.decode_factor if sum(query_lens) == len(query_lens) else self.factor
-        return f * self.inner.layer_time(query_lens, context_lens)
-
-    @property
-    def overhead_factor(self) -> float:
-        """The per-row and per-step terms scale with decode (bandwidth- and dispatch-bound, like a
-        decode layer): :attr:`decode_factor`."""
-        return self.decode_factor
-
-    def step_overhead_time(self, compositions: int, composed_works: int) -> float:
-        if compositions <= 0:
-            return 0.0
-        return super().step_overhead_time(compositions, composed_works) + self.host_step_s
-
-    @property
-    def step_overhead_s(self) -> float:  # type: ignore[override]
-        return super().step_overhead_s + self.host_step_s
+__all__ = ["KindScaledLatencyModel", "MachineSpeed", "fit_machine_speed"]
 
 
 @dataclass(frozen=True)

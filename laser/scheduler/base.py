@@ -112,11 +112,11 @@ class Scheduler(ABC):
         return self.observe_step if hasattr(self.latency_model, "observe_step") else None
 
     def observe_step(self, plan: StepPlan, measured_s: float) -> None:
-        """``plan`` ran to its end in ``measured_s`` s: the latency model is told two numbers, that and
-        its prediction (``plan.predicted``, made at planning; priced now for unpriced plans)."""
+        """``plan`` ran to its end in ``measured_s`` s: the latency model is told that, its prediction
+        (``plan.predicted``, made at planning; priced now for unpriced plans) and the plan itself."""
         lm = self.latency_model
         p = plan.predicted
-        lm.observe_step(p[1] if p is not None and p[0] is lm else lm.predict_iteration(plan), measured_s)
+        lm.observe_step(p[1] if p is not None and p[0] is lm else lm.predict_iteration(plan), measured_s, plan)
 
     def set_role(self, role: str) -> None:
         """Serve as ``role`` from the next step on (a prefill instance as mixed without decode instances)."""
@@ -429,17 +429,16 @@ class Scheduler(ABC):
         the thread that owns it. Admission, the instance reports and the metrics read this, never
         its attributes.
 
-        ``pending``: requests delivered to the instance but not yet added here (they queue for
-        prefill too). ``counters`` holds copies of the observability state: ``preemptions``
-        {(cause, class): n}, ``recomputes`` {(kind, class): n}, ``recomputed_tokens`` {(kind,
-        class): tokens}, ``icache_tokens`` / ``icache_capacity`` (tokens), ``icache_evictions``
-        (total), ``layer_stops`` (Laser's stops at a layer boundary), ``latency_calibration``
-        (the factor the planning model's predictions are scaled by; :mod:`laser.latency.calibrated`),
-        ``latency_timing_spread`` (the model's ``timing_spread()``), ``running`` / ``waiting``
-        {class: n}, ``prefix_cache_queries`` / ``prefix_cache_hits`` (prompt tokens looked up /
-        found cached at first admissions), ``prefix_cache_refound`` (tokens preempted requests
-        found again of their own), ``prefix_cache_evictions`` (cached blocks evicted).
-        """
+        ``pending``: requests delivered to the instance but not yet added here (they queue for prefill too).
+        ``counters`` holds copies of the observability state: ``preemptions`` {(cause, class): n},
+        ``recomputes`` {(kind, class): n}, ``recomputed_tokens`` {(kind, class): tokens}, ``icache_tokens`` /
+        ``icache_capacity`` (tokens), ``icache_evictions`` (total), ``layer_stops`` (Laser's stops at a layer
+        boundary), ``latency_calibration`` / ``latency_calibration_decode`` (the factors the planning model's
+        prefill / decode layer calls are scaled by; :mod:`laser.latency.calibrated`), ``latency_timing_spread``
+        (the model's ``timing_spread()``), ``running`` / ``waiting`` {class: n}, ``prefix_cache_queries`` /
+        ``prefix_cache_hits`` (prompt tokens looked up / found cached at first admissions),
+        ``prefix_cache_refound`` (tokens preempted requests found again of their own),
+        ``prefix_cache_evictions`` (cached blocks evicted)."""
         lm = self.latency_model
         icache = self.icache
         counters = {
@@ -449,8 +448,9 @@ class Scheduler(ABC):
             "icache_tokens": icache.used_tokens,
             "icache_capacity": icache.capacity_tokens,
             "icache_evictions": icache.num_evictions,
-            # the online calibration factor of the model the scheduler plans with (1.0 without one)
+            # the online calibration factors of the model the scheduler plans with (1.0 without one): prefill, decode
             "latency_calibration": float(getattr(lm, "factor", 1.0)),
+            "latency_calibration_decode": float(getattr(lm, "decode_factor", getattr(lm, "factor", 1.0))),
             # ... and the spread of its slow steps that divides Laser's planning margins (1.0 without one)
             "latency_timing_spread": float(lm.timing_spread() if hasattr(lm, "timing_spread") else 1.0),
             # prefix cache, tokens (vLLM's prefix_cache_queries / _hits) and blocks evicted

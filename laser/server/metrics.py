@@ -342,8 +342,11 @@ class _SchedulerCollector:
             (GaugeMetricFamily, "laser:intermediate_cache_capacity_tokens", "Intermediate cache capacity.",
              c.get("icache_capacity", 0)),
             (GaugeMetricFamily, "laser:latency_model_calibration", "Factor the latency profile's predictions "
-             "are scaled by: measured / predicted step time as the machine runs now (1 = the profile holds; "
-             "--no-latency-calibration keeps it at 1).", c.get("latency_calibration")),
+             "of layer calls with a prefill chunk are scaled by: measured / predicted time as the machine runs now "
+             "(1 = the profile holds; --no-latency-calibration keeps it at 1).", c.get("latency_calibration")),
+            (GaugeMetricFamily, "laser:latency_model_calibration_decode", "The same factor for decode layer calls "
+             "and the per-step terms (memory-bound: the machine moves them apart).",
+             c.get("latency_calibration_decode")),
             (GaugeMetricFamily, "laser:latency_model_timing_spread", "How far the slowest steps run over the "
              "calibrated prediction (98th / 80th percentile of measured / predicted step time) that Laser divides "
              "its planning margins by (1 with --no-jitter-margin).", c.get("latency_timing_spread")),

@@ -47,7 +47,7 @@ def test_plan_cost_adds_one_mask_per_masked_sampled_row():
     assert PlanCost(m, N, plain).total == PlanCost(lm(0.0), N, plain).total
     assert m.predict_iteration(StepPlan(N, plain)) == lm(0.0).predict_iteration(StepPlan(N, plain))
     scaled = CalibratedLatencyModel(m)
-    scaled.factor = 2.0
+    scaled.decode_factor = 2.0  # (per-row terms follow the calibration's decode factor)
     assert scaled.mask_time(3) == pytest.approx(2.0 * 3 * MASK_S)
 
 

@@ -86,6 +86,7 @@ def test_intermediate_cache_tokens_and_evictions():
     assert s[("laser:intermediate_cache_capacity_tokens", ())] == 64
     assert s[("laser:intermediate_cache_evictions_total", ())] == 1
     assert s[("laser:latency_model_calibration", ())] == 1.0  # the simulator plans with its model as is
+    assert s[("laser:latency_model_calibration_decode", ())] == 1.0
     assert s[("laser:latency_model_timing_spread", ())] == 1.0
     assert s[("laser:recomputes_total", (("kind", "icache_eviction"), ("slo_class", "best_effort")))] == 1
 

@@ -20,17 +20,26 @@ class DecodeMemo:
 
     def __init__(self, lm: LatencyModel):
         from laser.latency import ScaledLatencyModel
+        from laser.latency.calibrated import KindScaledLatencyModel
 
         self.lm = lm
         self._scaled = lm if isinstance(lm, ScaledLatencyModel) else None
+        self._kinds = isinstance(lm, KindScaledLatencyModel)  # decode layer calls scaled apart
         self._base = lm.inner if self._scaled is not None else lm  # what the memo prices
         self.layers: dict[tuple[int, int], float] = {}
         self.single: dict[int, float] = {}  # decode iteration of one request at a context, unscaled
 
     @property
     def factor(self) -> float:
-        """The scale of the memoised prices now (1.0 unless ``lm`` is a scaled model)."""
+        """The scale of the memoised prices of layer calls with a prefill chunk now (1.0 unless
+        ``lm`` is a scaled model)."""
         return self._scaled.factor if self._scaled is not None else 1.0
+
+    @property
+    def decode_factor(self) -> float:
+        """The scale of the memoised decode-only prices now: a kind-scaled model's (its online
+        calibration's) ``decode_factor``, else :attr:`factor`."""
+        return self._scaled.decode_factor if self._kinds else self.factor
 
     def layer_time(self, c: int, ctx: int, background: int = 0) -> float:
         """One layer call of ``c`` decode tokens at context ``ctx`` each, beside a prefill
@@ -41,7 +50,9 @@ class DecodeMemo:
             if len(self.layers) > self.MAX_ENTRIES:
                 self.layers.clear()
             t = self.layers[key] = layer_price(self._base, c, ctx, background)
-        return t if self._scaled is None else t * self._scaled.factor
+        if self._scaled is None:
+            return t
+        return t * (self._scaled.factor if background > 0 or not self._kinds else self._scaled.decode_factor)
 
     def tbt_infeasible(self, num_tokens: int, tbt: float) -> bool:
         """True when one decode iteration of a request at context ``num_tokens`` alone takes
@@ -51,7 +62,7 @@ class DecodeMemo:
             if len(self.single) > self.MAX_ENTRIES:
                 self.single.clear()
             t = self.single[num_tokens] = self._base.predict_decode_iteration((num_tokens,))
-        return (t if self._scaled is None else t * self._scaled.factor) > tbt
+        return (t if self._scaled is None else t * self.decode_factor) > tbt
 
 
 def layer_price(lm: LatencyModel, c: int, ctx: int, background: int) -> float:
