@@ -23,7 +23,7 @@ import torch
 from ..core.intermediate_cache import IntermediateCache
 from .kv_cache import KVCache
 from ..latency.features import DEFAULT_MAX_GATHER_BYTES, decode_slices, max_gather_positions
-from .attn_metadata import build_attn_metadata
+from .attn_steady import SteadyDecode
 from .llama import AttnMetadata, LlamaModel
 from ..core.walk import walk
 from ..core.plan import StepPlan, StepResult, Work
@@ -61,6 +61,9 @@ class ModelRunner:
         # Attention-metadata pieces a step's compositions share (the gather groups' KV indices and
         # masks: build_attn_metadata's memo), kept for one step (execute) only: None outside it.
         self._meta_memo: dict | None = None
+        # The last decode-only batch's metadata, kept across steps: a steady decode batch's is
+        # derived from it (laser.model.attn_steady).
+        self._steady = SteadyDecode()
         # The step's prepared compositions (prepare): change point -> (works in row order, layers,
         # their attention metadata); empty outside a step.
         self._planned: dict[int, tuple[list[Work], range, AttnMetadata]] = {}
@@ -451,12 +454,13 @@ class ModelRunner:
 
     def _build_metadata(self, active: list[Work], layers: range) -> AttnMetadata:
         """Metadata for ``active`` (rows in order) valid for every layer in ``layers``
-        (:func:`laser.model.attn_metadata.build_attn_metadata`)."""
+        (:func:`laser.model.attn_metadata.build_attn_metadata`; a steady decode batch's derived
+        from the previous one's, :class:`laser.model.attn_steady.SteadyDecode`)."""
         m = self.model
         # a model whose prefill groups run the C++ prefill kernel never reads their masks
-        return build_attn_metadata(active, layers, self.bm, (m.rope_cos, m.rope_sin), m.dtype, self._group_size,
-                                   lambda dec: self._split_decode(active, dec), self._meta_memo,
-                                   prefill_masks=getattr(m, "prefill_kernel", None) is None)
+        return self._steady.build(active, layers, self.bm, (m.rope_cos, m.rope_sin), m.dtype, self._group_size,
+                                  lambda dec: self._split_decode(active, dec), self._meta_memo,
+                                  prefill_masks=getattr(m, "prefill_kernel", None) is None)
 
 
 def _extend_run(runs: list, src: torch.Tensor, a: int, b: int) -> None:
