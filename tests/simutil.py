@@ -1,5 +1,5 @@
 """Shared test helpers: run requests on one simulated instance, a fake clock, layer-boundary
-replay, random JSON schemas (structured output and tool calling)."""
+replay, random JSON schemas (structured output and tool calling), fake block tables."""
 
 from __future__ import annotations
 
@@ -25,6 +25,38 @@ def run_sim(policy: str, reqs: list[Request], lm, num_layers: int, max_steps: in
     sim.check_integrity(expect_empty=True)
     assert all(r.num_output_tokens == r.sampling_params.max_tokens for r in reqs), "a request lost tokens"
     return sim
+
+
+class FakeBlockTables:
+    """Block tables of fake requests, the attention-metadata builder's ``bm`` interface:
+    ``canon`` {request id: canonical table}, ``over`` {(request id, layer): that layer's own
+    table}; block ids are ints, ``block_size`` tokens a block."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.canon: dict[str, list[int]] = {}
+        self.over: dict[tuple[str, int], list[int]] = {}
+
+    def canonical_table(self, rid):
+        return self.canon[rid]
+
+    def overridden_layers(self, rid):
+        return tuple(layer for r, layer in self.over if r == rid)
+
+    def table(self, rid, layer):
+        return self.over.get((rid, layer), self.canon[rid])
+
+
+def split_decode_rows(dec: list[int], works, limit: int) -> list[list[int]]:
+    """A runner's decode split, played: the rows ``dec`` (indices into ``works``) in consecutive
+    gather groups of at most ``limit`` padded KV positions (rows x the longest context)."""
+    out: list[list[int]] = []
+    for i in dec:
+        if out and (len(out[-1]) + 1) * works[i].context_len <= limit:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
 
 
 class FakeClock:

@@ -12,34 +12,24 @@ import torch
 
 from laser.core.plan import Work
 from laser.model.attn_metadata import build_attn_metadata
+from simutil import FakeBlockTables, split_decode_rows
 
 BS = 4  # block size
 
 
-class Tables:
+class Tables(FakeBlockTables):
     """Block tables of fake requests: canonical ones, plus overrides at some layers."""
 
-    block_size = BS
-
     def __init__(self, rng: random.Random, works: list[Work], num_layers: int):
+        super().__init__(BS)
         free = list(range(1, 4096))
         rng.shuffle(free)
-        self.canon, self.over = {}, {}
         for w in works:
             n = -(-w.context_len // BS) + rng.randint(0, 2)  # tables may hold spare blocks
             self.canon[w.req_id] = [free.pop() for _ in range(n)]
             if rng.random() < 0.3:
                 layer = rng.randrange(num_layers)
                 self.over[(w.req_id, layer)] = [free.pop() for _ in range(n)]
-
-    def canonical_table(self, rid):
-        return self.canon[rid]
-
-    def overridden_layers(self, rid):
-        return tuple(layer for r, layer in self.over if r == rid)
-
-    def table(self, rid, layer):
-        return self.over.get((rid, layer), self.canon[rid])
 
 
 def reference(active, layers, bm, cos_t, sin_t, dtype, g, split):
@@ -140,13 +130,7 @@ def test_metadata_equals_the_torch_formulation(seed, dtype):
     limit = rng.choice([10 ** 6, 64])  # one decode group, or several
 
     def split(dec):  # consecutive groups of at most `limit` padded positions (decode rows sorted)
-        out = []
-        for i in dec:
-            if out and (len(out[-1]) + 1) * works[i].context_len <= limit:
-                out[-1].append(i)
-            else:
-                out.append([i])
-        return out
+        return split_decode_rows(dec, works, limit)
 
     layers = range(0, 4) if seed % 3 else range(1, 3)
     got = build_attn_metadata(works, layers, bm, (cos, sin), dtype, 3, split)

@@ -15,20 +15,18 @@ import laser.model.attn_steady as steady_mod
 from laser.core.plan import Work
 from laser.model.attn_metadata import build_attn_metadata
 from laser.model.attn_steady import SteadyDecode
+from simutil import FakeBlockTables, split_decode_rows
 
 BS = 4  # block size
 LAYERS = 4
 
 
-class Blocks:
+class Blocks(FakeBlockTables):
     """Growing block tables of fake requests (the builder's ``bm`` interface)."""
 
-    block_size = BS
-
     def __init__(self, rng: random.Random):
+        super().__init__(BS)
         self.rng, self.next_id = rng, 1
-        self.canon: dict[str, list[int]] = {}
-        self.over: dict[tuple[str, int], list[int]] = {}
 
     def fresh(self, n: int) -> list[int]:
         out = list(range(self.next_id, self.next_id + n))
@@ -44,15 +42,6 @@ class Blocks:
         for (r, _), ov in self.over.items():
             if r == rid and len(ov) < len(t):
                 ov.extend(self.fresh(len(t) - len(ov)))
-
-    def canonical_table(self, rid):
-        return self.canon[rid]
-
-    def overridden_layers(self, rid):
-        return tuple(layer for r, layer in self.over if r == rid)
-
-    def table(self, rid, layer):
-        return self.over.get((rid, layer), self.canon[rid])
 
 
 def same(a, b) -> bool:
@@ -147,13 +136,7 @@ def test_derived_metadata_equals_the_builders(seed, dtype, monkeypatch):
             continue
 
         def split(dec, active=active):  # consecutive groups of at most `limit` padded positions
-            out = []
-            for i in dec:
-                if out and (len(out[-1]) + 1) * active[i].context_len <= limit:
-                    out[-1].append(i)
-                else:
-                    out.append([i])
-            return out
+            return split_decode_rows(dec, active, limit)
 
         layers = range(0, LAYERS) if step % 5 else range(1, 3)
         memo = {} if rng.random() < 0.5 else None
