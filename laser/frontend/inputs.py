@@ -43,8 +43,8 @@ def check_message(i: int, message: dict) -> dict:
     ``tool_calls``; a user, system, developer or tool message without content is refused (a
     chat template would otherwise render ``None`` or an empty turn the client never sent).
     ``content`` may also be OpenAI's list of content parts (``[{"type": "text", "text": ...}]``,
-    what vLLM's ``LLM.chat`` takes): its text parts joined by newlines, as the server joins them
-    (``laser.server.tools.chat_messages``); other part types (images) are refused.
+    what vLLM's ``LLM.chat`` takes): its text parts joined by newlines, by the rule the server's
+    messages follow too (:func:`join_text_parts`); other part types (images) are refused.
 
     Raises:
         InvalidRequestError: naming ``messages[i]`` or the field (``messages[i].content``).
@@ -57,25 +57,39 @@ def check_message(i: int, message: dict) -> dict:
                                       "content is only valid for an assistant message with tool_calls)")
         message = {**message, "content": ""}
     if isinstance(message["content"], (list, tuple)):
-        message = {**message, "content": _join_text_parts(i, message["content"])}
+        parts = [(p.get("type"), p.get("text")) if isinstance(p, dict) else (None, None) for p in message["content"]]
+        message = {**message, "content": join_text_parts(i, parts)}
     for k, v in message.items():
         if isinstance(v, str):
             check_text(v, f"messages[{i}].{k}")
     return message
 
 
-def _join_text_parts(i: int, parts) -> str:
-    """The text of message ``i``'s content parts, joined by newlines. Raises InvalidRequestError
-    for an empty list, a part that is not ``{"type": "text", "text": <str>}``."""
+class UnsupportedContentPart(InvalidRequestError):
+    """A content part of a type other than ``text`` (an image, audio): the request is valid
+    OpenAI, this engine does not take it (the server answers ``unsupported_parameter``)."""
+
+
+def join_text_parts(i: int, parts) -> str:
+    """The text of message ``i``'s content parts, joined by newlines: the one rule for
+    ``LLM.chat`` (:func:`check_message`) and the server (``laser.server.tools.chat_messages``).
+    ``parts``: ``(type, text)`` pairs, one a part.
+
+    Raises:
+        InvalidRequestError: an empty list (OpenAI: "Expected an array with minimum length 1"),
+            a text part without its text (``messages[i].content[j].text``).
+        UnsupportedContentPart: a part of another type (``messages[i].content[j]``).
+    """
     if not parts:
         raise InvalidRequestError(f"messages[{i}].content: an empty list of content parts (give a string or parts)")
     texts = []
-    for j, part in enumerate(parts):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
-            raise InvalidRequestError(f"messages[{i}].content[{j}]: only text content parts "
-                                      f"({{'type': 'text', 'text': ...}}) are supported, got {part!r:.80}")
-        texts.append(part["text"])
+    for j, (kind, text) in enumerate(parts):
+        if kind != "text":
+            raise UnsupportedContentPart(f"messages[{i}].content[{j}]: only text content parts are supported "
+                                         f"(got type {kind!r})")
+        if not isinstance(text, str):  # (OpenAI: "Missing required parameter")
+            raise InvalidRequestError(f"messages[{i}].content[{j}].text: a text content part needs its text")
+        texts.append(text)
     return "\n".join(texts)
 
 

@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import json
 
-from ..frontend.inputs import check_text
+from ..frontend.inputs import UnsupportedContentPart, check_text, join_text_parts
 from ..frontend.tool_prompt import CALL_CLOSE, CALL_OPEN
 from ..core.request import InvalidRequestError
 from ..model.structured import tool_call_grammar
@@ -152,17 +152,12 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
     for i, m in enumerate(messages):
         content = m.content
         if isinstance(content, list):
-            if not content:  # OpenAI: "empty array. Expected an array with minimum length 1"
-                raise _bad(f"messages[{i}].content", "an empty list of content parts (give a string or parts)")
-            texts = []
-            for j, part in enumerate(content):
-                if part.type != "text":
-                    raise APIError(400, f"messages[{i}].content[{j}]: only text content parts are supported "
-                                        f"(got type {part.type!r})", "unsupported_parameter", "messages")
-                if not isinstance(part.text, str):  # (OpenAI: "Missing required parameter")
-                    raise _bad(f"messages[{i}].content[{j}].text", "a text content part needs its text")
-                texts.append(part.text)
-            content = "\n".join(texts)
+            try:
+                content = join_text_parts(i, [(part.type, part.text) for part in content])
+            except UnsupportedContentPart as e:
+                raise APIError(400, str(e), "unsupported_parameter", "messages") from None
+            except InvalidRequestError as e:
+                raise APIError(400, str(e), "invalid_value", "messages") from None
         msg = {"role": m.role, "content": content}  # None: checked by the renderer (inputs.check_message)
         if m.name:
             msg["name"] = m.name
