@@ -61,7 +61,7 @@ def compile_graph(fn, example: tuple[torch.Tensor, ...], dynamic: bool = False, 
     region in them; extern calls such as the aten int4/int8 kernels still run on torch's threads,
     and the same compiled graph serves every thread count). For graphs whose fused loops run over a
     few rows: with symbolic sizes inductor parallelises them over the rows, and at one row the
-    other threads only fork and join (measured ~+20 us a layer at 2 threads, AMD EPYC; see
+    other threads only fork and join (~9 us a layer at 2 threads in an A/B, AMD EPYC; see
     docs/benchmarks.md, helper b1t24)."""
     import torch._inductor.config as inductor_config
     from torch._inductor import compile as inductor_compile
