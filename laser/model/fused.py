@@ -152,13 +152,13 @@ class FusedDecode:
                 return q.contiguous(), k.contiguous(), v.contiguous()
 
             rope = torch.zeros(T, c.head_dim, dtype=m.dtype)
-            return compile_graph(graph_a, (hidden, rope, rope.clone(), *tensors), dynamic=True)
+            return compile_graph(graph_a, (hidden, rope, rope.clone(), *tensors), dynamic=True, serial=True)
 
         def graph_b(h, attn, *ops):
             return (m.finish_of(_shadow(L, layout, ops), h, attn),)
 
         attn = torch.zeros(T, c.num_heads, c.head_dim, dtype=m.dtype)
-        return compile_graph(graph_b, (hidden, attn, *tensors), dynamic=True)
+        return compile_graph(graph_b, (hidden, attn, *tensors), dynamic=True, serial=True)
 
     def _compile_attention(self):
         """Graph D, traced on symbolic sequence and context counts (any B, C; any cache size)."""

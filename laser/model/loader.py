@@ -51,16 +51,25 @@ def use_inductor_cache_dir() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
 
 
-def compile_graph(fn, example: tuple[torch.Tensor, ...], dynamic: bool = False):
+def compile_graph(fn, example: tuple[torch.Tensor, ...], dynamic: bool = False, serial: bool = False):
     """``fn`` traced to an aten graph at ``example``'s shapes and compiled by inductor (no
     dynamo: no guards evaluated per call; the caller passes tensors of these shapes). ``dynamic``:
     traced with symbolic sizes instead (``make_fx(tracing_mode="symbolic")``), so the graph takes
-    any sizes whose equalities match ``example``'s (a size equal to another there stays equal)."""
+    any sizes whose equalities match ``example``'s (a size equal to another there stays equal).
+
+    ``serial``: inductor's own C++ loops compiled for one thread (``cpp.threads=1``: no OpenMP
+    region in them; extern calls such as the aten int4/int8 kernels still run on torch's threads,
+    and the same compiled graph serves every thread count). For graphs whose fused loops run over a
+    few rows: with symbolic sizes inductor parallelises them over the rows, and at one row the
+    other threads only fork and join (~9 us a layer at 2 threads in an A/B, AMD EPYC; see
+    docs/benchmarks.md, helper b1t24)."""
+    import torch._inductor.config as inductor_config
     from torch._inductor import compile as inductor_compile
     from torch.fx.experimental.proxy_tensor import make_fx
 
     use_inductor_cache_dir()
-    with torch.inference_mode(False), torch.no_grad():
+    with torch.inference_mode(False), torch.no_grad(), inductor_config.patch(
+            {"cpp.threads": 1} if serial else {}):
         if not dynamic:
             return inductor_compile(make_fx(fn)(*example), list(example))
         gm = make_fx(fn, tracing_mode="symbolic")(*example)

@@ -97,6 +97,33 @@ def test_decode_attention_graph_matches_sdpa_and_ignores_padding(tiny_model_dirs
             torch.testing.assert_close(alone.float(), ref, rtol=0.02, atol=0.02)
 
 
+def test_layer_graphs_run_their_fused_loops_on_one_thread(tiny_llama, monkeypatch):
+    """Graphs A and B's own C++ loops carry no OpenMP region whatever torch's thread count at the
+    compile (at one decode row a parallel region over the rows only forks and joins the other
+    threads); their int4 kernels still take torch's threads, and a row's result is the same at 1
+    and 2 threads."""
+    import inspect
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        model = build(tiny_llama, torch.bfloat16, monkeypatch)
+        f, c = model.fused, model.config
+        for fn, _ in (f._qkv[0], f._finish[0]):
+            src = inspect.getsource(inspect.getmodule(fn))
+            assert "cpp_fused" in src and "int4" in src  # inductor's loops and the extern int4 call
+            assert "#pragma omp" not in src
+        gen = torch.Generator().manual_seed(3)
+        h = torch.randn(1, c.hidden_size, generator=gen).bfloat16()
+        attn = torch.randn(1, c.num_heads, c.head_dim, generator=gen).bfloat16()
+        with torch.inference_mode():
+            two = model.finish_layer(0, h, attn)
+            torch.set_num_threads(1)
+            assert torch.equal(model.finish_layer(0, h, attn), two)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_rows_past_the_crossover_run_eager(tiny_llama, monkeypatch):
     model = build(tiny_llama, torch.bfloat16, monkeypatch)
     model.fused.qkv_rows = model.fused.finish_rows = 2
