@@ -126,14 +126,12 @@ def class_table(pairs: dict) -> list[str]:
 STEP_LOG = 200_000
 
 
-def serve_target(stack: ExitStack, args, policy: str, profile, log_dir: str | None, label: str = "serve",
-                 client_nice: int = 0, cpu_bind: str = "none"):
+def serve_target(stack: ExitStack, args, policy: str, profile, opts, label: str = "serve"):
     """A ``laser serve`` subprocess building the engine ``args`` describe (``laser.cli.engine_argv``:
     the in-process engine's flags) with ``policy`` and the latency profile ``profile`` (a fitted one is
     saved to a file the server loads as is), and a warmed-up ``ClientTarget`` on it (returned). The server stops, and
-    its log is copied to ``log_dir`` (when given), as ``stack`` closes. ``client_nice``: the client
-    sends at this much more niceness than the server (``ClientTarget(nice=...)``); ``cpu_bind``: the
-    server's ``--cpu-bind`` (this process, the client's, stays unbound). Raises
+    its log is copied to ``opts.log_dir`` (when given), as ``stack`` closes. ``opts`` (this script's flags):
+    ``client_nice``, ``client_cpus`` (``ClientTarget``'s ``nice``, ``cpus``), the server's ``serve_cpu_bind``. Raises
     RuntimeError when the server does not start."""
     from laser.bench.client import ClientTarget
     from laser.bench.serve_proc import Server, free_port, keep_log
@@ -141,12 +139,12 @@ def serve_target(stack: ExitStack, args, policy: str, profile, log_dir: str | No
 
     tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="laser-sim-vs-real-")))
     same = {"latency_profile": str(profile.save(tmp / "profile.json"))} if hasattr(profile, "save") else {}
-    server = Server(tmp / "data", free_port(), [*engine_argv(args, policy=policy, cpu_bind=cpu_bind, **same), "--log-level", "warning",
-                                                "--step-log", str(STEP_LOG)])
-    stack.callback(keep_log, server.log_path, log_dir or "", "sim-vs-real")
+    server = Server(tmp / "data", free_port(), [*engine_argv(args, policy=policy, cpu_bind=opts.serve_cpu_bind, **same),
+                                                "--log-level", "warning", "--step-log", str(STEP_LOG)])
+    stack.callback(keep_log, server.log_path, opts.log_dir or "", "sim-vs-real")
     stack.callback(server.stop)
     print(f"laser serve ready in {server.start():.0f} s at {server.base_url}", flush=True)
-    target = ClientTarget(server.base_url, label=label, nice=client_nice)
+    target = ClientTarget(server.base_url, label=label, nice=opts.client_nice, cpus=opts.client_cpus)
     target.warmup()
     target.server = server  # its /metrics: the server-side TTFT (server_ttft)
     return target
@@ -267,9 +265,8 @@ def parse_args(argv: list[str]):
                          "default %(default)s)")
     ap.add_argument("--frontend-probes", type=int, default=9,
                     help="idle one-token requests that measure the served front end's TTFT share (default %(default)s)")
-    ap.add_argument("--serve-cpu-bind", default="none",
-                    help="the served engine's --cpu-bind (auto, none or a CPU list; only `laser serve` is bound, "
-                         "not this process; default %(default)s)")
+    ap.add_argument("--serve-cpu-bind", default="none", help="the served engine's --cpu-bind (default none)")
+    ap.add_argument("--client-cpus", default=None, help="the served run's client sends on these CPUs (a list)")
     ap.add_argument("--client-nice", type=int, default=0,
                     help="the served run's benchmark client sends at this much more niceness than the server "
                          "(e.g. 10: approximates a client on another machine; default %(default)s: the same)")
@@ -470,8 +467,7 @@ def main(argv=None) -> int:
         if "inprocess" in a.reals:
             runs["inprocess"], sim_of["inprocess"] = real, "sim"
         if "serve" in a.reals:
-            runs["serve"] = serve_target(stack, args, specs[0][1], profile, a.log_dir, client_nice=a.client_nice,
-                                         cpu_bind=a.serve_cpu_bind)
+            runs["serve"] = serve_target(stack, args, specs[0][1], profile, a)
             fe = frontend_term(runs["serve"], profile, a.frontend_probes)
             runs["sim-served"] = sim_target(args, a.policy, profile, engine, served=True, label="sim-served")
             sim_of["serve"] = "sim-served"

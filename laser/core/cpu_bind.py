@@ -179,9 +179,11 @@ def thread_ids() -> list[int]:
         return []
 
 
-def _set(tids, cpus) -> int:
+def bind_threads(cpus, tids=None) -> int:
+    """Set the CPU mask of threads ``tids`` of this process (default: every thread, :func:`thread_ids`)
+    to ``cpus``; a thread that ended meanwhile is skipped. Returns how many were set."""
     n = 0
-    for tid in tids:
+    for tid in thread_ids() if tids is None else tids:
         try:
             os.sched_setaffinity(tid, cpus)
             n += 1
@@ -197,7 +199,7 @@ def bind_engine(binding: CpuBinding | None, whole_process: bool) -> None:
     if binding is None:
         return
     os.sched_setaffinity(0, binding.engine)
-    others = _set([t for t in thread_ids() if t != _own_tid()], binding.engine) if whole_process else 0
+    others = bind_threads(binding.engine, [t for t in thread_ids() if t != _own_tid()]) if whole_process else 0
     what = f"this process's {others + 1} threads" if whole_process else "the engine thread"
     log.info("cpu bind: %s and its torch threads on CPUs %s (%s)", what, format_cpus(binding.engine), binding.spec)
 
@@ -208,7 +210,7 @@ def bind_front_end(binding: CpuBinding | None) -> None:
     front (no CPU left over). Call before the engine's thread exists: it binds itself afterwards."""
     if binding is None or not binding.front:
         return
-    n = _set(thread_ids(), binding.front)
+    n = bind_threads(binding.front)
     log.info("cpu bind: front end (%d threads: event loop, server) on CPUs %s", n, format_cpus(binding.front))
 
 

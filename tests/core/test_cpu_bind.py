@@ -131,3 +131,23 @@ def test_served_engine_thread_and_its_torch_team_on_the_engine_cpus_front_end_on
 def test_in_process_binding_moves_every_thread_including_a_torch_team_made_before():
     got = run_script("process", str(ALLOWED[0]))
     assert len(got["all"]) >= 2 and all(m == [ALLOWED[0]] for m in got["all"].values())
+
+
+@needs_two
+def test_benchmark_client_sends_on_the_cpus_asked_and_gets_its_mask_back():
+    import threading
+
+    from laser.bench.client import _cpus
+
+    seen = []
+
+    def body():
+        before = os.sched_getaffinity(0)
+        with _cpus(str(ALLOWED[0])):
+            seen.append(sorted(os.sched_getaffinity(0)))
+        seen.append(os.sched_getaffinity(0) == before)
+
+    t = threading.Thread(target=body)  # a thread of its own: the test process's mask stays as it is
+    t.start()
+    t.join()
+    assert seen == [[ALLOWED[0]], True]
