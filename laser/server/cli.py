@@ -245,14 +245,11 @@ def cmd_serve(args) -> int:
             _warmup(engine)
         owner = None
     else:  # built, warmed up and stepped on one thread (OwnerThread: one OpenMP team)
-        from ..core.config import ConfigError
         from ..core.cpu_bind import bind_front_end, plan_cpu_bind
 
-        try:  # planned on this thread's mask; the front end first, the engine thread binds itself
-            binding = plan_cpu_bind(args.cpu_bind, args.threads)
-        except ConfigError as e:
-            print(f"laser: error: {e}", file=sys.stderr)
-            return 2
+        # planned on this thread's mask (ConfigError: laser: error); the front end first, then the
+        # engine thread binds itself as it starts building
+        binding = plan_cpu_bind(args.cpu_bind, args.threads)
         bind_front_end(binding)
 
         def build():

@@ -151,3 +151,14 @@ def test_benchmark_client_sends_on_the_cpus_asked_and_gets_its_mask_back():
     t.start()
     t.join()
     assert seen == [[ALLOWED[0]], True]
+
+
+def test_serve_refuses_cpus_not_allowed_and_binding_ray_instances_before_any_model_loads(tmp_path, capsys):
+    from laser.cli import main
+
+    far = str(max(ALLOWED or [0]) + 1)
+    assert main(["serve", "--cpu-bind", far, "--port", "0", "--data-dir", str(tmp_path / "a")]) == 2
+    assert f"CPUs {far} are not in this process's allowed set" in capsys.readouterr().err
+    assert main(["serve", "--cpu-bind", "auto", "--mixed-instances", "1", "--port", "0",
+                 "--data-dir", str(tmp_path / "b")]) == 2
+    assert "Ray instance actors" in capsys.readouterr().err
