@@ -51,7 +51,7 @@ Usage (SmolLM2 defaults: 120 prompts, 30 per code / summarization class, so one 
 points; about 7 minutes with a cached profile; a first run profiles first):
     python benchmarks/sim_vs_real.py [--policy laser] [--num-prompts 120] [--length-scale 0.15]
         [--mix 2:1:1] [--seed 7] [--threads 1] [--fractions 1,0.8] [--real inprocess,serve]
-        [--knee RPS] [--client-nice N] [--json out.json] [-- laser bench flags]
+        [--knee RPS] [--client-nice N] [--serve-cpu-bind auto] [--json out.json] [-- laser bench flags]
 
 The prefix cache is off unless a flag after ``--`` names it (every rate replays the same prompts).
 """
@@ -126,13 +126,12 @@ def class_table(pairs: dict) -> list[str]:
 STEP_LOG = 200_000
 
 
-def serve_target(stack: ExitStack, args, policy: str, profile, log_dir: str | None, label: str = "serve",
-                 client_nice: int = 0):
+def serve_target(stack: ExitStack, args, policy: str, profile, opts, label: str = "serve"):
     """A ``laser serve`` subprocess building the engine ``args`` describe (``laser.cli.engine_argv``:
     the in-process engine's flags) with ``policy`` and the latency profile ``profile`` (a fitted one is
     saved to a file the server loads as is), and a warmed-up ``ClientTarget`` on it (returned). The server stops, and
-    its log is copied to ``log_dir`` (when given), as ``stack`` closes. ``client_nice``: the client
-    sends at this much more niceness than the server (``ClientTarget(nice=...)``). Raises
+    its log is copied to ``opts.log_dir`` (when given), as ``stack`` closes. ``opts`` (this script's flags):
+    ``client_nice``, ``client_cpus`` (``ClientTarget``'s ``nice``, ``cpus``), the server's ``serve_cpu_bind``. Raises
     RuntimeError when the server does not start."""
     from laser.bench.client import ClientTarget
     from laser.bench.serve_proc import Server, free_port, keep_log
@@ -140,12 +139,12 @@ def serve_target(stack: ExitStack, args, policy: str, profile, log_dir: str | No
 
     tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="laser-sim-vs-real-")))
     same = {"latency_profile": str(profile.save(tmp / "profile.json"))} if hasattr(profile, "save") else {}
-    server = Server(tmp / "data", free_port(), [*engine_argv(args, policy=policy, **same), "--log-level", "warning",
-                                                "--step-log", str(STEP_LOG)])
-    stack.callback(keep_log, server.log_path, log_dir or "", "sim-vs-real")
+    server = Server(tmp / "data", free_port(), [*engine_argv(args, policy=policy, cpu_bind=opts.serve_cpu_bind, **same),
+                                                "--log-level", "warning", "--step-log", str(STEP_LOG)])
+    stack.callback(keep_log, server.log_path, opts.log_dir or "", "sim-vs-real")
     stack.callback(server.stop)
     print(f"laser serve ready in {server.start():.0f} s at {server.base_url}", flush=True)
-    target = ClientTarget(server.base_url, label=label, nice=client_nice)
+    target = ClientTarget(server.base_url, label=label, nice=opts.client_nice, cpus=opts.client_cpus)
     target.warmup()
     target.server = server  # its /metrics: the server-side TTFT (server_ttft)
     return target
@@ -266,6 +265,8 @@ def parse_args(argv: list[str]):
                          "default %(default)s)")
     ap.add_argument("--frontend-probes", type=int, default=9,
                     help="idle one-token requests that measure the served front end's TTFT share (default %(default)s)")
+    ap.add_argument("--serve-cpu-bind", default="none", help="the served engine's --cpu-bind (default none)")
+    ap.add_argument("--client-cpus", default=None, help="the served run's client sends on these CPUs (a list)")
     ap.add_argument("--client-nice", type=int, default=0,
                     help="the served run's benchmark client sends at this much more niceness than the server "
                          "(e.g. 10: approximates a client on another machine; default %(default)s: the same)")
@@ -466,7 +467,7 @@ def main(argv=None) -> int:
         if "inprocess" in a.reals:
             runs["inprocess"], sim_of["inprocess"] = real, "sim"
         if "serve" in a.reals:
-            runs["serve"] = serve_target(stack, args, specs[0][1], profile, a.log_dir, client_nice=a.client_nice)
+            runs["serve"] = serve_target(stack, args, specs[0][1], profile, a)
             fe = frontend_term(runs["serve"], profile, a.frontend_probes)
             runs["sim-served"] = sim_target(args, a.policy, profile, engine, served=True, label="sim-served")
             sim_of["serve"] = "sim-served"

@@ -34,6 +34,21 @@ positive_int = int_at_least(1)
 non_negative_int = int_at_least(0)
 
 
+def cpu_bind_arg(s: str) -> str:
+    """argparse type of ``--cpu-bind``: ``auto``, ``none`` or a CPU list like ``0-3,6`` (checked
+    against the allowed CPUs later, when the engine is built); raises ``argparse.ArgumentTypeError``."""
+    from .core.config import ConfigError
+    from .core.cpu_bind import MODES, parse_cpu_list
+
+    if s in MODES:
+        return s
+    try:
+        parse_cpu_list(s)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix(f"--cpu-bind {s!r}: ")) from None
+    return s
+
+
 def tcp_port(s: str) -> int:
     """argparse type: a TCP port number, 0-65535."""
     try:
@@ -155,7 +170,13 @@ def add_engine_args(p: argparse.ArgumentParser, policy_default: str = "laser") -
                         "predicted step time, at most 1.5): fewer TBT misses on a jittery machine, less prefill "
                         "per iteration (default: on with the calibration; --no-jitter-margin: fixed margins)")
     p.add_argument("--threads", type=positive_int, default=None,
-                   help="torch intra-op threads (default: the number of physical cores)")
+                   help="torch intra-op threads (default: the number of physical cores; with a --cpu-bind "
+                        "list, those of its CPUs)")
+    p.add_argument("--cpu-bind", type=cpu_bind_arg, default="none", metavar="auto|none|LIST",
+                   help="bind the engine thread and its torch threads to CPUs: 'auto' (one logical CPU on each "
+                        "of --threads physical cores, the front end on the CPUs left over), a list like 0-3,6 "
+                        "(the front end on the allowed CPUs not listed), 'none' (default: the OS places threads; "
+                        "vLLM's VLLM_CPU_OMP_THREADS_BIND)")
     s = p.add_argument_group("speculative decoding (greedy and sampled requests; every policy; on a cluster its "
                              "decode and mixed instances speculate)")
     s.add_argument("--speculative", default=None, choices=["self"],
@@ -234,6 +255,23 @@ def set_threads(threads: int | None) -> int:
     return n
 
 
+def setup_cpus(args, binding="plan") -> int:
+    """Bind (``--cpu-bind``, :mod:`laser.core.cpu_bind`) and set torch's threads (``--threads``,
+    :func:`set_threads`) for an engine about to be built on the calling thread. ``binding``:
+    ``"plan"`` (default, the in-process commands): planned from ``args`` here, and every thread of
+    the process goes to the engine's CPUs; a :class:`~laser.core.cpu_bind.CpuBinding` or None
+    planned by the caller (``laser serve``, whose front end is bound apart): only the calling
+    thread is bound. Returns the thread count. Raises ConfigError (bad list, CPUs not allowed,
+    more threads than CPUs)."""
+    from .core.cpu_bind import bind_engine, engine_threads, plan_cpu_bind
+
+    whole = isinstance(binding, str)
+    if whole:
+        binding = plan_cpu_bind(getattr(args, "cpu_bind", None), args.threads)
+    bind_engine(binding, whole)
+    return set_threads(engine_threads(binding, args.threads))
+
+
 def engine_configs(args, role: str = "mixed"):
     """(CacheConfig, SchedulerConfig, SLOClasses) from parsed CLI flags."""
     from .core.config import CacheConfig, SchedulerConfig
@@ -256,11 +294,12 @@ def engine_configs(args, role: str = "mixed"):
     return cache, sched, SLOClasses.load(args.slo_config, scale=args.slo_scale, default=args.default_slo_class)
 
 
-def build_engine(args, **overrides):
-    """An :class:`Engine` from parsed CLI flags."""
+def build_engine(args, cpu_binding="plan", **overrides):
+    """An :class:`Engine` from parsed CLI flags, built on the calling thread after
+    :func:`setup_cpus` (``cpu_binding``: its ``binding``)."""
     from .frontend.engine import Engine
 
-    set_threads(args.threads)
+    setup_cpus(args, cpu_binding)
     cache, sched, slo = engine_configs(args, overrides.pop("role", getattr(args, "role", "mixed")))
     return Engine(
         model=args.model,

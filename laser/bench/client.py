@@ -39,6 +39,23 @@ def _niceness(inc: int):
             log.warning("the benchmark client stays at niceness %d (lowering it back needs privilege)", old + inc)
 
 
+@contextlib.contextmanager
+def _cpus(cpus: str | None):
+    """Run the body with the calling thread on CPU list ``cpus`` (``0-3,6``; threads it starts inherit
+    the mask), then restore its mask. None: nothing changes."""
+    if not cpus:
+        yield
+        return
+    from laser.core.cpu_bind import parse_cpu_list
+
+    old = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, parse_cpu_list(cpus))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, old)
+
+
 class ClientTarget(Target):
     """An OpenAI-compatible server at ``base_url``, timed client-side (streaming SSE).
 
@@ -50,6 +67,8 @@ class ClientTarget(Target):
     (:class:`~laser.bench.client_timing.ChunkTokenTimer`). ``nice``: raise the client's niceness
     by this much while a run sends (Linux: the sending thread only; 0: unchanged) -- on a host the
     client shares with the server, a client at ``nice 10`` approximates one on another machine.
+    ``cpus``: a CPU list (``0-3,6``) the sending thread runs on while a run sends (None: unchanged),
+    e.g. a served engine's front-end CPUs (``--cpu-bind``) to keep the client off the engine's.
     After each :meth:`run`, ``cpu_s`` is the CPU seconds the client's thread spent on it and
     ``sent`` the requests it sent (the client's own cost per request: ``cpu_s / sent``).
     """
@@ -58,9 +77,10 @@ class ClientTarget(Target):
 
     def __init__(self, base_url: str, model: str | None = None, endpoint: str = "/v1/completions",
                  api_key: str | None = None, max_concurrency: int | None = None, label: str | None = None,
-                 extra_body: dict | None = None, return_token_ids: bool = True, nice: int = 0):
+                 extra_body: dict | None = None, return_token_ids: bool = True, nice: int = 0,
+                 cpus: str | None = None):
         self.base_url = base_url.rstrip("/")
-        self.nice = nice
+        self.nice, self.cpus = nice, cpus
         self.cpu_s: float | None = None
         self.sent = 0
         self.return_token_ids = return_token_ids
@@ -194,7 +214,7 @@ class ClientTarget(Target):
         seen = len(self.errors)
         t_start = time.perf_counter()
         self.sent, cpu0 = 0, time.thread_time()
-        with _niceness(self.nice):
+        with _niceness(self.nice), _cpus(self.cpus):
             records, stopped = asyncio.run(self._run(requests, slos, timeout_s, progress, stop_below))
         self.cpu_s = time.thread_time() - cpu0
         failed = self.errors[seen:]

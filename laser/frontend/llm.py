@@ -10,6 +10,7 @@ from typing import Sequence
 from .engine import Engine
 from .outputs import RequestOutput
 from ..core.config import SchedulerConfig
+from ..core.cpu_bind import bind_in_process
 from ..core.request import SLO, InvalidRequestError, SamplingParams, choice_seed
 
 
@@ -81,13 +82,17 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, policy: str = "laser", *, max_num_seqs: int | None = None,
-                 max_num_batched_tokens: int | None = None, **engine_kwargs):
+                 max_num_batched_tokens: int | None = None, cpu_bind: str = "none", **engine_kwargs):
         """``max_num_seqs`` / ``max_num_batched_tokens``: vLLM's keywords (the CLI's flags of the same
         names), set on the :class:`SchedulerConfig` (``scheduler=`` or the policy's default).
+        ``cpu_bind``: the CLI's ``--cpu-bind`` (``none``, ``auto`` or a list like ``0-3,6``): this
+        process's threads and torch's go to those CPUs, torch's threads one per physical core of
+        them (:func:`laser.core.cpu_bind.bind_in_process`).
 
         Raises TypeError naming a keyword the engine does not take (vLLM's GPU options among them,
         with what to use instead); ConfigError for a bad value."""
         check_engine_kwargs(engine_kwargs)
+        self.cpu_binding = bind_in_process(cpu_bind)
         knobs = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
         knobs = {k: v for k, v in knobs.items() if v is not None}
         if knobs:

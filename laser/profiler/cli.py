@@ -77,12 +77,12 @@ def register(subparsers) -> None:
 
 
 def _engine(args):
-    from ..cli import set_threads
+    from ..cli import setup_cpus
     from ..core.config import CacheConfig, SchedulerConfig
     from ..frontend.engine import Engine
     from ..latency import SimpleLatencyModel
 
-    set_threads(args.threads)  # the same default as engine starts, so the profile matches them
+    setup_cpus(args)  # the same default as engine starts, so the profile matches them
     cache = CacheConfig(block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
                         intermediate_cache_tokens=args.intermediate_cache_tokens)
     # The profile measures the executor: the policy does not matter, and no profile is loaded

@@ -233,15 +233,27 @@ def cmd_serve(args) -> int:
         print(f"laser: error: --data-dir: {e}", file=sys.stderr)
         return 2
     node_lost: list[str] = []
+    binding = None
     if args.prefill_instances or args.decode_instances or args.mixed_instances:
+        if args.cpu_bind != "none":
+            print("laser: error: --cpu-bind binds the single engine's thread; Ray instance actors are processes "
+                  "Ray starts, on the CPUs Ray gives them (use --threads-per-instance)", file=sys.stderr)
+            return 2
         engine = build_cluster(args)
         node_lost = exit_when_node_lost(engine)
         if not args.no_warmup:
             _warmup(engine)
         owner = None
     else:  # built, warmed up and stepped on one thread (OwnerThread: one OpenMP team)
+        from ..core.cpu_bind import bind_front_end, plan_cpu_bind
+
+        # planned on this thread's mask (ConfigError: laser: error); the front end first, then the
+        # engine thread binds itself as it starts building
+        binding = plan_cpu_bind(args.cpu_bind, args.threads)
+        bind_front_end(binding)
+
         def build():
-            built = build_engine(args, max_model_len=args.max_model_len)
+            built = build_engine(args, cpu_binding=binding, max_model_len=args.max_model_len)
             if not args.no_warmup:
                 _warmup(built)
             if args.step_log:
@@ -269,7 +281,8 @@ def cmd_serve(args) -> int:
     print(
         f"[laser] serving {names} on http://{args.host}:{args.port}/v1 ({_what(engine)}, "
         f"context {engine.max_model_len}, on-infeasible {args.on_infeasible}, "
-        f"SLO classes {', '.join(engine.slo_classes.names())}, default {engine.slo_classes.default})",
+        f"SLO classes {', '.join(engine.slo_classes.names())}, default {engine.slo_classes.default}"
+        f"{', ' + binding.describe() if binding else ''})",
         file=sys.stderr,
     )
     run_server(server)
