@@ -201,8 +201,8 @@ def test_in_place_derivation_equals_the_builders(seed, monkeypatch):
     assert len(built) < steps * 0.7 and same_ptr > steps * 0.2  # mostly derived, often in place
 
 
-def test_in_place_keeps_other_mask_dtypes_and_callers_apart():
-    """fp32 batches are built (the in-place helper writes bf16 bits only)."""
+def test_in_place_builds_float32_batches():
+    """fp32 batches are built, never derived in place (the C++ helper writes bf16 bits only)."""
     state = SteadyDecode(in_place=True)
     if not state.in_place:
         pytest.skip("no C++ compiler")
