@@ -124,16 +124,16 @@ static void weighted_sum(const at::BFloat16* vc, const int64_t* ix, int64_t C, i
 template <int NG, int NCH>
 static void attend_one(const at::BFloat16* q, const at::BFloat16* kc, const at::BFloat16* vc,
                        const int64_t* idx, const at::BFloat16* mask, at::BFloat16* out,
-                       int64_t b, int64_t h0, int64_t h1, int64_t C, int64_t kvh, int64_t g,
+                       int64_t b, int64_t h0, int64_t h1, int64_t C, int64_t ld, int64_t kvh, int64_t g,
                        int64_t d, float scale) {
     const int64_t W = VB::size(), nch = (d + W - 1) / W, L = VF::size();
     const int64_t Cp = (C + L - 1) / L * L, G = (h1 - h0) * g;  // G query heads here
     std::vector<float> qf(G * nch * W, 0.f), s(G * Cp), acc(G * nch * W, 0.f), sum(G);
     const at::BFloat16* qb = q + (b * kvh + h0) * g * d;
     for (int64_t j = 0; j < G * d; ++j) qf[(j / d) * nch * W + j % d] = static_cast<float>(qb[j]);
-    const int64_t* ix = idx + b * C;
+    const int64_t* ix = idx + b * ld;
     const int64_t row = kvh * d;
-    scores<NG, NCH>(qf.data(), kc, vc, ix, mask + b * C, C, Cp, row, h0, h1, g, nch, d, scale, s.data());
+    scores<NG, NCH>(qf.data(), kc, vc, ix, mask + b * ld, C, Cp, row, h0, h1, g, nch, d, scale, s.data());
     for (int64_t j = 0; j < G; ++j) {  // 2. exp(s - max), its sum
         float* sj = s.data() + j * Cp;
         for (int64_t c = C; c < Cp; ++c) sj[c] = -std::numeric_limits<float>::infinity();
@@ -162,7 +162,7 @@ static void attend_one(const at::BFloat16* q, const at::BFloat16* kc, const at::
 
 using AttendFn = void (*)(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*, const int64_t*,
                           const at::BFloat16*, at::BFloat16*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                          int64_t, int64_t, float);
+                          int64_t, int64_t, int64_t, float);
 
 // The variant with compile-time sizes for the common (query heads per KV head, chunks of d).
 static AttendFn pick(int64_t g, int64_t nch) {
@@ -178,7 +178,7 @@ static AttendFn pick(int64_t g, int64_t nch) {
 
 extern "C" void kernel(const at::BFloat16* q, const at::BFloat16* kc, const at::BFloat16* vc,
                        const int64_t* idx, const at::BFloat16* mask, at::BFloat16* out,
-                       int64_t B, int64_t C, int64_t kvh, int64_t g, int64_t d, int64_t threads) {
+                       int64_t B, int64_t C, int64_t ld, int64_t kvh, int64_t g, int64_t d, int64_t threads) {
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
     const AttendFn fn = pick(g, (d + VB::size() - 1) / VB::size());
     // tasks: whole sequences, or at fewer sequences than threads each sequence's KV heads split
@@ -187,13 +187,13 @@ extern "C" void kernel(const at::BFloat16* q, const at::BFloat16* kc, const at::
     #pragma omp parallel for schedule(static) num_threads(threads) if(threads > 1)
     for (int64_t t = 0; t < B * parts; ++t) {
         const int64_t b = t / parts, h0 = (t % parts) * per;
-        fn(q, kc, vc, idx, mask, out, b, h0, std::min(kvh, h0 + per), C, kvh, g, d, scale);
+        fn(q, kc, vc, idx, mask, out, b, h0, std::min(kvh, h0 + per), C, ld, kvh, g, d, scale);
     }
 }
 """
 
 _ARGTYPES = ["const at::BFloat16*", "const at::BFloat16*", "const at::BFloat16*", "const int64_t*",
-             "const at::BFloat16*", "at::BFloat16*", "int64_t", "int64_t", "int64_t", "int64_t",
+             "const at::BFloat16*", "at::BFloat16*", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t",
              "int64_t", "int64_t"]
 
 
@@ -222,12 +222,15 @@ def load_kernel():
 
 
 def decode_attention_kernel(kernel, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-                            kv_index: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+                            kv_index: torch.Tensor, mask: torch.Tensor, cols: int | None = None) -> torch.Tensor:
     """Decode attention through ``kernel`` (:func:`load_kernel`'s result).
 
     q [B, Hq, d] bf16 (query heads sharing a KV head consecutive); kc, vc [slots, kvh, d] bf16,
-    contiguous; kv_index [B, C] int64 slots (pads: any valid slot); mask [B, C] bf16 additive
-    (0 = attend, -inf = pad; every row has at least one 0). Returns [B, Hq, d] bf16.
+    contiguous; kv_index [B, L] int64 slots (pads: any valid slot); mask [B, L] bf16 additive
+    (0 = attend, -inf = pad; every row has at least one 0) -- or [B, 1, 1, L], the metadata's
+    layout. ``cols``: the context is their first ``cols`` columns (the rest is spare room of a
+    steady decode batch, :class:`laser.model.attn_steady.SteadyDecode`; read nothing of it: the
+    same work and the same bits as a [B, cols] batch); None: all L. Returns [B, Hq, d] bf16.
 
     Raises:
         ValueError: a dtype, a layout or a head count that the kernel does not take.
@@ -239,7 +242,8 @@ def decode_attention_kernel(kernel, q: torch.Tensor, kc: torch.Tensor, vc: torch
     if Hq % kvh or kc.shape[2] != d or not (kc.is_contiguous() and vc.is_contiguous()):
         raise ValueError(f"decode attention kernel: q {tuple(q.shape)} against a cache {tuple(kc.shape)}")
     q, kv_index, mask = q.contiguous(), kv_index.contiguous(), mask.contiguous()
+    ld = kv_index.shape[1]
     out = torch.empty_like(q)
-    kernel(q, kc, vc, kv_index, mask, out, B, kv_index.shape[1], kvh, Hq // kvh, d,
+    kernel(q, kc, vc, kv_index, mask, out, B, ld if cols is None else cols, ld, kvh, Hq // kvh, d,
            torch.get_num_threads())
     return out

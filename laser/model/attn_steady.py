@@ -23,17 +23,30 @@ The result equals the builder's bit for bit (values, dtypes, shapes, strides), w
 the builder: a row joined, left, moved or took more than one token; a layer of ``layers`` with its
 own block table (per-layer overrides); a block of the previous context that changed (trimmed and
 regrown, a request id reused); a different split into gather groups; a mask dtype other than
-bfloat16 or float32.
+bfloat16 or float32. (In place: bfloat16 only.)
+
+In place (``SteadyDecode(in_place=True)``: a runner whose decode groups all run the C++ decode
+kernel, :mod:`laser.model.attn_kernel`): even those dozen numpy/torch calls cost ~200 us a step at
+2 threads (each 10-50 us cache-cold right after a layer call, AMD EPYC; docs/benchmarks.md, sw24),
+so a steady step makes no tensor at all. A group's KV indices and mask live in [B, L] tensors with
+spare columns (:data:`ROOM`; slot 0 and -inf there) whose first ``cols`` columns are the builder's
+[B, C] (:attr:`~laser.model.llama.AttnGroup.cols`; the kernel reads only those: the same work and
+bits); one C++ call (:func:`load_grow_kernel`) writes the new position's slot and 0 mask entry, and
+the rows' slots and rope rows into the last step's slot mapping and cos/sin tensors. Sound because
+nothing holds a step's metadata past the step (the runner drops it; its public ``build_metadata``
+never derives in place); a full group gets a new layout, the context copied once.
 """
 
 from __future__ import annotations
 
+from array import array
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
 from ..core.plan import Work
+from .attn_kernel import compile_kernel
 from .attn_metadata import _group_key, build_attn_metadata
 from .llama import AttnGroup, AttnMetadata
 
@@ -43,12 +56,19 @@ class SteadyDecode:
     ids, positions, the block-table prefixes their contexts used, the gather
     groups (lists of row indices) and, per group, ``[first row, end row, KV indices (int64
     [B, C] numpy), mask storage (int16 bits [B, 1, 1, C] for bfloat16, float32 for float32; None
-    when no row is padded), the group's AttnGroup]``. ``ids`` None: nothing to derive from."""
+    when no row is padded), the group's AttnGroup]``; in place, ``[first row, end row, KV indices
+    (int64 tensor [B, L]), mask (bf16 tensor [B, 1, 1, L]), L, cols, the group's AttnGroup]`` and
+    ``out`` = (cos, sin, slot mapping) of the rows. ``ids`` None: nothing to derive from."""
 
-    __slots__ = ("ids", "starts", "tables", "parts", "groups")
+    __slots__ = ("ids", "starts", "tables", "parts", "groups", "in_place", "kernel", "out")
 
-    def __init__(self) -> None:
+    def __init__(self, in_place: bool = False) -> None:
         self.ids: list[str] | None = None
+        #: derive in place (:meth:`_grow_in_place`), for a runner whose decode groups all run the
+        #: C++ decode kernel (it reads :attr:`~laser.model.llama.AttnGroup.cols`); False where
+        #: the C++ helper does not compile (a warning), or not asked
+        self.kernel = load_grow_kernel() if in_place else None
+        self.in_place = self.kernel is not None
 
     def build(self, active: Sequence[Work], layers: range, bm, rope: tuple[torch.Tensor, torch.Tensor],
               dtype: torch.dtype, group_size: int, split_decode: Callable[[list[int]], list[list[int]]],
@@ -62,16 +82,17 @@ class SteadyDecode:
             self._record(active, layers, bm, dtype, split_decode, got)
         return got
 
-    def _derive(self, active, layers, bm, rope, dtype, split_decode, memo) -> AttnMetadata | None:
-        """The steady successor's metadata, or None (not one: the caller builds). Its gather
-        groups go into ``memo`` as the builder's would (a later composition of the step reuses them)."""
+    def _advance(self, active, layers, bm, split_decode, limit: int) -> tuple | None:
+        """When ``active`` is the last batch's steady successor: its rows' new positions and KV
+        slots (lists) and gather groups, the state moved to them; else None (nothing changed).
+        ``limit``: positions must lie below it (the rope tables' rows; past them the builder raises)."""
         ids, bs = self.ids, bm.block_size
-        if ids is None or len(ids) != len(active) or dtype not in _MASK_NP:
+        if ids is None or len(ids) != len(active):
             return None
         old, tables, starts, slots, opened = self.starts, self.tables, [], [], []
         for i, w in enumerate(active):
             p = w.token_start
-            if w.num_tokens != 1 or w.req_id != ids[i] or p != old[i] + 1:
+            if w.num_tokens != 1 or w.req_id != ids[i] or p != old[i] + 1 or p >= limit:
                 return None
             ov = bm.overridden_layers(w.req_id)
             if ov and any(l in layers for l in ov):
@@ -89,6 +110,20 @@ class SteadyDecode:
         for i, t in opened:
             tables[i] = t
         self.starts = starts
+        return starts, slots, parts
+
+    def _derive(self, active, layers, bm, rope, dtype, split_decode, memo) -> AttnMetadata | None:
+        """The steady successor's metadata, or None (not one: the caller builds). Its gather
+        groups go into ``memo`` as the builder's would (a later composition of the step reuses
+        them); in place (:attr:`in_place`), none do (their tensors have spare columns)."""
+        if dtype not in _MASK_NP or (self.in_place and (dtype, rope[0].dtype) != (torch.bfloat16,) * 2):
+            return None
+        got = self._advance(active, layers, bm, split_decode, rope[0].shape[0])
+        if got is None:
+            return None
+        starts, slots, parts = got
+        if self.in_place:
+            return self._grow_in_place(starts, slots, rope, dtype)
         pos, slot = np.array((starts, slots), dtype=np.int64)  # [T] each
         one = len(parts) == 1
         groups = []
@@ -101,6 +136,32 @@ class SteadyDecode:
         pt = torch.from_numpy(pos)
         return AttnMetadata(cos=cos.index_select(0, pt), sin=sin.index_select(0, pt),
                             slot_mapping=torch.from_numpy(slot), layer_slot_mapping={}, groups=groups)
+
+    def _grow_in_place(self, starts: list[int], slots: list[int], rope, dtype) -> AttnMetadata:
+        """In-place derivation (module docstring): one C++ call per gather group writes the new
+        position's slot and mask entry into the group's [B, L] tensors (new ones, with
+        :data:`ROOM` spare columns, when full or still the builder's) and the rows' slots and
+        rope rows into the last build's slot mapping and cos/sin: a steady step makes no tensor."""
+        rows = array("q", starts)
+        rows.extend(slots)
+        addr, T = rows.buffer_info()[0], len(starts)
+        cos, sin, slot = self.out
+        rc, rs = rope
+        hd = rc.shape[1]
+        groups = []
+        for g in self.groups:
+            a, b, kvi, mask, ld, cols, old = g
+            B = b - a
+            if cols + 1 > ld:  # no room: a new layout, the context copied
+                ld2 = cols + 1 + ROOM
+                dkv, dm = torch.empty((B, ld2), dtype=torch.int64), torch.empty((B, 1, 1, ld2), dtype=dtype)
+            else:
+                ld2, dkv, dm = ld, kvi, mask
+            self.kernel(kvi, mask, dkv, dm, ld, ld2, cols, B, addr, a, T, slot, rc, rs, cos, sin, hd)
+            grp = AttnGroup(old.q_index, dkv, dm, None, None, {}, q_start=old.q_start, cols=cols + 1)
+            g[2:] = [dkv, dm, ld2, cols + 1, grp]
+            groups.append(grp)
+        return AttnMetadata(cos=cos, sin=sin, slot_mapping=slot, layer_slot_mapping={}, groups=groups)
 
     @staticmethod
     def _grow(g: list, pos: np.ndarray, slot: np.ndarray, dtype) -> AttnGroup:
@@ -138,12 +199,74 @@ class SteadyDecode:
         self.starts = [w.token_start for w in active]
         self.tables = [bm.canonical_table(w.req_id)[: -(-w.context_len // bs)] for w in active]
         self.parts, self.groups = parts, []
+        if self.in_place:  # the build's tensors, read by the first derivation, then written in place
+            if dtype != torch.bfloat16 or meta.cos.dtype != torch.bfloat16:
+                return
+            self.out = (meta.cos, meta.sin, meta.slot_mapping)
+            for part, grp in zip(parts, meta.groups):
+                C = grp.kv_index.shape[1]
+                self.groups.append([part[0], part[-1] + 1, grp.kv_index, grp.mask, C, C, grp])
+            self.ids = [w.req_id for w in active]
+            return
         for part, grp in zip(parts, meta.groups):
             a, b = part[0], part[-1] + 1
             pad = any(active[i].context_len != grp.kv_index.shape[1] for i in part)
             mask = grp.mask.view(_MASK_NP[dtype][0]).numpy() if pad else None
             self.groups.append([a, b, grp.kv_index.numpy(), mask, grp])
         self.ids = [w.req_id for w in active]
+
+
+#: Spare context columns a steady group's tensors get when it outgrows them (in place: a new
+#: layout every ROOM + 1 steps, the context copied once; the decode kernel reads none of them).
+ROOM = 63
+
+_GROW_SOURCE = r"""
+#include <cstdint>
+#include <cstring>
+// One steady decode group of B rows one position further (laser.model.attn_steady): KV indices
+// and bf16 mask bits [B, dld] from [B, sld] (their first cols columns; the same tensors when
+// skv == dkv: nothing moves), the rows' new positions and slots read from rows (int64: T
+// positions, then T slots; the group's rows from a), its slots and rope rows (hd bf16 each)
+// written to slot_out, co, so (rows a..a+B-1).
+extern "C" void kernel(const int64_t* skv, const int16_t* smask, int64_t* dkv, int16_t* dmask,
+                       int64_t sld, int64_t dld, int64_t cols, int64_t B, uintptr_t rows, int64_t a,
+                       int64_t T, int64_t* slot_out, const int16_t* rc, const int16_t* rs, int16_t* co,
+                       int16_t* so, int64_t hd) {
+    const int64_t* pos = reinterpret_cast<const int64_t*>(rows) + a;
+    const int64_t* slot = reinterpret_cast<const int64_t*>(rows) + T + a;
+    const int16_t neg = static_cast<int16_t>(0xFF80);  // bf16 -inf
+    if (dkv != skv) {
+        for (int64_t i = 0; i < B; ++i) {
+            std::memcpy(dkv + i * dld, skv + i * sld, cols * sizeof(int64_t));
+            std::memcpy(dmask + i * dld, smask + i * sld, cols * sizeof(int16_t));
+            for (int64_t c = cols; c < dld; ++c) {
+                dkv[i * dld + c] = 0;
+                dmask[i * dld + c] = neg;
+            }
+        }
+    }
+    for (int64_t i = 0; i < B; ++i) {
+        const int64_t p = pos[i];
+        dkv[i * dld + p] = slot[i];
+        dmask[i * dld + p] = 0;
+        slot_out[a + i] = slot[i];
+        std::memcpy(co + (a + i) * hd, rc + p * hd, hd * sizeof(int16_t));
+        std::memcpy(so + (a + i) * hd, rs + p * hd, hd * sizeof(int16_t));
+    }
+}
+"""
+_GROW_ARGS = ["const int64_t*", "const int16_t*", "int64_t*", "int16_t*", "int64_t", "int64_t", "int64_t",
+              "int64_t", "uintptr_t", "int64_t", "int64_t", "int64_t*", "const int16_t*", "const int16_t*",
+              "int16_t*", "int16_t*", "int64_t"]
+_GROW: list = []
+
+
+def load_grow_kernel():
+    """The in-place derivation's C++ helper (compiled once a process, through the decode attention
+    kernel's loader :func:`~laser.model.attn_kernel.compile_kernel`), or None where that fails."""
+    if not _GROW:
+        _GROW.append(compile_kernel(_GROW_ARGS, _GROW_SOURCE, "steady decode metadata helper"))
+    return _GROW[0]
 
 
 #: mask dtype -> (torch dtype of the same bits that numpy has, numpy dtype)

@@ -176,13 +176,17 @@ class FusedDecode:
                                   torch.zeros(B, C, dtype=m.dtype)), dynamic=True)
 
     def attend(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, kv_index: torch.Tensor,
-               mask: torch.Tensor) -> torch.Tensor:
+               mask: torch.Tensor, cols: int | None = None) -> torch.Tensor:
         """Graph D: :func:`decode_attention` of ``q`` [B, Hq, d] (one query row per sequence)
         over the cache ``kc``/``vc`` [slots, kvh, d] at ``kv_index`` [B, C] (int64 slots) with the
         additive ``mask`` [B, C] (0 / -inf, model dtype) -> [B, Hq, d], bf16; through the C++
-        kernel where it loaded, else inductor's graph (compiled on first use)."""
+        kernel where it loaded, else inductor's graph (compiled on first use). ``cols``: the
+        context is the first ``cols`` columns (:attr:`laser.model.llama.AttnGroup.cols`; the C++
+        kernel only)."""
         if self.attention_kernel is not None:
-            return decode_attention_kernel(self.attention_kernel, q, kc, vc, kv_index, mask)
+            return decode_attention_kernel(self.attention_kernel, q, kc, vc, kv_index, mask, cols)
+        if cols is not None:
+            raise ValueError("graph D: a group with spare columns needs the C++ kernel (AttnGroup.trimmed)")
         if self._attend is None:
             self._attend = _boxed(self._compile_attention())
         return self._attend([q.contiguous(), kc, vc, kv_index, mask])[0]

@@ -18,7 +18,7 @@ keeps in the intermediate cache. Attention runs over ragged batches through
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -64,9 +64,20 @@ class AttnGroup:
     # Prefill groups: per sequence (first row in the flat token dimension, cached positions before
     # the chunk, rows), the chunked-prefill form of the C++ prefill kernel; None for decode groups.
     chunks: tuple[tuple[int, int, int], ...] | None = None
+    # Decode groups of a steady batch derived in place (laser.model.attn_steady): ``kv_index``
+    # [B, L] and ``mask`` [B, 1, 1, L] hold the context in their first ``cols`` columns, the rest
+    # is spare room (slot 0, masked); the C++ decode kernel reads the first ``cols`` only. None: C = L.
+    cols: int | None = None
 
     def kv_index_for(self, layer: int) -> torch.Tensor:
         return self.layer_kv_index.get(layer, self.kv_index)
+
+    def trimmed(self) -> "AttnGroup":
+        """This group with ``kv_index``/``mask`` cut to their ``cols`` context columns (contiguous
+        copies; the same values): for the attention paths other than the C++ decode kernel."""
+        c, fmt = self.cols, torch.contiguous_format  # (clone: plain strides even at one row)
+        return replace(self, kv_index=self.kv_index[:, :c].clone(memory_format=fmt),
+                       mask=self.mask[..., :c].clone(memory_format=fmt), cols=None)
 
 
 @dataclass
@@ -370,11 +381,15 @@ class LlamaModel:
                     return o
                 out[a : a + Q] = o
                 continue
+            f = self.fused
+            dec = Q == 1 and f is not None and f.decode_attention and grp.q_start is not None
+            if grp.cols is not None and not (dec and f.attention_kernel is not None):
+                grp = grp.trimmed()
             kv_idx = grp.kv_index_for(i).view(-1)
             C = kv_idx.shape[0] // B
-            f = self.fused
-            if Q == 1 and f is not None and f.decode_attention and grp.q_start is not None:  # decode rows: graph D
-                o = f.attend(q[grp.q_start : grp.q_start + B], kc, vc, kv_idx.view(B, C), grp.mask.view(B, C))
+            if dec:  # decode rows: graph D
+                o = f.attend(q[grp.q_start : grp.q_start + B], kc, vc, kv_idx.view(B, C), grp.mask.view(B, C),
+                             grp.cols)
             elif grp.chunks is not None and self.prefill_kernel is not None:  # chunks over cached context
                 out = out if out is not None else torch.empty(q.shape, dtype=q.dtype)
                 self._chunks_through_kernel(grp, q, kc, vc, kv_idx.view(B, C), out)

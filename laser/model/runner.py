@@ -23,6 +23,7 @@ import torch
 from ..core.intermediate_cache import IntermediateCache
 from .kv_cache import KVCache
 from ..latency.features import DEFAULT_MAX_GATHER_BYTES, decode_slices, max_gather_positions
+from .attn_metadata import build_attn_metadata
 from .attn_steady import SteadyDecode
 from .llama import AttnMetadata, LlamaModel
 from ..core.walk import walk
@@ -62,8 +63,11 @@ class ModelRunner:
         # masks: build_attn_metadata's memo), kept for one step (execute) only: None outside it.
         self._meta_memo: dict | None = None
         # The last decode-only batch's metadata, kept across steps: a steady decode batch's is
-        # derived from it (laser.model.attn_steady).
-        self._steady = SteadyDecode()
+        # derived from it (laser.model.attn_steady), in place where every decode group runs the C++
+        # decode kernel (the step's metadata is dropped when the step ends: nothing else holds it).
+        f = model.fused
+        self._steady = SteadyDecode(in_place=model.dtype == torch.bfloat16 and f is not None
+                                    and f.attention_kernel is not None)
         # The step's prepared compositions (prepare): change point -> (works in row order, layers,
         # their attention metadata); empty outside a step.
         self._planned: dict[int, tuple[list[Work], range, AttnMetadata]] = {}
@@ -437,8 +441,8 @@ class ModelRunner:
         """Attention metadata for ``active`` (rows in this order: each work's ``num_tokens``
         rows, contiguous), valid for every layer in ``layers``: for callers that run layers
         themselves (self-speculative drafting, exit training). The works' KV blocks must be
-        allocated."""
-        return self._build_metadata(active, layers)
+        allocated. The result stays valid while the caller holds it (never derived in place)."""
+        return self._build_metadata(active, layers, steady=not self._steady.in_place)
 
     #: Largest padded K (or V) gather of one decode group, bytes (see
     #: :data:`laser.latency.features.DEFAULT_MAX_GATHER_BYTES`).
@@ -452,15 +456,16 @@ class ModelRunner:
                                      self.max_gather_bytes)
         return [dec[a:b] for a, b in decode_slices([active[i].context_len for i in dec], limit)]
 
-    def _build_metadata(self, active: list[Work], layers: range) -> AttnMetadata:
+    def _build_metadata(self, active: list[Work], layers: range, steady: bool = True) -> AttnMetadata:
         """Metadata for ``active`` (rows in order) valid for every layer in ``layers``
-        (:func:`laser.model.attn_metadata.build_attn_metadata`; a steady decode batch's derived
-        from the previous one's, :class:`laser.model.attn_steady.SteadyDecode`)."""
+        (:func:`laser.model.attn_metadata.build_attn_metadata`; with ``steady``, a steady decode
+        batch's derived from the previous one's, :class:`laser.model.attn_steady.SteadyDecode`)."""
         m = self.model
+        build = self._steady.build if steady else build_attn_metadata
         # a model whose prefill groups run the C++ prefill kernel never reads their masks
-        return self._steady.build(active, layers, self.bm, (m.rope_cos, m.rope_sin), m.dtype, self._group_size,
-                                  lambda dec: self._split_decode(active, dec), self._meta_memo,
-                                  prefill_masks=getattr(m, "prefill_kernel", None) is None)
+        return build(active, layers, self.bm, (m.rope_cos, m.rope_sin), m.dtype, self._group_size,
+                     lambda dec: self._split_decode(active, dec), self._meta_memo,
+                     prefill_masks=getattr(m, "prefill_kernel", None) is None)
 
 
 def _extend_run(runs: list, src: torch.Tensor, a: int, b: int) -> None:
