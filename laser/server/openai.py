@@ -137,7 +137,7 @@ def _completions_route(router: APIRouter, srv: Generation) -> None:
             ids = await srv.encode(pr, param, truncate=body.truncate_prompt_tokens)
             mt = srv.max_tokens_for(1 if prompt_only else body.max_tokens, len(ids), 16)
             sp = srv.sampling_params(body, mt, stop, structured)
-            text = pr if isinstance(pr, str) else None
+            text = pr if isinstance(pr, str) and body.truncate_prompt_tokens is None else None  # echo: what ran
             for j in range(body.n):  # each choice its own reproducible stream (vLLM: seed + j)
                 subs.append(Sub(len(subs), ids, text, dataclasses.replace(sp, seed=choice_seed(sp.seed, j))))
                 subs[-1].prompt_only = prompt_only

@@ -51,6 +51,10 @@ def test_completion_fields(client, engine):
     r = client.completions.create(model="tiny", prompt=PROMPT, **extra(truncate_prompt_tokens=8, return_token_ids=True))
     assert r.usage.prompt_tokens == 8 and r.choices[0].prompt_token_ids == PROMPT[-8:]
     assert r.choices[0].token_ids == completion_ids(client, PROMPT[-8:])
+    text = engine.tokenizer.decode(engine.tokenizer.encode("The quick brown fox jumps over")[-3:])
+    echo = client.completions.create(model="tiny", prompt="The quick brown fox jumps over", echo=True,
+                                     **extra(truncate_prompt_tokens=3))
+    assert echo.choices[0].text.startswith(text) and echo.usage.prompt_tokens == 3  # the prompt that ran
     special = next(s for s in engine.tokenizer.all_special_ids if s != engine.tokenizer.eos_token_id)
     kept = client.completions.create(model="tiny", prompt=PROMPT, **extra(
         allowed_token_ids=[special], skip_special_tokens=False, spaces_between_special_tokens=False))
