@@ -10,6 +10,7 @@ median:
 * ``logprobs``: top-5 raw logprobs of the sampled token;
 * ``grammar``: a JSON-schema mask (llguidance) at each step, the matcher advanced by the
   sampled token (the grammar's per-token cost);
+* ``allowed``: 100 ``allowed_token_ids``; ``bad_words``: 10 bad words of 1 to 3 tokens;
 
 then the grammar mask alone per sampled row, as ``laser profile`` measures it for the latency
 model's sampling term (:func:`laser.profiler.mask.measure_mask_row_s`), and that per vocabulary
@@ -55,6 +56,11 @@ def main() -> None:
         "penalties": dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2),
         "logprobs": dict(logprobs=5),
         "grammar": dict(structured_output=("json", json.dumps(SCHEMA))),
+        # vLLM's token lists (session 24): 100 allowed ids; 10 bad words of 1-3 tokens (ids as the
+        # input path would set them)
+        "allowed": dict(allowed_token_ids=list(range(0, V, V // 100))),
+        "bad_words": dict(bad_words=["w"] * 10, bad_words_token_ids=tuple(
+            tuple(range(1000 + 7 * i, 1000 + 7 * i + 1 + i % 3)) for i in range(10))),
     }
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, V, (2000,), generator=g).tolist()

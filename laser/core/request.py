@@ -1,7 +1,8 @@
-"""Request state: sampling parameters, SLO, phase, layer position and timestamps.
+"""Request state: SLO, phase, layer position and timestamps.
 
 One small class owns a request's progress (style: nano-vllm ``engine/sequence.py``).
-Torch-free: schedulers and the simulator use it directly.
+Torch-free: schedulers and the simulator use it directly. The sampling parameters live in
+:mod:`laser.core.sampling_params` (re-exported here).
 
 Progress is explicit. ``num_computed_tokens`` tokens have KV at *every* layer. At most
 one chunk is in flight: ``chunk_tokens`` tokens starting at position
@@ -17,6 +18,15 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from .sampling_params import (  # noqa: F401 - re-exported: the names every caller imports from here
+    MAX_LOGPROBS,
+    SEED_MAX,
+    SEED_MIN,
+    InvalidRequestError,
+    SamplingParams,
+    choice_seed,
+)
+
 
 class Phase(enum.Enum):
     WAITING = "waiting"  # nothing computed yet
@@ -24,10 +34,6 @@ class Phase(enum.Enum):
     DECODE = "decode"  # prompt done, generating
     FINISHED = "finished"
     ABORTED = "aborted"
-
-
-class InvalidRequestError(ValueError):
-    """A request is malformed (empty prompt, too long, bad sampling parameters...)."""
 
 
 #: Slack for float comparisons against SLO targets (seconds): a TTFT computed as 1.25 - 1.0 may
@@ -74,200 +80,6 @@ class SLO:
 
 
 BEST_EFFORT = SLO()
-
-#: Most log-probabilities per token a request may ask for (vLLM's default ``max_logprobs``).
-MAX_LOGPROBS = 20
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # a seed's range (vLLM and OpenAI accept the int64/uint64 union)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling parameters (vLLM names and semantics).
-
-    ``temperature < 1e-5`` is greedy. ``top_k <= 0`` disables top-k; ``top_p == 1`` disables
-    top-p. ``seed`` gives the request its own generator, so a seeded request samples the
-    same tokens whatever it is batched with.
-
-    Logits processing (vLLM's order and formulas, ``vllm/v1/sample/sampler.py``): ``logit_bias``
-    (token id -> value added to its logit, in [-100, 100]) and ``min_tokens`` (EOS -- unless
-    ``ignore_eos`` -- and ``stop_token_ids`` masked while fewer than ``min_tokens`` tokens are
-    generated; stop strings are matched only past ``min_tokens`` tokens), then the penalties:
-    ``repetition_penalty`` (> 0, 1 = off; a logit of a token seen in the prompt *or* the output
-    is divided by it when positive, multiplied when not), ``frequency_penalty`` (in [-2, 2];
-    minus penalty x the token's count in the output) and ``presence_penalty`` (in [-2, 2]; minus
-    penalty once the token is in the output). The output counts every generated token,
-    including those replayed by a re-prefill. Then temperature, ``min_p`` (in [0, 1]; tokens of
-    probability below ``min_p`` x the top token's are dropped), top-k, top-p. Greedy requests
-    take the argmax after the penalties and the bias (as vLLM).
-
-    ``structured_output`` (kind, spec): a grammar (:mod:`laser.model.structured`) masks every token
-    it does not allow, before the rest of the processing; once it is complete only EOS is left.
-
-    ``n`` (>= 1): choices per prompt, as vLLM's parallel sampling. One request carries one choice:
-    :meth:`laser.frontend.llm.LLM.generate` and the server run ``n`` requests, choice ``j`` with
-    :func:`choice_seed` (``seed + j``); the engine refuses a request with ``n`` > 1.
-
-    ``logprobs`` (0..20, None = off): the log-probability of each generated token and the
-    ``logprobs`` most likely tokens' ones; ``prompt_logprobs`` (0..20): the same for every
-    prompt token but the first. Both are the model's raw log-probabilities (log-softmax of
-    the fp32 logits before any processing above, vLLM's default ``raw_logprobs``).
-    """
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False  # vLLM's: the matched stop string ends the text
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); a dict is accepted
-    min_tokens: int = 0
-    min_p: float = 0.0
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    # Structured output: (kind, spec), kind "json" (a JSON schema as JSON text), "regex" or
-    # "lark" (laser.model.structured); None: free text.
-    structured_output: tuple[str, str] | None = None
-    # Lossy dynamic depth (laser.core.depth.DynamicDepth; a dict or True is accepted): decode
-    # tokens may leave the model at a trained exit. None: every token runs every layer.
-    dynamic_depth: object = None
-    n: int = 1
-
-    def _normalise(self) -> None:
-        """``stop``/``stop_token_ids`` to tuples, ``logit_bias`` to sorted (token, bias) pairs.
-
-        Raises:
-            InvalidRequestError: a field that is not a list (or a mapping for ``logit_bias``).
-        """
-        for field in ("stop", "stop_token_ids"):
-            v = getattr(self, field)
-            if isinstance(v, str) and field == "stop":
-                v = (v,)
-            elif v is not None and not isinstance(v, (list, tuple)):  # tuple(5) would be a TypeError
-                raise InvalidRequestError(f"{field} must be a list, got {v!r:.80}")
-            object.__setattr__(self, field, tuple(v or ()))
-        bias = self.logit_bias or ()
-        if isinstance(bias, dict):
-            bias = bias.items()
-        try:
-            object.__setattr__(self, "logit_bias", tuple(sorted((k, v) for k, v in bias)))
-        except (TypeError, ValueError):
-            raise InvalidRequestError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r:.80}") from None
-
-    def __post_init__(self):
-        """Normalise ``stop``/``stop_token_ids`` to tuples and check every field.
-
-        Raises:
-            InvalidRequestError: a field of the wrong type (a bool is not a number here) or
-                out of range; the message names the field and what it wants.
-        """
-        self._normalise()
-
-        def integer(v) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        def number(v) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-        for f in ("max_tokens", "n"):
-            if not integer(getattr(self, f)) or getattr(self, f) < 1:
-                raise InvalidRequestError(f"{f} must be an integer >= 1, got {getattr(self, f)!r}")
-        if not (number(self.temperature) and self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise InvalidRequestError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not (number(self.top_p) and 0 < self.top_p <= 1):
-            raise InvalidRequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not integer(self.top_k) or self.top_k < 0:
-            raise InvalidRequestError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if self.seed is not None and not (integer(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
-            raise InvalidRequestError(f"seed must be an integer in [-2^63, 2^64), got {self.seed!r}")
-        for f in ("ignore_eos", "include_stop_str_in_output"):
-            if not isinstance(getattr(self, f), bool):
-                raise InvalidRequestError(f"{f} must be true or false, got {getattr(self, f)!r}")
-        if any(not isinstance(s, str) for s in self.stop):
-            raise InvalidRequestError(f"stop must be a string or a list of strings, got {list(self.stop)!r}")
-        if any(not s for s in self.stop):
-            raise InvalidRequestError("stop strings must be non-empty")
-        if any(not integer(t) or t < 0 for t in self.stop_token_ids):
-            raise InvalidRequestError(f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)!r}")
-        for f in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, f)
-            if not (number(v) and -2 <= v <= 2):
-                raise InvalidRequestError(f"{f} must be a number in [-2, 2], got {v!r}")
-        rp = self.repetition_penalty
-        if not (number(rp) and 0 < rp and math.isfinite(rp)):
-            raise InvalidRequestError(f"repetition_penalty must be a number > 0, got {rp!r}")
-        for t, b in self.logit_bias:
-            if not integer(t) or t < 0:
-                raise InvalidRequestError(f"logit_bias: keys must be token ids (non-negative integers), got {t!r}")
-            if not (number(b) and -100 <= b <= 100):
-                raise InvalidRequestError(f"logit_bias: the bias of token {t} must be a number in [-100, 100], "
-                                          f"got {b!r}")
-        if not integer(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise InvalidRequestError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
-                                      f"got {self.min_tokens!r}")
-        if not (number(self.min_p) and 0 <= self.min_p <= 1):
-            raise InvalidRequestError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
-        for f in ("logprobs", "prompt_logprobs"):
-            v = getattr(self, f)
-            if v is not None and not (integer(v) and 0 <= v <= MAX_LOGPROBS):
-                raise InvalidRequestError(f"{f} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
-        if self.dynamic_depth is not None:
-            from .depth import DynamicDepth
-
-            object.__setattr__(self, "dynamic_depth", DynamicDepth.parse(self.dynamic_depth))
-        so = self.structured_output
-        if self.dynamic_depth is not None and not (self.temperature < 1e-5 and self.logprobs is None
-                                                   and not self.processes_logits):
-            raise InvalidRequestError("dynamic_depth needs greedy decoding (temperature 0) without logprobs, "
-                                      "logit_bias, penalties, min_tokens or structured output")
-        if so is not None and not (isinstance(so, tuple) and len(so) == 2 and so[0] in ("json", "regex", "lark")
-                                   and isinstance(so[1], str)):
-            raise InvalidRequestError(f"structured_output must be (kind, spec) with kind json, regex or lark, "
-                                      f"got {so!r:.80}")
-
-    @property
-    def processes_logits(self) -> bool:
-        """Whether the logits are changed before sampling (bias, min_tokens or a penalty):
-        False for a request without these fields, which then takes no extra work."""
-        return bool(self.logit_bias or self.min_tokens or self.presence_penalty or self.frequency_penalty
-                    or self.repetition_penalty != 1.0 or self.structured_output is not None)
-
-    @property
-    def plain_greedy(self) -> bool:
-        """Greedy, with no logit processing and no log-probabilities: the argmax of the raw
-        logits is the whole sampling step (what self-speculation's verification and a dynamic-depth
-        exit may replace with their own argmax)."""
-        return self.greedy and not self.processes_logits and self.logprobs is None
-
-    def check_vocab(self, vocab_size: int) -> None:
-        """Raise InvalidRequestError (naming the field) for a ``logit_bias`` or ``stop_token_ids``
-        token id outside ``[0, vocab_size)`` (a stop id no token can match would be silently ignored)."""
-        for t, _ in self.logit_bias:
-            if t >= vocab_size:
-                raise InvalidRequestError(f"logit_bias: token id {t} out of range [0, {vocab_size})")
-        for t in self.stop_token_ids:
-            if t >= vocab_size:
-                raise InvalidRequestError(f"stop_token_ids: token id {t} out of range [0, {vocab_size})")
-
-    @property
-    def greedy(self) -> bool:
-        """Temperatures below 1e-5 are greedy (as vLLM): dividing logits by ~0 overflows."""
-        return self.temperature < 1e-5
-
-
-def choice_seed(seed: int | None, index: int) -> int | None:
-    """Seed of choice ``index`` (0-based) of a request with ``seed`` and ``n > 1``: ``seed + index``
-    (as vLLM's parallel sampling), wrapped into the accepted range, so each choice is its own
-    reproducible stream and choice 0 equals the ``n=1`` answer. None stays None (unseeded)."""
-    if seed is None or index == 0:
-        return seed
-    s = seed + index
-    return s - 2**64 if s > SEED_MAX else s
 
 
 class TokenLogprob(NamedTuple):

@@ -392,11 +392,12 @@ class AsyncEngine(EngineThread):
         slo: SLO | str | None = None,
     ) -> AsyncIterator:
         """Encode, admit, add, and yield the request's outputs; aborts it if the caller stops early."""
-        ids = await self.encode(prompt)
+        sp = sampling_params or SamplingParams()
+        ids = self.inputs.truncate(await self.encode(prompt), sp.truncate_prompt_tokens)
         self.inputs.check_length(ids)
         slo_obj = self.inputs.resolve_slo(slo)
         (adm,) = self.admit([len(ids)], slo_obj, cached=[self.cached_prompt_tokens(ids)])
-        stream = await self.add_request(ids, sampling_params or SamplingParams(), adm)
+        stream = await self.add_request(ids, sp, adm)
         try:
             while True:
                 item = await stream.queue.get()

@@ -156,14 +156,15 @@ class InputProcessor:
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
                             add_generation_prompt: bool = True, continue_final_message: bool = False,
-                            chat_template_kwargs: dict | None = None) -> list[int]:
+                            chat_template_kwargs: dict | None = None, chat_template: str | None = None) -> list[int]:
         """Token ids of a conversation (a model without a template gets ``role: content`` lines).
         ``add_generation_prompt``: open an assistant turn after the messages;
         ``continue_final_message``: leave the last message open, for the model to continue it
         (both as transformers' and vLLM's switches of the same names; both true is an error);
         ``chat_template_kwargs``: more variables for the template (vLLM's, e.g. Qwen3's
         ``{"enable_thinking": false}``); a name of the renderer's own arguments (``tokenize``,
-        ``tools``, ...) is an error, not a way around the switches. The server and
+        ``tools``, ...) is an error, not a way around the switches; ``chat_template``: a Jinja
+        template used instead of the tokenizer's (vLLM's ``LLM.chat(chat_template=...)``). The server and
         :meth:`laser.frontend.llm.LLM.chat` both render through here.
         ``tools`` (OpenAI tool definitions), assistant ``tool_calls`` and ``tool`` messages are
         rendered by the template itself when it knows tools in the ``<tool_call>`` format, else
@@ -175,7 +176,10 @@ class InputProcessor:
                                       "(set add_generation_prompt to false to continue the last message)")
         extra = check_template_kwargs(chat_template_kwargs, self.tokenizer)
         messages = [check_message(i, m) for i, m in enumerate(messages)]
-        template = self.tokenizer.chat_template
+        if chat_template is not None and (not isinstance(chat_template, str) or not chat_template.strip()):
+            raise InvalidRequestError(f"chat_template must be a non-empty Jinja template string, got "
+                                      f"{chat_template!r:.80}")
+        template = chat_template if chat_template is not None else self.tokenizer.chat_template
         if (tools or has_tool_turns(messages)) and not template_knows_tools(tool_template(template)):
             messages, tools = fallback_messages(messages, tools), None
         if template is None:
@@ -185,6 +189,8 @@ class InputProcessor:
             return self.tokenizer.encode(text)
         kw = {"tools": tools} if tools else {}  # a request without tools renders exactly as before
         kw.update(extra)
+        if chat_template is not None:
+            kw["chat_template"] = chat_template
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                     continue_final_message=continue_final_message, tokenize=True, **kw)
@@ -234,6 +240,48 @@ class InputProcessor:
         self.check_length(ids)
         return ids
 
+    def truncate(self, ids: list[int], keep: int | None, field: str = "truncate_prompt_tokens") -> list[int]:
+        """The prompt ``ids`` cut to their last ``keep`` tokens (vLLM's ``truncate_prompt_tokens``:
+        the start of a long prompt is dropped; -1: the context length; None: ``ids`` as they are).
+        Raises InvalidRequestError naming ``field`` for ``keep`` over the context length."""
+        if keep is None:
+            return ids
+        SamplingParams(truncate_prompt_tokens=keep)  # the field's rule (>= 1 or -1): its one owner
+        if keep > self.max_model_len:
+            raise InvalidRequestError(f"{field}: {keep} is more than this model's context of {self.max_model_len} "
+                                      "tokens (ask for fewer, or -1 for the context length)")
+        keep = self.max_model_len if keep == -1 else keep
+        return ids[len(ids) - keep:] if len(ids) > keep else ids
+
+    def bad_words_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """The token sequences of ``bad_words`` (vLLM's ``SamplingParams.update_from_tokenizer``):
+        each word (leading spaces stripped) as it tokenizes alone, and with a leading space when
+        that gives another first token and as many tokens (the word in mid-text). Raises
+        InvalidRequestError for a word with a token outside the vocabulary (or none)."""
+        seqs: list[tuple[int, ...]] = []
+        for w in words:
+            check_text(w, "bad_words")
+            alone = tuple(self.tokenizer.encode(w.lstrip(), add_special_tokens=False))
+            spaced = tuple(self.tokenizer.encode(" " + w.lstrip(), add_special_tokens=False))
+            if not alone or any(not 0 <= t < self.vocab_size for t in alone + spaced):
+                raise InvalidRequestError(f"bad_words: {w!r} has no token of this model's vocabulary of "
+                                          f"{self.vocab_size}")
+            seqs.append(alone)
+            if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+                seqs.append(spaced)
+        return tuple(seqs)
+
+    def resolve_prompt_fields(self, sp: SamplingParams, prompt_len: int) -> SamplingParams:
+        """``sp`` for a prompt of ``prompt_len`` tokens (already truncated): ``max_tokens=None``
+        becomes the rest of the context, ``bad_words`` get their token ids (:meth:`bad_words_ids`).
+        ``sp`` itself when neither applies. Raises InvalidRequestError (a bad word)."""
+        changes = {}
+        if sp.max_tokens is None:
+            changes["max_tokens"] = self.max_model_len - prompt_len
+        if sp.bad_words and sp.bad_words_token_ids is None:
+            changes["bad_words_token_ids"] = self.bad_words_ids(sp.bad_words)
+        return dataclasses.replace(sp, **changes) if changes else sp
+
     def apply_dynamic_depth(self, sp: SamplingParams, slo: SLO) -> SamplingParams:
         """``sp`` with its SLO class's dynamic depth (:attr:`SLOClasses.dynamic_depth`) when the
         request sets none and may exit early (plain greedy) and exits are served. Raises
@@ -279,7 +327,9 @@ class InputProcessor:
             err = self.grammars.validate(*sp.structured_output)
             if err is not None:
                 raise InvalidRequestError(f"structured_output: {err}")
-        ids = self.tokenize(prompt)
+        ids = self.truncate(self.encode_prompt(prompt), sp.truncate_prompt_tokens)
+        self.check_length(ids)
+        sp = self.resolve_prompt_fields(sp, len(ids))
         slo_obj = self.resolve_slo(slo)
         sp = self.apply_dynamic_depth(sp, slo_obj)
         if req_id is not None and in_use(req_id):

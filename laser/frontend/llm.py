@@ -132,7 +132,7 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None, slo=None,
              tools: list[dict] | None = None, *, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+             chat_template: str | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them (chat template applied), one
         output per conversation (``sampling_params.n`` choices in ``outputs``, as :meth:`generate`).
 
@@ -144,8 +144,8 @@ class LLM:
         grammar, give a ``structured_output`` in ``sampling_params``
         (:func:`laser.model.structured.tool_call_grammar`). ``add_generation_prompt``,
         ``continue_final_message`` and ``chat_template_kwargs``: vLLM's template switches, the
-        server's fields of the same names (one renderer:
-        :meth:`laser.frontend.inputs.InputProcessor.apply_chat_template`).
+        server's fields of the same names; ``chat_template``: a Jinja template used instead of the
+        tokenizer's (vLLM's; one renderer: :meth:`laser.frontend.inputs.InputProcessor.apply_chat_template`).
 
         Raises InvalidRequestError for a malformed conversation, tool definition or switch
         (before anything runs), also for ``messages`` that is not a list (a plain prompt string:
@@ -159,7 +159,7 @@ class LLM:
         if tools:
             check_tools(tools)
         switches = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
-                    "chat_template_kwargs": chat_template_kwargs}
+                    "chat_template_kwargs": chat_template_kwargs, "chat_template": chat_template}
         if any(not isinstance(c, (list, tuple)) for c in convs):
             raise InvalidRequestError("messages must be one conversation (a list of dicts) or a list of them")
         prompts = [self.engine.inputs.encode_prompt(list(c), list(tools or ()) or None, **switches) for c in convs]
@@ -184,7 +184,7 @@ class LLM:
                     continue
                 groups.append([])
                 for j in range(n):
-                    one = dataclasses.replace(sp, n=1, seed=choice_seed(sp.seed, j))
+                    one = dataclasses.replace(sp, n=1, best_of=None, seed=choice_seed(sp.seed, j))
                     groups[-1].append(self.engine.add_request(p, one, s).req_id)
         except BaseException:
             for i in itertools.chain.from_iterable(groups):

@@ -23,16 +23,21 @@ from ..core.request import SLO, Request
 class IncrementalDetokenizer:
     """Per-request detokenizer state. ``text`` is the output decoded so far."""
 
-    __slots__ = ("tokenizer", "ids", "prefix_offset", "read_offset", "text", "skip_ids")
+    __slots__ = ("tokenizer", "ids", "prefix_offset", "read_offset", "text", "skip_ids", "decode_kw")
 
-    def __init__(self, tokenizer, prompt_ids: list[int]):
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True):
+        """``skip_special_tokens``: leave special tokens out of the text (vLLM's default);
+        ``spaces_between_special_tokens``: passed to a slow tokenizer's ``decode`` when False
+        (fast tokenizers ignore it, as in vLLM)."""
         self.tokenizer = tokenizer
         # Start with a few prompt tokens as context so leading spaces decode right.
         self.ids = list(prompt_ids[-6:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
-        self.skip_ids = set(getattr(tokenizer, "all_special_ids", ()) or ())
+        self.skip_ids = set(getattr(tokenizer, "all_special_ids", ()) or ()) if skip_special_tokens else set()
+        self.decode_kw = {} if spaces_between_special_tokens else {"spaces_between_special_tokens": False}
 
     def add(self, token_id: int) -> str:
         """Append one token; return the newly completed text (may be empty)."""
@@ -40,8 +45,8 @@ class IncrementalDetokenizer:
             return ""
         self.ids.append(token_id)
         dec = self.tokenizer.decode
-        prefix = dec(self.ids[self.prefix_offset : self.read_offset])
-        full = dec(self.ids[self.prefix_offset :])
+        prefix = dec(self.ids[self.prefix_offset : self.read_offset], **self.decode_kw)
+        full = dec(self.ids[self.prefix_offset :], **self.decode_kw)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             delta = full[len(prefix) :]
             self.prefix_offset = self.read_offset
@@ -73,18 +78,23 @@ class OutputText:
     to the final, cut text.
     """
 
-    __slots__ = ("detok", "stop", "include_stop", "hold", "sent", "min_tokens", "num_tokens")
+    __slots__ = ("detok", "stop", "include_stop", "hold", "sent", "min_tokens", "num_tokens", "detokenize")
 
     def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = (),
-                 output_ids: list[int] = (), min_tokens: int = 0, include_stop: bool = False):
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+                 output_ids: list[int] = (), min_tokens: int = 0, include_stop: bool = False,
+                 skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True,
+                 detokenize: bool = True):
+        """``detokenize=False``: token ids only, the text stays empty (vLLM's ``detokenize``);
+        the other switches: :class:`IncrementalDetokenizer`'s."""
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens, spaces_between_special_tokens)
+        self.detokenize = detokenize
         self.stop = stop
         self.include_stop = include_stop  # the text is cut after the matched stop string, not before
         self.hold = max((len(s) for s in stop), default=1) - 1
         # stop strings are matched only once more than min_tokens tokens are out (as vLLM)
         self.min_tokens = min_tokens
         self.num_tokens = len(output_ids)
-        for t in output_ids:  # a request continuing here (hand-off): its text so far was sent
+        for t in output_ids if detokenize else ():  # a request continuing here (hand-off): its text so far was sent
             self.detok.add(t)
         self.sent = max(0, len(self.detok.text) - self.hold)
 
@@ -95,7 +105,7 @@ class OutputText:
     def add(self, token_id: int) -> bool:
         """Append a token. True when a stop string matched (the text is cut before it, or after it
         with ``include_stop``)."""
-        delta = self.detok.add(token_id)
+        delta = self.detok.add(token_id) if self.detokenize else ""
         self.num_tokens += 1
         if self.stop and delta and self.num_tokens > self.min_tokens:
             cut = find_stop(self.detok.text, self.stop, len(delta), self.include_stop)
@@ -233,7 +243,8 @@ class OutputProcessor:
         here after a hand-off)."""
         sp = req.sampling_params
         self._text[req.req_id] = OutputText(self.tokenizer, req.prompt_token_ids, sp.stop, req.output_token_ids,
-                                            sp.min_tokens, sp.include_stop_str_in_output)
+                                            sp.min_tokens, sp.include_stop_str_in_output, sp.skip_special_tokens,
+                                            sp.spaces_between_special_tokens, sp.detokenize)
 
     def abort(self, req_id: str) -> None:
         """Forget a request (no output)."""

@@ -1,4 +1,4 @@
-"""Token sampling: logits processing (grammar mask, bias, min_tokens, penalties), greedy, temperature, min-p,
+"""Token sampling: logits processing (grammar mask, allowed token ids, bad words, bias, min_tokens, penalties), greedy, temperature, min-p,
 top-k, top-p, per-request seeds, and the raw log-probabilities a request asks for.
 
 A seeded request draws its ``k``-th token (``k`` = tokens it has generated so far) from a generator
@@ -7,7 +7,8 @@ and its logits -- not on what it is batched with, and not on where it ran: a req
 migrated or re-prefilled elsewhere after a failure (its generated tokens replayed) continues the
 same stream with nothing carried along (vLLM and SGLang keep one generator per request, whose
 state would have to travel). Unseeded requests share one generator. Semantics and order follow vLLM's ``SamplingParams`` and v1 sampler
-(``vllm/v1/sample/sampler.py``): raw logprobs, then logit bias and min_tokens, then the
+(``vllm/v1/sample/sampler.py``): raw logprobs, then the allowed token ids, the bad words, logit
+bias and min_tokens, then the
 penalties (``apply_penalties``), then greedy argmax -- or temperature, min-p, top-k, top-p and
 a draw.
 
@@ -54,6 +55,46 @@ def logprob_entries(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list
     return out
 
 
+def mask_token_lists(row: torch.Tensor, req: Request, extra: list[int] = ()) -> torch.Tensor:
+    """``req``'s ``allowed_token_ids`` and bad words applied to one row of logits (vLLM's v1
+    sampler: the allowed-ids mask, then ``apply_bad_words``): every token outside the allowed ids
+    at -inf, and the last token of each bad word (``SamplingParams.bad_words_token_ids``) at -inf
+    when the output so far (plus ``extra``, a speculative step's drafts) ends with the word's other
+    tokens -- a one-token word always. A mask that would leave no token (the allowed ids all
+    banned, or none of them allowed by the request's grammar) is not applied at this step: the
+    grammar wins, as it does over ``min_tokens``.
+
+    Args:
+        row: [V] float32 logits (a copy the caller owns); modified in place and returned.
+        req: the request (``output_token_ids``: the tokens generated so far).
+        extra: tokens taken as generated after them.
+    Raises:
+        RuntimeError: ``bad_words`` without their token ids (a request that skipped the input
+            path, :meth:`laser.frontend.inputs.InputProcessor.process`).
+    """
+    sp = req.sampling_params
+    before = row.clone()
+    if sp.allowed_token_ids is not None:
+        idx = torch.tensor(sp.allowed_token_ids, dtype=torch.long)
+        kept = row[idx]
+        row.fill_(float("-inf"))
+        row[idx] = kept
+    if sp.bad_words:
+        if sp.bad_words_token_ids is None:
+            raise RuntimeError("bad_words need their token ids (laser.frontend.inputs.InputProcessor.process)")
+        out, extra = req.output_token_ids, list(extra)
+        for ids in sp.bad_words_token_ids:
+            k = len(ids) - 1  # the tokens before the banned one
+            if k > len(out) + len(extra):
+                continue
+            tail = extra[len(extra) - k:] if k <= len(extra) else out[len(out) - (k - len(extra)):] + extra
+            if k == 0 or tail == list(ids[:-1]):
+                row[ids[-1]] = float("-inf")
+    if not torch.isfinite(row).any():
+        row.copy_(before)
+    return row
+
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -89,8 +130,9 @@ class Sampler:
         self._grammar.pop(req_id, None)
 
     def process_logits(self, row: torch.Tensor, req: Request, extra: list[int] = ()) -> torch.Tensor:
-        """``req``'s logit bias, min_tokens mask and penalties applied to one row (vLLM's order
-        and formulas: ``LogitBiasLogitsProcessor``, ``MinTokensLogitsProcessor``,
+        """``req``'s grammar mask, allowed token ids and bad words (:func:`mask_token_lists`), logit
+        bias, min_tokens mask and penalties applied to one row (vLLM's order and formulas:
+        ``apply_bad_words``, ``LogitBiasLogitsProcessor``, ``MinTokensLogitsProcessor``,
         ``apply_penalties``).
 
         Args:
@@ -107,6 +149,8 @@ class Sampler:
             if self.grammars is None:
                 raise RuntimeError("structured output needs a grammar backend (laser.model.structured) on this sampler")
             self._grammar[req.req_id] = self.grammars.mask(row, req, self._grammar.get(req.req_id))
+        if sp.allowed_token_ids is not None or sp.bad_words:
+            row = mask_token_lists(row, req, extra)
         if sp.logit_bias:
             ids = torch.tensor([t for t, _ in sp.logit_bias], dtype=torch.long)
             row.index_add_(0, ids, torch.tensor([b for _, b in sp.logit_bias], dtype=row.dtype))

@@ -100,8 +100,6 @@ class RequestFields:
         if isinstance(body, CompletionRequest):
             if body.suffix:
                 bad("suffix", "suffix")
-            if body.best_of not in (None, 1):
-                bad("best_of", "best_of > 1")
         else:
             if body.top_logprobs is not None and not body.logprobs:
                 raise APIError(400, "top_logprobs: needs logprobs set to true", "invalid_value", "top_logprobs")
@@ -212,6 +210,8 @@ class RequestFields:
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
             prompt_logprobs = None
         try:
+            # vLLM's n / best_of / logits_processors rules (one owner); each choice is then one request
+            SamplingParams(n=body.n, best_of=body.best_of, logits_processors=body.logits_processors)
             sp = SamplingParams(
                 max_tokens=max_tokens,
                 temperature=temperature,
@@ -232,6 +232,11 @@ class RequestFields:
                 prompt_logprobs=prompt_logprobs,
                 structured_output=structured,
                 dynamic_depth=body.dynamic_depth,
+                allowed_token_ids=body.allowed_token_ids,
+                bad_words=tuple(body.bad_words or ()),
+                skip_special_tokens=body.skip_special_tokens,
+                spaces_between_special_tokens=body.spaces_between_special_tokens,
+                truncate_prompt_tokens=body.truncate_prompt_tokens,
             )
             sp.check_vocab(self.ae.engine.model_config.vocab_size)
             return sp

@@ -156,10 +156,13 @@ class Generation(RequestFields):
             self.metrics.handler_wait.labels(self.metrics.model_name, slo.name).observe(max(0.0, now - arrival))
         return arrival, model, slo, self.stop_strings(body), asked
 
-    async def encode(self, prompt, param: str, tools: list[dict] | None = None, **switches) -> list[int]:
+    async def encode(self, prompt, param: str, tools: list[dict] | None = None, truncate: int | None = None,
+                     **switches) -> list[int]:
         """Token ids of a prompt (chat messages rendered with ``tools`` and the chat template
         ``switches``: ``add_generation_prompt``, ``continue_final_message``,
-        ``chat_template_kwargs``), checked against the context. Raises APIError: 400 naming ``param``."""
+        ``chat_template_kwargs``), cut to their last ``truncate`` tokens (the request's
+        ``truncate_prompt_tokens``, :meth:`~laser.frontend.inputs.InputProcessor.truncate`), checked
+        against the context. Raises APIError: 400 naming ``param`` (or ``truncate_prompt_tokens``)."""
         try:
             ids = await self.ae.encode(prompt, tools, **switches)
         except ContextLengthError as e:  # text too long to tokenize into the context (inputs.check_text_length)
@@ -169,6 +172,10 @@ class Generation(RequestFields):
             msg = "the " + msg if msg.startswith("prompt ") else msg
             msg = msg if msg.startswith(f"{param}[") else f"{param}: {msg}"  # messages[1].content: ...
             raise APIError(400, msg, "invalid_value", param) from None
+        try:
+            ids = self.ae.inputs.truncate(ids, truncate)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), "invalid_value", "truncate_prompt_tokens") from None
         try:
             self.ae.inputs.check_length(ids)  # the input path's rule (laser.frontend.inputs)
         except ContextLengthError as e:

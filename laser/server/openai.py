@@ -134,10 +134,10 @@ def _completions_route(router: APIRouter, srv: Generation) -> None:
         subs: list[Sub] = []
         for i, pr in enumerate(prompts):
             param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-            ids = await srv.encode(pr, param)
+            ids = await srv.encode(pr, param, truncate=body.truncate_prompt_tokens)
             mt = srv.max_tokens_for(1 if prompt_only else body.max_tokens, len(ids), 16)
             sp = srv.sampling_params(body, mt, stop, structured)
-            text = pr if isinstance(pr, str) else None
+            text = pr if isinstance(pr, str) and body.truncate_prompt_tokens is None else None  # echo: what ran
             for j in range(body.n):  # each choice its own reproducible stream (vLLM: seed + j)
                 subs.append(Sub(len(subs), ids, text, dataclasses.replace(sp, seed=choice_seed(sp.seed, j))))
                 subs[-1].prompt_only = prompt_only
@@ -175,7 +175,7 @@ def _chat_route(router: APIRouter, srv: Generation) -> None:
         tools = await tool_plan(body)
         structured = await tool_constraint(srv, tools, await srv.structured_output(body))
         ids = await srv.encode(chat_messages(body.messages), "messages", tools and tools.tools,
-                               **body.template_switches())
+                               truncate=body.truncate_prompt_tokens, **body.template_switches())
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         mt = srv.max_tokens_for(getattr(body, field), len(ids), None, field)
         sp = srv.sampling_params(body, mt, stop, structured)

@@ -110,6 +110,18 @@ class _Common(_Request):
                                    "until this many tokens are generated")
     min_p: float | None = Field(None, ge=0, le=1, description="vLLM extension: drop tokens below min_p x the top "
                                 "token's probability")
+    best_of: int | None = Field(None, ge=1, description="vLLM extension: only n (more candidates than choices is "
+                                "refused, as vLLM V1)")
+    allowed_token_ids: list[StrictInt] | None = Field(None, description="vLLM extension: only these tokens may be "
+                                                      "generated")
+    bad_words: list[str] | None = Field(None, description="vLLM extension: words the output must not contain "
+                                        "(each word's last token is banned after its other tokens)")
+    skip_special_tokens: bool = Field(True, description="vLLM extension: leave special tokens out of the text")
+    spaces_between_special_tokens: bool = Field(True, description="vLLM extension: a slow tokenizer's decode switch")
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, description="vLLM extension: keep the prompt's last "
+                                               "this many tokens (-1: the context length)")
+    logits_processors: Any = Field(None, description="vLLM extension; per-request logits processors are not "
+                                   "supported (as vLLM V1)")
     # -- Laser extension: per-request SLO (also as headers x-slo-class / x-slo-ttft-ms / x-slo-tbt-ms)
     slo_class: str | None = Field(None, description="SLO class name from the server's SLO config")
     ttft_slo_ms: float | None = Field(None, gt=0, description="time-to-first-token target, ms")
@@ -146,7 +158,6 @@ class CompletionRequest(_Common):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="log-probabilities of each token and "
                                  "of this many most likely ones (the prompt's too with echo)")
     suffix: str | None = Field(None, description="not supported")
-    best_of: int | None = Field(None, description="only 1 is supported")
 
 
 class TextPart(_Request):
@@ -223,6 +234,8 @@ class ChatCompletionRequest(_Common, _ChatTemplateSwitches):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="auto (default with tools), none, required or a named function (both grammar-enforced)")
     parallel_tool_calls: bool | None = Field(None, description="false: at most one call (default true)")
+    chat_template: str | None = Field(None, description="vLLM extension; a request's own template is refused (vLLM "
+                                      "refuses it without --trust-request-chat-template)")
     functions: list[Any] | None = Field(None, description="legacy; not supported")
     function_call: Any = Field(None, description="legacy; not supported (only none/auto)")
 
@@ -232,6 +245,8 @@ class ChatCompletionRequest(_Common, _ChatTemplateSwitches):
         ``tool_choice``) only at their neutral value (no functions, ``"none"``/``"auto"``)."""
         if self.functions:
             return "functions", "function calling (legacy functions; use tools)"
+        if self.chat_template is not None:  # (a template runs on the server: vLLM trusts none by default either)
+            return "chat_template", "a chat template sent with the request (the model's own is used)"
         if self.function_call not in (None, "none", "auto"):
             return "function_call", f"function_call {self.function_call!r} (legacy function calling; use tool_choice)"
         return None
