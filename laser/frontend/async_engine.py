@@ -393,8 +393,7 @@ class AsyncEngine(EngineThread):
     ) -> AsyncIterator:
         """Encode, admit, add, and yield the request's outputs; aborts it if the caller stops early."""
         sp = sampling_params or SamplingParams()
-        ids = self.inputs.truncate(await self.encode(prompt), sp.truncate_prompt_tokens)
-        self.inputs.check_length(ids)
+        ids = self.inputs.fit(await self.encode(prompt), sp.truncate_prompt_tokens)
         slo_obj = self.inputs.resolve_slo(slo)
         (adm,) = self.admit([len(ids)], slo_obj, cached=[self.cached_prompt_tokens(ids)])
         stream = await self.add_request(ids, sp, adm)

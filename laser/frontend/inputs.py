@@ -234,9 +234,15 @@ class InputProcessor:
                                      f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} "
                                      f"{field}); lower {field}")
 
-    def tokenize(self, prompt: str | list[int] | list[dict]) -> list[int]:
-        """:meth:`encode_prompt` then :meth:`check_length`: the ids of a servable prompt."""
-        ids = self.encode_prompt(prompt)
+    def tokenize(self, prompt: str | list[int] | list[dict], keep: int | None = None) -> list[int]:
+        """:meth:`encode_prompt` then :meth:`fit`: the ids of a servable prompt."""
+        return self.fit(self.encode_prompt(prompt), keep)
+
+    def fit(self, ids: list[int], keep: int | None = None) -> list[int]:
+        """Prompt ``ids`` cut to their last ``keep`` tokens (:meth:`truncate`, the request's
+        ``truncate_prompt_tokens``; None: as they are), then :meth:`check_length`: truncation
+        comes before the length check (vLLM's order). Raises as those two."""
+        ids = self.truncate(ids, keep)
         self.check_length(ids)
         return ids
 
@@ -327,8 +333,7 @@ class InputProcessor:
             err = self.grammars.validate(*sp.structured_output)
             if err is not None:
                 raise InvalidRequestError(f"structured_output: {err}")
-        ids = self.truncate(self.encode_prompt(prompt), sp.truncate_prompt_tokens)
-        self.check_length(ids)
+        ids = self.tokenize(prompt, sp.truncate_prompt_tokens)
         sp = self.resolve_prompt_fields(sp, len(ids))
         slo_obj = self.resolve_slo(slo)
         sp = self.apply_dynamic_depth(sp, slo_obj)
