@@ -54,6 +54,13 @@ DENSE_MARGIN = 0.9
 #: W8A8 must be at least this much faster than the weight-only kernel to take its rows (it keeps
 #: one more packed copy of the weight and rounds the activations to 8 bits).
 W8A8_MARGIN = 0.9
+#: Against a packed dense copy (:func:`dense_layout`) the kernel keeps at least this many rows. The
+#: crossover is timed on one weight, hot in cache, which flatters the dense copy's 2 bytes a weight,
+#: and leaves out the fused decode graphs, which run only up to the smallest crossover of a layer
+#: (:mod:`laser.model.fused`). On the AMX Xeon, 1 thread: the timing put the qkv crossover at 2 rows,
+#: and batch-4 decode fell from 201 to 155 tok/s (eager layers); with 30 weights cycled aten's int4
+#: kernel still beat the packed copy at 4 rows on every layer shape (0.76-0.85x its time).
+PACKED_MIN_ROWS = 4
 _REPEATS = 5
 
 
@@ -222,6 +229,8 @@ def choose_kernel_rows(linears: list[QuantLinear], dtype: torch.dtype) -> str:
                 measured += 1
             chosen[k] = int(cache[k])
         lin.kernel_max_rows = chosen[k]
+        if "dpk|" in k:
+            lin.kernel_max_rows = max(lin.kernel_max_rows, PACKED_MIN_ROWS)
         if lin.kernel_max_rows < QuantLinear.KERNEL_MAX_ROWS[lin.qw.kind]:
             lin.dense = dense_copy(lin, dtype)
     if measured:

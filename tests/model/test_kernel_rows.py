@@ -137,3 +137,13 @@ def test_packed_dense_copy_past_the_crossover(measured, tmp_path, monkeypatch):
     fp32 = [QuantLinear(quantize_int4(rand(96, 128, 7)))]
     choose_kernel_rows(fp32, torch.float32)
     assert isinstance(fp32[0].dense, torch.Tensor)
+    # a packed copy never takes rows from the kernel below PACKED_MIN_ROWS (a cached 2 included);
+    # the plain copy keeps what was measured
+    monkeypatch.setattr(kernel_rows, "measure_crossover", lambda lin, dtype, repeats=5: 2)
+    low = [QuantLinear(quantize_int4(rand(64, 256, 8)))]
+    choose_kernel_rows(low, torch.bfloat16)
+    assert low[0].kernel_max_rows == kernel_rows.PACKED_MIN_ROWS == 4
+    monkeypatch.setenv("LASER_QUANT_DENSE", "plain")
+    low = [QuantLinear(quantize_int4(rand(64, 256, 8)))]
+    choose_kernel_rows(low, torch.bfloat16)
+    assert low[0].kernel_max_rows == 2
