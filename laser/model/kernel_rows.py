@@ -25,8 +25,8 @@ AMX kernels read without reordering the weight on every call), elsewhere the pla
 ``F.linear`` as before. Measured on an Intel Xeon (AMX + AVX512-BF16 + VNNI, 2 vCPUs), 1 thread,
 SmolLM2's layer shapes, 30 weights cycled: at 32 rows the packed copy takes 0.61-0.75x the time of
 ``F.linear`` (qkv 69 vs 104 us, o 45 vs 67, gate/up 246 vs 403, down 106 vs 142), at 1-4 rows
-0.48-0.74x; aten's int4 kernel there takes 3.4-5.8x the packed copy's time at 32 rows (compute-bound:
-qkv 389 us, gate/up 1250) and 0.85-1.0x at 4 rows. The crossover is measured against the layout kept.
+0.50-0.79x; aten's int4 kernel there takes 3.4-5.8x the packed copy's time at 32 rows (compute-bound:
+qkv 389 us, gate/up 1250) and 0.74-0.87x at 4 rows. The crossover is measured against the layout kept.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ W8A8_MARGIN = 0.9
 #: and leaves out the fused decode graphs, which run only up to the smallest crossover of a layer
 #: (:mod:`laser.model.fused`). On the AMX Xeon, 1 thread: the timing put the qkv crossover at 2 rows,
 #: and batch-4 decode fell from 201 to 155 tok/s (eager layers); with 30 weights cycled aten's int4
-#: kernel still beat the packed copy at 4 rows on every layer shape (0.76-0.85x its time).
+#: kernel still beat the packed copy at 4 rows on every layer shape (0.74-0.87x its time).
 PACKED_MIN_ROWS = 4
 _REPEATS = 5
 
