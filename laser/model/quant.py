@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from . import w8a8
+from .linear import Linear
 from .loader import compile_graph
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
@@ -160,8 +161,9 @@ class QuantLinear:
         self.gemv: tuple[torch.Tensor, ...] | None = None
         self.frozen = None  # laser.model.frozen_gemm.FrozenInt8Gemm (set there)
         # a dequantized copy [N, K] for the rows past the crossover (laser.model.kernel_rows keeps
-        # one where the dense matmul wins below the default crossover); None: dequantize per call
-        self.dense: torch.Tensor | None = None
+        # one where the dense matmul wins below the default crossover; a bf16 Linear, oneDNN-packed,
+        # where kernel_rows.dense_layout says so); None: dequantize per call
+        self.dense: torch.Tensor | Linear | None = None
         # int8 weights: oneDNN's W8A8 operands (laser.model.w8a8) for decode rows from
         # w8a8_min_rows (set per CPU kind by laser.model.kernel_rows; w8a8.OFF: none)
         self.w8a8: tuple[torch.Tensor, ...] | None = None
@@ -262,8 +264,13 @@ class QuantLinear:
 
     def dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [M, K] @ w.T as a dense matmul (no bias) over the kept copy :attr:`dense` when it
-        is in ``x``'s dtype, else over the weight dequantized now; activations rounded as the
-        kernel rounds them. [M, N] in ``x``'s dtype."""
+        is in ``x``'s dtype (a packed bf16 :class:`~laser.model.linear.Linear` for bf16 ``x``), else
+        over the weight dequantized now; activations rounded as the kernel rounds them. [M, N] in
+        ``x``'s dtype."""
+        if isinstance(self.dense, Linear):
+            if x.dtype == torch.bfloat16:  # the kernel's activation dtype: no rounding to add
+                return self.dense(x)
+            return F.linear(x.to(self.act_dtype).to(x.dtype), self.dense_weight(x.dtype)).to(self.act_dtype).to(x.dtype)
         w = self.dense if self.dense is not None and self.dense.dtype == x.dtype else self.dense_weight(x.dtype)
         return F.linear(x.to(self.act_dtype).to(x.dtype), w).to(self.act_dtype).to(x.dtype)
 

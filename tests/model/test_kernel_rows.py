@@ -97,3 +97,53 @@ def test_a_measured_crossover_is_another_executor_path(tiny_llama, measured, cap
         model = LlamaModel(cfg, weights, torch.float32, q)
     assert getattr(model, "executor_path", None) == "int4r8"
     assert "quantized decode rows through the kernels: int4 up to 8" in caplog.text
+
+
+def test_dense_layout_switch(monkeypatch):
+    monkeypatch.setenv("LASER_QUANT_DENSE", "plain")
+    assert kernel_rows.dense_layout() == "plain"
+    monkeypatch.setenv("LASER_QUANT_DENSE", "packed")
+    assert kernel_rows.dense_layout() == "packed"
+    monkeypatch.delenv("LASER_QUANT_DENSE")  # auto: packed exactly where torch sees AMX tiles
+    assert kernel_rows.dense_layout() == ("packed" if torch.cpu._is_amx_tile_supported() else "plain")
+    monkeypatch.setenv("LASER_QUANT_DENSE", "bogus")
+    with pytest.raises(ValueError, match="LASER_QUANT_DENSE"):
+        kernel_rows.dense_layout()
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN runs no bf16 matmuls here")
+def test_packed_dense_copy_past_the_crossover(measured, tmp_path, monkeypatch):
+    """bf16 with ``LASER_QUANT_DENSE=packed`` (the AMX kind's default): the copy past the crossover is
+    a oneDNN-packed Linear holding 2 bytes a weight, its rows agree with the plain copy's to bf16
+    rounding and do not depend on the other rows, the executor path says ``dpk``, and its crossover
+    is cached apart from the plain layout's. fp32 keeps the plain copy."""
+    from laser.model.linear import Linear
+
+    monkeypatch.setenv("LASER_QUANT_DENSE", "packed")
+    lins = [QuantLinear(quantize_int4(rand(96, 128, 5)))]
+    msg = choose_kernel_rows(lins, torch.bfloat16)
+    assert isinstance(lins[0].dense, Linear) and lins[0].kernel_max_rows == 8
+    assert "oneDNN-packed" in msg and f"+{96 * 128 * 2 / 1e6:.0f} MB" in msg
+    assert rows_label(lins) == "int4r8-dpk"
+    x = rand(12, 128, 9).bfloat16()
+    plain = lins[0].dense_weight(torch.bfloat16)
+    torch.testing.assert_close(lins[0](x).float(), (x @ plain.t()).float(), rtol=2e-2, atol=2e-2)
+    assert torch.equal(lins[0](x)[5:6], lins[0](torch.cat([x[5:6]] * 9))[:1])  # 9 rows: the dense path
+    monkeypatch.setenv("LASER_QUANT_DENSE", "plain")
+    again = [QuantLinear(quantize_int4(rand(96, 128, 6)))]
+    assert "measured on this CPU for 1 weight shapes" in choose_kernel_rows(again, torch.bfloat16)
+    assert isinstance(again[0].dense, torch.Tensor) and rows_label(again) == "int4r8"
+    monkeypatch.setenv("LASER_QUANT_DENSE", "packed")
+    fp32 = [QuantLinear(quantize_int4(rand(96, 128, 7)))]
+    choose_kernel_rows(fp32, torch.float32)
+    assert isinstance(fp32[0].dense, torch.Tensor)
+    # a packed copy never takes rows from the kernel below PACKED_MIN_ROWS (a cached 2 included);
+    # the plain copy keeps what was measured
+    monkeypatch.setattr(kernel_rows, "measure_crossover", lambda lin, dtype, repeats=5: 2)
+    low = [QuantLinear(quantize_int4(rand(64, 256, 8)))]
+    choose_kernel_rows(low, torch.bfloat16)
+    assert low[0].kernel_max_rows == kernel_rows.PACKED_MIN_ROWS == 4
+    monkeypatch.setenv("LASER_QUANT_DENSE", "plain")
+    low = [QuantLinear(quantize_int4(rand(64, 256, 8)))]
+    choose_kernel_rows(low, torch.bfloat16)
+    assert low[0].kernel_max_rows == 2

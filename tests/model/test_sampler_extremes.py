@@ -59,3 +59,19 @@ def test_a_request_with_an_extreme_penalty_fails_nobody(tiny_llama):
         for r in asyncio.run(both()):
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] in (8, 24)
+
+
+def test_greedy_takes_the_first_maximum_as_argmax():
+    """Greedy rows go through ``max(dim).indices`` (faster than argmax on wide rows): the same token
+    as ``argmax``, ties (several equal maxima, an all -inf row but one) resolved to the first index."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 49152, generator=g)
+    logits[1, [7, 300, 40000]] = 50.0  # a three-way tie: the first one wins
+    logits[2] = 1.0  # a flat row: index 0
+    logits[3] = float("-inf")
+    logits[3, 12345] = 0.0
+    logits[4, [49151, 2]] = 9.0
+    reqs = [Request(PROMPT, SamplingParams(max_tokens=4, temperature=0.0)) for _ in range(6)]
+    out = Sampler().sample(logits.clone(), reqs)
+    assert out == logits.argmax(dim=-1).tolist()
+    assert out[1:5] == [7, 0, 12345, 2]
