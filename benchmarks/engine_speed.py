@@ -191,9 +191,10 @@ def main() -> None:
                          "auto::fixed = auto with the kernels' default row crossover, not the measured one; "
                          "auto:::0 / auto:::1 = auto with the decode layers eager / fused, LASER_FUSED_DECODE; "
                          "auto::::off / auto::::on = int8 rows without / always with W8A8, LASER_QUANT_W8A8; "
-                         "none:::::sdpa / none:::::blocked / none:::::kernel = bf16 prefill attention through the "
-                         "flash kernel / blocked matmuls / the C++ kernel, LASER_PREFILL_ATTN; none::::::off / none::::::on = bf16 weights "
-                         "plain / oneDNN-packed, LASER_PACKED_WEIGHTS)")
+                         "none:::::sdpa / none:::::blocked / none:::::kernel / none:::::amx = bf16 prefill attention "
+                         "through the flash kernel / blocked matmuls / the C++ kernel / the flash kernel for whole "
+                         "prompts (the default on AMX), LASER_PREFILL_ATTN; none::::::off / none::::::on = bf16 weights "
+                         "plain / oneDNN-packed (auto: its dense copies past the crossover), LASER_PACKED_WEIGHTS)")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

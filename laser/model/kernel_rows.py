@@ -179,12 +179,12 @@ def choose_kernel_rows(linears: list[QuantLinear], dtype: torch.dtype) -> str:
             chosen[k] = int(cache[k])
         lin.kernel_max_rows = chosen[k]
         if lin.kernel_max_rows < QuantLinear.KERNEL_MAX_ROWS[lin.qw.kind]:
-            lin.dense = lin.dense_weight(dtype).contiguous()
+            lin.keep_dense(dtype)
     if measured:
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
         tmp.replace(path)
-    extra = sum(lin.dense.numel() * lin.dense.element_size() for lin in linears if lin.dense is not None)
+    extra = sum(lin.dense_nbytes() for lin in linears)
     per_kind = {}
     for lin in linears:
         per_kind.setdefault(lin.qw.kind, set()).add(lin.kernel_max_rows)

@@ -27,7 +27,8 @@ from ..core.config import ModelConfig
 from .linear import Linear, add_linear, pack_for_onednn
 from .kernel_rows import choose_kernel_rows, rows_label
 from .fused import prepare_fused
-from .prefill import MIN_ROWS, blocked_causal_attention, load_prefill_kernel, uses_blocked_attention
+from .prefill import (MIN_ROWS, blocked_causal_attention, causal_through_flash, load_prefill_kernel,
+                      uses_blocked_attention)
 from .prefill_kernel import prefill_attention_kernel
 from .quant import QuantLinear, concat, prepare_decode_kernels
 from .frozen_gemm import use_frozen_head
@@ -161,6 +162,9 @@ class LlamaModel:
         self.blocked_attn = uses_blocked_attention(dtype)
         # ... or, where it loads (AVX512-BF16), through one C++ kernel (laser.model.prefill_kernel)
         self.prefill_kernel = load_prefill_kernel(dtype, self.config.head_dim) if self.blocked_attn else None
+        # ... but on a CPU with AMX (LASER_PREFILL_ATTN auto -> amx) whole prompts through torch's flash
+        # kernel, whose products run as AMX tile GEMMs; chunks over cached context keep the C++ kernel
+        self.causal_flash = causal_through_flash(dtype)
         self._init_rope()
         qlins = [m for L in self.layers for m in (L.qkv, L.o, L.gate_up, L.down) if isinstance(m, QuantLinear)]
         if self.lm_head_q is not None:
@@ -174,9 +178,13 @@ class LlamaModel:
             self.fused, msg = prepare_fused(self)
             if msg:
                 log.info(msg)
-        if self.prefill_kernel is not None:
-            log.info("bf16 prefill attention: the C++ kernel (AVX512-BF16; LASER_PREFILL_ATTN=blocked for blocked "
-                     "matmuls, sdpa for the flash kernel)")
+        if self.causal_flash:
+            log.info("bf16 prefill attention: torch's flash kernel (SDPA: AMX tile GEMMs) for whole prompts, %s for "
+                     "chunks over cached context (chosen from the CPU flags: AMX; LASER_PREFILL_ATTN=kernel for the "
+                     "C++ kernel everywhere)", "the C++ kernel" if self.prefill_kernel is not None else "SDPA")
+        elif self.prefill_kernel is not None:
+            log.info("bf16 prefill attention: the C++ kernel (AVX512-BF16, no AMX; LASER_PREFILL_ATTN=blocked for "
+                     "blocked matmuls, sdpa for the flash kernel, amx for the flash kernel on whole prompts)")
         elif self.blocked_attn:
             log.info("bf16 prefill attention: blocked matmuls from %d rows (LASER_PREFILL_ATTN=sdpa for the flash "
                      "kernel)", MIN_ROWS)
@@ -213,9 +221,11 @@ class LlamaModel:
             log.info("bf16 weights: oneDNN-packed for every row count (LASER_PACKED_WEIGHTS=off for F.linear)")
         # "dattn": decode attention through graph D, "-cpp" its C++ kernel (a profile timed before
         # either prices slower steps)
-        # "pattn": bf16 prefill attention through blocked matmuls, "-cpp" through the C++ kernel
+        # "pattn": bf16 prefill attention through blocked matmuls, "-cpp" through the C++ kernel, "-amx"
+        # whole prompts through the flash kernel (AMX) and chunks through the C++ kernel
+        pattn = "-amx" if self.causal_flash else "-cpp" if self.prefill_kernel is not None else ""
         parts += ["pw" if packed else "",
-                  "" if not self.blocked_attn else "pattn" + ("-cpp" if self.prefill_kernel is not None else ""),
+                  "" if not self.blocked_attn else "pattn" + pattn,
                   "" if self.fused is None else
                   "fused-dattn" + ("-cpp" if self.fused.attention_kernel is not None else "")]
         # another machine to the latency model: its own profile (laser.profiler.executor_path_of)
@@ -367,9 +377,9 @@ class LlamaModel:
             B, Q = grp.q_index.shape
             if grp.causal:
                 a = grp.q_start
-                if self.prefill_kernel is not None:
+                if self.prefill_kernel is not None and not self.causal_flash:
                     o = prefill_attention_kernel(self.prefill_kernel, q[a : a + Q], k[a : a + Q], v[a : a + Q])
-                elif self.blocked_attn and Q >= MIN_ROWS:
+                elif self.blocked_attn and not self.causal_flash and Q >= MIN_ROWS:
                     o = blocked_causal_attention(q[a : a + Q], k[a : a + Q], v[a : a + Q])
                 else:
                     qs = q[a : a + Q].transpose(0, 1).unsqueeze(0)  # [1, Hq, Q, d]

@@ -97,3 +97,23 @@ def test_a_measured_crossover_is_another_executor_path(tiny_llama, measured, cap
         model = LlamaModel(cfg, weights, torch.float32, q)
     assert getattr(model, "executor_path", None) == "int4r8"
     assert "quantized decode rows through the kernels: int4 up to 8" in caplog.text
+
+
+def test_bf16_dense_copy_is_packed_for_onednn(measured):
+    """In bf16 the dense copy past the crossover is a oneDNN-packed Linear (where oneDNN packs bf16)
+    computing the plain copy's matmul; fp32 keeps the plain tensor (its paths stay bit-for-bit)."""
+    from laser.model.linear import Linear, pack_for_onednn
+
+    lin = QuantLinear(quantize_int4(rand(96, 128)))
+    choose_kernel_rows([lin], torch.bfloat16)
+    x = rand(80, 128, 3).bfloat16()
+    plain = torch.nn.functional.linear(x, lin.dense_weight(torch.bfloat16))
+    if pack_for_onednn(lin.dense_weight(torch.bfloat16), 16) is not None:
+        assert isinstance(lin.dense, Linear) and not lin.dense.sliceable
+    assert lin.dense_nbytes() == 96 * 128 * 2
+    torch.testing.assert_close(lin(x), plain, rtol=1e-2, atol=1e-2)
+    lin32 = QuantLinear(quantize_int4(rand(96, 128)))
+    choose_kernel_rows([lin32], torch.float32)
+    assert isinstance(lin32.dense, torch.Tensor) and lin32.dense.dtype == torch.float32
+    x32 = rand(80, 128, 3)
+    assert torch.equal(lin32(x32), lin32.dense_matmul(x32))
