@@ -43,21 +43,22 @@ from laser.core.request import SamplingParams  # noqa: E402
 
 
 SWITCHES = ("LASER_QUANT_GEMV", "LASER_QUANT_ROWS", "LASER_FUSED_DECODE", "LASER_QUANT_W8A8",
-            "LASER_PREFILL_ATTN", "LASER_PACKED_WEIGHTS")
+            "LASER_PREFILL_ATTN", "LASER_PACKED_WEIGHTS", "LASER_PREFILL_GLUE")
 
 
 @contextlib.contextmanager
 def executor_switches(gemv: str = "", rows: str = "", fused: str = "", w8a8: str = "", attn: str = "",
-                      packed: str = ""):
+                      packed: str = "", glue: str = ""):
     """Within the block, the executor switches read at model load: the int8 decode kernel
     (``template`` / ``compiled`` / ``aten``: ``$LASER_QUANT_GEMV``), the kernels' row crossover (``measure`` /
     ``fixed``: ``$LASER_QUANT_ROWS``), the fused decode layers (``0`` / ``1``:
     ``$LASER_FUSED_DECODE``), W8A8 int8 rows (``measure`` / ``on`` / ``off``:
-    ``$LASER_QUANT_W8A8``), the bf16 prefill attention (``kernel`` / ``blocked`` / ``sdpa``:
-    ``$LASER_PREFILL_ATTN``) and the oneDNN-packed bf16 weights (``on`` / ``off``:
-    ``$LASER_PACKED_WEIGHTS``); an empty value leaves a switch as it is. Restored on exit."""
+    ``$LASER_QUANT_W8A8``), the bf16 prefill attention (``kernel`` / ``amx`` / ``blocked`` / ``sdpa``:
+    ``$LASER_PREFILL_ATTN``), the oneDNN-packed bf16 weights (``on`` / ``off``:
+    ``$LASER_PACKED_WEIGHTS``) and the compiled bf16 prefill glue (``1`` / ``0``: ``$LASER_PREFILL_GLUE``);
+    an empty value leaves a switch as it is. Restored on exit."""
     saved = {k: os.environ.get(k) for k in SWITCHES}
-    for k, v in zip(SWITCHES, (gemv, rows, fused, w8a8, attn, packed)):
+    for k, v in zip(SWITCHES, (gemv, rows, fused, w8a8, attn, packed, glue)):
         if v:
             os.environ[k] = v
     try:
@@ -194,7 +195,8 @@ def main() -> None:
                          "none:::::sdpa / none:::::blocked / none:::::kernel / none:::::amx = bf16 prefill attention "
                          "through the flash kernel / blocked matmuls / the C++ kernel / the flash kernel for whole "
                          "prompts (the default on AMX), LASER_PREFILL_ATTN; none::::::off / none::::::on = bf16 weights "
-                         "plain / oneDNN-packed (auto: its dense copies past the crossover), LASER_PACKED_WEIGHTS)")
+                         "plain / oneDNN-packed (auto: its dense copies past the crossover), LASER_PACKED_WEIGHTS; "
+                         "none:::::::0 / none:::::::1 = bf16 prefill glue eager / compiled, LASER_PREFILL_GLUE)")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -205,20 +207,21 @@ def main() -> None:
     quants = args.quantizations.split(",")
 
     def make_engine(q: str) -> Engine:
-        """``q``: a quantization, or ``<quantization>:<gemv>[:<rows>[:<fused>[:<w8a8>[:<attn>[:<packed>]]]]]`` with the
+        """``q``: a quantization, or ``<quantization>:<gemv>[:<rows>[:<fused>[:<w8a8>[:<attn>[:<packed>[:<glue>]]]]]]`` with the
         int8 decode kernel (``compiled`` or ``aten``: ``$LASER_QUANT_GEMV``; empty: the default), the
         kernels' row crossover (``measure`` or ``fixed``: ``$LASER_QUANT_ROWS``), the fused decode
         layers (``0`` or ``1``: ``$LASER_FUSED_DECODE``), W8A8 int8 rows (``measure``, ``on``, ``off``:
         ``$LASER_QUANT_W8A8``), the bf16 prefill attention (``blocked`` or ``sdpa``:
-        ``$LASER_PREFILL_ATTN``) and the packed bf16 weights (``on`` or ``off``: ``$LASER_PACKED_WEIGHTS``)
-        set while the engine is built."""
+        ``$LASER_PREFILL_ATTN``), the packed bf16 weights (``on`` or ``off``: ``$LASER_PACKED_WEIGHTS``)
+        and the compiled prefill glue (``1`` or ``0``: ``$LASER_PREFILL_GLUE``) set while the engine is built."""
         q, _, opts = q.partition(":")
         gemv, _, opts = opts.partition(":")
         rows, _, opts = opts.partition(":")
         fused, _, opts = opts.partition(":")
         w8a8, _, opts = opts.partition(":")
-        attn, _, packed = opts.partition(":")
-        with executor_switches(gemv, rows, fused, w8a8, attn, packed):
+        attn, _, opts = opts.partition(":")
+        packed, _, glue = opts.partition(":")
+        with executor_switches(gemv, rows, fused, w8a8, attn, packed, glue):
             return Engine(
                 str(path) if q == "none" else None, policy="vllm", dtype=dtype, quantization=q,
                 scheduler=SchedulerConfig(policy="vllm", max_num_batched_tokens=4096),
