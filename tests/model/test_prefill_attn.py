@@ -199,6 +199,9 @@ def test_engine_chunked_and_merged_prefill_through_the_kernel(tiny_llama, monkey
 
     chunked = first_tokens("kernel", 128)
     assert any(calls) and chunked == first_tokens("sdpa", 4096)
+    # mode amx (AMX's default): first chunks through the flash kernel, later ones through the kernel's chunk form
+    calls.clear()
+    assert first_tokens("amx", 128) == chunked and calls and all(calls)
 
 
 def test_auto_mode_is_chosen_from_the_cpu_flags(monkeypatch):
