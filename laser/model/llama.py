@@ -288,7 +288,7 @@ class LlamaModel:
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """RMSNorm of ``x`` [..., H] with weight ``w`` [H] (:func:`_rms_norm`); rows [T, H] of a bf16
         prefill through the compiled glue (:attr:`glue`)."""
-        if self.glue is not None and x.dim() == 2 and self.glue.takes(x):
+        if self.glue is not None and x.dim() == 2 and self.glue.takes(x, x):
             return self.glue.norm(x, w)
         return _rms_norm(x, w, self.config.rms_norm_eps)
 
@@ -324,7 +324,10 @@ class LlamaModel:
         if L.q_norm is None:
             # one RoPE over the q and k heads side by side: [T, Hq + kvh, d]
             qk = qkv[:, : c.q_size + c.kv_size].view(T, nh + kvh, d)
-            qk = self.glue.rope(qk, cos, sin) if self.glue is not None and self.glue.takes(qk) else _rope(qk, cos, sin)
+            if self.glue is not None and self.glue.takes(qk, cos, sin):  # qk: the view the graph was compiled for
+                qk = self.glue.rope(qk, cos, sin)
+            else:
+                qk = _rope(qk, cos, sin)
             return qk[:, :nh], qk[:, nh:], v
         q = self._norm(qkv[:, : c.q_size].view(T, nh, d), L.q_norm)
         k = self._norm(qkv[:, c.q_size : c.q_size + c.kv_size].view(T, kvh, d), L.k_norm)
@@ -378,7 +381,7 @@ class LlamaModel:
         T = hidden.shape[0]
         hidden = add_linear(L.o, attn.reshape(T, self.config.q_size), hidden)
         gate_up = L.gate_up(self._norm(hidden, L.ln2))  # [T, 2 I]
-        if self.glue is not None and self.glue.takes(gate_up):
+        if self.glue is not None and self.glue.takes(gate_up, gate_up):
             act = self.glue.swiglu(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)

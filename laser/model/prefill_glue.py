@@ -88,8 +88,10 @@ class PrefillGlue:
                 return None
         return _CACHE[key]
 
-    def takes(self, x: torch.Tensor) -> bool:
+    def takes(self, x: torch.Tensor, *contiguous: torch.Tensor) -> bool:
         """Whether ``x`` (rows first) runs through these graphs: an int row count (not a symbolic
-        size being traced by another graph) of at least :attr:`min_rows`."""
+        size being traced by another graph) of at least :attr:`min_rows`, and each tensor of
+        ``contiguous`` contiguous (the layouts the graphs were compiled for; inductor checks
+        its inputs' strides)."""
         n = x.shape[0]
-        return isinstance(n, int) and n >= self.min_rows
+        return isinstance(n, int) and n >= self.min_rows and all(t.is_contiguous() for t in contiguous)
