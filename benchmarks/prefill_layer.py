@@ -10,7 +10,11 @@ Times, interleaved in one process (median of ``--repeats`` rounds, each piece on
     matmuls of :mod:`laser.model.prefill`, with their share of the peak (causal FLOPs);
   - the glue: ``qkv_of`` minus its matmul (RMSNorm, RoPE), ``finish_of`` minus its three
     matmuls (residual adds, RMSNorm, SiLU * up);
-  - the LM head for the last row (what a prefill computes) and for all T rows (what it avoids).
+  - the LM head for the last row (what a prefill computes) and for all T rows (what it avoids);
+  - ``--quantization auto``'s prefill matmuls: each weight quantized to int4 (groups of 32, as the
+    GGUF's Q4_1 layers load) through ``QuantLinear.dense_matmul`` over its dense bf16 copy packed
+    for oneDNN (what ``keep_dense`` keeps where the crossover is measured below the default), over
+    the plain copy (``F.linear``), dequantized per call (no copy kept), and through the int4 kernel.
 
     python benchmarks/prefill_layer.py [--tokens 512] [--threads 1] [--repeats 15]
 """
@@ -31,6 +35,7 @@ from engine_speed import cpu_kind, matmul_peak  # noqa: E402  (benchmarks/ is sy
 from laser.model.llama import LlamaModel  # noqa: E402
 from laser.model.loader import load_config, load_weights, resolve_model  # noqa: E402
 from laser.model.prefill import blocked_causal_attention  # noqa: E402
+from laser.model.quant import QuantLinear, quantize_int4  # noqa: E402
 from laser.model.prefill_kernel import load_kernel, prefill_attention_kernel  # noqa: E402
 
 
@@ -89,6 +94,14 @@ def main() -> None:
     attns = ["attention flash", "attention blocked"] + (["attention kernel"] if kern is not None else [])
     if kern is not None:  # the C++ kernel (AVX512-BF16 only)
         fns["attention kernel"] = lambda: prefill_attention_kernel(kern, q, k, v)
+    for n in mats:  # auto's int4 layers past the crossover
+        ql = QuantLinear(quantize_int4(plain[n].float()))
+        ql.keep_dense(bf)
+        x, dense = xs[n], ql.dense_weight(bf).contiguous()
+        fns[n + " int4 packed copy"] = lambda ql=ql, x=x: ql.dense_matmul(x)
+        fns[n + " int4 plain copy"] = lambda w=dense, x=x: F.linear(x, w)
+        fns[n + " int4 per call"] = lambda ql=ql, x=x: F.linear(x, ql.dense_weight(bf))
+        fns[n + " int4 kernel"] = lambda ql=ql, x=x: ql.weight_only(x)
     fns["qkv_of"] = lambda: m.qkv_of(L, h, cos, sin)
     fns["finish_of"] = lambda: m.finish_of(L, h, attn)
     fns["head last row"] = lambda: m.compute_logits(h[-1:])
@@ -101,6 +114,11 @@ def main() -> None:
         fl = 2 * T * kk * lin.shape[0]
         print(f"  {n:8s} [{T}x{kk}] x [{kk}x{lin.shape[0]}]: {t[n] * 1e3:6.2f} ms = {fl / t[n] / peak:4.0%} of peak; "
               f"F.linear on the plain weight {t[n + ' plain'] / t[n]:.2f}x the time")
+    for n, (lin, kk) in mats.items():
+        fl = 2 * T * kk * lin.shape[0]
+        print(f"  {n:8s} int4 (auto): " + ", ".join(
+            f"{w} {t[f'{n} int4 {w}'] * 1e3:.2f} ms ({fl / t[f'{n} int4 {w}'] / peak:.0%})"
+            for w in ("packed copy", "plain copy", "per call", "kernel")))
     afl = 2 * 2 * c.q_size * T * (T + 1) / 2
     for n in attns:
         print(f"  {n:18s}: {t[n] * 1e3:6.2f} ms = {afl / t[n] / peak:4.0%} of peak")

@@ -18,6 +18,7 @@ os.environ.setdefault("LASER_QUANT_ROWS", "fixed")
 # decode layers eager unless a test asks for the fused graphs (laser.model.fused): only the tests
 # that mean to compile do
 os.environ.setdefault("LASER_FUSED_DECODE", "0")
+os.environ.setdefault("LASER_PREFILL_GLUE", "0")  # bf16 prefill glue eager unless a test compiles it
 # int8 weights weight-only unless a test asks for W8A8 (laser.model.w8a8; also the engine's default):
 # not measured on the machine
 os.environ.setdefault("LASER_QUANT_W8A8", "off")

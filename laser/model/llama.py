@@ -27,7 +27,9 @@ from ..core.config import ModelConfig
 from .linear import Linear, add_linear, pack_for_onednn
 from .kernel_rows import choose_kernel_rows, rows_label
 from .fused import prepare_fused
-from .prefill import MIN_ROWS, blocked_causal_attention, load_prefill_kernel, uses_blocked_attention
+from .prefill import (MIN_ROWS, blocked_causal_attention, causal_through_flash, load_prefill_kernel,
+                      uses_blocked_attention)
+from .prefill_glue import PrefillGlue
 from .prefill_kernel import prefill_attention_kernel
 from .quant import QuantLinear, concat, prepare_decode_kernels
 from .frozen_gemm import use_frozen_head
@@ -161,6 +163,11 @@ class LlamaModel:
         self.blocked_attn = uses_blocked_attention(dtype)
         # ... or, where it loads (AVX512-BF16), through one C++ kernel (laser.model.prefill_kernel)
         self.prefill_kernel = load_prefill_kernel(dtype, self.config.head_dim) if self.blocked_attn else None
+        # ... but on a CPU with AMX (LASER_PREFILL_ATTN auto -> amx) whole prompts through torch's flash
+        # kernel, whose products run as AMX tile GEMMs; chunks over cached context keep the C++ kernel
+        self.causal_flash = causal_through_flash(dtype)
+        # bf16 prefill rows: RMSNorm, RoPE and SiLU * up as inductor graphs (laser.model.prefill_glue)
+        self.glue = self._prefill_glue() if dtype == torch.bfloat16 else None
         self._init_rope()
         qlins = [m for L in self.layers for m in (L.qkv, L.o, L.gate_up, L.down) if isinstance(m, QuantLinear)]
         if self.lm_head_q is not None:
@@ -174,13 +181,35 @@ class LlamaModel:
             self.fused, msg = prepare_fused(self)
             if msg:
                 log.info(msg)
-        if self.prefill_kernel is not None:
-            log.info("bf16 prefill attention: the C++ kernel (AVX512-BF16; LASER_PREFILL_ATTN=blocked for blocked "
-                     "matmuls, sdpa for the flash kernel)")
+        if self.causal_flash:
+            log.info("bf16 prefill attention: torch's flash kernel (SDPA: AMX tile GEMMs) for whole prompts, %s for "
+                     "chunks over cached context (chosen from the CPU flags: AMX; LASER_PREFILL_ATTN=kernel for the "
+                     "C++ kernel everywhere)", "the C++ kernel" if self.prefill_kernel is not None else "SDPA")
+        elif self.prefill_kernel is not None:
+            log.info("bf16 prefill attention: the C++ kernel (AVX512-BF16, no AMX; LASER_PREFILL_ATTN=blocked for "
+                     "blocked matmuls, sdpa for the flash kernel, amx for the flash kernel on whole prompts)")
         elif self.blocked_attn:
             log.info("bf16 prefill attention: blocked matmuls from %d rows (LASER_PREFILL_ATTN=sdpa for the flash "
                      "kernel)", MIN_ROWS)
+        if self.glue is not None:
+            log.info("bf16 prefill glue (RMSNorm, RoPE, SiLU * up) compiled by inductor from %d rows "
+                     "(LASER_PREFILL_GLUE=0 for eager)", self.glue.min_rows)
         self._init_executor_path(qlins)
+
+    def _prefill_glue(self) -> PrefillGlue | None:
+        """The compiled prefill glue for this model's shape (:class:`PrefillGlue`), or None."""
+        c = self.config
+        eps, heads, d = c.rms_norm_eps, c.num_heads + c.num_kv_heads, c.head_dim
+
+        def norm(x, w):
+            return _rms_norm(x, w, eps)
+
+        def swiglu(gate_up):
+            gate, up = gate_up.chunk(2, dim=-1)
+            return F.silu(gate) * up
+
+        key = (c.hidden_size, c.q_size + 2 * c.kv_size, heads, d, c.intermediate_size, eps)
+        return PrefillGlue.get(key, norm, _rope, swiglu, c.hidden_size, key[1], heads, d, c.intermediate_size)
 
     def _init_lm_head(self, quant: dict, dtype: torch.dtype) -> None:
         """The LM head's layouts (below); sets ``lm_head_q``, ``lm_head_packed``, ``lm_head_t``."""
@@ -213,9 +242,12 @@ class LlamaModel:
             log.info("bf16 weights: oneDNN-packed for every row count (LASER_PACKED_WEIGHTS=off for F.linear)")
         # "dattn": decode attention through graph D, "-cpp" its C++ kernel (a profile timed before
         # either prices slower steps)
-        # "pattn": bf16 prefill attention through blocked matmuls, "-cpp" through the C++ kernel
-        parts += ["pw" if packed else "",
-                  "" if not self.blocked_attn else "pattn" + ("-cpp" if self.prefill_kernel is not None else ""),
+        # "pattn": bf16 prefill attention through blocked matmuls, "-cpp" through the C++ kernel, "-amx"
+        # whole prompts through the flash kernel (AMX) and chunks through the C++ kernel
+        pattn = "-amx" if self.causal_flash else "-cpp" if self.prefill_kernel is not None else ""
+        # "cglue": bf16 prefill glue compiled (laser.model.prefill_glue)
+        parts += ["pw" if packed else "", "cglue" if self.glue is not None else "",
+                  "" if not self.blocked_attn else "pattn" + pattn,
                   "" if self.fused is None else
                   "fused-dattn" + ("-cpp" if self.fused.attention_kernel is not None else "")]
         # another machine to the latency model: its own profile (laser.profiler.executor_path_of)
@@ -254,10 +286,11 @@ class LlamaModel:
         return F.embedding(token_ids, self.embed_w)
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        eps = self.config.rms_norm_eps
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), w, eps)
-        return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * w
+        """RMSNorm of ``x`` [..., H] with weight ``w`` [H] (:func:`_rms_norm`); rows [T, H] of a bf16
+        prefill through the compiled glue (:attr:`glue`)."""
+        if self.glue is not None and x.dim() == 2 and self.glue.takes(x, x):
+            return self.glue.norm(x, w)
+        return _rms_norm(x, w, self.config.rms_norm_eps)
 
     def forward_layer(self, i: int, hidden: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         """Run decoder layer ``i`` on ``hidden`` [T, H]; writes the T new tokens' K/V of layer i.
@@ -290,7 +323,11 @@ class LlamaModel:
         v = qkv[:, c.q_size + c.kv_size :].view(T, kvh, d)
         if L.q_norm is None:
             # one RoPE over the q and k heads side by side: [T, Hq + kvh, d]
-            qk = _rope(qkv[:, : c.q_size + c.kv_size].view(T, nh + kvh, d), cos, sin)
+            qk = qkv[:, : c.q_size + c.kv_size].view(T, nh + kvh, d)
+            if self.glue is not None and self.glue.takes(qk, cos, sin):  # qk: the view the graph was compiled for
+                qk = self.glue.rope(qk, cos, sin)
+            else:
+                qk = _rope(qk, cos, sin)
             return qk[:, :nh], qk[:, nh:], v
         q = self._norm(qkv[:, : c.q_size].view(T, nh, d), L.q_norm)
         k = self._norm(qkv[:, c.q_size : c.q_size + c.kv_size].view(T, kvh, d), L.k_norm)
@@ -344,8 +381,11 @@ class LlamaModel:
         T = hidden.shape[0]
         hidden = add_linear(L.o, attn.reshape(T, self.config.q_size), hidden)
         gate_up = L.gate_up(self._norm(hidden, L.ln2))  # [T, 2 I]
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate, inplace=True).mul_(up)  # in the gate half of gate_up: no new [T, I] tensors
+        if self.glue is not None and self.glue.takes(gate_up, gate_up):
+            act = self.glue.swiglu(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate, inplace=True).mul_(up)  # in the gate half of gate_up: no new [T, I] tensors
         return add_linear(L.down, act, hidden)
 
     def _attention(self, i, q, k, v, kc, vc, meta: AttnMetadata) -> torch.Tensor:
@@ -367,9 +407,9 @@ class LlamaModel:
             B, Q = grp.q_index.shape
             if grp.causal:
                 a = grp.q_start
-                if self.prefill_kernel is not None:
+                if self.prefill_kernel is not None and not self.causal_flash:
                     o = prefill_attention_kernel(self.prefill_kernel, q[a : a + Q], k[a : a + Q], v[a : a + Q])
-                elif self.blocked_attn and Q >= MIN_ROWS:
+                elif self.blocked_attn and not self.causal_flash and Q >= MIN_ROWS:
                     o = blocked_causal_attention(q[a : a + Q], k[a : a + Q], v[a : a + Q])
                 else:
                     qs = q[a : a + Q].transpose(0, 1).unsqueeze(0)  # [1, Hq, Q, d]
@@ -459,6 +499,14 @@ class LlamaModel:
         on beyond the shape: a latency profile is keyed by it)."""
         name = str(self.dtype).removeprefix("torch.")
         return "-".join([name, *self.quant_kinds])
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of ``x`` with weight ``w`` (HF's order in bf16: normalised in fp32,
+    rounded to the dtype, then times the weight)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * w
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

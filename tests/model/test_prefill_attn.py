@@ -199,3 +199,56 @@ def test_engine_chunked_and_merged_prefill_through_the_kernel(tiny_llama, monkey
 
     chunked = first_tokens("kernel", 128)
     assert any(calls) and chunked == first_tokens("sdpa", 4096)
+    # mode amx (AMX's default): first chunks through the flash kernel, later ones through the kernel's chunk form
+    calls.clear()
+    assert first_tokens("amx", 128) == chunked and calls and all(calls)
+
+
+def test_auto_mode_is_chosen_from_the_cpu_flags(monkeypatch):
+    """``LASER_PREFILL_ATTN`` unset or ``auto``: ``amx`` where the CPU has AMX tiles, else
+    ``kernel``; an explicit mode is kept whatever the CPU."""
+    from laser.model import prefill
+
+    monkeypatch.delenv("LASER_PREFILL_ATTN", raising=False)
+    assert prefill.prefill_attn_mode(amx=True) == "amx" and prefill.prefill_attn_mode(amx=False) == "kernel"
+    monkeypatch.setattr(prefill, "has_amx", lambda: True)
+    assert prefill.prefill_attn_mode() == "amx" and prefill.causal_through_flash(torch.bfloat16)
+    assert not prefill.causal_through_flash(torch.float32)
+    monkeypatch.setattr(prefill, "has_amx", lambda: False)
+    assert prefill.prefill_attn_mode() == "kernel" and not prefill.causal_through_flash(torch.bfloat16)
+    for mode in ("kernel", "amx", "blocked", "sdpa"):
+        monkeypatch.setenv("LASER_PREFILL_ATTN", mode)
+        assert prefill.prefill_attn_mode(amx=True) == mode == prefill.prefill_attn_mode(amx=False)
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_model_reports_the_path_the_cpu_flags_chose(tiny_llama, monkeypatch, caplog, amx):
+    """By default a bf16 model on an AMX CPU runs whole prompts through the flash kernel (executor
+    path ``...-pattn-amx``, named in the startup log with the reason); without AMX the C++ kernel
+    (``...-pattn-cpp``) where it loads. fp32 models take neither."""
+    from laser.model import prefill
+
+    monkeypatch.setattr(prefill, "has_amx", lambda: amx)
+    with caplog.at_level(logging.INFO, logger="laser.model.llama"):
+        bf = build(tiny_llama, torch.bfloat16, monkeypatch, mode="auto")
+    assert bf.causal_flash == amx
+    if amx:
+        assert bf.executor_path.endswith("pattn-amx") and "flash kernel" in caplog.text and "AMX" in caplog.text
+    elif bf.prefill_kernel is not None:
+        assert bf.executor_path.endswith("pattn-cpp") and "C++ kernel" in caplog.text
+    fp32 = build(tiny_llama, torch.float32, monkeypatch, mode="auto")
+    assert not fp32.causal_flash and getattr(fp32, "executor_path", None) is None
+
+
+def test_amx_mode_runs_whole_prompts_through_the_flash_kernel(tiny_llama, monkeypatch):
+    """Mode ``amx``: whole prompts of every length through SDPA (the blocked matmuls and the C++
+    kernel's whole-prompt form not called), the same greedy tokens as ``sdpa`` everywhere."""
+    calls = []
+    real_blocked, real_kernel = llama.blocked_causal_attention, llama.prefill_attention_kernel
+    monkeypatch.setattr(llama, "blocked_causal_attention", lambda q, *a: calls.append("blocked") or real_blocked(q, *a))
+    monkeypatch.setattr(llama, "prefill_attention_kernel",
+                        lambda kern, q, *a, **kw: calls.append(kw.get("slots")) or real_kernel(kern, q, *a, **kw))
+    prompts = [[(7 * i + 3 * j) % 500 + 5 for j in range(n)] for i, n in enumerate((20, MIN_ROWS + 70, 3))]
+    tokens = run_engine(tiny_llama, monkeypatch, "amx", prompts)
+    assert not calls
+    assert run_engine(tiny_llama, monkeypatch, "sdpa", prompts) == tokens
