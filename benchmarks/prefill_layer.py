@@ -13,7 +13,8 @@ Times, interleaved in one process (median of ``--repeats`` rounds, each piece on
   - the LM head for the last row (what a prefill computes) and for all T rows (what it avoids);
   - ``--quantization auto``'s prefill matmuls: each weight quantized to int4 (groups of 32, as the
     GGUF's Q4_1 layers load) through ``QuantLinear.dense_matmul`` over its dense bf16 copy packed
-    for oneDNN (what ``keep_dense`` keeps where the crossover is measured below the default), over
+    for oneDNN (what ``laser.model.kernel_rows.dense_copy`` keeps with ``LASER_QUANT_DENSE=packed``, the AMX
+    kind's default, where the crossover is measured below the default), over
     the plain copy (``F.linear``), dequantized per call (no copy kept), and through the int4 kernel.
 
     python benchmarks/prefill_layer.py [--tokens 512] [--threads 1] [--repeats 15]
@@ -32,6 +33,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from engine_speed import cpu_kind, matmul_peak  # noqa: E402  (benchmarks/ is sys.path[0])
+from laser.model.linear import Linear  # noqa: E402
 from laser.model.llama import LlamaModel  # noqa: E402
 from laser.model.loader import load_config, load_weights, resolve_model  # noqa: E402
 from laser.model.prefill import blocked_causal_attention  # noqa: E402
@@ -96,7 +98,7 @@ def main() -> None:
         fns["attention kernel"] = lambda: prefill_attention_kernel(kern, q, k, v)
     for n in mats:  # auto's int4 layers past the crossover
         ql = QuantLinear(quantize_int4(plain[n].float()))
-        ql.keep_dense(bf)
+        ql.dense = Linear(ql.dense_weight(bf).contiguous())  # the packed copy (kernel_rows.dense_copy)
         x, dense = xs[n], ql.dense_weight(bf).contiguous()
         fns[n + " int4 packed copy"] = lambda ql=ql, x=x: ql.dense_matmul(x)
         fns[n + " int4 plain copy"] = lambda w=dense, x=x: F.linear(x, w)
