@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from . import w8a8
 from .linear import Linear
+from .prefill import has_amx
 from .quant import QuantLinear
 
 #: Row counts timed; the crossover is one of them.
@@ -83,8 +84,7 @@ def dense_layout() -> str:
     if mode not in ("auto", "packed", "plain"):
         raise ValueError(f"LASER_QUANT_DENSE={mode!r}: use auto, packed or plain")
     if mode == "auto":
-        amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-        return "packed" if amx is not None and amx() else "plain"
+        return "packed" if has_amx() else "plain"
     return mode
 
 

@@ -267,11 +267,10 @@ class QuantLinear:
         is in ``x``'s dtype (a packed bf16 :class:`~laser.model.linear.Linear` for bf16 ``x``), else
         over the weight dequantized now; activations rounded as the kernel rounds them. [M, N] in
         ``x``'s dtype."""
-        if isinstance(self.dense, Linear):
-            if x.dtype == torch.bfloat16:  # the kernel's activation dtype: no rounding to add
-                return self.dense(x)
-            return F.linear(x.to(self.act_dtype).to(x.dtype), self.dense_weight(x.dtype)).to(self.act_dtype).to(x.dtype)
-        w = self.dense if self.dense is not None and self.dense.dtype == x.dtype else self.dense_weight(x.dtype)
+        d = self.dense
+        if isinstance(d, Linear) and x.dtype == torch.bfloat16:  # the kernel's activation dtype: no rounding to add
+            return d(x)
+        w = d if isinstance(d, torch.Tensor) and d.dtype == x.dtype else self.dense_weight(x.dtype)
         return F.linear(x.to(self.act_dtype).to(x.dtype), w).to(self.act_dtype).to(x.dtype)
 
     def _compiled(self, x: torch.Tensor) -> torch.Tensor:
