@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 import threading
@@ -262,6 +263,17 @@ class AsyncEngine(EngineThread):
         return await loop.run_in_executor(
             self._tok_pool, functools.partial(self.inputs.tokenizer.encode, text, add_special_tokens=add_special_tokens))
 
+    async def resolve_bad_words(self, sp: SamplingParams) -> SamplingParams:
+        """``sp`` with its ``bad_words`` tokenized (:meth:`~laser.frontend.inputs.InputProcessor.bad_words_ids`)
+        on the tokenizer thread, so that a bad word is refused before admission and the engine thread
+        never tokenizes (it only fills ``bad_words_token_ids`` when they are still None). ``sp`` itself
+        without bad words or with their ids already set. Raises InvalidRequestError (a bad word)."""
+        if not sp.bad_words or sp.bad_words_token_ids is not None:
+            return sp
+        loop = asyncio.get_running_loop()
+        ids = await loop.run_in_executor(self._tok_pool, self.inputs.bad_words_ids, sp.bad_words)
+        return dataclasses.replace(sp, bad_words_token_ids=ids)
+
     async def decode(self, ids: list[int]) -> str:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tok_pool, self.inputs.tokenizer.decode, ids)
@@ -394,6 +406,7 @@ class AsyncEngine(EngineThread):
         """Encode, admit, add, and yield the request's outputs; aborts it if the caller stops early."""
         sp = sampling_params or SamplingParams()
         ids = self.inputs.fit(await self.encode(prompt), sp.truncate_prompt_tokens)
+        sp = await self.resolve_bad_words(sp)
         slo_obj = self.inputs.resolve_slo(slo)
         (adm,) = self.admit([len(ids)], slo_obj, cached=[self.cached_prompt_tokens(ids)])
         stream = await self.add_request(ids, sp, adm)

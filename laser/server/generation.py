@@ -241,6 +241,22 @@ class Generation(RequestFields):
             headers["x-laser-predicted-ttft-ms"] = f"{max(preds) * 1e3:.1f}"
         return q, headers
 
+    async def resolve_bad_words(self, subs: list[Sub]) -> None:
+        """Tokenize the choices' ``bad_words`` before admission (once per request: its choices share
+        the words), so that a bad word is a 400 before the request is admitted or counted, and the
+        engine thread does not tokenize them. Raises APIError: 400 naming ``bad_words``."""
+        done: dict[tuple[str, ...], SamplingParams] = {}
+        for s in subs:
+            words = s.sp.bad_words
+            if not words or s.sp.bad_words_token_ids is not None:
+                continue
+            if words not in done:
+                try:
+                    done[words] = await self.ae.resolve_bad_words(s.sp)
+                except InvalidRequestError as e:
+                    raise APIError(400, str(e), "invalid_value", "bad_words") from None
+            s.sp = dataclasses.replace(s.sp, bad_words_token_ids=done[words].bad_words_token_ids)
+
     async def launch(self, subs: list[Sub], slo: SLO, arrival: float, id_prefix: str, asked: SLO | None = None,
                      client_id: str | None = None):
         """:meth:`start`, then wait until the engine has every choice: (queue, headers, id, created).
@@ -248,6 +264,7 @@ class Generation(RequestFields):
         sent an ``X-Request-Id`` header that :data:`CLIENT_ID` accepts (vLLM's convention: a
         trace id the client already logs), else ``<id_prefix><random hex>``; ``id_prefix`` ends
         with its separator (``chatcmpl-``, OpenAI's ``resp_``)."""
+        await self.resolve_bad_words(subs)
         q, headers = self.start(subs, slo, arrival, asked)
         ok = client_id is not None and CLIENT_ID.fullmatch(client_id)
         rid = f"{id_prefix}{client_id if ok else uuid.uuid4().hex}"

@@ -4,6 +4,8 @@ in ``laser generate`` / ``LLM.chat``, which share the input path's rules."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -151,3 +153,31 @@ def test_text_too_long_for_the_context_is_refused_before_tokenizing(live, tiny_l
     r = _post(live, "/v1/completions", {"prompt": "a" * 200_000, "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
     assert r.json()["error"]["message"].startswith("prompt: the prompt has 200000 characters"), r.text
+
+
+def _admissions(live) -> float:
+    """The server's admission decisions so far (``laser:admission_decisions``, every class and outcome)."""
+    text = httpx.get(live.url + "/metrics", timeout=60).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("laser:admission_decisions_total{"))
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_a_bad_word_is_a_400_before_admission(live, route):
+    """A bad word the tokenizer cannot take (an unpaired surrogate) was a 400 only once the engine
+    thread tokenized it at the request's add: the request had been admitted (counted, queued,
+    priced) first, and every bad word of every request was tokenized on the engine thread. Now
+    the words are tokenized on the tokenizer thread before admission."""
+    body = {"max_tokens": 2, "bad_words": ["fine", "SURROGATE"]}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in route else {"prompt": "hi"})
+    before = _admissions(live)
+    raw = json.dumps(body).replace("SURROGATE", "\\ud800x")  # JSON's escape of an unpaired surrogate
+    r = httpx.post(live.url + route, content=raw, timeout=60,
+                   headers={"authorization": "Bearer k", "content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "bad_words" and "bad_words is not valid Unicode text" in err["message"], err
+    assert _admissions(live) == before
+    body["bad_words"] = ["fine"]
+    assert _post(live, route, body).status_code == 200
+    assert _admissions(live) == before + 1
