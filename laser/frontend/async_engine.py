@@ -245,12 +245,13 @@ class AsyncEngine(EngineThread):
 
     # -- requests -----------------------------------------------------------------------------------
     async def encode(self, prompt: str | list[int] | list[dict], tools: list[dict] | None = None,
-                     **switches) -> list[int]:
+                     keep: int | None = None, **switches) -> list[int]:
         """Token ids of a prompt (text, ids, or chat messages, with ``tools``: OpenAI tool
-        definitions, and the chat template ``switches`` of
-        :meth:`~laser.frontend.inputs.InputProcessor.apply_chat_template`). Raises InvalidRequestError."""
+        definitions, ``keep``: the tokens the caller keeps, and the chat template ``switches`` of
+        :meth:`~laser.frontend.inputs.InputProcessor.encode_prompt`). Raises InvalidRequestError."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tok_pool, lambda: self.inputs.encode_prompt(prompt, tools, **switches))
+        return await loop.run_in_executor(self._tok_pool,
+                                          lambda: self.inputs.encode_prompt(prompt, tools, keep, **switches))
 
     async def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of plain ``text`` as the tokenizer makes them (vLLM's ``/tokenize``; with
@@ -405,7 +406,7 @@ class AsyncEngine(EngineThread):
     ) -> AsyncIterator:
         """Encode, admit, add, and yield the request's outputs; aborts it if the caller stops early."""
         sp = sampling_params or SamplingParams()
-        ids = self.inputs.fit(await self.encode(prompt), sp.truncate_prompt_tokens)
+        ids = self.inputs.fit(await self.encode(prompt, keep=sp.truncate_prompt_tokens), sp.truncate_prompt_tokens)
         sp = await self.resolve_bad_words(sp)
         slo_obj = self.inputs.resolve_slo(slo)
         (adm,) = self.admit([len(ids)], slo_obj, cached=[self.cached_prompt_tokens(ids)])

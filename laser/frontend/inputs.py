@@ -127,10 +127,12 @@ class InputProcessor:
 
     # -- prompts ---------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int] | list[dict], tools: list[dict] | None = None,
-                      **switches) -> list[int]:
+                      keep: int | None = None, **switches) -> list[int]:
         """Token ids of a prompt: text, token ids, or chat messages (chat template applied, with
         ``tools``: OpenAI tool definitions and the template ``switches``, see
-        :meth:`apply_chat_template`).
+        :meth:`apply_chat_template`). ``keep``: the tokens the caller will keep of them (the
+        request's ``truncate_prompt_tokens``, applied by :meth:`truncate` after this): text is
+        first cut to the characters that many tokens can come from (:meth:`text_to_keep`).
         Raises InvalidRequestError (empty, not Unicode, ids out of the vocabulary, bad messages);
         ContextLengthError, before tokenizing, for text or a conversation too long for the context
         (:meth:`check_text_length`, more messages than twice the context's tokens)."""
@@ -138,6 +140,8 @@ class InputProcessor:
             if not prompt:
                 raise InvalidRequestError("prompt is empty")
             check_text(prompt, "prompt")
+            if keep is not None:
+                prompt = self.text_to_keep(prompt, keep)
             self.check_text_length(len(prompt), "prompt")
             return self.tokenizer.encode(prompt)
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
@@ -200,20 +204,40 @@ class InputProcessor:
             ids = ids["input_ids"]
         return list(ids)
 
-    def check_text_length(self, chars: int, what: str) -> None:
-        """Raise :class:`ContextLengthError` before tokenizing text of ``chars`` characters that
-        cannot fit the context: no token covers more characters than the vocabulary's longest
-        token string (byte-level BPE: one character per byte; SentencePiece pieces are longer
-        than what they cover), so such text has more than ``max_model_len`` tokens. Slack of 2
-        for normalizers that merge characters (NFC). Tokenizing a 16 MB prompt took the one
-        tokenizer thread ~14 s, stalling every other request's tokenization meanwhile."""
+    def text_chars(self, tokens: int) -> int:
+        """Characters of text that surely tokenize into more than ``tokens`` tokens: no token
+        covers more characters than the vocabulary's longest token string (byte-level BPE: one
+        character per byte; SentencePiece pieces are longer than what they cover); slack of 2 for
+        normalizers that merge characters (NFC)."""
         if self._token_chars is None:
             vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
             self._token_chars = max((len(t) for t in vocab), default=0) or 1 << 30
-        if chars > 2 * self._token_chars * self.max_model_len:
+        return 2 * self._token_chars * tokens
+
+    def check_text_length(self, chars: int, what: str) -> None:
+        """Raise :class:`ContextLengthError` before tokenizing text of ``chars`` characters that
+        cannot fit the context (more than :meth:`text_chars` of ``max_model_len``). Tokenizing a
+        16 MB prompt took the one tokenizer thread ~14 s, stalling every other request's
+        tokenization meanwhile."""
+        if chars > self.text_chars(self.max_model_len):
             raise ContextLengthError(f"{what} has {chars} characters, more tokens than this model's context of "
                                      f"{self.max_model_len} tokens holds (a token covers at most "
                                      f"{self._token_chars} characters)")
+
+    def text_to_keep(self, text: str, keep: int) -> str:
+        """The end of ``text`` whose tokens hold the last ``keep`` tokens of ``text`` (vLLM's
+        ``truncate_prompt_tokens``; -1: the context length): its last :meth:`text_chars` of
+        ``keep`` characters when it is longer, else ``text`` (also for a ``keep`` that
+        :meth:`truncate` refuses). Such an end tokenizes into at least twice ``keep`` tokens,
+        and only its first ones -- the word it cuts -- can differ from the whole text's, so the
+        last ``keep`` are the same (save a word longer than ``keep`` tokens, cut in its middle).
+        Main tokenized the whole text first (1 MB in 0.55 s, stalling other requests'
+        tokenization) and refused text past :meth:`check_text_length` whatever ``keep`` was."""
+        n = self.max_model_len if keep == -1 else keep
+        if not isinstance(n, int) or not 1 <= n <= self.max_model_len:
+            return text
+        chars = self.text_chars(n)
+        return text[len(text) - chars:] if len(text) > chars else text
 
     def check_length(self, ids: list[int]) -> None:
         """Raise :class:`ContextLengthError` unless the prompt leaves room for one generated token
@@ -236,7 +260,7 @@ class InputProcessor:
 
     def tokenize(self, prompt: str | list[int] | list[dict], keep: int | None = None) -> list[int]:
         """:meth:`encode_prompt` then :meth:`fit`: the ids of a servable prompt."""
-        return self.fit(self.encode_prompt(prompt), keep)
+        return self.fit(self.encode_prompt(prompt, keep=keep), keep)
 
     def fit(self, ids: list[int], keep: int | None = None) -> list[int]:
         """Prompt ``ids`` cut to their last ``keep`` tokens (:meth:`truncate`, the request's

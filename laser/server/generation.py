@@ -164,7 +164,11 @@ class Generation(RequestFields):
         ``truncate_prompt_tokens``, :meth:`~laser.frontend.inputs.InputProcessor.truncate`), checked
         against the context. Raises APIError: 400 naming ``param`` (or ``truncate_prompt_tokens``)."""
         try:
-            ids = await self.ae.encode(prompt, tools, **switches)
+            self.ae.inputs.truncate([], truncate)  # its rule first: text is cut to what it keeps before tokenizing
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), "invalid_value", "truncate_prompt_tokens") from None
+        try:
+            ids = await self.ae.encode(prompt, tools, truncate, **switches)
         except ContextLengthError as e:  # text too long to tokenize into the context (inputs.check_text_length)
             raise APIError(400, f"{param}: the {e}", "context_length_exceeded", param) from None
         except InvalidRequestError as e:

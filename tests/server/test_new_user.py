@@ -181,3 +181,33 @@ def test_a_bad_word_is_a_400_before_admission(live, route):
     body["bad_words"] = ["fine"]
     assert _post(live, route, body).status_code == 200
     assert _admissions(live) == before + 1
+
+
+def test_truncate_prompt_tokens_tokenizes_only_the_text_it_keeps(live, tiny_llama, monkeypatch):
+    """With ``truncate_prompt_tokens`` K a text prompt is cut, before tokenizing, to the characters
+    that surely hold more than K tokens (2 x K x the longest token's characters): the kept tokens
+    are the whole text's last K, a megabyte prompt is not tokenized whole, and text longer than
+    the context can cover is served, not refused (main: 400 context_length_exceeded although the
+    client asked for truncation; it tokenized 1 MB of text to keep 100 tokens)."""
+    engine = _engine(tiny_llama)
+    inputs = engine.inputs
+    text = " ".join(f"w{i % 97} x{i % 13}" for i in range(2_000))
+    assert len(text) > inputs.text_chars(10) and len(text) < inputs.text_chars(MAX_MODEL_LEN)
+    whole = inputs.tokenizer.encode(text)
+    for keep in (1, 10, 100):
+        assert inputs.tokenize(text, keep) == whole[-keep:]
+    assert inputs.text_to_keep(text, 10) == text[-inputs.text_chars(10):]
+    assert inputs.text_to_keep("short", 10) == "short" and inputs.text_to_keep(text, 0) == text  # (refused later)
+    seen = []
+    encode = inputs.tokenizer.encode
+    monkeypatch.setattr(inputs.tokenizer, "encode", lambda t, *a, **k: seen.append(len(t)) or encode(t, *a, **k))
+    inputs.tokenize(text * 40, 10)  # past the context's characters: served
+    assert seen == [inputs.text_chars(10)]
+    r = _post(live, "/v1/completions", {"prompt": text * 40, "max_tokens": 2, "truncate_prompt_tokens": 5,
+                                        "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 5 and r.json()["choices"][0]["prompt_token_ids"] == whole[-5:]
+    r = _post(live, "/v1/completions", {"prompt": text * 40, "max_tokens": 2, "truncate_prompt_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+    r = _post(live, "/v1/completions", {"prompt": text * 40, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
