@@ -173,6 +173,8 @@ class Generation(RequestFields):
             raise APIError(400, f"{param}: the {e}", "context_length_exceeded", param) from None
         except InvalidRequestError as e:
             msg = str(e)
+            if param_of(msg) in switches:  # a template switch's own error: "chat_template_kwargs: ..."
+                raise APIError(400, msg, "invalid_value", param_of(msg)) from None
             msg = "the " + msg if msg.startswith("prompt ") else msg
             msg = msg if msg.startswith(f"{param}[") else f"{param}: {msg}"  # messages[1].content: ...
             raise APIError(400, msg, "invalid_value", param) from None

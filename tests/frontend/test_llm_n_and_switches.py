@@ -82,3 +82,4 @@ def test_server_renders_chat_template_kwargs_as_llm_chat(llm):
         r = httpx.post(srv.url + "/v1/chat/completions", timeout=60,
                        json={"messages": MSGS, "chat_template_kwargs": {"tokenize": False}})
         assert r.status_code == 400 and "chat_template_kwargs" in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "chat_template_kwargs", r.text  # (main: "messages")
