@@ -45,15 +45,24 @@ def test_profile_gives_usable_model(engine, fitted):
     meta = lm.metadata
     assert meta["dtype"] == "float32" and meta["shape"].startswith("llama-h64-") and meta["threads"] >= 1
     assert 0.0 <= meta["measurement"]["clean_fraction"] <= 1.0
-    # Predictions are positive, finite and grow with tokens, batch size and context.
+    # What the model's form guarantees whatever the timings were (a loaded machine times calls
+    # anyhow): predictions positive and finite, non-decreasing in tokens, batch size and context
+    # (non-negative coefficients, a monotone stateless lookup). Not that they grow strictly: a
+    # profile whose small-count timings were slowed can fit a flat stateless price (seen in 3 of 24
+    # fits of randomly slowed timings); nor that a decode iteration grows with its batch: the LM
+    # head keeps its measured small-row times, not monotone by design (a kernel switch), so a slow
+    # 1-row head timing prices batch 1 above batch 8. Fits of clean timings: tests/latency.
     # (a single new token is decode-like attention, priced by other coefficients: not compared)
     assert math.isfinite(lm.layer_time((1,), (1,))) and lm.layer_time((1,), (1,)) > 0
     pf = [lm.layer_time((n,), (n,)) for n in (16, 64, 128, 512)]
     assert all(math.isfinite(t) and t > 0 for t in pf)
-    assert pf == sorted(pf) and pf[-1] > pf[0]
+    assert pf == sorted(pf)
     assert [lm.stateless_time(n) for n in (1, 2, 64, 512)] == sorted(lm.stateless_time(n) for n in (1, 2, 64, 512))
+    dec_layers = [lm.layer_time((1,) * b, (64,) * b) for b in (1, 8, 32)]
+    assert dec_layers == sorted(dec_layers) and dec_layers[0] > 0
     dec = [lm.predict_decode_iteration([64] * b) for b in (1, 8, 32)]
-    assert dec == sorted(dec) and dec[-1] > 0
+    assert all(math.isfinite(t) and t > 0 for t in dec)
+    assert lm.predict_decode_iteration([900] * 8) >= lm.predict_decode_iteration([20] * 8)
     assert lm.attention_time((1,) * 8, (900,) * 8) >= lm.attention_time((1,) * 8, (20,) * 8)
     assert lm.predict_prefill(256) >= lm.predict_prefill(16) > 0
     # Usable by the schedulers: a plan's prediction and a chunk search.
@@ -62,7 +71,7 @@ def test_profile_gives_usable_model(engine, fitted):
     assert lm.max_tokens_within(lm.predict_prefill(100, layers=1), layers=1) >= 1
     # The grammar mask of a structured request's sampled row, measured with llguidance on the
     # engine's tokenizer (laser.profiler.mask), prices masked rows only.
-    assert 0.0 < lm.mask_row_s < 1.0
+    assert 0.0 < lm.mask_row_s and math.isfinite(lm.mask_row_s)
     assert lm.predict_iteration(StepPlan(lm.num_layers, [Work("a", 9, 1, 0, lm.num_layers, True, True)])) == \
         pytest.approx(lm.predict_iteration(StepPlan(lm.num_layers, [Work("a", 9, 1, 0, lm.num_layers, True)]))
                       + lm.mask_row_s)
@@ -84,9 +93,15 @@ def test_profile_measures_the_step_overhead_of_whole_steps(engine, fitted):
     steps = [s for s in fitted.samples if isinstance(s, StepOverheadSample)]
     want = sorted(plan_compositions([Work(f"w{i}", c - q, q, a, b) for i, (q, c, a, b) in
                                      enumerate(step_works(sh, n))], n) for sh in shapes)
-    assert sorted((s.compositions, s.composed_works) for s in steps) == want
+    got = sorted((s.compositions, s.composed_works) for s in steps)
+    # Every shape, less those a loaded machine left with disturbed timings only (dropped, and
+    # counted; never every sample of a kind): steps may only be missing, never extra or changed.
+    dropped = fitted.metadata["measurement"]["dropped_disturbed"]
+    assert got and set(got) <= set(want) and len(want) - len(got) <= dropped, (got, want, dropped)
+    if not dropped:
+        assert got == want
     assert {k for k, _ in want} >= {1, 2, 3}  # layer-sliced shapes compose more than once
-    assert all(0 < s.seconds < 1 for s in steps)
+    assert all(0 < s.seconds and math.isfinite(s.seconds) for s in steps)  # (floored at 1e-7 s)
     assert fitted.report["form"] == "tiled-instep-step" and fitted.step_overhead_time(1, 1) > 0  # (the default)
     from laser.latency.fitting import fit
 
@@ -285,24 +300,23 @@ def test_bench_estimates_the_typical_time_and_settles_on_the_fastest_repeats():
 
 
 def test_bench_times_short_calls_in_bursts():
-    import time
-
+    # on a clock that the calls themselves move (1 us and 10 ms a call): on the real clock a
+    # preemption during the fast call's sizing call shrank its burst below 16 on a loaded machine
     n = {"fast": 0, "slow": 0}
+    now = [0.0]
 
-    def fast():
-        n["fast"] += 1
+    def call(name, seconds):
+        n[name] += 1
+        now[0] += seconds
 
-    def slow():
-        n["slow"] += 1
-        time.sleep(0.01)
-
-    b = profiler.Bench(min_rounds=2, max_rounds=2, tol=0.5, burst_s=0.005, max_burst=16)
-    cases = [profiler.Case("fast", fast), profiler.Case("slow", slow)]
+    b = profiler.Bench(min_rounds=2, max_rounds=2, tol=0.5, burst_s=0.005, max_burst=16, clock=lambda: now[0],
+                       psi=None)
+    cases = [profiler.Case("fast", lambda: call("fast", 1e-6)), profiler.Case("slow", lambda: call("slow", 0.01))]
     b.run(cases)
     assert [c.burst for c in cases] == [16, 1]
     assert n == {"fast": 1 + 2 * 16, "slow": 1 + 2}  # sizing call + 2 repeats of a burst
-    assert len(cases[0].times) == 2 and cases[0].estimate() < 1e-3  # per call, not per burst
-    assert cases[1].estimate() >= 0.01
+    assert len(cases[0].times) == 2 and cases[0].estimate() == pytest.approx(1e-6)  # per call, not per burst
+    assert cases[1].estimate() == pytest.approx(0.01)
 
 
 def test_evaluate_reports_accuracy_per_layer_step_and_iteration(engine, fitted):
@@ -390,15 +404,37 @@ def test_profiled_calls_run_the_models_own_layer_functions(engine, monkeypatch):
 
 
 def test_machine_ratio_compares_the_machine_now_with_the_profile(engine, fitted):
-    """A profile that still holds reads ~1x; one that predicts every layer call 1 s slower is
-    seen as far off (the check that replaces a stale cached profile at engine start)."""
+    """On the real reference calls the ratio is a positive number and the check leaves the KV pool
+    as it was; what it is depends on how busy the machine is now against when ``fitted`` was
+    timed, so the ratio itself is checked on a clock that runs each reference call in exactly k x
+    its predicted time (next test)."""
+    r = profiler.pipeline.machine_ratio(fitted, engine.runner)
+    assert math.isfinite(r) and r > 0, r
+    engine.kv_cache.block_manager.check_integrity(expect_empty=True)  # the check leaves the pool as it was
+
+
+@pytest.mark.parametrize("k", [0.5, 1.0, 3.0])
+def test_machine_ratio_is_measured_over_predicted(engine, fitted, monkeypatch, k):
+    """The ratio is the reference calls' measured time over the profile's price: on a clock where
+    each call takes exactly ``k`` x ``fitted.layer_time`` of its shape it reads ``k``; a profile
+    that prices every layer call 1 s slower reads far below 1 / STALE_RATIO (the check that
+    replaces a stale cached profile at engine start)."""
     import dataclasses
 
-    r = profiler.pipeline.machine_ratio(fitted, engine.runner)
-    assert 0.4 < r < 2.5, r
+    from laser.profiler.timing import Bench, Case
+
+    now = [0.0]
+    real = profiler.pipeline.reference_cases(profiler.calls.ExecutorCalls(engine.runner))
+
+    def ticking(case):
+        _, q, ctx = case.key
+        return Case(case.key, lambda: now.__setitem__(0, now[0] + k * fitted.layer_time(q, ctx)))
+
+    monkeypatch.setattr(profiler.pipeline, "reference_cases", lambda calls: [ticking(c) for c in real])
+    monkeypatch.setattr(profiler.pipeline, "Bench", lambda **kw: Bench(**kw, clock=lambda: now[0]))
+    assert profiler.pipeline.machine_ratio(fitted, engine.runner) == pytest.approx(k, rel=1e-9)
     slow = dataclasses.replace(fitted, layer_overhead_s=fitted.layer_overhead_s + 1.0)
-    assert profiler.pipeline.machine_ratio(slow, engine.runner) < 0.2 < 1 / profiler.pipeline.STALE_RATIO
-    engine.kv_cache.block_manager.check_integrity(expect_empty=True)  # the check leaves the pool as it was
+    assert profiler.pipeline.machine_ratio(slow, engine.runner) < k * 0.01 < k / profiler.pipeline.STALE_RATIO
 
 
 @pytest.mark.parametrize("ratio, reprofiled", [(1.3, False), (0.7, False), (2.3, True), (0.4, True)])
