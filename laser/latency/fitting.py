@@ -315,11 +315,12 @@ def _fit_attention_set(x: np.ndarray, y: np.ndarray, names: Sequence[str], scale
 #             samples of two fresh profiles of the AVX512 EPYC (docs/benchmarks.md, "decode layers priced
 #             in a step"), against "tiled": iterations 91.7 -> 93.5 % at 1 thread, 90.2 -> 91.1 % at 2 (decode
 #             iterations +12.6 -> +4.8 %, +6.4 -> -0.5 % bias); layer steps +0.1 / -0.1 points.
-#   "chunked-instep-step" (the default): "tiled-instep-step" with the attention set "chunked" offered first: the
-#             prefill entries other than one whole prompt priced per chunk as the C++ prefill kernel runs them
-#             (features m_chunks, m_scores) instead of as one padded group; on the same samples of an AMX Xeon
-#             (bf16, one thread) the attention CV error fell 6.5 -> 2.4 %, held-out layer steps 94.3 -> 96.1 %,
-#             iterations 91.1 -> 94.8 % (docs/benchmarks.md, "issue 26; helper lat26, session 26").
+#             Since profiler 11 its attention candidates also hold "chunked", before "tiled": the prefill
+#             entries other than one whole prompt priced per chunk as the C++ prefill kernel runs them (features
+#             m_chunks, m_scores) instead of as one padded group; on the same samples of an AMX Xeon (bf16, one
+#             thread) the attention CV error fell 6.5 -> 2.4 %, held-out layer steps 94.3 -> 96.1 %, iterations
+#             91.1 -> 94.8 % (docs/benchmarks.md, "issue 26; helper lat26, session 26"). "tiled-instep-step-v10":
+#             the same without "chunked" (the default up to profiler 10, for comparisons on old samples).
 FORMS = {
     "paper": {"sets": ("linear", "kernel"), "small_counts": SMALL_COUNT_EXACT, "step": False},
     "padded": {"sets": ("padded", "linear", "kernel"), "small_counts": SMALL_COUNT_EXACT, "step": False},
@@ -333,12 +334,12 @@ FORMS = {
               "step": False, "edges": True},
     "tiled-instep": {"sets": ("padded", "linear", "tiled", "kernel", "full"), "small_counts": SMALL_COUNT_EXACT,
                      "step": False, "edges": True, "instep": True},
-    "tiled-instep-step": {"sets": ("padded", "linear", "tiled", "kernel", "full"),
+    "tiled-instep-step-v10": {"sets": ("padded", "linear", "tiled", "kernel", "full"),
+                              "small_counts": SMALL_COUNT_EXACT, "step": True, "edges": True, "instep": True},
+    "tiled-instep-step": {"sets": ("padded", "linear", "chunked", "tiled", "kernel", "full"),
                           "small_counts": SMALL_COUNT_EXACT, "step": True, "edges": True, "instep": True},
-    "chunked-instep-step": {"sets": ("padded", "linear", "chunked", "tiled", "kernel", "full"),
-                            "small_counts": SMALL_COUNT_EXACT, "step": True, "edges": True, "instep": True},
 }
-DEFAULT_FORM = "chunked-instep-step"
+DEFAULT_FORM = "tiled-instep-step"
 
 
 def _fit_attention(samples: Sequence[AttentionSample], folds: int, max_positions: int = 0,

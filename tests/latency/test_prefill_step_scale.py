@@ -139,7 +139,7 @@ def test_chunked_attention_prices_the_kernel_per_chunk(fitted):
     g = dict(zip(ATTENTION_FEATURES, attention_features((64,), (64,))))  # one whole prompt: the causal features
     assert g["c_const"] == 1 and g["m_chunks"] == g["m_scores"] == 0
     assert fitted.attention.feature_set == "chunked", fitted.report["attention"]["cv_error"]
-    tiled = fit(fitted.samples, num_layers=N, form="tiled-instep-step")
+    tiled = fit(fitted.samples, num_layers=N, form="tiled-instep-step-v10")  # (no "chunked")
     held_out = [((20, 450, 35, 300), (58, 711, 35, 400)), ((512,), (1536,)), ((32,), (96,)), ((1,) * 9 + (200, 70),
                 (400,) * 9 + (260, 70))]
     for q, c in held_out:

@@ -57,7 +57,7 @@ def test_the_grid_samples_chunks_around_the_tile_edges():
 def test_tiled_form_prices_causal_chunks_per_query_block():
     rng = np.random.default_rng(3)
     data = samples(rng, grid_lengths())
-    # (the default offers "tiled", and "chunked" before it, which prices causal chunks by the same tiles)
+    # (the default offers "tiled", and "chunked" before it, which prices whole prompts by the same tiles)
     assert "tiled" in FORMS[DEFAULT_FORM]["sets"]
     assert {"c_sq32", "c_sq64", "c_sq256"} <= set(ATTENTION_FEATURE_SETS["chunked"])
     tiled = fit(data, num_layers=2, form="tiled")
