@@ -6,7 +6,7 @@ step and its parts with ``time.perf_counter`` around the executor's own hooks
 (:class:`laser.model.runner.ModelRunner`): the layer calls (``forward_layer``), the batch
 composition (``compose``: attention metadata, once per constant-composition segment), the
 embedding (``join``) and the LM head + sampling (``finish``). Each is set beside the profile's
-prediction of the same work (``layer_time`` per call, ``embed_time``, ``head_time``; the model
+prediction of the same work (``step_layer_time`` per call, ``embed_time``, ``head_time``; the model
 has no composition term). Two workloads: ``--rate R`` releases ``--requests`` requests with
 Poisson arrivals through :func:`laser.frontend.online.run_online` (steps as a server sees them: small and
 varied), without it they all arrive at once (large batched steps). Greedy sampling, classes
@@ -61,7 +61,7 @@ class Tap:
                 self.steps.append({
                     "wall": end - t, "pred": lm.predict_iteration(plan), "idle_before": idle,
                     "layers": sum(c[2] for c in self.calls[ncalls:]),
-                    "layers_pred": sum(lm.layer_time(q, c) for q, c, _ in self.calls[ncalls:]),
+                    "layers_pred": sum(lm.step_layer_time(q, c) for q, c, _ in self.calls[ncalls:]),
                     "embed_pred": lm.embed_time(sum(w.num_tokens for w in plan.works if w.layer_start == 0)),
                     "head_pred": lm.head_time(sum(1 for w in plan.works if w.layer_end == n and w.sample)),
                     "segments": self._segments, **self._part})
@@ -110,7 +110,7 @@ def report(tap: Tap) -> None:
     print(f"{n} complete steps, mean {1e3 * col['wall'].mean():.1f} ms measured, {1e3 * col['pred'].mean():.1f} ms "
           f"predicted; measured / predicted per step P10/P50/P90 {pct(r)}, total {col['wall'].sum() / col['pred'].sum():.3f}")
     lt = np.array([c[2] for c in tap.calls])
-    lp = np.array([tap.lm.layer_time(q, c) for q, c, _ in tap.calls])
+    lp = np.array([tap.lm.step_layer_time(q, c) for q, c, _ in tap.calls])
     dec = np.array([all(x == 1 for x in q) for q, _, _ in tap.calls])
     print(f"layer calls ({len(lt)}): measured / predicted P10/P50/P90 {pct(lt / lp)}, total {lt.sum() / lp.sum():.3f}; "
           f"decode-only {pct(lt[dec] / lp[dec]) if dec.any() else '-'}; with prefill "

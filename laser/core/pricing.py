@@ -35,7 +35,7 @@ def full_depth_decode_total(lm, num_layers: int, works: list[Work]) -> float:
     steady decode step (:meth:`laser.scheduler.laser.scheduler.LaserScheduler._steady_decode_plan`);
     ``tests/sim/test_sim_steady.py`` checks it against the general path."""
     b = len(works)
-    total = (num_layers * lm.layer_time((1,) * b, tuple([w.token_start + 1 for w in works]))
+    total = (num_layers * lm.step_layer_time((1,) * b, tuple([w.token_start + 1 for w in works]))
              + lm.embed_time(b) + lm.head_time(b))
     if has_step_overhead(lm):
         total += lm.step_overhead_time(1, b)
@@ -50,7 +50,7 @@ class PlanCost:
     pricing a plan (``LatencyModel.predict_iteration`` is ``PlanCost(...).total``).
 
     The plan's layers split into segments where the batch is constant; each segment costs
-    (its layers) x ``lm.layer_time`` of its batch, plus the embedding of works starting at
+    (its layers) x ``lm.step_layer_time`` of its batch, plus the embedding of works starting at
     layer 0 and the LM head for works ending at the last layer (plus, for each of them that
     samples through a grammar, ``Work.masked``, one row of ``lm.mask_time``: a plan without
     such a work is priced by the same sum as before), plus the step's own overhead
@@ -85,7 +85,7 @@ class PlanCost:
             gone = {id(w) for w in spec}
             works = [w for w in works if id(w) not in gone]
         self.works = list(works)
-        # (query lens, context lens) -> lm.layer_time: a batch priced by with_work is not
+        # (query lens, context lens) -> lm.step_layer_time: a batch priced by with_work is not
         # priced again when the work is added (the latency model is deterministic)
         self._memo: dict[tuple, float] = {}
         self._rebuild()
@@ -102,7 +102,7 @@ class PlanCost:
             c = tuple([w.token_start + w.num_tokens for w in act])  # context_len
             t = memo.get((q, c))
             if t is None:
-                t = memo[(q, c)] = lm.layer_time(q, c)
+                t = memo[(q, c)] = lm.step_layer_time(q, c)
             self.segs.append((a, b, q, c, t))
             layers += (b - a) * t
         self.embed_tokens = sum(w.num_tokens for w in ws if w.layer_start == 0)
@@ -137,7 +137,7 @@ class PlanCost:
                 key = (q + (w.num_tokens,), c + (w.context_len,))
                 t2 = memo.get(key)
                 if t2 is None:
-                    t2 = memo[key] = lm.layer_time(*key)
+                    t2 = memo[key] = lm.step_layer_time(*key)
                 t += o * (t2 - per)
                 if q:  # w joins this batch; a cut at lo or hi splits off a piece without it
                     nw += 1 + len(q) * ((a < lo) + (hi < b))

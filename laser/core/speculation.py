@@ -75,10 +75,10 @@ def spec_decode_time(lm, num_layers: int, exit_layer: int, rows: list[tuple[int,
     for i in range(max(g for _, g in rows) + 1):
         act = [(c, g) for c, g in rows if g >= i]
         b = len(act)
-        t += k * lm.layer_time((1,) * b, tuple(c + i for c, _ in act)) + lm.embed_time(b)
+        t += k * lm.step_layer_time((1,) * b, tuple(c + i for c, _ in act)) + lm.embed_time(b)
         heads = sum(1 for _, g in act if g > i)
         if heads:
             t += lm.head_time(heads)
     q = tuple(g + 1 for _, g in rows)
-    t += (num_layers - k) * lm.layer_time(q, tuple(c + g for c, g in rows)) + lm.head_time(sum(q))
+    t += (num_layers - k) * lm.step_layer_time(q, tuple(c + g for c, g in rows)) + lm.head_time(sum(q))
     return t

@@ -37,6 +37,11 @@ whose attention streams a large KV cache runs its projections a little slower.)
   forms with ``instep`` (the default among them) scale its parts by ``decode_step_scale`` and
   ``decode_step_attention_scale``, fitted from whole decode steps (``DecodeStepSample``: their
   compute); 1.0 in other forms and in profiles without such samples.
+* so does a layer call holding a prefill chunk (on an AMX Xeon ~0.9 of it, bf16 SmolLM2): the same
+  forms price the layer calls of a step holding one at ``prefill_step_scale`` of the call timed alone,
+  fitted from whole prefill and mixed steps (``PrefillStepSample``); 1.0 without them. What a layer
+  call costs inside a step is :meth:`LatencyModel.step_layer_time` (plans, schedulers and the
+  simulator price with it); :meth:`LatencyModel.layer_time` is the call timed alone.
 
 Three implementations of one interface (:class:`LatencyModel`):
 
@@ -71,6 +76,7 @@ from .base import (
     LatencyModel,
     LatencyProfileError,
     LayerSample,
+    PrefillStepSample,
     Sample,
     StatelessSample,
     StepOverheadSample,
@@ -91,7 +97,7 @@ from .io import PROFILE_FORMAT, PROFILE_VERSION, cpu_hardware_string, default_pr
 
 __all__ = [
     "ATTENTION_FEATURES", "ATTENTION_FEATURE_SETS", "AnalyticLatencyModel", "AttentionModel", "AttentionSample",
-    "DecodeStepSample",
+    "DecodeStepSample", "PrefillStepSample",
     "CalibratedLatencyModel", "ScaledLatencyModel",
     "DEFAULT_MAX_GATHER_BYTES", "EmbedSample", "FittedLatencyModel", "HARDWARE", "HardwareSpec", "HeadSample",
     "LatencyModel", "LatencyProfileError", "LayerSample", "MODEL_SHAPES", "ModelShape", "PROFILE_FORMAT",

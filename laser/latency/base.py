@@ -95,8 +95,21 @@ class DecodeStepSample:
     seconds: float
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillStepSample:
+    """A whole step at full depth holding a prefill chunk: works ``(query_lens[k], context_lens[k])``
+    (decode rows among them: ``query_lens[k] == 1``) through every layer, embedded and sampled.
+    ``seconds``: the compute the runner times itself (as :class:`DecodeStepSample`'s). Prices the
+    layer calls of such a step as they run inside it, against the same call timed alone
+    (``FittedLatencyModel.prefill_step_scale``)."""
+
+    query_lens: tuple[int, ...]
+    context_lens: tuple[int, ...]
+    seconds: float
+
+
 Sample = (StatelessSample | AttentionSample | EmbedSample | HeadSample | LayerSample | StepOverheadSample
-          | DecodeStepSample)
+          | DecodeStepSample | PrefillStepSample)
 
 
 def check_batch(q: Sequence[int], c: Sequence[int]) -> None:
@@ -123,8 +136,8 @@ def frontend_ttft(lm) -> float:
 
 # Sample kinds as named in profile files.
 SAMPLE_TYPES = (StatelessSample, AttentionSample, EmbedSample, HeadSample, LayerSample, StepOverheadSample,
-                DecodeStepSample)
-SAMPLE_KINDS = ("stateless", "attention", "embed", "head", "layer", "step_overhead", "decode_step")
+                DecodeStepSample, PrefillStepSample)
+SAMPLE_KINDS = ("stateless", "attention", "embed", "head", "layer", "step_overhead", "decode_step", "prefill_step")
 TYPE_KIND = dict(zip(SAMPLE_TYPES, SAMPLE_KINDS))
 KIND_TYPE = dict(zip(SAMPLE_KINDS, SAMPLE_TYPES))
 
@@ -222,14 +235,23 @@ class LatencyModel:
 
     # -- derived ----------------------------------------------------------------------
     def layer_time(self, query_lens: Sequence[int], context_lens: Sequence[int]) -> float:
-        """One layer call on the batch ``(query_lens[k], context_lens[k])``; 0 if empty."""
+        """One layer call on the batch ``(query_lens[k], context_lens[k])``, timed on its own (as the
+        profiler times one; seconds); 0 if empty."""
         if not query_lens:
             return 0.0
         return self.stateless_time(sum(query_lens)) + self.attention_time(query_lens, context_lens) + self.layer_overhead_s
 
+    def step_layer_time(self, query_lens: Sequence[int], context_lens: Sequence[int]) -> float:
+        """One layer call on the batch as it runs inside a whole step, among the step's other layer calls
+        (seconds; 0 if empty): what plans, schedulers and the simulator price a layer with. Here
+        :meth:`layer_time`; a fitted model prices it from whole steps (``FittedLatencyModel``: on an AMX
+        Xeon a layer holding a prefill chunk cost ~0.9 of the call timed alone)."""
+        return self.layer_time(query_lens, context_lens)
+
     def predict_layer(self, step: LayerStep) -> float:
-        """Seconds for one layer call (all layers cost the same; ``step.layer`` is unused)."""
-        return self.layer_time(step.query_lens, step.context_lens)
+        """Seconds for one layer call of a step (:meth:`step_layer_time`; all layers cost the same,
+        ``step.layer`` is unused)."""
+        return self.step_layer_time(step.query_lens, step.context_lens)
 
     def predict_iteration(self, plan: StepPlan) -> float:
         """Seconds for a whole plan: its layer calls + embedding of works starting at
@@ -251,7 +273,7 @@ class LatencyModel:
         """
         if prompt_len <= 0:
             return 0.0
-        t = self.layer_time((prompt_len,), (context_start + prompt_len,))
+        t = self.step_layer_time((prompt_len,), (context_start + prompt_len,))
         if layers is not None:
             return layers * t
         return self.num_layers * t + self.embed_time(prompt_len) + self.head_time(1) + self.step_overhead_time(1, 1)
@@ -263,7 +285,7 @@ class LatencyModel:
         if not b:
             return 0.0
         q = (1,) * b
-        return (self.num_layers * self.layer_time(q, context_lens) + self.embed_time(b) + self.head_time(b)
+        return (self.num_layers * self.step_layer_time(q, context_lens) + self.embed_time(b) + self.head_time(b)
                 + self.step_overhead_time(1, b))
 
     def max_tokens_within(
@@ -283,7 +305,7 @@ class LatencyModel:
         base_q, base_c = tuple(query_lens), tuple(context_lens)
 
         def cost(k: int) -> float:
-            return layers * self.layer_time(base_q + (k,), base_c + (context_start + k,))
+            return layers * self.step_layer_time(base_q + (k,), base_c + (context_start + k,))
 
         if limit < 1 or cost(1) > budget_s:
             return 0

@@ -169,8 +169,15 @@ class ScaledLatencyModel(LatencyModel):
     def exit_cost(self, cost) -> None:
         self.inner.exit_cost = cost
 
+    def layer_factor(self, query_lens: Sequence[int]) -> float:
+        """The factor on a layer call of the batch with these query lengths: :attr:`factor` here."""
+        return self.factor
+
     def layer_time(self, query_lens: Sequence[int], context_lens: Sequence[int]) -> float:
-        return self.factor * self.inner.layer_time(query_lens, context_lens)
+        return self.layer_factor(query_lens) * self.inner.layer_time(query_lens, context_lens)
+
+    def step_layer_time(self, query_lens: Sequence[int], context_lens: Sequence[int]) -> float:
+        return self.layer_factor(query_lens) * self.inner.step_layer_time(query_lens, context_lens)
 
 
 class KindScaledLatencyModel(ScaledLatencyModel):
@@ -189,9 +196,9 @@ class KindScaledLatencyModel(ScaledLatencyModel):
         self.decode_factor = float(decode_factor)
         self.host_step_s = float(host_step_s)
 
-    def layer_time(self, query_lens: Sequence[int], context_lens: Sequence[int]) -> float:
-        f = self.decode_factor if sum(query_lens) == len(query_lens) else self.factor
-        return f * self.inner.layer_time(query_lens, context_lens)
+    def layer_factor(self, query_lens: Sequence[int]) -> float:
+        """:attr:`decode_factor` when every entry is one decode token, else :attr:`factor`."""
+        return self.decode_factor if sum(query_lens) == len(query_lens) else self.factor
 
     @property
     def overhead_factor(self) -> float:

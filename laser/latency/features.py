@@ -50,6 +50,16 @@ DEFAULT_MAX_GATHER_BYTES = 16 << 20
 #   m_tokens  Σq                   (paper's α·n)
 #   m_ctx     Σc                   (paper's β·Σc)
 #   m_pad     B_p · max q · max c  (padded score matrix: masked positions cost too)
+# and the same entries as the C++ prefill kernel runs them (``LlamaModel._chunks_through_kernel``: one
+# call per chunk, each query attending to its own causal prefix, no padding; a CPU with AVX512-BF16
+# runs chunks over cached context and any batch of several prompts so, and on AMX whole prompts
+# alone take the flash kernel):
+#   m_chunks  B_p                  (one kernel call per chunk)
+#   m_scores  Σ q · (c - (q - 1) / 2) (the causal scores the kernel computes: q rows over c - q cached
+#                                   positions and the lower triangle of their own q x q block; on an
+#                                   AMX Xeon, bf16 SmolLM2, one thread, m_pad priced a 512-token chunk
+#                                   over 1,024 cached positions 35 % under and four chunks of 20-450
+#                                   tokens 25-58 % over: the padded matrix is not what this kernel does)
 # A batch with both decode and prefill entries also scatters the groups' outputs into one
 # tensor; that costs tens of microseconds (measured: 55 us for 300 rows), so it has no
 # term of its own -- a free constant for it absorbed fit noise instead (0.5 ms per layer).
@@ -57,7 +67,7 @@ DEFAULT_MAX_GATHER_BYTES = 16 << 20
 # which sets are candidates is the fit's ``form``).
 
 ATTENTION_FEATURES = ("d_groups", "d_seqs", "d_ctx", "d_pad", "d_pad2", "c_const", "c_tokens", "c_square",
-                      "m_const", "m_tokens", "m_ctx", "m_pad", "c_sq32", "c_sq64", "c_sq256")
+                      "m_const", "m_tokens", "m_ctx", "m_pad", "c_sq32", "c_sq64", "c_sq256", "m_chunks", "m_scores")
 # Query lengths at which torch's CPU flash attention (``scaled_dot_product_attention``; aten's
 # cpu FlashAttentionKernel) switches its query block from 32 to 64 and from 64 to 256 rows.
 CAUSAL_Q_TILES = (192, 768)
@@ -75,6 +85,10 @@ ATTENTION_FEATURE_SETS = {
     # "convex" with the causal score matrix priced per query block size of the flash kernel
     "tiled": ("d_groups", "d_seqs", "d_pad", "d_pad2", "c_const", "c_tokens", "c_sq32", "c_sq64", "c_sq256",
               "m_const", "m_tokens", "m_ctx", "m_pad"),
+    # "tiled" with the other prefill entries priced per chunk as the C++ prefill kernel runs them
+    # (m_chunks, m_scores) instead of as one padded group (m_pad)
+    "chunked": ("d_groups", "d_seqs", "d_pad", "d_pad2", "c_const", "c_tokens", "c_sq32", "c_sq64", "c_sq256",
+                "m_const", "m_tokens", "m_ctx", "m_chunks", "m_scores"),
     "full": ATTENTION_FEATURES[:12],  # (every feature but the causal tiles: c_square holds their sum)
 }
 N_DECODE_FEATURES = 5
@@ -175,11 +189,12 @@ def attention_features(query_lens: Sequence[int], context_lens: Sequence[int],
          float(sum((k * m) ** 2 for k, m in groups))]
     if len(pq) == 1 and pq[0] == pc[0]:  # the causal fast path
         q2 = float(pq[0]) ** 2
-        f += [1.0, float(pq[0]), q2, 0.0, 0.0, 0.0, 0.0, *causal_tiles(pq[0], q2)]
+        f += [1.0, float(pq[0]), q2, 0.0, 0.0, 0.0, 0.0, *causal_tiles(pq[0], q2), 0.0, 0.0]
     elif pq:
-        f += [0.0, 0.0, 0.0, 1.0, float(sum(pq)), float(sum(pc)), float(len(pq) * max(pq) * max(pc)), 0.0, 0.0, 0.0]
+        f += [0.0, 0.0, 0.0, 1.0, float(sum(pq)), float(sum(pc)), float(len(pq) * max(pq) * max(pc)), 0.0, 0.0, 0.0,
+              float(len(pq)), float(sum(q * (c - 0.5 * (q - 1)) for q, c in zip(pq, pc)))]
     else:
-        f += [0.0] * 10
+        f += [0.0] * 12
     return tuple(f)
 
 

@@ -187,6 +187,9 @@ class FittedLatencyModel(LatencyModel):
     # (fitted from DecodeStepSamples by forms with "instep"; 1.0: priced as timed alone).
     decode_step_scale: float = 1.0
     decode_step_attention_scale: float = 1.0
+    # A layer call holding a prefill chunk (decode rows beside it or not) inside a whole step: this much of the
+    # same call timed alone (fitted from PrefillStepSamples by forms with "instep"; 1.0: priced as timed alone).
+    prefill_step_scale: float = 1.0
     # Setup the profile was taken on: model_id, dtype, hardware, threads, created, laser_version, ...
     metadata: dict = field(default_factory=dict)
     # Fit diagnostics: chosen widths / feature set, CV and in-sample relative errors.
@@ -208,9 +211,18 @@ class FittedLatencyModel(LatencyModel):
         return self.head(n_rows)
 
     def layer_time(self, query_lens, context_lens) -> float:
-        """``stateless(n) + layer_attention_scale · attention(q, c) + layer_overhead_s``; when every
-        entry is one decode token, as the call runs inside a step: the stateless part and overhead
-        times ``decode_step_scale``, attention times ``decode_step_attention_scale``. 0 if empty."""
+        """The call timed alone: ``stateless(n) + layer_attention_scale · attention(q, c) +
+        layer_overhead_s`` (seconds); 0 if empty."""
+        if not query_lens:
+            return 0.0
+        return (self.stateless(sum(query_lens)) + self.layer_attention_scale * self.attention(query_lens, context_lens)
+                + self.layer_overhead_s)
+
+    def step_layer_time(self, query_lens, context_lens) -> float:
+        """The call inside a whole step (seconds; 0 if empty): when every entry is one decode token, the
+        stateless part and overhead of :meth:`layer_time` times ``decode_step_scale`` and attention times
+        ``decode_step_attention_scale``; else (a prefill chunk in the batch) :meth:`layer_time` times
+        ``prefill_step_scale``."""
         if not query_lens:
             return 0.0
         n = sum(query_lens)
@@ -218,7 +230,7 @@ class FittedLatencyModel(LatencyModel):
         if n == len(query_lens):
             return ((self.stateless(n) + self.layer_overhead_s) * self.decode_step_scale
                     + at * self.decode_step_attention_scale)
-        return self.stateless(n) + at + self.layer_overhead_s
+        return (self.stateless(n) + at + self.layer_overhead_s) * self.prefill_step_scale
 
     # -- fitting (imports numpy/scipy: only who fits pays for them) --------------------
     @classmethod
@@ -263,6 +275,7 @@ class FittedLatencyModel(LatencyModel):
                 "frontend_ttft_s": self.frontend_ttft_s,
                 "decode_step_scale": self.decode_step_scale,
                 "decode_step_attention_scale": self.decode_step_attention_scale,
+                "prefill_step_scale": self.prefill_step_scale,
             },
             "report": self.report,
             "samples": encode_samples(self.samples),
@@ -297,6 +310,7 @@ class FittedLatencyModel(LatencyModel):
                 frontend_ttft_s=float(m.get("frontend_ttft_s", 0.0)),  # (absent before it was measured: 0)
                 decode_step_scale=float(m.get("decode_step_scale", 1.0)),  # (absent before profiler 10: 1)
                 decode_step_attention_scale=float(m.get("decode_step_attention_scale", 1.0)),
+                prefill_step_scale=float(m.get("prefill_step_scale", 1.0)),  # (absent before profiler 11: 1)
                 metadata={k: v for k, v in meta.items() if k != "num_layers"},
                 report=dict(d.get("report", {})),
                 samples=samples,
@@ -316,7 +330,7 @@ class FittedLatencyModel(LatencyModel):
             raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
         if not (math.isfinite(self.layer_overhead_s) and self.layer_overhead_s >= 0):
             raise ValueError(f"layer_overhead_s must be finite and >= 0, got {self.layer_overhead_s}")
-        for name in ("layer_attention_scale", "decode_step_scale", "decode_step_attention_scale"):
+        for name in ("layer_attention_scale", "decode_step_scale", "decode_step_attention_scale", "prefill_step_scale"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be finite and > 0, got {v}")
@@ -326,7 +340,8 @@ class FittedLatencyModel(LatencyModel):
                 raise ValueError(f"{name} must be finite and >= 0, got {v}")
         probes = [self.layer_time((n,), (n,)) for n in (1, 7, 64, 512, 4096)]
         probes += [self.layer_time((1,) * b, (512,) * b) for b in (1, 16, 64)]
-        probes += [self.layer_time((100, 1), (300, 900))]
+        probes += [self.layer_time((100, 1), (300, 900)), self.step_layer_time((100, 1), (300, 900))]
+        probes += [self.step_layer_time((1,) * b, (512,) * b) for b in (1, 64)]
         probes += [f(n) for f in (self.embed_time, self.head_time) for n in (1, 16, 256)]
         bad = [t for t in probes if not (math.isfinite(t) and t >= 0)]
         if bad:

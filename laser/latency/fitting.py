@@ -31,6 +31,7 @@ from .base import (
     EmbedSample,
     HeadSample,
     LayerSample,
+    PrefillStepSample,
     Sample,
     StatelessSample,
     StepOverheadSample,
@@ -306,12 +307,20 @@ def _fit_attention_set(x: np.ndarray, y: np.ndarray, names: Sequence[str], scale
 #             steps -0.1 to +0.5, iterations -0.1 to +0.1 (docs/benchmarks.md, "the noise floor").
 # ``instep``: decode layer calls priced as they run inside a whole step (``decode_step_scale`` on the
 #   stateless part, ``decode_step_attention_scale`` on attention, fitted from the profile's DecodeStepSamples:
-#   fitting_steps.fit_decode_step_scale; 1.0 without them).
+#   fitting_steps.fit_decode_step_scale; 1.0 without them), and layer calls holding a prefill chunk
+#   (``prefill_step_scale``, from the PrefillStepSamples: fitting_steps.fit_prefill_step_scale; 1.0 without them:
+#   profiles before profiler 11).
 #   "tiled-instep": "tiled" with it; "tiled-instep-step" (the default): and the step overhead, which the
 #             DecodeStepSamples leave out (their compute is the step's wall time less it). On the same
 #             samples of two fresh profiles of the AVX512 EPYC (docs/benchmarks.md, "decode layers priced
 #             in a step"), against "tiled": iterations 91.7 -> 93.5 % at 1 thread, 90.2 -> 91.1 % at 2 (decode
 #             iterations +12.6 -> +4.8 %, +6.4 -> -0.5 % bias); layer steps +0.1 / -0.1 points.
+#             Since profiler 11 its attention candidates also hold "chunked", before "tiled": the prefill
+#             entries other than one whole prompt priced per chunk as the C++ prefill kernel runs them (features
+#             m_chunks, m_scores) instead of as one padded group; on the same samples of an AMX Xeon (bf16, one
+#             thread) the attention CV error fell 6.5 -> 2.4 %, held-out layer steps 94.3 -> 96.1 %, iterations
+#             91.1 -> 94.8 % (docs/benchmarks.md, "issue 26; helper lat26, session 26"). "tiled-instep-step-v10":
+#             the same without "chunked" (the default up to profiler 10, for comparisons on old samples).
 FORMS = {
     "paper": {"sets": ("linear", "kernel"), "small_counts": SMALL_COUNT_EXACT, "step": False},
     "padded": {"sets": ("padded", "linear", "kernel"), "small_counts": SMALL_COUNT_EXACT, "step": False},
@@ -325,7 +334,9 @@ FORMS = {
               "step": False, "edges": True},
     "tiled-instep": {"sets": ("padded", "linear", "tiled", "kernel", "full"), "small_counts": SMALL_COUNT_EXACT,
                      "step": False, "edges": True, "instep": True},
-    "tiled-instep-step": {"sets": ("padded", "linear", "tiled", "kernel", "full"),
+    "tiled-instep-step-v10": {"sets": ("padded", "linear", "tiled", "kernel", "full"),
+                              "small_counts": SMALL_COUNT_EXACT, "step": True, "edges": True, "instep": True},
+    "tiled-instep-step": {"sets": ("padded", "linear", "chunked", "tiled", "kernel", "full"),
                           "small_counts": SMALL_COUNT_EXACT, "step": True, "edges": True, "instep": True},
 }
 DEFAULT_FORM = "tiled-instep-step"
@@ -383,9 +394,9 @@ def fit(samples: Iterable[Sample], *, num_layers: int, metadata: dict | None = N
     by CV among the candidates of ``form`` (see :data:`FORMS`), decode entries grouped as the runner splits them (``max_gather_positions``;
     ``None``: from ``metadata``, see :func:`gather_positions_from_metadata`), errors
     relative to the whole layer call (attention + stateless, see :func:`_fit_attention`).
-    Embedding: a line. Step overhead (forms with ``step``) and decode layers inside a step (forms with
-    ``instep``): :func:`~.fitting_steps.fit_whole_steps` of the :class:`StepOverheadSample` s and
-    :class:`DecodeStepSample` s (0.0 and 1.0 without them). Whole-layer composition (per-call overhead and a scale on
+    Embedding: a line. Step overhead (forms with ``step``) and decode and prefill layers inside a step (forms
+    with ``instep``): :func:`~.fitting_steps.fit_whole_steps` of the :class:`StepOverheadSample` s,
+    :class:`DecodeStepSample` s and :class:`PrefillStepSample` s (0.0 and 1.0 without them). Whole-layer composition (per-call overhead and a scale on
     attention): from :class:`LayerSample` s, see :func:`_fit_layer_composition` (0 and 1
     without them). All fits minimise relative error and keep coefficients non-negative.
     Missing sample kinds predict 0 (see ``report["missing"]``). ``metadata`` is stored as
@@ -420,9 +431,11 @@ def fit(samples: Iterable[Sample], *, num_layers: int, metadata: dict | None = N
     overhead, scale = _fit_layer_composition(layer, stateless, attention)
     steps = kinds[StepOverheadSample] if FORMS[form]["step"] else []
     dsteps = kinds[DecodeStepSample] if FORMS[form].get("instep") else []
+    psteps = kinds[PrefillStepSample] if FORMS[form].get("instep") else []
     step_terms, dscale, step_rep = fit_whole_steps(
-        steps, dsteps, num_layers, lambda b: stateless(b) + overhead, lambda c: scale * attention((1,) * len(c), c),
-        embed, head)
+        steps, dsteps, psteps, num_layers, lambda b: stateless(b) + overhead,
+        lambda c: scale * attention((1,) * len(c), c),
+        lambda q, c: stateless(sum(q)) + scale * attention(q, c) + overhead, embed, head)
 
     def in_sample(f, xs, ys):
         return _rel_err(np.array([f(x) for x in xs]), np.array(ys)) if xs else None
@@ -449,7 +462,8 @@ def fit(samples: Iterable[Sample], *, num_layers: int, metadata: dict | None = N
                               head=head, layer_overhead_s=overhead, layer_attention_scale=scale,
                               step_overhead_s=step_terms[0], compose_overhead_s=step_terms[1],
                               compose_work_s=step_terms[2], decode_step_scale=dscale[0],
-                              decode_step_attention_scale=dscale[1], metadata=meta, report=report,
+                              decode_step_attention_scale=dscale[1], prefill_step_scale=dscale[2], metadata=meta,
+                              report=report,
                               samples=samples)
 
 
@@ -465,6 +479,10 @@ def _by_kind(samples: Sequence[Sample]) -> dict[type, list]:
             check_batch(s.query_lens, s.context_lens)
         elif isinstance(s, DecodeStepSample):
             check_batch((1,) * len(s.context_lens), s.context_lens)
+        elif isinstance(s, PrefillStepSample):
+            check_batch(s.query_lens, s.context_lens)
+            if sum(s.query_lens) == len(s.query_lens):
+                raise ValueError(f"a prefill step sample needs a prefill chunk (a query of 2+ tokens): {s!r}")
         elif isinstance(s, StepOverheadSample):
             if s.compositions < 1 or s.composed_works < s.compositions:
                 raise ValueError(f"need 1 <= compositions <= composed_works: {s!r}")

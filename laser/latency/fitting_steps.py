@@ -6,7 +6,10 @@
 * :func:`fit_decode_step_scale`: what a decode layer call costs inside a whole step against
   the same call timed alone (:class:`DecodeStepSample`): measured on an AVX512 EPYC with
   SmolLM2 (bf16), a decode layer inside a step cost 0.80-0.96 of the same call timed alone,
-  prefill layers the same either way (docs/benchmarks.md, "layers alone vs in a step").
+  prefill layers the same either way (docs/benchmarks.md, "layers alone vs in a step");
+* :func:`fit_prefill_step_scale`: the same for the layer calls of a step holding a prefill chunk
+  (:class:`PrefillStepSample`): on an AMX Xeon (bf16 SmolLM2, one thread) steps of one or more chunks of
+  60-330 tokens, decode rows beside them or not, took ~0.9 of their layer calls timed alone.
 """
 
 from __future__ import annotations
@@ -16,13 +19,16 @@ from typing import Sequence
 import numpy as np
 from scipy.optimize import nnls
 
-from .base import DecodeStepSample, StepOverheadSample
+from .base import DecodeStepSample, PrefillStepSample, StepOverheadSample
 
 #: Bounds of the decode in-step scale: outside them the whole steps disagree with the layer
 #: samples by more than cache effects explain (a broken profile), and the bound is used.
 DECODE_STEP_SCALE_BOUNDS = (0.6, 1.2)
 #: Fewest whole decode steps a scale is fitted from (fewer: 1.0, layers priced as timed alone).
 MIN_DECODE_STEPS = 3
+#: Bounds and fewest samples of the prefill in-step scale (the same reasons as the decode one's).
+PREFILL_STEP_SCALE_BOUNDS = (0.6, 1.2)
+MIN_PREFILL_STEPS = 3
 
 
 def fit_step_overhead(samples: Sequence[StepOverheadSample]) -> tuple[float, float, float]:
@@ -84,6 +90,32 @@ def fit_decode_step_scale(samples: Sequence[DecodeStepSample], num_layers: int, 
     return min(hi, max(lo, float(s_st))), min(hi, max(lo, float(s_at)))
 
 
+def fit_prefill_step_scale(samples: Sequence[PrefillStepSample], num_layers: int, layer, embed, head) -> float:
+    """Factor ``s`` on the layer calls of a step holding a prefill chunk, against the same call timed alone,
+    that fits whole such steps: each step's compute ``y`` (layers + embedding + LM head) is modelled as
+    ``num_layers · s · layer(q, c) + embed(Σq) + head(len(q))`` (``layer``: a layer call of the batch timed
+    alone, ``embed`` / ``head`` of a count; seconds) and ``s`` is the least-squares fit in relative error:
+    ``Σ x (y - r) / y² / Σ x² / y²`` with ``x`` the layers' part and ``r`` the rest. 1.0 with fewer than
+    :data:`MIN_PREFILL_STEPS` samples; clipped to :data:`PREFILL_STEP_SCALE_BOUNDS`. One factor on the
+    whole call: what a step saves here was measured on the projections and on attention alike (the
+    fresh-prompt and chunk attention paths both), so two would trade against each other on the noise."""
+    if len(samples) < MIN_PREFILL_STEPS:
+        return 1.0
+    x, rest, y = _prefill_step_parts(samples, num_layers, layer, embed, head)
+    w = 1.0 / y
+    den = float(np.sum((x * w) ** 2))
+    s = float(np.sum(x * (y - rest) * w * w)) / den if den > 0 else 1.0
+    lo, hi = PREFILL_STEP_SCALE_BOUNDS
+    return min(hi, max(lo, s))
+
+
+def _prefill_step_parts(samples: Sequence[PrefillStepSample], num_layers: int, layer, embed, head):
+    """Arrays over ``samples``: the layer calls as timed alone, embedding + LM head, the measured compute."""
+    x = np.array([num_layers * layer(s.query_lens, s.context_lens) for s in samples])
+    rest = np.array([embed(sum(s.query_lens)) + head(len(s.query_lens)) for s in samples])
+    return x, rest, np.array([s.seconds for s in samples])
+
+
 def _decode_step_parts(samples: Sequence[DecodeStepSample], num_layers: int, stateless, attention, embed, head):
     """Arrays over ``samples``: the layers' stateless part and attention as timed alone, embedding + LM
     head, the measured compute."""
@@ -93,14 +125,17 @@ def _decode_step_parts(samples: Sequence[DecodeStepSample], num_layers: int, sta
     return st, at, rest, np.array([s.seconds for s in samples])
 
 
-def fit_whole_steps(steps: Sequence[StepOverheadSample], dsteps: Sequence[DecodeStepSample], num_layers: int,
-                    stateless, attention, embed, head) -> tuple[tuple[float, float, float], tuple[float, float], dict]:
-    """:func:`fit_step_overhead` of ``steps`` and :func:`fit_decode_step_scale` of ``dsteps`` (see
-    there for ``stateless``, ``attention``, ``embed``, ``head``): ``(step terms, decode step scales,
-    report)``; the report holds ``"step_overhead"`` / ``"decode_step"`` (coefficients, in-sample
-    relative error) for the kinds given."""
+def fit_whole_steps(steps: Sequence[StepOverheadSample], dsteps: Sequence[DecodeStepSample],
+                    psteps: Sequence[PrefillStepSample], num_layers: int, stateless, attention, layer, embed,
+                    head) -> tuple[tuple[float, float, float], tuple[float, float, float], dict]:
+    """:func:`fit_step_overhead` of ``steps``, :func:`fit_decode_step_scale` of ``dsteps`` and
+    :func:`fit_prefill_step_scale` of ``psteps`` (see there for ``stateless``, ``attention``, ``layer``,
+    ``embed``, ``head``): ``(step terms, (decode stateless scale, decode attention scale, prefill scale),
+    report)``; the report holds ``"step_overhead"`` / ``"decode_step"`` / ``"prefill_step"`` (coefficients,
+    in-sample relative error) for the kinds given."""
     terms = fit_step_overhead(steps)
-    scales = fit_decode_step_scale(dsteps, num_layers, stateless, attention, embed, head)
+    scales = (*fit_decode_step_scale(dsteps, num_layers, stateless, attention, embed, head),
+              fit_prefill_step_scale(psteps, num_layers, layer, embed, head))
     rep: dict = {}
     if steps:
         pred = np.array([terms[0] + terms[1] * s.compositions + terms[2] * s.composed_works for s in steps])
@@ -112,4 +147,9 @@ def fit_whole_steps(steps: Sequence[StepOverheadSample], dsteps: Sequence[Decode
         pred = scales[0] * st + scales[1] * at + rest
         rep["decode_step"] = {"scale": scales[0], "attention_scale": scales[1], "n": len(dsteps),
                               "error": float(np.mean(np.abs(pred - y) / y))}
+    if psteps:
+        x, rest, y = _prefill_step_parts(psteps, num_layers, layer, embed, head)
+        rep["prefill_step"] = {"scale": scales[2], "n": len(psteps),
+                               "error": float(np.mean(np.abs(scales[2] * x + rest - y) / y)),
+                               "error_alone": float(np.mean(np.abs(x + rest - y) / y))}
     return terms, scales, rep

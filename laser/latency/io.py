@@ -14,8 +14,8 @@ import os
 import re
 from pathlib import Path
 
-from .base import (KIND_TYPE, TYPE_KIND, AttentionSample, DecodeStepSample, LatencyProfileError, LayerSample, Sample,
-                   StepOverheadSample, check_batch, check_seconds)
+from .base import (KIND_TYPE, TYPE_KIND, AttentionSample, DecodeStepSample, LatencyProfileError, LayerSample,
+                   PrefillStepSample, Sample, StepOverheadSample, check_batch, check_seconds)
 
 PROFILE_FORMAT = "laser-latency-profile"
 # Bump when the document's layout or the meaning of a coefficient changes: older files are
@@ -55,11 +55,11 @@ def check_document(d: object) -> None:
 def encode_samples(samples) -> dict[str, list]:
     """Samples as JSON lists, by kind: ``{"attention": [[q_lens, c_lens, seconds], ...],
     "stateless": [[n, seconds], ...], "step_overhead": [[compositions, composed_works, seconds], ...],
-    "decode_step": [[c_lens, seconds], ...],
+    "decode_step": [[c_lens, seconds], ...], "prefill_step": [[q_lens, c_lens, seconds], ...],
     ...}`` (every kind present, maybe empty)."""
     by_kind: dict[str, list] = {k: [] for k in KIND_TYPE}
     for s in samples:
-        if isinstance(s, (AttentionSample, LayerSample)):
+        if isinstance(s, (AttentionSample, LayerSample, PrefillStepSample)):
             enc = [list(s.query_lens), list(s.context_lens), s.seconds]
         elif isinstance(s, StepOverheadSample):
             enc = [s.compositions, s.composed_works, s.seconds]
@@ -81,7 +81,7 @@ def _decode_sample(kind: str, enc: list) -> Sample:
     t = KIND_TYPE.get(kind)
     if t is None:
         raise LatencyProfileError(f"unknown sample kind {kind!r}")
-    if t in (AttentionSample, LayerSample):
+    if t in (AttentionSample, LayerSample, PrefillStepSample):
         q, c, sec = enc
         s = t(tuple(int(v) for v in q), tuple(int(v) for v in c), float(sec))
         check_batch(s.query_lens, s.context_lens)

@@ -131,15 +131,20 @@ def summary_lines(lm) -> list[str]:
         ds = rep["decode_step"]
         out.append(f"  decode layers inside a step: stateless x{ds['scale']:.3f}, attention x{ds['attention_scale']:.3f} "
                    f"of the call timed alone ({ds['n']} whole decode steps, fit error {100 * ds['error']:.1f}%)")
+    if "prefill_step" in rep:
+        ps = rep["prefill_step"]
+        out.append(f"  layers holding a prefill chunk inside a step: x{ps['scale']:.3f} of the call timed alone "
+                   f"({ps['n']} whole prefill and mixed steps, fit error {100 * ps['error']:.1f}%, "
+                   f"{100 * ps['error_alone']:.1f}% priced as timed alone)")
     if lm.mask_row_s:
         out.append(f"  grammar mask (structured output): {lm.mask_row_s * 1e3:.3f} ms per sampled row")
     out.append("  predicted (one layer / whole iteration):")
     for b in (1, 16, 64):
         ctx = [512] * b
-        out.append(f"    decode batch {b:>3} @ ctx 512: {lm.layer_time((1,) * b, ctx) * 1e3:8.2f} ms / "
+        out.append(f"    decode batch {b:>3} @ ctx 512: {lm.step_layer_time((1,) * b, ctx) * 1e3:8.2f} ms / "
                    f"{lm.predict_decode_iteration(ctx) * 1e3:8.1f} ms")
     for q in (128, 512, 2048):
-        out.append(f"    prefill {q:>4} tokens:        {lm.layer_time((q,), (q,)) * 1e3:8.2f} ms / "
+        out.append(f"    prefill {q:>4} tokens:        {lm.step_layer_time((q,), (q,)) * 1e3:8.2f} ms / "
                    f"{lm.predict_prefill(q) * 1e3:8.1f} ms")
     return out
 

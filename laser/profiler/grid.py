@@ -67,6 +67,8 @@ class ProfileGrid:
                                      pool_tokens, block_size), max_tokens, max_batch)
         steps += _decode_step_shapes(_Points(np.random.default_rng(seed + 2), max(1, min(max_context, pool_tokens)),
                                              pool_tokens, block_size), max_batch)
+        steps += _prefill_step_shapes(_Points(np.random.default_rng(seed + 3), max(1, min(max_context, pool_tokens)),
+                                              pool_tokens, block_size), max_tokens, max_batch)
         return cls(sorted(st), attn, layer, embed, head, step_shapes=steps)
 
     @classmethod
@@ -272,3 +274,24 @@ def _decode_step_shapes(pts: _Points, max_batch: int) -> list:
                                                  (40, 64), (48, 1024), (64, 512)) if b <= max_batch]
     batches += [pts.skewed(b, 0.3) for b in (8, 24, 32) if b <= max_batch]
     return [[(1, c, 0.0, 1.0) for c in cs] for _, cs in batches]
+
+
+def _prefill_step_shapes(pts: _Points, max_tokens: int, max_batch: int) -> list:
+    """Whole steps at full depth holding prefill chunks: one prompt of 48-1024 tokens (torch's flash kernel on
+    AMX), chunks over cached context and several prompts in one step (the C++ prefill kernel), and chunks beside
+    decode rows (batches of 4-16 at contexts around 256): the sizes the schedulers' prefill and mixed steps
+    take (chunks up to their 256-512-token budgets). Their compute prices a layer call holding a prefill
+    chunk as it runs inside a step (``PrefillStepSample``)."""
+    def chunk(q, cached=0):
+        q = max(2, min(q, max_tokens, pts.ctx_cap))
+        return (q, min(q + cached, pts.ctx_cap), 0.0, 1.0)
+
+    def dec(b):
+        _, c = pts.decode(min(b, max(1, max_batch)), 256)
+        return [(1, ci, 0.0, 1.0) for ci in c]
+
+    shapes = [[chunk(q)] for q in (48, 96, 160, 256, 384, 512, 1024)]
+    shapes += [[chunk(128, 256)], [chunk(256, 256)], [chunk(96), chunk(64)], [chunk(200), chunk(120)],
+               [chunk(64, 96), chunk(48), chunk(120)]]
+    shapes += [dec(8) + [chunk(128)], dec(16) + [chunk(200, 120)], dec(12) + [chunk(80), chunk(40)]]
+    return shapes

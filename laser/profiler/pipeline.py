@@ -24,6 +24,7 @@ from ..latency import (
     HeadSample,
     LatencyProfileError,
     LayerSample,
+    PrefillStepSample,
     StatelessSample,
     StepOverheadSample,
     cpu_hardware_string,
@@ -41,12 +42,14 @@ from .timing import Bench, Case, planned_calls, progress_bar
 log = logging.getLogger(__name__)
 
 # Bump when what is measured, or how, changes: older profile files are then re-made.
-PROFILER_VERSION = 10  # 4: layer matmuls in per-row-count layouts (laser.model.llama.Linear); 5: typical (median) times;
+PROFILER_VERSION = 11  # 4: layer matmuls in per-row-count layouts (laser.model.llama.Linear); 5: typical (median) times;
 # 6: skewed decode batches (padded gather), executor-path label in the key; 7: whole steps' overhead
 # (StepOverheadSample); 8: the row counts where the matmul kernels switch (metadata["kernel_rows"]),
 # sampled on both sides, and a denser LM-head grid; 9: causal prefill attention at 18 more chunk lengths, around
 # the flash kernel's query-block switches (grid.CAUSAL_GRID); 10: whole decode steps' compute (DecodeStepSample),
-# at 12 more decode steps spread like the decode layer samples (grid._decode_step_shapes)
+# at 12 more decode steps spread like the decode layer samples (grid._decode_step_shapes); 11: whole prefill and
+# mixed steps' compute (PrefillStepSample), at more steps of one or two prompts and chunks, beside decode rows or
+# not (grid._prefill_step_shapes)
 # Candidate segment widths for the stateless / LM-head fits. On CPUs a single row runs a
 # matrix-vector kernel (one decode token: ~25% cheaper than two), so widths down to 1
 # are offered; cross-validation picks one.
@@ -284,6 +287,8 @@ def samples_from_cases(cases: list[Case], tol: float, bench: Bench, stats: dict 
             if oh and cs.run.decode_contexts:  # and its compute (the typical wall time, as every case's, less
                 # the overhead): decode layers as they run in a step
                 out.append(DecodeStepSample(cs.run.decode_contexts, max(t - float(np.median(oh)), 1e-7)))
+            if oh and cs.run.prefill_batch:  # (the same for layers holding a prefill chunk)
+                out.append(PrefillStepSample(*cs.run.prefill_batch, max(t - float(np.median(oh)), 1e-7)))
         else:
             out.append(HeadSample(args[0], t))
     return out
@@ -318,7 +323,10 @@ def _sample_prediction(model: FittedLatencyModel, s) -> float:
         return model.step_overhead_time(s.compositions, s.composed_works)
     if isinstance(s, DecodeStepSample):
         b = len(s.context_lens)
-        return model.num_layers * model.layer_time((1,) * b, s.context_lens) + model.embed_time(b) + model.head_time(b)
+        return model.num_layers * model.step_layer_time((1,) * b, s.context_lens) + model.embed_time(b) + model.head_time(b)
+    if isinstance(s, PrefillStepSample):
+        return (model.num_layers * model.step_layer_time(s.query_lens, s.context_lens)
+                + model.embed_time(sum(s.query_lens)) + model.head_time(len(s.query_lens)))
     return model.head_time(s.n_rows)
 
 

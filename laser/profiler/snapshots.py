@@ -244,15 +244,21 @@ class StepOverheadReplay:
     times itself (wall time minus ``StepResult.compute_seconds``: batch compositions, joins, parks,
     the walk): :attr:`overheads` (seconds), whose median is a ``StepOverheadSample``. When the plan is a
     decode step at full depth (:attr:`decode_contexts`), the case's time less that overhead is a
-    ``DecodeStepSample``: its compute (layer calls, embedding, LM head)."""
+    ``DecodeStepSample``: its compute (layer calls, embedding, LM head); when it is a step at full depth
+    holding a prefill chunk (:attr:`prefill_batch`), a ``PrefillStepSample``."""
 
     def __init__(self, runner: ModelRunner, snap: PlanSnapshot, gen: torch.Generator):
         self.replay = PlanReplay(runner, snap, gen)
         self.overheads: list[float] = []
         ws, n = snap.plan.works, snap.plan.num_layers
-        full_decode = all(w.num_tokens == 1 and w.layer_start == 0 and w.layer_end == n for w in ws)
+        full = bool(ws) and all(w.layer_start == 0 and w.layer_end == n for w in ws)
+        decode = all(w.num_tokens == 1 for w in ws)
         #: context lengths of the plan's works when it is a decode step at full depth, else None
-        self.decode_contexts = tuple(w.context_len for w in ws) if ws and full_decode else None
+        self.decode_contexts = tuple(w.context_len for w in ws) if full and decode else None
+        #: (query lens, context lens) of the plan's works when it is a step at full depth holding a prefill
+        #: chunk, else None
+        self.prefill_batch = ((tuple(w.num_tokens for w in ws), tuple(w.context_len for w in ws))
+                              if full and not decode else None)
 
     def __call__(self):
         t0 = time.perf_counter()

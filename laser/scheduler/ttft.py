@@ -63,7 +63,7 @@ def decode_share(report: SchedulerReport, latency_model, contexts: list[int], tb
         # hybrid batches: the decode tokens ride in the chunk's layer calls, so they cost only
         # their marginal time (the per-layer overhead is paid by the chunk anyway)
         k = max(1, report.chunk_tokens - len(contexts))
-        lt = latency_model.layer_time
+        lt = latency_model.step_layer_time
         marginal = latency_model.num_layers * (lt((k,) + (1,) * len(contexts), (k,) + tuple(contexts))
                                                - lt((k,), (k,))) + latency_model.head_time(len(contexts))
         marginal = min(max(marginal, 0.0), c)

@@ -218,7 +218,7 @@ class SimExecutor:
 
     def run_layers(self, layers: range, active) -> None:
         """Segment mode: ``len(layers)`` layer calls of the same batch, priced once."""
-        t = self.lm.layer_time(tuple([w.num_tokens for w in active]), tuple([w.context_len for w in active]))
+        t = self.lm.step_layer_time(tuple([w.num_tokens for w in active]), tuple([w.context_len for w in active]))
         # layer by layer, ((t0 + t) + t) + ...: the same sums as run_layer (a left fold, not sum())
         self.clock.t = reduce(add, repeat(t, len(layers)), self.clock.t)
         self.stats.layer_calls += len(layers)

@@ -75,10 +75,11 @@ def test_fit_recovers_the_in_step_factor_and_prices_decode_layers_with_it(fitted
     alone = fit(fitted.samples, num_layers=N, form="tiled")  # the form before: decode layers as timed alone
     assert alone.decode_step_scale == 1.0 and "decode_step" not in alone.report
     q, c = (1,) * 8, (100, 200, 300, 400, 500, 600, 700, 800)
-    assert fitted.layer_time(q, c) == pytest.approx(IN_STEP * alone.stateless_time(8)
-                                                    + IN_STEP_ATTENTION * alone.attention_time(q, c), rel=0.02)
+    assert fitted.step_layer_time(q, c) == pytest.approx(IN_STEP * alone.stateless_time(8)
+                                                         + IN_STEP_ATTENTION * alone.attention_time(q, c), rel=0.02)
+    assert fitted.layer_time(q, c) == pytest.approx(alone.layer_time(q, c), rel=1e-9)  # the call timed alone
     for q, c in (((64,), (64,)), ((1, 1, 32), (90, 400, 32))):  # a prefill chunk prices as alone, beside decode too
-        assert fitted.layer_time(q, c) == pytest.approx(alone.layer_time(q, c), rel=1e-9)
+        assert fitted.step_layer_time(q, c) == pytest.approx(alone.layer_time(q, c), rel=1e-9)
     # a whole decode iteration is priced as its steps ran; the alone-priced form over-predicts it
     ctx = [15, 90, 120, 40, 70]
     truth = decode_step(tuple(ctx))
@@ -135,5 +136,5 @@ def test_attention_is_never_dearer_inside_a_step_than_in_the_layer_call():
     assert m.decode_step_scale > 0.85  # it absorbs part of the dearer attention
     ctx = (300, 900, 1400, 40)
     b, q = len(ctx), (1,) * len(ctx)
-    assert m.layer_time(q, ctx) == pytest.approx(m.decode_step_scale * (stateless(b) + m.layer_overhead_s)
+    assert m.step_layer_time(q, ctx) == pytest.approx(m.decode_step_scale * (stateless(b) + m.layer_overhead_s)
                                                  + m.layer_attention_scale * attention(q, ctx), rel=0.02)

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from laser import profiler
-from laser.latency import ATTENTION_FEATURES, AttentionSample, FittedLatencyModel, attention_features, fit
+from laser.latency import (ATTENTION_FEATURE_SETS, ATTENTION_FEATURES, AttentionSample, FittedLatencyModel,
+                           attention_features, fit)
 from laser.latency.features import CAUSAL_Q_TILES
 from laser.latency.fitting import DEFAULT_FORM, FORMS
 from laser.profiler.grid import CAUSAL_GRID
@@ -56,7 +57,9 @@ def test_the_grid_samples_chunks_around_the_tile_edges():
 def test_tiled_form_prices_causal_chunks_per_query_block():
     rng = np.random.default_rng(3)
     data = samples(rng, grid_lengths())
-    assert FORMS[DEFAULT_FORM]["sets"] == FORMS["tiled"]["sets"]  # (the default prices attention as "tiled")
+    # (the default offers "tiled", and "chunked" before it, which prices whole prompts by the same tiles)
+    assert "tiled" in FORMS[DEFAULT_FORM]["sets"]
+    assert {"c_sq32", "c_sq64", "c_sq256"} <= set(ATTENTION_FEATURE_SETS["chunked"])
     tiled = fit(data, num_layers=2, form="tiled")
     convex = fit(data, num_layers=2, form="convex")
     assert tiled.attention.feature_set == "tiled", tiled.report["attention"]["cv_error"]

@@ -66,3 +66,10 @@ def test_cli_repeatability(tiny_llama, tmp_path, capsys):
     assert "layer step in a pass" in rep
     dec = [s for s in lm.samples if isinstance(s, DecodeStepSample)]
     assert len(dec) >= 3 and all(0 < s.seconds < 1 for s in dec)
+    # and its full-depth step holding a prefill chunk beside decode works (profiler 11): the in-step price of
+    # a layer holding a chunk, fitted when three or more such steps were timed (1.0 here: the quick grid has one)
+    from laser.latency import PrefillStepSample
+
+    pf = [s for s in lm.samples if isinstance(s, PrefillStepSample)]
+    assert len(pf) == 1 and max(pf[0].query_lens) > 1 and 1 in pf[0].query_lens and pf[0].seconds > 0
+    assert lm.prefill_step_scale == 1.0

@@ -87,9 +87,9 @@ class _LayerLoad:
         # every price is scaled by the whole batch's real / mean-context price.
         fix = 1.0
         if len(reqs) > 1 and any(r.num_tokens != ctx for r in reqs):
-            mean_t = lm.layer_time((1,) * len(reqs), (ctx,) * len(reqs))
+            mean_t = lm.step_layer_time((1,) * len(reqs), (ctx,) * len(reqs))
             if mean_t > 0:
-                fix = lm.layer_time((1,) * len(reqs), tuple(r.num_tokens for r in reqs)) / mean_t
+                fix = lm.step_layer_time((1,) * len(reqs), tuple(r.num_tokens for r in reqs)) / mean_t
         if shared is not None:
             def layer(c: int, _t=shared.layer_time) -> float:
                 return _t(c, ctx, background) * fix

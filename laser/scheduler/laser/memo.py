@@ -69,8 +69,8 @@ def layer_price(lm: LatencyModel, c: int, ctx: int, background: int) -> float:
     """One layer call of ``c`` decode tokens at context ``ctx`` plus one prefill chunk of
     ``background`` tokens (a fresh chunk: context = its length), seconds; 0 when empty."""
     if background > 0:
-        return lm.layer_time((1,) * c + (background,), (ctx,) * c + (background,))
-    return lm.layer_time((1,) * c, (ctx,) * c) if c else 0.0
+        return lm.step_layer_time((1,) * c + (background,), (ctx,) * c + (background,))
+    return lm.step_layer_time((1,) * c, (ctx,) * c) if c else 0.0
 
 
 def memo_for(lm: LatencyModel, memo: "DecodeMemo | None") -> "DecodeMemo | None":

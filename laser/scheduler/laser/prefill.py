@@ -348,7 +348,7 @@ class PrefillPlanner:
         ``w``'s chunk through the layers after ``w.layer_end``, then the prompt tokens after
         the chunk in one full pass (0 when ``w`` completes the prefill)."""
         n = self.num_layers
-        t = (n - w.layer_end) * self.lm.layer_time((w.num_tokens,), (w.context_len,)) if w.layer_end < n else 0.0
+        t = (n - w.layer_end) * self.lm.step_layer_time((w.num_tokens,), (w.context_len,)) if w.layer_end < n else 0.0
         left = r.num_tokens - w.context_len
         if left > 0:
             t += self.lm.predict_prefill(left, context_start=w.context_len)
