@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from . import w8a8
 from .linear import GatedLinear, Linear, gated_linear
-from .prefill import has_amx
+from .prefill import amx_switch
 from .quant import QuantLinear
 
 #: Row counts timed; the crossover is one of them.
@@ -80,12 +80,7 @@ def dense_layout() -> str:
     ``$LASER_QUANT_DENSE`` = ``auto`` (the default: packed on CPUs with AMX tiles, per torch's own
     check; plain elsewhere, the layout measured on the AVX2 and AVX512-BF16 kinds), ``packed`` or
     ``plain``. Raises ValueError on another value."""
-    mode = os.environ.get("LASER_QUANT_DENSE", "auto")
-    if mode not in ("auto", "packed", "plain"):
-        raise ValueError(f"LASER_QUANT_DENSE={mode!r}: use auto, packed or plain")
-    if mode == "auto":
-        return "packed" if has_amx() else "plain"
-    return mode
+    return amx_switch("LASER_QUANT_DENSE", "packed", "plain")
 
 
 def dense_copy(lin: QuantLinear, dtype: torch.dtype) -> torch.Tensor | Linear:

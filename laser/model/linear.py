@@ -9,7 +9,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .prefill import has_amx
+from .prefill import amx_switch
 
 
 class Linear:
@@ -134,12 +134,7 @@ def gated_mode() -> str:
     """``$LASER_GATED_MLP``: ``auto`` (the default: on where the CPU has AMX tiles, the kind it
     was measured on), ``on`` or ``off`` (the stacked gate/up matmul and a separate SiLU * up).
     Returns ``on`` or ``off``. Raises ValueError on another value."""
-    mode = os.environ.get("LASER_GATED_MLP", "auto")
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"LASER_GATED_MLP={mode!r}: use auto, on or off")
-    if mode == "auto":
-        return "on" if has_amx() else "off"
-    return mode
+    return amx_switch("LASER_GATED_MLP", "on", "off")
 
 
 def gated_linear(w: torch.Tensor) -> GatedLinear | None:
