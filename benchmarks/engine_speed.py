@@ -43,12 +43,13 @@ from laser.core.request import SamplingParams  # noqa: E402
 
 
 SWITCHES = ("LASER_QUANT_GEMV", "LASER_QUANT_ROWS", "LASER_FUSED_DECODE", "LASER_QUANT_W8A8",
-            "LASER_PREFILL_ATTN", "LASER_PACKED_WEIGHTS", "LASER_QUANT_DENSE", "LASER_PREFILL_GLUE")
+            "LASER_PREFILL_ATTN", "LASER_PACKED_WEIGHTS", "LASER_QUANT_DENSE", "LASER_PREFILL_GLUE",
+            "LASER_GATED_MLP")
 
 
 @contextlib.contextmanager
 def executor_switches(gemv: str = "", rows: str = "", fused: str = "", w8a8: str = "", attn: str = "",
-                      packed: str = "", dense: str = "", glue: str = ""):
+                      packed: str = "", dense: str = "", glue: str = "", gated: str = ""):
     """Within the block, the executor switches read at model load: the int8 decode kernel
     (``template`` / ``compiled`` / ``aten``: ``$LASER_QUANT_GEMV``), the kernels' row crossover (``measure`` /
     ``fixed``: ``$LASER_QUANT_ROWS``), the fused decode layers (``0`` / ``1``:
@@ -56,10 +57,10 @@ def executor_switches(gemv: str = "", rows: str = "", fused: str = "", w8a8: str
     ``$LASER_QUANT_W8A8``), the bf16 prefill attention (``kernel`` / ``amx`` / ``blocked`` / ``sdpa``:
     ``$LASER_PREFILL_ATTN``), the oneDNN-packed bf16 weights (``on`` / ``off``:
     ``$LASER_PACKED_WEIGHTS``), the layout of the quantized weights' dense copies (``auto`` / ``packed`` /
-    ``plain``: ``$LASER_QUANT_DENSE``) and the compiled bf16 prefill glue (``1`` / ``0``: ``$LASER_PREFILL_GLUE``);
-    an empty value leaves a switch as it is. Restored on exit."""
+    ``plain``: ``$LASER_QUANT_DENSE``), the compiled bf16 prefill glue (``1`` / ``0``: ``$LASER_PREFILL_GLUE``)
+    and the MLP's SiLU * up in the matmul epilogues (``on`` / ``off``: ``$LASER_GATED_MLP``); an empty value leaves a switch as it is. Restored on exit."""
     saved = {k: os.environ.get(k) for k in SWITCHES}
-    for k, v in zip(SWITCHES, (gemv, rows, fused, w8a8, attn, packed, dense, glue)):
+    for k, v in zip(SWITCHES, (gemv, rows, fused, w8a8, attn, packed, dense, glue, gated)):
         if v:
             os.environ[k] = v
     try:
@@ -198,7 +199,8 @@ def main() -> None:
                          "prompts (the default on AMX), LASER_PREFILL_ATTN; none::::::off / none::::::on = bf16 weights "
                          "plain / oneDNN-packed, LASER_PACKED_WEIGHTS; auto:::::::plain / auto:::::::packed = the quantized "
                          "weights' dense copies plain / oneDNN-packed, LASER_QUANT_DENSE; none::::::::0 / none::::::::1 = "
-                         "bf16 prefill glue eager / compiled, LASER_PREFILL_GLUE)")
+                         "bf16 prefill glue eager / compiled, LASER_PREFILL_GLUE; none:::::::::off / none:::::::::on = "
+                         "the MLP's SiLU * up apart / in the matmul epilogues, LASER_GATED_MLP)")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -209,14 +211,15 @@ def main() -> None:
     quants = args.quantizations.split(",")
 
     def make_engine(q: str) -> Engine:
-        """``q``: a quantization, or ``<quantization>:<gemv>[:<rows>[:<fused>[:<w8a8>[:<attn>[:<packed>[:<dense>[:<glue>]]]]]]]`` with the
+        """``q``: a quantization, or ``<quantization>:<gemv>[:<rows>[:<fused>[:<w8a8>[:<attn>[:<packed>[:<dense>[:<glue>[:<gated>]]]]]]]]`` with the
         int8 decode kernel (``compiled`` or ``aten``: ``$LASER_QUANT_GEMV``; empty: the default), the
         kernels' row crossover (``measure`` or ``fixed``: ``$LASER_QUANT_ROWS``), the fused decode
         layers (``0`` or ``1``: ``$LASER_FUSED_DECODE``), W8A8 int8 rows (``measure``, ``on``, ``off``:
         ``$LASER_QUANT_W8A8``), the bf16 prefill attention (``blocked`` or ``sdpa``:
         ``$LASER_PREFILL_ATTN``), the packed bf16 weights (``on`` or ``off``: ``$LASER_PACKED_WEIGHTS``)
         and the dense copies' layout (``packed`` or ``plain``: ``$LASER_QUANT_DENSE``) and the compiled prefill
-        glue (``1`` or ``0``: ``$LASER_PREFILL_GLUE``) set while the engine is built."""
+        glue (``1`` or ``0``: ``$LASER_PREFILL_GLUE``) and the gated MLP (``on`` or ``off``: ``$LASER_GATED_MLP``)
+        set while the engine is built."""
         q, _, opts = q.partition(":")
         gemv, _, opts = opts.partition(":")
         rows, _, opts = opts.partition(":")
@@ -224,8 +227,9 @@ def main() -> None:
         w8a8, _, opts = opts.partition(":")
         attn, _, opts = opts.partition(":")
         packed, _, opts = opts.partition(":")
-        dense, _, glue = opts.partition(":")
-        with executor_switches(gemv, rows, fused, w8a8, attn, packed, dense, glue):
+        dense, _, opts = opts.partition(":")
+        glue, _, gated = opts.partition(":")
+        with executor_switches(gemv, rows, fused, w8a8, attn, packed, dense, glue, gated):
             return Engine(
                 str(path) if q == "none" else None, policy="vllm", dtype=dtype, quantization=q,
                 scheduler=SchedulerConfig(policy="vllm", max_num_batched_tokens=4096),

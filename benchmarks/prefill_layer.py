@@ -3,7 +3,9 @@ tokens, piece by piece, against the matmul peak of the dtype.
 
 Times, interleaved in one process (median of ``--repeats`` rounds, each piece once per round):
   - each layer matmul (QKV, O, gate+up as one matmul, down) through the model's own ``Linear``
-    (the oneDNN-packed weight unless ``$LASER_PACKED_WEIGHTS=off``), with its FLOP rate and share
+    (the oneDNN-packed weight unless ``$LASER_PACKED_WEIGHTS=off``; gate+up as the model's
+    ``GatedLinear`` where ``$LASER_GATED_MLP`` makes one: its two matmuls with SiLU * up in their
+    epilogues, so the glue below then holds no SiLU * up), with its FLOP rate and share
     of the peak (a 2048^3 matmul in the same dtype, as ``engine_speed.py`` measures it), and the
     same matmul as ``F.linear`` on the plain weight;
   - causal attention: torch's flash kernel (``scaled_dot_product_attention``) and the blocked
@@ -33,7 +35,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from engine_speed import cpu_kind, matmul_peak  # noqa: E402  (benchmarks/ is sys.path[0])
-from laser.model.linear import Linear  # noqa: E402
+from laser.model.linear import GatedLinear, Linear  # noqa: E402
 from laser.model.llama import LlamaModel  # noqa: E402
 from laser.model.loader import load_config, load_weights, resolve_model  # noqa: E402
 from laser.model.prefill import blocked_causal_attention  # noqa: E402
@@ -88,7 +90,8 @@ def main() -> None:
     plain = plain_weights(weights, 0, bf)
     fns = {}
     for n, (lin, _) in mats.items():
-        fns[n] = lambda lin=lin, x=xs[n]: lin(x)
+        fns[n] = (lambda lin=lin, x=xs[n]: lin.swiglu(x)) if isinstance(lin, GatedLinear) else \
+            (lambda lin=lin, x=xs[n]: lin(x))
         fns[n + " plain"] = lambda w=plain[n], x=xs[n]: F.linear(x, w)
     fns["attention flash"] = lambda: F.scaled_dot_product_attention(*sd, is_causal=True, enable_gqa=True)
     fns["attention blocked"] = lambda: blocked_causal_attention(q, k, v)
@@ -126,7 +129,9 @@ def main() -> None:
         print(f"  {n:18s}: {t[n] * 1e3:6.2f} ms = {afl / t[n] / peak:4.0%} of peak")
     glue_a = t["qkv_of"] - t["qkv"]
     glue_b = t["finish_of"] - t["o"] - t["gate_up"] - t["down"]
-    print(f"  glue: norm+RoPE {glue_a * 1e3:.2f} ms, residuals+norm+SiLU*up {glue_b * 1e3:.2f} ms")
+    act = "" if isinstance(L.gate_up, GatedLinear) else "+SiLU*up"
+    print(f"  glue: norm+RoPE {glue_a * 1e3:.2f} ms, residuals+norm{act} {glue_b * 1e3:.2f} ms"
+          + (" (gate_up: SiLU * up in its epilogues)" if not act else ""))
     layer = t["qkv_of"] + t["finish_of"]
     for n in attns:
         tot = layer + t[n]

@@ -43,8 +43,8 @@ import torch
 import torch.nn.functional as F
 
 from . import w8a8
-from .linear import Linear
-from .prefill import has_amx
+from .linear import GatedLinear, Linear, gated_linear
+from .prefill import amx_switch
 from .quant import QuantLinear
 
 #: Row counts timed; the crossover is one of them.
@@ -80,12 +80,7 @@ def dense_layout() -> str:
     ``$LASER_QUANT_DENSE`` = ``auto`` (the default: packed on CPUs with AMX tiles, per torch's own
     check; plain elsewhere, the layout measured on the AVX2 and AVX512-BF16 kinds), ``packed`` or
     ``plain``. Raises ValueError on another value."""
-    mode = os.environ.get("LASER_QUANT_DENSE", "auto")
-    if mode not in ("auto", "packed", "plain"):
-        raise ValueError(f"LASER_QUANT_DENSE={mode!r}: use auto, packed or plain")
-    if mode == "auto":
-        return "packed" if has_amx() else "plain"
-    return mode
+    return amx_switch("LASER_QUANT_DENSE", "packed", "plain")
 
 
 def dense_copy(lin: QuantLinear, dtype: torch.dtype) -> torch.Tensor | Linear:
@@ -100,9 +95,22 @@ def dense_copy(lin: QuantLinear, dtype: torch.dtype) -> torch.Tensor | Linear:
     return w
 
 
-def dense_nbytes(dense: torch.Tensor | Linear) -> int:
+def gated_dense_copy(lin: QuantLinear, dtype: torch.dtype) -> None:
+    """Replace the MLP gate/up ``lin``'s packed dense copy (:func:`dense_copy`; [2 I, K], gate
+    rows first) by a :class:`~laser.model.linear.GatedLinear` of the same weight, so its rows
+    past the crossover run SiLU(gate) * up in the matmul epilogues
+    (:func:`laser.model.linear.swiglu_of`). Same memory; no-op where ``lin`` keeps no packed
+    bf16 copy or :func:`laser.model.linear.gated_linear` declines."""
+    if dtype != torch.bfloat16 or not isinstance(lin.dense, Linear) or lin.dense.sliceable or lin.b is not None:
+        return
+    gated = gated_linear(lin.dense_weight(dtype).contiguous())
+    if gated is not None:
+        lin.dense = gated
+
+
+def dense_nbytes(dense: torch.Tensor | Linear | GatedLinear) -> int:
     """Bytes a kept dense copy (:func:`dense_copy`) holds: 2 a weight for a packed bf16 copy."""
-    return dense.numel() * 2 if isinstance(dense, Linear) else dense.numel() * dense.element_size()
+    return dense.numel() * 2 if isinstance(dense, (Linear, GatedLinear)) else dense.numel() * dense.element_size()
 
 
 def cpu_key() -> str:

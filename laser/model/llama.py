@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from ..core.config import ModelConfig
-from .linear import Linear, add_linear, pack_for_onednn
-from .kernel_rows import choose_kernel_rows, rows_label
+from .linear import GatedLinear, Linear, add_linear, gated_linear, pack_for_onednn, swiglu_of
+from .kernel_rows import choose_kernel_rows, gated_dense_copy, rows_label
 from .fused import prepare_fused
 from .prefill import (MIN_ROWS, blocked_causal_attention, causal_through_flash, load_prefill_kernel,
                       uses_blocked_attention)
@@ -134,11 +134,13 @@ class LlamaModel:
             self.lm_head_w = self.embed_w
         else:
             self.lm_head_w = w("lm_head.weight")
-        def linear(names: list[str], bias: torch.Tensor | None = None):
-            """One (fused) matmul over the weights ``names`` stacked by output rows."""
+        def linear(names: list[str], bias: torch.Tensor | None = None, gated: bool = False):
+            """One (fused) matmul over the weights ``names`` stacked by output rows; ``gated``: the
+            MLP's gate and up, a :class:`GatedLinear` where :func:`gated_linear` builds one."""
             if all(n in quant for n in names):
                 return QuantLinear(concat([quant[n] for n in names]), bias)
-            return Linear(torch.cat([w(n) for n in names]) if len(names) > 1 else w(names[0]), bias)
+            stacked = torch.cat([w(n) for n in names]) if len(names) > 1 else w(names[0])
+            return (gated_linear(stacked) if gated and bias is None else None) or Linear(stacked, bias)
 
         self.layers: list[_Layer] = []
         for i in range(c.num_layers):
@@ -151,7 +153,7 @@ class LlamaModel:
             L.q_norm = w(p + "self_attn.q_norm.weight") if c.qk_norm else None
             L.k_norm = w(p + "self_attn.k_norm.weight") if c.qk_norm else None
             L.o = linear([p + "self_attn.o_proj.weight"])
-            L.gate_up = linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+            L.gate_up = linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], gated=True)
             L.down = linear([p + "mlp.down_proj.weight"])
             self.layers.append(L)
         self._init_lm_head(quant, dtype)
@@ -178,9 +180,16 @@ class LlamaModel:
             if msg:
                 log.info(msg)
             log.info(choose_kernel_rows(qlins, dtype))
+            for L in self.layers:  # the int4 gate/up's dense copy (prefill rows) as two halves
+                if isinstance(L.gate_up, QuantLinear):
+                    gated_dense_copy(L.gate_up, dtype)
             self.fused, msg = prepare_fused(self)
             if msg:
                 log.info(msg)
+        # bf16 MLP rows through GatedLinear (SiLU(gate) * up in the matmul epilogues): the dense gate/up,
+        # or the int4 gate/up's dense copy for rows past its crossover (laser.model.linear.gated_mode)
+        self.gated_mlp = any(isinstance(m, GatedLinear) or isinstance(getattr(m, "dense", None), GatedLinear)
+                             for m in (L.gate_up for L in self.layers))
         if self.causal_flash:
             log.info("bf16 prefill attention: torch's flash kernel (SDPA: AMX tile GEMMs) for whole prompts, %s for "
                      "chunks over cached context (chosen from the CPU flags: AMX; LASER_PREFILL_ATTN=kernel for the "
@@ -191,6 +200,11 @@ class LlamaModel:
         elif self.blocked_attn:
             log.info("bf16 prefill attention: blocked matmuls from %d rows (LASER_PREFILL_ATTN=sdpa for the flash "
                      "kernel)", MIN_ROWS)
+        if self.gated_mlp:
+            log.info("bf16 MLP: SiLU(gate) * up in the epilogues of two oneDNN matmuls (gate and up packed apart) "
+                     "for %s (chosen from the CPU flags: AMX; LASER_GATED_MLP=off for the stacked matmul and a "
+                     "separate SiLU * up)", "every row" if isinstance(self.layers[0].gate_up, GatedLinear)
+                     else "the rows past the int4 crossover")
         if self.glue is not None:
             log.info("bf16 prefill glue (RMSNorm, RoPE, SiLU * up) compiled by inductor from %d rows "
                      "(LASER_PREFILL_GLUE=0 for eager)", self.glue.min_rows)
@@ -244,9 +258,10 @@ class LlamaModel:
         # either prices slower steps)
         # "pattn": bf16 prefill attention through blocked matmuls, "-cpp" through the C++ kernel, "-amx"
         # whole prompts through the flash kernel (AMX) and chunks through the C++ kernel
+        # "gmlp": SiLU(gate) * up in the gate/up matmuls' epilogues (laser.model.linear.GatedLinear)
         pattn = "-amx" if self.causal_flash else "-cpp" if self.prefill_kernel is not None else ""
         # "cglue": bf16 prefill glue compiled (laser.model.prefill_glue)
-        parts += ["pw" if packed else "", "cglue" if self.glue is not None else "",
+        parts += ["pw" if packed else "", "gmlp" if self.gated_mlp else "", "cglue" if self.glue is not None else "",
                   "" if not self.blocked_attn else "pattn" + pattn,
                   "" if self.fused is None else
                   "fused-dattn" + ("-cpp" if self.fused.attention_kernel is not None else "")]
@@ -380,7 +395,11 @@ class LlamaModel:
         """:meth:`finish_layer` eagerly with the weights of ``L`` (see :meth:`qkv_of`)."""
         T = hidden.shape[0]
         hidden = add_linear(L.o, attn.reshape(T, self.config.q_size), hidden)
-        gate_up = L.gate_up(self._norm(hidden, L.ln2))  # [T, 2 I]
+        x = self._norm(hidden, L.ln2)
+        act = swiglu_of(L.gate_up, x)  # [T, I] from the matmul epilogues (GatedLinear), or None
+        if act is not None:
+            return add_linear(L.down, act, hidden)
+        gate_up = L.gate_up(x)  # [T, 2 I]
         if self.glue is not None and self.glue.takes(gate_up, gate_up):
             act = self.glue.swiglu(gate_up)
         else:

@@ -59,6 +59,18 @@ def has_amx() -> bool:
     return bool(torch.cpu._is_amx_tile_supported())
 
 
+def amx_switch(var: str, amx: str, other: str) -> str:
+    """The two-way switch ``$var``: ``auto`` (the default) resolves to ``amx`` on a CPU with AMX
+    tiles (:func:`has_amx`), else ``other``; ``amx`` or ``other`` is taken as set. Raises
+    ValueError on another value."""
+    mode = os.environ.get(var, "auto")
+    if mode not in ("auto", amx, other):
+        raise ValueError(f"{var}={mode!r}: use auto, {amx} or {other}")
+    if mode == "auto":
+        return amx if has_amx() else other
+    return mode
+
+
 def prefill_attn_mode(amx: bool | None = None) -> str:
     """The prefill attention path: ``$LASER_PREFILL_ATTN`` (one of :data:`MODES`), ``auto`` (the
     default) resolved from the CPU flags: ``amx`` where the CPU has AMX tiles (``amx``; None:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from . import w8a8
-from .linear import Linear
+from .linear import GatedLinear, Linear
 from .loader import compile_graph
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
@@ -162,8 +162,9 @@ class QuantLinear:
         self.frozen = None  # laser.model.frozen_gemm.FrozenInt8Gemm (set there)
         # a dequantized copy [N, K] for the rows past the crossover (laser.model.kernel_rows keeps
         # one where the dense matmul wins below the default crossover; a bf16 Linear, oneDNN-packed,
-        # where kernel_rows.dense_layout says so); None: dequantize per call
-        self.dense: torch.Tensor | Linear | None = None
+        # where kernel_rows.dense_layout says so; the MLP's gate/up as a GatedLinear, kernel_rows.
+        # gated_dense_copy); None: dequantize per call
+        self.dense: torch.Tensor | Linear | GatedLinear | None = None
         # int8 weights: oneDNN's W8A8 operands (laser.model.w8a8) for decode rows from
         # w8a8_min_rows (set per CPU kind by laser.model.kernel_rows; w8a8.OFF: none)
         self.w8a8: tuple[torch.Tensor, ...] | None = None
@@ -268,7 +269,7 @@ class QuantLinear:
         over the weight dequantized now; activations rounded as the kernel rounds them. [M, N] in
         ``x``'s dtype."""
         d = self.dense
-        if isinstance(d, Linear) and x.dtype == torch.bfloat16:  # the kernel's activation dtype: no rounding to add
+        if isinstance(d, (Linear, GatedLinear)) and x.dtype == torch.bfloat16:  # the kernel's activation dtype: no rounding to add
             return d(x)
         w = d if isinstance(d, torch.Tensor) and d.dtype == x.dtype else self.dense_weight(x.dtype)
         return F.linear(x.to(self.act_dtype).to(x.dtype), w).to(self.act_dtype).to(x.dtype)
