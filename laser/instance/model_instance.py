@@ -26,6 +26,7 @@ from ..model.loader import (load_config, load_quantized, load_weights, resolve_d
                             resolve_quantization)
 from ..model.runner import ModelRunner
 from ..model.sampler import Sampler
+from ..model.warm_rows import WARM_HEAD_ROWS, warm_row_counts, warm_rows_mode
 from .core import InstanceCore, make_scheduler
 from ..scheduler import get_policy
 
@@ -130,6 +131,9 @@ class ModelInstance:
         if scheduler is not None and policy != sched_cfg.policy:
             sched_cfg = SchedulerConfig(**{**sched_cfg.__dict__, "policy": policy})
         self.scheduler_config = sched_cfg
+        if warm_rows_mode(self.dtype):  # every row count a layer call can take, before the first step
+            log.info(warm_row_counts(self.model, sched_cfg.max_num_batched_tokens,
+                                     min(sched_cfg.max_num_seqs, WARM_HEAD_ROWS)))
         self.latency_profile = latency_profile
         if latency_model is None:
             latency_model = planning_model(self._load_latency_model(latency_profile), latency_calibration,
