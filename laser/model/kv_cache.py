@@ -8,10 +8,42 @@ this class owns only the tensor.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..core.block_manager import BlockManager
-from ..core.config import CacheConfig, ModelConfig
+from ..core.config import CacheConfig, ConfigError, ModelConfig
+
+#: Byte alignment of the pool's first element (one cache line; the C++ kernels load unaligned anyway).
+POOL_ALIGN = 64
+
+
+def available_memory_bytes() -> int | None:
+    """The host's available memory (``MemAvailable`` of ``/proc/meminfo``), bytes; None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled CPU tensor whose pages the OS provides on first touch.
+
+    ``torch.zeros`` writes every byte, so a 1 GiB pool costs 1 GiB of resident memory and
+    ~0.1-0.3 s at start whether or not a request ever uses it. numpy's zeros come from
+    ``calloc``, which for large sizes maps fresh zero pages: a block takes memory when a
+    request first writes it (vLLM's CPU backend pays for the whole pool up front instead).
+    The result is aligned to :data:`POOL_ALIGN` bytes and contiguous; the numpy buffer lives
+    as long as the tensor.
+    """
+    nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+    raw = torch.from_numpy(np.zeros(nbytes + POOL_ALIGN, dtype=np.uint8))
+    skip = (-raw.data_ptr()) % POOL_ALIGN
+    return raw[skip:skip + nbytes].view(dtype).view(shape)
 
 
 class KVCache:
@@ -23,15 +55,24 @@ class KVCache:
         dtype: K/V dtype (the model's dtype).
         cache_salt: what else changes the KV (model id, quantization): with ``dtype``, the root
             of the prefix cache's block hashes (:func:`laser.core.block_manager.prefix_root`).
+
+    Raises:
+        ConfigError: the pool is larger than the host's available memory (checked up front,
+            since its pages are only taken when written).
     """
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, dtype: torch.dtype, cache_salt: str = ""):
         self.block_size = cache.block_size
         self.num_blocks = cache.blocks_per_layer(model, torch.finfo(dtype).bits // 8)
         self.num_layers = model.num_layers
-        self.kv = torch.zeros(
-            model.num_layers, 2, self.num_blocks * self.block_size, model.num_kv_heads, model.head_dim, dtype=dtype
-        )
+        shape = (model.num_layers, 2, self.num_blocks * self.block_size, model.num_kv_heads, model.head_dim)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * (torch.finfo(dtype).bits // 8)
+        avail = available_memory_bytes()
+        if avail is not None and nbytes > avail:
+            raise ConfigError(f"the KV pool needs {nbytes / (1 << 30):.2f} GiB but the host has "
+                              f"{avail / (1 << 30):.2f} GiB available: lower --kv-cache-gib / --num-blocks")
+        # Pages are taken on first write (lazy_zeros): an instance costs the memory its requests use.
+        self.kv = lazy_zeros(shape, dtype)
         self.block_manager = BlockManager(model.num_layers, self.num_blocks, self.block_size,
                                           enable_prefix_caching=cache.enable_prefix_caching,
                                           cache_salt=f"{cache_salt}|{dtype}")

@@ -7,6 +7,7 @@ after every operation, and ``check_integrity`` must pass throughout.
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from laser.core.block_manager import BlockManager, BlockManagerIntegrityError, OutOfBlocksError
-from laser.core.config import CacheConfig, ModelConfig
+from laser.core.config import CacheConfig, ConfigError, ModelConfig
 from laser.model.kv_cache import KVCache
 
 NUM_LAYERS = 4
@@ -377,3 +378,31 @@ def test_kv_import_into_full_layer_raises_and_keeps_nothing():
     kv.block_manager.free("r")
     kv.block_manager.free("full")
     kv.block_manager.check_integrity(expect_empty=True)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's /proc")
+def test_kv_pool_is_zero_aligned_and_takes_memory_only_where_written():
+    """A 512 MiB pool reads as zeros, is contiguous and cache-line aligned, and costs resident
+    memory for the pages written (a test suite of many instances once held 22 GB of untouched pools)."""
+    mc = tiny_model_config(num_layers=4)
+    before = _rss_bytes()
+    kv = KVCache(mc, CacheConfig(block_size=16, kv_cache_gib=0.5), torch.float32)
+    assert kv.nbytes == 4 * 2 * kv.num_blocks * 16 * 2 * 8 * 4 and kv.nbytes >= (1 << 29) - (1 << 20)
+    assert kv.kv.is_contiguous() and kv.kv.data_ptr() % 64 == 0
+    assert _rss_bytes() - before < (64 << 20)
+    kv.kv[3, 1, -1] = 2.0  # the last slot is writable and nothing else moved
+    assert kv.kv[3, 1, -1].sum().item() == 2.0 * 16 and kv.kv[0, 0, :4096].abs().sum().item() == 0.0
+    kv.kv[1].fill_(1.0)  # a written layer takes its memory
+    assert _rss_bytes() - before > kv.nbytes // 8
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/meminfo"), reason="reads Linux's /proc")
+def test_kv_pool_larger_than_the_host_memory_is_refused_up_front():
+    mc = tiny_model_config()
+    with pytest.raises(ConfigError, match="available: lower --kv-cache-gib"):
+        KVCache(mc, CacheConfig(block_size=16, kv_cache_gib=1 << 20), torch.float32)
