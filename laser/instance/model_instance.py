@@ -26,7 +26,7 @@ from ..model.loader import (load_config, load_quantized, load_weights, resolve_d
                             resolve_quantization)
 from ..model.runner import ModelRunner
 from ..model.sampler import Sampler
-from ..model.warm_rows import WARM_HEAD_ROWS, warm_row_counts, warm_rows_mode
+from ..model import warm_rows
 from .core import InstanceCore, make_scheduler
 from ..scheduler import get_policy
 
@@ -131,9 +131,10 @@ class ModelInstance:
         if scheduler is not None and policy != sched_cfg.policy:
             sched_cfg = SchedulerConfig(**{**sched_cfg.__dict__, "policy": policy})
         self.scheduler_config = sched_cfg
-        if warm_rows_mode(self.dtype):  # every row count a layer call can take, before the first step
-            log.info(warm_row_counts(self.model, sched_cfg.max_num_batched_tokens,
-                                     min(sched_cfg.max_num_seqs, WARM_HEAD_ROWS)))
+        if warm_rows.warm_rows_mode(self.dtype):  # every row count a layer call can take, before the first step
+            log.info(warm_rows.warm_row_counts(
+                self.model, min(sched_cfg.max_num_batched_tokens, warm_rows.WARM_MAX_ROWS),
+                min(sched_cfg.max_num_seqs, warm_rows.WARM_HEAD_ROWS)))
         self.latency_profile = latency_profile
         if latency_model is None:
             latency_model = planning_model(self._load_latency_model(latency_profile), latency_calibration,

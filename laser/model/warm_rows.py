@@ -15,7 +15,8 @@ as timing spread and plans every later step smaller for.
 :func:`warm_row_counts` runs layer 0's stateless parts (:meth:`~laser.model.llama.LlamaModel.qkv`,
 :meth:`~laser.model.llama.LlamaModel.finish_layer`: the model's own dispatch, so every kernel a
 row count takes -- fused decode graphs, packed dense copies, compiled glue, oneDNN GEMMs) on
-dummy rows for each row count from 1 to ``max_rows``, and the LM head for 1 to ``head_rows``.
+dummy rows for each row count from 1 to ``max_rows`` (at most :data:`WARM_MAX_ROWS`), and the LM head
+for 1 to ``head_rows``.
 Nothing is written: no KV, no model state. oneDNN keeps 1,024 primitives by default, fewer than
 four weight shapes x 512 row counts; :data:`CACHE_CAPACITY` is set (unless the environment set
 one) before this package loads a weight, as oneDNN reads it when it builds its cache.
@@ -42,6 +43,12 @@ log = logging.getLogger(__name__)
 #: Most LM head row counts warmed (rows sampled in one step: decode batches up to this; ``max_num_seqs``
 #: when smaller). Beyond it a new count is rare, and each costs a head's matmul to warm.
 WARM_HEAD_ROWS = 64
+
+#: Most layer-call row counts warmed (``max_num_batched_tokens`` when smaller). Every count costs its
+#: primitives' set-up and memory: ``benchmarks/engine_speed.py``'s two engines of 4,096 tokens a step
+#: warmed 1-4,096 each and were killed for memory at 24 GB (the AMX Xeon, session 27). Past 512
+#: rows a step runs >100 ms, and a new count's first call adds ~1-3 %: left to pay at first use.
+WARM_MAX_ROWS = 512
 
 #: oneDNN primitive cache entries this package asks for (oneDNN's default: 1,024).
 CACHE_CAPACITY = 8192

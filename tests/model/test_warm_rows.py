@@ -67,3 +67,14 @@ def test_engine_warms_at_start_and_generates_the_same(tiny_llama, monkeypatch, c
         assert ("row counts 1-48 of a layer call" in caplog.text) == (mode == "1")
         out[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     assert out["0"] == out["1"]
+
+
+def test_engine_warms_at_most_the_cap(tiny_llama, monkeypatch, caplog):
+    """A step budget past :data:`~laser.model.warm_rows.WARM_MAX_ROWS` warms up to the cap only
+    (engine_speed's 4,096-token engines warmed every count to 4,096 and ran out of memory)."""
+    monkeypatch.setenv("LASER_WARM_ROWS", "1")
+    monkeypatch.setattr(warm_rows, "WARM_MAX_ROWS", 40)
+    with caplog.at_level(logging.INFO, logger="laser.instance.model_instance"):
+        LLM(str(tiny_llama), policy="vllm", dtype="float32", max_model_len=128, max_num_batched_tokens=96,
+            max_num_seqs=3)
+    assert "row counts 1-40 of a layer call and 1-3 of the LM head" in caplog.text

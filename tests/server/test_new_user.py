@@ -4,7 +4,9 @@ in ``laser generate`` / ``LLM.chat``, which share the input path's rules."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import threading
 
 import httpx
 import openai
@@ -211,3 +213,41 @@ def test_truncate_prompt_tokens_tokenizes_only_the_text_it_keeps(live, tiny_llam
     assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
     r = _post(live, "/v1/completions", {"prompt": text * 40, "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+
+
+def test_tokenize_of_long_text_does_not_hold_prompts_behind_it(tiny_llama):
+    """``/tokenize`` takes text of any length (vLLM's does), but a few megabytes took the one
+    tokenizer thread ~1 s a MB, and every prompt waited behind it. Text longer than any prompt
+    could be is now tokenized on a thread of its own: while such a call is held, completions are
+    served; once it goes on, it answers with every token."""
+    engine = _engine(tiny_llama)
+    tok = engine.inputs.tokenizer
+    encode, gate, entered = tok.encode, threading.Event(), threading.Event()
+    long_chars = engine.inputs.text_chars(MAX_MODEL_LEN) + 1
+
+    def held_encode(text, *a, **k):
+        if len(text) >= long_chars:
+            entered.set()
+            assert gate.wait(60)
+        return encode(text, *a, **k)
+
+    tok.encode = held_encode
+    gen = serving(engine, api_key="k")
+    live = next(gen)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            long = pool.submit(_post, live, "/tokenize", {"prompt": "ab " * (long_chars // 3 + 1)})
+            assert entered.wait(60)
+            for body in ({"prompt": "hi", "max_tokens": 2}, {"prompt": "ab " * 5, "max_tokens": 1}):
+                r = _post(live, "/v1/completions", body)
+                assert r.status_code == 200, r.text
+            r = _post(live, "/tokenize", {"prompt": "ab ab"})  # a short /tokenize is not held either
+            assert r.status_code == 200 and r.json()["count"] > 0
+            assert not long.done()
+            gate.set()
+            r = long.result(timeout=60)
+        assert r.status_code == 200 and r.json()["count"] > MAX_MODEL_LEN, r.text
+        assert r.json()["tokens"] == encode("ab " * (long_chars // 3 + 1))
+    finally:
+        gate.set()
+        gen.close()
