@@ -30,6 +30,29 @@ from .io import (
     write_document,
 )
 
+#: Bounds of the prefill in-step factor (outside them the whole steps disagree with the layer samples by
+#: more than cache effects explain: a broken profile, and the bound is used).
+PREFILL_STEP_SCALE_BOUNDS = (0.6, 1.2)
+#: The prefill tokens of a call at which ``prefill_step_scale`` holds as fitted, and the range of prefill
+#: tokens the factor follows them over (the profile's whole prefill steps hold chunks of 40-1,024 tokens;
+#: outside the range the factor stays at its edge).
+PREFILL_STEP_REF_TOKENS = 256
+PREFILL_STEP_TOKEN_RANGE = (32, 2048)
+
+
+def prefill_step_factor(scale: float, slope: float, prefill_tokens: int) -> float:
+    """The factor on a layer call holding ``prefill_tokens`` prefill tokens inside a whole step, against
+    the call timed alone: ``scale · (n / 256) ** -slope`` with ``n`` the tokens kept within
+    :data:`PREFILL_STEP_TOKEN_RANGE`, clipped to :data:`PREFILL_STEP_SCALE_BOUNDS`. On an AMX Xeon (bf16
+    SmolLM2, one thread) the factor fell from ~0.97 at 48 tokens to ~0.8 at 512-1,024: one factor for
+    every size priced a few-token chunk beside a decode batch ~12 % low (docs/benchmarks.md, session 27)."""
+    if slope == 0.0:
+        return scale
+    lo, hi = PREFILL_STEP_TOKEN_RANGE
+    n = min(hi, max(lo, prefill_tokens))
+    blo, bhi = PREFILL_STEP_SCALE_BOUNDS
+    return min(bhi, max(blo, scale * (n / PREFILL_STEP_REF_TOKENS) ** -slope))
+
 
 # --------------------------------------------------------------------------------------
 # Piecewise-linear function of a count (stateless modules, LM head, embedding)
@@ -188,8 +211,11 @@ class FittedLatencyModel(LatencyModel):
     decode_step_scale: float = 1.0
     decode_step_attention_scale: float = 1.0
     # A layer call holding a prefill chunk (decode rows beside it or not) inside a whole step: this much of the
-    # same call timed alone (fitted from PrefillStepSamples by forms with "instep"; 1.0: priced as timed alone).
+    # same call timed alone at 256 prefill tokens, times (tokens / 256) ** -prefill_step_slope
+    # (prefill_step_factor; fitted from PrefillStepSamples by forms with "instep", the slope by those with
+    # "prefill_slope"; 1.0 and 0.0: priced as timed alone).
     prefill_step_scale: float = 1.0
+    prefill_step_slope: float = 0.0
     # Setup the profile was taken on: model_id, dtype, hardware, threads, created, laser_version, ...
     metadata: dict = field(default_factory=dict)
     # Fit diagnostics: chosen widths / feature set, CV and in-sample relative errors.
@@ -222,15 +248,19 @@ class FittedLatencyModel(LatencyModel):
         """The call inside a whole step (seconds; 0 if empty): when every entry is one decode token, the
         stateless part and overhead of :meth:`layer_time` times ``decode_step_scale`` and attention times
         ``decode_step_attention_scale``; else (a prefill chunk in the batch) :meth:`layer_time` times
-        ``prefill_step_scale``."""
+        :func:`prefill_step_factor` of the call's prefill tokens."""
         if not query_lens:
             return 0.0
         n = sum(query_lens)
         at = self.layer_attention_scale * self.attention(query_lens, context_lens)
-        if n == len(query_lens):
+        rows = len(query_lens)
+        if n == rows:
             return ((self.stateless(n) + self.layer_overhead_s) * self.decode_step_scale
                     + at * self.decode_step_attention_scale)
-        return (self.stateless(n) + at + self.layer_overhead_s) * self.prefill_step_scale
+        f = self.prefill_step_scale
+        if self.prefill_step_slope:
+            f = prefill_step_factor(f, self.prefill_step_slope, sum(q for q in query_lens if q > 1))
+        return (self.stateless(n) + at + self.layer_overhead_s) * f
 
     # -- fitting (imports numpy/scipy: only who fits pays for them) --------------------
     @classmethod
@@ -276,6 +306,7 @@ class FittedLatencyModel(LatencyModel):
                 "decode_step_scale": self.decode_step_scale,
                 "decode_step_attention_scale": self.decode_step_attention_scale,
                 "prefill_step_scale": self.prefill_step_scale,
+                "prefill_step_slope": self.prefill_step_slope,
             },
             "report": self.report,
             "samples": encode_samples(self.samples),
@@ -311,6 +342,7 @@ class FittedLatencyModel(LatencyModel):
                 decode_step_scale=float(m.get("decode_step_scale", 1.0)),  # (absent before profiler 10: 1)
                 decode_step_attention_scale=float(m.get("decode_step_attention_scale", 1.0)),
                 prefill_step_scale=float(m.get("prefill_step_scale", 1.0)),  # (absent before profiler 11: 1)
+                prefill_step_slope=float(m.get("prefill_step_slope", 0.0)),  # (absent before session 27: 0)
                 metadata={k: v for k, v in meta.items() if k != "num_layers"},
                 report=dict(d.get("report", {})),
                 samples=samples,
@@ -334,6 +366,8 @@ class FittedLatencyModel(LatencyModel):
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be finite and > 0, got {v}")
+        if not (math.isfinite(self.prefill_step_slope) and abs(self.prefill_step_slope) <= 1.0):
+            raise ValueError(f"prefill_step_slope must be finite and within [-1, 1], got {self.prefill_step_slope}")
         for name in ("mask_row_s", "step_overhead_s", "compose_overhead_s", "compose_work_s", "frontend_ttft_s"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):

@@ -321,6 +321,11 @@ def _fit_attention_set(x: np.ndarray, y: np.ndarray, names: Sequence[str], scale
 #             thread) the attention CV error fell 6.5 -> 2.4 %, held-out layer steps 94.3 -> 96.1 %, iterations
 #             91.1 -> 94.8 % (docs/benchmarks.md, "issue 26; helper lat26, session 26"). "tiled-instep-step-v10":
 #             the same without "chunked" (the default up to profiler 10, for comparisons on old samples).
+#             Since session 27 (same samples, no new profiler version) its prefill in-step factor also follows the
+#             chunk's size (``prefill_step_slope``, fitting_steps.fit_prefill_step_scale's ``slope``): on the AMX
+#             profile's 16 whole prefill steps the fit error fell 4.7 -> 2.5 %, and a 24-token chunk beside
+#             decode rows is priced at ~0.99 of its call alone instead of 0.88. "tiled-instep-step-v11": one
+#             factor for every size (the default of profiler 11 until then).
 FORMS = {
     "paper": {"sets": ("linear", "kernel"), "small_counts": SMALL_COUNT_EXACT, "step": False},
     "padded": {"sets": ("padded", "linear", "kernel"), "small_counts": SMALL_COUNT_EXACT, "step": False},
@@ -336,8 +341,11 @@ FORMS = {
                      "step": False, "edges": True, "instep": True},
     "tiled-instep-step-v10": {"sets": ("padded", "linear", "tiled", "kernel", "full"),
                               "small_counts": SMALL_COUNT_EXACT, "step": True, "edges": True, "instep": True},
+    "tiled-instep-step-v11": {"sets": ("padded", "linear", "chunked", "tiled", "kernel", "full"),
+                              "small_counts": SMALL_COUNT_EXACT, "step": True, "edges": True, "instep": True},
     "tiled-instep-step": {"sets": ("padded", "linear", "chunked", "tiled", "kernel", "full"),
-                          "small_counts": SMALL_COUNT_EXACT, "step": True, "edges": True, "instep": True},
+                          "small_counts": SMALL_COUNT_EXACT, "step": True, "edges": True, "instep": True,
+                          "prefill_slope": True},
 }
 DEFAULT_FORM = "tiled-instep-step"
 
@@ -435,7 +443,8 @@ def fit(samples: Iterable[Sample], *, num_layers: int, metadata: dict | None = N
     step_terms, dscale, step_rep = fit_whole_steps(
         steps, dsteps, psteps, num_layers, lambda b: stateless(b) + overhead,
         lambda c: scale * attention((1,) * len(c), c),
-        lambda q, c: stateless(sum(q)) + scale * attention(q, c) + overhead, embed, head)
+        lambda q, c: stateless(sum(q)) + scale * attention(q, c) + overhead, embed, head,
+        prefill_slope=bool(FORMS[form].get("prefill_slope")))
 
     def in_sample(f, xs, ys):
         return _rel_err(np.array([f(x) for x in xs]), np.array(ys)) if xs else None
@@ -462,7 +471,8 @@ def fit(samples: Iterable[Sample], *, num_layers: int, metadata: dict | None = N
                               head=head, layer_overhead_s=overhead, layer_attention_scale=scale,
                               step_overhead_s=step_terms[0], compose_overhead_s=step_terms[1],
                               compose_work_s=step_terms[2], decode_step_scale=dscale[0],
-                              decode_step_attention_scale=dscale[1], prefill_step_scale=dscale[2], metadata=meta,
+                              decode_step_attention_scale=dscale[1], prefill_step_scale=dscale[2],
+                              prefill_step_slope=dscale[3], metadata=meta,
                               report=report,
                               samples=samples)
 

@@ -20,15 +20,19 @@ import numpy as np
 from scipy.optimize import nnls
 
 from .base import DecodeStepSample, PrefillStepSample, StepOverheadSample
+from .fitted import PREFILL_STEP_REF_TOKENS, PREFILL_STEP_SCALE_BOUNDS, PREFILL_STEP_TOKEN_RANGE, prefill_step_factor
 
 #: Bounds of the decode in-step scale: outside them the whole steps disagree with the layer
 #: samples by more than cache effects explain (a broken profile), and the bound is used.
 DECODE_STEP_SCALE_BOUNDS = (0.6, 1.2)
 #: Fewest whole decode steps a scale is fitted from (fewer: 1.0, layers priced as timed alone).
 MIN_DECODE_STEPS = 3
-#: Bounds and fewest samples of the prefill in-step scale (the same reasons as the decode one's).
-PREFILL_STEP_SCALE_BOUNDS = (0.6, 1.2)
+#: Fewest samples of the prefill in-step scale (its bounds: the same reasons as the decode one's,
+#: ``fitted.PREFILL_STEP_SCALE_BOUNDS``), and of a slope over the chunk's size beside it.
 MIN_PREFILL_STEPS = 3
+MIN_PREFILL_SLOPE_STEPS = 6
+#: The slopes tried (``prefill_step_factor``'s exponent; 0: one factor for every size).
+PREFILL_SLOPES = tuple(np.round(np.linspace(0.0, 0.3, 61), 4))
 
 
 def fit_step_overhead(samples: Sequence[StepOverheadSample]) -> tuple[float, float, float]:
@@ -90,23 +94,37 @@ def fit_decode_step_scale(samples: Sequence[DecodeStepSample], num_layers: int, 
     return min(hi, max(lo, float(s_st))), min(hi, max(lo, float(s_at)))
 
 
-def fit_prefill_step_scale(samples: Sequence[PrefillStepSample], num_layers: int, layer, embed, head) -> float:
-    """Factor ``s`` on the layer calls of a step holding a prefill chunk, against the same call timed alone,
-    that fits whole such steps: each step's compute ``y`` (layers + embedding + LM head) is modelled as
-    ``num_layers · s · layer(q, c) + embed(Σq) + head(len(q))`` (``layer``: a layer call of the batch timed
-    alone, ``embed`` / ``head`` of a count; seconds) and ``s`` is the least-squares fit in relative error:
-    ``Σ x (y - r) / y² / Σ x² / y²`` with ``x`` the layers' part and ``r`` the rest. 1.0 with fewer than
-    :data:`MIN_PREFILL_STEPS` samples; clipped to :data:`PREFILL_STEP_SCALE_BOUNDS`. One factor on the
-    whole call: what a step saves here was measured on the projections and on attention alike (the
-    fresh-prompt and chunk attention paths both), so two would trade against each other on the noise."""
+def fit_prefill_step_scale(samples: Sequence[PrefillStepSample], num_layers: int, layer, embed, head,
+                           slope: bool = False) -> tuple[float, float]:
+    """``(s, b)``: the factor on the layer calls of a step holding a prefill chunk, against the same call timed
+    alone, that fits whole such steps: each step's compute ``y`` (layers + embedding + LM head) is modelled as
+    ``num_layers · f · layer(q, c) + embed(Σq) + head(len(q))`` with ``f = prefill_step_factor(s, b, n)``
+    (``n``: the step's prefill tokens; ``layer``: a layer call of the batch timed alone, ``embed`` / ``head``
+    of a count; seconds). For each slope ``b`` of :data:`PREFILL_SLOPES` (only 0 unless ``slope``, or with
+    fewer than :data:`MIN_PREFILL_SLOPE_STEPS` samples) ``s`` is the least-squares fit in relative error,
+    clipped to ``PREFILL_STEP_SCALE_BOUNDS``; the pair with the least mean relative error is returned.
+    ``(1.0, 0.0)`` with fewer than :data:`MIN_PREFILL_STEPS` samples. One factor on the whole call: what a
+    step saves here was measured on the projections and on attention alike (the fresh-prompt and chunk
+    attention paths both), so two would trade against each other on the noise. The slope: on an AMX Xeon
+    the saving grew with the chunk (factor ~0.97 at 48 tokens, ~0.8 at 512-1,024), and one factor priced the
+    served workload's steps of a few prompt tokens beside a decode batch ~12-15 % low (session 27)."""
     if len(samples) < MIN_PREFILL_STEPS:
-        return 1.0
+        return 1.0, 0.0
     x, rest, y = _prefill_step_parts(samples, num_layers, layer, embed, head)
+    n = np.array([sum(q for q in s.query_lens if q > 1) for s in samples], dtype=float)
     w = 1.0 / y
-    den = float(np.sum((x * w) ** 2))
-    s = float(np.sum(x * (y - rest) * w * w)) / den if den > 0 else 1.0
     lo, hi = PREFILL_STEP_SCALE_BOUNDS
-    return min(hi, max(lo, s))
+    best = None
+    for b in (PREFILL_SLOPES if slope and len(samples) >= MIN_PREFILL_SLOPE_STEPS else (0.0,)):
+        g = (np.clip(n, *PREFILL_STEP_TOKEN_RANGE) / PREFILL_STEP_REF_TOKENS) ** -b
+        xg = x * g
+        den = float(np.sum((xg * w) ** 2))
+        s = min(hi, max(lo, float(np.sum(xg * (y - rest) * w * w)) / den if den > 0 else 1.0))
+        f = np.array([prefill_step_factor(s, float(b), int(k)) for k in n])
+        err = float(np.mean(np.abs(f * x + rest - y) / y))
+        if best is None or err < best[0] - 1e-12:
+            best = (err, s, float(b))
+    return best[1], best[2]
 
 
 def _prefill_step_parts(samples: Sequence[PrefillStepSample], num_layers: int, layer, embed, head):
@@ -127,15 +145,16 @@ def _decode_step_parts(samples: Sequence[DecodeStepSample], num_layers: int, sta
 
 def fit_whole_steps(steps: Sequence[StepOverheadSample], dsteps: Sequence[DecodeStepSample],
                     psteps: Sequence[PrefillStepSample], num_layers: int, stateless, attention, layer, embed,
-                    head) -> tuple[tuple[float, float, float], tuple[float, float, float], dict]:
+                    head, prefill_slope: bool = False
+                    ) -> tuple[tuple[float, float, float], tuple[float, float, float, float], dict]:
     """:func:`fit_step_overhead` of ``steps``, :func:`fit_decode_step_scale` of ``dsteps`` and
     :func:`fit_prefill_step_scale` of ``psteps`` (see there for ``stateless``, ``attention``, ``layer``,
-    ``embed``, ``head``): ``(step terms, (decode stateless scale, decode attention scale, prefill scale),
-    report)``; the report holds ``"step_overhead"`` / ``"decode_step"`` / ``"prefill_step"`` (coefficients,
-    in-sample relative error) for the kinds given."""
+    ``embed``, ``head``; ``prefill_slope``: its ``slope``): ``(step terms, (decode stateless scale, decode
+    attention scale, prefill scale, prefill slope), report)``; the report holds ``"step_overhead"`` /
+    ``"decode_step"`` / ``"prefill_step"`` (coefficients, in-sample relative error) for the kinds given."""
     terms = fit_step_overhead(steps)
     scales = (*fit_decode_step_scale(dsteps, num_layers, stateless, attention, embed, head),
-              fit_prefill_step_scale(psteps, num_layers, layer, embed, head))
+              *fit_prefill_step_scale(psteps, num_layers, layer, embed, head, slope=prefill_slope))
     rep: dict = {}
     if steps:
         pred = np.array([terms[0] + terms[1] * s.compositions + terms[2] * s.composed_works for s in steps])
@@ -149,7 +168,9 @@ def fit_whole_steps(steps: Sequence[StepOverheadSample], dsteps: Sequence[Decode
                               "error": float(np.mean(np.abs(pred - y) / y))}
     if psteps:
         x, rest, y = _prefill_step_parts(psteps, num_layers, layer, embed, head)
-        rep["prefill_step"] = {"scale": scales[2], "n": len(psteps),
-                               "error": float(np.mean(np.abs(scales[2] * x + rest - y) / y)),
+        f = np.array([prefill_step_factor(scales[2], scales[3], sum(q for q in s.query_lens if q > 1))
+                      for s in psteps])
+        rep["prefill_step"] = {"scale": scales[2], "slope": scales[3], "n": len(psteps),
+                               "error": float(np.mean(np.abs(f * x + rest - y) / y)),
                                "error_alone": float(np.mean(np.abs(x + rest - y) / y))}
     return terms, scales, rep

@@ -146,11 +146,12 @@ def gated_linear(w: torch.Tensor) -> GatedLinear | None:
     gate, up = Linear(w[:i].contiguous()), Linear(w[i:].contiguous())
     if gate.packed is None or gate.sliceable or up.packed is None or up.sliceable:
         return None
+    g = GatedLinear(gate, up)
     try:  # the post-ops this torch build's oneDNN must have
-        GatedLinear(gate, up).swiglu(torch.ones(2, w.shape[1], dtype=w.dtype))
+        g.swiglu(torch.ones(2, w.shape[1], dtype=w.dtype))
     except (RuntimeError, AttributeError):
         return None
-    return GatedLinear(gate, up)
+    return g
 
 
 def swiglu_of(lin, x: torch.Tensor) -> torch.Tensor | None:

@@ -26,6 +26,7 @@ from laser.latency import (
 )
 from laser.latency.features import ATTENTION_FEATURES
 from laser.latency.fitting import DEFAULT_FORM, FORMS
+from laser.latency.fitted import prefill_step_factor
 from laser.latency.fitting_steps import PREFILL_STEP_SCALE_BOUNDS
 
 N = 12
@@ -181,3 +182,38 @@ def test_a_shipped_profile_of_profiler_10_loads_and_prices_plans_as_before():
         + lm.layer_attention_scale * lm.attention_time(*b) * lm.decode_step_attention_scale, rel=1e-12)
     assert not [s for s in lm.samples if isinstance(s, PrefillStepSample)]
     assert [s for s in lm.samples if isinstance(s, DecodeStepSample)]
+
+
+def test_the_in_step_factor_follows_the_chunk_size_where_the_steps_show_it():
+    """Whole steps whose in-step factor falls with the prefill tokens (0.98 at 48 tokens, 0.80 at 512, as on
+    the AMX Xeon): the default form fits the slope and prices a few-token chunk beside decode rows near
+    its alone time, a 512-token prompt at ~0.8; one factor for every size (form ``-v11``) misses both ends.
+    The factor stays within its token range and bounds outside the samples."""
+    def truth_factor(q):
+        n = sum(x for x in q if x > 1)
+        return 0.88 * (min(2048, max(32, n)) / 256) ** -0.09
+
+    def step(q, c):
+        return prefill_step(q, c, scale=truth_factor(q))
+
+    s = samples(np.random.default_rng(3), step_truth=step)
+    m = fit(s, num_layers=N)
+    assert m.prefill_step_slope == pytest.approx(0.09, abs=0.02) and m.prefill_step_scale == pytest.approx(0.88, rel=0.03)
+    assert m.report["prefill_step"]["slope"] == m.prefill_step_slope and m.report["prefill_step"]["error"] < 0.01
+    one = fit(s, num_layers=N, form="tiled-instep-step-v11")
+    assert one.prefill_step_slope == 0.0
+    for q, c in (((1,) * 20 + (24,), (300,) * 20 + (24,)), ((512,), (512,)), ((48,), (48,))):
+        want = truth_factor(q)
+        assert m.step_layer_time(q, c) / m.layer_time(q, c) == pytest.approx(want, rel=0.03), q
+        assert abs(one.step_layer_time(q, c) / one.layer_time(q, c) / want - 1) > 0.04, q
+    # outside the token range the factor keeps its edge value; never past the bounds
+    assert m.step_layer_time((2,), (2,)) / m.layer_time((2,), (2,)) == pytest.approx(
+        m.step_layer_time((32,), (32,)) / m.layer_time((32,), (32,)), rel=1e-9)
+    lo, hi = PREFILL_STEP_SCALE_BOUNDS
+    assert lo <= prefill_step_factor(0.61, 0.3, 4096) and prefill_step_factor(1.19, 0.3, 1) <= hi
+    back = FittedLatencyModel.from_dict(m.to_dict())
+    assert back.prefill_step_slope == m.prefill_step_slope
+    doc = m.to_dict()
+    doc["model"]["prefill_step_slope"] = float("nan")
+    with pytest.raises(Exception, match="prefill_step_slope"):
+        FittedLatencyModel.from_dict(doc)
