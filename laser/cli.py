@@ -137,7 +137,7 @@ def add_engine_args(p: argparse.ArgumentParser, policy_default: str = "laser") -
                         "take, in (0, 1]; best effort slows down so interactive streams keep their pace "
                         "(default %(default)s; 1: best effort fills iterations up to the tightest TBT target, "
                         "the paper's rule)")
-    p.add_argument("--kv-cache-gib", type=float, default=1.0,
+    p.add_argument("--kv-cache-gib", type=positive_float, default=1.0,
                    help="KV cache pool size, GiB over all layers (default %(default)s)")
     p.add_argument("--block-size", type=positive_int, default=16, help="KV cache block size, tokens (default 16)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,

@@ -19,6 +19,7 @@ os.environ.setdefault("LASER_QUANT_ROWS", "fixed")
 # that mean to compile do
 os.environ.setdefault("LASER_FUSED_DECODE", "0")
 os.environ.setdefault("LASER_PREFILL_GLUE", "0")  # bf16 prefill glue eager unless a test compiles it
+os.environ.setdefault("LASER_KV_PREFAULT", "0")  # KV pages taken on first write: many instances, little memory
 os.environ.setdefault("LASER_WARM_ROWS", "0")  # no start-up warm-up of row counts unless a test asks for it
 # int8 weights weight-only unless a test asks for W8A8 (laser.model.w8a8; also the engine's default):
 # not measured on the machine

@@ -52,6 +52,26 @@ def test_serve_refuses_negative_cluster_values(argv):
     assert build_parser().parse_args(["serve", "--outage-wait", "0", "--step-log", "0"]).outage_wait == 0
 
 
+@pytest.mark.parametrize("cmd", ["serve", "generate", "profile"])
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-1", "x"])
+def test_kv_cache_gib_must_be_a_positive_finite_number(cmd, value, capsys):
+    """``--kv-cache-gib inf`` was an OverflowError traceback and ``nan`` an unclear message, both after
+    the weights loaded (fresh-user round, session 27)."""
+    extra = ["--prompt", "hi"] if cmd == "generate" else []
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args([cmd, *extra, "--kv-cache-gib", value])
+    assert e.value.code == 2 and "argument --kv-cache-gib" in capsys.readouterr().err
+    assert build_parser().parse_args([cmd, *extra, "--kv-cache-gib", "0.25"]).kv_cache_gib == 0.25
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 0.0, -1.0])
+def test_cache_config_refuses_a_pool_size_that_is_not_a_positive_number(value):
+    from laser.core.config import CacheConfig
+
+    with pytest.raises(ConfigError, match="kv_cache_gib must be a positive number"):
+        CacheConfig(kv_cache_gib=value)
+
+
 def test_more_threads_than_cpus_is_refused():
     usable = len(os.sched_getaffinity(0))
     before = torch.get_num_threads()

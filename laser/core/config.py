@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,8 +114,8 @@ class CacheConfig:
     def __post_init__(self):
         if self.block_size <= 0:
             raise ConfigError(f"block_size must be positive, got {self.block_size}")
-        if self.num_blocks is None and self.kv_cache_gib <= 0:
-            raise ConfigError(f"kv_cache_gib must be positive, got {self.kv_cache_gib}")
+        if self.num_blocks is None and not (math.isfinite(self.kv_cache_gib) and self.kv_cache_gib > 0):
+            raise ConfigError(f"kv_cache_gib must be a positive number, got {self.kv_cache_gib}")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ConfigError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.intermediate_cache_tokens <= 0:

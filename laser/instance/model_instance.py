@@ -134,7 +134,7 @@ class ModelInstance:
         if warm_rows.warm_rows_mode(self.dtype):  # every row count a layer call can take, before the first step
             log.info(warm_rows.warm_row_counts(
                 self.model, min(sched_cfg.max_num_batched_tokens, warm_rows.WARM_MAX_ROWS),
-                min(sched_cfg.max_num_seqs, warm_rows.WARM_HEAD_ROWS)))
+                min(sched_cfg.max_num_seqs, warm_rows.WARM_HEAD_ROWS), sched_cfg.max_num_batched_tokens))
         self.latency_profile = latency_profile
         if latency_model is None:
             latency_model = planning_model(self._load_latency_model(latency_profile), latency_calibration,

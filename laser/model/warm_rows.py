@@ -65,12 +65,14 @@ def warm_rows_mode(dtype: torch.dtype) -> bool:
 
 
 @torch.inference_mode()
-def warm_row_counts(model, max_rows: int, head_rows: int) -> str:
+def warm_row_counts(model, max_rows: int, head_rows: int, step_rows: int = 0) -> str:
     """Run ``model``'s layer 0 (a :class:`~laser.model.llama.LlamaModel`) on dummy rows [M, H]
     of its dtype for every M in ``1..max_rows`` (its QKV part and its finishing part), and its
     LM head on ``1..head_rows`` rows, so that no served step builds a kernel for a new row count
     (module docstring). Writes no KV and no model state. Returns a sentence for the startup log
-    (row counts, seconds). Raises ValueError for ``max_rows`` or ``head_rows`` below 0."""
+    (row counts, seconds; ``step_rows``: the most rows a step may take, named when past ``max_rows``,
+    whose larger counts pay the set-up at first use). Raises ValueError for ``max_rows`` or ``head_rows``
+    below 0."""
     if max_rows < 0 or head_rows < 0:
         raise ValueError(f"need max_rows, head_rows >= 0, got {max_rows}, {head_rows}")
     c, dt = model.config, model.dtype
@@ -85,6 +87,8 @@ def warm_row_counts(model, max_rows: int, head_rows: int) -> str:
         model.finish_layer(0, h[:m], attn[:m])
     for m in range(1, head_rows + 1):
         model.compute_logits(h[:m])
+    larger = (f"; counts {max_rows + 1}-{step_rows} (this engine's max_num_batched_tokens) are set up at first use"
+              if step_rows > max_rows else "")
     return (f"row counts 1-{max_rows} of a layer call and 1-{head_rows} of the LM head run once at start-up "
-            f"({time.perf_counter() - t0:.1f} s): no step pays oneDNN's set-up of a new shape "
-            f"(LASER_WARM_ROWS=0 to skip)")
+            f"({time.perf_counter() - t0:.1f} s): no step of up to {max_rows} rows pays oneDNN's set-up of a new "
+            f"shape{larger} (LASER_WARM_ROWS=0 to skip)")

@@ -133,7 +133,11 @@ def summary_lines(lm) -> list[str]:
                    f"of the call timed alone ({ds['n']} whole decode steps, fit error {100 * ds['error']:.1f}%)")
     if "prefill_step" in rep:
         ps = rep["prefill_step"]
-        out.append(f"  layers holding a prefill chunk inside a step: x{ps['scale']:.3f} of the call timed alone "
+        slope = ps.get("slope", 0.0)
+        size = (f" at 256 prefill tokens, x (tokens / 256)^-{slope:.3f}: x{lm.step_layer_time((32,), (32,)) / lm.layer_time((32,), (32,)):.3f} "
+                f"at 32, x{lm.step_layer_time((1024,), (1024,)) / lm.layer_time((1024,), (1024,)):.3f} at 1,024"
+                if slope else "")
+        out.append(f"  layers holding a prefill chunk inside a step: x{ps['scale']:.3f} of the call timed alone{size} "
                    f"({ps['n']} whole prefill and mixed steps, fit error {100 * ps['error']:.1f}%, "
                    f"{100 * ps['error_alone']:.1f}% priced as timed alone)")
     if lm.mask_row_s:

@@ -81,6 +81,10 @@ def _where(loc: list) -> str:
 def format_validation(exc: RequestValidationError) -> tuple[str, str | None]:
     """A readable message (and the offending field) from pydantic errors."""
     parts, param, seen = [], None, set()
+    per_field: dict[str, int] = {}  # a union-typed field reports one error per member
+    for e in exc.errors():
+        loc = [x for x in e.get("loc", ()) if x not in ("body", "query", "path", "header", "cookie")]
+        per_field[str(loc[0]) if loc else "body"] = per_field.get(str(loc[0]) if loc else "body", 0) + 1
     for e in exc.errors():
         loc = list(e.get("loc", ()))
         if loc[:1] and loc[0] in ("query", "path", "header", "cookie"):  # where a parameter came from
@@ -99,7 +103,7 @@ def format_validation(exc: RequestValidationError) -> tuple[str, str | None]:
             continue
         seen.add(field)
         param = param or (field if loc else None)
-        if field in _EXPECTED and kind != "missing":
+        if field in _EXPECTED and kind != "missing" and per_field[field] > 1:  # (not /tokenize's plain str)
             parts.append(f"{field}: must be {_EXPECTED[field]}")
         else:
             where = _where(loc)

@@ -401,6 +401,20 @@ def test_kv_pool_is_zero_aligned_and_takes_memory_only_where_written():
     assert _rss_bytes() - before > kv.nbytes // 8
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's /proc")
+def test_kv_pool_takes_its_pages_at_start_by_default(monkeypatch):
+    """Outside the test suite (``LASER_KV_PREFAULT`` unset: 1) the pool's pages are taken when it is
+    built, as a server wants; the value is checked."""
+    monkeypatch.delenv("LASER_KV_PREFAULT")
+    mc = tiny_model_config(num_layers=4)
+    before = _rss_bytes()
+    kv = KVCache(mc, CacheConfig(block_size=16, kv_cache_gib=0.125), torch.float32)
+    assert _rss_bytes() - before > kv.nbytes * 3 // 4 and not kv.kv.any()
+    monkeypatch.setenv("LASER_KV_PREFAULT", "yes")
+    with pytest.raises(ValueError, match="LASER_KV_PREFAULT"):
+        KVCache(mc, CacheConfig(block_size=16, num_blocks=4), torch.float32)
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/meminfo"), reason="reads Linux's /proc")
 def test_kv_pool_larger_than_the_host_memory_is_refused_up_front():
     mc = tiny_model_config()

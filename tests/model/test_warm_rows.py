@@ -78,3 +78,4 @@ def test_engine_warms_at_most_the_cap(tiny_llama, monkeypatch, caplog):
         LLM(str(tiny_llama), policy="vllm", dtype="float32", max_model_len=128, max_num_batched_tokens=96,
             max_num_seqs=3)
     assert "row counts 1-40 of a layer call and 1-3 of the LM head" in caplog.text
+    assert "counts 41-96 (this engine's max_num_batched_tokens) are set up at first use" in caplog.text

@@ -223,3 +223,15 @@ def test_chat_template_switches_both_true_is_a_400(live):
                                               "continue_final_message": True})
         assert r.status_code == 400, r.text
         assert "continue_final_message" in r.json()["error"]["message"]
+
+
+def test_a_field_of_one_type_gets_its_own_message_not_the_unions(live):
+    """``/tokenize``'s ``prompt`` is text only: token ids there were refused with the completions
+    union's message ("must be a string, a list of token ids, ...", which the ids are). The union's
+    message stays where the field is a union."""
+    r = httpx.post(live.url + "/tokenize", json={"prompt": [1, 2, 3]})
+    assert r.status_code == 400, r.text
+    msg = r.json()["error"]["message"]
+    assert msg.startswith("prompt: ") and "token ids" not in msg and "string" in msg, msg
+    r = httpx.post(live.url + "/v1/completions", json={"prompt": {"a": 1}, "max_tokens": 1})
+    assert r.status_code == 400 and "must be a string, a list of token ids" in r.json()["error"]["message"], r.text

@@ -217,9 +217,9 @@ def test_truncate_prompt_tokens_tokenizes_only_the_text_it_keeps(live, tiny_llam
 
 def test_tokenize_of_long_text_does_not_hold_prompts_behind_it(tiny_llama):
     """``/tokenize`` takes text of any length (vLLM's does), but a few megabytes took the one
-    tokenizer thread ~1 s a MB, and every prompt waited behind it. Text longer than any prompt
-    could be is now tokenized on a thread of its own: while such a call is held, completions are
-    served; once it goes on, it answers with every token."""
+    tokenizer thread ~1 s a MB, and every prompt waited behind it (also text just under the length
+    prompts are refused at). ``/tokenize`` now runs on a thread of its own: while a long call is
+    held, completions are served; once it goes on, it answers with every token."""
     engine = _engine(tiny_llama)
     tok = engine.inputs.tokenizer
     encode, gate, entered = tok.encode, threading.Event(), threading.Event()
@@ -241,7 +241,7 @@ def test_tokenize_of_long_text_does_not_hold_prompts_behind_it(tiny_llama):
             for body in ({"prompt": "hi", "max_tokens": 2}, {"prompt": "ab " * 5, "max_tokens": 1}):
                 r = _post(live, "/v1/completions", body)
                 assert r.status_code == 200, r.text
-            r = _post(live, "/tokenize", {"prompt": "ab ab"})  # a short /tokenize is not held either
+            r = _post(live, "/tokenize", {"messages": [{"role": "user", "content": "ab ab"}]})  # chat: the prompts' thread
             assert r.status_code == 200 and r.json()["count"] > 0
             assert not long.done()
             gate.set()
