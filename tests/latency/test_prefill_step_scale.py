@@ -171,6 +171,7 @@ def test_a_shipped_profile_of_profiler_10_loads_and_prices_plans_as_before():
     doc = json.loads(SHIPPED.read_text())
     if doc["metadata"].get("profiler_version", 0) >= 11:
         del doc["model"]["prefill_step_scale"]
+        doc["model"].pop("prefill_step_slope", None)
         doc["samples"].pop("prefill_step", None)
     lm = FittedLatencyModel.from_dict(doc)
     assert lm.prefill_step_scale == 1.0
