@@ -34,10 +34,10 @@ from .io import (
 #: more than cache effects explain: a broken profile, and the bound is used).
 PREFILL_STEP_SCALE_BOUNDS = (0.6, 1.2)
 #: The prefill tokens of a call at which ``prefill_step_scale`` holds as fitted, and the range of prefill
-#: tokens the factor follows them over (the profile's whole prefill steps hold chunks of 40-1,024 tokens;
+#: tokens the factor follows them over (the profile's whole prefill steps hold chunks of 4-1,024 tokens;
 #: outside the range the factor stays at its edge).
 PREFILL_STEP_REF_TOKENS = 256
-PREFILL_STEP_TOKEN_RANGE = (32, 2048)
+PREFILL_STEP_TOKEN_RANGE = (4, 2048)
 
 
 def prefill_step_factor(scale: float, slope: float, prefill_tokens: int) -> float:

@@ -324,8 +324,8 @@ def _fit_attention_set(x: np.ndarray, y: np.ndarray, names: Sequence[str], scale
 #             Since session 27 (same samples, no new profiler version) its prefill in-step factor also follows the
 #             chunk's size (``prefill_step_slope``, fitting_steps.fit_prefill_step_scale's ``slope``): on the AMX
 #             profile's 16 whole prefill steps the fit error fell 4.7 -> 2.5 %, and a 24-token chunk beside
-#             decode rows is priced at ~0.99 of its call alone instead of 0.88. "tiled-instep-step-v11": one
-#             factor for every size (the default of profiler 11 until then).
+#             decode rows is priced at ~0.99 of its call alone instead of 0.88 (measured: 0.98). "tiled-instep-
+#             step-v11": one factor for every size (the default of profiler 11 until then).
 FORMS = {
     "paper": {"sets": ("linear", "kernel"), "small_counts": SMALL_COUNT_EXACT, "step": False},
     "padded": {"sets": ("padded", "linear", "kernel"), "small_counts": SMALL_COUNT_EXACT, "step": False},

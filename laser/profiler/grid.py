@@ -279,8 +279,8 @@ def _decode_step_shapes(pts: _Points, max_batch: int) -> list:
 def _prefill_step_shapes(pts: _Points, max_tokens: int, max_batch: int) -> list:
     """Whole steps at full depth holding prefill chunks: one prompt of 48-1024 tokens (torch's flash kernel on
     AMX), chunks over cached context and several prompts in one step (the C++ prefill kernel), and chunks beside
-    decode rows (batches of 4-16 at contexts around 256): the sizes the schedulers' prefill and mixed steps
-    take (chunks up to their 256-512-token budgets). Their compute prices a layer call holding a prefill
+    decode rows (batches of 4-24 at contexts around 256, chunks of 4-200 tokens): the sizes the schedulers'
+    prefill and mixed steps take (chunks up to their 256-512-token budgets, and a few tokens beside decode). Their compute prices a layer call holding a prefill
     chunk as it runs inside a step (``PrefillStepSample``)."""
     def chunk(q, cached=0):
         q = max(2, min(q, max_tokens, pts.ctx_cap))
@@ -294,4 +294,7 @@ def _prefill_step_shapes(pts: _Points, max_tokens: int, max_batch: int) -> list:
     shapes += [[chunk(128, 256)], [chunk(256, 256)], [chunk(96), chunk(64)], [chunk(200), chunk(120)],
                [chunk(64, 96), chunk(48), chunk(120)]]
     shapes += [dec(8) + [chunk(128)], dec(16) + [chunk(200, 120)], dec(12) + [chunk(80), chunk(40)]]
+    # a few prompt tokens beside a decode batch, the served workload's usual step (a short prompt, or a layer
+    # slice of one): priced from the 48-token and larger steps alone they ran ~1.1x their price (session 27)
+    shapes += [dec(8) + [chunk(4)], dec(16) + [chunk(12)], dec(24) + [chunk(24)], [chunk(16)]]
     return shapes

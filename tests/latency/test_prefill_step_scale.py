@@ -192,7 +192,7 @@ def test_the_in_step_factor_follows_the_chunk_size_where_the_steps_show_it():
     The factor stays within its token range and bounds outside the samples."""
     def truth_factor(q):
         n = sum(x for x in q if x > 1)
-        return 0.88 * (min(2048, max(32, n)) / 256) ** -0.09
+        return min(1.2, 0.88 * (min(2048, max(4, n)) / 256) ** -0.09)
 
     def step(q, c):
         return prefill_step(q, c, scale=truth_factor(q))
@@ -209,7 +209,7 @@ def test_the_in_step_factor_follows_the_chunk_size_where_the_steps_show_it():
         assert abs(one.step_layer_time(q, c) / one.layer_time(q, c) / want - 1) > 0.04, q
     # outside the token range the factor keeps its edge value; never past the bounds
     assert m.step_layer_time((2,), (2,)) / m.layer_time((2,), (2,)) == pytest.approx(
-        m.step_layer_time((32,), (32,)) / m.layer_time((32,), (32,)), rel=1e-9)
+        m.step_layer_time((4,), (4,)) / m.layer_time((4,), (4,)), rel=1e-9)
     lo, hi = PREFILL_STEP_SCALE_BOUNDS
     assert lo <= prefill_step_factor(0.61, 0.3, 4096) and prefill_step_factor(1.19, 0.3, 1) <= hi
     back = FittedLatencyModel.from_dict(m.to_dict())
