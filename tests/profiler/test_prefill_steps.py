@@ -20,6 +20,8 @@ def test_default_grid_replays_prefill_and_mixed_steps_at_full_depth():
     assert any(len(s) == 1 and s[0][0] < s[0][1] for s in pf)  # a chunk over cached context
     assert any(len(s) >= 2 and all(q > 1 for q, _, _, _ in s) for s in pf)  # several prompts in one step
     assert any(any(q == 1 for q, _, _, _ in s) for s in pf)  # decode rows beside a chunk
+    few = [s for s in pf if sum(q for q, _, _, _ in s if q > 1) < 32]  # a few prompt tokens (session 27)
+    assert len(few) >= 3 and sum(any(q == 1 for q, _, _, _ in s) for s in few) >= 2
     assert all(1 <= q <= c <= 4096 for s in pf for q, c, _, _ in s)
     small = ProfileGrid.default(max_tokens=256, max_context=512, max_batch=8)  # clipped to a small model
     assert all(q <= c <= 512 and q <= 256 for s in small.step_shapes for q, c, _, _ in s)
