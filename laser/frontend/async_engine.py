@@ -161,7 +161,7 @@ class AsyncEngine(EngineThread):
         self._tok_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="laser-tokenizer")
         # /tokenize (text of any length, as vLLM's): its own thread, so that a megabyte of text (~1 s a MB)
         # does not hold every request's prompt behind it.
-        self._bulk_tok_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="laser-tokenizer-bulk")
+        self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="laser-tokenize-route")
         self.num_queued = 0  # accepted, no first token yet (bounded by max_waiting)
         self.draining = False
         self.listeners: list[Callable[[RequestStream, Any], None]] = []  # (stream, output) on each output
@@ -205,7 +205,7 @@ class AsyncEngine(EngineThread):
         await asyncio.sleep(0)
         for s in list(self._streams.values()):
             self._finish_aborted(s)
-        self._tok_pool.shutdown(wait=False)
+        self._shutdown_tokenizers()
 
     def stop(self, timeout: float = 30.0) -> None:
         """Synchronous stop (no draining) for use outside the event loop."""
@@ -214,8 +214,12 @@ class AsyncEngine(EngineThread):
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        self._shutdown_tokenizers()
+
+    def _shutdown_tokenizers(self) -> None:
+        """Stop the prompts' tokenizer thread and ``/tokenize``'s (not waiting for a call in progress)."""
         self._tok_pool.shutdown(wait=False)
-        self._bulk_tok_pool.shutdown(wait=False)
+        self._tokenize_pool.shutdown(wait=False)
 
     # -- commands -----------------------------------------------------------------------------------
     def _submit(self, fn: Callable, arrival: bool = False) -> concurrent.futures.Future:
@@ -268,7 +272,7 @@ class AsyncEngine(EngineThread):
         check_text(text, "prompt")
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
-            self._bulk_tok_pool, functools.partial(self.inputs.tokenizer.encode, text, add_special_tokens=add_special_tokens))
+            self._tokenize_pool, functools.partial(self.inputs.tokenizer.encode, text, add_special_tokens=add_special_tokens))
 
     async def resolve_bad_words(self, sp: SamplingParams) -> SamplingParams:
         """``sp`` with its ``bad_words`` tokenized (:meth:`~laser.frontend.inputs.InputProcessor.bad_words_ids`)

@@ -40,6 +40,11 @@ PREFILL_STEP_REF_TOKENS = 256
 PREFILL_STEP_TOKEN_RANGE = (4, 2048)
 
 
+def prefill_tokens(query_lens) -> int:
+    """The prefill tokens of a layer call's batch: its entries of more than one token (decode rows are 1)."""
+    return sum(q for q in query_lens if q > 1)
+
+
 def prefill_step_factor(scale: float, slope: float, prefill_tokens: int) -> float:
     """The factor on a layer call holding ``prefill_tokens`` prefill tokens inside a whole step, against
     the call timed alone: ``scale · (n / 256) ** -slope`` with ``n`` the tokens kept within
@@ -253,13 +258,12 @@ class FittedLatencyModel(LatencyModel):
             return 0.0
         n = sum(query_lens)
         at = self.layer_attention_scale * self.attention(query_lens, context_lens)
-        rows = len(query_lens)
-        if n == rows:
+        if n == len(query_lens):
             return ((self.stateless(n) + self.layer_overhead_s) * self.decode_step_scale
                     + at * self.decode_step_attention_scale)
         f = self.prefill_step_scale
         if self.prefill_step_slope:
-            f = prefill_step_factor(f, self.prefill_step_slope, sum(q for q in query_lens if q > 1))
+            f = prefill_step_factor(f, self.prefill_step_slope, prefill_tokens(query_lens))
         return (self.stateless(n) + at + self.layer_overhead_s) * f
 
     # -- fitting (imports numpy/scipy: only who fits pays for them) --------------------

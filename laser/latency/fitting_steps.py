@@ -20,7 +20,8 @@ import numpy as np
 from scipy.optimize import nnls
 
 from .base import DecodeStepSample, PrefillStepSample, StepOverheadSample
-from .fitted import PREFILL_STEP_REF_TOKENS, PREFILL_STEP_SCALE_BOUNDS, PREFILL_STEP_TOKEN_RANGE, prefill_step_factor
+from .fitted import (PREFILL_STEP_REF_TOKENS, PREFILL_STEP_SCALE_BOUNDS, PREFILL_STEP_TOKEN_RANGE, prefill_step_factor,
+                     prefill_tokens)
 
 #: Bounds of the decode in-step scale: outside them the whole steps disagree with the layer
 #: samples by more than cache effects explain (a broken profile), and the bound is used.
@@ -111,7 +112,7 @@ def fit_prefill_step_scale(samples: Sequence[PrefillStepSample], num_layers: int
     if len(samples) < MIN_PREFILL_STEPS:
         return 1.0, 0.0
     x, rest, y = _prefill_step_parts(samples, num_layers, layer, embed, head)
-    n = np.array([sum(q for q in s.query_lens if q > 1) for s in samples], dtype=float)
+    n = np.array([prefill_tokens(s.query_lens) for s in samples], dtype=float)
     w = 1.0 / y
     lo, hi = PREFILL_STEP_SCALE_BOUNDS
     best = None
@@ -168,8 +169,7 @@ def fit_whole_steps(steps: Sequence[StepOverheadSample], dsteps: Sequence[Decode
                               "error": float(np.mean(np.abs(pred - y) / y))}
     if psteps:
         x, rest, y = _prefill_step_parts(psteps, num_layers, layer, embed, head)
-        f = np.array([prefill_step_factor(scales[2], scales[3], sum(q for q in s.query_lens if q > 1))
-                      for s in psteps])
+        f = np.array([prefill_step_factor(scales[2], scales[3], prefill_tokens(s.query_lens)) for s in psteps])
         rep["prefill_step"] = {"scale": scales[2], "slope": scales[3], "n": len(psteps),
                                "error": float(np.mean(np.abs(f * x + rest - y) / y)),
                                "error_alone": float(np.mean(np.abs(x + rest - y) / y))}

@@ -78,18 +78,18 @@ class KVCache:
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, dtype: torch.dtype, cache_salt: str = ""):
         self.block_size = cache.block_size
-        self.num_blocks = cache.blocks_per_layer(model, torch.finfo(dtype).bits // 8)
+        elem = torch.finfo(dtype).bits // 8  # bytes of one K/V element
+        self.num_blocks = cache.blocks_per_layer(model, elem)
         self.num_layers = model.num_layers
         shape = (model.num_layers, 2, self.num_blocks * self.block_size, model.num_kv_heads, model.head_dim)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * (torch.finfo(dtype).bits // 8)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * elem
         avail = available_memory_bytes()
         if avail is not None and nbytes > avail:
             raise ConfigError(f"the KV pool needs {nbytes / (1 << 30):.2f} GiB but the host has "
                               f"{avail / (1 << 30):.2f} GiB available: lower --kv-cache-gib "
                               f"(CacheConfig.kv_cache_gib or num_blocks)")
-        self.kv = lazy_zeros(shape, dtype)
-        if prefault_mode():  # take every page now, as torch.zeros did: no step pays a first-touch fault
-            self.kv.zero_()
+        # every page taken now (no step pays a first-touch fault), or on first write (lazy_zeros)
+        self.kv = torch.zeros(shape, dtype=dtype) if prefault_mode() else lazy_zeros(shape, dtype)
         self.block_manager = BlockManager(model.num_layers, self.num_blocks, self.block_size,
                                           enable_prefix_caching=cache.enable_prefix_caching,
                                           cache_salt=f"{cache_salt}|{dtype}")

@@ -113,6 +113,8 @@ def _unwritable(path) -> str | None:
 
 def summary_lines(lm) -> list[str]:
     """A few fitted numbers and predictions, for people."""
+    from ..latency.fitted import prefill_step_factor
+
     rep = lm.report
     out = [f"  stateless: width {rep['stateless'].get('width')}, fit error {100 * (rep['stateless'].get('error') or 0):.1f}%",
            f"  attention: features {rep['attention'].get('feature_set')}, fit error "
@@ -134,8 +136,8 @@ def summary_lines(lm) -> list[str]:
     if "prefill_step" in rep:
         ps = rep["prefill_step"]
         slope = ps.get("slope", 0.0)
-        size = (f" at 256 prefill tokens, x (tokens / 256)^-{slope:.3f}: x{lm.step_layer_time((32,), (32,)) / lm.layer_time((32,), (32,)):.3f} "
-                f"at 32, x{lm.step_layer_time((1024,), (1024,)) / lm.layer_time((1024,), (1024,)):.3f} at 1,024"
+        at = {n: prefill_step_factor(ps["scale"], slope, n) for n in (32, 1024)}
+        size = (f" at 256 prefill tokens, x (tokens / 256)^-{slope:.3f}: x{at[32]:.3f} at 32, x{at[1024]:.3f} at 1,024"
                 if slope else "")
         out.append(f"  layers holding a prefill chunk inside a step: x{ps['scale']:.3f} of the call timed alone{size} "
                    f"({ps['n']} whole prefill and mixed steps, fit error {100 * ps['error']:.1f}%, "

@@ -3,6 +3,7 @@ readable message made of a pydantic validation error. Shared by every route modu
 
 from __future__ import annotations
 
+import collections
 import re
 
 from fastapi.exceptions import RequestValidationError
@@ -78,18 +79,21 @@ def _where(loc: list) -> str:
     return out or "body"
 
 
+def _body_loc(e: dict) -> list:
+    """A pydantic error's location within the request: without where a parameter came from (query, path,
+    header, cookie) and without ``body``."""
+    loc = list(e.get("loc", ()))
+    if loc[:1] and loc[0] in ("query", "path", "header", "cookie"):
+        loc = loc[1:]
+    return [x for x in loc if x != "body"]
+
+
 def format_validation(exc: RequestValidationError) -> tuple[str, str | None]:
     """A readable message (and the offending field) from pydantic errors."""
     parts, param, seen = [], None, set()
-    per_field: dict[str, int] = {}  # a union-typed field reports one error per member
-    for e in exc.errors():
-        loc = [x for x in e.get("loc", ()) if x not in ("body", "query", "path", "header", "cookie")]
-        per_field[str(loc[0]) if loc else "body"] = per_field.get(str(loc[0]) if loc else "body", 0) + 1
-    for e in exc.errors():
-        loc = list(e.get("loc", ()))
-        if loc[:1] and loc[0] in ("query", "path", "header", "cookie"):  # where a parameter came from
-            loc = loc[1:]
-        loc = [x for x in loc if x != "body"]
+    errors = [(_body_loc(e), e) for e in exc.errors()]
+    per_field = collections.Counter(str(loc[0]) if loc else "body" for loc, _ in errors)  # a union: one per member
+    for loc, e in errors:
         kind = e.get("type", "")
         if kind == "json_invalid":
             err = (e.get("ctx") or {}).get("error", e.get("msg", "invalid JSON"))
