@@ -111,6 +111,10 @@ class StepPlan:
     # self-speculatively (laser.core.speculation; :class:`laser.core.pricing.PlanCost`'s
     # ``drafts``), so a re-pricing (the calibration's, the arrival rule's) prices them alike.
     speculative: tuple | None = field(default=None, compare=False, repr=False)
+    # A decode step at full depth after this many steps in a row without prefill work (0: after other work;
+    # laser.core.pricing.warm_streak, set by the instance core before it runs): priced at
+    # ``LatencyModel.decode_warm_factor(rows, warm)`` of its price.
+    warm: int = field(default=0, compare=False, repr=False)
 
     def __bool__(self) -> bool:
         return bool(self.works)

@@ -45,6 +45,41 @@ def full_depth_decode_total(lm, num_layers: int, works: list[Work]) -> float:
     return total
 
 
+#: A streak longer than any profile measures (``decode_warm_factor`` at it: the saving of a long streak).
+LONG_STREAK = 1 << 30
+
+
+def quiet_step(lm, plan) -> bool:
+    """Whether ``plan`` (a :class:`~laser.core.plan.StepPlan`) keeps a streak of decode steps going
+    (:func:`warm_streak`): its works are decode tokens only (at any depth, no draft), as many as ``lm`` (a
+    latency model) prices warm somewhere in a streak (:meth:`~laser.latency.LatencyModel.decode_warm_factor`
+    of a long streak below 1; the factors never rise along a streak)."""
+    return (bool(plan.works) and plan.speculative is None
+            and lm.decode_warm_factor(len(plan.works), LONG_STREAK) < 1.0
+            and all(w.num_tokens == 1 and w.token_start > 0 for w in plan.works))
+
+
+def warm_streak(lm, streak: int, plan) -> int:
+    """``plan.warm`` for ``plan`` run after ``streak`` steps in a row that were :func:`quiet_step` s and ran
+    to their end (the instance core counts them): ``streak`` when ``plan`` is a quiet step at full depth (one
+    token per work through every layer, no exit plan), else 0 (priced as the profile timed it, after other
+    work). ``LatencyModel.predict_iteration`` and the simulator's clock price the step at
+    ``lm.decode_warm_factor(rows, streak)`` of its price.
+
+    Case (issue 26, sim vs real on an AMX Xeon, 1 thread, SmolLM2 int4 / int8, 120-request workload): a
+    batch-1 decode step ran 0.91-0.96x its profiled price right after a step with prefill and fell to
+    0.76x over the next 7 decode steps; batch 4 0.94x to 0.90x; batches of 5+ rows (over dense bf16 copies
+    of the weights, AMX matmuls as in prefill) ~0.95x throughout. The profiler times each case after other
+    work. Priced alike, the online calibration read the difference as timing spread, and the jitter margin
+    cut every step's prefill budget by it."""
+    if streak <= 0 or not quiet_step(lm, plan):
+        return 0
+    n = plan.num_layers
+    if all(w.layer_start == 0 and w.layer_end == n and not w.depth and not w.exit_from for w in plan.works):
+        return streak
+    return 0
+
+
 class PlanCost:
     """Predicted time (seconds) of a plan, with O(segments) marginal costs: the one owner of
     pricing a plan (``LatencyModel.predict_iteration`` is ``PlanCost(...).total``).

@@ -25,6 +25,7 @@ from typing import Callable, Protocol
 
 from ..core.config import SchedulerConfig
 from ..core.plan import StepPlan, StepResult
+from ..core.pricing import quiet_step, warm_streak
 from ..core.request import Phase, Request
 from ..scheduler import Scheduler, get_policy
 
@@ -178,6 +179,9 @@ class InstanceCore:
         # laser.latency.machine_speed); a StepLog also gets the steps cut short, as (plan,
         # seconds, stopped layer); None: not kept.
         self.step_log: list | None = None
+        # steps in a row, up to the last one, that were decode steps the latency model prices warm and ran
+        # to their end (laser.core.pricing.warm_streak: the next step's plan.warm)
+        self._streak = 0
 
     @property
     def step_observer(self) -> Callable[[StepPlan, float], None] | None:
@@ -253,6 +257,9 @@ class InstanceCore:
             self.arrival_hook()
         t0 = self._perf()
         plan = self.scheduler.schedule(self.clock())
+        lm = self.scheduler.latency_model
+        if plan and self._streak and lm is not None:
+            plan.warm = warm_streak(lm, self._streak, plan)
         self.step_stats.schedule_s += self._perf() - t0
         return plan
 
@@ -265,6 +272,9 @@ class InstanceCore:
         result = self.executor.execute(plan, self.scheduler.requests_of(plan), stop_at=self._stop_fn())
         now = self.clock()
         t2 = self._perf()
+        lm = self.scheduler.latency_model
+        self._streak = (self._streak + 1 if lm is not None and plan and result.stopped_layer >= plan.last_layer
+                        and quiet_step(lm, plan) else 0)
         if observe is not None or log is not None:
             # (a step where tokens exited early ran fewer layers than the plan it would be judged
             # by; one priced with tokens that may exit, at their expected depth, is not judged either)

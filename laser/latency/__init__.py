@@ -42,6 +42,12 @@ whose attention streams a large KV cache runs its projections a little slower.)
   fitted from whole prefill and mixed steps (``PrefillStepSample``); 1.0 without them. What a layer
   call costs inside a step is :meth:`LatencyModel.step_layer_time` (plans, schedulers and the
   simulator price with it); :meth:`LatencyModel.layer_time` is the call timed alone.
+* a stream of small decode steps runs faster than one such step after other work, which is how the
+  profiler times every case (on an AMX Xeon a batch-1 step ran ~0.93x its price right after a prefill step
+  and ~0.77x seven decode steps later; after an idle 0.2 s too, so it is not only the caches' content):
+  the same forms price a decode step in a streak (``StepPlan.warm``, :func:`laser.core.pricing.warm_streak`)
+  at :meth:`LatencyModel.decode_warm_factor` of its price, fitted from decode steps timed in streaks back
+  to back (``WarmDecodeStepSample``); 1.0 without them.
 
 Three implementations of one interface (:class:`LatencyModel`):
 
@@ -80,6 +86,7 @@ from .base import (
     Sample,
     StatelessSample,
     StepOverheadSample,
+    WarmDecodeStepSample,
 )
 from .features import (
     ATTENTION_FEATURE_SETS,
@@ -97,7 +104,7 @@ from .io import PROFILE_FORMAT, PROFILE_VERSION, cpu_hardware_string, default_pr
 
 __all__ = [
     "ATTENTION_FEATURES", "ATTENTION_FEATURE_SETS", "AnalyticLatencyModel", "AttentionModel", "AttentionSample",
-    "DecodeStepSample", "PrefillStepSample",
+    "DecodeStepSample", "PrefillStepSample", "WarmDecodeStepSample",
     "CalibratedLatencyModel", "ScaledLatencyModel",
     "DEFAULT_MAX_GATHER_BYTES", "EmbedSample", "FittedLatencyModel", "HARDWARE", "HardwareSpec", "HeadSample",
     "LatencyModel", "LatencyProfileError", "LayerSample", "MODEL_SHAPES", "ModelShape", "PROFILE_FORMAT",

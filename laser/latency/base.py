@@ -96,6 +96,20 @@ class DecodeStepSample:
 
 
 @dataclass(frozen=True, slots=True)
+class WarmDecodeStepSample:
+    """A :class:`DecodeStepSample`'s step timed as the ``streak``-th of the same step run back to back
+    (``streak >= 1`` steps of it ran right before, as in an engine's steady decode). ``seconds``: its
+    compute, as :class:`DecodeStepSample`'s. Prices a decode step that follows other decode steps
+    (``FittedLatencyModel.decode_warm``: on an AMX Xeon, 1 thread, SmolLM2 int4 / int8, a batch-1 step ran
+    ~0.93x its price right after a prefill step and fell to 0.76x over the next 7 decode steps; batch 4
+    0.94x to 0.90x; 5+ rows, over dense bf16 copies of the weights, ~0.95x throughout)."""
+
+    context_lens: tuple[int, ...]
+    streak: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
 class PrefillStepSample:
     """A whole step at full depth holding a prefill chunk: works ``(query_lens[k], context_lens[k])``
     (decode rows among them: ``query_lens[k] == 1``) through every layer, embedded and sampled.
@@ -109,7 +123,7 @@ class PrefillStepSample:
 
 
 Sample = (StatelessSample | AttentionSample | EmbedSample | HeadSample | LayerSample | StepOverheadSample
-          | DecodeStepSample | PrefillStepSample)
+          | DecodeStepSample | PrefillStepSample | WarmDecodeStepSample)
 
 
 def check_batch(q: Sequence[int], c: Sequence[int]) -> None:
@@ -136,8 +150,9 @@ def frontend_ttft(lm) -> float:
 
 # Sample kinds as named in profile files.
 SAMPLE_TYPES = (StatelessSample, AttentionSample, EmbedSample, HeadSample, LayerSample, StepOverheadSample,
-                DecodeStepSample, PrefillStepSample)
-SAMPLE_KINDS = ("stateless", "attention", "embed", "head", "layer", "step_overhead", "decode_step", "prefill_step")
+                DecodeStepSample, PrefillStepSample, WarmDecodeStepSample)
+SAMPLE_KINDS = ("stateless", "attention", "embed", "head", "layer", "step_overhead", "decode_step", "prefill_step",
+                "decode_step_warm")
 TYPE_KIND = dict(zip(SAMPLE_TYPES, SAMPLE_KINDS))
 KIND_TYPE = dict(zip(SAMPLE_KINDS, SAMPLE_TYPES))
 
@@ -233,6 +248,15 @@ class LatencyModel:
             return 0.0
         return self.step_overhead_s + self.compose_overhead_s * compositions + self.compose_work_s * composed_works
 
+    def decode_warm_factor(self, n_rows: int, streak: int = 1) -> float:
+        """The share of its price that a decode step at full depth of ``n_rows`` rows takes as the
+        ``streak``-th step in a row without prefill work (``StepPlan.warm``, counted by the instance core:
+        :func:`laser.core.pricing.warm_streak`): the CPU runs a stream of small decode steps faster than
+        one right after other work, which is how the profiler times every case. 1.0 for ``streak <= 0``, and
+        unless the profile measured such streaks (``FittedLatencyModel.decode_warm``, from
+        :class:`WarmDecodeStepSample` s). Dimensionless."""
+        return 1.0
+
     # -- derived ----------------------------------------------------------------------
     def layer_time(self, query_lens: Sequence[int], context_lens: Sequence[int]) -> float:
         """One layer call on the batch ``(query_lens[k], context_lens[k])``, timed on its own (as the
@@ -256,14 +280,17 @@ class LatencyModel:
     def predict_iteration(self, plan: StepPlan) -> float:
         """Seconds for a whole plan: its layer calls + embedding of works starting at
         layer 0 + LM head for ``plan.num_final()`` rows + the step's overhead
-        (:meth:`step_overhead_time` of its batch compositions). A plan this model priced when it was
-        built (``plan.predicted``) is not priced again (the same number)."""
+        (:meth:`step_overhead_time` of its batch compositions); times :meth:`decode_warm_factor` when the
+        plan is a decode step in a streak of them (``plan.warm``). A plan this model priced when it was built
+        (``plan.predicted``, its price as a step after other work) is not priced again (the same number)."""
         p = plan.predicted
         if p is not None and p[0] is self:
-            return p[1]
-        from laser.core.pricing import PlanCost
+            t = p[1]
+        else:
+            from laser.core.pricing import PlanCost
 
-        return PlanCost(self, plan.num_layers, plan.works, *(plan.speculative or ())).total if plan.works else 0.0
+            t = PlanCost(self, plan.num_layers, plan.works, *(plan.speculative or ())).total if plan.works else 0.0
+        return t * self.decode_warm_factor(len(plan.works), plan.warm) if plan.warm else t
 
     def predict_prefill(self, prompt_len: int, layers: int | None = None, context_start: int = 0) -> float:
         """A prefill chunk of ``prompt_len`` tokens after ``context_start`` cached tokens, alone.

@@ -160,6 +160,10 @@ class ScaledLatencyModel(LatencyModel):
     def mask_time(self, n_rows: int) -> float:
         return self.overhead_factor * self.inner.mask_time(n_rows)
 
+    def decode_warm_factor(self, n_rows: int, streak: int = 1) -> float:
+        """``inner``'s (a share of the step's price, which this model scales)."""
+        return self.inner.decode_warm_factor(n_rows, streak)
+
     @property
     def exit_cost(self):  # type: ignore[override]
         """``inner``'s (fractions of its head and layer times, which this model scales)."""

@@ -189,6 +189,24 @@ class AttentionModel:
 # Fitted model and its profile file
 
 
+def _decode_warm_from(doc) -> tuple:
+    """``FittedLatencyModel.decode_warm`` from a profile document's ``[[rows, [factor, ...]], ...]``. Raises
+    ValueError naming the field for anything else (:meth:`FittedLatencyModel._check` judges the numbers)."""
+    def bad():
+        return ValueError(f"decode_warm must be a list of [rows, [factor, ...]] pairs, got {doc!r}")
+
+    if not isinstance(doc, (list, tuple)):
+        raise bad()
+    out = []
+    for pair in doc:
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and isinstance(pair[0], int)
+                and not isinstance(pair[0], bool) and isinstance(pair[1], (list, tuple))
+                and all(isinstance(f, (int, float)) and not isinstance(f, bool) for f in pair[1])):
+            raise bad()
+        out.append((pair[0], tuple(float(f) for f in pair[1])))
+    return tuple(out)
+
+
 @dataclass
 class FittedLatencyModel(LatencyModel):
     """A latency model fitted from profile samples (see :func:`laser.latency.fitting.fit`)."""
@@ -221,6 +239,10 @@ class FittedLatencyModel(LatencyModel):
     # "prefill_slope"; 1.0 and 0.0: priced as timed alone).
     prefill_step_scale: float = 1.0
     prefill_step_slope: float = 0.0
+    # A decode step at full depth in a streak of decode steps (StepPlan.warm): ((rows, (factor 1 step in, 2 steps
+    # in, ...)), ...) by rows, the share of its price it takes (decode_warm_factor; fitted from
+    # WarmDecodeStepSamples; (): not measured).
+    decode_warm: tuple = ()
     # Setup the profile was taken on: model_id, dtype, hardware, threads, created, laser_version, ...
     metadata: dict = field(default_factory=dict)
     # Fit diagnostics: chosen widths / feature set, CV and in-sample relative errors.
@@ -240,6 +262,26 @@ class FittedLatencyModel(LatencyModel):
 
     def head_time(self, n_rows: int) -> float:
         return self.head(n_rows)
+
+    def decode_warm_factor(self, n_rows: int, streak: int = 1) -> float:
+        """:attr:`decode_warm` at ``n_rows`` rows, ``streak`` steps into a streak (the last measured streak's
+        factor past it): linear between the measured row counts, the first one's factor below them, 1.0 past
+        the last (a batch the profile did not time in a streak saves nothing); 1.0 for ``streak <= 0`` or
+        when not measured."""
+        pts = self.decode_warm
+        if streak <= 0 or not pts or n_rows > pts[-1][0]:
+            return 1.0
+
+        def at(fs):
+            return fs[min(streak, len(fs)) - 1]
+
+        if n_rows <= pts[0][0]:
+            return at(pts[0][1])
+        for (r0, f0), (r1, f1) in zip(pts, pts[1:]):
+            if n_rows <= r1:
+                a, b = at(f0), at(f1)
+                return a + (b - a) * (n_rows - r0) / (r1 - r0)
+        return 1.0
 
     def layer_time(self, query_lens, context_lens) -> float:
         """The call timed alone: ``stateless(n) + layer_attention_scale · attention(q, c) +
@@ -311,6 +353,7 @@ class FittedLatencyModel(LatencyModel):
                 "decode_step_attention_scale": self.decode_step_attention_scale,
                 "prefill_step_scale": self.prefill_step_scale,
                 "prefill_step_slope": self.prefill_step_slope,
+                "decode_warm": [[r, list(fs)] for r, fs in self.decode_warm],
             },
             "report": self.report,
             "samples": encode_samples(self.samples),
@@ -347,6 +390,7 @@ class FittedLatencyModel(LatencyModel):
                 decode_step_attention_scale=float(m.get("decode_step_attention_scale", 1.0)),
                 prefill_step_scale=float(m.get("prefill_step_scale", 1.0)),  # (absent before profiler 11: 1)
                 prefill_step_slope=float(m.get("prefill_step_slope", 0.0)),  # (absent before session 27: 0)
+                decode_warm=_decode_warm_from(m.get("decode_warm", ())),  # (absent before profiler 12: ())
                 metadata={k: v for k, v in meta.items() if k != "num_layers"},
                 report=dict(d.get("report", {})),
                 samples=samples,
@@ -370,6 +414,11 @@ class FittedLatencyModel(LatencyModel):
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be finite and > 0, got {v}")
+        rows = [r for r, _ in self.decode_warm]
+        if rows != sorted(set(rows)) or any(r < 1 or not fs or not all(math.isfinite(f) and 0.0 < f <= 1.0 for f in fs)
+                                            or any(b > a for a, b in zip(fs, fs[1:])) for r, fs in self.decode_warm):
+            raise ValueError(f"decode_warm must be (rows, factors) pairs by increasing rows >= 1, each with factors "
+                             f"in (0, 1] that never rise along the streak, got {self.decode_warm!r}")
         if not (math.isfinite(self.prefill_step_slope) and abs(self.prefill_step_slope) <= 1.0):
             raise ValueError(f"prefill_step_slope must be finite and within [-1, 1], got {self.prefill_step_slope}")
         for name in ("mask_row_s", "step_overhead_s", "compose_overhead_s", "compose_work_s", "frontend_ttft_s"):

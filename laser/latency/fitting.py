@@ -35,6 +35,7 @@ from .base import (
     Sample,
     StatelessSample,
     StepOverheadSample,
+    WarmDecodeStepSample,
     check_batch,
     check_seconds,
 )
@@ -46,7 +47,7 @@ from .features import (
     kernel_rows_from_metadata,
 )
 from .fitted import AttentionModel, FittedLatencyModel, PiecewiseLinear
-from .fitting_steps import fit_whole_steps
+from .fitting_steps import fit_decode_warm, fit_whole_steps
 from .io import laser_version
 
 # Candidate segment widths (tokens) for the piecewise-linear stateless / head fits.
@@ -404,7 +405,9 @@ def fit(samples: Iterable[Sample], *, num_layers: int, metadata: dict | None = N
     relative to the whole layer call (attention + stateless, see :func:`_fit_attention`).
     Embedding: a line. Step overhead (forms with ``step``) and decode and prefill layers inside a step (forms
     with ``instep``): :func:`~.fitting_steps.fit_whole_steps` of the :class:`StepOverheadSample` s,
-    :class:`DecodeStepSample` s and :class:`PrefillStepSample` s (0.0 and 1.0 without them). Whole-layer composition (per-call overhead and a scale on
+    :class:`DecodeStepSample` s and :class:`PrefillStepSample` s (0.0 and 1.0 without them); decode steps in a
+    streak (the same forms): :func:`~.fitting_steps.fit_decode_warm` of the :class:`WarmDecodeStepSample` s
+    against the same steps' :class:`DecodeStepSample` s (``decode_warm``; () without them). Whole-layer composition (per-call overhead and a scale on
     attention): from :class:`LayerSample` s, see :func:`_fit_layer_composition` (0 and 1
     without them). All fits minimise relative error and keep coefficients non-negative.
     Missing sample kinds predict 0 (see ``report["missing"]``). ``metadata`` is stored as
@@ -467,14 +470,23 @@ def fit(samples: Iterable[Sample], *, num_layers: int, metadata: dict | None = N
     meta = dict(metadata or {})
     meta.setdefault("created", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     meta.setdefault("laser_version", laser_version())
-    return FittedLatencyModel(num_layers=num_layers, stateless=stateless, attention=attention, embed=embed,
-                              head=head, layer_overhead_s=overhead, layer_attention_scale=scale,
-                              step_overhead_s=step_terms[0], compose_overhead_s=step_terms[1],
-                              compose_work_s=step_terms[2], decode_step_scale=dscale[0],
-                              decode_step_attention_scale=dscale[1], prefill_step_scale=dscale[2],
-                              prefill_step_slope=dscale[3], metadata=meta,
-                              report=report,
-                              samples=samples)
+    model = FittedLatencyModel(num_layers=num_layers, stateless=stateless, attention=attention, embed=embed,
+                               head=head, layer_overhead_s=overhead, layer_attention_scale=scale,
+                               step_overhead_s=step_terms[0], compose_overhead_s=step_terms[1],
+                               compose_work_s=step_terms[2], decode_step_scale=dscale[0],
+                               decode_step_attention_scale=dscale[1], prefill_step_scale=dscale[2],
+                               prefill_step_slope=dscale[3], metadata=meta,
+                               report=report,
+                               samples=samples)
+    warm = kinds[WarmDecodeStepSample] if FORMS[form].get("instep") else []
+    if warm:  # priced against the whole model's decode step (the in-step scales included)
+        def price(c):
+            b = len(c)
+            return num_layers * model.step_layer_time((1,) * b, c) + model.embed_time(b) + model.head_time(b)
+
+        model.decode_warm = fit_decode_warm(warm, price, kinds[DecodeStepSample])
+        report["decode_warm"] = {"factors": [[r, list(fs)] for r, fs in model.decode_warm], "n": len(warm)}
+    return model
 
 
 def _by_kind(samples: Sequence[Sample]) -> dict[type, list]:
@@ -487,8 +499,10 @@ def _by_kind(samples: Sequence[Sample]) -> dict[type, list]:
         check_seconds(s.seconds)
         if isinstance(s, (AttentionSample, LayerSample)):
             check_batch(s.query_lens, s.context_lens)
-        elif isinstance(s, DecodeStepSample):
+        elif isinstance(s, (DecodeStepSample, WarmDecodeStepSample)):
             check_batch((1,) * len(s.context_lens), s.context_lens)
+            if isinstance(s, WarmDecodeStepSample) and s.streak < 1:
+                raise ValueError(f"a warm decode step sample needs streak >= 1: {s!r}")
         elif isinstance(s, PrefillStepSample):
             check_batch(s.query_lens, s.context_lens)
             if sum(s.query_lens) == len(s.query_lens):

@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 
 from .base import (KIND_TYPE, TYPE_KIND, AttentionSample, DecodeStepSample, LatencyProfileError, LayerSample,
-                   PrefillStepSample, Sample, StepOverheadSample, check_batch, check_seconds)
+                   PrefillStepSample, Sample, StepOverheadSample, WarmDecodeStepSample, check_batch, check_seconds)
 
 PROFILE_FORMAT = "laser-latency-profile"
 # Bump when the document's layout or the meaning of a coefficient changes: older files are
@@ -56,7 +56,8 @@ def encode_samples(samples) -> dict[str, list]:
     """Samples as JSON lists, by kind: ``{"attention": [[q_lens, c_lens, seconds], ...],
     "stateless": [[n, seconds], ...], "step_overhead": [[compositions, composed_works, seconds], ...],
     "decode_step": [[c_lens, seconds], ...], "prefill_step": [[q_lens, c_lens, seconds], ...],
-    ...}`` (every kind present, maybe empty)."""
+    "decode_step_warm": [[c_lens, streak, seconds], ...], ...}`` (every kind present, maybe empty; ``decode_step_warm`` only when
+    there are some)."""
     by_kind: dict[str, list] = {k: [] for k in KIND_TYPE}
     for s in samples:
         if isinstance(s, (AttentionSample, LayerSample, PrefillStepSample)):
@@ -65,9 +66,13 @@ def encode_samples(samples) -> dict[str, list]:
             enc = [s.compositions, s.composed_works, s.seconds]
         elif isinstance(s, DecodeStepSample):
             enc = [list(s.context_lens), s.seconds]
+        elif isinstance(s, WarmDecodeStepSample):
+            enc = [list(s.context_lens), s.streak, s.seconds]
         else:
             enc = [s.n_tokens if hasattr(s, "n_tokens") else s.n_rows, s.seconds]
         by_kind[TYPE_KIND[type(s)]].append(enc)
+    if not by_kind["decode_step_warm"]:  # (a profile without them stays readable by a Laser before them)
+        del by_kind["decode_step_warm"]
     return by_kind
 
 
@@ -90,6 +95,14 @@ def _decode_sample(kind: str, enc: list) -> Sample:
         s = t(int(k), int(w), float(sec))
         if s.compositions < 1 or s.composed_works < s.compositions:
             raise ValueError(f"need 1 <= compositions <= composed_works: {s!r}")
+    elif t is WarmDecodeStepSample:
+        c, k, sec = enc
+        if not isinstance(k, int) or isinstance(k, bool):
+            raise ValueError(f"a warm decode step sample's streak must be a whole number, got {k!r}")
+        s = t(tuple(int(v) for v in c), k, float(sec))
+        check_batch((1,) * len(s.context_lens), s.context_lens)
+        if s.streak < 1:
+            raise ValueError(f"a warm decode step sample needs streak >= 1: {s!r}")
     elif t is DecodeStepSample:
         c, sec = enc
         s = t(tuple(int(v) for v in c), float(sec))

@@ -67,6 +67,8 @@ def fit_machine_speed(profile, steps: Iterable[tuple], num_layers: int | None = 
     for plan, measured in steps:
         n = num_layers or plan.num_layers
         d = PlanCost(dec, n, plan.works).total if plan.works else 0.0
+        if plan.warm:  # a decode step in a streak: priced as the engine priced it (LatencyModel.predict_iteration)
+            d *= profile.decode_warm_factor(len(plan.works), plan.warm)
         p = PlanCost(pre, n, plan.works).total if plan.works else 0.0
         if d + p > 0.0 and measured > 0.0:
             rows.append((d, p, measured))

@@ -60,8 +60,12 @@ W8A8_MARGIN = 0.9
 #: and leaves out the fused decode graphs, which run only up to the smallest crossover of a layer
 #: (:mod:`laser.model.fused`). On the AMX Xeon, 1 thread: the timing put the qkv crossover at 2 rows,
 #: and batch-4 decode fell from 201 to 155 tok/s (eager layers); with 30 weights cycled aten's int4
-#: kernel still beat the packed copy at 4 rows on every layer shape (0.74-0.87x its time).
-PACKED_MIN_ROWS = 4
+#: kernel still beat the packed copy at 4 rows on every layer shape (0.74-0.87x its time). Whole decode
+#: steps (SmolLM2 int4, session 28): with the kernel up to 8 rows, batch 5 / 6 / 8 took 30.4 / 33.4 / 36.3 ms
+#: at 1 thread against 37.9 / 38.8 / 40.3 ms over the packed copies from 5 rows (19.5 / 19.8 / 21.3 against
+#: 24.8 / 25.3 / 26.1 ms at 2 threads); 12 rows and more the same either way; the kernel alone (every row
+#: count through it) lost from 12 rows (52 against 42 ms).
+PACKED_MIN_ROWS = 8
 _REPEATS = 5
 
 

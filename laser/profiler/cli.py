@@ -142,6 +142,12 @@ def summary_lines(lm) -> list[str]:
         out.append(f"  layers holding a prefill chunk inside a step: x{ps['scale']:.3f} of the call timed alone{size} "
                    f"({ps['n']} whole prefill and mixed steps, fit error {100 * ps['error']:.1f}%, "
                    f"{100 * ps['error_alone']:.1f}% priced as timed alone)")
+    if getattr(lm, "decode_warm", ()):
+        parts = [f"{r} row{'s' if r > 1 else ''} x{fs[0]:.2f} -> x{fs[-1]:.2f}" for r, fs in lm.decode_warm
+                 if min(fs) < 1.0]
+        longest = max(len(fs) for _, fs in lm.decode_warm)
+        out.append(f"  decode steps in a streak (after 1 -> {longest} decode steps, of the price after other work): "
+                   f"{', '.join(parts) or 'no saving'} ({rep.get('decode_warm', {}).get('n', 0)} places in streaks timed)")
     if lm.mask_row_s:
         out.append(f"  grammar mask (structured output): {lm.mask_row_s * 1e3:.3f} ms per sampled row")
     out.append("  predicted (one layer / whole iteration):")

@@ -267,6 +267,31 @@ class StepOverheadReplay:
         return res
 
 
+class WarmDecodeReplay:
+    """A decode step at full depth (a snapshot's plan) run back to back per call, as an engine in steady
+    decode runs its steps: once, then up to ``streak`` more times while the call has taken under ``budget_s``
+    seconds (at least 4 more). :attr:`warm` keeps, per call, the compute (``StepResult.compute_seconds``,
+    seconds) of the runs after the first; the median of the ``k``-th over the calls is a
+    ``WarmDecodeStepSample`` of :attr:`decode_contexts` at streak ``k``."""
+
+    def __init__(self, runner: ModelRunner, snap: PlanSnapshot, gen: torch.Generator, streak: int = 24,
+                 budget_s: float = 0.25):
+        self.replay = PlanReplay(runner, snap, gen)
+        self.decode_contexts = tuple(w.context_len for w in snap.plan.works)
+        self.streak, self.budget_s = streak, budget_s
+        self.warm: list[list[float]] = []
+
+    def __call__(self):
+        t0 = time.perf_counter()
+        res = self.replay()
+        times: list[float] = []
+        while len(times) < self.streak and (len(times) < 4 or time.perf_counter() - t0 < self.budget_s):
+            res = self.replay()
+            times.append(res.compute_seconds)
+        self.warm.append(times)
+        return res
+
+
 class PlanReplay:
     """Runs ``ModelRunner.execute`` on a snapshot: the runner reads the snapshot's block
     tables, requests and intermediate-cache entries (random hidden states of the right

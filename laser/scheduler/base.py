@@ -113,10 +113,10 @@ class Scheduler(ABC):
 
     def observe_step(self, plan: StepPlan, measured_s: float) -> None:
         """``plan`` ran to its end in ``measured_s`` s: the latency model is told that, its prediction
-        (``plan.predicted``, made at planning; priced now for unpriced plans) and the plan itself."""
+        (``plan.predicted``, made at planning; priced now for unpriced plans; at its warm factor for a warm
+        decode step, ``plan.warm``) and the plan itself."""
         lm = self.latency_model
-        p = plan.predicted
-        lm.observe_step(p[1] if p is not None and p[0] is lm else lm.predict_iteration(plan), measured_s, plan)
+        lm.observe_step(lm.predict_iteration(plan), measured_s, plan)  # (the planned price, warm or not)
 
     def set_role(self, role: str) -> None:
         """Serve as ``role`` from the next step on (a prefill instance as mixed without decode instances)."""

@@ -170,6 +170,8 @@ class SimExecutor:
             res.stopped_layer = n
         else:
             res.stopped_layer = walk(plan, self, stop_at)
+        if plan.warm and res.stopped_layer >= n:  # a decode step in a streak (laser.core.pricing.warm_streak)
+            self.clock.t = t0 + (self.clock.t - t0) * self.lm.decode_warm_factor(len(works), plan.warm)
         res.compute_seconds = self.clock.t - t0
         self.exit_layers, self._requests = frozenset(), None
         self.stats.steps += 1

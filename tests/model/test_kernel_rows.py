@@ -142,7 +142,7 @@ def test_packed_dense_copy_past_the_crossover(measured, tmp_path, monkeypatch):
     monkeypatch.setattr(kernel_rows, "measure_crossover", lambda lin, dtype, repeats=5: 2)
     low = [QuantLinear(quantize_int4(rand(64, 256, 8)))]
     choose_kernel_rows(low, torch.bfloat16)
-    assert low[0].kernel_max_rows == kernel_rows.PACKED_MIN_ROWS == 4
+    assert low[0].kernel_max_rows == kernel_rows.PACKED_MIN_ROWS == 8
     monkeypatch.setenv("LASER_QUANT_DENSE", "plain")
     low = [QuantLinear(quantize_int4(rand(64, 256, 8)))]
     choose_kernel_rows(low, torch.bfloat16)

@@ -467,7 +467,7 @@ def _busy_machine_timings(cases, bench, calls, warmup_s, desc, progress):
     def cost(kind, *a):
         if kind in ("stateless", "embed", "head"):
             return 2e-5 + 1e-7 * a[0]
-        if kind == "step_overhead":  # (a whole step; its overhead sample is what the replay records)
+        if kind in ("step_overhead", "decode_warm"):  # (a whole step; its samples are what the replay records)
             return 1e-3
         q, ctx = a
         attention = 5e-6 * len(q) + 1e-8 * sum(q) + 2e-9 * sum(ctx)

@@ -105,6 +105,7 @@ class _CutScheduler:
     """Just enough of a scheduler for :meth:`InstanceCore.execute`: no requests, no calibration."""
 
     step_observer = None
+    latency_model = None  # (prices no step: no decode streak is counted)
     role = "mixed"
 
     def requests_of(self, plan):
