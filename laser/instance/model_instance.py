@@ -132,9 +132,9 @@ class ModelInstance:
             sched_cfg = SchedulerConfig(**{**sched_cfg.__dict__, "policy": policy})
         self.scheduler_config = sched_cfg
         if warm_rows.warm_rows_mode(self.dtype):  # every row count a layer call can take, before the first step
+            warmed, most = warm_rows.layer_row_counts(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs)
             log.info(warm_rows.warm_row_counts(
-                self.model, min(sched_cfg.max_num_batched_tokens, warm_rows.WARM_MAX_ROWS),
-                min(sched_cfg.max_num_seqs, warm_rows.WARM_HEAD_ROWS), sched_cfg.max_num_batched_tokens))
+                self.model, warmed, min(sched_cfg.max_num_seqs, warm_rows.WARM_HEAD_ROWS), most))
         self.latency_profile = latency_profile
         if latency_model is None:
             latency_model = planning_model(self._load_latency_model(latency_profile), latency_calibration,

@@ -15,8 +15,8 @@ as timing spread and plans every later step smaller for.
 :func:`warm_row_counts` runs layer 0's stateless parts (:meth:`~laser.model.llama.LlamaModel.qkv`,
 :meth:`~laser.model.llama.LlamaModel.finish_layer`: the model's own dispatch, so every kernel a
 row count takes -- fused decode graphs, packed dense copies, compiled glue, oneDNN GEMMs) on
-dummy rows for each row count from 1 to ``max_rows`` (at most :data:`WARM_MAX_ROWS`), and the LM head
-for 1 to ``head_rows``.
+dummy rows for each row count from 1 to ``max_rows`` (:func:`layer_row_counts`: the token budget and some
+decode rows, at most :data:`WARM_MAX_ROWS`), and the LM head for 1 to ``head_rows``.
 Nothing is written: no KV, no model state. oneDNN keeps 1,024 primitives by default, fewer than
 four weight shapes x 512 row counts; :data:`CACHE_CAPACITY` is set (unless the environment set
 one) before this package loads a weight, as oneDNN reads it when it builds its cache.
@@ -44,11 +44,25 @@ log = logging.getLogger(__name__)
 #: when smaller). Beyond it a new count is rare, and each costs a head's matmul to warm.
 WARM_HEAD_ROWS = 64
 
-#: Most layer-call row counts warmed (``max_num_batched_tokens`` when smaller). Every count costs its
-#: primitives' set-up and memory: ``benchmarks/engine_speed.py``'s two engines of 4,096 tokens a step
-#: warmed 1-4,096 each and were killed for memory at 24 GB (the AMX Xeon, session 27). Past 512
-#: rows a step runs >100 ms, and a new count's first call adds ~1-3 %: left to pay at first use.
-WARM_MAX_ROWS = 512
+#: Most layer-call row counts warmed (:func:`layer_row_counts`: fewer when a step cannot take more). Every
+#: count costs its primitives' set-up and memory: ``benchmarks/engine_speed.py``'s two engines of 4,096 tokens
+#: a step warmed 1-4,096 each and were killed for memory at 24 GB (the AMX Xeon, session 27).
+WARM_MAX_ROWS = 640
+#: Decode rows a layer call may hold beside a full prefill budget that are warmed too (``max_num_seqs`` when
+#: smaller). With 512 warmed for a 512-token budget, a layer call of 559 and one of 603 rows (a 434-token chunk
+#: and a 113-token prompt beside 12 decode rows) took 40.8 and 44.0 ms at first use against 10.9 and 11.9 ms
+#: once set up, on the AMX Xeon at 1 thread (session 28): two such steps in a run put the calibration's timing
+#: spread at its cap for the next 64 steps, and cut every plan's prefill by a third.
+WARM_DECODE_ROWS = 128
+
+
+def layer_row_counts(max_num_batched_tokens: int, max_num_seqs: int) -> tuple[int, int]:
+    """``(warmed, most)``: the row counts :func:`warm_row_counts` sets up at start (``1..warmed``) for an engine
+    whose steps hold at most ``max_num_batched_tokens`` prefill tokens and ``max_num_seqs`` requests, and the
+    most rows one of its layer calls takes in the common case (the token budget plus up to
+    :data:`WARM_DECODE_ROWS` decode rows; ``warmed`` is that, at most :data:`WARM_MAX_ROWS`)."""
+    most = max_num_batched_tokens + min(max_num_seqs, WARM_DECODE_ROWS)
+    return min(most, WARM_MAX_ROWS), most
 
 #: oneDNN primitive cache entries this package asks for (oneDNN's default: 1,024).
 CACHE_CAPACITY = 8192
@@ -87,8 +101,8 @@ def warm_row_counts(model, max_rows: int, head_rows: int, step_rows: int = 0) ->
         model.finish_layer(0, h[:m], attn[:m])
     for m in range(1, head_rows + 1):
         model.compute_logits(h[:m])
-    larger = (f"; counts {max_rows + 1}-{step_rows} (this engine's max_num_batched_tokens) are set up at first use"
-              if step_rows > max_rows else "")
+    larger = (f"; counts {max_rows + 1}-{step_rows} (this engine's token budget and decode rows) are set up at "
+              f"first use" if step_rows > max_rows else "")
     return (f"row counts 1-{max_rows} of a layer call and 1-{head_rows} of the LM head run once at start-up "
             f"({time.perf_counter() - t0:.1f} s): no step of up to {max_rows} rows pays oneDNN's set-up of a new "
             f"shape{larger} (LASER_WARM_ROWS=0 to skip)")

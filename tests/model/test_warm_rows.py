@@ -64,7 +64,7 @@ def test_engine_warms_at_start_and_generates_the_same(tiny_llama, monkeypatch, c
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="laser.instance.model_instance"):
             llm = LLM(str(tiny_llama), policy="vllm", dtype="float32", max_model_len=128, max_num_batched_tokens=48)
-        assert ("row counts 1-48 of a layer call" in caplog.text) == (mode == "1")
+        assert ("row counts 1-176 of a layer call" in caplog.text) == (mode == "1")  # 48 tokens + 128 decode rows
         out[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     assert out["0"] == out["1"]
 
@@ -78,4 +78,10 @@ def test_engine_warms_at_most_the_cap(tiny_llama, monkeypatch, caplog):
         LLM(str(tiny_llama), policy="vllm", dtype="float32", max_model_len=128, max_num_batched_tokens=96,
             max_num_seqs=3)
     assert "row counts 1-40 of a layer call and 1-3 of the LM head" in caplog.text
-    assert "counts 41-96 (this engine's max_num_batched_tokens) are set up at first use" in caplog.text
+    assert "counts 41-99 (this engine's token budget and decode rows) are set up at first use" in caplog.text
+
+
+def test_layer_row_counts_cover_the_token_budget_and_decode_rows_up_to_the_cap():
+    assert warm_rows.layer_row_counts(512, 256) == (640, 640)  # a 512-token chunk beside 128 decode rows
+    assert warm_rows.layer_row_counts(512, 8) == (520, 520)  # no more decode rows than requests
+    assert warm_rows.layer_row_counts(4096, 256) == (warm_rows.WARM_MAX_ROWS, 4224)  # the rest at first use
