@@ -274,7 +274,7 @@ class InstanceCore:
         t2 = self._perf()
         lm = self.scheduler.latency_model
         self._streak = (self._streak + 1 if lm is not None and plan and result.stopped_layer >= plan.last_layer
-                        and quiet_step(lm, plan) else 0)
+                        and (plan.warm > 0 or quiet_step(lm, plan)) else 0)  # (warm: warm_streak found it quiet)
         if observe is not None or log is not None:
             # (a step where tokens exited early ran fewer layers than the plan it would be judged
             # by; one priced with tokens that may exit, at their expected depth, is not judged either)

@@ -272,6 +272,14 @@ class LatencyModel:
         Xeon a layer holding a prefill chunk cost ~0.9 of the call timed alone)."""
         return self.layer_time(query_lens, context_lens)
 
+    def step_compute_time(self, query_lens: Sequence[int], context_lens: Sequence[int]) -> float:
+        """A whole step at full depth of the batch ``(query_lens[k], context_lens[k])``, its compute only:
+        every layer as :meth:`step_layer_time`, the embedding of its tokens and the LM head of its rows; not
+        the step's own overhead (seconds). What the profiler's whole-step samples measure
+        (``DecodeStepSample``, ``WarmDecodeStepSample`` before its factor, ``PrefillStepSample``)."""
+        return (self.num_layers * self.step_layer_time(query_lens, context_lens) + self.embed_time(sum(query_lens))
+                + self.head_time(len(query_lens)))
+
     def predict_layer(self, step: LayerStep) -> float:
         """Seconds for one layer call of a step (:meth:`step_layer_time`; all layers cost the same,
         ``step.layer`` is unused)."""
@@ -311,9 +319,7 @@ class LatencyModel:
         b = len(context_lens)
         if not b:
             return 0.0
-        q = (1,) * b
-        return (self.num_layers * self.step_layer_time(q, context_lens) + self.embed_time(b) + self.head_time(b)
-                + self.step_overhead_time(1, b))
+        return self.step_compute_time((1,) * b, context_lens) + self.step_overhead_time(1, b)
 
     def max_tokens_within(
         self,

@@ -479,12 +479,9 @@ def fit(samples: Iterable[Sample], *, num_layers: int, metadata: dict | None = N
                                report=report,
                                samples=samples)
     warm = kinds[WarmDecodeStepSample] if FORMS[form].get("instep") else []
-    if warm:  # priced against the whole model's decode step (the in-step scales included)
-        def price(c):
-            b = len(c)
-            return num_layers * model.step_layer_time((1,) * b, c) + model.embed_time(b) + model.head_time(b)
-
-        model.decode_warm = fit_decode_warm(warm, price, kinds[DecodeStepSample])
+    if warm:  # against the same steps timed after other work (or the model's price of them, the in-step scales included)
+        model.decode_warm = fit_decode_warm(warm, lambda c: model.step_compute_time((1,) * len(c), c),
+                                            kinds[DecodeStepSample])
         report["decode_warm"] = {"factors": [[r, list(fs)] for r, fs in model.decode_warm], "n": len(warm)}
     return model
 

@@ -337,15 +337,12 @@ def _sample_prediction(model: FittedLatencyModel, s) -> float:
     if isinstance(s, StepOverheadSample):
         return model.step_overhead_time(s.compositions, s.composed_works)
     if isinstance(s, DecodeStepSample):
-        b = len(s.context_lens)
-        return model.num_layers * model.step_layer_time((1,) * b, s.context_lens) + model.embed_time(b) + model.head_time(b)
+        return model.step_compute_time((1,) * len(s.context_lens), s.context_lens)
     if isinstance(s, WarmDecodeStepSample):
         b = len(s.context_lens)
-        return model.decode_warm_factor(b, s.streak) * (model.num_layers * model.step_layer_time((1,) * b, s.context_lens)
-                                              + model.embed_time(b) + model.head_time(b))
+        return model.decode_warm_factor(b, s.streak) * model.step_compute_time((1,) * b, s.context_lens)
     if isinstance(s, PrefillStepSample):
-        return (model.num_layers * model.step_layer_time(s.query_lens, s.context_lens)
-                + model.embed_time(sum(s.query_lens)) + model.head_time(len(s.query_lens)))
+        return model.step_compute_time(s.query_lens, s.context_lens)
     return model.head_time(s.n_rows)
 
 
