@@ -7,10 +7,23 @@ plan with) and takes it as exact. This benchmark checks that assumption end to e
    this model, dtype, hardware, threads and executor path, measured on first use), the workload
    (``laser.bench.workloads``: the multi-SLO mix) and the SLO targets (``laser bench``'s
    calibration: by default scaled to the engine's measured isolated latencies);
-2. find the simulated knee -- the goodput of the policy in the simulator (``SimTarget`` on the
-   engine's profile; ``laser.bench.goodput.search_goodput``: the highest rate at which >= 90 %
-   of requests meet their SLO);
-   (``--knee RPS`` skips the search and uses the rate given, e.g. the knee a previous run printed);
+2. put the simulator on the machine as it runs now (``--sim-machine measured``, the default): a
+   first in-process run of the workload (at ``--speed-fraction`` x the knee on the profile as
+   is) measures how fast the machine runs the engine's steps against the profile, decode and
+   prefill apart, and how far its steps scatter around that fitted price
+   (``laser.latency.machine_speed``); the simulator's clock is then the profile at that speed,
+   each simulated step drawing its own ratio from the run's scatter of its kind
+   (``JitteredLatencyModel``, seeded), and its engine plans as the real one does (the online
+   calibration, which measures the simulated scatter as the engine measures the real one and
+   divides its margins by it). The profile is measured once and the host drifts (an isolated
+   decode step of 10.7-14.8 ms on one VM in one afternoon, session 28), and a simulated machine
+   that never runs a step late plans with full margins and never lands a plan past its target:
+   either alone put the simulated knee past the real engine's (``--sim-machine profile``: the
+   profile as is, taken as exact, as before);
+   then find the simulated knee -- the goodput of the policy in the simulator
+   (``laser.bench.goodput.search_goodput``: the highest rate at which >= 90 % of requests meet
+   their SLO); ``--knee RPS`` skips the search and uses the rate given, e.g. the knee a previous
+   run printed;
 3. run the simulator and the real engine at the knee and at 0.8x of it (``--fractions``), on the
    same arrivals (one ``Benchmark``: common random numbers), the real engine in two ways
    (``--real``): ``inprocess`` (``EngineTarget``: ``laser.online.run_online``, arrivals released at
@@ -22,13 +35,13 @@ plan with) and takes it as exact. This benchmark checks that assumption end to e
    requests whose verdict flipped (``laser.bench.record_pairs``; ``--json`` keeps every request);
 5. compare each real run also with its *twin* (``inproc@m``, ``serve@m``): the simulation on the
    machine as that run measured it -- the profile scaled per kind of work to the speed of the
-   engine's own steps in that run (in process: ``core.step_log``; served: the server's step log,
+   engine's own steps in that run, their scatter included (in process: ``core.step_log``; served: the server's step log,
    ``laser serve --step-log`` and ``GET /engine/steps``, with the engine thread's time split:
    step wall, its CPU, the wait between (GIL, core), time between steps), plus its scheduling time per step
    (``laser.latency.machine_speed``: decode and prefill layer calls apart), planned as the engine
-   plans (its online calibration). The plain simulation prices the profile as measured, which on
-   a shared host may be a different machine: the twin tells what the simulator gets wrong from what
-   the machine did (on the AVX512 EPYC the engine's steps ran 0.79x / 0.85x of the profile's
+   plans (its online calibration). The simulation of step 2 prices the machine as the first run
+   found it, which on a shared host may have drifted since: the twin tells what the simulator gets
+   wrong from what the machine did (on the AVX512 EPYC the engine's steps ran 0.79x / 0.85x of the profile's
    decode / prefill price in one run, and the plain simulation's TTFTs were 1.25x the engine's).
    The served run is compared with a *served* simulation (``SimTarget(served=True)``): the same
    profile plus the front end's share of a TTFT (``frontend_ttft_s``), measured on the started
@@ -48,10 +61,13 @@ class at both rates. The real runs are measurements: on a busy machine they are 
 profile says (the online calibration, on by default, scales the plans to the machine as it runs).
 
 Usage (SmolLM2 defaults: 120 prompts, 30 per code / summarization class, so one request is 3.3
-points; about 7 minutes with a cached profile; a first run profiles first):
+points -- at a class attainment of 0.8-0.9 one run's own sampling error is 5-7 points, so
+``--num-prompts 240`` halves a request's weight; about 5 minutes with a cached profile, 10 with
+240 prompts; a first run profiles first):
     python benchmarks/sim_vs_real.py [--policy laser] [--num-prompts 120] [--length-scale 0.15]
         [--mix 2:1:1] [--seed 7] [--threads 1] [--fractions 1,0.8] [--real inprocess,serve]
-        [--knee RPS] [--client-nice N] [--serve-cpu-bind auto] [--json out.json] [-- laser bench flags]
+        [--knee RPS] [--sim-machine measured|profile] [--speed-fraction 0.8] [--client-nice N]
+        [--serve-cpu-bind auto] [--json out.json] [-- laser bench flags]
 
 The prefix cache is off unless a flag after ``--`` names it (every rate replays the same prompts).
 """
@@ -255,6 +271,12 @@ def parse_args(argv: list[str]):
                     help="real runs: inprocess (EngineTarget), serve (laser serve through HTTP), or both (default)")
     ap.add_argument("--knee", type=float, default=None,
                     help="the simulated knee, req/s, as a previous run printed it: no goodput search")
+    ap.add_argument("--sim-machine", choices=["measured", "profile"], default="measured",
+                    help="the simulator's machine: 'measured' (default): the profile at the speed and step "
+                         "scatter a first in-process run measures (at --speed-fraction x the profile's knee), "
+                         "planned as the engine plans; 'profile': the profile as is, taken as exact")
+    ap.add_argument("--speed-fraction", type=float, default=0.8,
+                    help="the first run's rate, as a fraction of the knee on the profile as is (default %(default)s)")
     ap.add_argument("--log-dir", default=None, help="keep the laser serve log here (default: not kept)")
     ap.add_argument("--knee-time-cap", type=float, default=180.0,
                     help="wall seconds after which the simulated knee search starts no new probe (default %(default)s)")
@@ -278,6 +300,8 @@ def parse_args(argv: list[str]):
         ap.error(f"--real: want inprocess, serve or both, got {a.real!r}")
     if a.knee is not None and not a.knee > 0:
         ap.error(f"--knee: want a rate > 0 req/s, got {a.knee}")
+    if not a.speed_fraction > 0:
+        ap.error(f"--speed-fraction: want > 0, got {a.speed_fraction}")
     if not any("prefix-caching" in x for x in extra):
         # every rate replays the same prompts: a prefix cache would serve a later rate's prompts from
         # an earlier one's (a served run at 0.8x measured 91 ms mean chat TTFT against 271 ms simulated)
@@ -285,8 +309,42 @@ def parse_args(argv: list[str]):
     return a, extra
 
 
-def simulated_knee(a, sim, requests, slos) -> float:
-    """``--knee`` when given, else the goodput of the policy on ``sim`` (printed)."""
+def start_speed(a, real, profile, requests, slos, rate: float):
+    """The machine as it runs now: the speed and step scatter of a first run of the workload at
+    ``rate`` req/s on ``real`` (in process, :func:`machine_speed_of`; ``laser serve``'s client
+    target, one with a ``server``: :func:`served_speed`), printed with that run's attainment; None
+    without a complete step."""
+    from laser.bench.runner import Benchmark
+
+    run = Benchmark({real.label: real}, requests, slos, seed=a.seed, probe_timeout_s=a.probe_timeout)
+    server = getattr(real, "server", None)
+    if server is None:
+        core = real.engine.core
+        core.step_log, before = [], (core.step_stats.steps, core.step_stats.schedule_s)
+        p = run.probe(real.label, rate, early_stop=False)
+        speed, where = machine_speed_of(real.engine, profile, before), "in-process"
+    else:
+        before = server.engine_steps()
+        p = run.probe(real.label, rate, early_stop=False)
+        speed, where = served_speed(server, profile, before)[0], "served"
+    print(f"the machine now: a first {where} run at {rate:.3f} req/s ({a.speed_fraction:g}x the knee "
+          f"{'given' if a.knee is not None else 'on the profile as is'}; attainment {p.attainment:.3f}, "
+          f"{p.wall_s:.0f} s): " + ("no complete step: the simulator keeps the profile as is" if speed is None
+                                    else speed.describe()), flush=True)
+    return speed
+
+
+def on_machine(target, speed, profile, seed: int, planner) -> None:
+    """Simulate ``target`` on the machine ``speed`` measured (its scatter included, draws seeded by
+    ``seed``), planned with ``planner`` (the engine's online calibration, which then measures the
+    simulated machine's spread as the engine measures the real one's)."""
+    target.machine_model = speed.model(profile, jitter=True, seed=seed)
+    target.planner = planner
+
+
+def simulated_knee(a, sim, requests, slos, where: str = "") -> float:
+    """``--knee`` when given, else the goodput of the policy on ``sim`` (printed; ``where``: what
+    machine ``sim`` is)."""
     from laser.bench.runner import Benchmark, saturation_rate
 
     if a.knee is not None:
@@ -297,7 +355,8 @@ def simulated_knee(a, sim, requests, slos) -> float:
     ts = time.perf_counter()
     gp = sims.goodput(0.1 * cap, cap, a.grid, a.bisect, time_cap_s=a.knee_time_cap)["sim"]
     knee = gp.goodput_rps
-    print(f"simulated knee (goodput of {a.policy} at 90% attainment): {knee:.3f} req/s [SIMULATED] "
+    print(f"simulated knee{' ' + where if where else ''} (goodput of {a.policy} at 90% attainment): {knee:.3f} "
+          f"req/s [SIMULATED] "
           f"({len(gp.probes)} simulated probes, {time.perf_counter() - ts:.0f} s"
           f"{'; stopped by the ' + gp.capped if gp.capped else ''}; pass --knee {knee:.4g} to reuse it)")
     return knee
@@ -389,7 +448,7 @@ def compare_at(both, runs: dict, sim_of: dict, rate: float, f: float, fe, wl_cla
     fe_load = loaded_frontend(seen, after, rps["serve"]) if seen is not None else None
     for lb, (twin, label) in TWINS.items():
         if speeds.get(lb) is not None and lb in rps and twin in runs:
-            runs[twin].machine_model = speeds[lb].model(profile)
+            runs[twin].machine_model = speeds[lb].model(profile, jitter=True, seed=both.seed)
             if lb == "serve":  # the served twin: the front end as the run measured it, under load
                 runs[twin].frontend_override_s = fe_load
             sims[twin] = both.probe(twin, rate, early_stop=False)
@@ -457,11 +516,21 @@ def main(argv=None) -> int:
           f"{100 * (meta.get('measurement') or {}).get('clean_fraction', float('nan')):.0f}% of its timings clean)")
     print(f"workload: {wl_desc}")
     print(cal.format())
-    knee = simulated_knee(a, sim, requests, slos)
+    from laser.instance.model_instance import planning_model
+
+    start = start_rate = None
+    if a.sim_machine == "measured":  # the simulator on the machine as it runs now, planned as the engine plans
+        base = a.knee if a.knee is not None else simulated_knee(a, sim, requests, slos, "on the profile as is")
+        start_rate = base * a.speed_fraction if base else None
+        start = start_speed(a, real, profile, requests, slos, start_rate) if start_rate else None
+        if start is not None:
+            on_machine(sim, start, profile, a.seed, planning_model)
+    knee = simulated_knee(a, sim, requests, slos, "" if start is None else "on the machine as measured")
     if not knee:
         print("no simulated rate passed: nothing to compare")
         return 1
 
+    out_served_start = None
     with ExitStack() as stack:
         runs, sim_of, fe = {"sim": sim}, {}, None  # sim_of: real label -> the simulated run it is compared with
         if "inprocess" in a.reals:
@@ -470,9 +539,12 @@ def main(argv=None) -> int:
             runs["serve"] = serve_target(stack, args, specs[0][1], profile, a)
             fe = frontend_term(runs["serve"], profile, a.frontend_probes)
             runs["sim-served"] = sim_target(args, a.policy, profile, engine, served=True, label="sim-served")
+            if start is not None:  # the served engine's machine: its own first run (it shares the cores
+                # with the front end and the client: its steps scatter more than in process)
+                served = start_speed(a, runs["serve"], profile, requests, slos, start_rate) or start
+                on_machine(runs["sim-served"], served, profile, a.seed, planning_model)
+                out_served_start = served
             sim_of["serve"] = "sim-served"
-        from laser.instance.model_instance import planning_model
-
         for lb, (twin, _) in TWINS.items():  # the twins on the machine as it ran (clock set per rate)
             if lb in sim_of:  # ... planned as the engine plans
                 runs[twin] = sim_target(args, a.policy, profile, engine, served=lb == "serve", label=twin)
@@ -481,6 +553,9 @@ def main(argv=None) -> int:
         wl_classes = sorted({r.slo_class for r in requests})
         out = {"command": "python benchmarks/sim_vs_real.py " + " ".join(sys.argv[1:]), "workload": wl_desc,
                "slo": cal.to_dict(), "knee_rps": knee, "knee_given": a.knee is not None,
+               "sim_machine": a.sim_machine,
+               "start_speed": None if start is None else dataclasses.asdict(start),
+               "start_speed_served": None if out_served_start is None else dataclasses.asdict(out_served_start),
                "profile": {k: meta.get(k) for k in ("created", "threads", "executor", "hardware")},
                "frontend_ttft_s": fe, "runs": []}
         lines = []

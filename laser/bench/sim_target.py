@@ -51,7 +51,9 @@ class SimTarget(Target):
     measured share of a served TTFT; TBT unchanged). False (default): in process, no front end.
 
     ``machine_model``: the simulated machine's clock when it is not ``latency_model`` (e.g.
-    :meth:`laser.latency.machine_speed.MachineSpeed.model`: the machine as a real run measured it);
+    :meth:`laser.latency.machine_speed.MachineSpeed.model`: the machine as a real run measured it;
+    one whose steps scatter, :class:`~laser.latency.machine_speed.JitteredLatencyModel`, is reseeded
+    at the start of every run, so each run sees the same draws);
     ``planner``: ``latency_model -> the model the policy plans with``, called afresh for every run
     (e.g. ``laser.instance.model_instance.planning_model``: the engine's online calibration, which
     then learns the simulated machine's speed as the engine learns the real one's); None: both are
@@ -112,6 +114,9 @@ class SimTarget(Target):
         ``background``: a :class:`~laser.bench.batchjob.JobDispatcher` run beside ``requests``
         (not disaggregated)."""
         t_start = time.perf_counter()
+        reseed = getattr(self.machine_model, "reseed", None)
+        if reseed is not None:
+            reseed()
         reqs = [_sim_request(wr, _slo_for(slos, wr.slo_class), wr.arrival_time, f"{self.label}-{i}")
                 for i, wr in enumerate(requests)]
         until = math.inf if timeout_s is None else timeout_s

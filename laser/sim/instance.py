@@ -110,6 +110,7 @@ class SimExecutor:
     def __init__(self, lm, num_layers: int, bm: BlockManager, icache: IntermediateCache, clock: VirtualClock,
                  stats: SimStats, record_plans: bool = False):
         self.lm = lm
+        self._begin_step = getattr(lm, "begin_step", None)
         self.n = num_layers
         self.bm = bm
         self.icache = icache
@@ -136,6 +137,8 @@ class SimExecutor:
         t0 = self.clock.t
         self._res = res = StepResult(stopped_layer=0)
         self._priced = (None, 0.0)
+        if self._begin_step is not None:  # a machine whose steps scatter (machine_speed.JitteredLatencyModel)
+            self._begin_step(plan)
         works, n = plan.works, self.n
         embed, whole = 0, bool(works)  # tokens embedded; whether every work runs layers [0, N)
         for w in works:

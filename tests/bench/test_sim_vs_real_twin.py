@@ -147,3 +147,44 @@ def test_the_served_ttft_line_names_the_wait_for_the_handler():
     assert "chat 100 / 110 (4.0 to the handler, 10.0 to the engine, 1.0 back)" in line
     old = {"chat": (0.300, 3, 0.030, 3, 0.003, 3, 0.0, 0)}  # a server without the handler's histogram
     assert "chat 100 / 110 (10.0 to the engine, 1.0 back)" in svr.server_ttft_line({}, old, probe)
+
+
+def test_the_simulator_on_the_machine_a_first_run_measured_matches_the_engine_on_it(capsys):
+    """``--sim-machine measured``: a first run measures the machine (0.8x / 1.2x its profile, no
+    scatter); the simulator put on that machine (planned as the engine plans) then matches a later
+    run of the engine request for request, where the profile as is does not."""
+    svr = _load("sim_vs_real")
+    reqs, slos = _workload()
+    real = SimulatedEngine()
+    a = types.SimpleNamespace(seed=7, probe_timeout=None, speed_fraction=0.8, knee=None)
+    speed = svr.start_speed(a, real, LM, reqs, slos, 40.0)
+    assert speed.decode_factor == pytest.approx(0.8) and speed.other_factor == pytest.approx(1.2)
+    assert speed.decode_jitter[0] == pytest.approx(1.0) and speed.decode_jitter[-1] == pytest.approx(1.0)
+    assert real.engine.core.step_log is None  # switched off after the run
+    out = capsys.readouterr().out
+    assert "the machine now: a first in-process run at 40.000 req/s" in out and "decode x0.800" in out
+    sim, plain = SimTarget("laser", LM, N, label="sim"), SimTarget("laser", LM, N, label="plain")
+    svr.on_machine(sim, speed, LM, 7, planning_model)
+    assert sim.planner is planning_model and sim.machine_model.seed == 7
+    runs = {"sim": sim, "plain": plain, "inprocess": real}
+    both = Benchmark(runs, reqs, slos, seed=7)
+    _, rec = svr.compare_at(both, runs, {"inprocess": "sim"}, 50.0, 1.0, None, ["chat", "code"], LM)
+    rows = rec["inprocess"]["requests"]
+    assert rows and all(r["a"]["ttft"] == pytest.approx(r["b"]["ttft"]) and r["a"]["tpot"] == pytest.approx(r["b"]["tpot"])
+                        for r in rows)
+    _, rec = svr.compare_at(both, runs, {"inprocess": "plain"}, 50.0, 1.0, None, ["chat", "code"], LM)
+    assert any(r["a"]["ttft"] != pytest.approx(r["b"]["ttft"]) for r in rec["inprocess"]["requests"])
+
+
+def test_the_served_first_run_measures_the_served_engines_own_machine(capsys):
+    """The served simulation's machine is measured on ``laser serve`` itself (its step log), not
+    taken from the in-process run: here the server runs at 0.7x / 1.3x, the in-process engine at
+    0.8x / 1.2x."""
+    svr = _load("sim_vs_real")
+    reqs, slos = _workload()
+    a = types.SimpleNamespace(seed=7, probe_timeout=None, speed_fraction=0.8, knee=12.5)
+    served = svr.start_speed(a, SimulatedServer(), LM, reqs, slos, 10.0)
+    assert served.decode_factor == pytest.approx(0.7) and served.other_factor == pytest.approx(1.3)
+    assert svr.start_speed(a, SimulatedEngine(), LM, reqs, slos, 10.0).decode_factor == pytest.approx(0.8)
+    out = capsys.readouterr().out
+    assert "a first served run at 10.000 req/s (0.8x the knee given" in out and "a first in-process run" in out

@@ -1,5 +1,6 @@
-"""The machine's speed against its profile, per kind of work (laser.latency.machine_speed), and the
-simulated twin of a run priced with it (SimTarget(machine_model=..., planner=...))."""
+"""The machine's speed against its profile, per kind of work (laser.latency.machine_speed), the
+scatter of its steps around their fitted price, and the simulated twin of a run priced with it
+(SimTarget(machine_model=..., planner=...))."""
 
 import pytest
 
@@ -9,7 +10,7 @@ from laser.core.config import SchedulerConfig
 from laser.core.request import SLO, Request, SamplingParams
 from laser.core.slo import SLOClasses
 from laser.latency import CalibratedLatencyModel, SimpleLatencyModel
-from laser.latency.machine_speed import KindScaledLatencyModel, fit_machine_speed
+from laser.latency.machine_speed import JitteredLatencyModel, KindScaledLatencyModel, fit_machine_speed
 from laser.sim import SimInstance
 
 N = 4
@@ -113,3 +114,93 @@ def test_host_time_per_step_is_charged_once_per_step():
     assert one.token_times[-1] - two.token_times[-1] == pytest.approx(5 * 0.002)
     with pytest.raises(ValueError):
         KindScaledLatencyModel(LM, 1.0, 1.0, host_step_s=-1.0)
+
+
+def _price(model, plan) -> float:
+    from laser.core.pricing import PlanCost
+
+    return PlanCost(model, plan.num_layers, plan.works).total
+
+
+def _has_prefill(plan) -> bool:
+    return any(w.num_tokens > 1 for w in plan.works)
+
+
+def _jittered_run(decode=(0.9, 1.1), other=(0.8, 1.25), seed=3):
+    base = KindScaledLatencyModel(LM, 0.8, 1.3)
+    machine = JitteredLatencyModel(base, decode, other, seed=seed)
+    sim = SimInstance("laser", N, LM, SchedulerConfig(policy="laser"), machine_model=machine)
+    sim.step_log = []
+    for r in _mixed_requests(24):
+        sim.submit(r)
+    sim.run()
+    return base, sim.step_log
+
+
+def test_a_jittered_machine_draws_each_steps_ratio_from_its_kinds_set():
+    """Every step of the simulated machine runs its price on the scattered-free machine times one
+    ratio of its kind's set (decode only: 0.9 / 1.1; with prefill: 0.8 / 1.25), each ratio seen."""
+    base, log = _jittered_run()
+    seen = {True: set(), False: set()}
+    for plan, measured in log:
+        seen[_has_prefill(plan)].add(round(measured / _price(base, plan), 9))
+    assert seen[False] == {0.9, 1.1} and seen[True] == {0.8, 1.25}
+    # the same seed draws the same steps again; another seed other ones
+    assert [m for _, m in _jittered_run()[1]] == [m for _, m in log]
+    assert [m for _, m in _jittered_run(seed=4)[1]] != [m for _, m in log]
+
+
+def test_jittered_machine_reseeds_and_refuses_bad_ratios():
+    m = JitteredLatencyModel(LM, (0.5, 2.0), seed=1)
+    assert m.factor == 1.0 and m.other_ratios == m.decode_ratios == (0.5, 2.0)  # an empty kind takes the other's
+    plan = type("P", (), {"works": []})()
+    draws = []
+    for _ in range(12):
+        m.begin_step(plan)
+        draws.append(m.factor)
+    assert set(draws) == {0.5, 2.0}
+    m.reseed()
+    assert m.factor == 1.0
+    again = []
+    for _ in range(12):
+        m.begin_step(plan)
+        again.append(m.factor)
+    assert again == draws
+    assert m.layer_time((1,), (5,)) == pytest.approx(draws[-1] * LM.layer_time((1,), (5,)))
+    with pytest.raises(ValueError, match="at least one"):
+        JitteredLatencyModel(LM, ())
+    with pytest.raises(ValueError, match="other_ratios"):
+        JitteredLatencyModel(LM, (1.0,), (1.0, 0.0))
+    with pytest.raises(ValueError, match="decode_ratios"):
+        JitteredLatencyModel(LM, (-1.0,))
+
+
+def test_the_fit_keeps_each_kinds_scatter_and_the_model_replays_it():
+    """From a machine whose decode-only steps ran 0.9x or 1.1x their price: the fit's decode
+    scatter spans exactly 1.1 / 0.9 and keeps the decode steps' total time; the machine it builds
+    with ``jitter=True`` draws from those quantiles (without: the plain two factors)."""
+    _, log = _jittered_run(other=(1.0,))
+    speed = fit_machine_speed(LM, log)
+    q = speed.decode_jitter
+    assert len(q) == 101 and list(q) == sorted(q)
+    assert q[-1] / q[0] == pytest.approx(1.1 / 0.9)
+    dec = [(plan, m) for plan, m in log if not _has_prefill(plan)]
+    fitted = [speed.decode_factor * _price(LM, plan) for plan, _ in dec]
+    keep = sum(m for _, m in dec) / sum(fitted)
+    ratios = sorted(m / f / keep for (_, m), f in zip(dec, fitted))
+    assert min(ratios) == pytest.approx(q[0]) and max(ratios) == pytest.approx(q[-1])
+    assert speed.other_jitter and "at 98 %" in speed.describe()
+    jittered = speed.model(LM, jitter=True, seed=5)
+    assert isinstance(jittered, JitteredLatencyModel) and jittered.decode_ratios == q
+    assert isinstance(speed.model(LM), KindScaledLatencyModel) and not isinstance(speed.model(LM), JitteredLatencyModel)
+
+
+def test_a_sim_target_on_a_jittered_machine_repeats_itself_run_after_run():
+    reqs = [WorkloadRequest("chat", "x", 8 + 30 * (i % 3), 8, 0.01 * i) for i in range(10)]
+    slos = SLOClasses({"chat": {"ttft": 10.0, "tbt": 1.0}})
+    t = SimTarget("laser", LM, N, machine_model=JitteredLatencyModel(LM, (0.7, 1.4), seed=2),
+                  planner=CalibratedLatencyModel)
+    first = [r.ttft for r in t.run(reqs, slos).records]
+    assert first == [r.ttft for r in t.run(reqs, slos).records]
+    plain = [r.ttft for r in SimTarget("laser", LM, N).run(reqs, slos).records]
+    assert first != plain
