@@ -16,7 +16,7 @@ plan with) and takes it as exact. This benchmark checks that assumption end to e
    (``JitteredLatencyModel``, seeded), and its engine plans as the real one does (the online
    calibration, which measures the simulated scatter as the engine measures the real one and
    divides its margins by it). The profile is measured once and the host drifts (an isolated
-   decode step of 10.7-14.8 ms on one VM in one afternoon, session 28), and a simulated machine
+   decode step of 10.7-14.8 ms on one VM in one afternoon: docs/benchmarks.md "The AMX kind, session 28"), and a simulated machine
    that never runs a step late plans with full margins and never lands a plan past its target:
    either alone put the simulated knee past the real engine's (``--sim-machine profile``: the
    profile as is, taken as exact, as before);
@@ -77,6 +77,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import tempfile
 import time
@@ -273,10 +274,14 @@ def parse_args(argv: list[str]):
                     help="the simulated knee, req/s, as a previous run printed it: no goodput search")
     ap.add_argument("--sim-machine", choices=["measured", "profile"], default="measured",
                     help="the simulator's machine: 'measured' (default): the profile at the speed and step "
-                         "scatter a first in-process run measures (at --speed-fraction x the profile's knee), "
-                         "planned as the engine plans; 'profile': the profile as is, taken as exact")
+                         "scatter a first real run measures (at --speed-fraction x the knee on the profile as is, "
+                         "or x --knee), planned as the engine plans; 'profile': the profile as is, taken as exact")
+    ap.add_argument("--sim-draws", type=int, default=5,
+                    help="a simulation on a machine whose steps scatter is repeated over this many draws of the "
+                         "scatter per rate, printed as mean and range per class (default %(default)s; 1: none)")
     ap.add_argument("--speed-fraction", type=float, default=0.8,
-                    help="the first run's rate, as a fraction of the knee on the profile as is (default %(default)s)")
+                    help="the first run's rate, as a fraction of the knee on the profile as is or of --knee "
+                         "(0.1-2; default %(default)s; again below the knee it finds, when that is lower)")
     ap.add_argument("--log-dir", default=None, help="keep the laser serve log here (default: not kept)")
     ap.add_argument("--knee-time-cap", type=float, default=180.0,
                     help="wall seconds after which the simulated knee search starts no new probe (default %(default)s)")
@@ -298,10 +303,12 @@ def parse_args(argv: list[str]):
     a.reals = [x.strip() for x in a.real.split(",") if x.strip()]
     if not a.reals or set(a.reals) - {"inprocess", "serve"}:
         ap.error(f"--real: want inprocess, serve or both, got {a.real!r}")
-    if a.knee is not None and not a.knee > 0:
-        ap.error(f"--knee: want a rate > 0 req/s, got {a.knee}")
-    if not a.speed_fraction > 0:
-        ap.error(f"--speed-fraction: want > 0, got {a.speed_fraction}")
+    if a.knee is not None and not (a.knee > 0 and math.isfinite(a.knee)):
+        ap.error(f"--knee: want a finite rate > 0 req/s, got {a.knee}")
+    if a.sim_draws < 1:
+        ap.error(f"--sim-draws: want >= 1, got {a.sim_draws}")
+    if not 0.1 <= a.speed_fraction <= 2.0:  # (nan and inf too)
+        ap.error(f"--speed-fraction: want 0.1-2 (a fraction of a knee), got {a.speed_fraction}")
     if not any("prefix-caching" in x for x in extra):
         # every rate replays the same prompts: a prefix cache would serve a later rate's prompts from
         # an earlier one's (a served run at 0.8x measured 91 ms mean chat TTFT against 271 ms simulated)
@@ -309,11 +316,12 @@ def parse_args(argv: list[str]):
     return a, extra
 
 
-def start_speed(a, real, profile, requests, slos, rate: float):
+def start_speed(a, real, profile, requests, slos, rate: float, basis: str, again: bool = False):
     """The machine as it runs now: the speed and step scatter of a first run of the workload at
     ``rate`` req/s on ``real`` (in process, :func:`machine_speed_of`; ``laser serve``'s client
-    target, one with a ``server``: :func:`served_speed`), printed with that run's attainment; None
-    without a complete step."""
+    target, one with a ``server``: :func:`served_speed`), printed with that run's attainment and
+    ``basis`` (the knee ``rate`` is a fraction of; ``again``: a second such run, below the knee the
+    first one found); None without a complete step."""
     from laser.bench.runner import Benchmark
 
     run = Benchmark({real.label: real}, requests, slos, seed=a.seed, probe_timeout_s=a.probe_timeout)
@@ -327,8 +335,8 @@ def start_speed(a, real, profile, requests, slos, rate: float):
         before = server.engine_steps()
         p = run.probe(real.label, rate, early_stop=False)
         speed, where = served_speed(server, profile, before)[0], "served"
-    print(f"the machine now: a first {where} run at {rate:.3f} req/s ({a.speed_fraction:g}x the knee "
-          f"{'given' if a.knee is not None else 'on the profile as is'}; attainment {p.attainment:.3f}, "
+    print(f"the machine now: a {'second' if again else 'first'} {where} run at {rate:.3f} req/s "
+          f"({a.speed_fraction:g}x {basis}; attainment {p.attainment:.3f}, "
           f"{p.wall_s:.0f} s): " + ("no complete step: the simulator keeps the profile as is" if speed is None
                                     else speed.describe()), flush=True)
     return speed
@@ -415,14 +423,50 @@ def machine_speed_of(engine, profile, before: tuple[int, float]):
     return fit_machine_speed(profile, steps, engine.model_config.num_layers, host)
 
 
+def scatter_draws(both, label: str, rate: float, k: int) -> list[dict] | None:
+    """Attainment per class (and ``"all"``) of simulated ``label`` at ``rate`` over ``k`` draws of
+    its machine's step scatter (seeds ``seed .. seed + k - 1`` of its
+    :class:`~laser.latency.machine_speed.JitteredLatencyModel`; the first is the table's run); None
+    for fewer than 2 draws or a machine without scatter."""
+    from laser.latency.machine_speed import step_hook
+
+    reseed = step_hook(getattr(both.targets[label], "machine_model", None), "reseed")
+    if k < 2 or reseed is None:
+        return None
+    seed0, out = reseed.__self__.seed, []
+    try:
+        for i in range(k):
+            reseed(seed0 + i)  # (the target's run starts from it)
+            p = both.probe(label, rate, early_stop=False)
+            out.append({**p.class_attainment(), "all": p.attainment})
+    finally:
+        reseed(seed0)
+    return out
+
+
+def draws_line(label: str, draws: list[dict], real_label: str, real) -> str:
+    """One line: per class the mean (min-max) attainment over the simulated draws, and the real
+    run's points from that mean."""
+    parts = []
+    for c in [*sorted(k for k in draws[0] if k != "all"), "all"]:
+        xs = [d.get(c, 0.0) for d in draws]
+        mean = sum(xs) / len(xs)
+        got = real.attainment if c == "all" else real.class_attainment().get(c)
+        pts = "" if got is None else f", {real_label} {100 * (got - mean):+.1f} pts"
+        parts.append(f"{c} {mean:.3f} ({min(xs):.3f}-{max(xs):.3f}{pts})")
+    return f"  {label} over {len(draws)} draws of its machine's scatter, mean (min-max): " + "; ".join(parts)
+
+
 def compare_at(both, runs: dict, sim_of: dict, rate: float, f: float, fe, wl_classes,
-               profile=None) -> tuple[list[str], dict]:
+               profile=None, draws: int = 1) -> tuple[list[str], dict]:
     """Run every simulated and real target of ``both`` at ``rate`` (``f`` x the knee); returns the
     table's lines and the JSON record (with every request of each real run beside its simulated
     twin: :func:`laser.bench.record_pairs.paired_rows`). ``sim_of``: real label -> its simulated
     run's label. With the targets of :data:`TWINS` in ``runs`` and an in-process run: each real
     run is also compared with its twin simulated on the machine as the in-process run measured it
-    (``profile`` scaled, planned as the engine plans), on the same arrivals."""
+    (``profile`` scaled, planned as the engine plans), on the same arrivals. ``draws``: a simulated
+    run on a machine whose steps scatter is also repeated over this many draws of the scatter
+    (:func:`scatter_draws`: mean and range per class, beside the real run)."""
     from laser.bench.record_pairs import format_pair_summary, pair_summary, paired_rows
 
     sims = {lb: both.probe(lb, rate, early_stop=False) for lb in dict.fromkeys(sim_of.values())}
@@ -463,6 +507,12 @@ def compare_at(both, runs: dict, sim_of: dict, rate: float, f: float, fe, wl_cla
             lines.append(f"  {TWINS[lb][1]}: {lb} beside its twin simulated at the speed of its own steps: "
                          f"{sp.describe()}{fe_twin}")
     lines += class_table(compared)
+    spread = {}
+    for lb, (sp, rp) in compared.items():
+        d = scatter_draws(both, sim_of[lb], rate, draws) if sim_of[lb] not in spread else spread[sim_of[lb]]
+        if d:
+            spread[sim_of[lb]] = d
+            lines.append(draws_line(sim_of[lb], d, lb, rp))
     if seen is not None:
         lines.append(server_ttft_line(seen, after, rps["serve"]))
         lines.append(client_cpu_line(runs["serve"]))
@@ -476,6 +526,8 @@ def compare_at(both, runs: dict, sim_of: dict, rate: float, f: float, fe, wl_cla
            **{lb: {"overall": rp.attainment, "per_class": rp.class_attainment(), "wall_s": rp.wall_s,
                    "unfinished": rp.unfinished, "sim": sim_of[lb], "requests": pairs[lb]}
               for lb, (_, rp) in compared.items()}}
+    if spread:
+        rec["sim_draws"] = spread
     if speeds.get("inprocess") is not None:
         rec["machine_speed"] = dataclasses.asdict(speeds["inprocess"])
     if speeds.get("serve") is not None:
@@ -518,14 +570,25 @@ def main(argv=None) -> int:
     print(cal.format())
     from laser.instance.model_instance import planning_model
 
-    start = start_rate = None
+    start = start_rate = knee = basis = None
     if a.sim_machine == "measured":  # the simulator on the machine as it runs now, planned as the engine plans
         base = a.knee if a.knee is not None else simulated_knee(a, sim, requests, slos, "on the profile as is")
         start_rate = base * a.speed_fraction if base else None
-        start = start_speed(a, real, profile, requests, slos, start_rate) if start_rate else None
+        basis = "the knee given" if a.knee is not None else "the knee on the profile as is"
+        start = start_speed(a, real, profile, requests, slos, start_rate, basis) if start_rate else None
         if start is not None:
             on_machine(sim, start, profile, a.seed, planning_model)
-    knee = simulated_knee(a, sim, requests, slos, "" if start is None else "on the machine as measured")
+            if a.knee is None:
+                knee = simulated_knee(a, sim, requests, slos, "on the machine as measured")
+                if knee and start_rate > knee:  # measured past the machine's own knee (another mix of
+                    # steps than near it: mostly prefill, few decode-only steps): once more, below it
+                    start_rate = knee * a.speed_fraction
+                    basis = "the knee on the machine as measured"
+                    start = start_speed(a, real, profile, requests, slos, start_rate, basis, again=True) or start
+                    on_machine(sim, start, profile, a.seed, planning_model)
+                    knee = None  # (searched again on this machine)
+    if knee is None:
+        knee = simulated_knee(a, sim, requests, slos, "" if start is None else "on the machine as measured")
     if not knee:
         print("no simulated rate passed: nothing to compare")
         return 1
@@ -541,7 +604,7 @@ def main(argv=None) -> int:
             runs["sim-served"] = sim_target(args, a.policy, profile, engine, served=True, label="sim-served")
             if start is not None:  # the served engine's machine: its own first run (it shares the cores
                 # with the front end and the client: its steps scatter more than in process)
-                served = start_speed(a, runs["serve"], profile, requests, slos, start_rate) or start
+                served = start_speed(a, runs["serve"], profile, requests, slos, start_rate, basis) or start
                 on_machine(runs["sim-served"], served, profile, a.seed, planning_model)
                 out_served_start = served
             sim_of["serve"] = "sim-served"
@@ -560,7 +623,7 @@ def main(argv=None) -> int:
                "frontend_ttft_s": fe, "runs": []}
         lines = []
         for f in (float(x) for x in a.fractions.split(",")):
-            more, rec = compare_at(both, runs, sim_of, knee * f, f, fe, wl_classes, profile)
+            more, rec = compare_at(both, runs, sim_of, knee * f, f, fe, wl_classes, profile, a.sim_draws)
             lines += more
             out["runs"].append(rec)
         print("\n".join(lines))

@@ -12,6 +12,7 @@ from laser.bench.target import RunOutput, Target, _slo_for, _summary_duration
 from laser.bench.workloads import WorkloadRequest
 from laser.core.metrics import record_from_request
 from laser.core.request import SLO, Request, SamplingParams
+from laser.latency.machine_speed import refuse_scattered, step_hook
 
 
 def run_sim_pair(p, d, until: float = math.inf, max_steps: int = 2_000_000) -> None:
@@ -52,8 +53,9 @@ class SimTarget(Target):
 
     ``machine_model``: the simulated machine's clock when it is not ``latency_model`` (e.g.
     :meth:`laser.latency.machine_speed.MachineSpeed.model`: the machine as a real run measured it;
-    one whose steps scatter, :class:`~laser.latency.machine_speed.JitteredLatencyModel`, is reseeded
-    at the start of every run, so each run sees the same draws);
+    one whose steps scatter, :class:`~laser.latency.machine_speed.JitteredLatencyModel` (also
+    under a wrapper), is reseeded at the start of every run, so each run sees the same draws;
+    ``latency_model`` must not scatter: ValueError);
     ``planner``: ``latency_model -> the model the policy plans with``, called afresh for every run
     (e.g. ``laser.instance.model_instance.planning_model``: the engine's online calibration, which
     then learns the simulated machine's speed as the engine learns the real one's); None: both are
@@ -72,6 +74,7 @@ class SimTarget(Target):
                  served: bool = False, machine_model=None, planner=None, frontend_override_s: float | None = None):
         from laser.core.config import SchedulerConfig
 
+        refuse_scattered(latency_model, "SimTarget's latency_model (what its scheduler plans with)")
         self.policy = policy
         self.lm = latency_model
         self.num_layers = num_layers or latency_model.num_layers
@@ -114,7 +117,7 @@ class SimTarget(Target):
         ``background``: a :class:`~laser.bench.batchjob.JobDispatcher` run beside ``requests``
         (not disaggregated)."""
         t_start = time.perf_counter()
-        reseed = getattr(self.machine_model, "reseed", None)
+        reseed = step_hook(self.machine_model, "reseed")
         if reseed is not None:
             reseed()
         reqs = [_sim_request(wr, _slo_for(slos, wr.slo_class), wr.arrival_time, f"{self.label}-{i}")

@@ -46,6 +46,7 @@ from ..core.config import SchedulerConfig
 from ..controller import Controller, get_controller
 from ..instance.messages import RequestInfo
 from ..core.request import Request
+from ..latency.machine_speed import refuse_scattered
 from .cluster_instance import SimClusterInstance
 from .events import EventQueue
 
@@ -179,6 +180,7 @@ class ClusterSim:
         self.spec = spec.layout_for(self.controller.disaggregated)
         self.config = config
         self.check = check
+        refuse_scattered(config.latency_model, "the cluster simulator's latency model")
         self.lm = config.latency_model
         self.num_layers = self.lm.num_layers
         self.instances = self._build()

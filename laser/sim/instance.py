@@ -33,6 +33,7 @@ from ..core.intermediate_cache import IntermediateCache
 from ..core.plan import LayerStep, StepPlan, StepResult
 from ..core.pricing import has_step_overhead
 from ..core.request import Request
+from ..latency.machine_speed import refuse_scattered, step_hook
 
 
 class VirtualClock:
@@ -110,7 +111,9 @@ class SimExecutor:
     def __init__(self, lm, num_layers: int, bm: BlockManager, icache: IntermediateCache, clock: VirtualClock,
                  stats: SimStats, record_plans: bool = False):
         self.lm = lm
-        self._begin_step = getattr(lm, "begin_step", None)
+        # a machine whose steps scatter (laser.latency.machine_speed.JitteredLatencyModel), also
+        # under a wrapper: each step draws its ratio before it is priced
+        self._begin_step = step_hook(lm, "begin_step")
         self.n = num_layers
         self.bm = bm
         self.icache = icache
@@ -291,6 +294,7 @@ class SimInstance(InstanceCore):
                  num_blocks: int = 4096, block_size: int = 16, icache_tokens: int = 16384,
                  record_plans: bool = False, machine_model=None, enable_prefix_caching: bool = False,
                  depth_model: SimDepth | None = None):
+        refuse_scattered(latency_model, "SimInstance's latency_model (what the scheduler plans with)")
         cfg = dataclasses.replace(config or SchedulerConfig(), policy=policy)
         clock = VirtualClock()
         self.lm = latency_model

@@ -157,7 +157,7 @@ def test_the_simulator_on_the_machine_a_first_run_measured_matches_the_engine_on
     reqs, slos = _workload()
     real = SimulatedEngine()
     a = types.SimpleNamespace(seed=7, probe_timeout=None, speed_fraction=0.8, knee=None)
-    speed = svr.start_speed(a, real, LM, reqs, slos, 40.0)
+    speed = svr.start_speed(a, real, LM, reqs, slos, 40.0, "the knee on the profile as is")
     assert speed.decode_factor == pytest.approx(0.8) and speed.other_factor == pytest.approx(1.2)
     assert speed.decode_jitter[0] == pytest.approx(1.0) and speed.decode_jitter[-1] == pytest.approx(1.0)
     assert real.engine.core.step_log is None  # switched off after the run
@@ -168,8 +168,11 @@ def test_the_simulator_on_the_machine_a_first_run_measured_matches_the_engine_on
     assert sim.planner is planning_model and sim.machine_model.seed == 7
     runs = {"sim": sim, "plain": plain, "inprocess": real}
     both = Benchmark(runs, reqs, slos, seed=7)
-    _, rec = svr.compare_at(both, runs, {"inprocess": "sim"}, 50.0, 1.0, None, ["chat", "code"], LM)
+    lines, rec = svr.compare_at(both, runs, {"inprocess": "sim"}, 50.0, 1.0, None, ["chat", "code"], LM, draws=3)
     rows = rec["inprocess"]["requests"]
+    assert len(rec["sim_draws"]["sim"]) == 3 and sim.machine_model.seed == 7  # (seed restored)
+    assert any(ln.startswith("  sim over 3 draws of its machine's scatter") and "inprocess +0.0 pts" in ln
+               for ln in lines)
     assert rows and all(r["a"]["ttft"] == pytest.approx(r["b"]["ttft"]) and r["a"]["tpot"] == pytest.approx(r["b"]["tpot"])
                         for r in rows)
     _, rec = svr.compare_at(both, runs, {"inprocess": "plain"}, 50.0, 1.0, None, ["chat", "code"], LM)
@@ -183,8 +186,25 @@ def test_the_served_first_run_measures_the_served_engines_own_machine(capsys):
     svr = _load("sim_vs_real")
     reqs, slos = _workload()
     a = types.SimpleNamespace(seed=7, probe_timeout=None, speed_fraction=0.8, knee=12.5)
-    served = svr.start_speed(a, SimulatedServer(), LM, reqs, slos, 10.0)
+    served = svr.start_speed(a, SimulatedServer(), LM, reqs, slos, 10.0, "the knee given")
     assert served.decode_factor == pytest.approx(0.7) and served.other_factor == pytest.approx(1.3)
-    assert svr.start_speed(a, SimulatedEngine(), LM, reqs, slos, 10.0).decode_factor == pytest.approx(0.8)
+    again = svr.start_speed(a, SimulatedEngine(), LM, reqs, slos, 10.0, "the knee on the machine as measured", True)
+    assert again.decode_factor == pytest.approx(0.8)
     out = capsys.readouterr().out
-    assert "a first served run at 10.000 req/s (0.8x the knee given" in out and "a first in-process run" in out
+    assert "a first served run at 10.000 req/s (0.8x the knee given" in out
+    assert "a second in-process run at 10.000 req/s (0.8x the knee on the machine as measured" in out
+
+
+def test_the_simulated_scatter_is_drawn_again_per_seed_and_the_seed_restored():
+    from laser.latency.machine_speed import JitteredLatencyModel
+
+    svr = _load("sim_vs_real")
+    reqs, slos = _workload()
+    machine = JitteredLatencyModel(KindScaledLatencyModel(LM, 1.0, 1.0), (0.4, 2.5), seed=11)
+    both = Benchmark({"sim": SimTarget("laser", LM, N, label="sim", machine_model=machine, planner=planning_model),
+                      "plain": SimTarget("laser", LM, N, label="plain")}, reqs, slos, seed=7)
+    draws = svr.scatter_draws(both, "sim", 400.0, 4)
+    assert len(draws) == 4 and machine.seed == 11
+    assert len({tuple(sorted(d.items())) for d in draws}) > 1  # other seeds, other machines
+    assert svr.scatter_draws(both, "sim", 400.0, 4) == draws  # and the same ones again
+    assert svr.scatter_draws(both, "plain", 400.0, 4) is None and svr.scatter_draws(both, "sim", 400.0, 1) is None
