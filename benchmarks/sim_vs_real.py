@@ -320,8 +320,8 @@ def start_speed(a, real, profile, requests, slos, rate: float, basis: str, again
     """The machine as it runs now: the speed and step scatter of a first run of the workload at
     ``rate`` req/s on ``real`` (in process, :func:`machine_speed_of`; ``laser serve``'s client
     target, one with a ``server``: :func:`served_speed`), printed with that run's attainment and
-    ``basis`` (the knee ``rate`` is a fraction of; ``again``: a second such run, below the knee the
-    first one found); None without a complete step."""
+    ``basis`` (how ``rate`` was chosen, e.g. "0.8x the knee on the profile as is"; ``again``: a
+    second such run, below the knee the first one found); None without a complete step."""
     from laser.bench.runner import Benchmark
 
     run = Benchmark({real.label: real}, requests, slos, seed=a.seed, probe_timeout_s=a.probe_timeout)
@@ -336,7 +336,7 @@ def start_speed(a, real, profile, requests, slos, rate: float, basis: str, again
         p = run.probe(real.label, rate, early_stop=False)
         speed, where = served_speed(server, profile, before)[0], "served"
     print(f"the machine now: a {'second' if again else 'first'} {where} run at {rate:.3f} req/s "
-          f"({a.speed_fraction:g}x {basis}; attainment {p.attainment:.3f}, "
+          f"({basis}; attainment {p.attainment:.3f}, "
           f"{p.wall_s:.0f} s): " + ("no complete step: the simulator keeps the profile as is" if speed is None
                                     else speed.describe()), flush=True)
     return speed
@@ -574,7 +574,7 @@ def main(argv=None) -> int:
     if a.sim_machine == "measured":  # the simulator on the machine as it runs now, planned as the engine plans
         base = a.knee if a.knee is not None else simulated_knee(a, sim, requests, slos, "on the profile as is")
         start_rate = base * a.speed_fraction if base else None
-        basis = "the knee given" if a.knee is not None else "the knee on the profile as is"
+        basis = f"{a.speed_fraction:g}x the knee {'given' if a.knee is not None else 'on the profile as is'}"
         start = start_speed(a, real, profile, requests, slos, start_rate, basis) if start_rate else None
         if start is not None:
             on_machine(sim, start, profile, a.seed, planning_model)
@@ -583,7 +583,7 @@ def main(argv=None) -> int:
                 if knee and start_rate > knee:  # measured past the machine's own knee (another mix of
                     # steps than near it: mostly prefill, few decode-only steps): once more, below it
                     start_rate = knee * a.speed_fraction
-                    basis = "the knee on the machine as measured"
+                    basis = f"{a.speed_fraction:g}x the knee on the machine as measured"
                     start = start_speed(a, real, profile, requests, slos, start_rate, basis, again=True) or start
                     on_machine(sim, start, profile, a.seed, planning_model)
                     knee = None  # (searched again on this machine)
@@ -594,6 +594,7 @@ def main(argv=None) -> int:
         return 1
 
     out_served_start = None
+    fractions = [float(x) for x in a.fractions.split(",")]
     with ExitStack() as stack:
         runs, sim_of, fe = {"sim": sim}, {}, None  # sim_of: real label -> the simulated run it is compared with
         if "inprocess" in a.reals:
@@ -603,8 +604,11 @@ def main(argv=None) -> int:
             fe = frontend_term(runs["serve"], profile, a.frontend_probes)
             runs["sim-served"] = sim_target(args, a.policy, profile, engine, served=True, label="sim-served")
             if start is not None:  # the served engine's machine: its own first run (it shares the cores
-                # with the front end and the client: its steps scatter more than in process)
-                served = start_speed(a, runs["serve"], profile, requests, slos, start_rate, basis) or start
+                # with the front end and the client: its steps scatter more than in process, and run
+                # slower the more the front end streams), at the highest rate compared
+                top = max(fractions)
+                served = start_speed(a, runs["serve"], profile, requests, slos, knee * top,
+                                     f"{top:g}x the knee {'given' if a.knee is not None else 'found'}") or start
                 on_machine(runs["sim-served"], served, profile, a.seed, planning_model)
                 out_served_start = served
             sim_of["serve"] = "sim-served"
@@ -622,7 +626,7 @@ def main(argv=None) -> int:
                "profile": {k: meta.get(k) for k in ("created", "threads", "executor", "hardware")},
                "frontend_ttft_s": fe, "runs": []}
         lines = []
-        for f in (float(x) for x in a.fractions.split(",")):
+        for f in fractions:
             more, rec = compare_at(both, runs, sim_of, knee * f, f, fe, wl_classes, profile, a.sim_draws)
             lines += more
             out["runs"].append(rec)

@@ -157,7 +157,7 @@ def test_the_simulator_on_the_machine_a_first_run_measured_matches_the_engine_on
     reqs, slos = _workload()
     real = SimulatedEngine()
     a = types.SimpleNamespace(seed=7, probe_timeout=None, speed_fraction=0.8, knee=None)
-    speed = svr.start_speed(a, real, LM, reqs, slos, 40.0, "the knee on the profile as is")
+    speed = svr.start_speed(a, real, LM, reqs, slos, 40.0, "0.8x the knee on the profile as is")
     assert speed.decode_factor == pytest.approx(0.8) and speed.other_factor == pytest.approx(1.2)
     assert speed.decode_jitter[0] == pytest.approx(1.0) and speed.decode_jitter[-1] == pytest.approx(1.0)
     assert real.engine.core.step_log is None  # switched off after the run
@@ -186,9 +186,9 @@ def test_the_served_first_run_measures_the_served_engines_own_machine(capsys):
     svr = _load("sim_vs_real")
     reqs, slos = _workload()
     a = types.SimpleNamespace(seed=7, probe_timeout=None, speed_fraction=0.8, knee=12.5)
-    served = svr.start_speed(a, SimulatedServer(), LM, reqs, slos, 10.0, "the knee given")
+    served = svr.start_speed(a, SimulatedServer(), LM, reqs, slos, 10.0, "0.8x the knee given")
     assert served.decode_factor == pytest.approx(0.7) and served.other_factor == pytest.approx(1.3)
-    again = svr.start_speed(a, SimulatedEngine(), LM, reqs, slos, 10.0, "the knee on the machine as measured", True)
+    again = svr.start_speed(a, SimulatedEngine(), LM, reqs, slos, 10.0, "0.8x the knee on the machine as measured", True)
     assert again.decode_factor == pytest.approx(0.8)
     out = capsys.readouterr().out
     assert "a first served run at 10.000 req/s (0.8x the knee given" in out
