@@ -46,7 +46,9 @@ plan with) and takes it as exact. This benchmark checks that assumption end to e
    The served run is compared with a *served* simulation (``SimTarget(served=True)``): the same
    profile plus the front end's share of a TTFT (``frontend_ttft_s``), measured on the started
    server (``laser.bench.frontend_cost``: idle one-token requests, client wall minus the engine's
-   TTFT the server reports) and kept in the profile; the served twin adds instead the front end
+   TTFT the server reports) and kept in the profile -- with ``--sim-machine measured``, the
+   served engine's own machine and its front end under load as its first served run measured
+   them, at the highest rate compared; the served twin adds instead the front end
    its run measured under load (:func:`loaded_frontend`: the client's TTFT minus the engine's,
    12-19 ms against 5-6 ms idle on the 2-vCPU EPYC); the in-process run is compared with the plain
    simulation. Per rate, the served probe's mean TTFT at the server (``/metrics``) is printed
@@ -319,27 +321,31 @@ def parse_args(argv: list[str]):
 def start_speed(a, real, profile, requests, slos, rate: float, basis: str, again: bool = False):
     """The machine as it runs now: the speed and step scatter of a first run of the workload at
     ``rate`` req/s on ``real`` (in process, :func:`machine_speed_of`; ``laser serve``'s client
-    target, one with a ``server``: :func:`served_speed`), printed with that run's attainment and
+    target, one with a ``server``: :func:`served_speed`, and the seconds its front end added to a
+    TTFT under that load, :func:`loaded_frontend`), printed with that run's attainment and
     ``basis`` (how ``rate`` was chosen, e.g. "0.8x the knee on the profile as is"; ``again``: a
-    second such run, below the knee the first one found); None without a complete step."""
+    second such run, below the knee the first one found). Returns (the speed, or None without a
+    complete step; the front end's seconds, None in process or without first tokens)."""
     from laser.bench.runner import Benchmark
 
     run = Benchmark({real.label: real}, requests, slos, seed=a.seed, probe_timeout_s=a.probe_timeout)
-    server = getattr(real, "server", None)
+    server, fe = getattr(real, "server", None), None
     if server is None:
         core = real.engine.core
         core.step_log, before = [], (core.step_stats.steps, core.step_stats.schedule_s)
         p = run.probe(real.label, rate, early_stop=False)
         speed, where = machine_speed_of(real.engine, profile, before), "in-process"
     else:
-        before = server.engine_steps()
+        classes = sorted({r.slo_class for r in requests})
+        before, seen = server.engine_steps(), server_ttft(server, classes)
         p = run.probe(real.label, rate, early_stop=False)
         speed, where = served_speed(server, profile, before)[0], "served"
+        fe = loaded_frontend(seen, server_ttft(server, classes), p)
     print(f"the machine now: a {'second' if again else 'first'} {where} run at {rate:.3f} req/s "
-          f"({basis}; attainment {p.attainment:.3f}, "
-          f"{p.wall_s:.0f} s): " + ("no complete step: the simulator keeps the profile as is" if speed is None
-                                    else speed.describe()), flush=True)
-    return speed
+          f"({basis}; attainment {p.attainment:.3f}, {p.wall_s:.0f} s): "
+          + ("no complete step: the simulator keeps the profile as is" if speed is None else speed.describe())
+          + ("" if fe is None else f"; its front end under that load {1e3 * fe:.1f} ms a TTFT"), flush=True)
+    return speed, fe
 
 
 def on_machine(target, speed, profile, seed: int, planner) -> None:
@@ -575,7 +581,7 @@ def main(argv=None) -> int:
         base = a.knee if a.knee is not None else simulated_knee(a, sim, requests, slos, "on the profile as is")
         start_rate = base * a.speed_fraction if base else None
         basis = f"{a.speed_fraction:g}x the knee {'given' if a.knee is not None else 'on the profile as is'}"
-        start = start_speed(a, real, profile, requests, slos, start_rate, basis) if start_rate else None
+        start = start_speed(a, real, profile, requests, slos, start_rate, basis)[0] if start_rate else None
         if start is not None:
             on_machine(sim, start, profile, a.seed, planning_model)
             if a.knee is None:
@@ -584,7 +590,7 @@ def main(argv=None) -> int:
                     # steps than near it: mostly prefill, few decode-only steps): once more, below it
                     start_rate = knee * a.speed_fraction
                     basis = f"{a.speed_fraction:g}x the knee on the machine as measured"
-                    start = start_speed(a, real, profile, requests, slos, start_rate, basis, again=True) or start
+                    start = start_speed(a, real, profile, requests, slos, start_rate, basis, again=True)[0] or start
                     on_machine(sim, start, profile, a.seed, planning_model)
                     knee = None  # (searched again on this machine)
     if knee is None:
@@ -593,7 +599,7 @@ def main(argv=None) -> int:
         print("no simulated rate passed: nothing to compare")
         return 1
 
-    out_served_start = None
+    out_served_start = fe_load = None
     fractions = [float(x) for x in a.fractions.split(",")]
     with ExitStack() as stack:
         runs, sim_of, fe = {"sim": sim}, {}, None  # sim_of: real label -> the simulated run it is compared with
@@ -607,9 +613,11 @@ def main(argv=None) -> int:
                 # with the front end and the client: its steps scatter more than in process, and run
                 # slower the more the front end streams), at the highest rate compared
                 top = max(fractions)
-                served = start_speed(a, runs["serve"], profile, requests, slos, knee * top,
-                                     f"{top:g}x the knee {'given' if a.knee is not None else 'found'}") or start
+                served, fe_load = start_speed(a, runs["serve"], profile, requests, slos, knee * top,
+                                              f"{top:g}x the knee {'given' if a.knee is not None else 'found'}")
+                served = served or start
                 on_machine(runs["sim-served"], served, profile, a.seed, planning_model)
+                runs["sim-served"].frontend_override_s = fe_load  # (None: the idle front end)
                 out_served_start = served
             sim_of["serve"] = "sim-served"
         for lb, (twin, _) in TWINS.items():  # the twins on the machine as it ran (clock set per rate)
@@ -624,10 +632,11 @@ def main(argv=None) -> int:
                "start_speed": None if start is None else dataclasses.asdict(start),
                "start_speed_served": None if out_served_start is None else dataclasses.asdict(out_served_start),
                "profile": {k: meta.get(k) for k in ("created", "threads", "executor", "hardware")},
-               "frontend_ttft_s": fe, "runs": []}
+               "frontend_ttft_s": fe, "frontend_loaded_start_s": fe_load, "runs": []}
         lines = []
         for f in fractions:
-            more, rec = compare_at(both, runs, sim_of, knee * f, f, fe, wl_classes, profile, a.sim_draws)
+            fe_sim = runs["sim-served"].frontend_s() if "sim-served" in runs else fe
+            more, rec = compare_at(both, runs, sim_of, knee * f, f, fe_sim, wl_classes, profile, a.sim_draws)
             lines += more
             out["runs"].append(rec)
         print("\n".join(lines))

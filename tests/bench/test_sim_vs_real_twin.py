@@ -157,7 +157,8 @@ def test_the_simulator_on_the_machine_a_first_run_measured_matches_the_engine_on
     reqs, slos = _workload()
     real = SimulatedEngine()
     a = types.SimpleNamespace(seed=7, probe_timeout=None, speed_fraction=0.8, knee=None)
-    speed = svr.start_speed(a, real, LM, reqs, slos, 40.0, "0.8x the knee on the profile as is")
+    speed, fe = svr.start_speed(a, real, LM, reqs, slos, 40.0, "0.8x the knee on the profile as is")
+    assert fe is None  # (in process: no front end)
     assert speed.decode_factor == pytest.approx(0.8) and speed.other_factor == pytest.approx(1.2)
     assert speed.decode_jitter[0] == pytest.approx(1.0) and speed.decode_jitter[-1] == pytest.approx(1.0)
     assert real.engine.core.step_log is None  # switched off after the run
@@ -186,9 +187,10 @@ def test_the_served_first_run_measures_the_served_engines_own_machine(capsys):
     svr = _load("sim_vs_real")
     reqs, slos = _workload()
     a = types.SimpleNamespace(seed=7, probe_timeout=None, speed_fraction=0.8, knee=12.5)
-    served = svr.start_speed(a, SimulatedServer(), LM, reqs, slos, 10.0, "0.8x the knee given")
+    served, _ = svr.start_speed(a, SimulatedServer(), LM, reqs, slos, 10.0, "0.8x the knee given")
     assert served.decode_factor == pytest.approx(0.7) and served.other_factor == pytest.approx(1.3)
-    again = svr.start_speed(a, SimulatedEngine(), LM, reqs, slos, 10.0, "0.8x the knee on the machine as measured", True)
+    again, _ = svr.start_speed(a, SimulatedEngine(), LM, reqs, slos, 10.0, "0.8x the knee on the machine as measured",
+                               True)
     assert again.decode_factor == pytest.approx(0.8)
     out = capsys.readouterr().out
     assert "a first served run at 10.000 req/s (0.8x the knee given" in out
@@ -208,3 +210,39 @@ def test_the_simulated_scatter_is_drawn_again_per_seed_and_the_seed_restored():
     assert len({tuple(sorted(d.items())) for d in draws}) > 1  # other seeds, other machines
     assert svr.scatter_draws(both, "sim", 400.0, 4) == draws  # and the same ones again
     assert svr.scatter_draws(both, "plain", 400.0, 4) is None and svr.scatter_draws(both, "sim", 400.0, 1) is None
+
+
+class MeteredServer(SimulatedServer):
+    """A served stand-in whose /metrics say the engine had each first token 6 ms before the client
+    did (the front end under load)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sums = {}
+
+    def run(self, requests, slos, **kw):
+        out = super().run(requests, slos, **kw)
+        for r in out.records:
+            if r.ttft is not None:
+                s = self.sums.setdefault(r.slo_class, [0.0, 0])
+                s[0] += r.ttft - 0.006
+                s[1] += 1
+        return out
+
+    def metric(self, names, **labels):
+        s = self.sums.get(labels.get("slo_class"), [0.0, 0])
+        name = names[0]
+        if name == "laser:time_to_first_token_seconds_sum":
+            return s[0]
+        if name.endswith("_count") and ("time_to_first" in name or "request_frontend" in name):
+            return s[1]
+        return 0.0
+
+
+def test_the_served_first_run_also_measures_its_front_end_under_load(capsys):
+    svr = _load("sim_vs_real")
+    reqs, slos = _workload()
+    a = types.SimpleNamespace(seed=7, probe_timeout=None, speed_fraction=0.8, knee=12.5)
+    speed, fe = svr.start_speed(a, MeteredServer(), LM, reqs, slos, 10.0, "1x the knee given")
+    assert speed.decode_factor == pytest.approx(0.7) and fe == pytest.approx(0.006)
+    assert "its front end under that load 6.0 ms a TTFT" in capsys.readouterr().out
