@@ -283,7 +283,8 @@ def parse_args(argv: list[str]):
                          "scatter per rate, printed as mean and range per class (default %(default)s; 1: none)")
     ap.add_argument("--speed-fraction", type=float, default=0.8,
                     help="the first run's rate, as a fraction of the knee on the profile as is or of --knee "
-                         "(0.1-2; default %(default)s; again below the knee it finds, when that is lower)")
+                         "(0.1-1; default %(default)s; a second run at this fraction of the knee the first finds, "
+                         "when it ran past it)")
     ap.add_argument("--log-dir", default=None, help="keep the laser serve log here (default: not kept)")
     ap.add_argument("--knee-time-cap", type=float, default=180.0,
                     help="wall seconds after which the simulated knee search starts no new probe (default %(default)s)")
@@ -309,8 +310,14 @@ def parse_args(argv: list[str]):
         ap.error(f"--knee: want a finite rate > 0 req/s, got {a.knee}")
     if a.sim_draws < 1:
         ap.error(f"--sim-draws: want >= 1, got {a.sim_draws}")
-    if not 0.1 <= a.speed_fraction <= 2.0:  # (nan and inf too)
-        ap.error(f"--speed-fraction: want 0.1-2 (a fraction of a knee), got {a.speed_fraction}")
+    if not 0.1 <= a.speed_fraction <= 1.0:  # (nan and inf too)
+        ap.error(f"--speed-fraction: want 0.1-1 (a fraction of a knee), got {a.speed_fraction}")
+    try:
+        a.fraction_list = [float(x) for x in a.fractions.split(",")]
+    except ValueError:
+        a.fraction_list = []
+    if not a.fraction_list or not all(math.isfinite(f) and f > 0 for f in a.fraction_list):
+        ap.error(f"--fractions: want a comma-separated list of fractions > 0, got {a.fractions!r}")
     if not any("prefix-caching" in x for x in extra):
         # every rate replays the same prompts: a prefix cache would serve a later rate's prompts from
         # an earlier one's (a served run at 0.8x measured 91 ms mean chat TTFT against 271 ms simulated)
@@ -318,14 +325,16 @@ def parse_args(argv: list[str]):
     return a, extra
 
 
-def start_speed(a, real, profile, requests, slos, rate: float, basis: str, again: bool = False):
+def start_speed(a, real, profile, requests, slos, rate: float, basis: str, again: bool = False,
+                fallback: str = "the profile as is"):
     """The machine as it runs now: the speed and step scatter of a first run of the workload at
     ``rate`` req/s on ``real`` (in process, :func:`machine_speed_of`; ``laser serve``'s client
     target, one with a ``server``: :func:`served_speed`, and the seconds its front end added to a
     TTFT under that load, :func:`loaded_frontend`), printed with that run's attainment and
     ``basis`` (how ``rate`` was chosen, e.g. "0.8x the knee on the profile as is"; ``again``: a
-    second such run, below the knee the first one found). Returns (the speed, or None without a
-    complete step; the front end's seconds, None in process or without first tokens)."""
+    second such run, below the knee the first one found; ``fallback``: what the simulator keeps
+    when the run has no complete step, printed). Returns (the speed, or None without a complete
+    step; the front end's seconds, None in process or without first tokens)."""
     from laser.bench.runner import Benchmark
 
     run = Benchmark({real.label: real}, requests, slos, seed=a.seed, probe_timeout_s=a.probe_timeout)
@@ -343,17 +352,58 @@ def start_speed(a, real, profile, requests, slos, rate: float, basis: str, again
         fe = loaded_frontend(seen, server_ttft(server, classes), p)
     print(f"the machine now: a {'second' if again else 'first'} {where} run at {rate:.3f} req/s "
           f"({basis}; attainment {p.attainment:.3f}, {p.wall_s:.0f} s): "
-          + ("no complete step: the simulator keeps the profile as is" if speed is None else speed.describe())
+          + (f"no complete step: the simulator keeps {fallback}" if speed is None else speed.describe())
           + ("" if fe is None else f"; its front end under that load {1e3 * fe:.1f} ms a TTFT"), flush=True)
     return speed, fe
 
 
-def on_machine(target, speed, profile, seed: int, planner) -> None:
+def on_machine(target, speed, profile, seed: int, planner, frontend_s: float | None = None) -> None:
     """Simulate ``target`` on the machine ``speed`` measured (its scatter included, draws seeded by
     ``seed``), planned with ``planner`` (the engine's online calibration, which then measures the
-    simulated machine's spread as the engine measures the real one's)."""
+    simulated machine's spread as the engine measures the real one's); a served ``target`` with
+    the front end ``frontend_s`` seconds a TTFT as measured under load (None: the idle one)."""
     target.machine_model = speed.model(profile, jitter=True, seed=seed)
     target.planner = planner
+    if getattr(target, "served", False):
+        target.frontend_override_s = frontend_s
+
+
+def knee_on_machine(a, sim, real, profile, requests, slos, planner):
+    """The simulated knee, and the machine ``sim`` was put on for it (None: the profile as is).
+    ``real``: the engine in process, or ``laser serve``'s client target (``sim``: the served
+    simulation, which then also takes the front end as the first runs measured it under load).
+
+    ``--sim-machine profile``: the knee of ``sim`` as it is (or ``--knee``). ``measured``: a first
+    run on ``real`` (:func:`start_speed`) at ``--speed-fraction`` x the knee on the profile as is
+    (or x ``--knee``) measures the machine, ``sim`` is put on it (:func:`on_machine`, planned
+    with ``planner``) and the knee is searched there (unless given); when the first run went past
+    that knee, a second one at the same fraction of it measures the machine again (the first
+    one's stays when the second has no complete step) and the knee is searched once more. A
+    first run without a complete step leaves ``sim`` on the profile as is, with its knee."""
+    if a.sim_machine != "measured":
+        return simulated_knee(a, sim, requests, slos), None
+    base = a.knee if a.knee is not None else simulated_knee(a, sim, requests, slos, "on the profile as is")
+    if not base:
+        return base, None
+    rate = base * a.speed_fraction
+    basis = f"{a.speed_fraction:g}x the knee {'given' if a.knee is not None else 'on the profile as is'}"
+    start, fe = start_speed(a, real, profile, requests, slos, rate, basis)
+    if start is None:
+        return base, None
+    on_machine(sim, start, profile, a.seed, planner, fe)
+    if a.knee is not None:
+        return a.knee, start
+    knee = simulated_knee(a, sim, requests, slos, "on the machine as measured")
+    if knee and rate > knee:  # measured past the machine's own knee (another mix of steps than near
+        # it: mostly prefill, few decode-only steps): once more, below it
+        again, fe = start_speed(a, real, profile, requests, slos, knee * a.speed_fraction,
+                                f"{a.speed_fraction:g}x the knee on the machine as measured", again=True,
+                                fallback="the first run's machine")
+        if again is not None:
+            start = again
+            on_machine(sim, start, profile, a.seed, planner, fe)
+            knee = simulated_knee(a, sim, requests, slos, "on the machine as measured")
+    return knee, start
 
 
 def simulated_knee(a, sim, requests, slos, where: str = "") -> float:
@@ -576,31 +626,12 @@ def main(argv=None) -> int:
     print(cal.format())
     from laser.instance.model_instance import planning_model
 
-    start = start_rate = knee = basis = None
-    if a.sim_machine == "measured":  # the simulator on the machine as it runs now, planned as the engine plans
-        base = a.knee if a.knee is not None else simulated_knee(a, sim, requests, slos, "on the profile as is")
-        start_rate = base * a.speed_fraction if base else None
-        basis = f"{a.speed_fraction:g}x the knee {'given' if a.knee is not None else 'on the profile as is'}"
-        start = start_speed(a, real, profile, requests, slos, start_rate, basis)[0] if start_rate else None
-        if start is not None:
-            on_machine(sim, start, profile, a.seed, planning_model)
-            if a.knee is None:
-                knee = simulated_knee(a, sim, requests, slos, "on the machine as measured")
-                if knee and start_rate > knee:  # measured past the machine's own knee (another mix of
-                    # steps than near it: mostly prefill, few decode-only steps): once more, below it
-                    start_rate = knee * a.speed_fraction
-                    basis = f"{a.speed_fraction:g}x the knee on the machine as measured"
-                    start = start_speed(a, real, profile, requests, slos, start_rate, basis, again=True)[0] or start
-                    on_machine(sim, start, profile, a.seed, planning_model)
-                    knee = None  # (searched again on this machine)
-    if knee is None:
-        knee = simulated_knee(a, sim, requests, slos, "" if start is None else "on the machine as measured")
+    knee, start = knee_on_machine(a, sim, real, profile, requests, slos, planning_model)
     if not knee:
         print("no simulated rate passed: nothing to compare")
         return 1
 
-    out_served_start = fe_load = None
-    fractions = [float(x) for x in a.fractions.split(",")]
+    served_knee = served_start = None
     with ExitStack() as stack:
         runs, sim_of, fe = {"sim": sim}, {}, None  # sim_of: real label -> the simulated run it is compared with
         if "inprocess" in a.reals:
@@ -609,16 +640,16 @@ def main(argv=None) -> int:
             runs["serve"] = serve_target(stack, args, specs[0][1], profile, a)
             fe = frontend_term(runs["serve"], profile, a.frontend_probes)
             runs["sim-served"] = sim_target(args, a.policy, profile, engine, served=True, label="sim-served")
-            if start is not None:  # the served engine's machine: its own first run (it shares the cores
-                # with the front end and the client: its steps scatter more than in process, and run
-                # slower the more the front end streams), at the highest rate compared
-                top = max(fractions)
-                served, fe_load = start_speed(a, runs["serve"], profile, requests, slos, knee * top,
-                                              f"{top:g}x the knee {'given' if a.knee is not None else 'found'}")
-                served = served or start
-                on_machine(runs["sim-served"], served, profile, a.seed, planning_model)
-                runs["sim-served"].frontend_override_s = fe_load  # (None: the idle front end)
-                out_served_start = served
+            served_knee = knee
+            if a.sim_machine == "measured":  # the served engine on its own machine, with its own knee: it
+                # shares the cores with its front end and the client (its steps scatter more than in
+                # process, its front end takes longer the more it streams), so it saturates earlier
+                served_knee, served_start = knee_on_machine(a, runs["sim-served"], runs["serve"], profile, requests,
+                                                            slos, planning_model)
+                if not served_knee:
+                    print("no simulated rate passed on the served machine: the served run is compared at the "
+                          "in-process knee")
+                    served_knee = knee
             sim_of["serve"] = "sim-served"
         for lb, (twin, _) in TWINS.items():  # the twins on the machine as it ran (clock set per rate)
             if lb in sim_of:  # ... planned as the engine plans
@@ -627,18 +658,25 @@ def main(argv=None) -> int:
         both = Benchmark(runs, requests, slos, seed=a.seed, probe_timeout_s=a.probe_timeout)
         wl_classes = sorted({r.slo_class for r in requests})
         out = {"command": "python benchmarks/sim_vs_real.py " + " ".join(sys.argv[1:]), "workload": wl_desc,
-               "slo": cal.to_dict(), "knee_rps": knee, "knee_given": a.knee is not None,
-               "sim_machine": a.sim_machine,
+               "slo": cal.to_dict(), "knee_rps": knee, "knee_served_rps": served_knee,
+               "knee_given": a.knee is not None, "sim_machine": a.sim_machine,
                "start_speed": None if start is None else dataclasses.asdict(start),
-               "start_speed_served": None if out_served_start is None else dataclasses.asdict(out_served_start),
+               "start_speed_served": None if served_start is None else dataclasses.asdict(served_start),
                "profile": {k: meta.get(k) for k in ("created", "threads", "executor", "hardware")},
-               "frontend_ttft_s": fe, "frontend_loaded_start_s": fe_load, "runs": []}
+               "frontend_ttft_s": fe, "runs": []}
+        if "sim-served" in runs:
+            out["frontend_loaded_start_s"] = runs["sim-served"].frontend_override_s
         lines = []
-        for f in fractions:
-            fe_sim = runs["sim-served"].frontend_s() if "sim-served" in runs else fe
-            more, rec = compare_at(both, runs, sim_of, knee * f, f, fe_sim, wl_classes, profile, a.sim_draws)
-            lines += more
-            out["runs"].append(rec)
+        # each real run at its own simulated knee (the same one unless the served engine has its own)
+        groups = [({lb: sim_of[lb]}, k) for lb, k in (("inprocess", knee), ("serve", served_knee)) if lb in sim_of]
+        if len(groups) == 2 and served_knee == knee:
+            groups = [(sim_of, knee)]
+        for f in a.fraction_list:
+            for pairs, k in groups:
+                fe_sim = runs["sim-served"].frontend_s() if "sim-served" in runs else fe
+                more, rec = compare_at(both, runs, pairs, k * f, f, fe_sim, wl_classes, profile, a.sim_draws)
+                lines += more
+                out["runs"].append(rec)
         print("\n".join(lines))
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     print(f"total wall time {out['wall_s']:.0f} s")

@@ -246,3 +246,72 @@ def test_the_served_first_run_also_measures_its_front_end_under_load(capsys):
     speed, fe = svr.start_speed(a, MeteredServer(), LM, reqs, slos, 10.0, "1x the knee given")
     assert speed.decode_factor == pytest.approx(0.7) and fe == pytest.approx(0.006)
     assert "its front end under that load 6.0 ms a TTFT" in capsys.readouterr().out
+
+
+def test_the_draws_line_gives_mean_range_and_the_real_runs_points():
+    svr = _load("sim_vs_real")
+    real = types.SimpleNamespace(attainment=0.95, class_attainment=lambda: {"chat": 0.95})
+    line = svr.draws_line("sim", [{"chat": 0.8, "all": 0.8}, {"chat": 1.0, "all": 0.9}], "inprocess", real)
+    assert line == ("  sim over 2 draws of its machine's scatter, mean (min-max): chat 0.900 (0.800-1.000, "
+                    "inprocess +5.0 pts); all 0.850 (0.800-0.900, inprocess +10.0 pts)")
+
+
+@pytest.mark.parametrize("case", ["profile", "past", "past-no-steps", "below", "no-steps", "given"])
+def test_the_knee_is_searched_on_the_machine_the_first_runs_measured(monkeypatch, case):
+    """``knee_on_machine``: which runs and searches happen, and on which machine the simulator ends."""
+    svr = _load("sim_vs_real")
+    first, second = object(), object()
+    calls = []
+
+    def knee(a, sim, requests, slos, where=""):
+        calls.append(("knee", where, sim.machine))
+        return {None: 5.0, first: 3.5 if case != "below" else 6.5, second: 4.2}[sim.machine]
+
+    def speed(a, real, profile, requests, slos, rate, basis, again=False, fallback="the profile as is"):
+        calls.append(("run", round(rate, 6), basis, again, fallback))
+        if case == "no-steps" or (again and case == "past-no-steps"):
+            return None, None
+        return (second if again else first), None
+
+    def on(target, sp, profile, seed, planner, frontend_s=None):
+        target.machine = sp
+
+    monkeypatch.setattr(svr, "simulated_knee", knee)
+    monkeypatch.setattr(svr, "start_speed", speed)
+    monkeypatch.setattr(svr, "on_machine", on)
+    a = types.SimpleNamespace(sim_machine="profile" if case == "profile" else "measured", speed_fraction=0.8,
+                              knee=3.0 if case == "given" else None, seed=7)
+    sim = types.SimpleNamespace(machine=None)
+    k, start = svr.knee_on_machine(a, sim, "real", "profile", [], None, "planner")
+    if case == "profile":
+        assert (k, start, calls) == (5.0, None, [("knee", "", None)])
+    runs = [c for c in calls if c[0] == "run"]
+    if case == "past":  # the first run at 0.8 x 5.0 = 4.0 req/s, past the 3.5 it then finds: again at 2.8
+        assert k == 4.2 and start is second and sim.machine is second
+        assert runs == [("run", 4.0, "0.8x the knee on the profile as is", False, "the profile as is"),
+                        ("run", 2.8, "0.8x the knee on the machine as measured", True, "the first run's machine")]
+        assert [c[1] for c in calls if c[0] == "knee"] == ["on the profile as is", "on the machine as measured",
+                                                            "on the machine as measured"]
+    if case == "past-no-steps":  # the second run measured nothing: the first run's machine and knee stay
+        assert k == 3.5 and start is first and sim.machine is first and len(runs) == 2
+    if case == "below":  # the first run was below the knee it found: no second run
+        assert k == 6.5 and start is first and len(runs) == 1
+    if case == "no-steps":  # no machine measured: the profile as is and its knee, not searched again
+        assert k == 5.0 and start is None and sim.machine is None and len(runs) == 1
+        assert [c for c in calls if c[0] == "knee"] == [("knee", "on the profile as is", None)]
+    if case == "given":
+        assert k == 3.0 and start is first and not [c for c in calls if c[0] == "knee"]
+        assert runs == [("run", 2.4, "0.8x the knee given", False, "the profile as is")]
+
+
+def test_a_served_simulation_put_on_a_measured_machine_takes_its_loaded_front_end():
+    svr = _load("sim_vs_real")
+    reqs, slos = _workload()
+    a = types.SimpleNamespace(sim_machine="measured", seed=7, probe_timeout=None, speed_fraction=0.8, knee=10.0)
+    sim = SimTarget("laser", LM, N, label="sim-served", served=True)
+    k, speed = svr.knee_on_machine(a, sim, MeteredServer(), LM, reqs, slos, planning_model)
+    assert k == 10.0 and speed.decode_factor == pytest.approx(0.7)
+    assert sim.frontend_s() == pytest.approx(0.006) and sim.planner is planning_model
+    plain = SimTarget("laser", LM, N, label="sim")
+    svr.on_machine(plain, speed, LM, 7, planning_model, 0.006)
+    assert plain.frontend_s() == 0.0  # (in process: no front end)
