@@ -626,58 +626,54 @@ def main(argv=None) -> int:
     print(cal.format())
     from laser.instance.model_instance import planning_model
 
-    knee, start = knee_on_machine(a, sim, real, profile, requests, slos, planning_model)
-    if not knee:
-        print("no simulated rate passed: nothing to compare")
-        return 1
+    # Each real run is measured, its knee searched and compared there in one go: a host that drifts
+    # then moves less between the measurement and the comparison (in process first, then served)
+    wl_classes = sorted({r.slo_class for r in requests})
+    out = {"command": "python benchmarks/sim_vs_real.py " + " ".join(sys.argv[1:]), "workload": wl_desc,
+           "slo": cal.to_dict(), "knee_given": a.knee is not None, "sim_machine": a.sim_machine,
+           "profile": {k: meta.get(k) for k in ("created", "threads", "executor", "hardware")}, "runs": []}
 
-    served_knee = served_start = None
-    with ExitStack() as stack:
-        runs, sim_of, fe = {"sim": sim}, {}, None  # sim_of: real label -> the simulated run it is compared with
-        if "inprocess" in a.reals:
-            runs["inprocess"], sim_of["inprocess"] = real, "sim"
-        if "serve" in a.reals:
-            runs["serve"] = serve_target(stack, args, specs[0][1], profile, a)
-            fe = frontend_term(runs["serve"], profile, a.frontend_probes)
-            runs["sim-served"] = sim_target(args, a.policy, profile, engine, served=True, label="sim-served")
-            served_knee = knee
-            if a.sim_machine == "measured":  # the served engine on its own machine, with its own knee: it
-                # shares the cores with its front end and the client (its steps scatter more than in
-                # process, its front end takes longer the more it streams), so it saturates earlier
-                served_knee, served_start = knee_on_machine(a, runs["sim-served"], runs["serve"], profile, requests,
-                                                            slos, planning_model)
-                if not served_knee:
-                    print("no simulated rate passed on the served machine: the served run is compared at the "
-                          "in-process knee")
-                    served_knee = knee
-            sim_of["serve"] = "sim-served"
-        for lb, (twin, _) in TWINS.items():  # the twins on the machine as it ran (clock set per rate)
-            if lb in sim_of:  # ... planned as the engine plans
-                runs[twin] = sim_target(args, a.policy, profile, engine, served=lb == "serve", label=twin)
-                runs[twin].planner = planning_model
+    def compare(runs: dict, label: str, sim_label: str, knee: float, fe_sim) -> None:
+        twin = TWINS[label][0]  # the twin on the machine as the run went (clock set per rate), planned as the engine plans
+        runs[twin] = sim_target(args, a.policy, profile, engine, served=label == "serve", label=twin)
+        runs[twin].planner = planning_model
         both = Benchmark(runs, requests, slos, seed=a.seed, probe_timeout_s=a.probe_timeout)
-        wl_classes = sorted({r.slo_class for r in requests})
-        out = {"command": "python benchmarks/sim_vs_real.py " + " ".join(sys.argv[1:]), "workload": wl_desc,
-               "slo": cal.to_dict(), "knee_rps": knee, "knee_served_rps": served_knee,
-               "knee_given": a.knee is not None, "sim_machine": a.sim_machine,
-               "start_speed": None if start is None else dataclasses.asdict(start),
-               "start_speed_served": None if served_start is None else dataclasses.asdict(served_start),
-               "profile": {k: meta.get(k) for k in ("created", "threads", "executor", "hardware")},
-               "frontend_ttft_s": fe, "runs": []}
-        if "sim-served" in runs:
-            out["frontend_loaded_start_s"] = runs["sim-served"].frontend_override_s
         lines = []
-        # each real run at its own simulated knee (the same one unless the served engine has its own)
-        groups = [({lb: sim_of[lb]}, k) for lb, k in (("inprocess", knee), ("serve", served_knee)) if lb in sim_of]
-        if len(groups) == 2 and served_knee == knee:
-            groups = [(sim_of, knee)]
         for f in a.fraction_list:
-            for pairs, k in groups:
-                fe_sim = runs["sim-served"].frontend_s() if "sim-served" in runs else fe
-                more, rec = compare_at(both, runs, pairs, k * f, f, fe_sim, wl_classes, profile, a.sim_draws)
-                lines += more
-                out["runs"].append(rec)
-        print("\n".join(lines))
+            more, rec = compare_at(both, runs, {label: sim_label}, knee * f, f, fe_sim, wl_classes, profile,
+                                   a.sim_draws)
+            lines += more
+            out["runs"].append(rec)
+        print("\n".join(lines), flush=True)
+
+    compared = 0
+    if "inprocess" in a.reals:
+        knee, start = knee_on_machine(a, sim, real, profile, requests, slos, planning_model)
+        out.update(knee_rps=knee, start_speed=None if start is None else dataclasses.asdict(start))
+        if knee:
+            compare({"sim": sim, "inprocess": real}, "inprocess", "sim", knee, None)
+            compared += 1
+        else:
+            print("no simulated rate passed in process: nothing to compare there")
+    if "serve" in a.reals:
+        with ExitStack() as stack:
+            server = serve_target(stack, args, specs[0][1], profile, a)
+            fe = frontend_term(server, profile, a.frontend_probes)
+            sim_served = sim_target(args, a.policy, profile, engine, served=True, label="sim-served")
+            # the served engine on its own machine, with its own knee: it shares the cores with its front
+            # end and the client (its steps scatter more than in process, its front end takes longer the
+            # more it streams), so it saturates earlier
+            knee, start = knee_on_machine(a, sim_served, server, profile, requests, slos, planning_model)
+            out.update(knee_served_rps=knee, start_speed_served=None if start is None else dataclasses.asdict(start),
+                       frontend_ttft_s=fe, frontend_loaded_start_s=sim_served.frontend_override_s)
+            if knee:
+                compare({"sim-served": sim_served, "serve": server}, "serve", "sim-served", knee,
+                        sim_served.frontend_s())
+                compared += 1
+            else:
+                print("no simulated rate passed on the served machine: nothing to compare there")
+    if not compared:
+        return 1
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     print(f"total wall time {out['wall_s']:.0f} s")
     if a.json:
