@@ -7,9 +7,10 @@ plan with) and takes it as exact. This benchmark checks that assumption end to e
    this model, dtype, hardware, threads and executor path, measured on first use), the workload
    (``laser.bench.workloads``: the multi-SLO mix) and the SLO targets (``laser bench``'s
    calibration: by default scaled to the engine's measured isolated latencies);
-2. put the simulator on the machine as it runs now (``--sim-machine measured``, the default): a
-   first in-process run of the workload (at ``--speed-fraction`` x the knee on the profile as
-   is) measures how fast the machine runs the engine's steps against the profile, decode and
+2. put the simulator on the machine as it runs now (``--sim-machine measured``, the default;
+   ``knee_on_machine``): a first run of the workload on the real engine (at ``--speed-fraction``
+   x the knee on the profile as is; a second one below the knee it finds when it ran past it)
+   measures how fast the machine runs the engine's steps against the profile, decode and
    prefill apart, and how far its steps scatter around that fitted price
    (``laser.latency.machine_speed``); the simulator's clock is then the profile at that speed,
    each simulated step drawing its own ratio from the run's scatter of its kind
@@ -29,7 +30,11 @@ plan with) and takes it as exact. This benchmark checks that assumption end to e
    (``--real``): ``inprocess`` (``EngineTarget``: ``laser.online.run_online``, arrivals released at
    layer boundaries in real time) and ``serve`` (a ``laser serve`` subprocess with the same engine
    flags and the same profile file, driven through HTTP by ``laser bench``'s client:
-   ``ClientTarget``, streaming, each request carrying its class and targets in headers);
+   ``ClientTarget``, streaming, each request carrying its class and targets in headers). Each
+   is measured (step 2), its knee searched and compared in one go, in process first: the served
+   engine shares the cores with its front end and the client, so it has its own machine, front
+   end under load and knee (a served simulation, below), and the host drifts less between a
+   run's measurement and its comparison;
 4. print the attainment per class side by side (sim, each real run, real - sim), and mean TTFT;
    then per class the median per-request difference real - sim (TTFT, TPOT, P99 TBT) and the
    requests whose verdict flipped (``laser.bench.record_pairs``; ``--json`` keeps every request);
@@ -47,8 +52,8 @@ plan with) and takes it as exact. This benchmark checks that assumption end to e
    profile plus the front end's share of a TTFT (``frontend_ttft_s``), measured on the started
    server (``laser.bench.frontend_cost``: idle one-token requests, client wall minus the engine's
    TTFT the server reports) and kept in the profile -- with ``--sim-machine measured``, the
-   served engine's own machine and its front end under load as its first served run measured
-   them, at the highest rate compared; the served twin adds instead the front end
+   served engine's own machine and its front end under load as its first served runs measured
+   them; the served twin adds instead the front end
    its run measured under load (:func:`loaded_frontend`: the client's TTFT minus the engine's,
    12-19 ms against 5-6 ms idle on the 2-vCPU EPYC); the in-process run is compared with the plain
    simulation. Per rate, the served probe's mean TTFT at the server (``/metrics``) is printed
@@ -64,7 +69,7 @@ profile says (the online calibration, on by default, scales the plans to the mac
 
 Usage (SmolLM2 defaults: 120 prompts, 30 per code / summarization class, so one request is 3.3
 points -- at a class attainment of 0.8-0.9 one run's own sampling error is 5-7 points, so
-``--num-prompts 240`` halves a request's weight; about 5 minutes with a cached profile, 10 with
+``--num-prompts 240`` halves a request's weight; about 6 minutes with a cached profile, 12 with
 240 prompts; a first run profiles first):
     python benchmarks/sim_vs_real.py [--policy laser] [--num-prompts 120] [--length-scale 0.15]
         [--mix 2:1:1] [--seed 7] [--threads 1] [--fractions 1,0.8] [--real inprocess,serve]
