@@ -89,6 +89,7 @@ import sys
 import tempfile
 import time
 from contextlib import ExitStack
+from typing import NamedTuple
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -330,36 +331,60 @@ def parse_args(argv: list[str]):
     return a, extra
 
 
+class MeasuredRun(NamedTuple):
+    """A real run (:func:`measured_probe`): its probe, the machine its steps measured (None without a
+    complete step) and, served, the server's TTFT counters before and after it (:func:`server_ttft`),
+    the seconds its front end added to a TTFT under that load (:func:`loaded_frontend`) and the
+    engine thread's and stalls' lines and summary (:func:`served_speed`)."""
+
+    probe: object
+    speed: object
+    seen: dict | None = None
+    after: dict | None = None
+    frontend_s: float | None = None
+    thread_line: str = ""
+    stalls: dict | None = None
+
+
+def measured_probe(both, label: str, rate: float, profile, classes) -> MeasuredRun:
+    """Run real target ``label`` of ``both`` at ``rate`` req/s and measure the machine its steps ran on
+    (in process: its ``core.step_log``, :func:`machine_speed_of`; ``laser serve``'s client target,
+    one with a ``server``: the server's step log and ``/metrics``, per class in ``classes``)."""
+    target = both.targets[label]
+    server = getattr(target, "server", None)
+    if server is None:
+        core = target.engine.core
+        core.step_log, before = [], (core.step_stats.steps, core.step_stats.schedule_s)
+        p = both.probe(label, rate, early_stop=False)
+        return MeasuredRun(p, machine_speed_of(target.engine, profile, before))
+    seen, before = server_ttft(server, classes), server.engine_steps()
+    before["cpu"] = _cpu_seconds(server)
+    p = both.probe(label, rate, early_stop=False)
+    speed, line, stalls = served_speed(server, profile, before, getattr(target, "sent", 0))
+    after = server_ttft(server, classes)
+    return MeasuredRun(p, speed, seen, after, loaded_frontend(seen, after, p), line, stalls)
+
+
 def start_speed(a, real, profile, requests, slos, rate: float, basis: str, again: bool = False,
                 fallback: str = "the profile as is"):
     """The machine as it runs now: the speed and step scatter of a first run of the workload at
-    ``rate`` req/s on ``real`` (in process, :func:`machine_speed_of`; ``laser serve``'s client
-    target, one with a ``server``: :func:`served_speed`, and the seconds its front end added to a
-    TTFT under that load, :func:`loaded_frontend`), printed with that run's attainment and
-    ``basis`` (how ``rate`` was chosen, e.g. "0.8x the knee on the profile as is"; ``again``: a
-    second such run, below the knee the first one found; ``fallback``: what the simulator keeps
-    when the run has no complete step, printed). Returns (the speed, or None without a complete
-    step; the front end's seconds, None in process or without first tokens)."""
+    ``rate`` req/s on ``real`` (:func:`measured_probe`: in process, or ``laser serve``'s client
+    target, then also the seconds its front end added to a TTFT under that load), printed with that
+    run's attainment and ``basis`` (how ``rate`` was chosen, e.g. "0.8x the knee on the profile as
+    is"; ``again``: a second such run, below the knee the first one found; ``fallback``: what the
+    simulator keeps when the run has no complete step, printed). Returns (the speed, or None
+    without a complete step; the front end's seconds, None in process or without first tokens)."""
     from laser.bench.runner import Benchmark
 
     run = Benchmark({real.label: real}, requests, slos, seed=a.seed, probe_timeout_s=a.probe_timeout)
-    server, fe = getattr(real, "server", None), None
-    if server is None:
-        core = real.engine.core
-        core.step_log, before = [], (core.step_stats.steps, core.step_stats.schedule_s)
-        p = run.probe(real.label, rate, early_stop=False)
-        speed, where = machine_speed_of(real.engine, profile, before), "in-process"
-    else:
-        classes = sorted({r.slo_class for r in requests})
-        before, seen = server.engine_steps(), server_ttft(server, classes)
-        p = run.probe(real.label, rate, early_stop=False)
-        speed, where = served_speed(server, profile, before)[0], "served"
-        fe = loaded_frontend(seen, server_ttft(server, classes), p)
+    m = measured_probe(run, real.label, rate, profile, sorted({r.slo_class for r in requests}))
+    where = "in-process" if m.seen is None else "served"
     print(f"the machine now: a {'second' if again else 'first'} {where} run at {rate:.3f} req/s "
-          f"({basis}; attainment {p.attainment:.3f}, {p.wall_s:.0f} s): "
-          + (f"no complete step: the simulator keeps {fallback}" if speed is None else speed.describe())
-          + ("" if fe is None else f"; its front end under that load {1e3 * fe:.1f} ms a TTFT"), flush=True)
-    return speed, fe
+          f"({basis}; attainment {m.probe.attainment:.3f}, {m.probe.wall_s:.0f} s): "
+          + (f"no complete step: the simulator keeps {fallback}" if m.speed is None else m.speed.describe())
+          + ("" if m.frontend_s is None else f"; its front end under that load {1e3 * m.frontend_s:.1f} ms a TTFT"),
+          flush=True)
+    return m.speed, m.frontend_s
 
 
 def on_machine(target, speed, profile, seed: int, planner, frontend_s: float | None = None) -> None:
@@ -531,26 +556,19 @@ def compare_at(both, runs: dict, sim_of: dict, rate: float, f: float, fe, wl_cla
     from laser.bench.record_pairs import format_pair_summary, pair_summary, paired_rows
 
     sims = {lb: both.probe(lb, rate, early_stop=False) for lb in dict.fromkeys(sim_of.values())}
-    rps, seen, speeds, sim_of, thread_line, stalls = {}, None, {}, dict(sim_of), "", None
+    rps, speeds, sim_of, thread_line, stalls, served = {}, {}, dict(sim_of), "", None, None
     for lb in list(sim_of):
-        twinned = TWINS[lb][0] in runs
-        if lb == "serve":
-            seen = server_ttft(runs["serve"].server, wl_classes)
-            before = runs["serve"].server.engine_steps() if twinned else None
-            if before is not None:
-                before["cpu"] = _cpu_seconds(runs["serve"].server)
-        if lb == "inprocess" and twinned:
-            core = runs[lb].engine.core
-            core.step_log, before = [], (core.step_stats.steps, core.step_stats.schedule_s)
-        rps[lb] = both.probe(lb, rate, early_stop=False)
-        if lb == "inprocess" and twinned:
-            speeds[lb] = machine_speed_of(runs[lb].engine, profile, before)
-        if lb == "serve" and twinned:
-            speeds[lb], thread_line, stalls = served_speed(runs["serve"].server, profile, before,
-                                                           getattr(runs[lb], "sent", 0))
+        run = measured_probe(both, lb, rate, profile, wl_classes)
+        rps[lb] = run.probe
+        if TWINS[lb][0] in runs:
+            speeds[lb] = run.speed
+            if run.seen is not None:
+                thread_line, stalls = run.thread_line, run.stalls
+        if run.seen is not None:
+            served = run
     compared = {lb: (sims[sim_of[lb]], rp) for lb, rp in rps.items()}
-    after = server_ttft(runs["serve"].server, wl_classes) if seen is not None else None
-    fe_load = loaded_frontend(seen, after, rps["serve"]) if seen is not None else None
+    seen, after = (None, None) if served is None else (served.seen, served.after)
+    fe_load = None if served is None else served.frontend_s
     for lb, (twin, label) in TWINS.items():
         if speeds.get(lb) is not None and lb in rps and twin in runs:
             runs[twin].machine_model = speeds[lb].model(profile, jitter=True, seed=both.seed)
