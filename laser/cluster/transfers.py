@@ -124,7 +124,7 @@ class HandoffTracker:
             self._lost_handoff(t, tr, KeyError(error))
             return
         t.transfer = None
-        t.owner = tr.dst
+        t.owner, t.handed_by = tr.dst, tr.src
         self.steps.mark_busy(tr.dst)
         self._count_transfer(m, False)
 

@@ -274,6 +274,51 @@ def test_seeded_sampled_request_keeps_its_stream_through_a_fail_over(tiny_llama,
     cl.check_integrity(expect_empty=True)
 
 
+def test_decode_instance_dying_before_its_confirm_leaves_no_kept_copy(tiny_llama, single, monkeypatch):
+    """A direct hand-off's prefill instance drops its kept copy when the decode instance confirms,
+    instance to instance. A decode instance that adopted (and reported it) but died before its
+    confirm left: the front end re-prefills the request and drops that copy itself (before: the
+    prefill instance's outbox kept the request's hand-off for ever, seen on Ray under load)."""
+    from laser.cluster.handles import LocalKVSink
+
+    lost, confirm = [], LocalKVSink.confirm
+
+    def confirm_all_but_0(self, rid):
+        if rid == "0" and not lost:  # (the re-prefilled attempt's confirm goes through)
+            lost.append((self.handle.instance_id, rid))
+        else:
+            confirm(self, rid)
+
+    monkeypatch.setattr(LocalKVSink, "confirm", confirm_all_but_0)
+    prompts = random_prompts(2, 31)
+    ref = _reference(single, prompts)
+    cl = start_cluster("laser", 1, 2, model=str(tiny_llama), dtype="float32", scheduler=SCHED, use_ray=False)
+    for i, p in enumerate(prompts):
+        cl.add_request(p, SP, slo="chat", req_id=str(i))
+    streams = {}
+    for _ in range(500):
+        if cl.requests["0"].owner in (1, 2) and cl.requests["0"].transfer is None:
+            break
+        for o in cl.step(wait_s=0.0):
+            streams.setdefault(o.req_id, []).extend(o.new_token_ids)
+    victim = cl.requests["0"].owner
+    assert victim in (1, 2) and (0, "0") in lost  # adopted, its confirm never reached the prefill instance
+    assert "0" in cl.handles[0].worker.outbox
+    dispatch, held = cl.recovery.dispatcher.dispatch, []
+
+    def redispatch(t):  # where a copy of "0" is still kept when it is re-prefilled
+        held.append([h.instance_id for h in cl.handles.values() if h.alive and t.req.req_id in h.worker.outbox])
+        return dispatch(t)
+
+    monkeypatch.setattr(cl.recovery.dispatcher, "dispatch", redispatch)
+    cl.handles[victim].kill()
+    for o in cl.drain(60):
+        streams.setdefault(o.req_id, []).extend(o.new_token_ids)
+    assert {k: v for k, v in streams.items()} == ref  # every token once, as without the failure
+    assert held == [[]] and cl.stats.recoveries == 1  # (with one prefill instance the new attempt's
+    cl.check_integrity(expect_empty=True)  # hand-off would replace the old copy, on two it would stay)
+
+
 def _drain_engine(engine):
     outs = []
     while engine.has_unfinished():
