@@ -26,14 +26,22 @@ compiled by inductor, cached on disk by its FX graph cache under the Laser cache
 :class:`laser.model.quant.CompiledGemv`). They run for rows up to the kernels' crossover
 (``QuantLinear.kernel_max_rows``); more rows run the eager methods (dense matmuls there).
 
-Only bf16 models whose layer matmuls all run the aten int4/int8 kernels take this path (the
-kernels' activation dtype; fp32 keeps its eager results bit for bit, the exactness tests'
-dtype). Not bit-equal to eager bf16: inductor keeps fp32 between fused ops where eager rounds
-each op to bf16 (RoPE, SiLU * up) and reduces the norms in another order, so a value differs
-by about one bf16 ulp; a row's result does not depend on the other rows of its batch (per-row
-code, checked in tests/model/test_fused.py); graph D reduces over the context positions in order,
-one sequence at a time, so a sequence's attention does not depend on the padding its group adds
-either (torch's flash kernel does: its last block's sums change with the padded length).
+Only models whose layer matmuls all run the aten int4/int8 kernels take this path: bf16 models,
+and fp32 models with quantized layers (the AVX2 kind's default: ``--dtype auto`` is fp32 there),
+whose graphs also fuse the casts to and from the kernels' bf16 activations into the glue. An fp32
+model with dense layers (``--quantization none``, the exactness tests' setting) stays eager, bit
+for bit. Not bit-equal to the eager layers: inductor keeps fp32 between fused ops where eager
+bf16 rounds each op (RoPE, SiLU * up), and it reduces the norms in another order, so a value
+differs by about one bf16 ulp (in fp32, where a norm's output is rounded to bf16 for the kernel);
+a row's result does not depend on the other rows of its batch (per-row code, checked in
+tests/model/test_fused.py); graph D reduces over the context positions in order, one sequence at
+a time, so a sequence's attention does not depend on the padding its group adds either (torch's
+flash kernel does: its last block's sums change with the padded length). Graph D runs in bf16
+only: the C++ kernel reads bf16, and inductor's graph of the reference in fp32 made whole decode
+steps slower than torch's SDPA (AVX2-only AMD EPYC, 1 thread, SmolLM2 int4, 300-token prompts:
+26.5-27.0 against 25.6-25.9 ms at batch 1, 100-109 against 81-84 ms at batch 8), so fp32 decode
+attention stays on SDPA. Measured there (``benchmarks/engine_speed.py --dtype float32 --threads 1
+--quantizations auto:::0,auto:::1``): batch-1 decode 33.2 -> 40.9 tok/s, batch 4 90.7 -> 102.1.
 ``$LASER_FUSED_DECODE`` = ``1`` (the default) or
 ``0`` (eager; the test suite's default, so that tests compile only where they mean to). Where
 compiling fails, the model runs eager.
@@ -122,11 +130,13 @@ class FusedDecode:
         self._finish = [self._graph(cache, L, _FINISH_FIELDS) for L in layers]
         #: graph D's hand-written C++ kernel (:mod:`laser.model.attn_kernel`); None: inductor's
         #: graph of :func:`decode_attention` (compiled on first use) -- set None for A/B timings
-        self.attention_kernel = load_kernel()
+        bf16 = model.dtype == torch.bfloat16
+        self.attention_kernel = load_kernel() if bf16 else None
         self._attend = None
-        #: decode attention through graph D (False: torch's SDPA, as before it; for A/B timings)
-        self.decode_attention = True
-        self.graphs, self.seconds = len(cache) + 1, time.perf_counter() - t0
+        #: decode attention through graph D (False: torch's SDPA, as before it; for A/B timings);
+        #: bf16 only (see the module docstring)
+        self.decode_attention = bf16
+        self.graphs, self.seconds = len(cache) + bf16, time.perf_counter() - t0
 
     def _graph(self, cache: dict, L, fields: tuple[str, ...]):
         """(compiled graph, the layer's tensors) for ``L``'s ``fields``; layers of one layout and
@@ -193,13 +203,13 @@ class FusedDecode:
 
     def qkv(self, i: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Graph A of layer ``i``: as :meth:`LlamaModel.qkv` (hidden [T, H], cos/sin [T, head_dim],
-        T <= :attr:`qkv_rows`) -> q [T, Hq, d], k and v [T, kvh, d], contiguous, bf16."""
+        T <= :attr:`qkv_rows`) -> q [T, Hq, d], k and v [T, kvh, d], contiguous, model dtype."""
         fn, ops = self._qkv[i]
         return fn([hidden.contiguous(), cos.contiguous(), sin.contiguous(), *ops])
 
     def finish(self, i: int, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Graph B of layer ``i``: as :meth:`LlamaModel.finish_layer` (hidden [T, H], attn
-        [T, Hq, d], T <= :attr:`finish_rows`) -> the new residual stream [T, H], bf16."""
+        [T, Hq, d], T <= :attr:`finish_rows`) -> the new residual stream [T, H], model dtype."""
         fn, ops = self._finish[i]
         return fn([hidden.contiguous(), attn.contiguous(), *ops])[0]
 
@@ -240,12 +250,13 @@ def _boxed(fn):
 
 def eligible(model) -> str:
     """Why ``model`` cannot run fused decode layers (``""`` when it can): the model dtype must be
-    bf16 and every layer matmul a :class:`QuantLinear` on the aten kernel in that dtype."""
-    if model.dtype != torch.bfloat16:
-        return f"{str(model.dtype).removeprefix('torch.')} activations; bf16 only"
+    bf16 or fp32 and every layer matmul a :class:`QuantLinear` on the aten kernel (bf16
+    activations; an fp32 model's graphs cast around it)."""
+    if model.dtype not in (torch.bfloat16, torch.float32):
+        return f"{str(model.dtype).removeprefix('torch.')} activations; bf16 and fp32 only"
     for L in model.layers:
         for lin in (L.qkv, L.o, L.gate_up, L.down):
-            if not isinstance(lin, QuantLinear) or lin.gemv is not None or lin.act_dtype != model.dtype:
+            if not isinstance(lin, QuantLinear) or lin.gemv is not None or lin.act_dtype != torch.bfloat16:
                 return "a layer matmul not on the aten int4/int8 kernels"
     if min(lin.kernel_max_rows for L in model.layers for lin in (L.qkv, L.o, L.gate_up, L.down)) < 1:
         return "the dense matmul wins from one row"
@@ -269,8 +280,9 @@ def prepare_fused(model) -> tuple[FusedDecode | None, str]:
         log.warning("fused decode layers unavailable (%s: %s); running them eager", type(e).__name__,
                     str(e).splitlines()[0] if str(e) else "")
         return None, "decode layers eager (compiling the fused graphs failed)"
+    attention = ("torch's SDPA (fp32: graph D is bf16 only)" if not fused.decode_attention else
+                 "a C++ kernel" if fused.attention_kernel is not None else "an inductor graph")
     return fused, (f"decode layers fused: norm+QKV+RoPE up to {fused.qkv_rows} rows and O+norm+MLP up to "
                    f"{fused.finish_rows} rows in inductor graphs, decode attention at any row count in "
-                   f"{'a C++ kernel' if fused.attention_kernel is not None else 'an inductor graph'} "
-                   f"({fused.graphs} graphs, {fused.seconds:.1f} s "
+                   f"{attention} ({fused.graphs} graphs, {fused.seconds:.1f} s "
                    f"to compile or load from the cache; LASER_FUSED_DECODE=0 for eager)")

@@ -263,8 +263,9 @@ class LlamaModel:
         # "cglue": bf16 prefill glue compiled (laser.model.prefill_glue)
         parts += ["pw" if packed else "", "gmlp" if self.gated_mlp else "", "cglue" if self.glue is not None else "",
                   "" if not self.blocked_attn else "pattn" + pattn,
-                  "" if self.fused is None else
-                  "fused-dattn" + ("-cpp" if self.fused.attention_kernel is not None else "")]
+                  "" if self.fused is None else "fused" + ("" if not self.fused.decode_attention else
+                                                           "-dattn-cpp" if self.fused.attention_kernel is not None
+                                                           else "-dattn")]
         # another machine to the latency model: its own profile (laser.profiler.executor_path_of)
         path = "-".join(p for p in parts if p)
         if path:
@@ -322,7 +323,7 @@ class LlamaModel:
 
         hidden [T, H]; cos/sin [T, head_dim]. Returns q [T, Hq, d], k [T, kvh, d],
         v [T, kvh, d] (views, not necessarily contiguous), the model's dtype. Up to
-        ``fused.qkv_rows`` rows run the compiled graph of :attr:`fused` instead (bf16 only).
+        ``fused.qkv_rows`` rows run the compiled graph of :attr:`fused` instead (quantized layers).
         """
         if self.fused is not None and hidden.shape[0] <= self.fused.qkv_rows:
             return self.fused.qkv(i, hidden, cos, sin)
@@ -385,7 +386,7 @@ class LlamaModel:
         """O projection + residual, norm, fused gate/up matmul, SwiGLU in place, down + residual.
 
         hidden [T, H], attn [T, Hq, d] -> new residual stream [T, H]. Up to
-        ``fused.finish_rows`` rows run the compiled graph of :attr:`fused` instead (bf16 only).
+        ``fused.finish_rows`` rows run the compiled graph of :attr:`fused` instead (quantized layers).
         """
         if self.fused is not None and hidden.shape[0] <= self.fused.finish_rows:
             return self.fused.finish(i, hidden, attn)

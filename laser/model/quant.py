@@ -125,6 +125,16 @@ def concat(parts: list[QWeight]) -> QWeight:
     return quantize(torch.cat([p.dequantize() for p in parts]), kind)
 
 
+_WARNED: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    """Log ``msg`` as a warning the first time only (one per process, not one per weight)."""
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        logging.getLogger(__name__).warning(msg)
+
+
 class QuantLinear:
     """``y = x @ w.T (+ b)`` for a :class:`QWeight` ``w`` [N, K]: ``x`` [M, K] -> [M, N] in
     ``x``'s dtype. Same call interface as :class:`laser.model.llama.Linear`.
@@ -181,7 +191,11 @@ class QuantLinear:
             # [K / g, N, 2]: (scale, zero) per group and output
             self.scales = torch.stack([qw.scale, qw.zero], dim=-1).transpose(0, 1).contiguous().to(self.act_dtype)
         if qw.kind == "int8" and w8a8.w8a8_mode() == "on":
-            self.use_w8a8(1)
+            if w8a8.available():
+                self.use_w8a8(1)
+            else:
+                _warn_once("LASER_QUANT_W8A8=on ignored: no VNNI on this CPU (oneDNN's int8 kernels saturate "
+                           "without it, laser.model.w8a8.available); int8 weights stay weight-only")
 
     def use_w8a8(self, min_rows: int) -> None:
         """Run decode rows from ``min_rows`` on through :mod:`laser.model.w8a8` (``w8a8.OFF``:

@@ -21,7 +21,8 @@ Where it pays is measured per CPU kind and weight shape (:mod:`laser.model.kerne
 On the AVX512-BF16 + VNNI EPYC (1 thread, SmolLM2's 49k x 576 Q8_0 head, cache-cold) it ties the
 compiled int8 GEMV at one row and takes 0.5x its time at 4 rows, 0.35x at 8 (docs/benchmarks.md,
 "W8A8"). ``$LASER_QUANT_W8A8``: ``off`` (the default), ``measure`` (from the row count measured
-per CPU kind) or ``on`` (every decode row of an int8 weight, no measurement). Off by default:
+per CPU kind) or ``on`` (every decode row of an int8 weight, no measurement); both only on a CPU
+with VNNI (:func:`available`; elsewhere weight-only, with a warning for ``on``). Off by default:
 end to end it gained 1-3 % (within this machine's noise) while the head's per-row activation
 scales cost ~2.5 points of teacher-forced top-1 agreement with the unquantized model.
 """
@@ -45,8 +46,13 @@ def w8a8_mode() -> str:
 
 
 def available() -> bool:
-    """Whether this torch build has oneDNN's quantized linear ops."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
+    """Whether W8A8 runs exactly here: this torch build has oneDNN's quantized linear ops and the
+    CPU has VNNI (``torch.cpu._is_vnni_supported``). Without VNNI oneDNN multiplies the uint8
+    activations by the int8 weight with AVX2's ``vpmaddubsw``, whose int16 sum of two products
+    saturates (up to 2 * 255 * 127): on an AVX2-only AMD EPYC rows came out wrong by up to ~3x
+    their own scale (``tests/model/test_w8a8.py``'s first test)."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
+            and torch.cpu._is_vnni_supported())
 
 
 def pack(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,7 +1,7 @@
-"""Fused decode layers (laser.model.fused): bf16 int4 layers through compiled graphs agree with the
-eager layer within bf16 rounding, a row's result does not depend on its batch (nor, in decode
-attention, on its group's padding), the executor path
-names them, and fp32 (the exactness dtype) never takes them."""
+"""Fused decode layers (laser.model.fused): int4 layers through compiled graphs, in bf16 and in fp32,
+agree with the eager layer within bf16 rounding, a row's result does not depend on its batch (nor,
+in decode attention, on its group's padding), the executor path names them, and dense fp32 layers
+(the exactness setting) never take them."""
 
 from __future__ import annotations
 
@@ -23,18 +23,23 @@ def build(path, dtype, monkeypatch, fused="1"):
     return LlamaModel(cfg, weights, dtype, load_quantized(path, cfg, weights, "int4"))
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])  # plain, QKV bias, QK-norm
-def test_fused_layers_match_eager_within_bf16_rounding(tiny_model_dirs, monkeypatch, caplog, kind):
+@pytest.mark.parametrize("kind,dtype", [("llama", torch.bfloat16), ("qwen2", torch.bfloat16),  # plain, QKV bias,
+                                        ("qwen3", torch.bfloat16), ("llama", torch.float32),  # QK-norm
+                                        ("qwen3", torch.float32)])
+def test_fused_layers_match_eager_within_bf16_rounding(tiny_model_dirs, monkeypatch, caplog, kind, dtype):
+    """bf16: graphs A, B and D (one of each serves every layer). fp32 (int4 layers, the AVX2 kind's
+    default): A and B with the casts around the kernels fused in, decode attention on SDPA."""
     with caplog.at_level(logging.INFO, logger="laser.model.llama"):
-        model = build(tiny_model_dirs[kind], torch.bfloat16, monkeypatch)
-    f = model.fused
-    assert f is not None and f.graphs == 3, caplog.text  # one graph of each kind serves every layer
-    assert model.executor_path.endswith("fused-dattn-cpp") and "decode layers fused" in caplog.text
+        model = build(tiny_model_dirs[kind], dtype, monkeypatch)
+    f, bf16 = model.fused, dtype == torch.bfloat16
+    assert f is not None and f.graphs == (3 if bf16 else 2), caplog.text
+    assert model.executor_path.endswith("fused-dattn-cpp" if bf16 else "fused") and "decode layers fused" in caplog.text
+    assert f.decode_attention == bf16 and (bf16 or "torch's SDPA" in caplog.text)
     c = model.config
     gen = torch.Generator().manual_seed(0)
     n = 6
-    h = torch.randn(n, c.hidden_size, generator=gen).bfloat16()
-    attn = torch.randn(n, c.num_heads, c.head_dim, generator=gen).bfloat16()
+    h = torch.randn(n, c.hidden_size, generator=gen).to(dtype)
+    attn = torch.randn(n, c.num_heads, c.head_dim, generator=gen).to(dtype)
     pos = torch.arange(30, 30 + n)
     cos, sin = model.rope_cos[pos], model.rope_sin[pos]
     with torch.inference_mode():
@@ -42,7 +47,7 @@ def test_fused_layers_match_eager_within_bf16_rounding(tiny_model_dirs, monkeypa
             fq = model.qkv(i, h, cos, sin)
             eq = model.qkv_of(model.layers[i], h, cos, sin)
             for a, b in zip(fq, eq):
-                assert a.shape == b.shape and a.dtype == b.dtype == torch.bfloat16
+                assert a.shape == b.shape and a.dtype == b.dtype == dtype
                 torch.testing.assert_close(a.float(), b.float(), rtol=0.02, atol=0.02 * float(b.abs().max()))
             fb = model.finish_layer(i, h, attn)
             eb = model.finish_of(model.layers[i], h, attn)
@@ -136,11 +141,11 @@ def test_rows_past_the_crossover_run_eager(tiny_llama, monkeypatch):
     assert out.shape == h.shape and not calls
 
 
-def test_fp32_and_the_switch_keep_the_eager_layers(tiny_llama, monkeypatch, caplog):
-    with caplog.at_level(logging.INFO, logger="laser.model.llama"):
-        fp32 = build(tiny_llama, torch.float32, monkeypatch)
-    assert fp32.fused is None and "fused" not in getattr(fp32, "executor_path", "")
-    assert "decode layers eager (float32 activations" in caplog.text
+def test_dense_fp32_and_the_switch_keep_the_eager_layers(tiny_llama, monkeypatch):
+    monkeypatch.setenv("LASER_FUSED_DECODE", "1")
+    cfg, weights = load_config(tiny_llama), load_weights(tiny_llama)
+    dense = LlamaModel(cfg, weights, torch.float32, load_quantized(tiny_llama, cfg, weights, "none"))
+    assert dense.fused is None and "fused" not in getattr(dense, "executor_path", "")
     off = build(tiny_llama, torch.bfloat16, monkeypatch, fused="0")
     assert off.fused is None and "fused" not in getattr(off, "executor_path", "")
     monkeypatch.setenv("LASER_FUSED_DECODE", "yes")
@@ -148,13 +153,15 @@ def test_fp32_and_the_switch_keep_the_eager_layers(tiny_llama, monkeypatch, capl
         build(tiny_llama, torch.bfloat16, monkeypatch, fused="yes")
 
 
-def test_engine_decodes_through_the_fused_graphs(tiny_llama, monkeypatch):
-    """A bf16 int4 engine's decode steps run the graphs, and its greedy tokens (of a random
-    model's well-separated logits) are the eager engine's."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_engine_decodes_through_the_fused_graphs(tiny_llama, monkeypatch, dtype):
+    """A bf16 or fp32 int4 engine's decode steps run the graphs (bf16: its decode attention through
+    graph D), and its greedy tokens (of a random model's well-separated logits) are the eager
+    engine's."""
     tokens = {}
     for fused in ("0", "1"):
         monkeypatch.setenv("LASER_FUSED_DECODE", fused)
-        e = Engine(str(tiny_llama), policy="vllm", dtype="bfloat16", quantization="int4",
+        e = Engine(str(tiny_llama), policy="vllm", dtype=dtype, quantization="int4",
                    cache=CacheConfig(num_blocks=64), scheduler=SchedulerConfig(policy="vllm"))
         assert (e.model.fused is not None) == (fused == "1")
         if e.model.fused is not None:
@@ -169,7 +176,7 @@ def test_engine_decodes_through_the_fused_graphs(tiny_llama, monkeypatch):
         assert all(len(r.output_token_ids) == 3 for r in reqs)
         if fused == "1":
             assert calls  # decode rows (3 at a time) went through graph A
-            assert attends and max(attends) == 3  # and their attention through graph D
+            assert (max(attends) == 3) if dtype == "bfloat16" else not attends  # attention: graph D / SDPA
         tokens[fused] = [r.output_token_ids for r in reqs]
     assert tokens["0"] == tokens["1"]
 

@@ -15,13 +15,14 @@ from laser.model import kernel_rows, w8a8
 from laser.model.kernel_rows import choose_kernel_rows, rows_label
 from laser.model.quant import QuantLinear, quantize_int4, quantize_int8
 
-pytestmark = pytest.mark.skipif(not w8a8.available(), reason="no oneDNN quantized linear in this torch")
+needs_w8a8 = pytest.mark.skipif(not w8a8.available(), reason="no oneDNN quantized linear in this torch, or no VNNI")
 
 
 def rand(n, k, seed=0):
     return torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
 
 
+@needs_w8a8
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_w8a8_rows_are_batch_invariant_and_match_the_dequantized_weight(monkeypatch, dtype):
     monkeypatch.setenv("LASER_QUANT_W8A8", "on")
@@ -40,6 +41,7 @@ def test_w8a8_rows_are_batch_invariant_and_match_the_dequantized_weight(monkeypa
     assert bool((err <= 0.02 * ref.abs().amax(dim=1) + 0.02).all()), err
 
 
+@needs_w8a8
 def test_switch_off_and_int4_stay_weight_only(monkeypatch):
     monkeypatch.delenv("LASER_QUANT_W8A8", raising=False)
     assert w8a8.w8a8_mode() == "off"  # opt-in: it cost greedy agreement (docs/benchmarks.md)
@@ -73,6 +75,7 @@ def measured(tmp_path, monkeypatch):
     return calls
 
 
+@needs_w8a8
 def test_measured_w8a8_rows_are_cached_and_labelled(measured, tmp_path):
     lins = [QuantLinear(quantize_int8(rand(64, 128, s))) for s in range(2)] + [QuantLinear(quantize_int4(rand(64, 128)))]
     msg = choose_kernel_rows(lins, torch.float32)
@@ -91,6 +94,7 @@ def test_measured_w8a8_rows_are_cached_and_labelled(measured, tmp_path):
     assert len(measured) == 1 and again[0].w8a8_min_rows == 4
 
 
+@needs_w8a8
 def test_w8a8_head_is_another_executor_path_and_batch_invariant(tiny_llama, monkeypatch, caplog):
     """A model whose int8 head runs W8A8 is another machine to the latency model, and a row's
     logits do not depend on its batch."""
@@ -107,3 +111,18 @@ def test_w8a8_head_is_another_executor_path_and_batch_invariant(tiny_llama, monk
         together = model.compute_logits(h)
         alone = torch.cat([model.compute_logits(h[i : i + 1]) for i in range(6)])
     assert torch.equal(together, alone)
+
+
+def test_without_vnni_w8a8_is_refused_and_int8_stays_weight_only(monkeypatch, caplog):
+    """Without VNNI oneDNN's u8 x s8 products saturate at int16 (AVX2's vpmaddubsw): W8A8 is not
+    available there, ``on`` keeps int8 weights weight-only with one warning, ``measure`` measures nothing."""
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: False)
+    assert not w8a8.available()
+    monkeypatch.setenv("LASER_QUANT_W8A8", "on")
+    monkeypatch.setattr("laser.model.quant._WARNED", set())
+    with caplog.at_level(logging.WARNING, logger="laser.model.quant"):
+        lins = [QuantLinear(quantize_int8(rand(32, 64, s))) for s in range(3)]
+    assert all(lin.w8a8 is None and lin.path == "aten" for lin in lins)
+    assert caplog.text.count("LASER_QUANT_W8A8=on ignored: no VNNI") == 1
+    x = rand(4, 64, 9)
+    torch.testing.assert_close(lins[0](x), x @ lins[0].dense_weight(torch.float32).t(), rtol=0.02, atol=0.05)
