@@ -199,5 +199,5 @@ class LocalKVSink:
     def adopt(self, sent, attempt, epoch, reply) -> None:
         self._call("adopt", sent, attempt, epoch, reply)
 
-    def confirm(self, req_id) -> None:
-        self._call("confirm", req_id)
+    def confirm(self, req_id, attempt=None) -> None:
+        self._call("confirm", req_id, attempt)

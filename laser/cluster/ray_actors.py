@@ -206,8 +206,8 @@ class RayKVSink:
     def adopt(self, sent, attempt, epoch, reply) -> None:
         self._send_call("adopt", sent, attempt, epoch, reply)
 
-    def confirm(self, req_id) -> None:
-        self._send_call("confirm", req_id)
+    def confirm(self, req_id, attempt=None) -> None:
+        self._send_call("confirm", req_id, attempt)
 
     def _send_call(self, method: str, *args) -> None:
         if RayKVSink._sender is None:

@@ -228,11 +228,8 @@ class Recovery:
         t.req.num_failovers += not counted
         t.resend = False
         self.state.stats.seeded_recoveries += bool(t.req.seed_kept)
-        # drop what live instances still hold of it (a direct hand-off's prefill instance too: its
-        # decode instance may have died before its confirm left), and refuse a late adoption of
-        # the old attempt
-        self.drop_on_live(t.req.req_id, {t.owner, t.decode, t.handed_by}, t.restarts)
-        t.handed_by = None
+        # drop what live instances still hold of it, and refuse a late adoption of the old attempt
+        self.drop_on_live(t.req.req_id, {t.owner, t.decode}, t.restarts)
         if self.state.requests.get(t.req.req_id) is not t:
             return  # (an instance failed on the way and moved it already)
         self._recovering.setdefault(t.req.req_id, failed_at)

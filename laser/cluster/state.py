@@ -36,10 +36,6 @@ class Tracked:
     # the prefill instance no longer holds it (a direct hand-off that decode instance had confirmed),
     # the re-prefill that follows is the same fail-over, not another one
     resend: bool = False
-    # the prefill instance that handed it off by itself, after the adoption: it drops its kept copy
-    # when the decode instance confirms, instance to instance; if that decode instance dies first
-    # the front end drops the copy itself when it re-prefills the request (Recovery.resume)
-    handed_by: int | None = None
 
 
 @dataclass

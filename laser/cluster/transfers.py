@@ -2,9 +2,11 @@
 
 A hand-off goes instance to instance by itself (:class:`~laser.instance.handoff.DirectRoute`):
 the decode instance chosen when the request was routed gets the request and its KV from the
-prefill instance and confirms to it; the front end only watches -- it reads the hand-off in the
-prefill instance's step answer, the adoption in the decode instance's, and steps the decode
-instance meanwhile. Control passes through the front end only when that route is gone (no
+prefill instance and confirms to it; the front end waits on none of it -- it reads the hand-off in
+the prefill instance's step answer, the adoption in the decode instance's, steps the decode
+instance meanwhile, and once it has read the adoption confirms to the prefill instance as well,
+fire and forget (the decode instance's own confirm is lost if it dies before sending it; each
+confirm names the attempt, so a late one spares a re-prefilled attempt's copy). Control passes through the front end only when that route is gone (no
 decode instance was chosen at routing, like ``distserve``; the chosen one died; the prefill
 instances leave the mixed fall-back) and for decode -> decode migrations: then it *pulls* --
 ``take_handoff`` on the sender feeds ``adopt`` on the receiver, the front end polls the answers
@@ -124,9 +126,15 @@ class HandoffTracker:
             self._lost_handoff(t, tr, KeyError(error))
             return
         t.transfer = None
-        t.owner, t.handed_by = tr.dst, tr.src
+        t.owner = tr.dst
         self.steps.mark_busy(tr.dst)
         self._count_transfer(m, False)
+        # the decode instance confirmed to the prefill instance by itself, but that message dies
+        # with it if it fails before sending (then nobody would drop the kept copy): confirm too,
+        # fire and forget, fenced by the attempt (a re-prefill may route the request there again)
+        src = self.state.handles[tr.src]
+        if src.alive:
+            self._confirms.append(src.submit("confirm", t.req.req_id, t.restarts))
 
     def _count_transfer(self, m: dict, migration: bool) -> None:
         """Add adopt's answer ``m`` to the transfer statistics."""

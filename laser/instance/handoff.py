@@ -122,8 +122,17 @@ class Outbox:
             h = dataclasses.replace(h, kv=None)
         return h
 
-    def confirm(self, req_id: str) -> None:
-        """The decode instance holds ``req_id``: drop the kept copy (and its route)."""
+    def confirm(self, req_id: str, attempt: int | None = None) -> None:
+        """The decode instance holds ``req_id``: drop the kept copy (and its route). ``attempt``:
+        the front end's attempt number of the hand-off that was adopted (a direct hand-off's
+        confirm, from the decode instance or the front end): a confirm of an older attempt than
+        the request's route here, or of a request with no route here, is stale and dropped
+        (it reached this instance after the request was re-prefilled; None: the front end's
+        confirm of a hand-off it pulled itself)."""
+        if attempt is not None:
+            route = self.routes.get(req_id)
+            if route is None or route.attempt > attempt:
+                return
         self.drop(req_id)
 
     def finished(self, req_id: str) -> None:

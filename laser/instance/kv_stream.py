@@ -35,8 +35,8 @@ class KVSink(Protocol):
     def adopt(self, sent: tuple, attempt: int, epoch: int | None, reply: "KVSink") -> None:
         """Hand the request over: the receiver's ``InstanceWorker.adopt(sent, attempt, epoch, reply)``."""
 
-    def confirm(self, req_id: str) -> None:
-        """Tell the sender the receiver holds ``req_id`` (``InstanceWorker.confirm``)."""
+    def confirm(self, req_id: str, attempt: int | None = None) -> None:
+        """Tell the sender the receiver holds ``req_id``'s attempt ``attempt`` (``InstanceWorker.confirm``)."""
 
 
 @dataclass

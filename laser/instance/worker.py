@@ -270,9 +270,10 @@ class InstanceWorker:
         already streamed to instance ``dst``. Raises KeyError when it is not in the outbox."""
         return self._call(lambda: (self.outbox.take(req_id, dst), time.time()), True)
 
-    def confirm(self, req_id: str) -> None:
-        """Prefill side: the decode instance holds ``req_id``'s KV; drop the exported copy."""
-        self._call(lambda: self.outbox.confirm(req_id), True)
+    def confirm(self, req_id: str, attempt: int | None = None) -> None:
+        """Prefill side: the decode instance holds ``req_id``'s KV; drop the exported copy
+        (``attempt``: a direct hand-off's, see :meth:`Outbox.confirm`)."""
+        self._call(lambda: self.outbox.confirm(req_id, attempt), True)
 
     def adopt(self, sent: tuple[Handoff, float], attempt: int = 0, epoch: int | None = None, reply=None) -> dict:
         """Decode side: continue a request prefilled elsewhere (``sent``: from :meth:`take_handoff`,
@@ -317,7 +318,7 @@ class InstanceWorker:
             return None  # (logged for the front end)
         finally:
             self._wake.set()
-        reply.confirm(rid)  # (outside this instance's lock: in process the sender's step called this)
+        reply.confirm(rid, attempt)  # (outside this instance's lock: in process the sender's step called this)
         return m
 
     def _log_adoption(self, rid: str, attempt: int, adopt) -> dict:

@@ -27,7 +27,8 @@ compiled by inductor, cached on disk by its FX graph cache under the Laser cache
 (``QuantLinear.kernel_max_rows``); more rows run the eager methods (dense matmuls there).
 
 Only models whose layer matmuls all run the aten int4/int8 kernels take this path: bf16 models,
-and fp32 models with quantized layers (the AVX2 kind's default: ``--dtype auto`` is fp32 there),
+and fp32 models with int4 layers, or int8 ones on the aten kernel (the AVX2 kind's default for a
+4-bit GGUF: ``--dtype auto`` is fp32 there; fp32 int8 layers otherwise run the compiled GEMV),
 whose graphs also fuse the casts to and from the kernels' bf16 activations into the glue. An fp32
 model with dense layers (``--quantization none``, the exactness tests' setting) stays eager, bit
 for bit. Not bit-equal to the eager layers: inductor keeps fp32 between fused ops where eager

@@ -92,10 +92,11 @@ def test_stale_stream_pieces_are_dropped(tiny_llama):
 
 def test_the_prefill_instance_hands_off_to_the_decode_instance_chosen_at_routing(tiny_llama, monkeypatch):
     """Issue 27 item 2: the decode instance is chosen once, at routing, and the prefill instance
-    hands the request (and the KV it did not stream) to it by itself. The front end makes no call
+    hands the request (and the KV it did not stream) to it by itself. The front end waits on no call
     of the hand-off (``take_handoff``, ``adopt``, ``confirm``: before, three front-end rounds per
     hand-off) and asks no second choice (``at_handoff``); it learns the adoption from the decode
-    instance's step answers."""
+    instance's step answers (and then confirms as well, fire and forget: the decode instance's own
+    confirm dies with it)."""
     from laser.cluster.handles import LocalHandle, LocalKVSink
 
     peer_calls, front_calls = [], []  # (method, instance id): instance to instance, front end to instance
@@ -123,6 +124,34 @@ def test_the_prefill_instance_hands_off_to_the_decode_instance_chosen_at_routing
         done = {o.req_id: o.token_ids for o in cl.drain(120) if o.finished}
         assert sorted(done) == ["0", "1", "2"] and all(len(v) == 4 for v in done.values())
         assert cl.stats.transfers == 3 and cl.stats.streamed_transfers == (3 if stream else 0)
-        assert not {m for m, _ in front_calls} & {"take_handoff", "adopt", "confirm"}
+        assert not {m for m, _ in front_calls} & {"take_handoff", "adopt"}
         assert peer_calls.count(("adopt", 1)) == 3 and peer_calls.count(("confirm", 0)) == 3
+        # the front end's own confirm, fire and forget, once it reads each adoption (the decode
+        # instance's may die with it)
+        assert front_calls.count(("confirm", 0)) == 3
         cl.check_integrity(expect_empty=True)
+
+
+def test_a_stale_confirm_of_a_direct_hand_off_is_ignored():
+    """A direct hand-off's confirm names its attempt: one that reaches the prefill instance after
+    the request was routed there again (a re-prefill, a later attempt) keeps the new attempt's
+    route and copy; a confirm of the current attempt or the front end's own (no attempt) drops them."""
+    from laser.instance.handoff import DirectRoute, Outbox
+
+    class H:  # a hand-off's shape as the outbox reads it
+        def __init__(self, rid):
+            self.request = type("R", (), {"req_id": rid})()
+            self.kv = []
+
+    box = Outbox()
+    box.route("r", DirectRoute(dst=3, peer=None, reply=None, attempt=2))
+    box.put(H("r"))
+    box.confirm("r", 1)  # a stale attempt's
+    assert "r" in box and "r" in box.routes
+    box.confirm("r", 2)
+    assert "r" not in box and not box.routes
+    box.put(H("s"))  # pulled by the front end: no route here
+    box.confirm("s", 0)  # a direct hand-off's confirm cannot name it
+    assert "s" in box
+    box.confirm("s")
+    assert "s" not in box

@@ -41,7 +41,6 @@ def test_w8a8_rows_are_batch_invariant_and_match_the_dequantized_weight(monkeypa
     assert bool((err <= 0.02 * ref.abs().amax(dim=1) + 0.02).all()), err
 
 
-@needs_w8a8
 def test_switch_off_and_int4_stay_weight_only(monkeypatch):
     monkeypatch.delenv("LASER_QUANT_W8A8", raising=False)
     assert w8a8.w8a8_mode() == "off"  # opt-in: it cost greedy agreement (docs/benchmarks.md)
@@ -115,7 +114,7 @@ def test_w8a8_head_is_another_executor_path_and_batch_invariant(tiny_llama, monk
 
 def test_without_vnni_w8a8_is_refused_and_int8_stays_weight_only(monkeypatch, caplog):
     """Without VNNI oneDNN's u8 x s8 products saturate at int16 (AVX2's vpmaddubsw): W8A8 is not
-    available there, ``on`` keeps int8 weights weight-only with one warning, ``measure`` measures nothing."""
+    available there, and ``on`` keeps int8 weights weight-only with one warning."""
     monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: False)
     assert not w8a8.available()
     monkeypatch.setenv("LASER_QUANT_W8A8", "on")
