@@ -25,7 +25,7 @@ def build(path, dtype, monkeypatch, fused="1"):
 
 @pytest.mark.parametrize("kind,dtype", [("llama", torch.bfloat16), ("qwen2", torch.bfloat16),  # plain, QKV bias,
                                         ("qwen3", torch.bfloat16), ("llama", torch.float32),  # QK-norm
-                                        ("qwen3", torch.float32)])
+                                        ("qwen2", torch.float32), ("qwen3", torch.float32)])
 def test_fused_layers_match_eager_within_bf16_rounding(tiny_model_dirs, monkeypatch, caplog, kind, dtype):
     """bf16: graphs A, B and D (one of each serves every layer). fp32 (int4 layers, the AVX2 kind's
     default): A and B with the casts around the kernels fused in, decode attention on SDPA."""
