@@ -184,10 +184,14 @@ class InstanceWorker:
         re-prefilled: prompt + output). ``route``: the decode instance chosen for it -- with a
         ``stream_key``, send each layer of its final prefill chunk there (``route.peer.send``) as
         soon as it is written; after its first token hand it there directly
-        (``route.peer.adopt``, see :meth:`step`). Raises ValueError on a duplicate id."""
+        (``route.peer.adopt``, see :meth:`step`). A copy of an earlier attempt still kept in the
+        outbox (its decode instance died before any confirm arrived) is dropped with its route, so
+        a late confirm of that attempt cannot take the new attempt's. Raises ValueError on a
+        duplicate id."""
         def add():
             self.reserved.pop(req.req_id, None)
             self.core.add_request(req)
+            self.outbox.drop(req.req_id)
             if req.sampling_params.structured_output is not None:
                 self.grammars.prepare()
             if route is not None:

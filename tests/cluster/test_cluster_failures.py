@@ -100,6 +100,27 @@ def test_stale_handoff_is_refused_after_a_re_prefill(tiny_llama):
     assert dec.has_work() and dec.step()["events"][0][0] == "r"
 
 
+def test_a_re_prefill_drops_the_kept_copy_of_its_earlier_attempt(tiny_llama):
+    """A request re-prefilled on the prefill instance that still keeps its earlier attempt's hand-off
+    (no confirm arrived): the stale copy and route go at once, and a late confirm of the earlier
+    attempt leaves the new attempt's route and copy alone."""
+    from laser.core.request import Request
+    from laser.instance.handoff import DirectRoute
+
+    kw = dict(model=str(tiny_llama), policy="laser", dtype="float32", scheduler=SCHED)
+    pre = InstanceWorker(0, "prefill", kw)
+    pre.add_request(Request(prompt_token_ids=list(range(3, 20)), sampling_params=SP, req_id="r"))
+    while "r" not in pre.outbox:
+        pre.step()
+    again = Request(prompt_token_ids=list(range(3, 20)), sampling_params=SP, req_id="r")
+    pre.add_request(again, DirectRoute(dst=5, peer=None, reply=None, attempt=1))
+    assert "r" not in pre.outbox and pre.outbox.routes["r"].attempt == 1
+    pre.confirm("r", 0)  # the earlier attempt's, late
+    assert pre.outbox.routes["r"].attempt == 1
+    pre.abort("r")
+    pre.check_integrity(expect_empty=True)
+
+
 class _SlowStepHandle(LocalHandle):
     """An in-process instance whose step answers arrive late, as a remote actor's do: the step
     runs when submitted, its answer is delivered only on :meth:`release` (the first step's)."""
