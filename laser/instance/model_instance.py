@@ -110,7 +110,7 @@ class ModelInstance:
             kinds = {}
             for qw in quant.values():
                 kinds.setdefault(qw.source if "->" in qw.source else f"{qw.source}->{qw.kind}", []).append(qw)
-            log.info("weights served quantized (torch weight-only kernels, bf16 activations): %s; %.1f MB read per "
+            log.info("weights served quantized (the decode kernels the lines above name): %s; %.1f MB read per "
                      "step", ", ".join(f"{len(v)} {k}" for k, v in sorted(kinds.items())),
                      self.model.weight_bytes() / 1e6)
         del weights, quant

@@ -281,7 +281,8 @@ def prepare_fused(model) -> tuple[FusedDecode | None, str]:
         log.warning("fused decode layers unavailable (%s: %s); running them eager", type(e).__name__,
                     str(e).splitlines()[0] if str(e) else "")
         return None, "decode layers eager (compiling the fused graphs failed)"
-    attention = ("torch's SDPA (fp32: graph D is bf16 only)" if not fused.decode_attention else
+    attention = ("torch's SDPA (fp32: the decode-attention kernel reads bf16 only, and its compiled fp32 graph "
+                 "measured slower than SDPA)" if not fused.decode_attention else
                  "a C++ kernel" if fused.attention_kernel is not None else "an inductor graph")
     return fused, (f"decode layers fused: norm+QKV+RoPE up to {fused.qkv_rows} rows and O+norm+MLP up to "
                    f"{fused.finish_rows} rows in inductor graphs, decode attention at any row count in "
