@@ -173,14 +173,23 @@ def test_stalled_prefill_actor_is_detected(tiny_llama, cluster, single):
     live_d = [i for i in (3, 4) if _alive(cluster[i])]
     cl = front(tiny_llama, cluster, live_p[:2] + live_d[:1], call_timeout_s=2.0, step_timeout_s=3.0)
     stalled = live_p[0]
+    failed_at, fail = [], cl.recovery.fail_instance
+
+    def record(iid, why, timed_out=False):
+        if iid == stalled and cl.handles[iid].alive:
+            failed_at.append(time.monotonic())
+        return fail(iid, why, timed_out)
+
+    cl.recovery.fail_instance = record
     cl.handles[stalled].call("inject_stall", 8.0)
     t0 = time.monotonic()
     for i, p in enumerate(prompts):
         cl.add_request(p, GREEDY, slo=CLASSES[i % len(CLASSES)], req_id=str(i))
     streams = {}
     done = collect(cl.drain(60), streams)
-    assert not cl.handles[stalled].alive
-    assert time.monotonic() - t0 < 8.0  # detected within the timeouts, not after the stall
+    # detected within the timeouts, not after the stall (the drain itself may outlast the stall on a
+    # slow or loaded machine, and the stalled actor then rejoins: its liveness at the end says nothing)
+    assert failed_at and failed_at[0] - t0 < 8.0
     assert done == ref
     assert all(streams[k] == v for k, v in done.items())
 
