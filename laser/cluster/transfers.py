@@ -1,16 +1,17 @@
 """Prefill -> decode hand-offs and decode -> decode migrations, seen from the cluster front end.
 
-A hand-off goes instance to instance by itself (:class:`~laser.instance.handoff.DirectRoute`):
-the decode instance chosen when the request was routed gets the request and its KV from the
-prefill instance and confirms to it; the front end waits on none of it -- it reads the hand-off in
-the prefill instance's step answer, the adoption in the decode instance's, steps the decode
-instance meanwhile, and once it has read the adoption confirms to the prefill instance as well,
-fire and forget (the decode instance's own confirm is lost if it dies before sending it; each
-confirm names the attempt, so a late one spares a re-prefilled attempt's copy). Control passes through the front end only when that route is gone (no
-decode instance was chosen at routing, like ``distserve``; the chosen one died; the prefill
-instances leave the mixed fall-back) and for decode -> decode migrations: then it *pulls* --
-``take_handoff`` on the sender feeds ``adopt`` on the receiver, the front end polls the answers
-and tells the sender to drop its copy (``confirm``) once the receiver holds it (CONTROLLER.md D1, D9).
+A hand-off goes instance to instance by itself (:class:`~laser.instance.handoff.DirectRoute`): the
+decode instance chosen when the request was routed gets the request and its KV from the prefill
+instance and confirms to it; the front end waits on none of it -- it reads the hand-off in the
+prefill instance's step answer, the adoption in the decode instance's, steps the decode instance
+meanwhile, and once it has read the adoption confirms to the prefill instance as well, fire and
+forget (the decode instance's own confirm is lost if it dies before sending it; each confirm names
+the attempt, so a late one spares a re-prefilled attempt's copy). Control passes through the front
+end only when that route is gone (no decode instance was chosen at routing, like ``distserve``; the
+chosen one died; the prefill instances leave the mixed fall-back) and for decode -> decode
+migrations: then it *pulls* -- ``take_handoff`` on the sender feeds ``adopt`` on the receiver, the
+front end polls the answers and tells the sender to drop its copy (``confirm``) once the receiver
+holds it (CONTROLLER.md D1, D9).
 
 :class:`HandoffTracker` owns the transfers in flight, the hand-offs waiting for a pull and the
 ``confirm`` calls in flight (SGLang's disaggregated decode server keeps the same stages as

@@ -46,11 +46,11 @@ def w8a8_mode() -> str:
 
 
 def available() -> bool:
-    """Whether W8A8 runs exactly here: this torch build has oneDNN's quantized linear ops and the
-    CPU has AVX512-VNNI (``torch.cpu._is_vnni_supported``; AVX-VNNI alone is not checked for). Without VNNI oneDNN multiplies the uint8
-    activations by the int8 weight with AVX2's ``vpmaddubsw``, whose int16 sum of two products
-    saturates (up to 2 * 255 * 127): on an AVX2-only AMD EPYC rows came out wrong by up to ~3x
-    their own scale (``tests/model/test_w8a8.py``'s first test)."""
+    """Whether W8A8 runs exactly here: this torch build has oneDNN's quantized linear ops and the CPU
+    has AVX512-VNNI (``torch.cpu._is_vnni_supported``; AVX-VNNI alone is not checked for). Without
+    VNNI oneDNN multiplies the uint8 activations by the int8 weight with AVX2's ``vpmaddubsw``,
+    whose int16 sum of two products saturates (up to 2 * 255 * 127): on an AVX2-only AMD EPYC rows
+    came out wrong by up to ~3x their own scale (``tests/model/test_w8a8.py``'s first test)."""
     return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
             and torch.cpu._is_vnni_supported())
 
