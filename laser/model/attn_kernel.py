@@ -2,35 +2,42 @@
 
 One query row per sequence attends over its context rows in the paged KV cache, gathered by slot
 index inside the kernel: plain softmax(q k^T / sqrt(d) + mask) v (Vaswani et al. 2017) in fp32,
-the reference :func:`laser.model.fused.decode_attention`. Inductor's code for that reference spends
-~145 us a layer at one sequence of 520 positions (AMD EPYC, 1 thread, hot caches; ~230 us with the
-K/V cache-cold): one horizontal vector reduction per score, a division per weighted term, a bounds
-check per gathered row, and 18 walks over the context in the weighted sum. This kernel (~60 / ~90 us
-there), per sequence (its KV heads split over threads when there are fewer sequences than threads):
+the reference :func:`laser.model.fused.decode_attention`; compiled for a bf16 or an fp32 cache (the
+model dtype: :func:`load_kernel`). Per sequence (its KV heads split over threads when there are
+fewer sequences than threads):
 
-1. scores: each context slot's K row read once for the task's KV heads (bf16 -> fp32; the ``g``
-   query heads sharing a KV head reuse the loaded chunks), accumulated in vector lanes and reduced
-   once per score; the K and V lines of the slot 16 positions ahead are prefetched (the gather is
-   latency-bound: blocks of 16 slots at random places);
+1. scores: each context slot's K row read once for the task's KV heads (bf16 -> fp32, or fp32 as
+   is), the ``g`` query heads sharing a KV head multiplied side by side (``g`` independent FMA
+   chains, so the adds do not wait on each other), reduced once per score; the K and V lines of
+   the slot 16 positions ahead are prefetched (the gather is latency-bound: blocks of 16 slots at
+   random places);
 2. softmax numerator: the scores of a head, padded with -inf to whole vectors, ``exp(s - max)``
    vectorised, summed lane-wise (pads add exact zeros);
-3. weighted sum, per KV head: ``sum_c e[c] v[c]`` with one vector accumulator per (query head,
-   chunk of d), in registers for the common sizes (compile-time counts; a generic path else, same
-   order), divided by the softmax sum at the end (as flash-decoding does), rounded once to bf16.
+3. weighted sum, per KV head and chunk of d: ``sum_c e[c] v[c]`` with one vector accumulator per
+   query head, in registers for the common sizes (compile-time counts; a generic path else, same
+   order and the same FMAs), divided by the softmax sum at the end (as flash-decoding does),
+   rounded once to the cache's dtype.
+
+Measured (AMD EPYC, AVX2 + FMA only, 1 thread, SmolLM2's 3 KV heads x 3 x 64, hot caches, slots
+in blocks of 16): one sequence of 520 positions 51 us in bf16 or fp32, 100 positions 13-15 us,
+32 sequences of 100 positions 324-358 us; torch's SDPA over the gathered fp32 context (what an
+fp32 model ran before) 190-207 / 54-66 / 829-863 us; this kernel with one add chain per score
+and mul + add (before) 290 / 61 / 1790 us.
 
 Batch invariance: a sequence's terms are added in position order in every loop, and pad positions
 (mask -inf) add exact zeros after them, so a sequence's output is bit-equal alone and padded in a
 batch (checked in tests/model/test_fused.py). Not bit-equal to inductor's graph (another summation
-order): within bf16 rounding of it. The tasks run on OpenMP threads (torch's thread count).
+order): within rounding of it. The tasks run on OpenMP threads (torch's thread count).
 
 Compiled and loaded through inductor's C++ binding cache (on disk under ``$TORCHINDUCTOR_CACHE_DIR``,
 the flags and vector ISA inductor uses for its own kernels: AVX512 or AVX2 via ``at::vec``);
-:func:`load_kernel` returns None where that fails (the caller keeps inductor's graph).
+:func:`load_kernel` returns None where that fails (the caller keeps its torch path).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -42,46 +49,62 @@ _SOURCE = r"""
 #include <cmath>
 #include <limits>
 
-using VB = at::vec::Vectorized<at::BFloat16>;
+#ifndef LASER_T
+#define LASER_T at::BFloat16
+#endif
+using T = LASER_T;  // the cache's, q's, mask's and output's element type: bf16 or float
 using VF = at::vec::Vectorized<float>;
 using VF2 = at::vec::VectorizedN<float, 2>;
 #ifndef AHEAD
 #define AHEAD 16
 #endif
 
-static inline VF2 load_bf16(const at::BFloat16* p, int64_t n) {
-    return at::vec::convert<float, 2, at::BFloat16, 1>(VB::loadu(p, n));
+// up to W = VF2::size() elements of a row as fp32 lanes
+static inline VF2 load_row(const at::BFloat16* p, int64_t n) {
+    return at::vec::convert<float, 2, at::BFloat16, 1>(at::vec::Vectorized<at::BFloat16>::loadu(p, n));
 }
+static inline VF2 load_row(const float* p, int64_t n) { return VF2::loadu(p, n); }
 
 // 1. s[j, c] = q_j . k[c] * scale + mask[c] for the NG query heads of each KV head in [h0, h1)
 // (NG, NCH: query heads per KV head and vector chunks of d, 0 = read g, nch at run time).
 template <int NG, int NCH>
-static void scores(const float* qf, const at::BFloat16* kc, const at::BFloat16* vc, const int64_t* ix,
-                   const at::BFloat16* mb, int64_t C, int64_t Cp, int64_t row, int64_t h0, int64_t h1,
+static void scores(const float* qf, const T* kc, const T* vc, const int64_t* ix,
+                   const T* mb, int64_t C, int64_t Cp, int64_t row, int64_t h0, int64_t h1,
                    int64_t g_, int64_t nch_, int64_t d, float scale, float* s) {
-    const int64_t W = VB::size(), g = NG ? NG : g_, nch = NCH ? NCH : nch_;
+    const int64_t W = VF2::size(), g = NG ? NG : g_, nch = NCH ? NCH : nch_;
     for (int64_t c = 0; c < C; ++c) {
         if (c + AHEAD < C) {  // this task's K and V lines of the row AHEAD positions on
             const int64_t at = ix[c + AHEAD] * row + h0 * d;
-            for (int64_t e = 0; e < (h1 - h0) * d; e += 32) {
+            for (int64_t e = 0; e < (h1 - h0) * d; e += 64 / int64_t(sizeof(T))) {  // a cache line
                 __builtin_prefetch(kc + at + e);
                 __builtin_prefetch(vc + at + e);
             }
         }
         const float m = static_cast<float>(mb[c]);
         for (int64_t h = h0; h < h1; ++h) {
-            const at::BFloat16* kr = kc + ix[c] * row + h * d;
-            VF2 k[NCH ? NCH : 1];
-            for (int64_t j = 0; j < g; ++j) {
-                const int64_t jj = (h - h0) * g + j;
-                VF2 a(0.f);
-                for (int64_t ch = 0; ch < nch; ++ch) {
-                    const VF2 kv = NCH ? (j ? k[ch] : (k[ch] = load_bf16(kr + ch * W, std::min(W, d - ch * W))))
-                                       : load_bf16(kr + ch * W, std::min(W, d - ch * W));
-                    a = a + VF2::loadu(qf + (jj * nch + ch) * W) * kv;
+            const T* kr = kc + ix[c] * row + h * d;
+            const int64_t j0 = (h - h0) * g;
+            if constexpr (NG > 0 && NCH > 0) {  // the NG dot products side by side (independent FMA chains)
+                VF2 a[NG];
+                for (int j = 0; j < NG; ++j) a[j] = VF2(0.f);
+                for (int ch = 0; ch < NCH; ++ch) {
+                    const VF2 kv = load_row(kr + ch * W, std::min(W, d - ch * W));
+                    for (int j = 0; j < NG; ++j)
+                        a[j] = at::vec::fmadd(VF2::loadu(qf + ((j0 + j) * NCH + ch) * W), kv, a[j]);
                 }
-                float dot = at::vec::vec_reduce_all<float, 2>([](VF& x, VF& y) { return x + y; }, a);
-                s[jj * Cp + c] = dot * scale + m;
+                for (int j = 0; j < NG; ++j) {
+                    float dot = at::vec::vec_reduce_all<float, 2>([](VF& x, VF& y) { return x + y; }, a[j]);
+                    s[(j0 + j) * Cp + c] = dot * scale + m;
+                }
+            } else {  // the same sums, one head at a time
+                for (int64_t j = 0; j < g; ++j) {
+                    VF2 a(0.f);
+                    for (int64_t ch = 0; ch < nch; ++ch)
+                        a = at::vec::fmadd(VF2::loadu(qf + ((j0 + j) * nch + ch) * W),
+                                           load_row(kr + ch * W, std::min(W, d - ch * W)), a);
+                    float dot = at::vec::vec_reduce_all<float, 2>([](VF& x, VF& y) { return x + y; }, a);
+                    s[(j0 + j) * Cp + c] = dot * scale + m;
+                }
             }
         }
     }
@@ -90,30 +113,27 @@ static void scores(const float* qf, const at::BFloat16* kc, const at::BFloat16* 
 // 3. acc[j] = sum_c e[j, c] v[c] (position order) for the g query heads of KV head h (offset
 // off in a cache row); NG, NCH > 0 keep the accumulators in registers.
 template <int NG, int NCH>
-static void weighted_sum(const at::BFloat16* vc, const int64_t* ix, int64_t C, int64_t Cp, int64_t row,
+static void weighted_sum(const T* vc, const int64_t* ix, int64_t C, int64_t Cp, int64_t row,
                          int64_t off, int64_t g_, int64_t nch_, int64_t d, const float* s, float* acc) {
-    const int64_t W = VB::size(), L2 = 2 * VF::size();
-    if constexpr (NG > 0 && NCH > 0) {
-        VF2 a[NG][NCH];
-        for (int j = 0; j < NG; ++j)
-            for (int ch = 0; ch < NCH; ++ch) a[j][ch] = VF2(0.f);
-        for (int64_t c = 0; c < C; ++c) {
-            const at::BFloat16* vr = vc + ix[c] * row + off;
-            for (int ch = 0; ch < NCH; ++ch) {
-                const VF2 v = load_bf16(vr + ch * W, std::min(W, d - ch * W));
-                for (int j = 0; j < NG; ++j) a[j][ch] = a[j][ch] + VF2(s[j * Cp + c]) * v;
+    const int64_t W = VF2::size(), L2 = 2 * VF::size();
+    if constexpr (NG > 0 && NCH > 0) {  // per chunk of d, its NG accumulators in registers
+        for (int ch = 0; ch < NCH; ++ch) {
+            VF2 a[NG];
+            for (int j = 0; j < NG; ++j) a[j] = VF2(0.f);
+            for (int64_t c = 0; c < C; ++c) {
+                const VF2 v = load_row(vc + ix[c] * row + off + ch * W, std::min(W, d - ch * W));
+                for (int j = 0; j < NG; ++j) a[j] = at::vec::fmadd(VF2(s[j * Cp + c]), v, a[j]);
             }
+            for (int j = 0; j < NG; ++j) a[j].store(acc + (j * NCH + ch) * W, L2);
         }
-        for (int j = 0; j < NG; ++j)
-            for (int ch = 0; ch < NCH; ++ch) a[j][ch].store(acc + (j * NCH + ch) * W, L2);
     } else {
         for (int64_t c = 0; c < C; ++c) {
-            const at::BFloat16* vr = vc + ix[c] * row + off;
+            const T* vr = vc + ix[c] * row + off;
             for (int64_t ch = 0; ch < nch_; ++ch) {
-                const VF2 v = load_bf16(vr + ch * W, std::min(W, d - ch * W));
+                const VF2 v = load_row(vr + ch * W, std::min(W, d - ch * W));
                 for (int64_t j = 0; j < g_; ++j) {
                     float* a = acc + (j * nch_ + ch) * W;
-                    (VF2::loadu(a, L2) + VF2(s[j * Cp + c]) * v).store(a, L2);
+                    at::vec::fmadd(VF2(s[j * Cp + c]), v, VF2::loadu(a, L2)).store(a, L2);
                 }
             }
         }
@@ -122,14 +142,14 @@ static void weighted_sum(const at::BFloat16* vc, const int64_t* ix, int64_t C, i
 
 // One sequence b, KV heads [h0, h1): out[b, h*g + j, :] for h in [h0, h1), j < g.
 template <int NG, int NCH>
-static void attend_one(const at::BFloat16* q, const at::BFloat16* kc, const at::BFloat16* vc,
-                       const int64_t* idx, const at::BFloat16* mask, at::BFloat16* out,
+static void attend_one(const T* q, const T* kc, const T* vc,
+                       const int64_t* idx, const T* mask, T* out,
                        int64_t b, int64_t h0, int64_t h1, int64_t C, int64_t ld, int64_t kvh, int64_t g,
                        int64_t d, float scale) {
-    const int64_t W = VB::size(), nch = (d + W - 1) / W, L = VF::size();
+    const int64_t W = VF2::size(), nch = (d + W - 1) / W, L = VF::size();
     const int64_t Cp = (C + L - 1) / L * L, G = (h1 - h0) * g;  // G query heads here
     std::vector<float> qf(G * nch * W, 0.f), s(G * Cp), acc(G * nch * W, 0.f), sum(G);
-    const at::BFloat16* qb = q + (b * kvh + h0) * g * d;
+    const T* qb = q + (b * kvh + h0) * g * d;
     for (int64_t j = 0; j < G * d; ++j) qf[(j / d) * nch * W + j % d] = static_cast<float>(qb[j]);
     const int64_t* ix = idx + b * ld;
     const int64_t row = kvh * d;
@@ -154,14 +174,14 @@ static void attend_one(const at::BFloat16* q, const at::BFloat16* kc, const at::
                               acc.data() + j0 * nch * W);
     }
     for (int64_t j = 0; j < G; ++j) {
-        at::BFloat16* o = out + ((b * kvh + h0) * g + j) * d;
+        T* o = out + ((b * kvh + h0) * g + j) * d;
         for (int64_t e = 0; e < d; ++e)
-            o[e] = static_cast<at::BFloat16>(acc[(j * nch + e / W) * W + e % W] / sum[j]);
+            o[e] = static_cast<T>(acc[(j * nch + e / W) * W + e % W] / sum[j]);
     }
 }
 
-using AttendFn = void (*)(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*, const int64_t*,
-                          const at::BFloat16*, at::BFloat16*, int64_t, int64_t, int64_t, int64_t, int64_t,
+using AttendFn = void (*)(const T*, const T*, const T*, const int64_t*,
+                          const T*, T*, int64_t, int64_t, int64_t, int64_t, int64_t,
                           int64_t, int64_t, int64_t, float);
 
 // The variant with compile-time sizes for the common (query heads per KV head, chunks of d).
@@ -176,11 +196,11 @@ static AttendFn pick(int64_t g, int64_t nch) {
     return attend_one<0, 0>;
 }
 
-extern "C" void kernel(const at::BFloat16* q, const at::BFloat16* kc, const at::BFloat16* vc,
-                       const int64_t* idx, const at::BFloat16* mask, at::BFloat16* out,
+extern "C" void kernel(const T* q, const T* kc, const T* vc,
+                       const int64_t* idx, const T* mask, T* out,
                        int64_t B, int64_t C, int64_t ld, int64_t kvh, int64_t g, int64_t d, int64_t threads) {
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-    const AttendFn fn = pick(g, (d + VB::size() - 1) / VB::size());
+    const AttendFn fn = pick(g, (d + VF2::size() - 1) / VF2::size());
     // tasks: whole sequences, or at fewer sequences than threads each sequence's KV heads split
     const int64_t per = B >= threads ? kvh : std::max<int64_t>(1, kvh / std::max<int64_t>(1, threads / B));
     const int64_t parts = (kvh + per - 1) / per;
@@ -192,9 +212,17 @@ extern "C" void kernel(const at::BFloat16* q, const at::BFloat16* kc, const at::
 }
 """
 
-_ARGTYPES = ["const at::BFloat16*", "const at::BFloat16*", "const at::BFloat16*", "const int64_t*",
-             "const at::BFloat16*", "at::BFloat16*", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t",
-             "int64_t", "int64_t"]
+#: the element types the kernel is compiled for (the C++ ``T``)
+_CTYPES = {torch.bfloat16: "at::BFloat16", torch.float32: "float"}
+
+
+@dataclass(frozen=True)
+class DecodeAttentionKernel:
+    """The compiled kernel ``fn`` for one element type ``dtype`` (bf16 or fp32): what
+    :func:`load_kernel` returns and :func:`decode_attention_kernel` calls."""
+
+    fn: object
+    dtype: torch.dtype
 
 
 def compile_kernel(argtypes: list[str], source: str, what: str):
@@ -214,36 +242,49 @@ def compile_kernel(argtypes: list[str], source: str, what: str):
         return None
 
 
-def load_kernel():
-    """The compiled decode attention kernel (compiled now or loaded from inductor's cache), or
-    None where compiling or loading fails (a warning; inductor's graph runs instead). Call it as
-    :func:`decode_attention_kernel` does."""
-    return compile_kernel(_ARGTYPES, _SOURCE, "decode attention kernel")
+def load_kernel(dtype: torch.dtype = torch.bfloat16) -> DecodeAttentionKernel | None:
+    """The decode attention kernel for a ``dtype`` cache (bf16 or fp32; compiled now or loaded from
+    inductor's cache), or None where compiling or loading fails (a warning; the caller's torch path
+    runs instead). Call it as :func:`decode_attention_kernel` does.
+
+    Raises:
+        ValueError: another dtype.
+    """
+    if dtype not in _CTYPES:
+        raise ValueError(f"decode attention kernel: bf16 or fp32, not {dtype}")
+    t = _CTYPES[dtype]
+    argtypes = [f"const {t}*"] * 3 + ["const int64_t*", f"const {t}*", f"{t}*"] + ["int64_t"] * 7
+    fn = compile_kernel(argtypes, f"#define LASER_T {t}\n" + _SOURCE, f"{str(dtype).removeprefix('torch.')} decode attention kernel")
+    return None if fn is None else DecodeAttentionKernel(fn, dtype)
 
 
-def decode_attention_kernel(kernel, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+def decode_attention_kernel(kernel: DecodeAttentionKernel, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                             kv_index: torch.Tensor, mask: torch.Tensor, cols: int | None = None) -> torch.Tensor:
     """Decode attention through ``kernel`` (:func:`load_kernel`'s result).
 
-    q [B, Hq, d] bf16 (query heads sharing a KV head consecutive); kc, vc [slots, kvh, d] bf16,
-    contiguous; kv_index [B, L] int64 slots (pads: any valid slot); mask [B, L] bf16 additive
+    q [B, Hq, d] in the kernel's dtype (bf16 or fp32; query heads sharing a KV head consecutive);
+    kc, vc [slots, kvh, d] in it, contiguous; kv_index [B, L] int64 slots (pads: any valid slot);
+    mask [B, L] in it, additive
     (0 = attend, -inf = pad; every row has at least one 0) -- or [B, 1, 1, L], the metadata's
     layout. ``cols``: the context is their first ``cols`` columns (the rest is spare room of a
     steady decode batch, :class:`laser.model.attn_steady.SteadyDecode`; read nothing of it: the
-    same work and the same bits as a [B, cols] batch); None: all L. Returns [B, Hq, d] bf16.
+    same work and the same bits as a [B, cols] batch); None: all L. Returns [B, Hq, d] in the
+    kernel's dtype.
 
     Raises:
         ValueError: a dtype, a layout or a head count that the kernel does not take.
     """
     B, Hq, d = q.shape
     kvh = kc.shape[1]
-    if (q.dtype, kc.dtype, vc.dtype, mask.dtype) != (torch.bfloat16,) * 4 or kv_index.dtype != torch.long:
-        raise ValueError("decode attention kernel: bf16 q/K/V/mask and int64 slots only")
+    dt = kernel.dtype
+    if (q.dtype, kc.dtype, vc.dtype, mask.dtype) != (dt,) * 4 or kv_index.dtype != torch.long:
+        raise ValueError(f"decode attention kernel: {dt} q/K/V/mask and int64 slots only (got q {q.dtype}, "
+                         f"K/V {kc.dtype}/{vc.dtype}, mask {mask.dtype}, slots {kv_index.dtype})")
     if Hq % kvh or kc.shape[2] != d or not (kc.is_contiguous() and vc.is_contiguous()):
         raise ValueError(f"decode attention kernel: q {tuple(q.shape)} against a cache {tuple(kc.shape)}")
     q, kv_index, mask = q.contiguous(), kv_index.contiguous(), mask.contiguous()
     ld = kv_index.shape[1]
     out = torch.empty_like(q)
-    kernel(q, kc, vc, kv_index, mask, out, B, ld if cols is None else cols, ld, kvh, Hq // kvh, d,
+    kernel.fn(q, kc, vc, kv_index, mask, out, B, ld if cols is None else cols, ld, kvh, Hq // kvh, d,
            torch.get_num_threads())
     return out

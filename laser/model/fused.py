@@ -13,11 +13,12 @@ with the aten int4/int8 kernels as extern calls between:
 
 - **D** (:meth:`FusedDecode.attend`): decode attention (one query row per sequence) over the KV
   cache, the context rows gathered by their slot index inside the kernel: it replaces the gather
-  of K and V plus torch's flash kernel, which at one query row costs ~100-180 us per layer at 520
+  of K and V plus torch's flash kernel, which at one query row costs ~100-200 us per layer at 520
   positions for ~1 MFLOP (its blocking is sized for long queries). A hand-written C++ kernel
-  (:mod:`laser.model.attn_kernel`, ~0.5x the time of inductor's code for the reference
-  :func:`decode_attention` at one sequence); inductor's graph of the reference where that kernel
-  cannot be compiled (~1.4x faster than flash at one sequence, ~5x at 32; AMD EPYC, 1 thread).
+  (:mod:`laser.model.attn_kernel`, bf16 or fp32: 0.25x SDPA's time at one sequence of 520
+  positions, 0.4x at 32 of 100 in fp32 on an AVX2-only EPYC); in bf16 inductor's graph of the
+  reference where that kernel cannot be compiled (~1.4x faster than flash at one sequence, ~5x
+  at 32; AMD EPYC, 1 thread), in fp32 torch's SDPA then.
 
 The K/V write stays eager between A and D. The weights are graph inputs,
 so one graph serves every layer of the same shapes; the graphs are traced with ``make_fx`` on
@@ -37,12 +38,14 @@ differs by about one bf16 ulp (in fp32, where a norm's output is rounded to bf16
 a row's result does not depend on the other rows of its batch (per-row code, checked in
 tests/model/test_fused.py); graph D reduces over the context positions in order, one sequence at
 a time, so a sequence's attention does not depend on the padding its group adds either (torch's
-flash kernel does: its last block's sums change with the padded length). Graph D runs in bf16
-only: the C++ kernel reads bf16, and inductor's graph of the reference in fp32 made whole decode
-steps slower than torch's SDPA (AVX2-only AMD EPYC, 1 thread, SmolLM2 int4, 300-token prompts:
-26.5-27.0 against 25.6-25.9 ms at batch 1, 100-109 against 81-84 ms at batch 8), so fp32 decode
-attention stays on SDPA. Measured there (``benchmarks/engine_speed.py --dtype float32 --threads 1
---quantizations auto:::0,auto:::1``): batch-1 decode 33.2 -> 40.9 tok/s, batch 4 90.7 -> 102.1.
+flash kernel does: its last block's sums change with the padded length). In fp32 graph D runs only
+through the C++ kernel: inductor's graph of the reference made whole decode steps slower than
+torch's SDPA (AVX2-only AMD EPYC, 1 thread, SmolLM2 int4, 300-token prompts: 26.5-27.0 against
+25.6-25.9 ms at batch 1, 100-109 against 81-84 ms at batch 8). Measured there
+(``benchmarks/engine_speed.py --dtype float32 --threads 1 --quantizations auto:::0,auto:::1``,
+graphs A and B only): batch-1 decode 33.2 -> 40.9 tok/s, batch 4 90.7 -> 102.1; graph D's fp32
+kernel on top of them, against SDPA (medians of 3, 64 new tokens): batch 1 38.2 -> 43.1 tok/s
+(64-token prompts), 30.3 -> 38.7 (500), batch 8 86.7 -> 102.3 (300), batch 32 138.0 -> 152.9 (64).
 ``$LASER_FUSED_DECODE`` = ``1`` (the default) or
 ``0`` (eager; the test suite's default, so that tests compile only where they mean to). Where
 compiling fails, the model runs eager.
@@ -131,13 +134,13 @@ class FusedDecode:
         self._finish = [self._graph(cache, L, _FINISH_FIELDS) for L in layers]
         #: graph D's hand-written C++ kernel (:mod:`laser.model.attn_kernel`); None: inductor's
         #: graph of :func:`decode_attention` (compiled on first use) -- set None for A/B timings
-        bf16 = model.dtype == torch.bfloat16
-        self.attention_kernel = load_kernel() if bf16 else None
+        self.attention_kernel = load_kernel(model.dtype)
         self._attend = None
-        #: decode attention through graph D (False: torch's SDPA, as before it; for A/B timings);
-        #: bf16 only (see the module docstring)
-        self.decode_attention = bf16
-        self.graphs, self.seconds = len(cache) + bf16, time.perf_counter() - t0
+        #: decode attention through graph D (False: torch's SDPA, as before it; for A/B timings):
+        #: the C++ kernel, or in bf16 inductor's graph where the kernel did not load (in fp32 that
+        #: graph is slower than SDPA: see the module docstring)
+        self.decode_attention = self.attention_kernel is not None or model.dtype == torch.bfloat16
+        self.graphs, self.seconds = len(cache) + self.decode_attention, time.perf_counter() - t0
 
     def _graph(self, cache: dict, L, fields: tuple[str, ...]):
         """(compiled graph, the layer's tensors) for ``L``'s ``fields``; layers of one layout and
@@ -281,7 +284,7 @@ def prepare_fused(model) -> tuple[FusedDecode | None, str]:
         log.warning("fused decode layers unavailable (%s: %s); running them eager", type(e).__name__,
                     str(e).splitlines()[0] if str(e) else "")
         return None, "decode layers eager (compiling the fused graphs failed)"
-    attention = ("torch's SDPA (fp32: the decode-attention kernel reads bf16 only, and its compiled fp32 graph "
+    attention = ("torch's SDPA (the decode-attention kernel did not compile, and inductor's fp32 graph of it "
                  "measured slower than SDPA)" if not fused.decode_attention else
                  "a C++ kernel" if fused.attention_kernel is not None else "an inductor graph")
     return fused, (f"decode layers fused: norm+QKV+RoPE up to {fused.qkv_rows} rows and O+norm+MLP up to "

@@ -254,8 +254,8 @@ class LlamaModel:
         packed = any(isinstance(m, Linear) and not m.sliceable for m in mats)
         if packed:
             log.info("bf16 weights: oneDNN-packed for every row count (LASER_PACKED_WEIGHTS=off for F.linear)")
-        # "dattn": decode attention through graph D, "-cpp" its C++ kernel (a profile timed before
-        # either prices slower steps)
+        # "dattn": decode attention through graph D, "-cpp" its C++ kernel, bf16 or fp32 (a profile timed
+        # before either prices slower steps)
         # "pattn": bf16 prefill attention through blocked matmuls, "-cpp" through the C++ kernel, "-amx"
         # whole prompts through the flash kernel (AMX) and chunks through the C++ kernel
         # "gmlp": SiLU(gate) * up in the gate/up matmuls' epilogues (laser.model.linear.GatedLinear)

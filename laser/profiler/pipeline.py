@@ -43,14 +43,16 @@ from .timing import Bench, Case, planned_calls, progress_bar
 log = logging.getLogger(__name__)
 
 # Bump when what is measured, or how, changes: older profile files are then re-made.
-PROFILER_VERSION = 12  # 4: layer matmuls in per-row-count layouts (laser.model.llama.Linear); 5: typical (median) times;
+PROFILER_VERSION = 13  # 4: layer matmuls in per-row-count layouts (laser.model.llama.Linear); 5: typical (median) times;
 # 6: skewed decode batches (padded gather), executor-path label in the key; 7: whole steps' overhead
 # (StepOverheadSample); 8: the row counts where the matmul kernels switch (metadata["kernel_rows"]),
 # sampled on both sides, and a denser LM-head grid; 9: causal prefill attention at 18 more chunk lengths, around
 # the flash kernel's query-block switches (grid.CAUSAL_GRID); 10: whole decode steps' compute (DecodeStepSample),
 # at 12 more decode steps spread like the decode layer samples (grid._decode_step_shapes); 11: whole prefill and
 # mixed steps' compute (PrefillStepSample), at more steps of one or two prompts and chunks, beside decode rows or
-# not (grid._prefill_step_shapes); 12: decode steps of up to 8 rows timed in streaks as well (WarmDecodeStepSample)
+# not (grid._prefill_step_shapes); 12: decode steps of up to 8 rows timed in streaks as well (WarmDecodeStepSample);
+# 13: the decode-attention kernel's independent FMA chains (laser.model.attn_kernel: ~5x faster on an AVX2-only
+# EPYC; fp32 models run it too: the same executor path label, faster steps)
 #: Decode steps of at most this many rows are also timed in streaks back to back (``WarmDecodeStepSample``,
 #: ``snapshots.WarmDecodeReplay``: up to 24 steps or 0.25 s; one step shape per row count): on an AMX Xeon a
 #: batch-1 step saved up to 24 % of its price, batch 4 up to 9 %, 5+ rows (over dense bf16 copies) ~5 %.

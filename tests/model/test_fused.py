@@ -28,13 +28,13 @@ def build(path, dtype, monkeypatch, fused="1"):
                                         ("qwen2", torch.float32), ("qwen3", torch.float32)])
 def test_fused_layers_match_eager_within_bf16_rounding(tiny_model_dirs, monkeypatch, caplog, kind, dtype):
     """bf16: graphs A, B and D (one of each serves every layer). fp32 (int4 layers, the AVX2 kind's
-    default): A and B with the casts around the kernels fused in, decode attention on SDPA."""
+    default): A and B with the casts around the kernels fused in, D on the fp32 C++ kernel."""
     with caplog.at_level(logging.INFO, logger="laser.model.llama"):
         model = build(tiny_model_dirs[kind], dtype, monkeypatch)
-    f, bf16 = model.fused, dtype == torch.bfloat16
-    assert f is not None and f.graphs == (3 if bf16 else 2), caplog.text
-    assert model.executor_path.endswith("fused-dattn-cpp" if bf16 else "fused") and "decode layers fused" in caplog.text
-    assert f.decode_attention == bf16 and (bf16 or "torch's SDPA" in caplog.text)
+    f = model.fused
+    assert f is not None and f.graphs == 3, caplog.text
+    assert model.executor_path.endswith("fused-dattn-cpp") and "decode layers fused" in caplog.text
+    assert f.decode_attention and f.attention_kernel.dtype == dtype and "in a C++ kernel" in caplog.text
     c = model.config
     gen = torch.Generator().manual_seed(0)
     n = 6
@@ -58,9 +58,9 @@ def test_fused_layers_match_eager_within_bf16_rounding(tiny_model_dirs, monkeypa
             assert torch.equal(model.qkv(i, h[2:5], cos[2:5], sin[2:5])[0], fq[0][2:5])
 
 
-def _padded(lens, slots, gen):
+def _padded(lens, slots, gen, dtype=torch.bfloat16):
     """Per sequence its cache slots (blocks of 16 at random places), and the batch's [B, C] slot
-    index and additive mask padded to the longest (pads: slot 0, -inf)."""
+    index and additive ``dtype`` mask padded to the longest (pads: slot 0, -inf)."""
     blocks = torch.randperm(slots // 16, generator=gen)
     idx, at = [], 0
     for n in lens:
@@ -72,7 +72,7 @@ def _padded(lens, slots, gen):
     mask = torch.full((len(lens), C), float("-inf"))
     for b, (n, ix) in enumerate(zip(lens, idx)):
         index[b, :n], mask[b, :n] = ix, 0
-    return idx, index, mask.bfloat16()
+    return idx, index, mask.to(dtype)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -155,9 +155,8 @@ def test_dense_fp32_and_the_switch_keep_the_eager_layers(tiny_llama, monkeypatch
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_engine_decodes_through_the_fused_graphs(tiny_llama, monkeypatch, dtype):
-    """A bf16 or fp32 int4 engine's decode steps run the graphs (bf16: its decode attention through
-    graph D), and its greedy tokens (of a random model's well-separated logits) are the eager
-    engine's."""
+    """A bf16 or fp32 int4 engine's decode steps run the graphs (its decode attention through graph
+    D), and its greedy tokens (of a random model's well-separated logits) are the eager engine's."""
     tokens = {}
     for fused in ("0", "1"):
         monkeypatch.setenv("LASER_FUSED_DECODE", fused)
@@ -176,33 +175,39 @@ def test_engine_decodes_through_the_fused_graphs(tiny_llama, monkeypatch, dtype)
         assert all(len(r.output_token_ids) == 3 for r in reqs)
         if fused == "1":
             assert calls  # decode rows (3 at a time) went through graph A
-            assert (max(attends) == 3) if dtype == "bfloat16" else not attends  # attention: graph D / SDPA
+            assert max(attends) == 3  # decode attention: graph D
         tokens[fused] = [r.output_token_ids for r in reqs]
     assert tokens["0"] == tokens["1"]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kvh,g,d", [(3, 3, 64), (1, 9, 64), (2, 2, 40), (2, 4, 128)])
-def test_attention_kernel_matches_the_reference_and_ignores_padding(kvh, g, d):
-    """Graph D's C++ kernel (laser.model.attn_kernel) agrees with the reference decode_attention
-    within bf16 rounding on its specialised sizes (3 x 64, 2/4 heads per KV head) and its generic
-    path (9 query heads per KV head; d not a multiple of the vector width), and a sequence's output
-    is bit-equal alone and padded in a batch."""
+def test_attention_kernel_matches_the_reference_and_ignores_padding(kvh, g, d, dtype):
+    """Graph D's C++ kernel (laser.model.attn_kernel), bf16 and fp32, agrees with the reference
+    decode_attention (bf16: within its rounding; fp32: to ~1e-5) on its specialised sizes (3 x 64,
+    2/4 heads per KV head) and its generic path (9 query heads per KV head; d not a multiple of the
+    vector width), and a sequence's output is bit-equal alone and padded in a batch. A kernel of
+    one dtype refuses tensors of the other."""
     from laser.model.attn_kernel import decode_attention_kernel, load_kernel
     from laser.model.fused import decode_attention
 
-    kernel = load_kernel()
-    assert kernel is not None
+    kernel = load_kernel(dtype)
+    assert kernel is not None and kernel.dtype == dtype
     gen = torch.Generator().manual_seed(2)
     slots = 48 * 16
-    kc = torch.randn(slots, kvh, d, generator=gen).bfloat16()
-    vc = torch.randn(slots, kvh, d, generator=gen).bfloat16()
+    kc = torch.randn(slots, kvh, d, generator=gen).to(dtype)
+    vc = torch.randn(slots, kvh, d, generator=gen).to(dtype)
     lens = [300, 1, 17, 64]
-    q = torch.randn(len(lens), kvh * g, d, generator=gen).bfloat16()
-    idx, index, mask = _padded(lens, slots, gen)
+    q = torch.randn(len(lens), kvh * g, d, generator=gen).to(dtype)
+    idx, index, mask = _padded(lens, slots, gen, dtype)
     batch = decode_attention_kernel(kernel, q, kc, vc, index, mask)
-    assert batch.shape == q.shape and batch.dtype == torch.bfloat16
+    assert batch.shape == q.shape and batch.dtype == dtype
     ref = decode_attention(q, kc, vc, index, mask, kvh)
-    torch.testing.assert_close(batch.float(), ref.float(), rtol=0.02, atol=0.02)
+    tol = 0.02 if dtype == torch.bfloat16 else 2e-5
+    torch.testing.assert_close(batch.float(), ref.float(), rtol=tol, atol=tol)
     for b, n in enumerate(lens):
-        alone = decode_attention_kernel(kernel, q[b:b + 1], kc, vc, idx[b][None], torch.zeros(1, n).bfloat16())
+        alone = decode_attention_kernel(kernel, q[b:b + 1], kc, vc, idx[b][None], torch.zeros(1, n).to(dtype))
         assert torch.equal(alone, batch[b:b + 1])
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    with pytest.raises(ValueError, match="int64 slots only"):
+        decode_attention_kernel(kernel, q.to(other), kc.to(other), vc.to(other), index, mask.to(other))
