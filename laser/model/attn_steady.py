@@ -23,7 +23,7 @@ The result equals the builder's bit for bit (values, dtypes, shapes, strides), w
 the builder: a row joined, left, moved or took more than one token; a layer of ``layers`` with its
 own block table (per-layer overrides); a block of the previous context that changed (trimmed and
 regrown, a request id reused); a different split into gather groups; a mask dtype other than
-bfloat16 or float32. (In place: bfloat16 only.)
+bfloat16 or float32. (In place: the dtype it was made for, the model's.)
 
 In place (``SteadyDecode(in_place=True)``: a runner whose decode groups all run the C++ decode
 kernel, :mod:`laser.model.attn_kernel`): even those dozen numpy/torch calls cost ~200 us a step at
@@ -57,18 +57,20 @@ class SteadyDecode:
     groups (lists of row indices) and, per group, ``[first row, end row, KV indices (int64
     [B, C] numpy), mask storage (int16 bits [B, 1, 1, C] for bfloat16, float32 for float32; None
     when no row is padded), the group's AttnGroup]``; in place, ``[first row, end row, KV indices
-    (int64 tensor [B, L]), mask (bf16 tensor [B, 1, 1, L]), L, cols, the group's AttnGroup]`` and
+    (int64 tensor [B, L]), mask (tensor [B, 1, 1, L] in :attr:`dtype`), L, cols, the group's AttnGroup]`` and
     ``out`` = (cos, sin, slot mapping) of the rows. ``ids`` None: nothing to derive from."""
 
-    __slots__ = ("ids", "starts", "tables", "parts", "groups", "in_place", "kernel", "out")
+    __slots__ = ("ids", "starts", "tables", "parts", "groups", "in_place", "dtype", "kernel", "out")
 
-    def __init__(self, in_place: bool = False) -> None:
+    def __init__(self, in_place: bool = False, dtype: torch.dtype = torch.bfloat16) -> None:
         self.ids: list[str] | None = None
         #: derive in place (:meth:`_grow_in_place`), for a runner whose decode groups all run the
         #: C++ decode kernel (it reads :attr:`~laser.model.llama.AttnGroup.cols`); False where
         #: the C++ helper does not compile (a warning), or not asked
-        self.kernel = load_grow_kernel() if in_place else None
+        self.kernel = load_grow_kernel(dtype) if in_place else None
         self.in_place = self.kernel is not None
+        #: the masks' and rope rows' dtype (bf16 or fp32) derived in place; other builds fall back
+        self.dtype = dtype
 
     def build(self, active: Sequence[Work], layers: range, bm, rope: tuple[torch.Tensor, torch.Tensor],
               dtype: torch.dtype, group_size: int, split_decode: Callable[[list[int]], list[list[int]]],
@@ -116,7 +118,7 @@ class SteadyDecode:
         """The steady successor's metadata, or None (not one: the caller builds). Its gather
         groups go into ``memo`` as the builder's would (a later composition of the step reuses
         them); in place (:attr:`in_place`), none do (their tensors have spare columns)."""
-        if dtype not in _MASK_NP or (self.in_place and (dtype, rope[0].dtype) != (torch.bfloat16,) * 2):
+        if dtype not in _MASK_NP or (self.in_place and (dtype, rope[0].dtype) != (self.dtype,) * 2):
             return None
         got = self._advance(active, layers, bm, split_decode, rope[0].shape[0])
         if got is None:
@@ -200,7 +202,7 @@ class SteadyDecode:
         self.tables = [bm.canonical_table(w.req_id)[: -(-w.context_len // bs)] for w in active]
         self.parts, self.groups = parts, []
         if self.in_place:  # the build's tensors, read by the first derivation, then written in place
-            if dtype != torch.bfloat16 or meta.cos.dtype != torch.bfloat16:
+            if dtype != self.dtype or meta.cos.dtype != self.dtype:
                 return
             self.out = (meta.cos, meta.sin, meta.slot_mapping)
             for part, grp in zip(parts, meta.groups):
@@ -224,21 +226,23 @@ _GROW_SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 // One steady decode group of B rows one position further (laser.model.attn_steady): KV indices
-// and bf16 mask bits [B, dld] from [B, sld] (their first cols columns; the same tensors when
+// and mask bits [B, dld] from [B, sld] (their first cols columns; the same tensors when
 // skv == dkv: nothing moves), the rows' new positions and slots read from rows (int64: T
-// positions, then T slots; the group's rows from a), its slots and rope rows (hd bf16 each)
-// written to slot_out, co, so (rows a..a+B-1).
-extern "C" void kernel(const int64_t* skv, const int16_t* smask, int64_t* dkv, int16_t* dmask,
+// positions, then T slots; the group's rows from a), its slots and rope rows (hd elements each)
+// written to slot_out, co, so (rows a..a+B-1). E: the bits of one mask / rope element (int16_t for
+// bf16, int32_t for fp32), NEG: -inf's bits.
+using E = LASER_BITS;
+extern "C" void kernel(const int64_t* skv, const E* smask, int64_t* dkv, E* dmask,
                        int64_t sld, int64_t dld, int64_t cols, int64_t B, uintptr_t rows, int64_t a,
-                       int64_t T, int64_t* slot_out, const int16_t* rc, const int16_t* rs, int16_t* co,
-                       int16_t* so, int64_t hd) {
+                       int64_t T, int64_t* slot_out, const E* rc, const E* rs, E* co,
+                       E* so, int64_t hd) {
     const int64_t* pos = reinterpret_cast<const int64_t*>(rows) + a;
     const int64_t* slot = reinterpret_cast<const int64_t*>(rows) + T + a;
-    const int16_t neg = static_cast<int16_t>(0xFF80);  // bf16 -inf
+    const E neg = static_cast<E>(LASER_NEG);
     if (dkv != skv) {
         for (int64_t i = 0; i < B; ++i) {
             std::memcpy(dkv + i * dld, skv + i * sld, cols * sizeof(int64_t));
-            std::memcpy(dmask + i * dld, smask + i * sld, cols * sizeof(int16_t));
+            std::memcpy(dmask + i * dld, smask + i * sld, cols * sizeof(E));
             for (int64_t c = cols; c < dld; ++c) {
                 dkv[i * dld + c] = 0;
                 dmask[i * dld + c] = neg;
@@ -250,23 +254,30 @@ extern "C" void kernel(const int64_t* skv, const int16_t* smask, int64_t* dkv, i
         dkv[i * dld + p] = slot[i];
         dmask[i * dld + p] = 0;
         slot_out[a + i] = slot[i];
-        std::memcpy(co + (a + i) * hd, rc + p * hd, hd * sizeof(int16_t));
-        std::memcpy(so + (a + i) * hd, rs + p * hd, hd * sizeof(int16_t));
+        std::memcpy(co + (a + i) * hd, rc + p * hd, hd * sizeof(E));
+        std::memcpy(so + (a + i) * hd, rs + p * hd, hd * sizeof(E));
     }
 }
 """
-_GROW_ARGS = ["const int64_t*", "const int16_t*", "int64_t*", "int16_t*", "int64_t", "int64_t", "int64_t",
-              "int64_t", "uintptr_t", "int64_t", "int64_t", "int64_t*", "const int16_t*", "const int16_t*",
-              "int16_t*", "int16_t*", "int64_t"]
-_GROW: list = []
+#: per dtype: the C type of one element's bits, -inf's bits
+_GROW_BITS = {torch.bfloat16: ("int16_t", "0xFF80"), torch.float32: ("int32_t", "0xFF800000u")}
+_GROW: dict = {}
 
 
-def load_grow_kernel():
-    """The in-place derivation's C++ helper (compiled once a process, through the decode attention
-    kernel's loader :func:`~laser.model.attn_kernel.compile_kernel`), or None where that fails."""
-    if not _GROW:
-        _GROW.append(compile_kernel(_GROW_ARGS, _GROW_SOURCE, "steady decode metadata helper"))
-    return _GROW[0]
+def load_grow_kernel(dtype: torch.dtype = torch.bfloat16):
+    """The in-place derivation's C++ helper for ``dtype`` masks and rope rows (bf16 or fp32;
+    compiled once a process, through the decode attention kernel's loader
+    :func:`~laser.model.attn_kernel.compile_kernel`), or None where that fails or for another dtype."""
+    if dtype not in _GROW_BITS:
+        return None
+    if dtype not in _GROW:
+        e, neg = _GROW_BITS[dtype]
+        args = ["const int64_t*", f"const {e}*", "int64_t*", f"{e}*", "int64_t", "int64_t", "int64_t", "int64_t",
+                "uintptr_t", "int64_t", "int64_t", "int64_t*", f"const {e}*", f"const {e}*", f"{e}*", f"{e}*",
+                "int64_t"]
+        source = f"#define LASER_BITS {e}\n#define LASER_NEG {neg}\n" + _GROW_SOURCE
+        _GROW[dtype] = compile_kernel(args, source, f"steady decode metadata helper ({str(dtype).removeprefix('torch.')})")
+    return _GROW[dtype]
 
 
 #: mask dtype -> (torch dtype of the same bits that numpy has, numpy dtype)

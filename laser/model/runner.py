@@ -66,8 +66,7 @@ class ModelRunner:
         # derived from it (laser.model.attn_steady), in place where every decode group runs the C++
         # decode kernel (the step's metadata is dropped when the step ends: nothing else holds it).
         f = model.fused
-        self._steady = SteadyDecode(in_place=model.dtype == torch.bfloat16 and f is not None
-                                    and f.attention_kernel is not None)
+        self._steady = SteadyDecode(in_place=f is not None and f.attention_kernel is not None, dtype=model.dtype)
         # The step's prepared compositions (prepare): change point -> (works in row order, layers,
         # their attention metadata); empty outside a step.
         self._planned: dict[int, tuple[list[Work], range, AttnMetadata]] = {}

@@ -161,18 +161,20 @@ def trimmed(meta):
     return meta
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("seed", range(8))
-def test_in_place_derivation_equals_the_builders(seed, monkeypatch):
-    """In place (a runner whose decode groups run the C++ kernel), a steady group's [B, L]
-    tensors hold the builder's [B, C] in their first ``cols`` columns (slot 0 and -inf after
-    them), the slot mapping and rope rows are the builder's, and most steps make no new tensor."""
+def test_in_place_derivation_equals_the_builders(seed, dtype, monkeypatch):
+    """In place (a runner whose decode groups run the C++ kernel; bf16 or fp32 masks and rope
+    rows), a steady group's [B, L] tensors hold the builder's [B, C] in their first ``cols``
+    columns (slot 0 and -inf after them), the slot mapping and rope rows are the builder's, and
+    most steps make no new tensor."""
     rng = random.Random(seed)
-    sim, state = Sim(rng), SteadyDecode(in_place=True)
+    sim, state = Sim(rng), SteadyDecode(in_place=True, dtype=dtype)
     if not state.in_place:
         pytest.skip("no C++ compiler")
     for _ in range(rng.randint(1, 6)):
         sim.join()
-    cos, sin = torch.randn(512, 8).bfloat16(), torch.randn(512, 8).bfloat16()
+    cos, sin = torch.randn(512, 8).to(dtype), torch.randn(512, 8).to(dtype)
     limit = rng.choice([10 ** 6, 96])
     built, same_ptr = [], 0
     monkeypatch.setattr(steady_mod, "build_attn_metadata",
@@ -188,21 +190,22 @@ def test_in_place_derivation_equals_the_builders(seed, monkeypatch):
             return split_decode_rows(dec, active, limit)
 
         layers = range(0, LAYERS) if step % 5 else range(1, 3)
-        got = state.build(active, layers, sim.bm, (cos, sin), torch.bfloat16, 3, split, {})
+        got = state.build(active, layers, sim.bm, (cos, sin), dtype, 3, split, {})
         ptrs = [g.kv_index.data_ptr() for g in got.groups]
         same_ptr += ptrs == last
         last = ptrs
         for g in got.groups:
             if g.cols is not None:
                 assert (g.kv_index[:, g.cols:] == 0).all() and (g.mask[..., g.cols:] == float("-inf")).all()
-        assert_same(trimmed(got), build_attn_metadata(active, layers, sim.bm, (cos, sin), torch.bfloat16, 3, split))
+        assert_same(trimmed(got), build_attn_metadata(active, layers, sim.bm, (cos, sin), dtype, 3, split))
         for w in active:
             sim.pos[w.req_id] += 1
     assert len(built) < steps * 0.7 and same_ptr > steps * 0.2  # mostly derived, often in place
 
 
-def test_in_place_builds_float32_batches():
-    """fp32 batches are built, never derived in place (the C++ helper writes bf16 bits only)."""
+def test_in_place_builds_batches_of_another_dtype():
+    """fp32 batches of a state made for bf16 are built, never derived in place (its C++ helper
+    writes bf16 bits)."""
     state = SteadyDecode(in_place=True)
     if not state.in_place:
         pytest.skip("no C++ compiler")

@@ -4,6 +4,7 @@ derives in place decodes the very tokens of one that builds (or derives out of p
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from laser.core.config import CacheConfig, SchedulerConfig
@@ -13,33 +14,35 @@ from laser.model import attn_steady
 from laser.model.attn_kernel import decode_attention_kernel, load_kernel
 
 
-def test_kernel_reads_only_the_context_columns():
-    kernel = load_kernel()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_reads_only_the_context_columns(dtype):
+    kernel = load_kernel(dtype)
     assert kernel is not None
     gen = torch.Generator().manual_seed(3)
     kvh, g, d, slots = 3, 3, 64, 40 * 16
-    kc = torch.randn(slots, kvh, d, generator=gen).bfloat16()
-    vc = torch.randn(slots, kvh, d, generator=gen).bfloat16()
+    kc = torch.randn(slots, kvh, d, generator=gen).to(dtype)
+    vc = torch.randn(slots, kvh, d, generator=gen).to(dtype)
     lens, C, L = [37, 90, 5], 90, 160
-    q = torch.randn(len(lens), kvh * g, d, generator=gen).bfloat16()
+    q = torch.randn(len(lens), kvh * g, d, generator=gen).to(dtype)
     idx = torch.randint(0, slots, (len(lens), C), generator=gen)
-    mask = torch.zeros(len(lens), C).bfloat16()
+    mask = torch.zeros(len(lens), C).to(dtype)
     for b, n in enumerate(lens):
         mask[b, n:] = float("-inf")
     wide_idx = torch.full((len(lens), L), 7, dtype=torch.long)  # spare columns: any slot, masked
     wide_idx[:, :C] = idx
-    wide_mask = torch.full((len(lens), 1, 1, L), float("-inf")).bfloat16()
+    wide_mask = torch.full((len(lens), 1, 1, L), float("-inf")).to(dtype)
     wide_mask[:, 0, 0, :C] = mask
     want = decode_attention_kernel(kernel, q, kc, vc, idx, mask)
     got = decode_attention_kernel(kernel, q, kc, vc, wide_idx, wide_mask, cols=C)
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(got.view(bits), want.view(bits))
 
 
-def _tokens(path, in_place: bool):
-    e = Engine(str(path), policy="vllm", dtype="bfloat16", quantization="int4",
+def _tokens(path, in_place: bool, dtype: str):
+    e = Engine(str(path), policy="vllm", dtype=dtype, quantization="int4",
                cache=CacheConfig(num_blocks=96), scheduler=SchedulerConfig(policy="vllm"))
     run = e.runner
-    assert run._steady.in_place  # a bf16 engine with the C++ decode kernel derives in place
+    assert run._steady.in_place  # an engine with the C++ decode kernel derives in place
     if not in_place:
         run._steady = attn_steady.SteadyDecode()
     reqs = [e.add_request([5 + 3 * i + j for j in range(7 + 5 * i)], SamplingParams(max_tokens=24 + 6 * i,
@@ -55,10 +58,11 @@ def _tokens(path, in_place: bool):
     return [r.output_token_ids for r in reqs + [late]]
 
 
-def test_engine_tokens_do_not_depend_on_in_place_derivation(tiny_llama, monkeypatch):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_engine_tokens_do_not_depend_on_in_place_derivation(tiny_llama, monkeypatch, dtype):
     monkeypatch.setenv("LASER_FUSED_DECODE", "1")
     calls: list = []
     grow = attn_steady.SteadyDecode._grow_in_place
     monkeypatch.setattr(attn_steady.SteadyDecode, "_grow_in_place", lambda *a: calls.append(1) or grow(*a))
-    assert _tokens(tiny_llama, True) == _tokens(tiny_llama, False)
+    assert _tokens(tiny_llama, True, dtype) == _tokens(tiny_llama, False, dtype)
     assert len(calls) >= 20  # steady steps derived in place
