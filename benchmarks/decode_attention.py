@@ -1,13 +1,13 @@
 """Decode attention through the fused graph D (``laser.model.fused``: its C++ kernel, or inductor's
 graph) vs torch's SDPA, one engine.
 
-One bf16 engine serving the embedded SmolLM2 GGUF under ``--quantization auto`` with the fused
-decode graphs; each round times decode steps of every batch size with each attention path in turn
+One bf16 (or ``--dtype float32``) engine serving the embedded SmolLM2 GGUF under ``--quantization auto``
+with the fused decode graphs; each round times decode steps of every batch size with each attention path in turn
 (``model.fused.decode_attention`` / ``attention_kernel``: the same weights, KV pool and graphs A/B; the order alternates
 per round; ``--modes``). Prints the median ms per decode step of each and their ratio to the first, then,
 with ``--profile``, torch.profiler's top operators over a few batch-1 steps (graph D on).
 
-    python benchmarks/decode_attention.py [--threads 1] [--batches 1,4,32] [--prompt-len 512]
+    python benchmarks/decode_attention.py [--threads 1] [--dtype bfloat16|float32] [--batches 1,4,32] [--prompt-len 512]
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from laser.core.request import SamplingParams  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="the model dtype: the cache, the kernel and SDPA run in it")
     ap.add_argument("--batches", default="1,4,32")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=5)
@@ -38,7 +40,7 @@ def main() -> None:
                          "torch's SDPA), graph (inductor's graph D), kernel (graph D's C++ kernel)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler table of batch-1 steps")
     args = ap.parse_args()
-    engine, fused = fused_engine(args.threads)
+    engine, fused = fused_engine(args.threads, args.dtype)
     batches = [int(b) for b in args.batches.split(",")]
     modes = args.modes.split(",")
     kernel = fused.attention_kernel
@@ -52,7 +54,7 @@ def main() -> None:
                 if r:  # round 0 warms up
                     res[b, mode].append(ms)
     fused.decode_attention, fused.attention_kernel = True, kernel
-    print(f"{args.threads} torch threads, prompts of {args.prompt_len} tokens, {args.rounds} rounds x "
+    print(f"{args.dtype}, {args.threads} torch threads, prompts of {args.prompt_len} tokens, {args.rounds} rounds x "
           f"{args.steps} decode steps")
     base = modes[0]
     for b in batches:

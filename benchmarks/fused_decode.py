@@ -1,6 +1,6 @@
 """Fused decode layers (``laser.model.fused``) vs the eager layers, on one engine, interleaved.
 
-One bf16 engine serving the embedded SmolLM2 GGUF under ``--quantization auto`` is built with the
+One bf16 (``--dtype``) engine serving the embedded SmolLM2 GGUF under ``--quantization auto`` is built with the
 fused graphs; each round times decode steps of every batch size with the graphs on and off in
 turn (``model.fused`` swapped: the same weights, KV pool and scheduler; the order alternates per
 round), so both paths see the same machine state. Prints the median ms per decode step of each,
@@ -8,7 +8,8 @@ their ratio, the greedy agreement of the two paths on a few prompts (tokens and 
 logit difference at the first decode step), and the graphs' compile time cold (an empty inductor
 cache) and warm (the cache filled).
 
-    python benchmarks/fused_decode.py [--threads 1] [--batches 1,4] [--rounds 15] [--steps 16]
+    python benchmarks/fused_decode.py [--threads 1] [--dtype bfloat16|float32] [--batches 1,4] [--rounds 15]
+        [--steps 16]
 """
 
 from __future__ import annotations
@@ -32,17 +33,18 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Write a haiku about
            "List three prime numbers:", "Once upon a time"]
 
 
-def make_engine() -> Engine:
-    return Engine(None, policy="vllm", dtype="bfloat16", quantization="auto",
+def make_engine(dtype: str = "bfloat16") -> Engine:
+    return Engine(None, policy="vllm", dtype=dtype, quantization="auto",
                   scheduler=SchedulerConfig(policy="vllm", max_num_batched_tokens=4096),
                   cache=CacheConfig(kv_cache_gib=0.25, enable_prefix_caching=False))
 
 
-def fused_engine(threads: int) -> tuple[Engine, object]:
-    """The bf16 ``auto`` engine of :func:`make_engine` on ``threads`` torch threads, and its
-    ``FusedDecode``; exits with a message where the model/CPU has no fused decode layers."""
+def fused_engine(threads: int, dtype: str = "bfloat16") -> tuple[Engine, object]:
+    """The ``dtype`` (bfloat16 or float32) ``auto`` engine of :func:`make_engine` on ``threads``
+    torch threads, and its ``FusedDecode``; exits with a message where the model/CPU has no fused
+    decode layers."""
     torch.set_num_threads(threads)
-    engine = make_engine()
+    engine = make_engine(dtype)
     if engine.model.fused is None:
         raise SystemExit("no fused decode layers on this model/CPU (see the startup log)")
     return engine, engine.model.fused
@@ -91,12 +93,13 @@ def agreement(engine: Engine, fused, tokens: int = 32) -> tuple[int, int, float]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--no-cold", action="store_true", help="skip timing a compile into an empty cache")
     args = ap.parse_args()
-    engine, fused = fused_engine(args.threads)
+    engine, fused = fused_engine(args.threads, args.dtype)
     from laser.model.fused import FusedDecode
 
     warm = FusedDecode(engine.model).seconds

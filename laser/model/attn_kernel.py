@@ -186,6 +186,9 @@ using AttendFn = void (*)(const T*, const T*, const T*, const int64_t*,
 
 // The variant with compile-time sizes for the common (query heads per KV head, chunks of d).
 static AttendFn pick(int64_t g, int64_t nch) {
+#ifdef LASER_GENERIC_ONLY  // tests: the generic path for every size (the same bits as a specialised one)
+    return attend_one<0, 0>;
+#endif
     #define LASER_PICK(G, N) if (g == G && nch == N) return attend_one<G, N>;
     LASER_PICK(1, 1) LASER_PICK(1, 2) LASER_PICK(1, 4) LASER_PICK(1, 8)
     LASER_PICK(2, 1) LASER_PICK(2, 2) LASER_PICK(2, 4) LASER_PICK(2, 8)
@@ -242,10 +245,11 @@ def compile_kernel(argtypes: list[str], source: str, what: str):
         return None
 
 
-def load_kernel(dtype: torch.dtype = torch.bfloat16) -> DecodeAttentionKernel | None:
+def load_kernel(dtype: torch.dtype = torch.bfloat16, generic_only: bool = False) -> DecodeAttentionKernel | None:
     """The decode attention kernel for a ``dtype`` cache (bf16 or fp32; compiled now or loaded from
     inductor's cache), or None where compiling or loading fails (a warning; the caller's torch path
-    runs instead). Call it as :func:`decode_attention_kernel` does.
+    runs instead). Call it as :func:`decode_attention_kernel` does. ``generic_only``: a build that
+    runs the generic path at every size (for tests: its bits equal the specialised variants').
 
     Raises:
         ValueError: another dtype.
@@ -254,7 +258,8 @@ def load_kernel(dtype: torch.dtype = torch.bfloat16) -> DecodeAttentionKernel | 
         raise ValueError(f"decode attention kernel: bf16 or fp32, not {dtype}")
     t = _CTYPES[dtype]
     argtypes = [f"const {t}*"] * 3 + ["const int64_t*", f"const {t}*", f"{t}*"] + ["int64_t"] * 7
-    fn = compile_kernel(argtypes, f"#define LASER_T {t}\n" + _SOURCE, f"{str(dtype).removeprefix('torch.')} decode attention kernel")
+    defines = f"#define LASER_T {t}\n" + ("#define LASER_GENERIC_ONLY\n" if generic_only else "")
+    fn = compile_kernel(argtypes, defines + _SOURCE, f"{str(dtype).removeprefix('torch.')} decode attention kernel")
     return None if fn is None else DecodeAttentionKernel(fn, dtype)
 
 
@@ -272,11 +277,18 @@ def decode_attention_kernel(kernel: DecodeAttentionKernel, q: torch.Tensor, kc: 
     kernel's dtype.
 
     Raises:
-        ValueError: a dtype, a layout or a head count that the kernel does not take.
+        ValueError: a dtype, a layout, a head count or a shape that the kernel does not take (it
+            reads raw pointers: every size is checked here).
     """
     B, Hq, d = q.shape
     kvh = kc.shape[1]
     dt = kernel.dtype
+    if kv_index.dim() != 2 or kv_index.shape[0] != B or mask.numel() != kv_index.numel() or vc.shape != kc.shape \
+            or kc.dim() != 3 or not 1 <= (kv_index.shape[1] if cols is None else cols) <= kv_index.shape[1]:
+        raise ValueError(f"decode attention kernel: q {tuple(q.shape)}, K/V {tuple(kc.shape)} / {tuple(vc.shape)}, "
+                         f"slots {tuple(kv_index.shape)}, mask {tuple(mask.shape)}, cols {cols}")
+    if B == 0:
+        return torch.empty_like(q)
     if (q.dtype, kc.dtype, vc.dtype, mask.dtype) != (dt,) * 4 or kv_index.dtype != torch.long:
         raise ValueError(f"decode attention kernel: {dt} q/K/V/mask and int64 slots only (got q {q.dtype}, "
                          f"K/V {kc.dtype}/{vc.dtype}, mask {mask.dtype}, slots {kv_index.dtype})")

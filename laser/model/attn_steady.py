@@ -66,7 +66,8 @@ class SteadyDecode:
         self.ids: list[str] | None = None
         #: derive in place (:meth:`_grow_in_place`), for a runner whose decode groups all run the
         #: C++ decode kernel (it reads :attr:`~laser.model.llama.AttnGroup.cols`); False where
-        #: the C++ helper does not compile (a warning), or not asked
+        #: the C++ helper does not compile (a warning), for a dtype other than bf16 and fp32, or
+        #: not asked
         self.kernel = load_grow_kernel(dtype) if in_place else None
         self.in_place = self.kernel is not None
         #: the masks' and rope rows' dtype (bf16 or fp32) derived in place; other builds fall back
@@ -260,7 +261,7 @@ extern "C" void kernel(const int64_t* skv, const E* smask, int64_t* dkv, E* dmas
 }
 """
 #: per dtype: the C type of one element's bits, -inf's bits
-_GROW_BITS = {torch.bfloat16: ("int16_t", "0xFF80"), torch.float32: ("int32_t", "0xFF800000u")}
+_GROW_BITS = {torch.bfloat16: ("int16_t", "-128"), torch.float32: ("int32_t", "-8388608")}  # 0xFF80, 0xFF800000
 _GROW: dict = {}
 
 

@@ -132,8 +132,9 @@ class FusedDecode:
         t0 = time.perf_counter()
         self._qkv = [self._graph(cache, L, _QKV_FIELDS) for L in layers]
         self._finish = [self._graph(cache, L, _FINISH_FIELDS) for L in layers]
-        #: graph D's hand-written C++ kernel (:mod:`laser.model.attn_kernel`); None: inductor's
-        #: graph of :func:`decode_attention` (compiled on first use) -- set None for A/B timings
+        #: graph D's hand-written C++ kernel (:mod:`laser.model.attn_kernel`) for the model dtype;
+        #: None (it did not load, or set so for A/B timings) with :attr:`decode_attention` True:
+        #: inductor's graph of :func:`decode_attention` (compiled on first use)
         self.attention_kernel = load_kernel(model.dtype)
         self._attend = None
         #: decode attention through graph D (False: torch's SDPA, as before it; for A/B timings):
@@ -193,7 +194,7 @@ class FusedDecode:
                mask: torch.Tensor, cols: int | None = None) -> torch.Tensor:
         """Graph D: :func:`decode_attention` of ``q`` [B, Hq, d] (one query row per sequence)
         over the cache ``kc``/``vc`` [slots, kvh, d] at ``kv_index`` [B, C] (int64 slots) with the
-        additive ``mask`` [B, C] (0 / -inf, model dtype) -> [B, Hq, d], bf16; through the C++
+        additive ``mask`` [B, C] (0 / -inf, model dtype) -> [B, Hq, d], model dtype; through the C++
         kernel where it loaded, else inductor's graph (compiled on first use). ``cols``: the
         context is the first ``cols`` columns (:attr:`laser.model.llama.AttnGroup.cols`; the C++
         kernel only)."""

@@ -52,7 +52,7 @@ PROFILER_VERSION = 13  # 4: layer matmuls in per-row-count layouts (laser.model.
 # mixed steps' compute (PrefillStepSample), at more steps of one or two prompts and chunks, beside decode rows or
 # not (grid._prefill_step_shapes); 12: decode steps of up to 8 rows timed in streaks as well (WarmDecodeStepSample);
 # 13: the decode-attention kernel's independent FMA chains (laser.model.attn_kernel: ~5x faster on an AVX2-only
-# EPYC; fp32 models run it too: the same executor path label, faster steps)
+# EPYC, under the same executor path label in bf16; fp32 models now run it too: `...-fused-dattn-cpp`)
 #: Decode steps of at most this many rows are also timed in streaks back to back (``WarmDecodeStepSample``,
 #: ``snapshots.WarmDecodeReplay``: up to 24 steps or 0.25 s; one step shape per row count): on an AMX Xeon a
 #: batch-1 step saved up to 24 % of its price, batch 4 up to 9 %, 5+ rows (over dense bf16 copies) ~5 %.

@@ -45,15 +45,16 @@ class Blocks(FakeBlockTables):
 
 
 def same(a, b) -> bool:
-    """Bit-equal tensors (dtype, shape, strides, values; bf16 compared as bits), or equal others."""
+    """Bit-equal tensors (dtype, shape, strides, values; floats compared as bits), or equal others."""
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, torch.Tensor):
         if not (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
                 and a.stride() == b.stride()):
             return False
-        if a.dtype == torch.bfloat16:
-            a, b = a.view(torch.int16), b.view(torch.int16)
+        bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32}.get(a.dtype)
+        if bits is not None:
+            a, b = a.view(bits), b.view(bits)
         return torch.equal(a, b)
     return a == b
 

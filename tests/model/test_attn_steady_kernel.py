@@ -28,9 +28,10 @@ def test_kernel_reads_only_the_context_columns(dtype):
     mask = torch.zeros(len(lens), C).to(dtype)
     for b, n in enumerate(lens):
         mask[b, n:] = float("-inf")
-    wide_idx = torch.full((len(lens), L), 7, dtype=torch.long)  # spare columns: any slot, masked
+    # spare columns: real slots, unmasked -- read, they would change every output
+    wide_idx = torch.randint(0, slots, (len(lens), L), generator=gen)
     wide_idx[:, :C] = idx
-    wide_mask = torch.full((len(lens), 1, 1, L), float("-inf")).to(dtype)
+    wide_mask = torch.zeros(len(lens), 1, 1, L).to(dtype)
     wide_mask[:, 0, 0, :C] = mask
     want = decode_attention_kernel(kernel, q, kc, vc, idx, mask)
     got = decode_attention_kernel(kernel, q, kc, vc, wide_idx, wide_mask, cols=C)

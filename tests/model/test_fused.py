@@ -180,14 +180,18 @@ def test_engine_decodes_through_the_fused_graphs(tiny_llama, monkeypatch, dtype)
     assert tokens["0"] == tokens["1"]
 
 
+#: (KV heads, query heads per KV head, d): specialised variants on AVX2 and AVX512 (3 x 64, 2 x 64,
+#: 2 x 24 with a part-filled last chunk) and the generic path (9 per KV head; d = 40; 4 x 128 on AVX2)
+KERNEL_SHAPES = [(3, 3, 64), (2, 2, 64), (2, 2, 24), (1, 9, 64), (2, 2, 40), (2, 4, 128)]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("kvh,g,d", [(3, 3, 64), (1, 9, 64), (2, 2, 40), (2, 4, 128)])
+@pytest.mark.parametrize("kvh,g,d", KERNEL_SHAPES)
 def test_attention_kernel_matches_the_reference_and_ignores_padding(kvh, g, d, dtype):
     """Graph D's C++ kernel (laser.model.attn_kernel), bf16 and fp32, agrees with the reference
-    decode_attention (bf16: within its rounding; fp32: to ~1e-5) on its specialised sizes (3 x 64,
-    2/4 heads per KV head) and its generic path (9 query heads per KV head; d not a multiple of the
-    vector width), and a sequence's output is bit-equal alone and padded in a batch. A kernel of
-    one dtype refuses tensors of the other."""
+    decode_attention (bf16: within its rounding; fp32: to ~1e-5) on :data:`KERNEL_SHAPES`, and a
+    sequence's output is bit-equal alone and padded in a batch. A kernel of one dtype refuses
+    tensors of the other, and inconsistent shapes are refused before the kernel reads anything."""
     from laser.model.attn_kernel import decode_attention_kernel, load_kernel
     from laser.model.fused import decode_attention
 
@@ -211,3 +215,32 @@ def test_attention_kernel_matches_the_reference_and_ignores_padding(kvh, g, d, d
     other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
     with pytest.raises(ValueError, match="int64 slots only"):
         decode_attention_kernel(kernel, q.to(other), kc.to(other), vc.to(other), index, mask.to(other))
+    for bad in ((q[:2], kc, vc, index, mask, None), (q, kc, vc, index, mask[:, :-1], None),
+                (q, kc, vc[:-1], index, mask, None), (q, kc, vc, index, mask, index.shape[1] + 1),
+                (q, kc, vc, index, mask, 0)):
+        with pytest.raises(ValueError, match="decode attention kernel"):
+            decode_attention_kernel(kernel, *bad[:5], bad[5])
+    assert decode_attention_kernel(kernel, q[:0], kc, vc, index[:0], mask[:0]).shape == (0, kvh * g, d)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attention_kernel_specialised_sizes_give_the_generic_paths_bits(dtype):
+    """The variants with compile-time head counts and chunks (``pick``) compute the very sums of the
+    generic path, in the same order: a build running the generic path at every size gives the
+    same bits on every shape of :data:`KERNEL_SHAPES`."""
+    from laser.model.attn_kernel import decode_attention_kernel, load_kernel
+
+    kernel, generic = load_kernel(dtype), load_kernel(dtype, generic_only=True)
+    assert kernel is not None and generic is not None
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    gen = torch.Generator().manual_seed(4)
+    for kvh, g, d in KERNEL_SHAPES:
+        slots = 24 * 16
+        kc = torch.randn(slots, kvh, d, generator=gen).to(dtype)
+        vc = torch.randn(slots, kvh, d, generator=gen).to(dtype)
+        lens = [150, 3, 40]
+        q = torch.randn(len(lens), kvh * g, d, generator=gen).to(dtype)
+        _, index, mask = _padded(lens, slots, gen, dtype)
+        want = decode_attention_kernel(generic, q, kc, vc, index, mask)
+        got = decode_attention_kernel(kernel, q, kc, vc, index, mask)
+        assert torch.equal(got.view(bits), want.view(bits)), (kvh, g, d)
