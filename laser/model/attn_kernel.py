@@ -26,8 +26,10 @@ and mul + add (before) 290 / 61 / 1790 us.
 
 Batch invariance: a sequence's terms are added in position order in every loop, and pad positions
 (mask -inf) add exact zeros after them, so a sequence's output is bit-equal alone and padded in a
-batch (checked in tests/model/test_fused.py). Not bit-equal to inductor's graph (another summation
-order): within rounding of it. The tasks run on OpenMP threads (torch's thread count).
+batch (checked in tests/model/test_fused.py). This rests on the compiler keeping that order: inductor's
+default C++ flags allow no reassociation (``-fno-unsafe-math-optimizations``, ``-ffp-contract=off``; the FMAs
+are explicit), and a build with ``TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG`` set would void it. Not
+bit-equal to inductor's graph (another summation order): within rounding of it. The tasks run on OpenMP threads (torch's thread count).
 
 Compiled and loaded through inductor's C++ binding cache (on disk under ``$TORCHINDUCTOR_CACHE_DIR``,
 the flags and vector ISA inductor uses for its own kernels: AVX512 or AVX2 via ``at::vec``);
