@@ -39,7 +39,7 @@ the flags and vector ISA inductor uses for its own kernels: AVX512 or AVX2 via `
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -201,9 +201,20 @@ static AttendFn pick(int64_t g, int64_t nch) {
     return attend_one<0, 0>;
 }
 
+// bad[0]: 0, or 1 + the flat index into idx of the first slot outside [0, slots) (then nothing is read)
 extern "C" void kernel(const T* q, const T* kc, const T* vc,
                        const int64_t* idx, const T* mask, T* out,
-                       int64_t B, int64_t C, int64_t ld, int64_t kvh, int64_t g, int64_t d, int64_t threads) {
+                       int64_t B, int64_t C, int64_t ld, int64_t kvh, int64_t g, int64_t d, int64_t threads,
+                       int64_t slots, int64_t* bad) {
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t c = 0; c < C; ++c) {
+            const int64_t s = idx[b * ld + c];
+            if (s < 0 || s >= slots) {
+                bad[0] = 1 + b * ld + c;
+                return;
+            }
+        }
+    bad[0] = 0;
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
     const AttendFn fn = pick(g, (d + VF2::size() - 1) / VF2::size());
     // tasks: whole sequences, or at fewer sequences than threads each sequence's KV heads split
@@ -224,10 +235,21 @@ _CTYPES = {torch.bfloat16: "at::BFloat16", torch.float32: "float"}
 @dataclass(frozen=True)
 class DecodeAttentionKernel:
     """The compiled kernel ``fn`` for one element type ``dtype`` (bf16 or fp32): what
-    :func:`load_kernel` returns and :func:`decode_attention_kernel` calls."""
+    :func:`load_kernel` returns and :func:`decode_attention_kernel` calls. ``status``: the int64
+    word the kernel reports a slot outside the cache in, and its numpy view (read without a
+    dispatch); one call at a time per object (each model loads its own)."""
 
     fn: object
     dtype: torch.dtype
+    status: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.long))
+
+    def __post_init__(self):
+        object.__setattr__(self, "_status_np", self.status.numpy())
+
+    @property
+    def bad(self) -> int:
+        """The last call's report: 0, or 1 + the flat index of the first slot outside the cache."""
+        return int(self._status_np[0])
 
 
 def compile_kernel(argtypes: list[str], source: str, what: str):
@@ -259,7 +281,7 @@ def load_kernel(dtype: torch.dtype = torch.bfloat16, generic_only: bool = False)
     if dtype not in _CTYPES:
         raise ValueError(f"decode attention kernel: bf16 or fp32, not {dtype}")
     t = _CTYPES[dtype]
-    argtypes = [f"const {t}*"] * 3 + ["const int64_t*", f"const {t}*", f"{t}*"] + ["int64_t"] * 7
+    argtypes = [f"const {t}*"] * 3 + ["const int64_t*", f"const {t}*", f"{t}*"] + ["int64_t"] * 8 + ["int64_t*"]
     defines = f"#define LASER_T {t}\n" + ("#define LASER_GENERIC_ONLY\n" if generic_only else "")
     fn = compile_kernel(argtypes, defines + _SOURCE, f"{str(dtype).removeprefix('torch.')} decode attention kernel")
     return None if fn is None else DecodeAttentionKernel(fn, dtype)
@@ -280,8 +302,12 @@ def decode_attention_kernel(kernel: DecodeAttentionKernel, q: torch.Tensor, kc: 
 
     Raises:
         ValueError: a dtype, a layout, a head count or a shape that the kernel does not take (it
-            reads raw pointers: every size is checked here).
+            reads raw pointers: every size is checked here), or a slot outside the cache among the
+            columns it reads (checked by the kernel before it reads anything).
     """
+    if q.dim() != 3 or kc.dim() != 3:
+        raise ValueError(f"decode attention kernel: q [B, Hq, d] and K/V [slots, kvh, d], got q {tuple(q.shape)}, "
+                         f"K/V {tuple(kc.shape)}")
     B, Hq, d = q.shape
     kvh = kc.shape[1]
     dt = kernel.dtype
@@ -300,5 +326,10 @@ def decode_attention_kernel(kernel: DecodeAttentionKernel, q: torch.Tensor, kc: 
     ld = kv_index.shape[1]
     out = torch.empty_like(q)
     kernel.fn(q, kc, vc, kv_index, mask, out, B, ld if cols is None else cols, ld, kvh, Hq // kvh, d,
-           torch.get_num_threads())
+              torch.get_num_threads(), kc.shape[0], kernel.status)
+    bad = kernel.bad
+    if bad:
+        b, c = divmod(bad - 1, ld)
+        raise ValueError(f"decode attention kernel: slot {int(kv_index[b, c])} of sequence {b}, position {c}, "
+                         f"is outside the cache of {kc.shape[0]} slots")
     return out

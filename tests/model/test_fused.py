@@ -221,6 +221,15 @@ def test_attention_kernel_matches_the_reference_and_ignores_padding(kvh, g, d, d
         with pytest.raises(ValueError, match="decode attention kernel"):
             decode_attention_kernel(kernel, *bad[:5], bad[5])
     assert decode_attention_kernel(kernel, q[:0], kc, vc, index[:0], mask[:0]).shape == (0, kvh * g, d)
+    for slot in (slots, 10 ** 9, -5):  # a slot outside the cache is refused before anything is read
+        bad = index.clone()
+        bad[1, 0] = slot
+        with pytest.raises(ValueError, match=f"slot {slot} of sequence 1, position 0"):
+            decode_attention_kernel(kernel, q, kc, vc, bad, mask)
+    with pytest.raises(ValueError, match="q \\[B, Hq, d\\]"):
+        decode_attention_kernel(kernel, q[0], kc, vc, index, mask)
+    with pytest.raises(ValueError, match="q \\[B, Hq, d\\]"):
+        decode_attention_kernel(kernel, q, kc.view(-1), vc.view(-1), index, mask)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
