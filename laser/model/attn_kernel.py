@@ -311,8 +311,10 @@ def decode_attention_kernel(kernel: DecodeAttentionKernel, q: torch.Tensor, kc: 
     B, Hq, d = q.shape
     kvh = kc.shape[1]
     dt = kernel.dtype
+    ld = kv_index.shape[1] if kv_index.dim() == 2 else 0
+    C = ld if cols is None else cols
     if kv_index.dim() != 2 or kv_index.shape[0] != B or mask.numel() != kv_index.numel() or vc.shape != kc.shape \
-            or kc.dim() != 3 or not 1 <= (kv_index.shape[1] if cols is None else cols) <= kv_index.shape[1]:
+            or not 1 <= C <= ld:
         raise ValueError(f"decode attention kernel: q {tuple(q.shape)}, K/V {tuple(kc.shape)} / {tuple(vc.shape)}, "
                          f"slots {tuple(kv_index.shape)}, mask {tuple(mask.shape)}, cols {cols}")
     if B == 0:
@@ -323,9 +325,8 @@ def decode_attention_kernel(kernel: DecodeAttentionKernel, q: torch.Tensor, kc: 
     if Hq % kvh or kc.shape[2] != d or not (kc.is_contiguous() and vc.is_contiguous()):
         raise ValueError(f"decode attention kernel: q {tuple(q.shape)} against a cache {tuple(kc.shape)}")
     q, kv_index, mask = q.contiguous(), kv_index.contiguous(), mask.contiguous()
-    ld = kv_index.shape[1]
     out = torch.empty_like(q)
-    kernel.fn(q, kc, vc, kv_index, mask, out, B, ld if cols is None else cols, ld, kvh, Hq // kvh, d,
+    kernel.fn(q, kc, vc, kv_index, mask, out, B, C, ld, kvh, Hq // kvh, d,
               torch.get_num_threads(), kc.shape[0], kernel.status)
     bad = kernel.bad
     if bad:
